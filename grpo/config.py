@@ -1,0 +1,710 @@
+"""Run configuration: pydantic models for every section of NeMo-RL's ``MasterConfig``.
+
+Field names and defaults follow NeMo-RL (``nemo_rl.algorithms.grpo`` / ``loss_functions``) so a
+NeMo-RL recipe reads the same here. Every model forbids unknown keys. A run config is YAML,
+optionally inheriting from another recipe (``defaults: base.yaml``), plus dotted overrides from the
+command line (``grpo.num_prompts_per_step=8``).
+
+This module imports only pydantic and yaml: a bad config fails before torch, deepspeed or a model
+is ever loaded, with an error naming the dotted key, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PositiveInt = Field(gt=0)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names the dotted key, the value and what was expected."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# loss_fn
+# --------------------------------------------------------------------------------------------------
+class ClippedPGLossConfig(_Section):
+    """NeMo-RL's ``ClippedPGLossConfig``: the clipped policy-gradient loss (GRPO / DAPO / GSPO)."""
+
+    # Ratio r = pi/pi_old is not used; the loss becomes -A * logprob (REINFORCE/RLOO).
+    disable_ppo_ratio: bool = False
+    # Token-level: sum over all valid tokens / global valid tokens. Sequence-level: per-sequence mean,
+    # then mean over sequences.
+    token_level_loss: bool = True
+    # GSPO: one ratio per sequence, exp(mean_t(logprobs - prev_logprobs)); requires token_level_loss=false.
+    sequence_level_importance_ratios: bool = False
+    # PPO clip: r is clamped to [1 - ratio_clip_min, 1 + ratio_clip_max] (DAPO clip-higher: max > min).
+    ratio_clip_min: float = Field(0.2, ge=0)
+    ratio_clip_max: float = Field(0.2, ge=0)
+    # Dual clip (c > 1, usually 3): L = min(L, -c*A) where A < 0. None disables it.
+    ratio_clip_c: Optional[float] = None
+    # beta: weight of KL(pi || pi_ref) in the loss.
+    reference_policy_kl_penalty: float = Field(0.01, ge=0, allow_inf_nan=False)
+    # KL estimator: k1, k2 or k3 (http://joschu.net/blog/kl-approx.html).
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    # log-ratio is clamped to +-kl_input_clamp_value, the KL to +-kl_output_clamp_value (None: no clamp).
+    kl_input_clamp_value: Optional[float] = 20.0
+    kl_output_clamp_value: Optional[float] = 10.0
+    # Put beta*KL into the reward (Reinforce++) instead of the loss.
+    use_kl_in_reward: bool = False
+    # Multiply the policy term by w = exp(prev_logprobs - generation_logprobs) (required by async GRPO).
+    use_importance_sampling_correction: bool = False
+    # "tis": clamp w to [min, max]; "icepop": zero w outside [min, max]; "seq-mask-tis": zero whole
+    # sequences whose geometric-mean w falls outside [min, max].
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
+    truncated_importance_sampling_ratio: Optional[float] = None
+    truncated_importance_sampling_ratio_min: Optional[float] = None
+    # KL approximation with the importance weight of the current sample (on-policy KL).
+    use_on_policy_kl_approximation: bool = False
+    # r = exp(logprobs - stopgrad(logprobs)) == 1 with the PPO gradient; one update per rollout only.
+    force_on_policy_ratio: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClippedPGLossConfig":
+        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
+            raise ValueError(f"loss_fn.ratio_clip_c={self.ratio_clip_c}: expected a value > 1 (usually 3) or null")
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            raise ValueError(
+                "loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss=false"
+            )
+        t = self.truncated_importance_sampling_type
+        if t is not None:
+            if not self.use_importance_sampling_correction:
+                raise ValueError(
+                    f"loss_fn.truncated_importance_sampling_type={t!r} needs "
+                    "loss_fn.use_importance_sampling_correction=true"
+                )
+            hi, lo = self.truncated_importance_sampling_ratio, self.truncated_importance_sampling_ratio_min
+            if hi is None or hi <= 0:
+                raise ValueError(
+                    f"loss_fn.truncated_importance_sampling_ratio={hi}: expected a positive number when "
+                    f"truncated_importance_sampling_type={t!r}"
+                )
+            if t in ("icepop", "seq-mask-tis") and lo is None:
+                raise ValueError(
+                    f"loss_fn.truncated_importance_sampling_ratio_min=None: expected a number when "
+                    f"truncated_importance_sampling_type={t!r}"
+                )
+            if lo is not None and lo > hi:
+                raise ValueError(
+                    f"loss_fn.truncated_importance_sampling_ratio_min={lo}: expected <= "
+                    f"truncated_importance_sampling_ratio={hi}"
+                )
+            if t == "seq-mask-tis" and self.sequence_level_importance_ratios:
+                raise ValueError(
+                    "loss_fn.truncated_importance_sampling_type='seq-mask-tis' is token-level correction with "
+                    "sequence masks; it cannot be combined with loss_fn.sequence_level_importance_ratios=true"
+                )
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# grpo
+# --------------------------------------------------------------------------------------------------
+class RewardScalingConfig(_Section):
+    """Clamp rewards to [source_min, source_max], then map linearly onto [target_min, target_max]."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardScalingConfig":
+        if self.enabled and not self.source_max > self.source_min:
+            raise ValueError(
+                f"grpo.reward_scaling.source_max={self.source_max}: expected > source_min={self.source_min}"
+            )
+        return self
+
+
+class RewardShapingConfig(_Section):
+    """DAPO overlong reward shaping and the stop-properly penalty."""
+
+    enabled: bool = False
+    # Responses longer than max_response_length - overlong_buffer_length are penalised linearly,
+    # reaching -overlong_buffer_penalty at max_response_length.
+    overlong_buffer_length: Optional[int] = None
+    overlong_buffer_penalty: Optional[float] = None
+    max_response_length: Optional[int] = None
+    # Rewards of truncated responses are multiplied by this (0: zero reward, 1: no penalty).
+    stop_properly_penalty_coef: Optional[float] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardShapingConfig":
+        if not self.enabled:
+            return self
+        overlong = (self.overlong_buffer_length, self.overlong_buffer_penalty, self.max_response_length)
+        if any(v is not None for v in overlong) and any(v is None for v in overlong):
+            raise ValueError(
+                "grpo.reward_shaping: overlong_buffer_length, overlong_buffer_penalty and max_response_length "
+                f"must be set together (got {overlong})"
+            )
+        if self.overlong_buffer_length is not None and not (
+            0 < self.overlong_buffer_length <= self.max_response_length
+        ):
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length={self.overlong_buffer_length}: expected "
+                f"0 < value <= max_response_length={self.max_response_length}"
+            )
+        c = self.stop_properly_penalty_coef
+        if c is not None and not 0.0 <= c <= 1.0:
+            raise ValueError(f"grpo.reward_shaping.stop_properly_penalty_coef={c}: expected a value in [0, 1]")
+        if all(v is None for v in overlong) and c is None:
+            raise ValueError(
+                "grpo.reward_shaping.enabled=true but neither the overlong buffer nor "
+                "stop_properly_penalty_coef is set"
+            )
+        return self
+
+
+ADV_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus")
+
+
+class AdvEstimatorConfig(_Section):
+    """Advantage estimator, chosen by name: grpo, gdpo or reinforce_plus_plus."""
+
+    name: str = "grpo"
+    # GRPO: divide by the per-prompt std; use the leave-one-out baseline.
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = True
+    # GDPO: weights of the reward components in the aggregation (None: all 1).
+    reward_weights: Optional[list[float]] = None
+    # Reinforce++: subtract the per-prompt mean before global whitening.
+    minus_baseline: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if v not in ADV_ESTIMATORS:
+            raise ValueError(f"grpo.adv_estimator.name={v!r}: expected one of {list(ADV_ESTIMATORS)}")
+        return v
+
+
+class AsyncGRPOConfig(_Section):
+    enabled: bool = False
+    # Trajectories older than this many optimizer steps are never trained on.
+    max_trajectory_age_steps: int = Field(1, ge=1)
+    # Generation failures tolerated before the run stops (0: the first one is fatal).
+    max_generation_failures: int = Field(0, ge=0)
+    # Generation picks up new weights without draining in-flight requests.
+    in_flight_weight_updates: bool = False
+    # Recompute the KV cache of in-flight requests after an in-flight weight update.
+    recompute_kv_cache_after_weight_updates: bool = False
+    # CPU only: torch threads of the generation thread (None: half of the trainer's).
+    generation_threads: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "AsyncGRPOConfig":
+        if self.recompute_kv_cache_after_weight_updates and not self.in_flight_weight_updates:
+            raise ValueError(
+                "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true needs "
+                "grpo.async_grpo.in_flight_weight_updates=true"
+            )
+        return self
+
+
+class GRPOConfig(_Section):
+    num_prompts_per_step: int = Field(32, gt=0)
+    num_generations_per_prompt: int = Field(16, gt=0)
+    max_num_epochs: int = Field(1, gt=0)
+    max_num_steps: int = Field(1000000, gt=0)
+    max_rollout_turns: int = Field(1, gt=0)
+    normalize_rewards: bool = True
+    # Advantages are clipped to [advantage_clip_low, advantage_clip_high] after normalisation.
+    advantage_clip_low: Optional[float] = None
+    advantage_clip_high: Optional[float] = None
+    use_leave_one_out_baseline: bool = True
+    val_period: int = Field(10, ge=0)
+    val_batch_size: Optional[int] = Field(256, gt=0)
+    val_at_start: bool = False
+    val_at_end: bool = False
+    # Counts prompts; with val_num_generations_per_prompt = k there are max_val_samples * k rollouts.
+    max_val_samples: Optional[int] = Field(256, gt=0)
+    # k > 1 also reports pass@k.
+    val_num_generations_per_prompt: int = Field(1, gt=0)
+    # Early stop once this validation metric (e.g. "reward_mean", "pass@k") reaches the threshold.
+    stop_at_validation_metric: Optional[str] = None
+    stop_at_validation_threshold: Optional[float] = None
+    # None: resolved from the loss (skipped when beta == 0 and no KL in the reward).
+    skip_reference_policy_logprobs_calculation: Optional[bool] = None
+    seed: int = 42
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    # Truncated samples leave the loss (sample_mask = 0) but stay in the baseline.
+    overlong_filtering: bool = False
+    # DAPO dynamic sampling: drop prompt groups with zero reward std and generate more.
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(10, gt=0)
+    # With dynamic sampling, each generation batch has num_prompts_per_step * batch_multiplier prompts.
+    batch_multiplier: float = Field(1.0, ge=1.0)
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    calculate_advantages_on_gpu: bool = False
+    # Mask sequences whose mult-prob error exp|gen - prev| (mean over tokens) exceeds this (e.g. 1.5).
+    seq_logprob_error_threshold: Optional[float] = None
+    # Advantage written over the tokens of a flagged assistant message (None: off).
+    invalid_tool_call_advantage: Optional[float] = None
+    malformed_thinking_advantage: Optional[float] = None
+    adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "GRPOConfig":
+        lo, hi = self.advantage_clip_low, self.advantage_clip_high
+        if lo is not None and hi is not None and not lo < hi:
+            raise ValueError(f"grpo.advantage_clip_low={lo}: expected < grpo.advantage_clip_high={hi}")
+        if (self.stop_at_validation_metric is None) != (self.stop_at_validation_threshold is None):
+            raise ValueError(
+                "grpo.stop_at_validation_metric and grpo.stop_at_validation_threshold must be set together "
+                f"(got {self.stop_at_validation_metric!r} and {self.stop_at_validation_threshold!r})"
+            )
+        if self.seq_logprob_error_threshold is not None and self.seq_logprob_error_threshold < 1.0:
+            raise ValueError(
+                f"grpo.seq_logprob_error_threshold={self.seq_logprob_error_threshold}: expected >= 1.0 "
+                "(it is on the scale of token_mult_prob_error, which is >= 1)"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# policy
+# --------------------------------------------------------------------------------------------------
+class TokenizerConfig(_Section):
+    # None: the model's own tokenizer.
+    name: Optional[str] = None
+    # "default": the tokenizer's chat template; None: plain text prompts; anything else: a Jinja template.
+    chat_template: Optional[str] = None
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(5.0e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+
+class SchedulerConfig(_Section):
+    # Linear warmup over warmup_steps, then cosine decay to min_lr_ratio*lr, a constant lr or a linear decay.
+    name: Literal["cosine", "constant", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class VllmConfig(_Section):
+    tensor_parallel_size: int = Field(1, gt=0)
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    # Explicit KV cache size; required on CPU (vLLM otherwise reserves 92% of RAM).
+    kv_cache_memory_bytes: Optional[int] = Field(None, gt=0)
+    max_model_len: Optional[int] = Field(None, gt=0)
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    # 1: offload weights, discard KV cache; 2: discard both.
+    sleep_level: Literal[1, 2] = 1
+    # Offload the DeepSpeed optimizer states while generating (GPU only).
+    offload_optimizer_during_generation: bool = False
+
+
+class GenerationConfig(_Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    max_new_tokens: int = Field(512, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, gt=0)
+    stop_token_ids: Optional[list[int]] = None
+    stop_strings: Optional[list[str]] = None
+    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
+
+
+class PolicyConfig(_Section):
+    # Local directory or hub name (hub names need network access).
+    model_name: str = "Qwen/Qwen2.5-1.5B"
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    # Completions per optimizer step across all ranks (num_prompts_per_step * num_generations_per_prompt).
+    train_global_batch_size: int = Field(512, gt=0)
+    train_micro_batch_size: int = Field(4, gt=0)
+    generation_batch_size: int = Field(32, gt=0)
+    logprob_batch_size: int = Field(4, gt=0)
+    max_total_sequence_length: int = Field(512, gt=0)
+    precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    activation_checkpointing: bool = False
+    trust_remote_code: bool = False
+    # Vocabulary chunk of the logprob computation (None: whole vocabulary in one pass).
+    logprob_chunk_size: Optional[int] = Field(None, gt=0)
+    # DeepSpeed JSON configs; "auto" values are filled from this run config.
+    deepspeed_config: str = "ds_configs/zero3.json"
+    reference_deepspeed_config: str = "ds_configs/zero3_reference.json"
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# data, env
+# --------------------------------------------------------------------------------------------------
+class DataConfig(_Section):
+    # "arithmetic" (built in), "reasoning_gym:<task>", a local .jsonl/.json/.parquet/.arrow file or
+    # directory, or a `datasets.load_dataset` name.
+    dataset_name: str = "arithmetic"
+    # Explicit local files; override dataset_name for train / validation.
+    train_data_path: Optional[str] = None
+    val_data_path: Optional[str] = None
+    train_split: Optional[str] = None
+    val_split: Optional[str] = None
+    input_key: str = "input"
+    output_key: str = "output"
+    # Prompt template with "{}" or "{input}" where the question goes (from a file or inline).
+    prompt_file: Optional[str] = None
+    prompt_template: Optional[str] = None
+    system_prompt_file: Optional[str] = None
+    system_prompt: Optional[str] = None
+    # Prompts longer than this (in tokens) are filtered out and counted.
+    max_input_seq_length: Optional[int] = Field(None, gt=0)
+    shuffle: bool = True
+    # "error": a malformed row stops the run naming file and row; "skip": it is skipped and counted.
+    on_bad_row: Literal["error", "skip"] = "error"
+    # Size of procedural datasets (arithmetic, reasoning_gym) for train and validation.
+    num_train_samples: int = Field(2048, gt=0)
+    num_val_samples: int = Field(128, gt=0)
+    # Built-in arithmetic task: operands are drawn from [0, arithmetic_max_operand].
+    arithmetic_max_operand: int = Field(9, gt=0)
+    num_workers: int = Field(0, ge=0)
+
+
+class EnvConfig(_Section):
+    # "math": math-verify in a process pool; "reasoning_gym": the task's own scorer; "arithmetic":
+    # first integer equals the answer; "function": reward_fn below.
+    name: Literal["math", "reasoning_gym", "arithmetic", "function"] = "arithmetic"
+    # "package.module:function" with signature fn(prompt, completion, answer, **row) -> float | dict.
+    reward_fn: Optional[str] = None
+    num_workers: int = Field(2, gt=0)
+    # Seconds a reward may take before the sample scores 0 (counted as a timeout).
+    timeout_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EnvConfig":
+        if self.name == "function" and not self.reward_fn:
+            raise ValueError("env.reward_fn=None: expected 'package.module:function' when env.name='function'")
+        if self.reward_fn and ":" not in self.reward_fn:
+            raise ValueError(f"env.reward_fn={self.reward_fn!r}: expected 'package.module:function'")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# logger, cluster, checkpointing, penalties, distillation
+# --------------------------------------------------------------------------------------------------
+class WandbConfig(_Section):
+    project: str = "grpo-ds"
+    name: Optional[str] = None
+    entity: Optional[str] = None
+
+
+class LoggerConfig(_Section):
+    log_dir: str = "logs"
+    num_val_samples_to_print: int = Field(0, ge=0)
+    wandb_enabled: bool = False
+    tensorboard_enabled: bool = False
+    monitor_gpus: bool = False
+    # Console progress bar (tqdm) on rank 0.
+    progress_bar: bool = True
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+class ClusterConfig(_Section):
+    gpus_per_node: int = Field(1, gt=0)
+    num_nodes: int = Field(1, gt=0)
+
+
+class CheckpointingConfig(_Section):
+    enabled: bool = True
+    checkpoint_dir: str = "results/grpo"
+    # Keep the top k by metric_name (e.g. "val_reward"), or the last k when metric_name is None.
+    metric_name: Optional[str] = "val_reward"
+    higher_is_better: bool = True
+    keep_top_k: Optional[int] = Field(3, gt=0)
+    save_period: int = Field(10, gt=0)
+    checkpoint_must_save_by: Optional[str] = None
+    model_save_format: Literal["safetensors"] = "safetensors"
+    # Write consolidated HF safetensors (from_pretrained-loadable) with each checkpoint and at the end.
+    save_consolidated: bool = False
+    # Resume from the newest checkpoint in checkpoint_dir when there is one.
+    resume: bool = True
+    # Async GRPO: restore the replay deque on resume (false: regenerate it from the rewound data).
+    load_replay_buffer: bool = True
+
+
+class RewardPenaltyTokenIdsConfig(_Section):
+    unwanted: Optional[list[int]] = None
+    think_open: Optional[int] = None
+    think_close: Optional[int] = None
+
+
+class RewardPenaltyConfig(_Section):
+    """Reward-zeroing detectors; each sets the reward to 0 and raises a per-sample flag."""
+
+    penalize_duplicated_reasoning: bool = False
+    penalize_empty_final_answer: bool = False
+    penalize_unwanted_tokens: bool = False
+    penalize_malformed_think_tag: bool = False
+    think_open_tag: str = "<think>"
+    think_close_tag: str = "</think>"
+    # Duplicated reasoning: a sentence/line of at least this many characters repeated this many times.
+    duplicate_min_chars: int = Field(20, gt=0)
+    duplicate_min_repeats: int = Field(3, ge=2)
+    token_ids: Optional[RewardPenaltyTokenIdsConfig] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardPenaltyConfig":
+        if self.penalize_unwanted_tokens and (self.token_ids is None or not self.token_ids.unwanted):
+            raise ValueError(
+                "reward_penalties.token_ids.unwanted=None: expected a list of token ids when "
+                "reward_penalties.penalize_unwanted_tokens=true"
+            )
+        return self
+
+
+class OnPolicyDistillationConfig(_Section):
+    enabled: bool = False
+    teacher_model_name: Optional[str] = None
+    # Weight of the reverse KL to the teacher, per token (added to the advantage as -coef*(lp - lp_teacher)).
+    kl_coef: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "OnPolicyDistillationConfig":
+        if self.enabled and not self.teacher_model_name:
+            raise ValueError(
+                "on_policy_distillation.teacher_model_name=None: expected a model when "
+                "on_policy_distillation.enabled=true"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# MasterConfig
+# --------------------------------------------------------------------------------------------------
+class MasterConfig(_Section):
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    reward_penalties: RewardPenaltyConfig = Field(default_factory=RewardPenaltyConfig)
+    on_policy_distillation: OnPolicyDistillationConfig = Field(default_factory=OnPolicyDistillationConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "MasterConfig":
+        g, loss, p = self.grpo, self.loss_fn, self.policy
+        n_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
+        if p.train_global_batch_size % p.train_micro_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size={p.train_global_batch_size}: expected a multiple of "
+                f"policy.train_micro_batch_size={p.train_micro_batch_size}"
+            )
+        if n_per_step % p.train_global_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size={p.train_global_batch_size}: expected a divisor of "
+                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {n_per_step}"
+            )
+        if loss.force_on_policy_ratio and p.train_global_batch_size != n_per_step:
+            raise ValueError(
+                f"loss_fn.force_on_policy_ratio=true needs one optimizer update per rollout batch: "
+                f"policy.train_global_batch_size={p.train_global_batch_size} must equal "
+                f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {n_per_step}"
+            )
+        if (
+            loss.use_kl_in_reward
+            and loss.force_on_policy_ratio
+            and g.seq_logprob_error_threshold is None
+            and loss.reference_policy_kl_penalty != 0
+        ):
+            raise ValueError(
+                "loss_fn.use_kl_in_reward=true is incompatible with loss_fn.force_on_policy_ratio=true: the "
+                "reward KL needs previous-policy logprobs, which force_on_policy_ratio skips. Set "
+                "grpo.seq_logprob_error_threshold (which computes them), set "
+                "loss_fn.reference_policy_kl_penalty=0, or turn one of the two off"
+            )
+        if g.async_grpo.enabled and not loss.use_importance_sampling_correction:
+            raise ValueError(
+                "grpo.async_grpo.enabled=true needs loss_fn.use_importance_sampling_correction=true: "
+                "async trajectories are generated by older weights"
+            )
+        if g.async_grpo.enabled and g.use_dynamic_sampling:
+            raise ValueError("grpo.use_dynamic_sampling=true is not supported with grpo.async_grpo.enabled=true")
+        if g.skip_reference_policy_logprobs_calculation and needs_reference(self):
+            raise ValueError(
+                "grpo.skip_reference_policy_logprobs_calculation=true but the run needs reference logprobs "
+                f"(loss_fn.reference_policy_kl_penalty={loss.reference_policy_kl_penalty}, "
+                f"loss_fn.use_kl_in_reward={loss.use_kl_in_reward}): set the penalty to 0 or skip=false"
+            )
+        if loss.use_kl_in_reward and g.adv_estimator.name != "reinforce_plus_plus":
+            raise ValueError(
+                f"loss_fn.use_kl_in_reward=true is only used by grpo.adv_estimator.name='reinforce_plus_plus' "
+                f"(got {g.adv_estimator.name!r})"
+            )
+        if g.reward_shaping.enabled and g.reward_shaping.max_response_length is not None:
+            if g.reward_shaping.max_response_length > p.generation.max_new_tokens:
+                raise ValueError(
+                    f"grpo.reward_shaping.max_response_length={g.reward_shaping.max_response_length}: expected "
+                    f"<= policy.generation.max_new_tokens={p.generation.max_new_tokens}"
+                )
+        if p.generation.max_new_tokens > p.max_total_sequence_length:
+            raise ValueError(
+                f"policy.generation.max_new_tokens={p.generation.max_new_tokens}: expected <= "
+                f"policy.max_total_sequence_length={p.max_total_sequence_length} (generation stops at "
+                "whichever comes first)"
+            )
+        if g.val_period > 0 and g.val_batch_size is None:
+            raise ValueError("grpo.val_batch_size=None: expected a positive integer when grpo.val_period > 0")
+        if (
+            g.stop_at_validation_metric is not None
+            and g.stop_at_validation_metric.startswith("pass@")
+            and g.stop_at_validation_metric != f"pass@{g.val_num_generations_per_prompt}"
+        ):
+            raise ValueError(
+                f"grpo.stop_at_validation_metric={g.stop_at_validation_metric!r}: validation reports "
+                f"pass@{g.val_num_generations_per_prompt} (grpo.val_num_generations_per_prompt)"
+            )
+        if self.checkpointing.keep_top_k is not None and self.checkpointing.metric_name not in (
+            None,
+            "val_reward",
+        ) and not self.checkpointing.metric_name.startswith(("val/", "train/")):
+            raise ValueError(
+                f"checkpointing.metric_name={self.checkpointing.metric_name!r}: expected 'val_reward', a logged "
+                "'val/...' or 'train/...' key, or null (keep the last k)"
+            )
+        if self.env.name == "reasoning_gym" and not self.data.dataset_name.startswith("reasoning_gym:"):
+            raise ValueError(
+                f"env.name='reasoning_gym' needs data.dataset_name='reasoning_gym:<task>' "
+                f"(got {self.data.dataset_name!r})"
+            )
+        if p.generation.backend == "vllm" and p.generation.vllm_cfg.tensor_parallel_size > 1 and (
+            g.async_grpo.enabled
+        ):
+            raise ValueError("policy.generation.vllm_cfg.tensor_parallel_size > 1 is not supported in async GRPO")
+        return self
+
+
+def needs_reference(cfg: MasterConfig) -> bool:
+    """The reference policy is needed when the loss or the reward uses KL to it."""
+    return cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.loss_fn.use_kl_in_reward
+
+
+def resolve_skip_flags(cfg: MasterConfig) -> tuple[bool, bool]:
+    """Return ``(skip_prev_logprobs, skip_reference_logprobs)`` for this run.
+
+    - Reference logprobs are skipped when nothing reads them (beta = 0 and no KL in the reward), or
+      when ``grpo.skip_reference_policy_logprobs_calculation`` says so (validated against that).
+    - Previous-policy logprobs are skipped under ``force_on_policy_ratio`` (the training forward's
+      own logprobs, detached, stand in for them), unless sequence logprob-error masking or the
+      reward KL needs them before training.
+    """
+    skip_ref = cfg.grpo.skip_reference_policy_logprobs_calculation
+    if skip_ref is None:
+        skip_ref = not needs_reference(cfg)
+    loss = cfg.loss_fn
+    skip_prev = (
+        loss.force_on_policy_ratio
+        and cfg.grpo.seq_logprob_error_threshold is None
+        and not (loss.use_kl_in_reward and loss.reference_policy_kl_penalty > 0)
+    )
+    return skip_prev, skip_ref
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: YAML with `defaults:` inheritance, dotted overrides, readable errors
+# --------------------------------------------------------------------------------------------------
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
+    """Read a recipe; ``defaults: other.yaml`` (or a list of them), relative to this file, is merged under it."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"defaults: recipe inheritance loops through {path}")
+    if not path.exists():
+        raise ConfigError(f"--config {path}: file not found")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    parents = raw.pop("defaults", None)
+    if parents is None:
+        return raw
+    merged: dict = {}
+    for parent in [parents] if isinstance(parents, str) else parents:
+        merged = _deep_merge(merged, load_yaml(path.parent / parent, _seen + (path,)))
+    return _deep_merge(merged, raw)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides; values are parsed as YAML (``8``, ``true``, ``null``, ``[1,2]``)."""
+    raw = dict(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        key, _, value = item.partition("=")
+        key = key.strip().lstrip("+")
+        parts = key.split(".")
+        node = raw
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"override {key}: {part!r} is a value, not a section")
+            node[part] = dict(nxt)
+            node = node[part]
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+    return raw
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key (value {e.get('input')!r}); check the spelling against grpo/config.py")
+        elif e["type"] == "value_error":
+            # Our own checks already name the dotted key(s).
+            msg = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
+            lines.append(msg if not key else (msg if msg.split("=")[0].count(".") else f"{key}: {msg}"))
+        else:
+            lines.append(f"{key}={e.get('input')!r}: {e['msg']}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def build_config(raw: dict) -> MasterConfig:
+    try:
+        return MasterConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> MasterConfig:
+    """Load a run config: YAML recipe (``None``: all defaults) + dotted overrides -> validated MasterConfig."""
+    raw = load_yaml(path) if path is not None else {}
+    return build_config(apply_overrides(raw, list(overrides or [])))
+
+
+def dump_config(cfg: MasterConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
