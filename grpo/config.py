@@ -385,7 +385,7 @@ class EnvConfig(_Section):
     # "math": math-verify in a process pool; "reasoning_gym": the task's own scorer; "arithmetic":
     # first integer equals the answer; "function": reward_fn below.
     name: Literal["math", "reasoning_gym", "arithmetic", "function"] = "arithmetic"
-    # "package.module:function" with signature fn(prompt, completion, answer, **row) -> float | dict.
+    # "package.module:function" with signature fn(question, completion, answer, meta) -> float | dict.
     reward_fn: Optional[str] = None
     num_workers: int = Field(2, gt=0)
     # Seconds a reward may take before the sample scores 0 (counted as a timeout).

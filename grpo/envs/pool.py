@@ -1,0 +1,193 @@
+"""Worker processes that score samples with a per-sample timeout; a hung worker is killed and replaced.
+
+Why our own small pool rather than `concurrent.futures`: a timeout must cost only the sample that hung.
+Each worker takes one sample at a time, so the dispatcher knows when every sample started; a worker
+past its deadline is killed (SIGKILL) and a fresh one is started in its place while the others keep
+scoring. Workers use the "spawn" start method (the trainer process has torch threads: fork is unsafe)
+and run the scorer in their main thread (math-verify's own timeouts use signals, which only work
+there). Workers are started on the first `run`, import the scorer before they take work (import time
+never counts against the timeout), ignore Ctrl-C (the trainer handles it), and exit when the trainer
+goes away.
+
+An outcome is ``("ok", (reward, components))``, ``("error", traceback text)`` or ``("timeout", text)``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from grpo.envs.function import EnvError, resolve_reward_fn, score_sample
+
+Outcome = tuple[str, Any]
+
+
+def _worker_main(conn: Connection, spec: str) -> None:
+    """Worker loop: import the scorer, say "ready", then score one sample per message until None/EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        fn = resolve_reward_fn(spec)
+    except BaseException:
+        conn.send(("init_error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            sample = conn.recv()
+        except (EOFError, OSError):  # the trainer went away
+            return
+        if sample is None:
+            return
+        try:
+            conn.send(("ok", score_sample(fn, sample)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Connection
+    started_at: float
+    ready: bool = False
+    task: int | None = None  # index of the sample it is scoring
+    deadline: float = 0.0
+
+
+class ScoringPool:
+    """``num_workers`` spawned processes running the scorer ``spec`` ("package.module:function")."""
+
+    def __init__(self, spec: str, num_workers: int, timeout_s: float, start_timeout_s: float = 300.0):
+        self.spec = spec
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.num_restarts = 0
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(target=_worker_main, args=(child_conn, self.spec), daemon=True,
+                                    name="grpo-reward-worker")
+        process.start()
+        child_conn.close()
+        return _Worker(process, parent_conn, started_at=time.monotonic())
+
+    def _kill(self, worker: _Worker) -> None:
+        worker.process.kill()
+        worker.process.join(timeout=10)
+        worker.conn.close()
+
+    def _replace(self, worker: _Worker) -> None:
+        self._kill(worker)
+        self._workers[self._workers.index(worker)] = self._start_worker()
+        self.num_restarts += 1
+
+    def start(self, wait: bool = False) -> None:
+        """Start the missing workers (`run` does it lazily); ``wait=True`` blocks until all are ready."""
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._start_worker())
+        while wait and not all(w.ready for w in self._workers):
+            self._receive([])
+            self._expire([])
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by force)."""
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for w in self._workers:
+            w.process.join(timeout=2)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout=10)
+            w.conn.close()
+        self._workers = []
+
+    # -- scoring -----------------------------------------------------------------------------------
+    def run(self, samples: list[dict]) -> list[Outcome]:
+        """Score every sample; returns one outcome per sample, in order. Never hangs past the timeouts."""
+        if not samples:
+            return []
+        outcomes: list[Outcome | None] = [None] * len(samples)
+        pending = deque(range(len(samples)))
+        try:
+            self.start()
+            while pending or any(w.task is not None for w in self._workers):
+                self._dispatch(samples, pending, outcomes)
+                self._receive(outcomes)
+                self._expire(outcomes)
+        except BaseException:  # EnvError, Ctrl-C: no worker may keep a stale task; the next run restarts them
+            self.close()
+            raise
+        return outcomes  # type: ignore[return-value]
+
+    def _dispatch(self, samples: list[dict], pending: deque, outcomes: list) -> None:
+        for w in self._workers:
+            if not pending or not w.ready or w.task is not None:
+                continue
+            i = pending.popleft()
+            try:
+                w.conn.send(samples[i])
+            except (BrokenPipeError, EOFError, OSError):  # died while idle: requeue, replace
+                pending.appendleft(i)
+                self._replace(w)
+                continue
+            except Exception:  # the sample itself cannot be pickled
+                outcomes[i] = ("error", traceback.format_exc())
+                continue
+            w.task, w.deadline = i, time.monotonic() + self.timeout_s
+
+    def _next_deadline(self) -> float:
+        deadlines = [w.deadline if w.task is not None else w.started_at + self.start_timeout_s
+                     for w in self._workers if w.task is not None or not w.ready]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0
+
+    def _receive(self, outcomes: list) -> None:
+        waiting = {w.conn: w for w in self._workers if w.task is not None or not w.ready}
+        if not waiting:
+            return
+        for conn in wait(list(waiting), timeout=self._next_deadline()):
+            w = waiting[conn]
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):  # the worker died (crash, os._exit, out of memory)
+                w.process.join(timeout=10)
+                if not w.ready:
+                    raise EnvError(f"reward worker for {self.spec!r} died while starting "
+                                   f"(exit code {w.process.exitcode})") from None
+                outcomes[w.task] = ("error", f"reward worker process died (exit code {w.process.exitcode})")
+                self._replace(w)
+                continue
+            if kind == "init_error":
+                raise EnvError(f"reward worker cannot load {self.spec!r}:\n{payload}")
+            if kind == "ready":
+                w.ready = True
+            else:
+                outcomes[w.task] = (kind, payload)
+                w.task = None
+
+    def _expire(self, outcomes: list) -> None:
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.task is not None and now >= w.deadline:
+                outcomes[w.task] = ("timeout", f"no reward after env.timeout_s={self.timeout_s}s; worker restarted")
+                self._replace(w)
+            elif not w.ready and now >= w.started_at + self.start_timeout_s:
+                raise EnvError(f"reward worker for {self.spec!r} did not start within {self.start_timeout_s}s")
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the daemon workers die with us anyway
+            pass
