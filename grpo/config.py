@@ -158,6 +158,11 @@ class RewardShapingConfig(_Section):
                 f"0 < value <= max_response_length={self.max_response_length}"
             )
         c = self.stop_properly_penalty_coef
+        if c is not None and self.overlong_buffer_length is not None:
+            raise ValueError(
+                "grpo.reward_shaping: set either the overlong buffer (overlong_buffer_length, ...) or "
+                f"stop_properly_penalty_coef={c}, not both (the penalty coefficient would replace the buffer)"
+            )
         if c is not None and not 0.0 <= c <= 1.0:
             raise ValueError(f"grpo.reward_shaping.stop_properly_penalty_coef={c}: expected a value in [0, 1]")
         if all(v is None for v in overlong) and c is None:
@@ -175,13 +180,17 @@ class AdvEstimatorConfig(_Section):
     """Advantage estimator, chosen by name: grpo, gdpo or reinforce_plus_plus."""
 
     name: str = "grpo"
-    # GRPO: divide by the per-prompt std; use the leave-one-out baseline.
-    normalize_rewards: bool = True
-    use_leave_one_out_baseline: bool = True
+    # GRPO: divide by the per-prompt std; use the leave-one-out baseline. None (default): take
+    # grpo.normalize_rewards / grpo.use_leave_one_out_baseline (NeMo-RL's top-level names).
+    normalize_rewards: Optional[bool] = None
+    use_leave_one_out_baseline: Optional[bool] = None
     # GDPO: weights of the reward components in the aggregation (None: all 1).
     reward_weights: Optional[list[float]] = None
     # Reinforce++: subtract the per-prompt mean before global whitening.
     minus_baseline: bool = True
+    # Reinforce++ with loss_fn.use_kl_in_reward: false (NeMo-RL) subtracts kl_coef * KL_t at each token;
+    # true subtracts the KL returns-to-go kl_coef * sum_{t' >= t} KL_t' (OpenRLHF, the Reinforce++ paper).
+    kl_returns_to_go: bool = False
 
     @field_validator("name")
     @classmethod
@@ -259,6 +268,12 @@ class GRPOConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":
+        # One source of truth for the estimator: the top-level (NeMo-RL legacy) fields fill its gaps.
+        est = self.adv_estimator
+        if est.normalize_rewards is None:
+            est.normalize_rewards = self.normalize_rewards
+        if est.use_leave_one_out_baseline is None:
+            est.use_leave_one_out_baseline = self.use_leave_one_out_baseline
         lo, hi = self.advantage_clip_low, self.advantage_clip_high
         if lo is not None and hi is not None and not lo < hi:
             raise ValueError(f"grpo.advantage_clip_low={lo}: expected < grpo.advantage_clip_high={hi}")

@@ -1,0 +1,306 @@
+"""Advantage estimators: per-prompt baselines, GRPO, GDPO, Reinforce++, clipping, message penalties.
+
+Shapes: ``prompt_ids`` is ``[B]`` integer group ids (or ``[B, P]`` prompt token rows: equal rows are
+one group), ``rewards`` / ``valid_mask`` are ``[B]``, per-token tensors are ``[B, T]``. Every
+function is pure torch, never returns NaN, and never modifies its inputs.
+
+    >>> grpo_advantages(torch.tensor([0, 0, 0]), torch.tensor([1.0, 0.0, 0.0]),
+    ...                 torch.ones(3), leave_one_out=False, normalize_rewards=False)
+    tensor([ 0.6667, -0.3333, -0.3333])
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+
+from grpo.config import AdvEstimatorConfig
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-prompt baseline and std
+# --------------------------------------------------------------------------------------------------
+def group_index(prompt_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Map group keys to contiguous ids: ``[B]`` ids or ``[B, P]`` rows -> (``gid[B]`` in 0..G-1, G)."""
+    if prompt_ids.dim() == 1:
+        _, gid = torch.unique(prompt_ids, return_inverse=True)
+    else:
+        _, gid = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    return gid, int(gid.max().item()) + 1 if gid.numel() else 0
+
+
+def baseline_and_std_per_prompt(
+    prompt_ids: torch.Tensor,
+    rewards: torch.Tensor,
+    valid_mask: torch.Tensor,
+    leave_one_out: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Baseline ``b_i`` and std ``σ_i`` of each sample over its prompt group.
+
+    For a group with n valid samples, S_i = the valid group minus i (leave-one-out) or the whole
+    valid group, m = |S_i|:
+
+        b_i = (1/m) Σ_{j∈S_i} r_j          σ_i = sqrt( Σ_{j∈S_i} (r_j − b_i)² / (m − 1) )   (0 if m < 2)
+
+    A group with n ≤ 1 valid samples gets b_i = r_i, σ_i = 0; invalid samples (valid_mask 0) get
+    b_i = r_i, σ_i = 0 and never enter their siblings' statistics.
+
+    Rewards are shifted by a member of their group before the sums, so a group of equal rewards gives
+    exactly b_i = r_i and σ_i = 0. Computed in float64, returned in ``rewards.dtype``.
+
+        >>> baseline_and_std_per_prompt(torch.tensor([0, 0, 0]), torch.tensor([1.0, 0.0, 2.0]), torch.ones(3))
+        (tensor([1.0000, 1.5000, 0.5000]), tensor([1.4142, 0.7071, 0.7071]))
+    """
+    gid, num_groups = group_index(prompt_ids)
+    r = rewards.to(torch.float64)
+    valid = valid_mask.bool()
+    v = valid.to(torch.float64)
+
+    n_g = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, gid, v)
+    # Shift by a valid member (the max) of each group: equal rewards give exact zeros below.
+    ref_g = torch.zeros(num_groups, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, gid[valid], r[valid], reduce="amax", include_self=False
+    )
+    d = torch.where(valid, r - ref_g[gid], 0.0)
+    s1 = torch.zeros_like(n_g).index_add_(0, gid, d)[gid]
+    s2 = torch.zeros_like(n_g).index_add_(0, gid, d * d)[gid]
+    n = n_g[gid]
+    if leave_one_out:
+        m, s1, s2 = n - 1, s1 - d, s2 - d * d
+    else:
+        m = n
+    mean_d = s1 / m.clamp(min=1)
+    var = ((s2 - m * mean_d * mean_d) / (m - 1).clamp(min=1)).clamp(min=0)
+    std = torch.where(m >= 2, var.sqrt(), 0.0)
+    baseline = ref_g[gid] + mean_d
+
+    own = ~valid | (n <= 1)
+    baseline = torch.where(own, r, baseline)
+    std = torch.where(own, 0.0, std)
+    return baseline.to(rewards.dtype), std.to(rewards.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Estimators
+# --------------------------------------------------------------------------------------------------
+def grpo_advantages(
+    prompt_ids: torch.Tensor,
+    rewards: torch.Tensor,
+    valid_mask: torch.Tensor,
+    leave_one_out: bool = True,
+    normalize_rewards: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO advantage per sample: A_i = r_i − b_i, divided by (σ_i + eps) only where σ_i > 0.
+
+    Zero-variance groups, singleton groups and invalid samples get A_i = 0 exactly.
+
+        >>> grpo_advantages(torch.tensor([0, 0]), torch.tensor([1.0, 0.0]), torch.ones(2), leave_one_out=False)
+        tensor([ 0.7071, -0.7071])
+    """
+    baseline, std = baseline_and_std_per_prompt(prompt_ids, rewards, valid_mask, leave_one_out)
+    adv_b = rewards - baseline
+    if normalize_rewards:
+        adv_b = torch.where(std > 0, adv_b / (std + eps), adv_b)
+    return adv_b
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = False, var_floor: float = 0.0
+) -> torch.Tensor:
+    """Global whitening over the masked entries: (x − μ) / sqrt(var), μ and var over mask == 1.
+
+    ``var_floor > 0``: divide by sqrt(max(var, var_floor)) (NeMo-RL's Reinforce++ uses 1e-8).
+    ``var_floor == 0``: divide only when var > 0, else just centre (NeMo-RL's GDPO).
+    ``unbiased``: var uses n − 1 (0 when n < 2). An empty mask returns zeros.
+    """
+    mask = mask.to(values.dtype)
+    n = mask.sum()
+    if n == 0:
+        return torch.zeros_like(values)
+    mean = torch.where(mask > 0, values, 0).mul(mask).sum() / n
+    sq = torch.where(mask > 0, (values - mean) ** 2, 0).mul(mask).sum()
+    var = sq / (n - 1) if unbiased else sq / n
+    if unbiased and n < 2:
+        var = torch.zeros_like(var)
+    centred = values - mean
+    if var_floor > 0:
+        return centred * var.clamp(min=var_floor).rsqrt()
+    return centred / var.sqrt() if var > 0 else centred
+
+
+def gdpo_advantages(
+    prompt_ids: torch.Tensor,
+    reward_components_bk: torch.Tensor,
+    valid_mask: torch.Tensor,
+    weights: Optional[Sequence[float]] = None,
+    leave_one_out: bool = True,
+    eps: float = 1e-6,
+    normalize_rewards: bool = True,
+) -> torch.Tensor:
+    """GDPO (multi-reward) advantage per sample.
+
+        A_i = whiten( Σ_k w_k · A_ik ),   A_ik = grpo_advantages(component k)_i
+
+    whiten = (x − μ) / σ over valid samples (μ mean, σ unbiased std; divide only where σ > 0, as
+    NeMo-RL). Invalid samples get 0. ``weights`` default to 1 per component.
+    """
+    if reward_components_bk.dim() != 2:
+        raise ValueError(
+            f"gdpo_advantages: reward_components_bk must be [B, K], got shape {tuple(reward_components_bk.shape)}"
+        )
+    num_k = reward_components_bk.shape[1]
+    weights = [1.0] * num_k if weights is None else list(weights)
+    if len(weights) != num_k:
+        raise ValueError(
+            f"grpo.adv_estimator.reward_weights has {len(weights)} entries but there are {num_k} reward components"
+        )
+    total_b = torch.zeros(reward_components_bk.shape[0], dtype=reward_components_bk.dtype,
+                          device=reward_components_bk.device)
+    for k, w_k in enumerate(weights):
+        adv_k = grpo_advantages(prompt_ids, reward_components_bk[:, k], valid_mask,
+                                leave_one_out, normalize_rewards, eps)
+        total_b = total_b + w_k * adv_k
+    valid = valid_mask.bool()
+    return torch.where(valid, masked_whiten(total_b, valid, unbiased=True), 0.0)
+
+
+def reverse_cumsum(values_bt: torch.Tensor) -> torch.Tensor:
+    """out[b, t] = Σ_{t' ≥ t} values[b, t'] (returns-to-go with γ = 1)."""
+    return values_bt.flip(-1).cumsum(-1).flip(-1)
+
+
+def reinforce_plus_plus_advantages(
+    prompt_ids: torch.Tensor,
+    rewards: torch.Tensor,
+    valid_mask: torch.Tensor,
+    token_mask_bt: torch.Tensor,
+    minus_baseline: bool = True,
+    kl_bt: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    eps: float = 1e-8,
+    kl_returns_to_go: bool = False,
+) -> torch.Tensor:
+    """Reinforce++ per-token advantage, globally whitened over valid tokens.
+
+        a_i      = r_i − mean_{group, valid}(r)       (minus_baseline; else a_i = r_i)
+        A_it     = a_i − kl_coef · Σ_{t' ≥ t} mask·kl_it'     (kl_returns_to_go, Reinforce++ paper / OpenRLHF)
+        A_it     = a_i − kl_coef · kl_it                      (kl_returns_to_go=False: NeMo-RL's estimator)
+        A        = (A − μ) · rsqrt(max(var, eps))             μ, var (population) over token_mask·valid_mask
+
+    ``kl_bt`` is the per-token KL to the reference (``grpo.loss.calculate_kl``), passed with
+    ``kl_coef = loss_fn.reference_policy_kl_penalty`` when ``loss_fn.use_kl_in_reward``.
+    """
+    if minus_baseline:
+        mean_b, _ = baseline_and_std_per_prompt(prompt_ids, rewards, valid_mask, leave_one_out=False)
+        adv_b = rewards - mean_b
+    else:
+        adv_b = rewards
+    token_mask = token_mask_bt.to(adv_b.dtype)
+    adv_bt = adv_b[:, None].expand(token_mask.shape).clone()
+    if kl_bt is not None and kl_coef != 0:
+        kl_masked = torch.where(token_mask > 0, kl_bt, 0).to(adv_bt.dtype) * token_mask
+        kl_term = reverse_cumsum(kl_masked) if kl_returns_to_go else kl_masked
+        adv_bt = adv_bt - kl_coef * kl_term
+    mask = token_mask * valid_mask.to(adv_bt.dtype)[:, None]
+    return masked_whiten(adv_bt, mask, var_floor=eps)
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------------
+def _grpo_estimator(*, prompt_ids, rewards, valid_mask, token_mask, cfg, **_):
+    return grpo_advantages(prompt_ids, rewards, valid_mask, cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
+
+
+def _gdpo_estimator(*, prompt_ids, valid_mask, cfg, reward_components, **_):
+    if reward_components is None:
+        raise ValueError("grpo.adv_estimator.name='gdpo' needs reward_components [B, K] from the environment")
+    return gdpo_advantages(prompt_ids, reward_components, valid_mask, cfg.reward_weights,
+                           cfg.use_leave_one_out_baseline, normalize_rewards=cfg.normalize_rewards)
+
+
+def _reinforce_pp_estimator(*, prompt_ids, rewards, valid_mask, token_mask, cfg, kl_bt, kl_coef, **_):
+    return reinforce_plus_plus_advantages(prompt_ids, rewards, valid_mask, token_mask,
+                                          cfg.minus_baseline, kl_bt, kl_coef, kl_returns_to_go=cfg.kl_returns_to_go)
+
+
+ADVANTAGE_ESTIMATORS: "MappingProxyType[str, Callable[..., torch.Tensor]]" = MappingProxyType(
+    {"grpo": _grpo_estimator, "gdpo": _gdpo_estimator, "reinforce_plus_plus": _reinforce_pp_estimator}
+)
+
+
+def compute_advantages(
+    name: str,
+    *,
+    prompt_ids: torch.Tensor,
+    rewards: torch.Tensor,
+    valid_mask: torch.Tensor,
+    token_mask: torch.Tensor,
+    cfg: AdvEstimatorConfig,
+    reward_components: Optional[torch.Tensor] = None,
+    kl_bt: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Advantages ``[B, T]`` from the estimator called ``name`` (grpo | gdpo | reinforce_plus_plus).
+
+    Per-sample estimators (grpo, gdpo) are broadcast over the token dimension of ``token_mask``
+    (every position of a row holds A_i; the loss masks the untrained ones).
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"grpo.adv_estimator.name={name!r}: expected one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    adv = ADVANTAGE_ESTIMATORS[name](
+        prompt_ids=prompt_ids, rewards=rewards, valid_mask=valid_mask, token_mask=token_mask, cfg=cfg,
+        reward_components=reward_components, kl_bt=kl_bt, kl_coef=kl_coef,
+    )
+    if adv.dim() == 1:
+        adv = adv[:, None].expand(token_mask.shape).contiguous()
+    return adv
+
+
+# --------------------------------------------------------------------------------------------------
+# Post-processing
+# --------------------------------------------------------------------------------------------------
+def clip_advantages(adv: torch.Tensor, low: Optional[float], high: Optional[float]) -> torch.Tensor:
+    """clamp(adv, low, high); a None bound does not clip (both None: adv unchanged)."""
+    if low is None and high is None:
+        return adv
+    return adv.clamp(min=low, max=high)
+
+
+MessageSpan = tuple[int, int, Union[str, Iterable[str], None]]
+
+
+def apply_message_advantage_penalties(
+    advantages_bt: torch.Tensor,
+    message_spans: Sequence[Sequence[MessageSpan]],
+    flags: Union[str, Iterable[str]],
+    value: Optional[float],
+) -> torch.Tensor:
+    """Overwrite the advantage of every flagged assistant message with ``value``.
+
+    Span format: ``message_spans[b]`` lists the assistant messages of sample b as
+    ``(start, end, message_flags)``: the message's tokens are positions ``[start, end)`` of the
+    ``[B, T]`` layout, and ``message_flags`` is a flag name, a collection of names, or None. A message
+    is overwritten when it carries any name in ``flags`` (e.g. ``"invalid_tool_call"`` with
+    ``grpo.invalid_tool_call_advantage``, ``"malformed_thinking"`` with
+    ``grpo.malformed_thinking_advantage``). ``value=None`` (the config is off) returns the input.
+
+        >>> apply_message_advantage_penalties(torch.ones(1, 5), [[(1, 3, "invalid_tool_call")]],
+        ...                                   "invalid_tool_call", -1.0)
+        tensor([[ 1., -1., -1.,  1.,  1.]])
+    """
+    if value is None:
+        return advantages_bt
+    if advantages_bt.dim() != 2:
+        raise ValueError(f"advantages_bt must be [B, T], got shape {tuple(advantages_bt.shape)}")
+    wanted = {flags} if isinstance(flags, str) else set(flags)
+    out = advantages_bt.clone()
+    for b, spans in enumerate(message_spans):
+        for start, end, message_flags in spans:
+            names = {message_flags} if isinstance(message_flags, str) else set(message_flags or ())
+            if names & wanted:
+                out[b, start:end] = value
+    return out

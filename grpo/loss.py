@@ -1,0 +1,312 @@
+"""Clipped policy-gradient loss (GRPO / DAPO / GSPO / REINFORCE), KL estimators, loss aggregation.
+
+Semantics are NeMo-RL's ``ClippedPGLossFn``. Per-token tensors are ``[B, T]`` and already aligned
+(position t holds the logprob of token t); ``token_mask`` is 1 on trained tokens, ``sample_mask``
+``[B]`` is 1 on trained samples. Positions outside ``token_mask · sample_mask`` never reach the loss,
+whatever they hold (even inf / NaN): the inputs are zeroed there first.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from grpo.config import ClippedPGLossConfig
+
+Normalizer = Union[torch.Tensor, float, int, None]
+
+
+# --------------------------------------------------------------------------------------------------
+# KL estimators and aggregation
+# --------------------------------------------------------------------------------------------------
+def calculate_kl(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kl_type: str = "k3",
+    input_clamp: Optional[float] = 20.0,
+    output_clamp: Optional[float] = 10.0,
+) -> torch.Tensor:
+    """Per-token estimate of KL(π || π_ref) (http://joschu.net/blog/kl-approx.html).
+
+        logr = clamp(ref − logprobs, ±input_clamp)
+        k1 = −logr      k2 = logr² / 2      k3 = exp(logr) − 1 − logr
+        result clamped to ±output_clamp (a None clamp is skipped)
+
+        >>> calculate_kl(torch.tensor([0.0]), torch.tensor([-1.0]))   # e^-1 - 1 + 1
+        tensor([0.3679])
+    """
+    logr = ref_logprobs - logprobs
+    if input_clamp is not None:
+        logr = logr.clamp(min=-input_clamp, max=input_clamp)
+    if kl_type == "k1":
+        kl = -logr
+    elif kl_type == "k2":
+        kl = logr.square() / 2
+    elif kl_type == "k3":
+        kl = torch.exp(logr) - 1 - logr
+    else:
+        raise ValueError(f"loss_fn.reference_policy_kl_type={kl_type!r}: expected one of ['k1', 'k2', 'k3']")
+    if output_clamp is not None:
+        kl = kl.clamp(min=-output_clamp, max=output_clamp)
+    return kl
+
+
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None, normalizer: Normalizer = None
+) -> torch.Tensor:
+    """Σ mask·values / normalizer, with normalizer = Σ mask (over ``dim``) unless given.
+
+    Entries where mask == 0 are ignored even when they are inf / NaN. A zero normaliser gives 0.
+    """
+    num = (torch.where(mask != 0, values, 0) * mask).sum() if dim is None else (
+        torch.where(mask != 0, values, 0) * mask
+    ).sum(dim)
+    if normalizer is None:
+        denom = mask.sum() if dim is None else mask.sum(dim)
+    else:
+        denom = torch.as_tensor(normalizer, dtype=num.dtype, device=num.device)
+    return num / denom.to(num.dtype).clamp(min=1e-8)
+
+
+def aggregate_loss(
+    values_bt: torch.Tensor,
+    token_mask_bt: torch.Tensor,
+    sample_mask_b: torch.Tensor,
+    token_level: bool,
+    global_valid_tokens: Normalizer = None,
+    global_valid_seqs: Normalizer = None,
+) -> torch.Tensor:
+    """THE loss aggregation; with global normalisers, micro-batch results add up to the full batch.
+
+        token level:     Σ_{b,t} m_bt · v_bt / global_valid_tokens            m = token_mask · sample_mask
+        sequence level:  Σ_b s_b · (Σ_t tm_bt · v_bt / Σ_t tm_bt) / global_valid_seqs
+
+    The defaults (None) are this batch's Σ m and Σ s; pass ``grpo.metrics.global_valid_counts`` of
+    the whole step when the step is split into micro-batches or ranks.
+    """
+    token_mask = token_mask_bt.to(values_bt.dtype)
+    sample_mask = sample_mask_b.to(values_bt.dtype)
+    if token_level:
+        return masked_mean(values_bt, token_mask * sample_mask[:, None], normalizer=global_valid_tokens)
+    per_seq_b = masked_mean(values_bt, token_mask, dim=-1)
+    return masked_mean(per_seq_b, sample_mask, normalizer=global_valid_seqs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces of the clipped PG loss
+# --------------------------------------------------------------------------------------------------
+def policy_ratio(
+    logprobs_bt: torch.Tensor, prev_logprobs_bt: torch.Tensor, token_mask_bt: torch.Tensor, cfg: ClippedPGLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, clamp(r)) entering the clipped objective.
+
+        default:                 r_t = exp(lp_t − prev_t),   clamp to [1 − ratio_clip_min, 1 + ratio_clip_max]
+        GSPO (sequence ratios):  r_t = exp(mean_{t' in mask}(lp − prev)) for every t of the sequence
+        force_on_policy_ratio:   r_t = exp(lp_t − stopgrad(lp_t)) ≡ 1, no clamp
+        disable_ppo_ratio:       r_t = lp_t (so L = −A·lp), no clamp
+    """
+    if cfg.force_on_policy_ratio:
+        ratio = torch.exp(logprobs_bt - logprobs_bt.detach())
+        return ratio, ratio
+    if cfg.disable_ppo_ratio:
+        return logprobs_bt, logprobs_bt
+    log_ratio = logprobs_bt - prev_logprobs_bt
+    if cfg.sequence_level_importance_ratios:
+        seq_log_ratio_b = masked_mean(log_ratio, token_mask_bt.to(log_ratio.dtype), dim=-1)
+        log_ratio = seq_log_ratio_b[:, None].expand_as(logprobs_bt)
+    ratio = torch.exp(log_ratio)
+    return ratio, ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+
+
+def clipped_objective(
+    ratio: torch.Tensor, ratio_clamped: torch.Tensor, advantages: torch.Tensor, ratio_clip_c: Optional[float]
+) -> torch.Tensor:
+    """Per-token loss L = max(−A·r, −A·clamp(r)); dual clip: L = min(L, −c·A) where A < 0."""
+    loss = torch.max(-advantages * ratio, -advantages * ratio_clamped)
+    if ratio_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.min(loss, -ratio_clip_c * advantages), loss)
+    return loss
+
+
+def importance_weights(
+    prev_logprobs_bt: torch.Tensor,
+    generation_logprobs_bt: torch.Tensor,
+    token_mask_bt: torch.Tensor,
+    sample_mask_b: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+) -> tuple[torch.Tensor, dict]:
+    """Off-policy correction weights (detached) and the fraction truncated.
+
+        token level:   w_t = exp(prev_t − gen_t)                                     -> [B, T]
+        GSPO:          w_i = exp(Σ_t m_t·(prev_t − gen_t))  (NeMo-RL sums here)       -> [B, 1]
+        tis:           w = clamp(w, ratio_min or 0, ratio)
+        icepop:        w = 0 where w ∉ [ratio_min, ratio]
+        seq-mask-tis:  w = 0 on every token of sequences whose exp(mean_t m_t·(prev_t − gen_t)) ∉ [ratio_min, ratio]
+
+    ``ratio`` / ``ratio_min`` are ``truncated_importance_sampling_ratio`` / ``..._ratio_min``;
+    inf / NaN weights become 0. Metric ``is_oob_ratio``: fraction of masked tokens (tis, icepop) or of
+    valid sequences (seq-mask-tis) outside the range.
+    """
+    dtype = prev_logprobs_bt.dtype
+    token_mask = token_mask_bt.to(dtype)
+    sample_mask = sample_mask_b.to(dtype)
+    mask = token_mask * sample_mask[:, None]
+    log_w = torch.where(mask > 0, (prev_logprobs_bt - generation_logprobs_bt).detach(), 0.0)
+    if cfg.sequence_level_importance_ratios:
+        weights = torch.exp((log_w * mask).sum(-1, keepdim=True))
+    else:
+        weights = torch.exp(log_w)
+    weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+
+    kind, hi, lo = (cfg.truncated_importance_sampling_type, cfg.truncated_importance_sampling_ratio,
+                    cfg.truncated_importance_sampling_ratio_min)
+    metrics: dict = {}
+    if kind is None:
+        return weights, metrics
+    token_level_mask = mask if weights.shape[-1] != 1 else sample_mask[:, None]
+    if kind == "tis":
+        lo = 0.0 if lo is None else lo
+        oob = (weights > hi) | (weights < lo)
+        weights = weights.clamp(min=lo, max=hi)
+        metrics["is_oob_ratio"] = masked_mean(oob.to(dtype).expand_as(token_level_mask), token_level_mask).item()
+    elif kind == "icepop":
+        kept = (weights >= lo) & (weights <= hi)
+        weights = torch.where(kept, weights, 0.0)
+        metrics["is_oob_ratio"] = masked_mean((~kept).to(dtype).expand_as(token_level_mask), token_level_mask).item()
+    elif kind == "seq-mask-tis":
+        geo_mean_b = torch.exp(masked_mean(log_w, token_mask, dim=-1))
+        kept_b = (geo_mean_b >= lo) & (geo_mean_b <= hi)
+        weights = weights * kept_b.to(dtype)[:, None]
+        metrics["is_oob_ratio"] = masked_mean((~kept_b).to(dtype), sample_mask).item()
+    else:
+        raise ValueError(f"loss_fn.truncated_importance_sampling_type={kind!r}: expected tis, icepop or seq-mask-tis")
+    return weights, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss
+# --------------------------------------------------------------------------------------------------
+def clipped_pg_loss(
+    logprobs: torch.Tensor,
+    prev_logprobs: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor,
+    cfg: ClippedPGLossConfig,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    generation_logprobs: Optional[torch.Tensor] = None,
+    global_valid_tokens: Normalizer = None,
+    global_valid_seqs: Normalizer = None,
+) -> tuple[torch.Tensor, dict]:
+    """NeMo-RL's clipped policy-gradient loss with KL penalty and off-policy correction.
+
+        r   = policy_ratio(...)                      L_t = clipped_objective(r, clamp(r), A)
+        w   = importance_weights(...) if use_importance_sampling_correction else 1
+        KL  = calculate_kl(lp, ref)  [· exp(lp − gen) detached, if use_on_policy_kl_approximation]
+        loss = aggregate(w·L) + β·aggregate(KL),   β = reference_policy_kl_penalty (0 if use_kl_in_reward)
+
+    ``aggregate`` is :func:`aggregate_loss` (token or sequence level per ``cfg.token_level_loss``).
+    ``advantages`` is ``[B]`` or ``[B, T]``. ``prev_logprobs`` may be None under
+    ``force_on_policy_ratio`` (then prev = stopgrad(logprobs)). Computed in fp32 (fp64 for fp64 inputs).
+
+    Metrics (python floats). ``loss`` is the returned loss: with global normalisers, SUM it over the
+    micro-batches of a step. All others describe this micro-batch alone (average them, min / max the
+    extremes; ``grpo.metrics.aggregate_rollout_metrics`` does), over m = token_mask · sample_mask:
+      kl_penalty: the KL term before β, aggregated like the loss but with this micro-batch's own
+        normalisers (0 when β = 0)
+      clip_fraction_high / _low: fraction of masked tokens with A > 0, r > 1 + ratio_clip_max /
+        A < 0, r < 1 − ratio_clip_min (the clamped branch is active); dual_clip_fraction: A < 0, r > c
+      probs_ratio (mean), probs_ratio_min, probs_ratio_max: r = exp(lp − prev) over masked tokens
+        (inf / −inf with no masked token)
+      token_mult_prob_error: masked mean of exp(|prev − gen|)         (only with generation_logprobs)
+      sampling_importance_ratio: masked mean of the IS weights w     (only with generation_logprobs)
+      is_oob_ratio: see :func:`importance_weights`                    (only with a truncation type)
+      approx_entropy: masked mean of −exp(lp − gen)·lp (of −lp without generation_logprobs)
+      num_valid_samples: Σ sample_mask
+    """
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 / fp16 inputs: compute in fp32
+    token_mask = token_mask.to(dtype)
+    sample_mask = sample_mask.to(dtype)
+    mask = token_mask * sample_mask[:, None]
+    keep = mask > 0
+
+    def clean(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if x is None else torch.where(keep, x.to(dtype), 0.0)
+
+    lp = clean(logprobs)
+    if cfg.force_on_policy_ratio:
+        prev = lp.detach()
+    elif prev_logprobs is None:
+        raise ValueError("clipped_pg_loss: prev_logprobs is required unless loss_fn.force_on_policy_ratio=true")
+    else:
+        prev = clean(prev_logprobs).detach()
+    gen = clean(generation_logprobs)
+    adv = advantages.detach()
+    adv = clean(adv[:, None].expand_as(lp) if adv.dim() == 1 else adv).to(dtype)
+
+    def agg(values_bt: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(values_bt, token_mask, sample_mask, cfg.token_level_loss,
+                              global_valid_tokens, global_valid_seqs)
+
+    # Policy term.
+    ratio, ratio_clamped = policy_ratio(lp, prev, token_mask, cfg)
+    pg_bt = clipped_objective(ratio, ratio_clamped, adv, cfg.ratio_clip_c)
+    metrics: dict = {}
+    if gen is not None:
+        is_w, is_metrics = importance_weights(prev, gen, token_mask, sample_mask, cfg)
+        metrics.update(is_metrics)
+        if cfg.sequence_level_importance_ratios:
+            metrics["sampling_importance_ratio"] = masked_mean(is_w[:, 0], sample_mask).item()
+        else:
+            metrics["sampling_importance_ratio"] = masked_mean(is_w, mask).item()
+        metrics["token_mult_prob_error"] = masked_mean(torch.exp((prev - gen).abs()), mask).item()
+        if cfg.use_importance_sampling_correction:
+            pg_bt = is_w * pg_bt
+    elif cfg.use_importance_sampling_correction:
+        raise ValueError("loss_fn.use_importance_sampling_correction=true needs generation_logprobs")
+    loss = agg(pg_bt)
+
+    # KL term.
+    beta = 0.0 if cfg.use_kl_in_reward else cfg.reference_policy_kl_penalty
+    kl_value = 0.0
+    if beta != 0:
+        if ref_logprobs is None:
+            raise ValueError(f"loss_fn.reference_policy_kl_penalty={beta} needs ref_logprobs")
+        kl_bt = calculate_kl(lp, clean(ref_logprobs), cfg.reference_policy_kl_type,
+                             cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
+        if cfg.use_on_policy_kl_approximation:
+            if gen is None:
+                raise ValueError("loss_fn.use_on_policy_kl_approximation=true needs generation_logprobs")
+            kl_bt = torch.nan_to_num(torch.exp(lp - gen).detach(), nan=0.0, posinf=0.0, neginf=0.0) * kl_bt
+        loss = loss + beta * agg(kl_bt)
+        with torch.no_grad():  # this micro-batch's own KL (local normalisers), for logging
+            kl_value = aggregate_loss(kl_bt, token_mask, sample_mask, cfg.token_level_loss).item()
+
+    metrics.update(_ratio_metrics(lp, prev, ratio, adv, keep, mask, cfg))
+    with torch.no_grad():
+        entropy_w = torch.ones_like(lp) if gen is None else torch.exp(lp - gen)
+        metrics["approx_entropy"] = masked_mean(-entropy_w * lp, mask).item()
+    metrics.update(loss=loss.item(), kl_penalty=kl_value, num_valid_samples=sample_mask.sum().item())
+    return loss, metrics
+
+
+def _ratio_metrics(lp, prev, ratio, adv, keep, mask, cfg: ClippedPGLossConfig) -> dict:
+    """Clip fractions and the probability ratio exp(lp − prev) over the masked tokens (see clipped_pg_loss)."""
+    with torch.no_grad():
+        uses_clip = not (cfg.force_on_policy_ratio or cfg.disable_ppo_ratio)
+        r = ratio.detach() if uses_clip else torch.exp(lp.detach() - prev)
+        high = keep & (adv > 0) & (r > 1.0 + cfg.ratio_clip_max) if uses_clip else torch.zeros_like(keep)
+        low = keep & (adv < 0) & (r < 1.0 - cfg.ratio_clip_min) if uses_clip else torch.zeros_like(keep)
+        out = {
+            "clip_fraction_high": masked_mean(high.to(mask.dtype), mask).item(),
+            "clip_fraction_low": masked_mean(low.to(mask.dtype), mask).item(),
+            "probs_ratio": masked_mean(r, mask).item(),
+        }
+        if cfg.ratio_clip_c is not None:
+            dual = keep & (adv < 0) & (r > cfg.ratio_clip_c) if uses_clip else torch.zeros_like(keep)
+            out["dual_clip_fraction"] = masked_mean(dual.to(mask.dtype), mask).item()
+        masked_r = r[keep]
+        out["probs_ratio_min"] = masked_r.min().item() if masked_r.numel() else float("inf")
+        out["probs_ratio_max"] = masked_r.max().item() if masked_r.numel() else float("-inf")
+    return out

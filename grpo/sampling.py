@@ -1,0 +1,186 @@
+"""Sample selection: DAPO dynamic sampling, overlong filtering, sample masks.
+
+A *batch* here is a ``dict[str, Tensor | list]`` whose values all have the same leading length B
+(one row per sample): tensors ``[B, ...]`` or python lists of length B. Nothing else is assumed
+about the keys, except ``sample_mask`` in :func:`apply_sample_mask`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from grpo.advantages import group_index
+
+Batch = dict[str, Union[torch.Tensor, list]]
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch helpers
+# --------------------------------------------------------------------------------------------------
+def batch_size(batch: Batch) -> int:
+    """The common leading length of the batch's values (ValueError if they disagree)."""
+    sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in batch.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch values have different leading sizes: {sizes}")
+    return next(iter(sizes.values()), 0)
+
+
+def select_rows(batch: Batch, index: torch.Tensor | Sequence[int]) -> Batch:
+    """Rows ``index`` (int indices, in that order, or a bool mask ``[B]``) of every value."""
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+        index = index.nonzero().flatten()
+    index = torch.as_tensor(index, dtype=torch.long)
+    idx = index.tolist()
+    return {k: (v[index.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in idx])
+            for k, v in batch.items()}
+
+
+def _pad_to(t: torch.Tensor, shape: Sequence[int], value: float) -> torch.Tensor:
+    if tuple(t.shape[1:]) == tuple(shape):
+        return t
+    out = t.new_full((t.shape[0], *shape), value)
+    out[(slice(None), *(slice(0, s) for s in t.shape[1:]))] = t
+    return out
+
+
+def concat_batches(batches: Sequence[Batch], pad_values: Optional[dict[str, float]] = None) -> Batch:
+    """Concatenate batches with the same keys along the rows.
+
+    Tensors whose trailing dims differ (e.g. ``[B, T]`` with different T) are right-padded to the
+    largest size with ``pad_values.get(key, 0)``.
+    """
+    if not batches:
+        return {}
+    keys = list(batches[0])
+    if any(list(b) != keys for b in batches):
+        raise ValueError(f"concat_batches: batches have different keys: {[sorted(b) for b in batches]}")
+    pad_values = pad_values or {}
+    out: Batch = {}
+    for k in keys:
+        values = [b[k] for b in batches]
+        if isinstance(values[0], torch.Tensor):
+            shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+            out[k] = torch.cat([_pad_to(v, shape, pad_values.get(k, 0)) for v in values])
+        else:
+            out[k] = [x for v in values for x in v]
+    return out
+
+
+def apply_sample_mask(batch: Batch, mask_b: torch.Tensor) -> Batch:
+    """Turn samples off without removing them: ``sample_mask ← sample_mask · mask`` (ones if absent).
+
+    Rows stay, so baselines, group structure and shapes are unchanged; the loss ignores the samples
+    whose sample_mask is 0. Use :func:`select_rows` to drop rows instead. Returns a new dict.
+    """
+    mask_b = torch.as_tensor(mask_b)
+    current = batch.get("sample_mask")
+    current = torch.ones(mask_b.shape[0], dtype=torch.float32) if current is None else current
+    out = dict(batch)
+    out["sample_mask"] = current * mask_b.to(device=current.device, dtype=current.dtype)
+    return out
+
+
+def overlong_filter_mask(truncated_b: torch.Tensor, sample_mask_b: torch.Tensor) -> torch.Tensor:
+    """DAPO overlong filtering: sample_mask' = sample_mask · (1 − truncated).
+
+    Truncated samples leave the loss but stay in the baseline: compute advantages with the
+    valid_mask you had before this call (not with the new sample_mask).
+    """
+    return sample_mask_b * (~torch.as_tensor(truncated_b, dtype=torch.bool, device=sample_mask_b.device)).to(
+        sample_mask_b.dtype
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# DAPO dynamic sampling
+# --------------------------------------------------------------------------------------------------
+class DynamicSamplingCache:
+    """Accumulates prompt groups with non-zero reward std until one training batch is full.
+
+        cache = DynamicSamplingCache(num_prompts, num_generations, max_gen_batches)
+        while (train_batch := cache.add(batch, prompt_ids, std)[0]) is None:
+            batch, prompt_ids, std = generate_more()      # a fresh generation batch
+
+    ``add`` keeps the groups (rows sharing a prompt id *within that call*) where any ``std_b > 0``
+    and appends them to the cache. Once the cache holds ``num_prompts · num_generations`` rows it
+    returns exactly that many (whole groups, in arrival order) with a ``group_ids`` LongTensor
+    (0..num_prompts−1, unique across the generation batches that fed it), discards the rest (as
+    NeMo-RL does), and starts over for the next step.
+
+    Pass the std of ``baseline_and_std_per_prompt(..., leave_one_out=False)`` to keep exactly the
+    groups whose rewards are not all equal (leave-one-out std is 0 for every member of a 2-sample group).
+
+    Metrics of each call: dynamic_sampling_num_gen_batches (batches fed so far this step),
+    dynamic_sampling_num_discarded_zero_std_samples (rows dropped for zero std so far this step),
+    dynamic_sampling_num_discarded_valid_samples (overflow rows dropped when the batch completed),
+    dynamic_sampling_num_cached_samples. ``pad_values``: per-key right-padding values when generation
+    batches have different lengths (see :func:`concat_batches`; default 0).
+    """
+
+    def __init__(self, num_prompts_per_step: int, num_generations_per_prompt: int, max_gen_batches: int,
+                 pad_values: Optional[dict[str, float]] = None):
+        self.pad_values = pad_values
+        self.num_generations = num_generations_per_prompt
+        self.target = num_prompts_per_step * num_generations_per_prompt
+        self.max_gen_batches = max_gen_batches
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the cached groups and counters (start of a step)."""
+        self.cached: list[Batch] = []
+        self.num_cached = 0
+        self.num_gen_batches = 0
+        self.num_zero_std = 0
+
+    def add(self, batch: Batch, prompt_ids: torch.Tensor, std_b: torch.Tensor) -> tuple[Optional[Batch], dict]:
+        """Feed one generation batch; return (training batch or None, metrics). See the class doc."""
+        size = batch_size(batch)
+        if prompt_ids.shape[0] != size or std_b.shape[0] != size:
+            raise ValueError(f"DynamicSamplingCache.add: batch has {size} rows, prompt_ids {prompt_ids.shape[0]}, "
+                             f"std {std_b.shape[0]}")
+        self.num_gen_batches += 1
+        gid, num_groups = group_index(prompt_ids)
+        gid = gid.cpu()
+        group_sizes = torch.bincount(gid, minlength=num_groups)
+        if num_groups and (group_sizes != self.num_generations).any():
+            raise ValueError(
+                f"DynamicSamplingCache.add: every prompt group must have grpo.num_generations_per_prompt="
+                f"{self.num_generations} rows, got group sizes {sorted(set(group_sizes.tolist()))}"
+            )
+        group_keep = torch.zeros(num_groups).index_add_(0, gid, (std_b.cpu() > 0).float()) > 0
+        # Keep whole groups, in order of their first row.
+        first_row = torch.full((num_groups,), size, dtype=torch.long).scatter_reduce(
+            0, gid, torch.arange(size), reduce="amin")
+        kept_groups = [g for g in torch.argsort(first_row).tolist() if group_keep[g]]
+        rows = [i for g in kept_groups for i in (gid == g).nonzero().flatten().tolist()]
+        self.num_zero_std += size - len(rows)
+        if rows:
+            kept = select_rows(batch, rows)
+            offset = self.num_cached // self.num_generations
+            local = {g: j for j, g in enumerate(kept_groups)}
+            kept["group_ids"] = torch.tensor([offset + local[int(gid[i])] for i in rows], dtype=torch.long)
+            self.cached.append(kept)
+            self.num_cached += len(rows)
+
+        metrics = {
+            "dynamic_sampling_num_gen_batches": self.num_gen_batches,
+            "dynamic_sampling_num_discarded_zero_std_samples": self.num_zero_std,
+            "dynamic_sampling_num_discarded_valid_samples": 0,
+            "dynamic_sampling_num_cached_samples": self.num_cached,
+        }
+        if self.num_cached < self.target:
+            if self.num_gen_batches >= self.max_gen_batches:
+                raise RuntimeError(
+                    f"dynamic sampling: only {self.num_cached} of {self.target} samples with non-zero reward std after "
+                    f"{self.num_gen_batches} generation batches (grpo.dynamic_sampling_max_gen_batches="
+                    f"{self.max_gen_batches}). Raise grpo.dynamic_sampling_max_gen_batches or grpo.batch_multiplier, "
+                    "or use easier/more diverse prompts."
+                )
+            return None, metrics
+        full = concat_batches(self.cached, self.pad_values)
+        metrics["dynamic_sampling_num_discarded_valid_samples"] = self.num_cached - self.target
+        out = select_rows(full, list(range(self.target)))
+        self.reset()
+        return out, metrics

@@ -1,0 +1,160 @@
+"""grpo.logprobs: chunked token logprobs (values, gradients, saved memory), logprob errors, teacher padding."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grpo.logprobs import (
+    aligned_logprobs_from_logits,
+    mask_by_seq_logprob_error,
+    pad_teacher_logprobs,
+    seq_logprob_error,
+    token_logprobs,
+)
+
+
+def naive(logits, tokens, temperature=1.0):
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# token_logprobs
+# ----------------------------------------------------------------------------------------------
+def test_token_logprobs_by_hand():
+    logits = torch.tensor([[[0.0, LOG2, 0.0]]])  # softmax = [1/4, 2/4, 1/4]
+    torch.testing.assert_close(token_logprobs(logits, torch.tensor([[1]])), torch.tensor([[math.log(0.5)]]))
+    # temperature 2: logits/2 = [0, log2/2, 0] -> p(1) = sqrt2 / (2 + sqrt2)
+    expected = math.log(math.sqrt(2) / (2 + math.sqrt(2)))
+    torch.testing.assert_close(token_logprobs(logits, torch.tensor([[1]]), temperature=2.0), torch.tensor([[expected]]))
+
+
+LOG2 = math.log(2.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 3), st.integers(1, 7), st.integers(2, 40),
+    st.sampled_from([1.0, 0.7, 1.6]), st.one_of(st.none(), st.integers(1, 9)), st.integers(0, 10_000),
+)
+def test_token_logprobs_matches_log_softmax_values_and_gradients(B, T, V, temperature, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(B, T, V, generator=g)).requires_grad_(True)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    upstream = torch.randn(B, T, generator=g)
+    ours = token_logprobs(logits, tokens, temperature, chunk_size=chunk)
+    (ours * upstream).sum().backward()
+    grad_ours = logits.grad.clone()
+    logits.grad = None
+    ref = naive(logits, tokens, temperature)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grad_ours, logits.grad)
+
+
+def test_token_logprobs_gradcheck_float64():
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 5, (2, 3))
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens, 1.3, chunk_size=2), (logits,))
+
+
+def test_token_logprobs_non_contiguous_and_bf16():
+    logits = torch.randn(7, 2, 11)  # transpose -> [2, 7, 11] non-contiguous
+    tokens = torch.randint(0, 11, (2, 7))
+    view = logits.transpose(0, 1)
+    torch.testing.assert_close(token_logprobs(view, tokens, chunk_size=3), naive(view, tokens))
+    half = torch.randn(2, 4, 9, dtype=torch.bfloat16, requires_grad=True)
+    toks = torch.randint(0, 9, (2, 4))
+    out = token_logprobs(half, toks, chunk_size=3)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert half.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out, naive(half.detach(), toks))
+
+
+def test_token_logprobs_saves_no_extra_vocab_sized_tensor():
+    """Autograd keeps only the logits (already alive) plus per-row tensors, unlike log_softmax."""
+    B, T, V = 2, 8, 1000
+    logits = torch.randn(B, T, V, requires_grad=True)
+    tokens = torch.randint(0, V, (B, T))
+
+    def saved_bytes(fn):
+        sizes = []
+
+        def pack(x):
+            if x.data_ptr() != logits.data_ptr():  # the logits themselves are not extra memory
+                sizes.append(x.numel() * x.element_size())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            fn()
+        return sum(sizes)
+
+    ours = saved_bytes(lambda: token_logprobs(logits, tokens, 0.9, chunk_size=4))
+    reference = saved_bytes(lambda: naive(logits, tokens, 0.9))
+    assert ours <= 4 * B * T * 8  # tokens (int64) + logsumexp per row
+    assert reference >= B * T * V * 4  # log_softmax keeps a full [B, T, V] output
+
+
+def test_token_logprobs_validates_inputs():
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="must match"):
+        token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_aligned_logprobs_shift():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    ids = torch.randint(0, 7, (2, 5))
+    out = aligned_logprobs_from_logits(logits, ids, temperature=1.0, chunk_size=3)
+    assert torch.equal(out[:, 0], torch.zeros(2))
+    for t in range(1, 5):
+        torch.testing.assert_close(out[:, t], torch.log_softmax(logits[:, t - 1], -1).gather(-1, ids[:, t, None])[:, 0])
+    out.sum().backward()
+    assert torch.equal(logits.grad[:, -1], torch.zeros(2, 7))  # the last position scores nothing
+
+
+# ----------------------------------------------------------------------------------------------
+# seq_logprob_error and masking
+# ----------------------------------------------------------------------------------------------
+def test_seq_logprob_error_by_hand():
+    gen = torch.tensor([[0.0, math.log(2.0), 5.0], [0.0, 0.0, 0.0]])
+    prev = torch.tensor([[0.0, 0.0, 0.0], [math.log(3.0), 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    torch.testing.assert_close(seq_logprob_error(gen, prev, mask), torch.tensor([1.5, 3.0]))
+    torch.testing.assert_close(seq_logprob_error(gen, prev, torch.zeros(2, 3)), torch.zeros(2))
+
+
+def test_mask_by_seq_logprob_error_by_hand():
+    # errors: [1.5, 3.0, 1.0, 4.0]; sample 3 already masked.
+    gen = torch.tensor([[0.0, math.log(2.0)], [math.log(3.0), 0.0], [0.0, 0.0], [math.log(4.0), 0.0]])
+    prev = torch.zeros(4, 2)
+    tm = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    sm = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    new, m = mask_by_seq_logprob_error(gen, prev, tm, sm, rewards, threshold=2.0)
+    torch.testing.assert_close(new, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert m["num_masked_seqs"] == 1 and m["masked_correct_pct"] == 100.0
+    assert m["seq_logprob_error_max"] == pytest.approx(3.0) and m["seq_logprob_error_min"] == pytest.approx(1.0)
+    assert m["seq_logprob_error_mean"] == pytest.approx(5.5 / 3)
+    assert m["seq_logprob_error_after_max"] == pytest.approx(1.5)
+    assert m["seq_logprob_error_after_mean"] == pytest.approx(1.25)
+    same, m2 = mask_by_seq_logprob_error(gen, prev, tm, sm, rewards, threshold=None)
+    torch.testing.assert_close(same, sm)
+    assert m2["num_masked_seqs"] == 0 and m2["seq_logprob_error_after_max"] == pytest.approx(3.0)
+    _, m3 = mask_by_seq_logprob_error(gen, prev, tm, sm, torch.tensor([0.0, 0.0, 1.0, 1.0]), threshold=1.2)
+    assert m3["num_masked_seqs"] == 2 and m3["masked_correct_pct"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Teacher logprobs
+# ----------------------------------------------------------------------------------------------
+def test_pad_teacher_logprobs():
+    out = pad_teacher_logprobs([torch.tensor([-1.0, -2.0]), [-3.0]], T=4, pad_value=9.0, starts=[2, 0])
+    torch.testing.assert_close(out, torch.tensor([[9.0, 9.0, -1.0, -2.0], [-3.0, 9.0, 9.0, 9.0]]))
+    torch.testing.assert_close(pad_teacher_logprobs([[-1.0]], T=2), torch.tensor([[-1.0, 0.0]]))
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_teacher_logprobs([[-1.0, -2.0]], T=2, starts=[1])

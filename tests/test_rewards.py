@@ -1,0 +1,183 @@
+"""grpo.rewards: scaling, DAPO overlong shaping, stop-properly penalty, reward-penalty detectors."""
+
+import pytest
+import torch
+
+from grpo.config import RewardPenaltyConfig, RewardPenaltyTokenIdsConfig, RewardScalingConfig, RewardShapingConfig
+from grpo.rewards import (
+    apply_reward_penalties,
+    has_duplicated_reasoning,
+    has_empty_final_answer,
+    has_malformed_think_tags,
+    has_malformed_think_token_ids,
+    has_unwanted_tokens,
+    scale_rewards,
+    shape_overlong_rewards,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# scale_rewards
+# ----------------------------------------------------------------------------------------------
+def test_scale_rewards_by_hand():
+    cfg = RewardScalingConfig(enabled=True, source_min=0.0, source_max=2.0, target_min=-1.0, target_max=1.0)
+    torch.testing.assert_close(scale_rewards(torch.tensor([-5.0, 0.0, 0.5, 2.0, 9.0]), cfg),
+                               torch.tensor([-1.0, -1.0, -0.5, 1.0, 1.0]))
+
+
+def test_scale_rewards_disabled_is_identity():
+    r = torch.tensor([-5.0, 3.0])
+    assert scale_rewards(r, RewardScalingConfig(enabled=False, target_max=10.0)) is r
+
+
+# ----------------------------------------------------------------------------------------------
+# shape_overlong_rewards
+# ----------------------------------------------------------------------------------------------
+def test_overlong_buffer_by_hand():
+    # L_max 100, L_buf 20, P 1: free up to 80 tokens, -0.5 at 90, -1 at 100, -1.5 at 110 (no cap, as NeMo-RL)
+    cfg = RewardShapingConfig(enabled=True, overlong_buffer_length=20, overlong_buffer_penalty=1.0,
+                              max_response_length=100)
+    out = shape_overlong_rewards(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0]), [10, 80, 90, 100, 110], None, cfg)
+    torch.testing.assert_close(out, torch.tensor([1.0, 1.0, 0.5, -1.0, -0.5]))
+
+
+def test_overlong_penalty_scale():
+    cfg = RewardShapingConfig(enabled=True, overlong_buffer_length=10, overlong_buffer_penalty=0.5,
+                              max_response_length=50)
+    out = shape_overlong_rewards(torch.tensor([0.0]), torch.tensor([45]), None, cfg)
+    torch.testing.assert_close(out, torch.tensor([-0.25]))
+
+
+def test_stop_properly_penalty():
+    cfg = RewardShapingConfig(enabled=True, stop_properly_penalty_coef=0.25)
+    out = shape_overlong_rewards(torch.tensor([1.0, 1.0, -2.0]), [5, 5, 5], torch.tensor([True, False, True]), cfg)
+    torch.testing.assert_close(out, torch.tensor([0.25, 1.0, -0.5]))
+    with pytest.raises(ValueError, match="truncated"):
+        shape_overlong_rewards(torch.tensor([1.0]), [5], None, cfg)
+
+
+def test_stop_properly_and_overlong_buffer_together_are_rejected_at_load():
+    # NeMo-RL silently lets the coefficient replace the buffer; we refuse the ambiguous config.
+    with pytest.raises(ValueError, match="not both"):
+        RewardShapingConfig(enabled=True, stop_properly_penalty_coef=0.0, overlong_buffer_length=10,
+                            overlong_buffer_penalty=1.0, max_response_length=20)
+
+
+def test_shaping_disabled_is_identity():
+    r = torch.tensor([1.0])
+    assert shape_overlong_rewards(r, [10_000], [True], RewardShapingConfig()) is r
+
+
+# ----------------------------------------------------------------------------------------------
+# Detectors
+# ----------------------------------------------------------------------------------------------
+def test_duplicated_reasoning():
+    line = "Let me compute the sum again."
+    assert has_duplicated_reasoning(f"{line} {line} {line}", min_chars=20, min_repeats=3)
+    assert has_duplicated_reasoning(f"{line}\n\n{line}\n  {line}  \nDone.", min_chars=20, min_repeats=3)
+    assert not has_duplicated_reasoning(f"{line} {line}", min_chars=20, min_repeats=3)
+    assert not has_duplicated_reasoning("ok. ok. ok. ok.", min_chars=20, min_repeats=3)  # too short to count
+    assert not has_duplicated_reasoning("First step one.\nSecond step two.\nThird step three.", 5, 2)
+
+
+@pytest.mark.parametrize(
+    "text, starts_in_think, malformed",
+    [
+        ("plain answer", False, False),
+        ("<think>reason</think> answer", False, False),
+        ("<think>a</think><think>b</think> x", False, True),  # two pairs
+        ("<think>a<think>b</think></think>", False, True),  # nested
+        ("</think> x <think>", False, True),  # close before open
+        ("<think> never closed", False, True),
+        ("only close </think> x", False, True),
+        ("reasoning</think> answer", True, False),  # the open tag was in the prompt
+        ("<think>again</think> answer", True, True),
+        ("no close at all", True, True),
+    ],
+)
+def test_malformed_think_tags(text, starts_in_think, malformed):
+    assert has_malformed_think_tags(text, "<think>", "</think>", starts_in_think) is malformed
+
+
+def test_malformed_think_token_ids():
+    assert not has_malformed_think_token_ids([5, 12, 7, 13, 9], 12, 13)
+    assert has_malformed_think_token_ids([12, 13, 12, 13], 12, 13)
+    assert not has_malformed_think_token_ids([7, 13, 9], 12, 13, starts_in_think=True)
+
+
+@pytest.mark.parametrize(
+    "text, starts_in_think, empty",
+    [
+        ("", False, True),
+        ("   \n", False, True),
+        ("42", False, False),
+        ("<think>hmm</think>\n  ", False, True),
+        ("<think>hmm</think> 42", False, False),
+        ("<think>still thinking", False, True),
+        ("thinking</think>", True, True),
+        ("thinking</think> 7", True, False),
+        ("thinking with no close", True, True),
+    ],
+)
+def test_empty_final_answer(text, starts_in_think, empty):
+    assert has_empty_final_answer(text, "<think>", "</think>", starts_in_think) is empty
+
+
+def test_unwanted_tokens():
+    assert has_unwanted_tokens([1, 2, 3], [3, 99])
+    assert has_unwanted_tokens(torch.tensor([1, 99]), [3, 99])
+    assert not has_unwanted_tokens([1, 2], [3])
+
+
+# ----------------------------------------------------------------------------------------------
+# apply_reward_penalties
+# ----------------------------------------------------------------------------------------------
+def test_apply_reward_penalties_zeroes_and_flags():
+    cfg = RewardPenaltyConfig(
+        penalize_duplicated_reasoning=True, penalize_empty_final_answer=True, penalize_unwanted_tokens=True,
+        penalize_malformed_think_tag=True, duplicate_min_chars=10, duplicate_min_repeats=2,
+        token_ids=RewardPenaltyTokenIdsConfig(unwanted=[666]),
+    )
+    texts = [
+        "<think>fine</think> 4",  # clean
+        "<think>x</think>",  # empty answer
+        "<think>a</think><think>b</think> 4",  # malformed
+        "<think>I should check.\nI should check.</think> 4",  # duplicated
+        "<think>fine</think> 4",  # unwanted id
+    ]
+    ids = [[1, 2], [1], [1], [1], [1, 666]]
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.5, 2.0])
+    out, flags, metrics = apply_reward_penalties(rewards, texts, ids, cfg)
+    torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]))
+    assert flags["empty_final_answer"].tolist() == [False, True, False, False, False]
+    assert flags["malformed_think_tag"].tolist() == [False, False, True, False, False]
+    assert flags["duplicated_reasoning"].tolist() == [False, False, False, True, False]
+    assert flags["unwanted_tokens"].tolist() == [False, False, False, False, True]
+    assert metrics["reward_penalty/any"] == pytest.approx(0.8)
+    assert metrics["reward_penalty/unwanted_tokens"] == pytest.approx(0.2)
+    assert torch.equal(rewards, torch.tensor([1.0, 1.0, 1.0, 0.5, 2.0]))  # input untouched
+
+
+def test_apply_reward_penalties_only_enabled_detectors():
+    cfg = RewardPenaltyConfig(penalize_empty_final_answer=True)
+    out, flags, _ = apply_reward_penalties(torch.tensor([1.0, 1.0]), ["<think>a</think><think>", ""], [[], []], cfg)
+    assert set(flags) == {"empty_final_answer"}
+    torch.testing.assert_close(out, torch.tensor([1.0, 0.0]))  # malformed but that detector is off
+
+
+def test_apply_reward_penalties_think_token_ids():
+    cfg = RewardPenaltyConfig(penalize_malformed_think_tag=True,
+                              token_ids=RewardPenaltyTokenIdsConfig(think_open=12, think_close=13))
+    # Text is fine but the ids show two think blocks (e.g. tags decoded away as special tokens).
+    out, flags, _ = apply_reward_penalties(torch.tensor([1.0, 1.0]), ["answer", "answer"],
+                                           [[12, 5, 13, 12, 13], [12, 5, 13]], cfg)
+    assert flags["malformed_think_tag"].tolist() == [True, False]
+    torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))
+    out2, _, _ = apply_reward_penalties(torch.tensor([1.0]), ["x"], [[5, 13]], RewardPenaltyConfig(
+        penalize_malformed_think_tag=True), tokenizer_think_ids=(12, 13))
+    torch.testing.assert_close(out2, torch.tensor([0.0]))
+
+
+def test_apply_reward_penalties_length_mismatch():
+    with pytest.raises(ValueError, match="texts"):
+        apply_reward_penalties(torch.tensor([1.0, 1.0]), ["a"], [[1]], RewardPenaltyConfig())
