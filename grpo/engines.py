@@ -1,0 +1,448 @@
+"""DeepSpeed engines: process group, ZeRO configs, policy and reference engines, logprobs, training
+step, layer-by-layer weight gathering and consolidated HF export.
+
+Data parallelism: every rank holds the same global rollout batch and trains on its own shard, with a
+loss normalised by GLOBAL counts, so the per-rank losses sum to the full-batch loss. DeepSpeed
+averages gradients over ranks and divides by gradient_accumulation_steps; `train_on_batch` undoes
+both, so one process on the full batch and N processes on shards apply the same update.
+
+Every forward of a ZeRO-3 engine is a collective: all ranks call `compute_logprobs`,
+`train_on_batch`, `iter_gathered_params` and `export_hf` together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from grpo.logprobs import aligned_logprobs_from_logits
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+# ZeRO bucket sizes filled from the model's hidden size (DeepSpeed's defaults without it).
+_BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold")
+
+
+def _policy(cfg):
+    """Accept the MasterConfig or its PolicyConfig."""
+    return getattr(cfg, "policy", cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Process group
+# --------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torch.device]:
+    """Start (or join) the process group; return ``(rank, local_rank, world_size, device)``.
+
+    Launchers: torchrun, the ``deepspeed`` launcher and ``accelerate launch`` set RANK / LOCAL_RANK /
+    WORLD_SIZE / MASTER_ADDR / MASTER_PORT; a plain ``python script.py`` sets none, and we fill in a
+    one-process group on a free port. ``local_rank`` is the ``--local_rank=N`` argument the deepspeed
+    launcher appends (it also sets LOCAL_RANK). Backend: nccl with CUDA, gloo without. Idempotent.
+    """
+    import deepspeed
+    import deepspeed.ops
+
+    # ZeRO never uses the shm comm op, and its first use JIT-compiles C++ for minutes.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def shutdown() -> None:
+    """Destroy the process group (end of a run)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed JSON configs
+# --------------------------------------------------------------------------------------------------
+def _resolve_path(path: str) -> Path:
+    """As given if it exists, else relative to the repository root (``ds_configs/zero3.json``)."""
+    p = Path(path)
+    return p if p.exists() or p.is_absolute() else REPO_ROOT / p
+
+
+def _find_auto(node, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [k for key, v in node.items() for k in _find_auto(v, f"{prefix}{key}.")]
+    return [prefix.rstrip(".")] if node == "auto" else []
+
+
+def build_ds_config(json_path: str, cfg, world_size: int, *, for_training: bool,
+                    hidden_size: int | None = None) -> dict:
+    """Load a DeepSpeed JSON config and fill every ``"auto"`` from the run config.
+
+    - train_micro_batch_size_per_gpu = policy.train_micro_batch_size (training) or
+      policy.logprob_batch_size (inference engines),
+    - train_batch_size = policy.train_global_batch_size (training) or micro * world_size,
+    - gradient_accumulation_steps = global // (micro * world_size), an error when not divisible,
+    - gradient_clipping = policy.max_grad_norm (0: off), bf16/fp16.enabled from policy.precision,
+    - with ``hidden_size`` = h (as transformers does): reduce_bucket_size = allgather_bucket_size =
+      h*h, stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h;
+      without it those keys fall back to DeepSpeed's defaults.
+
+    The optimizer and LR schedule come from policy.optimizer / policy.scheduler, never from the JSON.
+    """
+    policy = _policy(cfg)
+    path = _resolve_path(json_path)
+    with open(path) as f:
+        ds = json.load(f)
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ValueError(f"{path}: remove the {key!r} section; it is built from policy.optimizer / "
+                             "policy.scheduler of the run config")
+    if for_training:
+        micro, global_bs = policy.train_micro_batch_size, policy.train_global_batch_size
+        if global_bs % (micro * world_size):
+            raise ValueError(
+                f"policy.train_global_batch_size={global_bs} must be a multiple of "
+                f"policy.train_micro_batch_size={micro} x world_size={world_size} = {micro * world_size} "
+                "(DeepSpeed train_batch_size = micro x gradient_accumulation_steps x world_size)"
+            )
+    else:
+        micro = policy.logprob_batch_size
+        global_bs = micro * world_size
+    values = {
+        "train_batch_size": global_bs,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": global_bs // (micro * world_size),
+        "gradient_clipping": policy.max_grad_norm or 0.0,
+        "bf16.enabled": policy.precision == "bfloat16",
+        "fp16.enabled": policy.precision == "float16",
+    }
+    if hidden_size is not None:
+        h = hidden_size
+        sizes = (h * h, h * h, int(0.9 * h * h), 10 * h)
+        values.update({f"zero_optimization.{k}": v for k, v in zip(_BUCKET_KEYS, sizes)})
+    for key in _find_auto(ds):
+        *parents, leaf = key.split(".")
+        node = ds
+        for p in parents:
+            node = node[p]
+        if key in values:
+            node[leaf] = values[key]
+        elif parents == ["zero_optimization"] and leaf in _BUCKET_KEYS:
+            del node[leaf]  # no hidden size: DeepSpeed's default
+        else:
+            raise ValueError(f"{path}: no value for {key}='auto' (fillable keys: {sorted(values)})")
+    if not for_training:
+        ds.pop("gradient_clipping", None)
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# --------------------------------------------------------------------------------------------------
+def lr_lambda(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the base lr at optimizer step ``step`` (0-based).
+
+    Warmup: (step + 1) / warmup_steps while step < warmup_steps (the first step is not wasted at 0).
+    Then, with p = clamp((step - warmup_steps) / max(1, total_steps - warmup_steps), 0, 1) and
+    m = min_lr_ratio: cosine m + (1 - m) * (1 + cos(pi * p)) / 2; linear m + (1 - m) * (1 - p);
+    constant 1.
+
+        >>> lr_lambda(0, name="cosine", warmup_steps=2, total_steps=6)
+        0.5
+        >>> lr_lambda(4, name="cosine", warmup_steps=2, total_steps=6)
+        0.5
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if name == "constant":
+        return 1.0
+    p = min(max((step - warmup_steps) / max(1, total_steps - warmup_steps), 0.0), 1.0)
+    if name == "cosine":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+    if name == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - p)
+    raise ValueError(f"policy.scheduler.name={name!r}: expected one of ['constant', 'cosine', 'linear']")
+
+
+# --------------------------------------------------------------------------------------------------
+# Engines
+# --------------------------------------------------------------------------------------------------
+def _load_model(policy, ds_config: dict):
+    """``from_pretrained``; under ZeRO-3 a live HfDeepSpeedConfig makes it load straight into
+    partitioned parameters (no rank ever holds the whole model). It is dropped right after, so later
+    plain models (the generation copy) are not partitioned."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    live = HfDeepSpeedConfig(ds_config) if zero3 else None
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            policy.model_name, dtype=DTYPES[policy.precision], trust_remote_code=policy.trust_remote_code
+        )
+    finally:
+        del live
+        unset_hf_deepspeed_config()
+
+
+def _hidden_size(policy) -> int | None:
+    from transformers import AutoConfig
+
+    mc = AutoConfig.from_pretrained(policy.model_name, trust_remote_code=policy.trust_remote_code)
+    return getattr(mc.get_text_config(), "hidden_size", None)
+
+
+def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
+    """The trainable ZeRO engine: model, torch AdamW (policy.optimizer), warmup + schedule (lr_lambda)."""
+    import deepspeed
+
+    policy = _policy(cfg)
+    ds_config = build_ds_config(policy.deepspeed_config, policy, world_size, for_training=True,
+                                hidden_size=_hidden_size(policy))
+    if "offload_optimizer" in ds_config.get("zero_optimization", {}):
+        # torch AdamW on the offloaded fp32 partitions: no C++ op to build (DeepSpeedCPUAdam is faster).
+        ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
+    model = _load_model(policy, ds_config)
+    if policy.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    o, s = policy.optimizer, policy.scheduler
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                  weight_decay=o.weight_decay)
+    schedule = partial(lr_lambda, name=s.name, warmup_steps=s.warmup_steps, total_steps=total_optimizer_steps,
+                       min_lr_ratio=s.min_lr_ratio)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                      lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    return engine
+
+
+def build_reference_engine(cfg, world_size: int):
+    """A frozen ZeRO engine in eval mode (policy.reference_deepspeed_config: no optimizer)."""
+    import deepspeed
+
+    policy = _policy(cfg)
+    ds_config = build_ds_config(policy.reference_deepspeed_config, policy, world_size, for_training=False,
+                                hidden_size=_hidden_size(policy))
+    model = _load_model(policy, ds_config)
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.eval()
+    return engine
+
+
+# --------------------------------------------------------------------------------------------------
+# Logprobs and training
+# --------------------------------------------------------------------------------------------------
+def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None):
+    """Aligned token logprobs [B, T] with grad: 0 at position 0 and on padding, and at t
+
+        log softmax(logits[t - 1] / temperature)[input_ids[t]]   (right-padded batches).
+    """
+    device = engine.device
+    ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
+    logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits
+    lp_bt = aligned_logprobs_from_logits(logits_btv, ids_bt, temperature, chunk_size)
+    return lp_bt * mask_bt.to(lp_bt.dtype)
+
+
+@torch.no_grad()
+def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float, micro_batch_size: int,
+                     chunk_size=None) -> torch.Tensor:
+    """`forward_logprobs` without grad, micro-batch by micro-batch; returns [B, T] fp32 on the CPU.
+
+    Ranks may hold different numbers of rows: every rank runs as many forwards as the busiest one
+    (the extra ones on a dummy row), since each ZeRO-3 forward is a collective.
+    """
+    was_training = engine.module.training
+    engine.eval()
+    B = input_ids_bt.shape[0]
+    n_local = math.ceil(B / micro_batch_size)
+    n_all = int(_all_reduce(torch.tensor([n_local], device=_comm_device()), op="max").item())
+    out = []
+    for i in range(n_all):
+        if i < n_local:
+            sl = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
+            out.append(forward_logprobs(engine, input_ids_bt[sl], attention_mask_bt[sl], temperature,
+                                        chunk_size).float().cpu())
+        else:
+            dummy = torch.zeros((1, 2), dtype=torch.long)
+            forward_logprobs(engine, dummy, torch.ones_like(dummy), temperature, chunk_size)
+    release_params(engine)
+    engine.train(was_training)
+    return torch.cat(out) if out else torch.zeros(input_ids_bt.shape, dtype=torch.float32)
+
+
+def _to_python(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.detach().cpu().tolist()
+    return v
+
+
+def release_params(engine) -> None:
+    """Re-partition every ZeRO-3 parameter, waiting for in-flight prefetches.
+
+    A no-grad forward after a training step leaves parameters prefetched along the training trace
+    "in flight"; a later `GatheredParameters` (refit, export) then fails with "Cannot partition a
+    param in flight". No-op for ZeRO-1/2 engines.
+    """
+    if engine.zero_optimization_stage() == 3:
+        engine.empty_partition_cache()
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+LossClosure = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure, *, temperature: float = 1.0,
+                   chunk_size=None) -> dict:
+    """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
+
+    The closure gets each micro-batch with its tensors moved to the engine's device.
+
+    ``loss_closure(logprobs_bt, mb) -> (loss, metrics)`` must normalise by GLOBAL counts (all
+    micro-batches of all ranks), so the losses sum to the full-batch loss L. DeepSpeed applies
+    (1 / world) * sum_ranks (1 / GAS) * sum_mb grad(loss_mb); backward on world * loss_mb without
+    the 1/GAS scaling makes that sum_ranks sum_mb grad(loss_mb) = grad(L).
+
+    Returns ``loss`` = L (summed over micro-batches and ranks), the closure's metrics aggregated over
+    micro-batches and ranks by `grpo.metrics.aggregate_rollout_metrics` (mean; min / max by name),
+    ``grad_norm`` = |grad(L)| before clipping, and ``lr``, the learning rate this step used.
+    """
+    from grpo.metrics import aggregate_rollout_metrics
+    from grpo.rollout import all_gather_objects
+
+    gas = engine.gradient_accumulation_steps()
+    if len(micro_batches) != gas:
+        raise ValueError(
+            f"train_on_batch got {len(micro_batches)} micro-batches but DeepSpeed steps every "
+            f"gradient_accumulation_steps={gas}: each rank needs policy.train_global_batch_size / world_size "
+            "rows split into micro-batches of policy.train_micro_batch_size"
+        )
+    world = engine.dp_world_size
+    lr = engine.get_lr()[0]
+    engine.train()
+    loss_sum, mb_metrics = 0.0, []
+    for mb in micro_batches:
+        mb = {k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+        logprobs_bt = forward_logprobs(engine, mb["input_ids"], mb["attention_mask"], temperature, chunk_size)
+        loss, metrics = loss_closure(logprobs_bt, mb)
+        engine.backward(loss * world, scale_wrt_gas=False)
+        engine.step()
+        loss_sum += float(loss.detach())
+        mb_metrics.append({k: _to_python(v) for k, v in metrics.items()})
+    total = _all_reduce(torch.tensor([loss_sum], dtype=torch.float64, device=_comm_device()))
+    grad_norm = engine.get_global_grad_norm()
+    return {**aggregate_rollout_metrics(all_gather_objects(mb_metrics)), "loss": float(total.item()),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+
+# --------------------------------------------------------------------------------------------------
+# Gathering weights and export
+# --------------------------------------------------------------------------------------------------
+def _ds_numel(p: torch.nn.Parameter) -> int:
+    return getattr(p, "ds_numel", p.numel())
+
+
+def _param_groups(named_params) -> list[list]:
+    """Consecutive runs of parameters: one group per decoder layer, one per run of non-layer params."""
+    groups, last_key = [], None
+    for name, p in named_params:
+        m = _LAYER_RE.search(name)
+        key = int(m.group(1)) if m else None
+        if not groups or key != last_key:
+            groups.append([])
+        groups[-1].append((name, p))
+        last_key = key
+    return groups
+
+
+def layer_buckets(named_params, bucket_numel: int) -> list[list]:
+    """Pack whole groups (decoder layers; runs of non-layer params) into buckets of <= bucket_numel
+    elements (by ``ds_numel``); a group larger than that is a bucket of its own; layer and non-layer
+    groups never share a bucket."""
+    buckets, size, kind = [], 0, None
+    for group in _param_groups(named_params):
+        n = sum(_ds_numel(p) for _, p in group)
+        is_layer = _LAYER_RE.search(group[0][0]) is not None
+        if not buckets or size + n > bucket_numel or is_layer != kind or not is_layer:
+            buckets.append([])
+            size = 0
+        buckets[-1].extend(group)
+        size, kind = size + n, is_layer
+    return buckets
+
+
+def iter_gathered_params(engine, bucket_numel: int = 2**28) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield lists of ``(hf_name, full_tensor)``, whole decoder layers per list (see `layer_buckets`).
+
+    A collective: every rank iterates to the end. Tensors are views of the gathered parameters and
+    are valid only until the next list is requested (copy or consume them at once).
+    """
+    import deepspeed
+
+    release_params(engine)
+    for bucket in layer_buckets(list(engine.module.named_parameters()), bucket_numel):
+        params = [p for _, p in bucket]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield [(name, p.data) for name, p in bucket]
+
+
+def export_hf(engine, out_dir: str, tokenizer) -> None:
+    """Consolidated safetensors + config + tokenizer into ``out_dir`` (all ranks call; rank 0 writes).
+
+    Atomic: written to a temporary sibling directory, then renamed over ``out_dir``.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if engine.zero_optimization_stage() == 3:
+        release_params(engine)
+        state_dict = engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0
+    else:
+        state_dict = engine.module.state_dict() if rank == 0 else None
+    if rank == 0:
+        out = Path(out_dir)
+        tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        engine.module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)  # empties the dict
+        tokenizer.save_pretrained(tmp)
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
