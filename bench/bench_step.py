@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Time GRPO steps on the shared CPU workload (../shared/bench/WORKLOAD.md) and print one JSON line.
+
+    python bench/bench_step.py                      # bench model (25.2M), 6 steps
+    python bench/bench_step.py --model tiny --steps 4
+    python bench/bench_step.py --async              # train_async_grpo.py on the same workload
+
+Builds the workload with the shared make_workload.py (tokenizer, models, data; no download) into
+--workload (default ./bench_workload), then runs the trainer as a subprocess with the workload's
+settings: 8 prompts x 8 generations, 32 new tokens, temperature 1, a reference model with beta 0.04,
+per-sequence loss, AdamW lr 1e-6 linear decay, grad clip 1.0, fp32, 2 threads, no checkpoints, no
+validation. Reports median / min step time over steps 2..N, completion tokens/s (generated tokens up to
+and including EOS / step time), peak RSS of the trainer, and time to the first step (process start to the
+end of optimizer step 1).
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_BENCH = REPO.parent / "shared" / "bench"
+
+
+def build_workload(workload: Path) -> None:
+    if (workload / "manifest.json").exists():
+        return
+    script = SHARED_BENCH / "make_workload.py"
+    if not script.exists():
+        raise SystemExit(f"{script} not found: pass --make-workload PATH to the shared make_workload.py")
+    subprocess.run([sys.executable, str(script), "--dir", str(workload)], check=True)
+
+
+def trainer_overrides(workload: Path, model: str, steps: int, log_dir: str) -> list[str]:
+    return [
+        f"policy.model_name={workload}/models/{model}",
+        f"policy.tokenizer.name={workload}/tokenizer",
+        "policy.tokenizer.chat_template=null",
+        "policy.precision=float32",
+        "policy.max_total_sequence_length=64",
+        "policy.train_global_batch_size=64",
+        "policy.train_micro_batch_size=64",
+        "policy.logprob_batch_size=64",
+        "policy.generation_batch_size=64",
+        "policy.max_grad_norm=1.0",
+        "policy.optimizer.lr=1.0e-6",
+        "policy.optimizer.weight_decay=0.0",
+        "policy.optimizer.eps=1.0e-8",
+        "policy.scheduler.name=linear",
+        "policy.scheduler.warmup_steps=0",
+        "policy.generation.backend=hf",
+        "policy.generation.max_new_tokens=32",
+        "policy.generation.temperature=1.0",
+        "policy.generation.top_p=1.0",
+        "policy.generation.top_k=null",
+        f"data.train_data_path={workload}/data/train.jsonl",
+        f"data.val_data_path={workload}/data/eval.jsonl",
+        "data.input_key=prompt",
+        "data.output_key=answer",
+        "data.shuffle=true",
+        "env.name=arithmetic",
+        "grpo.num_prompts_per_step=8",
+        "grpo.num_generations_per_prompt=8",
+        f"grpo.max_num_steps={steps}",
+        "grpo.max_num_epochs=1",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "grpo.seed=42",
+        "loss_fn.reference_policy_kl_penalty=0.04",
+        "loss_fn.ratio_clip_min=0.2",
+        "loss_fn.ratio_clip_max=0.2",
+        "loss_fn.token_level_loss=false",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={log_dir}",
+        "logger.progress_bar=false",
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default=str(REPO / "bench_workload"))
+    ap.add_argument("--model", default="bench", choices=["bench", "tiny"])
+    ap.add_argument("--steps", type=int, default=None, help="default: 6 for bench, 4 for tiny")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--async", dest="async_", action="store_true", help="run train_async_grpo.py")
+    args = ap.parse_args()
+
+    workload = Path(args.workload).resolve()
+    build_workload(workload)
+    steps = args.steps or (6 if args.model == "bench" else 4)
+    log_dir = tempfile.mkdtemp(prefix="grpo_bench_")
+    script = "train_async_grpo.py" if args.async_ else "train_grpo.py"
+    cmd = [sys.executable, script, "--config", "configs/cpu_demo.yaml",
+           *trainer_overrides(workload, args.model, steps, log_dir)]
+    if args.async_:
+        cmd += ["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1",
+                "loss_fn.use_importance_sampling_correction=true"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    t_start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-5000:])
+        raise SystemExit(f"trainer exited {proc.returncode}")
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+
+    with open(Path(log_dir) / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train = sorted((r for r in rows if "timing/step_s" in r), key=lambda r: r["step"])
+    step_s = [r["timing/step_s"] for r in train]
+    tokens = [r["train/num_completion_tokens"] for r in train]
+    timed = list(range(1, len(train))) or [0]
+    out = {
+        "trainer": script,
+        "model": args.model,
+        "steps": len(train),
+        "median_step_s": statistics.median(step_s[i] for i in timed),
+        "min_step_s": min(step_s[i] for i in timed),
+        "completion_tokens_per_s": sum(tokens[i] for i in timed) / sum(step_s[i] for i in timed),
+        "completion_tokens_per_step": tokens,
+        "step_s": [round(s, 3) for s in step_s],
+        "peak_rss_mb": round(peak_rss_mb, 1),
+        "time_to_first_step_s": round(train[0]["time"] - t_start, 2),
+        "phase_s_median": {k: statistics.median(r[k] for r in train[1:] or train)
+                           for k in ("timing/generate_s", "timing/logprobs_s", "timing/train_s", "timing/refit_s")
+                           if k in train[0]},
+        "threads": args.threads,
+        "command": " ".join(cmd[1:]),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Metrics sinks: ``metrics.jsonl`` always; wandb and tensorboard when enabled; a console progress bar.
+
+Every row of ``<logger.log_dir>/metrics.jsonl`` is one JSON object with ``step`` and flat keys
+(``train/reward_mean``, ``val/reward_mean``, ``timing/step_s``, ...). Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _plain(v):
+    """JSON-safe scalar: tensors and numpy numbers become floats; NaN/inf become None."""
+    if hasattr(v, "item") and callable(v.item):
+        try:
+            v = v.item()
+        except (ValueError, RuntimeError):
+            v = v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLogger:
+    def __init__(self, cfg, rank: int = 0, run_config: dict | None = None, total_steps: int | None = None,
+                 resume_step: int = 0):
+        self.cfg = cfg
+        self.enabled = rank == 0
+        self.log_dir = Path(cfg.log_dir)
+        self._wandb = None
+        self._tb = None
+        self._bar = None
+        if not self.enabled:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)
+        if run_config is not None:
+            with open(self.log_dir / "config.json", "w") as f:
+                json.dump(run_config, f, indent=2)
+        if cfg.wandb_enabled:
+            import wandb
+
+            # Without an API key wandb would prompt or fail: go offline (sync later with `wandb sync`).
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self._wandb = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, entity=cfg.wandb.entity,
+                                     dir=str(self.log_dir), config=run_config, mode=mode, resume="allow")
+        if cfg.tensorboard_enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
+        if cfg.progress_bar and total_steps:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=resume_step, desc="grpo", unit="step",
+                             dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, "time": time.time()}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        self._jsonl.write(json.dumps(row) + "\n")
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+
+    def progress(self, step: int, metrics: dict) -> None:
+        """Advance the console bar to ``step`` with reward, KL and tokens/s (tqdm shows the ETA)."""
+        if self._bar is None:
+            return
+        post = {}
+        for key, short in (("train/reward_mean", "reward"), ("train/kl", "kl"), ("train/tokens_per_s", "tok/s"),
+                           ("val/reward_mean", "val")):
+            v = metrics.get(key)
+            if v is not None:
+                post[short] = f"{_plain(v):.3g}"
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def write(self, text: str) -> None:
+        """Print without breaking the progress bar (rank 0 only)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def print_samples(self, samples: list[dict], n: int, title: str = "validation samples") -> None:
+        """Print ``n`` samples: question, completion, answer and reward."""
+        if not self.enabled or n <= 0 or not samples:
+            return
+        lines = [f"---- {title} ({min(n, len(samples))} of {len(samples)}) ----"]
+        for s in samples[:n]:
+            lines.append(f"Q: {s['question']!r}\nA: {s['completion']!r}  (gold {s['answer']!r}, "
+                         f"reward {s['reward']:.3g})")
+        self.write("\n".join(lines))
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(log_dir: str | os.PathLike) -> list[dict]:
+    """All rows of ``metrics.jsonl`` (used by tests, benchmarks and notebooks)."""
+    path = Path(log_dir) / "metrics.jsonl"
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,210 @@
+"""Tiny local models and tokenizers: what the CPU demo, the tests and the benchmarks run on.
+
+Nothing here downloads anything. The tokenizer is character level (a `tokenizers` BPE with an explicit
+vocabulary and no merges, wrapped in `PreTrainedTokenizerFast`), so any text over its alphabet round
+trips exactly; the model is a random-init `LlamaForCausalLM` built from a config (Llama rather than Qwen2: for
+model_type qwen2, transformers 5 `AutoTokenizer` replaces a custom tokenizer by Qwen2Tokenizer).
+
+    >>> tok = build_char_tokenizer()
+    >>> tok("1+2=")["input_ids"]          # <bos> then one id per character
+    [1, 4, 13, 5, 16]
+"""
+
+from __future__ import annotations
+
+import string
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+CHARS = (
+    list(string.digits)
+    + ["+", "-", "*", "=", " "]
+    + list(string.ascii_lowercase)
+    + list(string.ascii_uppercase)
+    + list(".,?!:;'\"()[]/_<>{}\n")
+)
+
+# A minimal chat template for tests of the chat-template path (system/user/assistant turns as plain text).
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+MODEL_SIZES = {
+    # ~0.1M parameters: unit tests.
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128),
+    # ~0.4M parameters: the CPU demo.
+    "small": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=256),
+}
+
+
+def build_char_tokenizer(chat_template: str | None = None):
+    """Character-level `PreTrainedTokenizerFast`: ids 0/1/2 = <pad>/<bos>/<eos>, then one id per char.
+
+    Every encoding starts with <bos>; <eos> is never added (the model must generate it); padding is on
+    the left (generation); characters outside the vocabulary are dropped.
+    """
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, ignore_merges=True))
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    tok.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        padding_side="left",
+        truncation_side="left",
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+    if chat_template is not None:
+        hf_tok.chat_template = chat_template
+    return hf_tok
+
+
+def build_tiny_model(tokenizer, size: str = "tiny", seed: int = 0, max_position_embeddings: int = 512):
+    """Random-init fp32 `LlamaForCausalLM` over `tokenizer`'s vocabulary (sizes in MODEL_SIZES)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+        **MODEL_SIZES[size],
+    )
+    cfg.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.generation_config, key, getattr(tokenizer, key))
+    return model
+
+
+def save_tiny_model(out_dir: str, size: str = "tiny", seed: int = 0, chat_template: str | None = None) -> str:
+    """Build and save a tokenizer + random model into `out_dir` (loadable with `from_pretrained`)."""
+    tok = build_char_tokenizer(chat_template)
+    model = build_tiny_model(tok, size=size, seed=seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_char_tokenizer(tok, out_dir)
+    return out_dir
+
+
+def save_char_tokenizer(tok, out_dir: str) -> None:
+    """`save_pretrained`, then name the generic class so `AutoTokenizer` does not swap in the model's own."""
+    import json
+    import os
+
+    tok.save_pretrained(out_dir)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path) as f:
+        tok_cfg = json.load(f)
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w") as f:
+        json.dump(tok_cfg, f, indent=2, sort_keys=True)
+
+
+def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.35, steps: int = 400, seed: int = 0,
+                    log_every: int = 0) -> str:
+    """Build the CPU demo's starting policy: the "small" model, supervised on noisy sums.
+
+    The model is trained on prompts ``"{a}+{b}="`` (a, b in [0, max_operand]) with the target
+    ``"{a+b}<eos>"`` drawn with probability ``p_correct`` and a near miss ``a+b+d`` (d in {-3..3} \\ {0},
+    kept >= 0) otherwise. It therefore learns the task's format and a spread-out answer distribution
+    that puts roughly ``p_correct`` on the right sum: sampled at temperature 1 it scores about
+    ``p_correct``, and GRPO has something to sharpen. Deterministic for a given seed and thread count.
+    """
+    import random
+
+    import torch
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, size="small", seed=seed)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    eos = tok.eos_token_id
+
+    def sample_row():
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        ans = a + b
+        if rng.random() >= p_correct:
+            ans = max(0, ans + rng.choice([-3, -2, -1, 1, 2, 3]))
+        prompt = tok(f"{a}+{b}=")["input_ids"]
+        target = tok(str(ans), add_special_tokens=False)["input_ids"] + [eos]
+        return prompt, target
+
+    model.train()
+    for step in range(steps):
+        rows = [sample_row() for _ in range(64)]
+        width = max(len(p) + len(t) for p, t in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (p, t) in enumerate(rows):
+            seq = p + t
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, len(p): len(seq)] = torch.tensor(t)
+            attn[i, : len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if log_every and step % log_every == 0:
+            print(f"demo model sft step {step} loss {loss.item():.3f}")
+    del gen
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_char_tokenizer(tok, out_dir)
+    return out_dir
+
+
+TOY_MODELS = {
+    # name -> builder(out_dir); "toy:<name>" in policy.model_name resolves to assets/<name>.
+    "demo": lambda out: make_demo_model(out),
+    "tiny": lambda out: save_tiny_model(out, size="tiny"),
+    "small": lambda out: save_tiny_model(out, size="small"),
+}
+
+
+def resolve_model_name(name: str, rank: int = 0) -> str:
+    """``"toy:<name>"`` -> a local directory built on first use (rank 0 builds, the others wait).
+
+    Anything else is returned unchanged (a local path or a hub name for `from_pretrained`).
+    """
+    import os
+    import shutil
+
+    if not name.startswith("toy:"):
+        return name
+    key = name[len("toy:"):]
+    if key not in TOY_MODELS:
+        raise ValueError(f"policy.model_name={name!r}: expected one of {['toy:' + k for k in TOY_MODELS]}")
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+    out = os.path.join(root, f"{key}_model")
+    if rank == 0 and not os.path.exists(os.path.join(out, "config.json")):
+        print(f"building {name} into {out} (local, no download) ...", flush=True)
+        tmp = f"{out}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        TOY_MODELS[key](tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return out

@@ -1,0 +1,29 @@
+"""Shared fixtures: a char-level tokenizer and tiny models saved locally (nothing is downloaded)."""
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    from grpo.toy import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-init tiny Llama + char tokenizer saved with save_pretrained (session-wide, read-only)."""
+    from grpo.toy import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), size="tiny", seed=0)

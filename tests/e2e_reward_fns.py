@@ -1,0 +1,15 @@
+"""Reward functions for the end-to-end tests (env.reward_fn="tests.e2e_reward_fns:<name>")."""
+
+import re
+import time
+
+
+def flaky_reward(question: str, completion: str, answer: str, meta: dict) -> float:
+    """Arithmetic reward that raises when the answer is a multiple of 3 and hangs when it is 7 or 14."""
+    a = int(answer)
+    if a % 3 == 0:
+        raise ValueError(f"flaky_reward refuses {answer}")
+    if a % 7 == 0:
+        time.sleep(60)
+    m = re.search(r"-?\d+", completion)
+    return float(m is not None and m.group() == answer)

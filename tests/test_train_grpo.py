@@ -1,0 +1,206 @@
+"""End-to-end tests of train_grpo.py: real DeepSpeed ZeRO-3 engines (gloo) on tiny models, on the CPU."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "tests" / "configs" / "tiny.yaml")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(threads: int = 2) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
+               OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+    return env
+
+
+def run(cmd: list[str], timeout: int = 300, threads: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, cwd=REPO, env=child_env(threads), capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\n"
+                             f"STDERR:\n{p.stderr[-6000:]}")
+    return p
+
+
+def overrides(tmp: Path, *extra: str) -> list[str]:
+    return [f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt", *extra]
+
+
+def metrics(tmp: Path) -> list[dict]:
+    with open(tmp / "logs" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_rows(tmp: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in metrics(tmp) if "train/loss" in r}
+
+
+def python_train(tmp: Path, *extra: str, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "train_grpo.py", "--config", TINY, *overrides(tmp, *extra)], **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad configs and bad data fail fast and clearly
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, expected", [
+    ("grpo.num_prompts_per_stepp=4", "grpo.num_prompts_per_stepp"),               # unknown key
+    ("grpo.num_prompts_per_step=abc", "grpo.num_prompts_per_step"),               # wrong type
+    ("loss_fn.ratio_clip_c=0.5", "loss_fn.ratio_clip_c"),                         # bad value
+    ("grpo.async_grpo.enabled=true", "use_importance_sampling_correction"),       # incompatible flags
+    ("grpo.adv_estimator.name=ppo", "reinforce_plus_plus"),                       # names the valid choices
+])
+def test_bad_config_exits_before_any_model_loads(tmp_path, override, expected):
+    code = ("import sys, train_grpo\n"
+            "try:\n    train_grpo.load_run_config(sys.argv[1:])\n"
+            "except SystemExit as e:\n"
+            "    print('EXIT', e.code, 'torch' in sys.modules, 'deepspeed' in sys.modules)\n")
+    p = run([sys.executable, "-c", code, "--config", TINY, override], timeout=60)
+    assert "EXIT 2 False False" in p.stdout, p.stdout + p.stderr
+    assert expected in p.stderr
+    # And through the real entry point: non-zero exit, the key named, no traceback.
+    p = python_train(tmp_path, override, check=False, timeout=60)
+    assert p.returncode == 2 and expected in p.stderr and "Traceback" not in p.stderr
+
+
+def test_malformed_dataset_row_names_file_and_row(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"input": f"{i}+1=", "output": str(i + 1)} for i in range(40)]
+    rows[6] = {"output": "7"}  # missing input key -> line 7
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    p = python_train(tmp_path, f"data.train_data_path={data}", f"data.val_data_path={data}", check=False)
+    assert p.returncode != 0
+    assert "train.jsonl" in p.stderr and "7" in p.stderr, p.stderr[-3000:]
+    # With on_bad_row=skip the same file trains, the row skipped and counted.
+    p = python_train(tmp_path, f"data.train_data_path={data}", f"data.val_data_path={data}", "data.on_bad_row=skip",
+                     "grpo.max_num_steps=1")
+    assert len(train_rows(tmp_path)) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# One process: metrics, reward functions that fail, resume
+# ---------------------------------------------------------------------------------------------
+def test_single_process_run_logs_required_metrics(tmp_path):
+    p = python_train(tmp_path, "grpo.val_at_end=true")
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2, 3]
+    for key in ("train/reward_mean", "train/loss", "train/kl", "train/token_mult_prob_error", "timing/step_s",
+                "timing/generate_s", "timing/train_s", "train/tokens_per_s", "train/response_length_mean",
+                "train/approx_entropy"):
+        assert key in rows[3], (key, sorted(rows[3]))
+    # generation and training agree: same weights, fp32 -> mult prob error ~1
+    assert abs(rows[1]["train/token_mult_prob_error"] - 1.0) < 1e-3
+    val = [r for r in metrics(tmp_path) if "val/reward_mean" in r]
+    assert val and val[-1]["step"] == 3
+    assert (tmp_path / "ckpt" / "latest_checkpoint_status.json").exists()
+
+
+def test_reward_function_that_raises_or_hangs_costs_only_its_sample(tmp_path):
+    p = python_train(tmp_path, "env.name=function", "env.reward_fn=tests.e2e_reward_fns:flaky_reward",
+                     "env.timeout_s=2", "grpo.max_num_steps=2", timeout=300)
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2]
+    assert rows[1]["train/reward_errors"] + rows[1]["train/reward_timeouts"] > 0
+    assert sum(r["train/reward_errors"] + r["train/reward_timeouts"] for r in rows.values()) < 2 * 16
+
+
+def test_resume_gives_the_same_steps_as_an_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    python_train(full, "grpo.max_num_steps=4", "checkpointing.save_period=2")
+    python_train(part, "grpo.max_num_steps=2", "checkpointing.save_period=2")
+    p = python_train(part, "grpo.max_num_steps=4", "checkpointing.save_period=2")
+    assert "resumed from" in p.stdout + p.stderr
+    a, b = train_rows(full), train_rows(part)
+    for step in (3, 4):
+        assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
+        assert abs(a[step]["train/reward_mean"] - b[step]["train/reward_mean"]) < 1e-9
+
+
+def test_kill_9_mid_step_resumes_from_last_checkpoint(tmp_path):
+    cmd = [sys.executable, "train_grpo.py", "--config", TINY,
+           *overrides(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=1")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    status = tmp_path / "ckpt" / "latest_checkpoint_status.json"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if status.exists() and json.loads(status.read_text())["step"] >= 2:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("no checkpoint at step 2 in time")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    last = json.loads(status.read_text())["step"]
+    p = python_train(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=1")
+    assert f"step {last}" in p.stdout + p.stderr
+    steps = sorted(train_rows(tmp_path))
+    assert steps[-1] == 6
+    assert not list((tmp_path / "ckpt").glob("*.tmp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning: reward rises on a learnable toy task
+# ---------------------------------------------------------------------------------------------
+def test_reward_rises_on_learnable_task(tmp_path):
+    python_train(tmp_path, "grpo.max_num_steps=12", "grpo.num_prompts_per_step=16", "grpo.num_generations_per_prompt=8",
+                 "policy.train_global_batch_size=128", "policy.train_micro_batch_size=64",
+                 "policy.logprob_batch_size=64", "policy.generation_batch_size=128", "checkpointing.enabled=false",
+                 timeout=600)
+    rows = train_rows(tmp_path)
+    first = sum(rows[s]["train/reward_mean"] for s in (1, 2, 3)) / 3
+    last = sum(rows[s]["train/reward_mean"] for s in (10, 11, 12)) / 3
+    assert last > first + 0.1, (first, last)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers and data parallelism
+# ---------------------------------------------------------------------------------------------
+def test_one_and_two_processes_give_the_same_loss(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    python_train(one, "grpo.max_num_steps=2", "checkpointing.enabled=false")
+    run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "train_grpo.py", "--config", TINY,
+         *overrides(two, "grpo.max_num_steps=2", "checkpointing.enabled=false")], threads=1)
+    a, b = train_rows(one), train_rows(two)
+    for step in (1, 2):
+        assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
+        assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
+
+
+def test_deepspeed_launcher(tmp_path):
+    run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train_grpo.py", "--config", TINY,
+         *overrides(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false")], threads=1)
+    assert sorted(train_rows(tmp_path)) == [1, 2]
+
+
+def test_accelerate_launch(tmp_path):
+    run(["accelerate", "launch", "--config_file", "launch/accelerate_zero3.yaml", "--num_processes", "2",
+         "--main_process_port", str(free_port()), "train_grpo.py", "--config", TINY,
+         *overrides(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false")], threads=1)
+    assert sorted(train_rows(tmp_path)) == [1, 2]
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    port = free_port()
+    cmds = [["torchrun", "--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1", "--master_addr",
+             "127.0.0.1", "--master_port", str(port), "train_grpo.py", "--config", TINY,
+             *overrides(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false")] for r in (0, 1)]
+    procs = [subprocess.Popen(c, cwd=REPO, env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for c in cmds]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    assert sorted(train_rows(tmp_path)) == [1, 2]
