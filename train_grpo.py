@@ -277,6 +277,7 @@ def main(argv=None) -> None:
         timing["timing/step_s"] = time.perf_counter() - t_step
         step_metrics.update(rollout_metrics(batch, results))
         step_metrics.update(timing)
+        step_metrics.update(getattr(generator, "memory", {}))  # memory/* per phase (vLLM on GPU)
         step_metrics["train/tokens_per_s"] = tokens_per_second(batch, timing["timing/step_s"])
         step_metrics["train/epoch"] = state.current_epoch
         logger.log(step_metrics, step)
@@ -304,9 +305,11 @@ def main(argv=None) -> None:
                 break
 
     # ================================================================ the end
-    if stop_reason is not None and stop_reason == "out of training data" and cfg.checkpointing.enabled:
+    if stop_reason == "out of training data":  # dynamic sampling can use up the epochs before max_num_steps
         logger.write(f"stopping at step {state.current_step}: {stop_reason}")
-    if cfg.checkpointing.enabled and cfg.checkpointing.save_consolidated:
+        if cfg.checkpointing.enabled and state.current_step % cfg.checkpointing.save_period:
+            save(state.current_step, None)
+    if cfg.checkpointing.enabled:  # the trained policy as consolidated HF safetensors (from_pretrained loads it)
         engines.export_hf(policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), tokenizer)
     logger.write(f"done: {state.current_step} steps" + (f", last val/reward_mean {state.val_reward:.4g}"
                                                          if state.val_reward > -99999999.0 else ""))

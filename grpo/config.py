@@ -371,6 +371,8 @@ class DataConfig(_Section):
     # "arithmetic" (built in), "reasoning_gym:<task>", a local .jsonl/.json/.parquet/.arrow file or
     # directory, or a `datasets.load_dataset` name.
     dataset_name: str = "arithmetic"
+    # Config name of a hub dataset with several (e.g. "main" for openai/gsm8k).
+    dataset_config: Optional[str] = None
     # Explicit local files; override dataset_name for train / validation.
     train_data_path: Optional[str] = None
     val_data_path: Optional[str] = None

@@ -235,7 +235,7 @@ def _hub_rows(name: str, split: str, cfg: DataConfig, report: LoadReport, key: s
             ds = datasets.load_from_disk(name)
             ds = ds[hub_split] if isinstance(ds, datasets.DatasetDict) else ds
         else:
-            ds = datasets.load_dataset(name, split=hub_split)
+            ds = datasets.load_dataset(name, cfg.dataset_config, split=hub_split)
     except Exception as err:
         raise DataError(
             f"{key}={name!r}: could not load split {hub_split!r} with datasets.load_dataset "
