@@ -13,3 +13,10 @@ def flaky_reward(question: str, completion: str, answer: str, meta: dict) -> flo
         time.sleep(60)
     m = re.search(r"-?\d+", completion)
     return float(m is not None and m.group() == answer)
+
+
+def two_component_reward(question: str, completion: str, answer: str, meta: dict) -> dict:
+    """GDPO test reward: correctness plus a format component (the completion is a bare integer)."""
+    m = re.search(r"-?\d+", completion)
+    return {"correct": float(m is not None and m.group() == answer),
+            "format": float(completion.strip().lstrip("-").isdigit())}

@@ -204,3 +204,56 @@ def test_two_nodes_on_loopback(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     assert sorted(train_rows(tmp_path)) == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# The algorithmic knobs run end to end (2 steps each)
+# ---------------------------------------------------------------------------------------------
+KNOBS = {
+    "dapo": ["grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=2", "grpo.overlong_filtering=true",
+             "grpo.reward_shaping.enabled=true", "grpo.reward_shaping.max_response_length=4",
+             "grpo.reward_shaping.overlong_buffer_length=2", "grpo.reward_shaping.overlong_buffer_penalty=0.5",
+             "loss_fn.ratio_clip_max=0.28", "loss_fn.reference_policy_kl_penalty=0",
+             "logger.tensorboard_enabled=true", "logger.wandb_enabled=true"],
+    "reinforce_pp_kl_in_reward": ["grpo.adv_estimator.name=reinforce_plus_plus", "loss_fn.use_kl_in_reward=true",
+                                  "grpo.advantage_clip_low=-2", "grpo.advantage_clip_high=2"],
+    "gspo_tis": ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false",
+                 "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=tis",
+                 "loss_fn.truncated_importance_sampling_ratio=2.0", "loss_fn.ratio_clip_c=3"],
+    "on_policy_icepop_masking": ["loss_fn.force_on_policy_ratio=true", "grpo.seq_logprob_error_threshold=1.5",
+                                 "loss_fn.use_importance_sampling_correction=true",
+                                 "loss_fn.truncated_importance_sampling_type=icepop",
+                                 "loss_fn.truncated_importance_sampling_ratio=2.0",
+                                 "loss_fn.truncated_importance_sampling_ratio_min=0.5"],
+    "gdpo_components": ["grpo.adv_estimator.name=gdpo", "env.name=function",
+                        "env.reward_fn=tests.e2e_reward_fns:two_component_reward"],
+    "penalties_and_reward_scaling": ["reward_penalties.penalize_empty_final_answer=true",
+                                     "reward_penalties.penalize_malformed_think_tag=true",
+                                     "grpo.malformed_thinking_advantage=-1", "grpo.reward_scaling.enabled=true",
+                                     "grpo.reward_scaling.target_min=-1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOBS))
+def test_algorithm_knobs_run_end_to_end(tmp_path, name):
+    python_train(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false", *KNOBS[name])
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert all(v is not None for k, v in row.items() if k.startswith("train/")), row
+    if name == "dapo":
+        assert rows[1]["train/dynamic_sampling_num_gen_batches"] >= 1
+        assert list((tmp_path / "logs" / "tensorboard").iterdir())
+        assert (tmp_path / "logs" / "wandb").exists()
+
+
+def test_early_stop_on_validation_metric_and_hf_export(tmp_path):
+    p = python_train(tmp_path, "grpo.max_num_steps=6", "grpo.val_period=2", "grpo.stop_at_validation_metric=reward_mean",
+                     "grpo.stop_at_validation_threshold=0.0", "grpo.val_num_generations_per_prompt=2")
+    assert "stopping" in p.stdout + p.stderr
+    assert sorted(train_rows(tmp_path)) == [1, 2]
+    val = [r for r in metrics(tmp_path) if "val/pass@2" in r]
+    assert val and 0.0 <= val[-1]["val/pass@2"] <= 1.0 and val[-1]["val/pass@2"] >= val[-1]["val/reward_mean"]
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
+    assert sum(p.numel() for p in model.parameters()) > 0
