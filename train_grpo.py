@@ -67,6 +67,7 @@ def main(argv=None) -> None:
     from grpo import engines
     from grpo.advantages import (
         apply_message_advantage_penalties, baseline_and_std_per_prompt, clip_advantages, compute_advantages,
+        distillation_advantages,
     )
     from grpo.checkpoint import CheckpointManager, GRPOSaveState
     from grpo.data import PromptDataset, PromptFormatter, build_dataloader, load_rows
@@ -110,6 +111,10 @@ def main(argv=None) -> None:
     opt_steps_per_step = samples_per_step // cfg.policy.train_global_batch_size
     policy = engines.build_policy_engine(cfg, world_size, total_steps * opt_steps_per_step)
     reference = None if skip_ref else engines.build_reference_engine(cfg, world_size)
+    teacher = None
+    if cfg.on_policy_distillation.enabled:  # a frozen ZeRO-3 teacher sharing the policy's tokenizer
+        teacher_name = resolve_model_name(cfg.on_policy_distillation.teacher_model_name, rank)
+        teacher = engines.build_reference_engine(cfg.policy.model_copy(update={"model_name": teacher_name}), world_size)
     generator = build_generation_backend(cfg, tokenizer, policy, device)
     ckpt = CheckpointManager(cfg.checkpointing, rank)
 
@@ -223,6 +228,9 @@ def main(argv=None) -> None:
         if not skip_ref:
             batch["ref_logprobs"] = gather_logprobs(reference, batch, rank, world_size, temp, mb_size,
                                                     cfg.policy.logprob_chunk_size)
+        if teacher is not None:
+            batch["teacher_logprobs"] = gather_logprobs(teacher, batch, rank, world_size, temp, mb_size,
+                                                        cfg.policy.logprob_chunk_size)
         timing["timing/logprobs_s"] = time.perf_counter() - t
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
@@ -240,6 +248,10 @@ def main(argv=None) -> None:
             adv_cfg.name, prompt_ids=batch["prompt_ids"], rewards=batch["rewards"], valid_mask=torch.ones(B),
             token_mask=batch["token_mask"], cfg=adv_cfg, reward_components=batch.get("reward_components"),
             kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty)
+        if teacher is not None:
+            student_lp = batch.get("prev_logprobs", batch["generation_logprobs"])
+            batch["advantages"] = batch["advantages"] + distillation_advantages(
+                student_lp, batch["teacher_logprobs"], batch["token_mask"], cfg.on_policy_distillation.kl_coef)
         batch["advantages"] = apply_message_advantage_penalties(
             batch["advantages"], completion_spans(batch["token_mask"], {"malformed_thinking": batch["malformed_thinking"]}),
             "malformed_thinking", g.malformed_thinking_advantage)

@@ -304,3 +304,19 @@ def apply_message_advantage_penalties(
             if names & wanted:
                 out[b, start:end] = value
     return out
+
+
+def distillation_advantages(student_logprobs_bt: torch.Tensor, teacher_logprobs_bt: torch.Tensor,
+                            token_mask_bt: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """On-policy distillation: the per-token reverse KL to a teacher as a (negative) advantage.
+
+        A_t = −kl_coef · (log π_student(y_t | y_<t) − log π_teacher(y_t | y_<t))   on generated tokens, 0 elsewhere
+
+    Added to the RL advantages (``on_policy_distillation.kl_coef``); its expectation under the student's
+    own samples is −kl_coef · KL(π_student || π_teacher), so maximising it pulls the student to the teacher.
+
+        >>> distillation_advantages(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-0.5, -0.5]]),
+        ...                         torch.tensor([[0.0, 1.0]]), 2.0)
+        tensor([[0., 1.]])
+    """
+    return -kl_coef * (student_logprobs_bt - teacher_logprobs_bt) * token_mask_bt

@@ -4,11 +4,11 @@ The batch is a dict of tensors with the math contract's alignment: per-token ten
 (prompt and completion right-padded to ``T``); position ``t`` of a logprob tensor holds the logprob
 of token ``t`` given the tokens before it; ``token_mask`` is 1 exactly on generated tokens.
 
-    >>> o = GenerationOutput(prompt_ids=[1, 4], completion_ids=[7, 2], logprobs=[-0.5, -0.1],
+    >>> o = GenerationOutput(prompt_ids=[1, 4], completion_ids=[7, 2], logprobs=[-0.5, -0.25],
     ...                      finish_reason="stop", text="x")
     >>> b = build_batch([o], pad_id=0)
     >>> b["input_ids"].tolist(), b["token_mask"].tolist(), b["generation_logprobs"].tolist()
-    ([[1, 4, 7, 2]], [[0.0, 0.0, 1.0, 1.0]], [[0.0, 0.0, -0.5, -0.1]])
+    ([[1, 4, 7, 2]], [[0.0, 0.0, 1.0, 1.0]], [[0.0, 0.0, -0.5, -0.25]])
 
 Data parallelism: every rank generates its contiguous share of the global sample list, then
 ``all_gather_objects`` gives every rank the whole rollout, so filtering, baselines and advantages are

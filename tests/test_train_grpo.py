@@ -227,6 +227,8 @@ KNOBS = {
                                  "loss_fn.truncated_importance_sampling_ratio_min=0.5"],
     "gdpo_components": ["grpo.adv_estimator.name=gdpo", "env.name=function",
                         "env.reward_fn=tests.e2e_reward_fns:two_component_reward"],
+    "on_policy_distillation": ["on_policy_distillation.enabled=true", "on_policy_distillation.teacher_model_name=toy:demo",
+                               "on_policy_distillation.kl_coef=0.5"],
     "penalties_and_reward_scaling": ["reward_penalties.penalize_empty_final_answer=true",
                                      "reward_penalties.penalize_malformed_think_tag=true",
                                      "grpo.malformed_thinking_advantage=-1", "grpo.reward_scaling.enabled=true",
