@@ -277,6 +277,10 @@ class GRPOConfig(_Section):
         lo, hi = self.advantage_clip_low, self.advantage_clip_high
         if lo is not None and hi is not None and not lo < hi:
             raise ValueError(f"grpo.advantage_clip_low={lo}: expected < grpo.advantage_clip_high={hi}")
+        if self.max_rollout_turns != 1:
+            raise ValueError(
+                f"grpo.max_rollout_turns={self.max_rollout_turns}: only single-turn rollouts (1) are implemented"
+            )
         if (self.stop_at_validation_metric is None) != (self.stop_at_validation_threshold is None):
             raise ValueError(
                 "grpo.stop_at_validation_metric and grpo.stop_at_validation_threshold must be set together "

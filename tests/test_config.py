@@ -83,6 +83,7 @@ def test_every_shipped_recipe_loads(path):
     (["policy.train_global_batch_size=100"], "policy.train_global_batch_size=100", "divisor"),
     (["grpo.stop_at_validation_metric=reward_mean"], "grpo.stop_at_validation_threshold", "set together"),
     (["env.name=function"], "env.reward_fn", "package.module:function"),
+    (["grpo.max_rollout_turns=3"], "grpo.max_rollout_turns=3", "single-turn"),
     (["loss_fn.use_kl_in_reward=true", "loss_fn.force_on_policy_ratio=true", "grpo.adv_estimator.name=reinforce_plus_plus",
       "policy.train_global_batch_size=512"], "loss_fn.use_kl_in_reward", "force_on_policy_ratio"),
 ])
