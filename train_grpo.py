@@ -77,13 +77,12 @@ def main(argv=None) -> None:
     from grpo.loss import calculate_kl, clipped_pg_loss
     from grpo.metrics import global_valid_counts, validation_early_stop
     from grpo.rewards import apply_reward_penalties, scale_rewards, shape_overlong_rewards
-    from grpo.rollout import build_batch, completion_spans, micro_batches, select, shard_batch
-    from grpo.sampling import DynamicSamplingCache, overlong_filter_mask
     from grpo.phases import (
         build_generation_backend, gather_logprobs, generate_and_score, load_tokenizer, rollout_metrics,
         run_validation, tokens_per_second,
     )
-
+    from grpo.rollout import build_batch, completion_spans, micro_batches, select, shard_batch
+    from grpo.sampling import DynamicSamplingCache, overlong_filter_mask
     from grpo.toy import resolve_model_name
 
     rank, local_rank, world_size, device = engines.init_distributed()
@@ -135,8 +134,9 @@ def main(argv=None) -> None:
     if latest is not None:
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
     logger.write(f"grpo-ds: {world_size} rank(s), {len(train_ds)} train / {len(val_ds)} val prompts "
-                 f"({train_ds.num_filtered} train prompts over data.max_input_seq_length filtered), "
-                 f"{total_steps} steps, reference {'skipped' if skip_ref else 'on'}")
+                 f"({train_ds.num_filtered} over data.max_input_seq_length filtered, "
+                 f"{train_rows.report.num_skipped} malformed rows skipped), {total_steps} steps, "
+                 f"reference {'skipped' if skip_ref else 'on'}")
     generator.refit(policy)
 
     def validate(step: int) -> dict:

@@ -175,3 +175,70 @@ def run_validation(cfg, generator, env, val_ds, rank: int, world_size: int) -> t
         "generate_s": timing.get("timing/generate_s", 0.0),
     }
     return metrics, samples
+
+
+class RolloutError(RuntimeError):
+    """Generation or scoring of a prompt batch raised on some rank (every rank raises it together)."""
+
+
+def generate_and_score_chunked(cfg, generator, env, prompts: list[dict], step: int, rank: int, world_size: int,
+                               timing: dict, *, before_chunk=None, group=None) -> dict:
+    """`generate_and_score` for the async loop's generation thread (same samples, same seeds).
+
+    Each rank generates its share in chunks of ``policy.generation_batch_size`` samples; before each
+    chunk ``before_chunk()`` runs (a safe point to load new weights) and returns the weight version
+    the chunk is generated with. Results are gathered over ``group`` (the thread's own process
+    group). An exception on any rank becomes a `RolloutError` on every rank (no rank is left
+    waiting in a collective). Returns generate_and_score's keys plus ``versions`` (per sample) and
+    ``component_dicts`` (per sample, the scorer's dicts or None).
+    """
+    import logging
+    import traceback
+
+    from grpo.rollout import all_gather_objects_in
+
+    samples = repeat_prompts(prompts, cfg.grpo.num_generations_per_prompt)
+    seeds = [sample_seed(cfg.grpo.seed, step, i, "train") for i in range(len(samples))]
+    mine = rank_slice(len(samples), rank, world_size)
+    local_samples, local_seeds = samples[mine], seeds[mine]
+    bs = cfg.policy.generation_batch_size
+    local = {"rows": [], "counts": (0, 0, 0), "error": None}
+    try:
+        t = time.perf_counter()
+        outputs, versions = [], []
+        for i in range(0, len(local_samples), bs):
+            version = before_chunk() if before_chunk is not None else 0
+            chunk = generator.generate([s["prompt_ids"] for s in local_samples[i:i + bs]], local_seeds[i:i + bs])
+            outputs += chunk
+            versions += [version] * len(chunk)
+        timing["timing/generate_s"] = timing.get("timing/generate_s", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
+        scored = env.score([{"question": s["question"], "completion": o.text, "answer": s["answer"],
+                             "meta": s["meta"]} for s, o in zip(local_samples, outputs)])
+        timing["timing/score_s"] = timing.get("timing/score_s", 0.0) + time.perf_counter() - t
+        comps = scored.components or [None] * len(outputs)
+        local["rows"] = list(zip(outputs, scored.rewards, comps, versions))
+        local["counts"] = (scored.num_errors, scored.num_timeouts, len(outputs))
+    except Exception as err:  # reported to every rank below; the caller decides whether to go on
+        logging.getLogger(__name__).warning("rank %d: rollout of step %d failed:\n%s", rank, step,
+                                            traceback.format_exc())
+        local["error"] = f"rank {rank}: {type(err).__name__}: {err}"
+    parts = all_gather_objects_in(group, [local])
+    errors = [p["error"] for p in parts if p["error"] is not None]
+    if errors:
+        raise RolloutError("; ".join(errors))
+    rows = [r for p in parts for r in p["rows"]]
+    n_err, n_to, n_all = (sum(p["counts"][i] for p in parts) for i in range(3))
+    return {
+        "samples": samples,
+        "outputs": [r[0] for r in rows],
+        "rewards": [float(r[1]) for r in rows],
+        "components": components_tensor([r[2] for r in rows]),
+        "component_dicts": [r[2] for r in rows],
+        "versions": [int(r[3]) for r in rows],
+        "texts": [r[0].text for r in rows],
+        "completion_ids": [list(r[0].completion_ids) for r in rows],
+        "prompt_idx": [s["prompt_idx"] for s in samples],
+        "metrics": {"reward_errors": n_err, "reward_timeouts": n_to,
+                    "reward_error_rate": (n_err + n_to) / max(n_all, 1)},
+    }

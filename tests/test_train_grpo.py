@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "tests" / "configs" / "tiny.yaml")
@@ -257,5 +258,9 @@ def test_early_stop_on_validation_metric_and_hf_export(tmp_path):
     val = [r for r in metrics(tmp_path) if "val/pass@2" in r]
     assert val and 0.0 <= val[-1]["val/pass@2"] <= 1.0 and val[-1]["val/pass@2"] >= val[-1]["val/reward_mean"]
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
-    assert sum(p.numel() for p in model.parameters()) > 0
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
+    # On request: the latest checkpoint exported again holds the same weights.
+    python_train(tmp_path, "grpo.max_num_steps=6", "--export-hf", str(tmp_path / "exported"))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    for (name, a), b in zip(final.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
