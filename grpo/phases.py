@@ -13,6 +13,17 @@ import torch
 from grpo.rollout import all_gather_objects, rank_slice, repeat_prompts, sample_seed
 
 
+def build_datasets(cfg, tokenizer):
+    """(train rows, train PromptDataset, val PromptDataset): prompts formatted and tokenised once."""
+    from grpo.data import PromptDataset, PromptFormatter, load_rows
+
+    formatter = PromptFormatter(tokenizer, cfg.data, cfg.policy.tokenizer.chat_template)
+    train_rows = load_rows(cfg.data, "train", seed=cfg.grpo.seed)
+    val_rows = load_rows(cfg.data, "val", seed=cfg.grpo.seed)
+    max_len = cfg.data.max_input_seq_length
+    return train_rows, PromptDataset(train_rows, formatter, max_len), PromptDataset(val_rows, formatter, max_len)
+
+
 def load_tokenizer(policy_cfg):
     """The policy's tokenizer (or `policy.tokenizer.name`); pad falls back to EOS."""
     from transformers import AutoTokenizer
@@ -42,50 +53,6 @@ def components_tensor(components: list[dict] | None) -> torch.Tensor | None:
         return None
     keys = sorted({k for c in components if c for k in c})
     return torch.tensor([[float((c or {}).get(k, 0.0)) for k in keys] for c in components], dtype=torch.float32)
-
-
-def generate_and_score(cfg, generator, env, prompts: list[dict], step: int, gen_batch: int, rank: int,
-                       world_size: int, timing: dict, num_generations: int | None = None,
-                       stream: str = "train") -> dict:
-    """Generate ``num_generations`` completions per prompt and score them; returns the global rollout.
-
-    Each rank generates and scores its contiguous share of the samples; the results are gathered so
-    every rank returns the same lists (outputs, rewards, components, texts, completion_ids,
-    prompt_idx) plus summed scoring metrics.
-    """
-    n = num_generations or cfg.grpo.num_generations_per_prompt
-    samples = repeat_prompts(prompts, n)
-    base = gen_batch * len(samples)
-    seeds = [sample_seed(cfg.grpo.seed, step, base + i, stream) for i in range(len(samples))]
-    mine = rank_slice(len(samples), rank, world_size)
-
-    t = time.perf_counter()
-    generator.wake_up()
-    outputs = generator.generate([s["prompt_ids"] for s in samples[mine]], seeds[mine])
-    generator.sleep()
-    timing["timing/generate_s"] = timing.get("timing/generate_s", 0.0) + time.perf_counter() - t
-
-    t = time.perf_counter()
-    scored = env.score([{"question": s["question"], "completion": o.text, "answer": s["answer"], "meta": s["meta"]}
-                        for s, o in zip(samples[mine], outputs)])
-    timing["timing/score_s"] = timing.get("timing/score_s", 0.0) + time.perf_counter() - t
-
-    comps = scored.components or [None] * len(outputs)
-    local = list(zip(outputs, scored.rewards, comps))
-    counts = all_gather_objects([(scored.num_errors, scored.num_timeouts, len(outputs))])
-    rows = all_gather_objects(local)
-    n_err, n_to, n_all = (sum(c[i] for c in counts) for i in range(3))
-    return {
-        "samples": samples,
-        "outputs": [r[0] for r in rows],
-        "rewards": [float(r[1]) for r in rows],
-        "components": components_tensor([r[2] for r in rows]),
-        "texts": [r[0].text for r in rows],
-        "completion_ids": [list(r[0].completion_ids) for r in rows],
-        "prompt_idx": [s["prompt_idx"] for s in samples],
-        "metrics": {"reward_errors": n_err, "reward_timeouts": n_to,
-                    "reward_error_rate": (n_err + n_to) / max(n_all, 1)},
-    }
 
 
 def gather_logprobs(engine, batch: dict, rank: int, world_size: int, temperature: float, micro_batch_size: int,
@@ -181,24 +148,27 @@ class RolloutError(RuntimeError):
     """Generation or scoring of a prompt batch raised on some rank (every rank raises it together)."""
 
 
-def generate_and_score_chunked(cfg, generator, env, prompts: list[dict], step: int, rank: int, world_size: int,
-                               timing: dict, *, before_chunk=None, group=None) -> dict:
-    """`generate_and_score` for the async loop's generation thread (same samples, same seeds).
+def generate_and_score(cfg, generator, env, prompts: list[dict], step: int, gen_batch: int, rank: int,
+                       world_size: int, timing: dict, *, num_generations: int | None = None, stream: str = "train",
+                       before_chunk=None, group=None) -> dict:
+    """Generate ``num_generations`` completions per prompt and score them; returns the global rollout.
 
-    Each rank generates its share in chunks of ``policy.generation_batch_size`` samples; before each
-    chunk ``before_chunk()`` runs (a safe point to load new weights) and returns the weight version
-    the chunk is generated with. Results are gathered over ``group`` (the thread's own process
-    group). An exception on any rank becomes a `RolloutError` on every rank (no rank is left
-    waiting in a collective). Returns generate_and_score's keys plus ``versions`` (per sample) and
-    ``component_dicts`` (per sample, the scorer's dicts or None).
+    Sample i of the batch is seeded with ``sample_seed(grpo.seed, step, gen_batch * len(samples) + i,
+    stream)``, so its completion does not depend on which rank generates it. Each rank generates its
+    contiguous share in chunks of ``policy.generation_batch_size``; before each chunk
+    ``before_chunk()`` runs (the async loop's safe point to load new weights) and returns the weight
+    version the chunk uses. Each rank scores its own samples, then the results are gathered over
+    ``group`` (None: the default group), so every rank returns the same lists: samples, outputs,
+    rewards, components ``[B, K]`` or None, component_dicts, versions, texts, completion_ids,
+    prompt_idx, and summed scoring metrics. An exception on any rank becomes a `RolloutError` on
+    every rank (no rank is left waiting in a collective).
     """
     import logging
     import traceback
 
-    from grpo.rollout import all_gather_objects_in
-
-    samples = repeat_prompts(prompts, cfg.grpo.num_generations_per_prompt)
-    seeds = [sample_seed(cfg.grpo.seed, step, i, "train") for i in range(len(samples))]
+    samples = repeat_prompts(prompts, num_generations or cfg.grpo.num_generations_per_prompt)
+    base = gen_batch * len(samples)
+    seeds = [sample_seed(cfg.grpo.seed, step, base + i, stream) for i in range(len(samples))]
     mine = rank_slice(len(samples), rank, world_size)
     local_samples, local_seeds = samples[mine], seeds[mine]
     bs = cfg.policy.generation_batch_size
@@ -223,7 +193,7 @@ def generate_and_score_chunked(cfg, generator, env, prompts: list[dict], step: i
         logging.getLogger(__name__).warning("rank %d: rollout of step %d failed:\n%s", rank, step,
                                             traceback.format_exc())
         local["error"] = f"rank {rank}: {type(err).__name__}: {err}"
-    parts = all_gather_objects_in(group, [local])
+    parts = all_gather_objects([local], group)
     errors = [p["error"] for p in parts if p["error"] is not None]
     if errors:
         raise RolloutError("; ".join(errors))

@@ -213,7 +213,7 @@ class WeightStage:
 # Rollouts <-> plain groups
 # --------------------------------------------------------------------------------------------------
 def groups_from_rollout(rollout: dict, prompts: list[dict], num_generations: int, extra: dict | None = None) -> list[dict]:
-    """Split a prompt batch's rollout (`grpo.phases.generate_and_score_chunked`) into one plain dict
+    """Split a prompt batch's rollout (`grpo.phases.generate_and_score`) into one plain dict
     per prompt: ``{"prompt_index", "outputs" (GenerationOutput fields as dicts), "rewards",
     "components" (per-sample dicts or None), "versions" (per sample)}`` plus ``extra`` (shared).
 

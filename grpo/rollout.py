@@ -46,14 +46,18 @@ def rank_slice(n: int, rank: int, world_size: int) -> slice:
     return slice(start, start + per + (1 if rank < extra else 0))
 
 
-def all_gather_objects(local: list) -> list:
-    """Concatenate every rank's list, in rank order (identity without torch.distributed)."""
+def all_gather_objects(local: list, group=None) -> list:
+    """Concatenate every rank's list, in rank order (identity without torch.distributed).
+
+    ``group``: the process group (None: the default one). A second thread that needs collectives
+    (async GRPO's generation thread) passes its own: the default group belongs to the main thread.
+    """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return list(local)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
     return [x for part in gathered for x in part]
 
 
@@ -127,18 +131,3 @@ def micro_batches(batch: dict, size: int) -> list[dict]:
     """Consecutive micro-batches of ``size`` rows, each trimmed to its own longest row."""
     n = len(batch["input_ids"])
     return [trim_padding(select(batch, slice(i, min(i + size, n)))) for i in range(0, n, size)]
-
-
-def all_gather_objects_in(group, local: list) -> list:
-    """`all_gather_objects` over the process group ``group`` (None: the default group).
-
-    A second thread that needs collectives (async GRPO's generation thread) passes its own group:
-    the default group belongs to the main thread.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return list(local)
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
-    return [x for part in gathered for x in part]

@@ -1,5 +1,5 @@
 """Unit tests of grpo/replay.py (the async replay deque and weight stage) and of the generation
-thread's rollout, grpo.phases.generate_and_score_chunked."""
+thread's rollout, grpo.phases.generate_and_score."""
 
 import io
 import threading
@@ -270,12 +270,12 @@ def prompts(n):
 
 
 def test_chunked_rollout_matches_the_synchronous_rollout_and_tags_chunk_versions(small_cfg):
-    from grpo.phases import generate_and_score, generate_and_score_chunked
+    from grpo.phases import generate_and_score
 
     versions = iter([5, 6, 7])
     gen = FakeGenerator()
-    r = generate_and_score_chunked(small_cfg, gen, FakeEnv(), prompts(3), step=4, rank=0, world_size=1, timing={},
-                                   before_chunk=lambda: next(versions))
+    r = generate_and_score(small_cfg, gen, FakeEnv(), prompts(3), step=4, gen_batch=0, rank=0, world_size=1,
+                           timing={}, before_chunk=lambda: next(versions))
     assert gen.calls == [4, 4, 1]  # 9 samples in chunks of policy.generation_batch_size
     assert r["versions"] == [5] * 4 + [6] * 4 + [7]
     ref = generate_and_score(small_cfg, FakeGenerator(), FakeEnv(), prompts(3), step=4, gen_batch=0, rank=0,
@@ -287,8 +287,8 @@ def test_chunked_rollout_matches_the_synchronous_rollout_and_tags_chunk_versions
 
 
 def test_chunked_rollout_turns_a_failure_into_rollout_error(small_cfg):
-    from grpo.phases import RolloutError, generate_and_score_chunked
+    from grpo.phases import RolloutError, generate_and_score
 
     with pytest.raises(RolloutError, match="rank 0: ValueError: prompt 0 has 99 tokens"):
-        generate_and_score_chunked(small_cfg, FakeGenerator(fail_on_call=2), FakeEnv(), prompts(3), step=1, rank=0,
-                                   world_size=1, timing={})
+        generate_and_score(small_cfg, FakeGenerator(fail_on_call=2), FakeEnv(), prompts(3), step=1, gen_batch=0,
+                           rank=0, world_size=1, timing={})
