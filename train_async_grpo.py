@@ -33,45 +33,17 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import time
 
-from grpo.config import ConfigError, MasterConfig, load_config, resolve_skip_flags
-from train_grpo import parse_args
+from grpo.config import resolve_skip_flags
+import train_grpo
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 
 
-def async_config_errors(cfg: MasterConfig) -> list[str]:
-    """What this script cannot run (the config itself already rejects async without IS correction)."""
-    errors = []
-    if not cfg.grpo.async_grpo.enabled:
-        errors.append("train_async_grpo.py needs grpo.async_grpo.enabled=true (train_grpo.py is the synchronous "
-                      "loop)")
-    if cfg.policy.generation.backend != "hf":
-        errors.append(
-            f"policy.generation.backend={cfg.policy.generation.backend!r} is not supported by train_async_grpo.py: "
-            "use policy.generation.backend=hf (the generation thread keeps its own transformers copy of the "
-            "weights), or train_grpo.py for colocated vLLM")
-    return errors
-
-
-def load_run_config(argv=None) -> tuple:
-    """Parse the command line and validate the config: fails (exit 2) before torch is imported."""
-    args, overrides = parse_args(argv)
-    if args.config is None:
-        print(f"No --config given: running the async CPU demo ({os.path.relpath(DEFAULT_CONFIG)})", flush=True)
-        args.config = DEFAULT_CONFIG
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    errors = async_config_errors(cfg)
-    if errors and args.export_hf is None:
-        print("error: invalid config:\n  " + "\n  ".join(errors), file=sys.stderr)
-        sys.exit(2)
-    return args, cfg
+def load_run_config(argv=None):
+    """train_grpo.load_run_config for this loop: it runs exactly the configs with grpo.async_grpo.enabled=true."""
+    return train_grpo.load_run_config(argv, DEFAULT_CONFIG, asynchronous=True)
 
 
 def main(argv=None) -> None:
@@ -82,7 +54,11 @@ def main(argv=None) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.distributed.*")
+    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata calls a deprecated torch API
     import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed would otherwise warn that it falls back to its CPU accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers import AutoModelForCausalLM
 
     from grpo import engines

@@ -40,16 +40,28 @@ def parse_args(argv=None):
     return args, overrides
 
 
-def load_run_config(argv=None) -> tuple[argparse.Namespace, MasterConfig]:
-    """Parse the command line and validate the config: fails (exit 2) before torch is imported."""
+def load_run_config(argv=None, default_config: str = DEFAULT_CONFIG,
+                    asynchronous: bool = False) -> tuple[argparse.Namespace, MasterConfig]:
+    """Parse the command line and validate the config: fails (exit 2) before torch is imported.
+
+    ``asynchronous``: the caller is train_async_grpo.py, which runs exactly the configs with
+    ``grpo.async_grpo.enabled=true`` (this script runs the others).
+    """
     args, overrides = parse_args(argv)
     if args.config is None:
-        print(f"No --config given: running the built-in CPU demo ({os.path.relpath(DEFAULT_CONFIG)})", flush=True)
-        args.config = DEFAULT_CONFIG
+        print(f"No --config given: running the built-in {'async ' if asynchronous else ''}CPU demo "
+              f"({os.path.relpath(default_config)})", flush=True)
+        args.config = default_config
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if cfg.grpo.async_grpo.enabled != asynchronous and args.export_hf is None:
+        wrong = ("train_async_grpo.py needs grpo.async_grpo.enabled=true (train_grpo.py is the synchronous loop)"
+                 if asynchronous else
+                 "grpo.async_grpo.enabled=true: run train_async_grpo.py (train_grpo.py is the synchronous loop)")
+        print(f"error: invalid config:\n  {wrong}", file=sys.stderr)
         sys.exit(2)
     return args, cfg
 
@@ -62,7 +74,11 @@ def main(argv=None) -> None:
 
     # torch.distributed deprecation notices that DeepSpeed's collectives trigger on every step.
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.distributed.*")
+    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata calls a deprecated torch API
     import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed would otherwise warn that it falls back to its CPU accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     from grpo import engines
     from grpo.advantages import baseline_and_std_per_prompt

@@ -611,10 +611,12 @@ class MasterConfig(_Section):
                 f"env.name='reasoning_gym' needs data.dataset_name='reasoning_gym:<task>' "
                 f"(got {self.data.dataset_name!r})"
             )
-        if p.generation.backend == "vllm" and p.generation.vllm_cfg.tensor_parallel_size > 1 and (
-            g.async_grpo.enabled
-        ):
-            raise ValueError("policy.generation.vllm_cfg.tensor_parallel_size > 1 is not supported in async GRPO")
+        if g.async_grpo.enabled and p.generation.backend != "hf":
+            raise ValueError(
+                f"policy.generation.backend={p.generation.backend!r} with grpo.async_grpo.enabled=true: async GRPO "
+                "generates with its own transformers copy of the weights: use policy.generation.backend=hf "
+                "(or train_grpo.py for colocated vLLM)"
+            )
         return self
 
 

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec deepspeed --hostfile "${HOSTFILE:-launch/hostfile}" --num_nodes "${NUM_NODES:-2}" \
-    --num_gpus "${GPUS:-8}" --master_port "${MASTER_PORT:-29500}" train_grpo.py "$@"
+    --num_gpus "${GPUS:-8}" --master_port "${MASTER_PORT:-29500}" "${SCRIPT:-train_grpo.py}" "$@"

@@ -2,9 +2,7 @@
 models, a real generation thread. Each run is a subprocess of tests/configs/tiny.yaml + async."""
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,45 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = str(REPO / "tests" / "configs" / "tiny.yaml")
+from tests.e2e import REPO, TINY, free_port, paths, run, train_rows
+
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
 PROMPTS_PER_STEP = 4  # tiny.yaml
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(threads: int = 2) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
-               OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
-    return env
-
-
-def run(cmd: list[str], timeout: int = 300, threads: int = 2, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, cwd=REPO, env=child_env(threads), capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\n"
-                             f"STDERR:\n{p.stderr[-6000:]}")
-    return p
-
-
-def paths(tmp: Path) -> list[str]:
-    return [f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt"]
-
-
 def async_train(tmp: Path, *extra: str, **kw) -> subprocess.CompletedProcess:
     return run([sys.executable, "train_async_grpo.py", "--config", TINY, *ASYNC, *paths(tmp), *extra], **kw)
-
-
-def train_rows(tmp: Path) -> dict[int, dict]:
-    with open(tmp / "logs" / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return {r["step"]: r for r in rows if "train/loss" in r}
 
 
 def trained_prompts(tmp: Path) -> list[list[int]]:
@@ -72,7 +39,7 @@ def loader_batches(n_prompts: int, steps: int, seed: int = 42) -> list[list[int]
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, expected", [
     ([], "grpo.async_grpo.enabled=true"),                                                   # sync config
-    (ASYNC + ["policy.generation.backend=vllm"], "not supported by train_async_grpo.py"),  # vLLM
+    (ASYNC + ["policy.generation.backend=vllm"], "policy.generation.backend='vllm'"),     # vLLM
     (["grpo.async_grpo.enabled=true"], "use_importance_sampling_correction=true"),         # the config's check
 ])
 def test_unsupported_configs_exit_2_before_torch_loads(tmp_path, overrides, expected):

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,42 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = str(REPO / "tests" / "configs" / "tiny.yaml")
+from tests.e2e import REPO, TINY, child_env, free_port, metrics, paths, run, train_rows
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(threads: int = 2) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
-               OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
-    return env
-
-
-def run(cmd: list[str], timeout: int = 300, threads: int = 2, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, cwd=REPO, env=child_env(threads), capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\n"
-                             f"STDERR:\n{p.stderr[-6000:]}")
-    return p
-
-
-def overrides(tmp: Path, *extra: str) -> list[str]:
-    return [f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt", *extra]
-
-
-def metrics(tmp: Path) -> list[dict]:
-    with open(tmp / "logs" / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def train_rows(tmp: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in metrics(tmp) if "train/loss" in r}
+overrides = paths
 
 
 def python_train(tmp: Path, *extra: str, **kw) -> subprocess.CompletedProcess:
@@ -62,6 +28,7 @@ def python_train(tmp: Path, *extra: str, **kw) -> subprocess.CompletedProcess:
     ("grpo.num_prompts_per_step=abc", "grpo.num_prompts_per_step"),               # wrong type
     ("loss_fn.ratio_clip_c=0.5", "loss_fn.ratio_clip_c"),                         # bad value
     ("grpo.async_grpo.enabled=true", "use_importance_sampling_correction"),       # incompatible flags
+    ("loss_fn.use_importance_sampling_correction=true grpo.async_grpo.enabled=true", "train_async_grpo.py"),
     ("grpo.adv_estimator.name=ppo", "reinforce_plus_plus"),                       # names the valid choices
 ])
 def test_bad_config_exits_before_any_model_loads(tmp_path, override, expected):
@@ -69,11 +36,11 @@ def test_bad_config_exits_before_any_model_loads(tmp_path, override, expected):
             "try:\n    train_grpo.load_run_config(sys.argv[1:])\n"
             "except SystemExit as e:\n"
             "    print('EXIT', e.code, 'torch' in sys.modules, 'deepspeed' in sys.modules)\n")
-    p = run([sys.executable, "-c", code, "--config", TINY, override], timeout=60)
+    p = run([sys.executable, "-c", code, "--config", TINY, *override.split()], timeout=60)
     assert "EXIT 2 False False" in p.stdout, p.stdout + p.stderr
     assert expected in p.stderr
     # And through the real entry point: non-zero exit, the key named, no traceback.
-    p = python_train(tmp_path, override, check=False, timeout=60)
+    p = python_train(tmp_path, *override.split(), check=False, timeout=60)
     assert p.returncode == 2 and expected in p.stderr and "Traceback" not in p.stderr
 
 
@@ -95,7 +62,7 @@ def test_malformed_dataset_row_names_file_and_row(tmp_path):
 # One process: metrics, reward functions that fail, resume
 # ---------------------------------------------------------------------------------------------
 def test_single_process_run_logs_required_metrics(tmp_path):
-    p = python_train(tmp_path, "grpo.val_at_end=true")
+    python_train(tmp_path, "grpo.val_at_end=true")
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2, 3]
     for key in ("train/reward_mean", "train/loss", "train/kl", "train/token_mult_prob_error", "timing/step_s",
@@ -110,7 +77,7 @@ def test_single_process_run_logs_required_metrics(tmp_path):
 
 
 def test_reward_function_that_raises_or_hangs_costs_only_its_sample(tmp_path):
-    p = python_train(tmp_path, "env.name=function", "env.reward_fn=tests.e2e_reward_fns:flaky_reward",
+    python_train(tmp_path, "env.name=function", "env.reward_fn=tests.e2e_reward_fns:flaky_reward",
                      "env.timeout_s=2", "grpo.max_num_steps=2", timeout=300)
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2]
@@ -264,3 +231,12 @@ def test_early_stop_on_validation_metric_and_hf_export(tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     for (name, a), b in zip(final.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_cpu_demo_raises_validation_reward_by_015(tmp_path):
+    """The README's demo as shipped (configs/cpu_demo.yaml, 100 steps, ~2 min on 2 cores)."""
+    run([sys.executable, "train_grpo.py", "--config", "configs/cpu_demo.yaml", *paths(tmp_path),
+         "logger.progress_bar=false"], timeout=1800)
+    val = [r["val/reward_mean"] for r in metrics(tmp_path) if "val/reward_mean" in r]
+    assert val[-1] >= val[0] + 0.15, val
