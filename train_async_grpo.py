@@ -143,7 +143,8 @@ def main(argv=None) -> None:
 
     # Weight version = training steps done; the stage is the generation thread's view of it.
     stage = WeightStage()
-    stage.publish(engines.iter_gathered_params(policy), version=state.current_step)
+    refit_bucket = cfg.policy.generation.refit_bucket_numel
+    stage.publish(engines.iter_gathered_params(policy, refit_bucket), version=state.current_step)
 
     def weight_copy() -> HFGeneration:
         """A plain transformers copy of the policy holding the staged weights (generation, validation)."""
@@ -298,7 +299,7 @@ def main(argv=None) -> None:
         train_end = time.time()
 
         # ---- 9. publish the new weights (version = step) to the generation thread; log, validate, save
-        timing["timing/refit_s"] = stage.publish(engines.iter_gathered_params(policy), version=step)
+        timing["timing/refit_s"] = stage.publish(engines.iter_gathered_params(policy, refit_bucket), version=step)
         record_step(state, batch, step)
         state.current_epoch = info["loader_mark"]["epoch"]
         trained_mark = info["loader_mark"]

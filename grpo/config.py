@@ -341,6 +341,8 @@ class GenerationConfig(_Section):
     top_k: Optional[int] = Field(None, gt=0)
     stop_token_ids: Optional[list[int]] = None
     stop_strings: Optional[list[str]] = None
+    # Elements per refit push: ZeRO-3 gathers whole decoder layers until a bucket holds this many.
+    refit_bucket_numel: int = Field(2**28, gt=0)
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
 
 

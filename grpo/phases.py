@@ -41,10 +41,12 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device):
     if backend == "hf":
         from grpo.generation.hf import HFGeneration
 
-        return HFGeneration(cfg.policy, tokenizer, policy_engine.module.config, device)
+        return HFGeneration(cfg.policy, tokenizer, policy_engine.module.config, device,
+                            refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
     from grpo.generation.vllm import VllmGeneration
 
-    return VllmGeneration(cfg, tokenizer, policy_engine, device)
+    return VllmGeneration(cfg, tokenizer, policy_engine, device,
+                          refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
 
 
 def components_tensor(components: list[dict] | None) -> torch.Tensor | None:

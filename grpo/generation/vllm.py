@@ -126,7 +126,7 @@ class VllmGeneration:
     ``cfg``: the MasterConfig. ``policy_engine``: the DeepSpeed engine that `wake_up` reloads from after
     a level-2 sleep and whose optimizer states are offloaded while generating when
     ``vllm_cfg.offload_optimizer_during_generation`` (GPU only). ``recorder``: optional list that
-    receives event names. ``refit_bucket_numel``: elements per pushed bucket (no config field yet).
+    receives event names. ``refit_bucket_numel``: elements per pushed bucket (``policy.generation.refit_bucket_numel``).
     ``gen_cfg`` (``cfg.policy.generation``) is read at every `generate`.
     """
 
