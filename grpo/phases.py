@@ -157,7 +157,8 @@ def generate_and_score(cfg, generator, env, prompts: list[dict], step: int, gen_
 
     Sample i of the batch is seeded with ``sample_seed(grpo.seed, step, gen_batch * len(samples) + i,
     stream)``, so its completion does not depend on which rank generates it. Each rank generates its
-    contiguous share in chunks of ``policy.generation_batch_size``; before each chunk
+    contiguous share in chunks of ``policy.generation_batch_size``, between ``generator.wake_up()`` and
+    ``generator.sleep()`` (no-ops for hf; vLLM's step order); before each chunk
     ``before_chunk()`` runs (the async loop's safe point to load new weights) and returns the weight
     version the chunk uses. Each rank scores its own samples, then the results are gathered over
     ``group`` (None: the default group), so every rank returns the same lists: samples, outputs,
@@ -178,11 +179,16 @@ def generate_and_score(cfg, generator, env, prompts: list[dict], step: int, gen_
     try:
         t = time.perf_counter()
         outputs, versions = [], []
-        for i in range(0, len(local_samples), bs):
-            version = before_chunk() if before_chunk is not None else 0
-            chunk = generator.generate([s["prompt_ids"] for s in local_samples[i:i + bs]], local_seeds[i:i + bs])
-            outputs += chunk
-            versions += [version] * len(chunk)
+        generator.wake_up()  # colocated vLLM: KV cache back (weights came with the last refit)
+        try:
+            for i in range(0, len(local_samples), bs):
+                version = before_chunk() if before_chunk is not None else 0
+                chunk = generator.generate([s["prompt_ids"] for s in local_samples[i:i + bs]],
+                                           local_seeds[i:i + bs])
+                outputs += chunk
+                versions += [version] * len(chunk)
+        finally:
+            generator.sleep()  # step 1 of the vLLM order: free the device for training
         timing["timing/generate_s"] = timing.get("timing/generate_s", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
         scored = env.score([{"question": s["question"], "completion": o.text, "answer": s["answer"],

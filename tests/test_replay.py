@@ -234,19 +234,20 @@ class FakeGenerator:
     """Completion = the sample's seed mod 7 as text; records the chunk sizes it was called with."""
 
     def __init__(self, fail_on_call=None):
-        self.calls, self.fail_on_call = [], fail_on_call
+        self.calls, self.fail_on_call, self.events = [], fail_on_call, []
 
     def generate(self, prompt_ids, seeds, **kw):
+        self.events.append("generate")
         self.calls.append(len(prompt_ids))
         if self.fail_on_call == len(self.calls):
             raise ValueError("prompt 0 has 99 tokens")
         return [GenerationOutput(list(p), [s % 7], [-0.25], "stop", str(s % 7)) for p, s in zip(prompt_ids, seeds)]
 
     def wake_up(self):
-        pass
+        self.events.append("wake_up")
 
     def sleep(self):
-        pass
+        self.events.append("sleep")
 
 
 class FakeEnv:
@@ -277,6 +278,7 @@ def test_chunked_rollout_matches_the_synchronous_rollout_and_tags_chunk_versions
     r = generate_and_score(small_cfg, gen, FakeEnv(), prompts(3), step=4, gen_batch=0, rank=0, world_size=1,
                            timing={}, before_chunk=lambda: next(versions))
     assert gen.calls == [4, 4, 1]  # 9 samples in chunks of policy.generation_batch_size
+    assert gen.events == ["wake_up", "generate", "generate", "generate", "sleep"]  # vLLM: asleep while training
     assert r["versions"] == [5] * 4 + [6] * 4 + [7]
     ref = generate_and_score(small_cfg, FakeGenerator(), FakeEnv(), prompts(3), step=4, gen_batch=0, rank=0,
                              world_size=1, timing={})
