@@ -22,6 +22,7 @@ import hashlib
 import torch
 
 from grpo.generation.base import GenerationOutput
+from grpo.sampling import select_rows
 
 
 def sample_seed(base_seed: int, step: int, sample_index: int, stream: str = "train") -> int:
@@ -102,19 +103,6 @@ def completion_spans(token_mask_bt: torch.Tensor, flags: dict[str, torch.Tensor]
     return spans
 
 
-def select(batch: dict, index: torch.Tensor | slice) -> dict:
-    """Rows ``index`` of every per-sample entry (tensors and lists alike)."""
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = v[index]
-        elif isinstance(index, slice):
-            out[k] = v[index]
-        else:
-            out[k] = [v[i] for i in index.tolist()]
-    return out
-
-
 def trim_padding(batch: dict) -> dict:
     """Drop trailing columns that are padding in every row (after sharding / filtering)."""
     T = int(batch["attention_mask"].sum(dim=1).max().item())
@@ -124,10 +112,10 @@ def trim_padding(batch: dict) -> dict:
 def shard_batch(batch: dict, rank: int, world_size: int) -> dict:
     """This rank's contiguous slice of the global batch, with shared padding trimmed."""
     n = len(batch["input_ids"])
-    return trim_padding(select(batch, rank_slice(n, rank, world_size)))
+    return trim_padding(select_rows(batch, rank_slice(n, rank, world_size)))
 
 
 def micro_batches(batch: dict, size: int) -> list[dict]:
     """Consecutive micro-batches of ``size`` rows, each trimmed to its own longest row."""
     n = len(batch["input_ids"])
-    return [trim_padding(select(batch, slice(i, min(i + size, n)))) for i in range(0, n, size)]
+    return [trim_padding(select_rows(batch, slice(i, min(i + size, n)))) for i in range(0, n, size)]

@@ -27,8 +27,10 @@ def batch_size(batch: Batch) -> int:
     return next(iter(sizes.values()), 0)
 
 
-def select_rows(batch: Batch, index: torch.Tensor | Sequence[int]) -> Batch:
-    """Rows ``index`` (int indices, in that order, or a bool mask ``[B]``) of every value."""
+def select_rows(batch: Batch, index: torch.Tensor | Sequence[int] | slice) -> Batch:
+    """Rows ``index`` (a slice, int indices in that order, or a bool mask ``[B]``) of every value."""
+    if isinstance(index, slice):  # tensors and lists alike; tensor slices are views
+        return {k: v[index] for k, v in batch.items()}
     if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
         index = index.nonzero().flatten()
     index = torch.as_tensor(index, dtype=torch.long)

@@ -16,8 +16,8 @@ from grpo.logprobs import mask_by_seq_logprob_error
 from grpo.loss import calculate_kl, clipped_pg_loss
 from grpo.metrics import global_valid_counts
 from grpo.rewards import apply_reward_penalties, scale_rewards, shape_overlong_rewards
-from grpo.rollout import build_batch, completion_spans, micro_batches, select, shard_batch
-from grpo.sampling import overlong_filter_mask
+from grpo.rollout import build_batch, completion_spans, micro_batches, shard_batch
+from grpo.sampling import overlong_filter_mask, select_rows
 
 
 def build_engines(cfg, world_size: int, total_optimizer_steps: int, skip_ref: bool, rank: int):
@@ -125,7 +125,8 @@ def train_step(cfg, policy, batch: dict, rank: int, world_size: int) -> list[dic
     train_batch = {k: batch[k] for k in TRAIN_KEYS if k in batch}
     results = []
     for start in range(0, len(batch["rewards"]), p.train_global_batch_size):
-        mine = shard_batch(select(train_batch, slice(start, start + p.train_global_batch_size)), rank, world_size)
+        mine = shard_batch(select_rows(train_batch, slice(start, start + p.train_global_batch_size)), rank,
+                           world_size)
         n_tokens, n_seqs = global_valid_counts(mine["token_mask"], mine["sample_mask"])
 
         def loss_closure(logprobs_bt, mb, n_tokens=n_tokens, n_seqs=n_seqs):

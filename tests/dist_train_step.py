@@ -53,7 +53,8 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     export. Returns (full weights, results, logprobs [5, T]). Needs the process group."""
     from grpo import engines
     from grpo.config import MasterConfig
-    from grpo.rollout import all_gather_objects, micro_batches, rank_slice, select
+    from grpo.rollout import all_gather_objects, micro_batches, rank_slice
+    from grpo.sampling import select_rows
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cfg = MasterConfig.model_validate({
@@ -70,14 +71,14 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     for step in range(STEPS):
         batch = make_batch(step, vocab)
         global_tokens = float(batch["token_mask"].sum())
-        mine = select(batch, slice(rank * per_rank, (rank + 1) * per_rank))
+        mine = select_rows(batch, slice(rank * per_rank, (rank + 1) * per_rank))
         results.append(engines.train_on_batch(
             engine, micro_batches(mine, MICRO_BATCH),
             lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb["token_mask"].sum()}),
         ))
     weights = {name: t.clone() for bucket in engines.iter_gathered_params(engine) for name, t in bucket}
-    rows = select(make_batch(STEPS, vocab), slice(0, 5))
-    mine = select(rows, rank_slice(5, rank, world))
+    rows = select_rows(make_batch(STEPS, vocab), slice(0, 5))
+    mine = select_rows(rows, rank_slice(5, rank, world))
     lp = engines.compute_logprobs(engine, mine["input_ids"], mine["attention_mask"], 1.0, micro_batch_size=2)
     logprobs = torch.cat(all_gather_objects([lp]))
     if export_dir is not None:
