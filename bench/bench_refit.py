@@ -18,23 +18,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_BENCH = REPO.parent / "shared" / "bench"
 sys.path.insert(0, str(REPO))
 
-
-def build_workload(workload: Path) -> None:
-    if (workload / "manifest.json").exists():
-        return
-    script = SHARED_BENCH / "make_workload.py"
-    if not script.exists():
-        raise SystemExit(f"{script} not found: build the workload with the shared make_workload.py --dir {workload}")
-    subprocess.run([sys.executable, str(script), "--dir", str(workload)], check=True)
+from bench.bench_step import build_workload  # noqa: E402  (the one builder of the shared workload)
 
 
 def bench_config(workload: Path, model: str):
