@@ -251,3 +251,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    from grpo.engines import exit_process
+
+    exit_process(0)  # without interpreter finalization: see its docstring

@@ -118,3 +118,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from grpo.engines import exit_process
+
+    exit_process(0)

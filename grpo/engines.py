@@ -18,10 +18,12 @@ import os
 import re
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -80,9 +82,32 @@ def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torc
 
 
 def shutdown() -> None:
-    """Destroy the process group (end of a run)."""
+    """End of a run: wait until every rank is here (no rank closes its sockets while a peer is still in
+    a collective), then destroy the process group."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """Leave a launched script without interpreter finalization: call it last, after `shutdown`.
+
+    DeepSpeed's engines outlive `destroy_process_group` (its hooks are held by C++ autograd nodes and
+    `deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`), and with them the gloo process
+    groups and their worker threads. A gloo worker that drops the last reference to a finished
+    collective's tensors takes the GIL to free them; during finalization that cancels the thread
+    inside C++ and the process aborts with "terminate called without an active exception" (SIGABRT,
+    about one exit in 20 with two ranks; pytorch/pytorch PR 179291 describes it). main() has closed
+    the logger, the scoring pool and the generation engine by then: flush the standard streams and
+    `os._exit`.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -103,3 +103,6 @@ def main(model_dir: str, out_path: str, export_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3])
+    from grpo.engines import exit_process
+
+    exit_process(0)

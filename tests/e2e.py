@@ -16,15 +16,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(threads: int = 2) -> dict:
-    """This environment without any launcher variables, CPU-only and offline, ``threads`` torch threads."""
+def child_env(threads: int | None = 2) -> dict:
+    """This environment without any launcher variables, CPU-only and offline, ``threads`` torch threads
+    (None: the library's choice). Python tracebacks of every thread are printed on a fatal signal."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
-               OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+               PYTHONFAULTHANDLER="1", PYTHONPATH=str(REPO))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
-def run(cmd: list[str], timeout: int = 300, threads: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: int = 300, threads: int | None = 2, check: bool = True) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, cwd=REPO, env=child_env(threads), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\n"

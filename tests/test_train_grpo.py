@@ -140,7 +140,7 @@ def test_reward_rises_on_learnable_task(tmp_path):
 def test_one_and_two_processes_give_the_same_loss(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     python_train(one, "grpo.max_num_steps=2", "checkpointing.enabled=false")
-    run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "train_grpo.py", "--config", TINY,
+    run(["torchrun", "--standalone", "--nproc_per_node", "2", "train_grpo.py", "--config", TINY,
          *overrides(two, "grpo.max_num_steps=2", "checkpointing.enabled=false")], threads=1)
     a, b = train_rows(one), train_rows(two)
     for step in (1, 2):

