@@ -46,7 +46,8 @@ def load_run_config(argv=None):
     return train_grpo.load_run_config(argv, DEFAULT_CONFIG, asynchronous=True)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> str | None:
+    """Train; return None, or the error message of a run that the generation thread stopped (exit 1)."""
     args, cfg = load_run_config(argv)
 
     # Heavy imports only once the config is known to be good.
@@ -359,11 +360,12 @@ def main(argv=None) -> None:
         where = (f"a checkpoint of step {state.current_step} is in {cfg.checkpointing.checkpoint_dir}: rerun the "
                  "same command to resume" if cfg.checkpointing.enabled else "checkpointing is off: nothing to resume")
         hint = " (raise grpo.async_grpo.max_generation_failures to tolerate more)" if "failures >" in failure else ""
-        raise SystemExit(f"error: the generation thread stopped the run: {failure}.\n  {where}{hint}")
+        return f"error: the generation thread stopped the run: {failure}.\n  {where}{hint}"
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    stopped = main()
     from grpo.engines import exit_process
 
-    exit_process(0)  # without interpreter finalization: see its docstring
+    exit_process(stopped)  # without interpreter finalization: see its docstring

@@ -90,8 +90,10 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def exit_process(code: int = 0) -> NoReturn:
+def exit_process(status: int | str | None = 0) -> NoReturn:
     """Leave a launched script without interpreter finalization: call it last, after `shutdown`.
+    ``status`` as `SystemExit` takes it: None or an int is the exit status; a message is printed to
+    stderr and the status is 1.
 
     DeepSpeed's engines outlive `destroy_process_group` (its hooks are held by C++ autograd nodes and
     `deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`), and with them the gloo process
@@ -102,12 +104,15 @@ def exit_process(code: int = 0) -> NoReturn:
     the logger, the scoring pool and the generation engine by then: flush the standard streams and
     `os._exit`.
     """
+    if isinstance(status, str):
+        print(status, file=sys.stderr)
+        status = 1
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)
+    os._exit(status or 0)
 
 
 def _all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

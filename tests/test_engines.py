@@ -116,14 +116,15 @@ def test_build_ds_config_rejects_optimizer_section_and_unknown_auto(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # lr schedule
 # --------------------------------------------------------------------------------------------------
-def test_exit_process_flushes_and_skips_finalization():
-    """`exit_process` keeps what was printed, returns the code, and runs no exit-time Python code (no
-    atexit handler, no finalization: where a gloo worker's GIL take would abort the process)."""
-    code = ("import atexit, sys; from grpo.engines import exit_process; "
-            "atexit.register(lambda: print('atexit ran')); print('out'); sys.stderr.write('err'); exit_process(3)")
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+@pytest.mark.parametrize("status, code, err", [("3", 3, "err"), ("'stopped'", 1, "errstopped\n")])
+def test_exit_process_flushes_and_skips_finalization(status, code, err):
+    """`exit_process` keeps what was printed, exits with the status (a message: printed, status 1) and runs
+    no exit-time Python code (no atexit handler, no finalization, where a gloo worker's GIL take aborts)."""
+    prog = ("import atexit, sys; from grpo.engines import exit_process; atexit.register(lambda: print('atexit ran'));"
+            f" print('out'); sys.stderr.write('err'); exit_process({status})")
+    p = subprocess.run([sys.executable, "-c", prog], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert (p.returncode, p.stdout, p.stderr[-3:]) == (3, "out\n", "err")
+    assert (p.returncode, p.stdout, p.stderr[-len(err):]) == (code, "out\n", err)
 
 
 def test_lr_lambda_values():
