@@ -47,7 +47,7 @@ def load_run_config(argv=None):
 
 
 def main(argv=None) -> str | None:
-    """Train; return None, or the error message of a run that the generation thread stopped (exit 1)."""
+    """Train; return None, or the error message of a run that cannot go on (the script exits 1 with it)."""
     args, cfg = load_run_config(argv)
 
     # Heavy imports only once the config is known to be good.
@@ -94,7 +94,7 @@ def main(argv=None) -> str | None:
     loader = build_dataloader(train_ds, batch_size=g.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=g.seed)
     env = build_env(cfg.env, cfg.data)  # the generation thread's; validation builds its own
     if len(loader) == 0:
-        raise SystemExit(f"error: {len(train_ds)} training prompts < {g.num_prompts_per_step} prompts per step")
+        return f"error: {len(train_ds)} training prompts < {g.num_prompts_per_step} prompts per step"
     total_steps = min(g.max_num_steps, g.max_num_epochs * len(loader))
     opt_steps_per_step = g.num_prompts_per_step * G // cfg.policy.train_global_batch_size
     policy, reference, teacher = build_engines(cfg, world_size, total_steps * opt_steps_per_step, skip_ref, rank)
@@ -113,7 +113,7 @@ def main(argv=None) -> str | None:
     trained_mark = {"epoch": 0, "loader": None}
     latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
     if args.export_hf is not None and latest is None:
-        raise SystemExit(f"error: --export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
+        return f"error: --export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}"
     if latest is not None:
         ckpt.clean_partial()
         state, loader_state, extra = ckpt.load(latest, policy)
@@ -125,7 +125,7 @@ def main(argv=None) -> str | None:
                 buffer = ReplayBuffer(a.max_trajectory_age_steps)
     if args.export_hf is not None:
         engines.export_hf(policy, args.export_hf, tokenizer)
-        return
+        return None
     buffered = buffer.entries()
     gen_mark = buffered[-1]["group"]["batch"]["loader_mark"] if buffered else trained_mark
     if gen_mark["loader"] is not None:

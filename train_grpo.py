@@ -66,7 +66,8 @@ def load_run_config(argv=None, default_config: str = DEFAULT_CONFIG,
     return args, cfg
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> str | None:
+    """Train; return None, or the error message of a run that cannot go on (the script exits 1 with it)."""
     args, cfg = load_run_config(argv)
 
     # Heavy imports only once the config is known to be good.
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
     loader = build_dataloader(train_ds, batch_size=prompts_per_gen_batch, shuffle=cfg.data.shuffle, seed=g.seed)
     env = build_env(cfg.env, cfg.data)
     if len(loader) == 0:
-        raise SystemExit(f"error: {len(train_ds)} training prompts < {prompts_per_gen_batch} prompts per step")
+        return f"error: {len(train_ds)} training prompts < {prompts_per_gen_batch} prompts per step"
     total_steps = min(g.max_num_steps, g.max_num_epochs * len(loader))
     opt_steps_per_step = g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
     policy, reference, teacher = build_engines(cfg, world_size, total_steps * opt_steps_per_step, skip_ref, rank)
@@ -122,7 +123,7 @@ def main(argv=None) -> None:
     state = GRPOSaveState()
     latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
     if args.export_hf is not None and latest is None:
-        raise SystemExit(f"error: --export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
+        return f"error: --export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}"
     if latest is not None:
         ckpt.clean_partial()
         state, loader_state, _ = ckpt.load(latest, policy)
@@ -130,7 +131,7 @@ def main(argv=None) -> None:
             loader.load_state_dict(loader_state)
     if args.export_hf is not None:
         engines.export_hf(policy, args.export_hf, tokenizer)
-        return
+        return None
     logger = MetricsLogger(cfg.logger, rank, cfg.model_dump(mode="json"), total_steps, state.current_step)
     if latest is not None:
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
@@ -247,10 +248,11 @@ def main(argv=None) -> None:
     env.close()
     generator.close()
     engines.shutdown()
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    stopped = main()
     from grpo.engines import exit_process
 
-    exit_process(0)  # without interpreter finalization: see its docstring
+    exit_process(stopped)  # without interpreter finalization: see its docstring

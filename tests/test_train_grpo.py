@@ -217,6 +217,12 @@ def test_algorithm_knobs_run_end_to_end(tmp_path, name):
         assert (tmp_path / "logs" / "wandb").exists()
 
 
+def test_export_hf_without_a_checkpoint_exits_1_naming_the_directory(tmp_path):
+    p = python_train(tmp_path, "--export-hf", str(tmp_path / "exported"), check=False)
+    assert p.returncode == 1 and f"error: --export-hf: no checkpoint in {tmp_path / 'ckpt'}" in p.stderr, p.stderr
+    assert not (tmp_path / "exported").exists()
+
+
 def test_early_stop_on_validation_metric_and_hf_export(tmp_path):
     p = python_train(tmp_path, "grpo.max_num_steps=6", "grpo.val_period=2", "grpo.stop_at_validation_metric=reward_mean",
                      "grpo.stop_at_validation_threshold=0.0", "grpo.val_num_generations_per_prompt=2")
