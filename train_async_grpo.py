@@ -62,7 +62,7 @@ def main(argv=None) -> str | None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from transformers import AutoModelForCausalLM
 
-    from grpo import engines
+    from grpo import engines, weights
     from grpo.checkpoint import CheckpointManager, GRPOSaveState
     from grpo.data import build_dataloader
     from grpo.envs import build_env
@@ -124,7 +124,7 @@ def main(argv=None) -> str | None:
                    for e in buffer.entries()):  # saved under a looser bound: regenerate the window
                 buffer = ReplayBuffer(a.max_trajectory_age_steps)
     if args.export_hf is not None:
-        engines.export_hf(policy, args.export_hf, tokenizer)
+        weights.export_hf(policy, args.export_hf, tokenizer)
         return None
     buffered = buffer.entries()
     gen_mark = buffered[-1]["group"]["batch"]["loader_mark"] if buffered else trained_mark
@@ -145,7 +145,7 @@ def main(argv=None) -> str | None:
     # Weight version = training steps done; the stage is the generation thread's view of it.
     stage = WeightStage()
     refit_bucket = cfg.policy.generation.refit_bucket_numel
-    stage.publish(engines.iter_gathered_params(policy, refit_bucket), version=state.current_step)
+    stage.publish(weights.iter_gathered_params(policy, refit_bucket), version=state.current_step)
 
     def weight_copy() -> HFGeneration:
         """A plain transformers copy of the policy holding the staged weights (generation, validation)."""
@@ -168,7 +168,7 @@ def main(argv=None) -> str | None:
     def save(step: int, val_metrics: dict | None) -> None:
         if val_metrics is not None:
             state.val_reward = float(val_metrics["reward_mean"])
-        export = (lambda d: engines.export_hf(policy, d, tokenizer)) if cfg.checkpointing.save_consolidated else None
+        export = (lambda d: weights.export_hf(policy, d, tokenizer)) if cfg.checkpointing.save_consolidated else None
         ckpt.save(step, policy, state, trained_mark["loader"], extra={"replay_buffer": buffer.state_dict()},
                   export_fn=export)
 
@@ -300,7 +300,7 @@ def main(argv=None) -> str | None:
         train_end = time.time()
 
         # ---- 9. publish the new weights (version = step) to the generation thread; log, validate, save
-        timing["timing/refit_s"] = stage.publish(engines.iter_gathered_params(policy, refit_bucket), version=step)
+        timing["timing/refit_s"] = stage.publish(weights.iter_gathered_params(policy, refit_bucket), version=step)
         record_step(state, batch, step)
         state.current_epoch = info["loader_mark"]["epoch"]
         trained_mark = info["loader_mark"]
@@ -348,7 +348,7 @@ def main(argv=None) -> str | None:
                 state.current_step % cfg.checkpointing.save_period):
             save(state.current_step, None)
     if failure is None and cfg.checkpointing.enabled:  # the trained policy as consolidated HF safetensors
-        engines.export_hf(policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), tokenizer)
+        weights.export_hf(policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), tokenizer)
     logger.write(f"done: {state.current_step} steps" + (f", last val/reward_mean {state.val_reward:.4g}"
                                                          if state.val_reward > -99999999.0 else ""))
     logger.close()

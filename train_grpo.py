@@ -81,7 +81,7 @@ def main(argv=None) -> str | None:
     if not torch.cuda.is_available():  # DeepSpeed would otherwise warn that it falls back to its CPU accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-    from grpo import engines
+    from grpo import engines, weights
     from grpo.advantages import baseline_and_std_per_prompt
     from grpo.checkpoint import CheckpointManager, GRPOSaveState
     from grpo.data import build_dataloader
@@ -130,7 +130,7 @@ def main(argv=None) -> str | None:
         if loader_state is not None:
             loader.load_state_dict(loader_state)
     if args.export_hf is not None:
-        engines.export_hf(policy, args.export_hf, tokenizer)
+        weights.export_hf(policy, args.export_hf, tokenizer)
         return None
     logger = MetricsLogger(cfg.logger, rank, cfg.model_dump(mode="json"), total_steps, state.current_step)
     if latest is not None:
@@ -150,7 +150,7 @@ def main(argv=None) -> str | None:
     def save(step: int, val_metrics: dict | None) -> None:
         if val_metrics is not None:
             state.val_reward = float(val_metrics["reward_mean"])
-        export = (lambda d: engines.export_hf(policy, d, tokenizer)) if cfg.checkpointing.save_consolidated else None
+        export = (lambda d: weights.export_hf(policy, d, tokenizer)) if cfg.checkpointing.save_consolidated else None
         ckpt.save(step, policy, state, loader.state_dict(), export_fn=export)
 
     # Prompt batches across epochs; the StatefulDataLoader resumes mid-epoch from its saved state.
@@ -241,7 +241,7 @@ def main(argv=None) -> str | None:
         if cfg.checkpointing.enabled and state.current_step % cfg.checkpointing.save_period:
             save(state.current_step, None)
     if cfg.checkpointing.enabled:  # the trained policy as consolidated HF safetensors (from_pretrained loads it)
-        engines.export_hf(policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), tokenizer)
+        weights.export_hf(policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), tokenizer)
     logger.write(f"done: {state.current_step} steps" + (f", last val/reward_mean {state.val_reward:.4g}"
                                                          if state.val_reward > -99999999.0 else ""))
     logger.close()

@@ -51,7 +51,7 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     """STEPS calls of `train_on_batch` on this rank's shard, then logprobs of `make_batch(STEPS)` with
     ranks holding unequal shares (5 rows: 3 + 2 with 2 ranks, so unequal forward counts) and an HF
     export. Returns (full weights, results, logprobs [5, T]). Needs the process group."""
-    from grpo import engines
+    from grpo import engines, weights
     from grpo.config import MasterConfig
     from grpo.rollout import all_gather_objects, micro_batches, rank_slice
     from grpo.sampling import select_rows
@@ -76,7 +76,7 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
             engine, micro_batches(mine, MICRO_BATCH),
             lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb["token_mask"].sum()}),
         ))
-    weights = {name: t.clone() for bucket in engines.iter_gathered_params(engine) for name, t in bucket}
+    full = {name: t.clone() for bucket in weights.iter_gathered_params(engine) for name, t in bucket}
     rows = select_rows(make_batch(STEPS, vocab), slice(0, 5))
     mine = select_rows(rows, rank_slice(5, rank, world))
     lp = engines.compute_logprobs(engine, mine["input_ids"], mine["attention_mask"], 1.0, micro_batch_size=2)
@@ -84,8 +84,8 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     if export_dir is not None:
         from grpo.toy import build_char_tokenizer
 
-        engines.export_hf(engine, export_dir, build_char_tokenizer())
-    return weights, results, logprobs
+        weights.export_hf(engine, export_dir, build_char_tokenizer())
+    return full, results, logprobs
 
 
 def main(model_dir: str, out_path: str, export_dir: str) -> None:

@@ -20,7 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from grpo import engines
+from grpo import engines, weights
 from grpo.config import MasterConfig
 from grpo.toy import build_char_tokenizer, save_tiny_model
 
@@ -233,7 +233,7 @@ def _check_buckets(buckets, plain_model):
 @pytest.mark.parametrize("bucket_numel,n_layer_buckets", [(1, 2), (10**9, 1)])
 def test_iter_gathered_params_whole_layers(policy_engine, plain_model, bucket_numel, n_layer_buckets):
     buckets = []
-    for bucket in engines.iter_gathered_params(policy_engine, bucket_numel):
+    for bucket in weights.iter_gathered_params(policy_engine, bucket_numel):
         buckets.append([(n, t.clone()) for n, t in bucket])
     _check_buckets(buckets, plain_model)
     n_layer = sum(any(".layers." in n for n, _ in b) for b in buckets)
@@ -255,7 +255,7 @@ def test_layer_buckets_packs_whole_layers_by_ds_numel():
     for i in range(5):
         named += [(f"model.layers.{i}.a", P(6)), (f"model.layers.{i}.b", P(4))]
     named += [("model.norm.weight", P(1)), ("lm_head.weight", P(50))]
-    buckets = engines.layer_buckets(named, bucket_numel=25)
+    buckets = weights.layer_buckets(named, bucket_numel=25)
     sizes = [[n for n, _ in b] for b in buckets]
     assert sizes[0] == ["model.embed.weight"]
     # 10 elements per layer, 25 per bucket: layers {0,1}, {2,3}, {4}
@@ -269,10 +269,10 @@ def test_export_hf_roundtrip(policy_engine, tmp_path):
     tok = build_char_tokenizer()
     out = tmp_path / "export"
     for _ in range(2):  # the second export replaces the first
-        engines.export_hf(policy_engine, str(out), tok)
+        weights.export_hf(policy_engine, str(out), tok)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], "temporary directories left behind"
     reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    gathered = {n: t.clone() for b in engines.iter_gathered_params(policy_engine) for n, t in b}
+    gathered = {n: t.clone() for b in weights.iter_gathered_params(policy_engine) for n, t in b}
     assert set(gathered) == {n for n, _ in reloaded.named_parameters()}
     for n, p in reloaded.named_parameters():
         torch.testing.assert_close(p, gathered[n], atol=0, rtol=0)
@@ -294,11 +294,11 @@ def test_logprobs_gather_export_interleave_with_training(model_dir, dist_group, 
     for _ in range(2):
         engines.train_on_batch(engine, mbs, closure)
         got = engines.compute_logprobs(engine, ids, mask, 1.0, micro_batch_size=2)
-        weights = {n: t.clone() for b in engines.iter_gathered_params(engine) for n, t in b}
-        engines.export_hf(engine, str(tmp_path / "hf"), build_char_tokenizer())
+        gathered = {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
+        weights.export_hf(engine, str(tmp_path / "hf"), build_char_tokenizer())
         plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
         for n, p in plain.named_parameters():
-            torch.testing.assert_close(p, weights[n], atol=0, rtol=0)
+            torch.testing.assert_close(p, gathered[n], atol=0, rtol=0)
         torch.testing.assert_close(got, _reference_logprobs(plain, ids, mask, 1.0), atol=1e-5, rtol=0)
 
 
@@ -310,7 +310,7 @@ def _one_step(cfg):
     mask[1, 6:] = 0
     out = engines.train_on_batch(engine, [{"input_ids": ids, "attention_mask": mask}],
                                  lambda lp, mb: ((lp**2).sum() / 14, {}))
-    return out, {n: t.clone() for b in engines.iter_gathered_params(engine) for n, t in b}
+    return out, {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
 
 
 def test_activation_checkpointing_gives_the_same_step(model_dir, dist_group):

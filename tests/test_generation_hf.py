@@ -246,7 +246,7 @@ def test_generate_checks_arguments(tok, model):
 def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from grpo import engines
+    from grpo import engines, weights
     from grpo.toy import save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "m"), seed=5)
@@ -261,7 +261,7 @@ def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
     assert not any(p.numel() == 0 for p in gen.model.parameters()), "the copy must not be partitioned"
 
     def gathered():
-        return {n: t.clone() for b in engines.iter_gathered_params(engine) for n, t in b}
+        return {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
 
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert gen.refit(engine) >= 0

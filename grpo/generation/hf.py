@@ -1,7 +1,7 @@
 """The `hf` generation backend: transformers `generate` on a plain, unsharded copy of the policy.
 
 Each rank holds one copy; `refit` fills it from the ZeRO engine a few whole decoder layers at a time
-(`grpo.engines.iter_gathered_params`). Generation is greedy decoding over `SeededSampler`'s scores
+(`grpo.weights.iter_gathered_params`). Generation is greedy decoding over `SeededSampler`'s scores
 (filtered logits + per-sample Gumbel noise), with the KV cache, left padding and chunks of
 `policy.generation_batch_size` prompts. Per-sample limits (length cap, stop strings) are applied by a
 per-row stopping criterion and, exactly, by `cut_completion` afterwards, so a sample never depends on
@@ -15,7 +15,8 @@ import time
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from grpo.engines import DTYPES, iter_gathered_params
+from grpo.engines import DTYPES
+from grpo.weights import iter_gathered_params
 from grpo.generation.base import GenerationOutput, cut_completion, length_caps
 from grpo.generation.sampling import SeededSampler
 

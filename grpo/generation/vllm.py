@@ -288,7 +288,7 @@ class VllmGeneration:
 
     def _push_all(self, engine, per_parameter: bool) -> None:
         """Gather ZeRO-3 weights bucket by bucket and push each bucket (collective)."""
-        from grpo.engines import iter_gathered_params
+        from grpo.weights import iter_gathered_params
 
         self._warm_up_engine(engine)
         for bucket in iter_gathered_params(engine, self.refit_bucket_numel):
