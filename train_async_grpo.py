@@ -49,6 +49,7 @@ def load_run_config(argv=None):
 def main(argv=None) -> str | None:
     """Train; return None, or the error message of a run that cannot go on (the script exits 1 with it)."""
     args, cfg = load_run_config(argv)
+    t_run = time.monotonic()  # checkpointing.checkpoint_must_save_by counts from here
 
     # Heavy imports only once the config is known to be good.
     import threading
@@ -63,7 +64,7 @@ def main(argv=None) -> str | None:
     from transformers import AutoModelForCausalLM
 
     from grpo import engines, weights
-    from grpo.checkpoint import CheckpointManager, GRPOSaveState
+    from grpo.checkpoint import CheckpointManager, GRPOSaveState, SaveDeadline
     from grpo.data import build_dataloader
     from grpo.envs import build_env
     from grpo.generation.hf import HFGeneration
@@ -261,6 +262,7 @@ def main(argv=None) -> str | None:
 
     # ================================================================ the loop (the trainer)
     stop_reason, failure = None, None
+    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=t_run)
     busy_prev, wall_prev = gen_stats["busy_s"], time.perf_counter()
     while state.current_step < total_steps:
         step = state.current_step + 1
@@ -329,7 +331,8 @@ def main(argv=None) -> str | None:
         logger.log(step_metrics, step)
         logger.progress(step, step_metrics)
 
-        stop_reason = validate_save_or_stop(cfg, step, total_steps, state, step_metrics, validate, save, logger)
+        stop_reason = validate_save_or_stop(cfg, step, total_steps, state, step_metrics, validate, save, logger,
+                                            deadline)
         if stop_reason is not None:
             break
 
@@ -347,7 +350,7 @@ def main(argv=None) -> str | None:
         if stop_reason == "out of training data" and cfg.checkpointing.enabled and (
                 state.current_step % cfg.checkpointing.save_period):
             save(state.current_step, None)
-    if failure is None and cfg.checkpointing.enabled:  # the trained policy as consolidated HF safetensors
+    if failure is None and not deadline.reached and cfg.checkpointing.enabled:  # the trained policy, consolidated
         weights.export_hf(policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), tokenizer)
     logger.write(f"done: {state.current_step} steps" + (f", last val/reward_mean {state.val_reward:.4g}"
                                                          if state.val_reward > -99999999.0 else ""))

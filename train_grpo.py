@@ -69,6 +69,7 @@ def load_run_config(argv=None, default_config: str = DEFAULT_CONFIG,
 def main(argv=None) -> str | None:
     """Train; return None, or the error message of a run that cannot go on (the script exits 1 with it)."""
     args, cfg = load_run_config(argv)
+    t_run = time.monotonic()  # checkpointing.checkpoint_must_save_by counts from here
 
     # Heavy imports only once the config is known to be good.
     import warnings
@@ -83,7 +84,7 @@ def main(argv=None) -> str | None:
 
     from grpo import engines, weights
     from grpo.advantages import baseline_and_std_per_prompt
-    from grpo.checkpoint import CheckpointManager, GRPOSaveState
+    from grpo.checkpoint import CheckpointManager, GRPOSaveState, SaveDeadline
     from grpo.data import build_dataloader
     from grpo.envs import build_env
     from grpo.logging import MetricsLogger
@@ -173,6 +174,7 @@ def main(argv=None) -> str | None:
 
     # ================================================================ the loop
     stop_reason = None
+    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=t_run)
     while state.current_step < total_steps:
         step = state.current_step + 1
         t_step = time.perf_counter()
@@ -231,7 +233,8 @@ def main(argv=None) -> str | None:
         step_metrics["train/epoch"] = state.current_epoch
         logger.log(step_metrics, step)
         logger.progress(step, step_metrics)
-        stop_reason = validate_save_or_stop(cfg, step, total_steps, state, step_metrics, validate, save, logger)
+        stop_reason = validate_save_or_stop(cfg, step, total_steps, state, step_metrics, validate, save, logger,
+                                            deadline)
         if stop_reason is not None:
             break
 
@@ -240,7 +243,7 @@ def main(argv=None) -> str | None:
         logger.write(f"stopping at step {state.current_step}: {stop_reason}")
         if cfg.checkpointing.enabled and state.current_step % cfg.checkpointing.save_period:
             save(state.current_step, None)
-    if cfg.checkpointing.enabled:  # the trained policy as consolidated HF safetensors (from_pretrained loads it)
+    if cfg.checkpointing.enabled and not deadline.reached:  # the trained policy, consolidated (from_pretrained)
         weights.export_hf(policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), tokenizer)
     logger.write(f"done: {state.current_step} steps" + (f", last val/reward_mean {state.val_reward:.4g}"
                                                          if state.val_reward > -99999999.0 else ""))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import CheckpointingConfig
+from grpo.config import CheckpointingConfig, dhms_seconds
 
 
 @dataclass
@@ -42,6 +42,41 @@ class GRPOSaveState:
     total_valid_tokens: int = 0
     val_reward: float = -99999999.0
     metrics: dict = field(default_factory=dict)
+
+
+class SaveDeadline:
+    """`checkpointing.checkpoint_must_save_by`: stop, with a checkpoint, before a job's time limit.
+
+    Time counts from ``started_at`` (the start of the run; default: now) and steps from when the
+    deadline is made (just before the first step). After each step, `due()` says whether another step
+    would not fit: the time used plus the longest step so far (validation and saving included) reaches
+    the limit. Every rank calls `due()` together; one rank due makes all due.
+
+        >>> clock = iter([5.0, 10.0, 20.0, 30.0])
+        >>> deadline = SaveDeadline("00:00:00:35", clock=lambda: next(clock), started_at=0.0)
+        >>> deadline.due(), deadline.due(), deadline.due(), deadline.reached
+        (False, False, True, True)
+    """
+
+    def __init__(self, spec: str | None, clock=time.monotonic, started_at: float | None = None):
+        self.spec = spec
+        self.limit_s = None if spec is None else dhms_seconds(spec)
+        self.clock = clock
+        self.last = clock()
+        self.start = self.last if started_at is None else started_at
+        self.longest_step_s = 0.0
+        self.reached = False
+
+    def due(self) -> bool:
+        if self.limit_s is None:
+            return False
+        from grpo.engines import any_rank
+
+        now = self.clock()
+        self.longest_step_s = max(self.longest_step_s, now - self.last)
+        self.last = now
+        self.reached = any_rank(now - self.start + self.longest_step_s >= self.limit_s)
+        return self.reached
 
 
 def _barrier() -> None:

@@ -25,6 +25,20 @@ class ConfigError(ValueError):
     """A config that cannot run. The message names the dotted key, the value and what was expected."""
 
 
+def dhms_seconds(spec: str, key: str = "duration") -> int:
+    """Seconds in a "DD:HH:MM:SS" duration (NeMo-RL's `checkpoint_must_save_by` format).
+
+        >>> dhms_seconds("00:03:45:00"), dhms_seconds("0:0:0:1")
+        (13500, 1)
+    """
+    parts = spec.split(":")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{key}={spec!r}: expected a duration \"DD:HH:MM:SS\" such as \"00:03:45:00\" "
+                         "(two-digit fields: YAML reads 1:00:00:00 as a base-60 number)")
+    days, hours, minutes, seconds = (int(p) for p in parts)
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -456,6 +470,9 @@ class CheckpointingConfig(_Section):
     higher_is_better: bool = True
     keep_top_k: Optional[int] = Field(3, gt=0)
     save_period: int = Field(10, gt=0)
+    # Stop with a checkpoint before a job's time limit: "DD:HH:MM:SS" of wall time from the start of the
+    # run (e.g. "00:03:45:00" under a 4-hour SLURM limit). A step is not started when the longest step
+    # so far would not fit; rerunning the same command resumes.
     checkpoint_must_save_by: Optional[str] = None
     model_save_format: Literal["safetensors"] = "safetensors"
     # Write consolidated HF safetensors (from_pretrained-loadable) with each checkpoint and at the end.
@@ -464,6 +481,22 @@ class CheckpointingConfig(_Section):
     resume: bool = True
     # Async GRPO: restore the replay deque on resume (false: regenerate it from the rewound data).
     load_replay_buffer: bool = True
+
+    @field_validator("checkpoint_must_save_by", mode="before")
+    @classmethod
+    def _deadline(cls, v):
+        if v is not None:  # YAML reads an unquoted 1:00:00:00 as the base-60 integer 216000
+            dhms_seconds(v if isinstance(v, str) else repr(v), key="checkpointing.checkpoint_must_save_by")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "CheckpointingConfig":
+        if self.checkpoint_must_save_by is not None and not self.enabled:
+            raise ValueError(
+                f"checkpointing.checkpoint_must_save_by={self.checkpoint_must_save_by!r}: saving before the "
+                "time limit needs checkpointing.enabled=true"
+            )
+        return self
 
 
 class RewardPenaltyTokenIdsConfig(_Section):

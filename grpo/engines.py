@@ -111,6 +111,11 @@ def exit_process(status: int | str | None = 0) -> NoReturn:
     os._exit(status or 0)
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (a collective)."""
+    return bool(_all_reduce(torch.tensor([float(flag)], device=_comm_device()), op="max").item())
+
+
 def _all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)

@@ -150,9 +150,12 @@ def record_step(state, batch: dict, step: int) -> None:
     state.total_valid_tokens += int((batch["token_mask"] * batch["sample_mask"][:, None]).sum())
 
 
-def validate_save_or_stop(cfg, step: int, total_steps: int, state, step_metrics: dict, validate, save, logger):
+def validate_save_or_stop(cfg, step: int, total_steps: int, state, step_metrics: dict, validate, save, logger,
+                          deadline=None):
     """Validation on ``val_period`` (and at the end), checkpoint on ``save_period`` (and at the end),
-    early stop on ``stop_at_validation_metric``. Returns the stop message, or None to go on."""
+    early stop on ``stop_at_validation_metric``, and a checkpoint and stop when ``deadline`` (a
+    `grpo.checkpoint.SaveDeadline`) leaves no time for another step. Returns the stop message, or None
+    to go on."""
     from grpo.metrics import validation_early_stop
 
     g = cfg.grpo
@@ -167,11 +170,15 @@ def validate_save_or_stop(cfg, step: int, total_steps: int, state, step_metrics:
     saved = cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or last)
     if saved:
         save(step, val_metrics)
-    if val_metrics is None or g.stop_at_validation_metric is None:
-        return None
-    stop, _, message = validation_early_stop(val_metrics, g.stop_at_validation_metric,
-                                             g.stop_at_validation_threshold)
-    if not stop:
+    message = None
+    if val_metrics is not None and g.stop_at_validation_metric is not None:
+        stop, _, text = validation_early_stop(val_metrics, g.stop_at_validation_metric,
+                                              g.stop_at_validation_threshold)
+        message = text if stop else None
+    if message is None and not last and deadline is not None and deadline.due():
+        message = (f"checkpointing.checkpoint_must_save_by={deadline.spec}: no time left for another step "
+                   f"(the longest took {deadline.longest_step_s:.0f} s); rerun the same command to resume")
+    if message is None:
         return None
     logger.write(message)
     if cfg.checkpointing.enabled and not saved:

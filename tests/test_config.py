@@ -84,6 +84,11 @@ def test_every_shipped_recipe_loads(path):
     (["grpo.stop_at_validation_metric=reward_mean"], "grpo.stop_at_validation_threshold", "set together"),
     (["env.name=function"], "env.reward_fn", "package.module:function"),
     (["grpo.max_rollout_turns=3"], "grpo.max_rollout_turns=3", "single-turn"),
+    (["checkpointing.checkpoint_must_save_by=3:45:00"], "checkpointing.checkpoint_must_save_by", "DD:HH:MM:SS"),
+    (["checkpointing.checkpoint_must_save_by=1:00:00:00"], "checkpointing.checkpoint_must_save_by='216000'",
+     "base-60"),
+    (["checkpointing.checkpoint_must_save_by=00:03:45:00", "checkpointing.enabled=false"],
+     "checkpointing.checkpoint_must_save_by='00:03:45:00'", "checkpointing.enabled=true"),
     (["loss_fn.use_kl_in_reward=true", "loss_fn.force_on_policy_ratio=true", "grpo.adv_estimator.name=reinforce_plus_plus",
       "policy.train_global_batch_size=512"], "loss_fn.use_kl_in_reward", "force_on_policy_ratio"),
 ])

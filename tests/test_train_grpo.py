@@ -97,6 +97,20 @@ def test_resume_gives_the_same_steps_as_an_uninterrupted_run(tmp_path):
         assert abs(a[step]["train/reward_mean"] - b[step]["train/reward_mean"]) < 1e-9
 
 
+def test_checkpoint_must_save_by_saves_and_stops_then_the_same_command_resumes(tmp_path):
+    # The setup alone takes more than the one second allowed: step 1 is saved, then the run stops (exit 0,
+    # no final export) ...
+    p = python_train(tmp_path, "grpo.max_num_steps=3", "checkpointing.save_period=10",
+                     "checkpointing.checkpoint_must_save_by=00:00:00:01")
+    assert "checkpointing.checkpoint_must_save_by=00:00:00:01: no time left for another step" in p.stdout
+    assert sorted(train_rows(tmp_path)) == [1]
+    assert (tmp_path / "ckpt" / "step_000001").is_dir() and not (tmp_path / "ckpt" / "hf_final").exists()
+    # ... and the same command (here without the limit) goes on from step 2 to the end.
+    p = python_train(tmp_path, "grpo.max_num_steps=3", "checkpointing.save_period=10")
+    assert "resumed from" in p.stdout + p.stderr
+    assert sorted(train_rows(tmp_path)) == [1, 2, 3] and (tmp_path / "ckpt" / "hf_final").is_dir()
+
+
 def test_kill_9_mid_step_resumes_from_last_checkpoint(tmp_path):
     cmd = [sys.executable, "train_grpo.py", "--config", TINY,
            *overrides(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=1")]
