@@ -35,7 +35,7 @@ import copy
 import os
 import time
 
-from grpo.config import resolve_skip_flags
+from grpo.config import cluster_mismatch, resolve_skip_flags
 import train_grpo
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
@@ -84,6 +84,8 @@ def main(argv=None) -> str | None:
     )
 
     rank, local_rank, world_size, device = engines.init_distributed()
+    if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
+        return mismatch
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g, a = cfg.grpo, cfg.grpo.async_grpo
     skip_prev, skip_ref = resolve_skip_flags(cfg)

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from grpo.config import ConfigError, MasterConfig, load_config, resolve_skip_flags
+from grpo.config import ConfigError, MasterConfig, cluster_mismatch, load_config, resolve_skip_flags
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
 
@@ -100,6 +100,8 @@ def main(argv=None) -> str | None:
     )
 
     rank, local_rank, world_size, device = engines.init_distributed()
+    if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
+        return mismatch
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
     skip_prev, skip_ref = resolve_skip_flags(cfg)

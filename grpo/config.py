@@ -272,6 +272,7 @@ class GRPOConfig(_Section):
     batch_multiplier: float = Field(1.0, ge=1.0)
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    # Run phase 7 (logprob-error masking, advantages, penalties, clipping) on the GPU when there is one.
     calculate_advantages_on_gpu: bool = False
     # Mask sequences whose mult-prob error exp|gen - prev| (mean over tokens) exceeds this (e.g. 1.5).
     seq_logprob_error_threshold: Optional[float] = None
@@ -451,6 +452,7 @@ class LoggerConfig(_Section):
     num_val_samples_to_print: int = Field(0, ge=0)
     wandb_enabled: bool = False
     tensorboard_enabled: bool = False
+    # CUDA memory (and utilisation, with pynvml) of rank 0's device in every metrics row (gpu/*).
     monitor_gpus: bool = False
     # Console progress bar (tqdm) on rank 0.
     progress_bar: bool = True
@@ -458,8 +460,29 @@ class LoggerConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    gpus_per_node: int = Field(1, gt=0)
-    num_nodes: int = Field(1, gt=0)
+    """What the launcher is expected to start (None: whatever it starts); checked at startup
+    (`cluster_mismatch`), so a recipe tuned for 8 GPUs does not silently run on 2."""
+
+    gpus_per_node: Optional[int] = Field(None, gt=0)
+    num_nodes: Optional[int] = Field(None, gt=0)
+
+
+def cluster_mismatch(cluster: ClusterConfig, world_size: int, local_world_size: int | None) -> str | None:
+    """The error when the launcher started other ranks than ``cluster`` says, else None.
+
+        >>> cluster_mismatch(ClusterConfig(num_nodes=1, gpus_per_node=8), world_size=2, local_world_size=2)
+        'error: cluster.num_nodes=1 x cluster.gpus_per_node=8 = 8 ranks, but the launcher started 2 (WORLD_SIZE)'
+    """
+    n, g = cluster.num_nodes, cluster.gpus_per_node
+    if n is not None and g is not None and n * g != world_size:
+        return f"error: cluster.num_nodes={n} x cluster.gpus_per_node={g} = {n * g} ranks, but the launcher " \
+               f"started {world_size} (WORLD_SIZE)"
+    if g is not None and local_world_size is not None and g != local_world_size:
+        return f"error: cluster.gpus_per_node={g}, but the launcher started {local_world_size} ranks on this " \
+               "node (LOCAL_WORLD_SIZE)"
+    if n is not None and world_size % n:
+        return f"error: cluster.num_nodes={n} does not divide the {world_size} ranks the launcher started"
+    return None
 
 
 class CheckpointingConfig(_Section):

@@ -77,6 +77,12 @@ def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torc
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
+def local_world_size() -> int | None:
+    """Ranks on this node, as the launcher says (LOCAL_WORLD_SIZE; None when it does not)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
+
+
 def shutdown() -> None:
     """End of a run: wait until every rank is here (no rank closes its sockets while a peer is still in
     a collective), then destroy the process group."""

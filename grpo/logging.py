@@ -26,6 +26,25 @@ def _plain(v):
     return v
 
 
+def gpu_metrics() -> dict:
+    """`logger.monitor_gpus`: this rank's CUDA memory in GiB (the peak since the previous call) and, where
+    pynvml is installed, the device's utilisation. Empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    gib = float(2**30)
+    out = {"gpu/memory_allocated_gib": torch.cuda.memory_allocated() / gib,
+           "gpu/memory_reserved_gib": torch.cuda.memory_reserved() / gib,
+           "gpu/peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / gib}
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        out["gpu/utilization_pct"] = float(torch.cuda.utilization())
+    except Exception:  # pynvml missing or NVML unavailable: memory only
+        pass
+    return out
+
+
 class MetricsLogger:
     def __init__(self, cfg, rank: int = 0, run_config: dict | None = None, total_steps: int | None = None,
                  resume_step: int = 0):
@@ -63,6 +82,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, "time": time.time()}
+        if self.cfg.monitor_gpus:  # rank 0's device
+            metrics = {**metrics, **gpu_metrics()}
         row.update({k: _plain(v) for k, v in metrics.items()})
         self._jsonl.write(json.dumps(row) + "\n")
         numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "time")}

@@ -81,7 +81,18 @@ def step_logprobs(cfg, batch: dict, engines: dict, rank: int, world_size: int) -
 # ---- phase 7 ---------------------------------------------------------------------------------------
 def step_advantages(cfg, batch: dict) -> dict:
     """Sequence logprob-error masking, then advantages ``[B, T]``: the estimator (with the reward KL for
-    Reinforce++), the distillation term, message-level penalties, clipping. Returns the masking metrics."""
+    Reinforce++), the distillation term, message-level penalties, clipping. Returns the masking metrics.
+    With ``grpo.calculate_advantages_on_gpu`` (and CUDA) the math runs on the GPU; the batch stays on the
+    CPU."""
+    if cfg.grpo.calculate_advantages_on_gpu and torch.cuda.is_available():
+        on_gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        metrics = _advantages(cfg, on_gpu)
+        batch["sample_mask"], batch["advantages"] = on_gpu["sample_mask"].cpu(), on_gpu["advantages"].cpu()
+        return metrics
+    return _advantages(cfg, batch)
+
+
+def _advantages(cfg, batch: dict) -> dict:
     g, loss_cfg = cfg.grpo, cfg.loss_fn
     metrics = {}
     if g.seq_logprob_error_threshold is not None:
@@ -94,7 +105,7 @@ def step_advantages(cfg, batch: dict) -> dict:
                              loss_cfg.kl_input_clamp_value, loss_cfg.kl_output_clamp_value)
     adv_bt = compute_advantages(
         g.adv_estimator.name, prompt_ids=batch["prompt_ids"], rewards=batch["rewards"],
-        valid_mask=torch.ones(len(batch["rewards"])), token_mask=batch["token_mask"], cfg=g.adv_estimator,
+        valid_mask=torch.ones_like(batch["rewards"]), token_mask=batch["token_mask"], cfg=g.adv_estimator,
         reward_components=batch.get("reward_components"), kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty)
     if "teacher_logprobs" in batch:
         student_lp = batch.get("prev_logprobs", batch["generation_logprobs"])

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from grpo.config import (
-    ConfigError, MasterConfig, apply_overrides, build_config, load_config, load_yaml, resolve_skip_flags,
+    ClusterConfig, ConfigError, MasterConfig, apply_overrides, build_config, cluster_mismatch, load_config, load_yaml,
+    resolve_skip_flags,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +96,19 @@ def test_every_shipped_recipe_loads(path):
 def test_bad_values_name_the_key_and_what_was_expected(overrides, key, expected):
     msg = bad(*overrides)
     assert key in msg and expected in msg, msg
+
+
+@pytest.mark.parametrize("nodes, gpus, world, local, expected", [
+    (None, None, 16, 8, None),                              # unset: whatever the launcher started
+    (2, 8, 16, 8, None),
+    (1, 8, 2, 2, "cluster.num_nodes=1 x cluster.gpus_per_node=8 = 8 ranks, but the launcher started 2"),
+    (None, 8, 16, 4, "cluster.gpus_per_node=8, but the launcher started 4 ranks on this node"),
+    (None, 8, 8, None, None),                               # a launcher that does not say LOCAL_WORLD_SIZE
+    (3, None, 8, 4, "cluster.num_nodes=3 does not divide the 8 ranks"),
+])
+def test_cluster_is_checked_against_the_launcher(nodes, gpus, world, local, expected):
+    msg = cluster_mismatch(ClusterConfig(num_nodes=nodes, gpus_per_node=gpus), world, local)
+    assert msg == expected if expected is None else expected in msg
 
 
 def test_kl_in_reward_with_force_on_policy_is_allowed_when_its_inputs_exist():

@@ -231,6 +231,13 @@ def test_algorithm_knobs_run_end_to_end(tmp_path, name):
         assert (tmp_path / "logs" / "wandb").exists()
 
 
+def test_a_launch_that_does_not_match_cluster_exits_1_before_loading_models(tmp_path):
+    p = python_train(tmp_path, "cluster.num_nodes=1", "cluster.gpus_per_node=2", check=False)
+    assert p.returncode == 1 and "cluster.num_nodes=1 x cluster.gpus_per_node=2 = 2 ranks, but the launcher " \
+                                 "started 1 (WORLD_SIZE)" in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "logs" / "metrics.jsonl").exists()
+
+
 def test_export_hf_without_a_checkpoint_exits_1_naming_the_directory(tmp_path):
     p = python_train(tmp_path, "--export-hf", str(tmp_path / "exported"), check=False)
     assert p.returncode == 1 and f"error: --export-hf: no checkpoint in {tmp_path / 'ckpt'}" in p.stderr, p.stderr
