@@ -347,10 +347,9 @@ def main(argv=None) -> str | None:
         if cfg.checkpointing.enabled and (saved is None or int(saved.name[5:]) != state.current_step):
             save(state.current_step, None)
         logger.write(f"stopping at step {state.current_step}: {failure}")
-    elif stop_reason is not None:
+    elif stop_reason == "out of training data":  # the other stops said why when they happened
         logger.write(f"stopping at step {state.current_step}: {stop_reason}")
-        if stop_reason == "out of training data" and cfg.checkpointing.enabled and (
-                state.current_step % cfg.checkpointing.save_period):
+        if cfg.checkpointing.enabled and state.current_step % cfg.checkpointing.save_period:
             save(state.current_step, None)
     if failure is None and not deadline.reached and cfg.checkpointing.enabled:  # the trained policy, consolidated
         weights.export_hf(policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), tokenizer)
