@@ -162,6 +162,14 @@ def test_one_and_two_processes_give_the_same_loss(tmp_path):
         assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
 
 
+def test_two_ranks_stop_together_at_the_save_deadline(tmp_path):
+    """Each rank reads its own clock; `SaveDeadline.due` all-reduces, so no rank goes on into a collective alone."""
+    run(["torchrun", "--standalone", "--nproc_per_node", "2", "train_grpo.py", "--config", TINY,
+         *overrides(tmp_path, "grpo.max_num_steps=3", "checkpointing.save_period=10",
+                    "checkpointing.checkpoint_must_save_by=00:00:00:01")], threads=1, timeout=240)
+    assert sorted(train_rows(tmp_path)) == [1] and (tmp_path / "ckpt" / "step_000001").is_dir()
+
+
 def test_deepspeed_launcher(tmp_path):
     run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train_grpo.py", "--config", TINY,
          *overrides(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false")], threads=1)
