@@ -1,7 +1,6 @@
 """grpo.metrics: rollout-metric aggregation, validation early stop, global loss normalisers."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from grpo.metrics import aggregate_rollout_metrics, global_valid_counts, validation_early_stop
+from tests.e2e import free_port
 
 
 def test_aggregate_rules():
@@ -61,12 +61,6 @@ def test_global_valid_counts_local():
     assert tokens.dtype == torch.float32
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, port, results):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -83,5 +77,5 @@ def _worker(rank, port, results):
 def test_global_valid_counts_all_reduce_two_ranks():
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), results), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), results), nprocs=2, join=True)
         assert dict(results) == {0: (7.0, 3.0), 1: (7.0, 3.0)}
