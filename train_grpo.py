@@ -22,7 +22,8 @@ import os
 import sys
 import time
 
-from grpo.config import ConfigError, MasterConfig, cluster_mismatch, load_config, resolve_skip_flags
+from grpo.config import MasterConfig, cluster_mismatch, resolve_skip_flags
+from grpo.config_load import ConfigError, load_config
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
 

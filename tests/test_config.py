@@ -6,10 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import (
-    ClusterConfig, ConfigError, MasterConfig, apply_overrides, build_config, cluster_mismatch, load_config, load_yaml,
-    resolve_skip_flags,
-)
+from grpo.config import ClusterConfig, MasterConfig, cluster_mismatch, resolve_skip_flags
+from grpo.config_load import ConfigError, apply_overrides, build_config, load_config, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 

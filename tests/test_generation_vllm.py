@@ -27,7 +27,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 
 from grpo import engines
-from grpo.config import build_config
+from grpo.config_load import build_config
 from grpo.rollout import build_batch
 
 PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok", "(3*4)-5=", "Z"]

@@ -259,7 +259,7 @@ class FakeEnv:
 
 @pytest.fixture
 def small_cfg():
-    from grpo.config import load_config
+    from grpo.config_load import load_config
 
     return load_config(None, ["grpo.num_generations_per_prompt=3", "policy.generation_batch_size=4",
                               "policy.train_global_batch_size=96",

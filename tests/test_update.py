@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.config import build_config
+from grpo.config_load import build_config
 from grpo.update import step_advantages
 
 
