@@ -55,16 +55,10 @@ def perturb(engine, seed: int, scale: float = 0.02) -> None:
 
 
 def mult_prob_error(gen, engine, tok, prompts: list[str]) -> float:
-    import torch
+    from grpo.step import mult_prob_error as error
 
-    from grpo.engines import compute_logprobs
-    from grpo.rollout import build_batch
-
-    outs = gen.generate([tok(p)["input_ids"] for p in prompts], list(range(len(prompts))))
-    b = build_batch(outs, tok.pad_token_id)
-    ref_bt = compute_logprobs(engine, b["input_ids"], b["attention_mask"], 1.0, micro_batch_size=len(prompts))
-    mask_bt = b["token_mask"]
-    return float((torch.exp((b["generation_logprobs"] - ref_bt).abs()) * mask_bt).sum() / mask_bt.sum())
+    return error(engine, gen.generate([tok(p)["input_ids"] for p in prompts], list(range(len(prompts)))),
+                 tok.pad_token_id)
 
 
 def main() -> None:

@@ -11,12 +11,12 @@ function is pure torch, never returns NaN, and never modifies its inputs.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
 from grpo.config import AdvEstimatorConfig
+from grpo.registry import get_estimator, register_estimator  # noqa: F401  (register_estimator: the fork point)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,52 +209,46 @@ def reinforce_plus_plus_advantages(
 
 
 # --------------------------------------------------------------------------------------------------
-# Registry
+# Registry (grpo.registry): estimators take keyword arguments and return [B] or [B, T]
 # --------------------------------------------------------------------------------------------------
-def _grpo_estimator(*, prompt_ids, rewards, valid_mask, token_mask, cfg, **_):
-    return grpo_advantages(prompt_ids, rewards, valid_mask, cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
+def grpo_estimator(*, group_ids, rewards, valid_mask, token_mask, cfg, **extra):
+    """``grpo``: `grpo_advantages` with the config's leave-one-out baseline and std normalisation."""
+    return grpo_advantages(group_ids, rewards, valid_mask, cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
 
 
-def _gdpo_estimator(*, prompt_ids, valid_mask, cfg, reward_components, **_):
+def gdpo_estimator(*, group_ids, valid_mask, cfg, reward_components=None, **extra):
+    """``gdpo``: `gdpo_advantages` on the environment's reward components ``[B, K]``."""
     if reward_components is None:
         raise ValueError("grpo.adv_estimator.name='gdpo' needs reward_components [B, K] from the environment")
-    return gdpo_advantages(prompt_ids, reward_components, valid_mask, cfg.reward_weights,
+    return gdpo_advantages(group_ids, reward_components, valid_mask, cfg.reward_weights,
                            cfg.use_leave_one_out_baseline, normalize_rewards=cfg.normalize_rewards)
 
 
-def _reinforce_pp_estimator(*, prompt_ids, rewards, valid_mask, token_mask, cfg, kl_bt, kl_coef, **_):
-    return reinforce_plus_plus_advantages(prompt_ids, rewards, valid_mask, token_mask,
+def reinforce_plus_plus_estimator(*, group_ids, rewards, valid_mask, token_mask, cfg, kl_bt=None, kl_coef=0.0,
+                                  **extra):
+    """``reinforce_plus_plus``: `reinforce_plus_plus_advantages` with the reward KL when it is on."""
+    return reinforce_plus_plus_advantages(group_ids, rewards, valid_mask, token_mask,
                                           cfg.minus_baseline, kl_bt, kl_coef, kl_returns_to_go=cfg.kl_returns_to_go)
-
-
-ADVANTAGE_ESTIMATORS: "MappingProxyType[str, Callable[..., torch.Tensor]]" = MappingProxyType(
-    {"grpo": _grpo_estimator, "gdpo": _gdpo_estimator, "reinforce_plus_plus": _reinforce_pp_estimator}
-)
 
 
 def compute_advantages(
     name: str,
     *,
-    prompt_ids: torch.Tensor,
+    group_ids: torch.Tensor,
     rewards: torch.Tensor,
     valid_mask: torch.Tensor,
     token_mask: torch.Tensor,
     cfg: AdvEstimatorConfig,
-    reward_components: Optional[torch.Tensor] = None,
-    kl_bt: Optional[torch.Tensor] = None,
-    kl_coef: float = 0.0,
+    **extra,
 ) -> torch.Tensor:
-    """Advantages ``[B, T]`` from the estimator called ``name`` (grpo | gdpo | reinforce_plus_plus).
+    """Advantages ``[B, T]`` from the estimator registered as ``name`` (`grpo.registry`).
 
     Per-sample estimators (grpo, gdpo) are broadcast over the token dimension of ``token_mask``
-    (every position of a row holds A_i; the loss masks the untrained ones).
+    (every position of a row holds A_i; the loss masks the untrained ones). ``extra``: the estimator's
+    other inputs (``reward_components``, ``kl_bt``, ``kl_coef``).
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"grpo.adv_estimator.name={name!r}: expected one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    adv = ADVANTAGE_ESTIMATORS[name](
-        prompt_ids=prompt_ids, rewards=rewards, valid_mask=valid_mask, token_mask=token_mask, cfg=cfg,
-        reward_components=reward_components, kl_bt=kl_bt, kl_coef=kl_coef,
-    )
+    adv = get_estimator(name)(group_ids=group_ids, rewards=rewards, valid_mask=valid_mask, token_mask=token_mask,
+                              cfg=cfg, **extra)
     if adv.dim() == 1:
         adv = adv[:, None].expand(token_mask.shape).contiguous()
     return adv

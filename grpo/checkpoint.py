@@ -79,6 +79,11 @@ class SaveDeadline:
         return self.reached
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory ``step_000012`` -> 12."""
+    return int(Path(path).name[len("step_"):])
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -116,11 +121,16 @@ class CheckpointManager:
         if not self.root.exists():
             return []
         done = [p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
-        return sorted((p for p in done if (p / "train_state.json").exists()), key=lambda p: int(p.name[5:]))
+        return sorted((p for p in done if (p / "train_state.json").exists()), key=step_of)
 
     def latest(self) -> Path | None:
         ckpts = self.checkpoints()
         return ckpts[-1] if ckpts else None
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint, or None."""
+        latest = self.latest()
+        return None if latest is None else step_of(latest)
 
     # ---- save ------------------------------------------------------------------------------
     def save(self, step: int, engine, state: GRPOSaveState, dataloader_state: dict | None = None,
@@ -177,7 +187,7 @@ class CheckpointManager:
 
             def score(p: Path):
                 m = self._metric(p)
-                return (m is not None, sign * m if m is not None else 0.0, int(p.name[5:]))
+                return (m is not None, sign * m if m is not None else 0.0, step_of(p))
 
             ranked = sorted(ckpts, key=score, reverse=True)
             doomed = ranked[k:]

@@ -10,7 +10,7 @@ loaded, with an error naming the dotted key, the value and what was expected.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -177,11 +177,9 @@ class RewardShapingConfig(_Section):
         return self
 
 
-ADV_ESTIMATORS = ("grpo", "gdpo", "reinforce_plus_plus")
-
-
 class AdvEstimatorConfig(_Section):
-    """Advantage estimator, chosen by name: grpo, gdpo or reinforce_plus_plus."""
+    """Advantage estimator, chosen by name: grpo, gdpo, reinforce_plus_plus or one a fork registered with
+    ``grpo.advantages.register_estimator`` (checked against `grpo.registry` when the config loads)."""
 
     name: str = "grpo"
     # GRPO: divide by the per-prompt std; use the leave-one-out baseline. None (default): take
@@ -196,12 +194,6 @@ class AdvEstimatorConfig(_Section):
     # true subtracts the KL returns-to-go kl_coef * sum_{t' >= t} KL_t' (OpenRLHF, the Reinforce++ paper).
     kl_returns_to_go: bool = False
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if v not in ADV_ESTIMATORS:
-            raise ValueError(f"grpo.adv_estimator.name={v!r}: expected one of {list(ADV_ESTIMATORS)}")
-        return v
 
 
 class AsyncGRPOConfig(_Section):
@@ -282,10 +274,6 @@ class GRPOConfig(_Section):
         lo, hi = self.advantage_clip_low, self.advantage_clip_high
         if lo is not None and hi is not None and not lo < hi:
             raise ValueError(f"grpo.advantage_clip_low={lo}: expected < grpo.advantage_clip_high={hi}")
-        if self.max_rollout_turns != 1:
-            raise ValueError(
-                f"grpo.max_rollout_turns={self.max_rollout_turns}: only single-turn rollouts (1) are implemented"
-            )
         if (self.stop_at_validation_metric is None) != (self.stop_at_validation_threshold is None):
             raise ValueError(
                 "grpo.stop_at_validation_metric and grpo.stop_at_validation_threshold must be set together "
@@ -406,25 +394,62 @@ class DataConfig(_Section):
     num_val_samples: int = Field(128, gt=0)
     # Built-in arithmetic task: operands are drawn from [0, arithmetic_max_operand].
     arithmetic_max_operand: int = Field(9, gt=0)
+    # Built-in multi-turn task guess_number: secrets are drawn from [0, guess_number_high].
+    guess_number_high: int = Field(9, gt=0)
     num_workers: int = Field(0, ge=0)
+    # Data column naming each row's task (its environment, see env.tasks); rows without it use env's.
+    task_key: str = "task_name"
 
 
-class EnvConfig(_Section):
+class EnvSpec(_Section):
+    """One environment: a reward function (single-turn), the built-in multi-turn task, or a user class."""
+
     # "math": math-verify in a process pool; "reasoning_gym": the task's own scorer; "arithmetic":
-    # first integer equals the answer; "function": reward_fn below.
-    name: Literal["math", "reasoning_gym", "arithmetic", "function"] = "arithmetic"
+    # first integer equals the answer; "function": reward_fn below (all single-turn); "guess_number": the
+    # built-in multi-turn task; "class": env_class below.
+    name: Literal["math", "reasoning_gym", "arithmetic", "function", "guess_number", "class"] = "arithmetic"
     # "package.module:function" with signature fn(question, completion, answer, meta) -> float | dict.
     reward_fn: Optional[str] = None
+    # "package.module:ClassName" of a grpo.envs.interface.Environment (NeMo-RL's interface).
+    env_class: Optional[str] = None
+    # Keyword arguments of the environment's constructor (class and guess_number).
+    kwargs: dict[str, Any] = Field(default_factory=dict)
     num_workers: int = Field(2, gt=0)
     # Seconds a reward may take before the sample scores 0 (counted as a timeout).
     timeout_s: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "EnvConfig":
+    def _check(self) -> "EnvSpec":
         if self.name == "function" and not self.reward_fn:
             raise ValueError("env.reward_fn=None: expected 'package.module:function' when env.name='function'")
         if self.reward_fn and ":" not in self.reward_fn:
             raise ValueError(f"env.reward_fn={self.reward_fn!r}: expected 'package.module:function'")
+        if self.name == "class" and (not self.env_class or ":" not in self.env_class):
+            raise ValueError(f"env.env_class={self.env_class!r}: expected 'package.module:ClassName' when "
+                             "env.name='class'")
+        return self
+
+
+class EnvConfig(EnvSpec):
+    # Task name of the top-level environment (None: env.name); rows without a task name use it.
+    task_name: Optional[str] = None
+    # More environments by task name; each data row's task name (data.task_key) picks one.
+    tasks: dict[str, EnvSpec] = Field(default_factory=dict)
+    # Validation's own environments for the tasks they name (the others use the training ones).
+    val_tasks: Optional[dict[str, EnvSpec]] = None
+    # Seconds one environment step (a batch of samples) may take before its samples end with reward 0.
+    step_timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _tasks(self) -> "EnvConfig":
+        main = self.task_name or self.name
+        if main in self.tasks:
+            raise ValueError(f"env.tasks.{main}: the top-level environment already has the task name {main!r} "
+                             "(set env.task_name to another name)")
+        unknown = sorted(set(self.val_tasks or {}) - set(self.tasks) - {main})
+        if unknown:
+            raise ValueError(f"env.val_tasks: {unknown} are not training tasks (expected some of "
+                             f"{sorted([main, *self.tasks])})")
         return self
 
 

@@ -91,10 +91,19 @@ def _format_validation_error(err: ValidationError) -> str:
 
 
 def build_config(raw: dict) -> MasterConfig:
+    """Validate a raw config dict; checks that need more than one section's fields (the estimator name
+    against `grpo.registry`) run here too."""
+    from grpo.registry import estimator_names
+
     try:
-        return MasterConfig.model_validate(raw)
+        cfg = MasterConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
+    name = cfg.grpo.adv_estimator.name
+    if name not in estimator_names():
+        raise ConfigError(f"invalid config:\n  grpo.adv_estimator.name={name!r}: expected one of {estimator_names()} "
+                          "(a fork registers its own with grpo.advantages.register_estimator before main())")
+    return cfg
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> MasterConfig:
@@ -102,3 +111,65 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     raw = load_yaml(path) if path is not None else {}
     return build_config(apply_overrides(raw, list(overrides or [])))
 
+
+
+# --------------------------------------------------------------------------------------------------
+# The config reference (--help-config)
+# --------------------------------------------------------------------------------------------------
+def _type_name(annotation) -> str:
+    """A readable type: ``Optional[int]`` -> ``int | None``, ``Literal['a', 'b']`` -> ``'a' | 'b'``."""
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _section_model(annotation):
+    """The config model a field holds (a section), or None for a leaf."""
+    from pydantic import BaseModel
+
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def config_fields(model=MasterConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """Every leaf field as ``(dotted key, type, default, description)``, sections walked depth first.
+
+        >>> next(f for f in config_fields() if f[0] == "grpo.num_prompts_per_step")[1:3]
+        ('int', '32')
+    """
+    rows = []
+    for name, f in model.model_fields.items():
+        key = f"{prefix}{name}"
+        sub = _section_model(f.annotation)
+        if sub is not None:
+            rows += config_fields(sub, f"{key}.")
+            continue
+        default = f.default_factory() if f.default_factory is not None else f.default
+        rows.append((key, _type_name(f.annotation), repr(default) if not isinstance(default, str) else default,
+                     f.description or ""))
+    return rows
+
+
+def config_help(section: str | None = None) -> str:
+    """The config reference as text: every field under ``section`` (a dotted prefix; None: all) with its
+    type, default and description. An unknown section is a `ConfigError` listing the sections."""
+    rows = config_fields()
+    if section:
+        rows = [r for r in rows if r[0] == section or r[0].startswith(section.rstrip(".") + ".")]
+        if not rows:
+            sections = sorted({r[0].split(".")[0] for r in config_fields()})
+            raise ConfigError(f"--help-config {section!r}: no such section or field (sections: {sections})")
+    lines = []
+    for key, type_name, default, description in rows:
+        lines.append(f"{key}  ({type_name}, default {default})")
+        if description:
+            lines.append(f"    {description}")
+    return "\n".join(lines)

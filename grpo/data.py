@@ -121,9 +121,16 @@ def check_record(record: Any, input_key: str, output_key: str) -> str | None:
     if output_key not in record:
         return f"missing output key {output_key!r} (keys: {sorted(record)})"
     question, answer = record[input_key], record[output_key]
-    if not isinstance(question, str):
-        return f"prompt {input_key!r} is {type(question).__name__}, expected a string"
-    if not question.strip():
+    if isinstance(question, list):  # a conversation so far
+        bad = next((m for m in question if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                and isinstance(m.get("content"), str))), None)
+        if bad is not None or not question:
+            return f"prompt {input_key!r}: expected a string or a non-empty list of {{role, content}} messages"
+        if question[-1]["role"] != "user":
+            return f"prompt {input_key!r}: a conversation must end with a user message (got {question[-1]['role']!r})"
+    elif not isinstance(question, str):
+        return f"prompt {input_key!r} is {type(question).__name__}, expected a string or a list of messages"
+    elif not question.strip():
         return f"empty prompt in {input_key!r}"
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         return f"answer {output_key!r} is {type(answer).__name__}, expected a string or a number"
@@ -283,6 +290,10 @@ def load_rows(cfg: DataConfig, split: str, seed: int) -> Rows:
     n = cfg.num_train_samples if split == "train" else cfg.num_val_samples
     if explicit_path is None and name == "arithmetic":
         rows = arithmetic_rows(n, cfg.arithmetic_max_operand, seed, split)
+    elif explicit_path is None and name == "guess_number":
+        from grpo.envs.guess_number import guess_number_rows
+
+        rows = guess_number_rows(n, cfg.guess_number_high, seed, split)
     elif explicit_path is None and name.startswith("reasoning_gym:"):
         rows = reasoning_gym_rows(name.split(":", 1)[1], n, seed, split)
     elif _looks_local(name):
@@ -321,14 +332,18 @@ def fill_template(template: str | None, question: str) -> str:
 
 
 class PromptFormatter:
-    """Question -> (prompt text, token ids): template, system prompt, then the chat template if any.
+    """Question -> prompt messages -> (prompt text, token ids): template, system prompt, chat template.
 
-    ``chat_template``: None (plain text: ``system + "\\n" + prompt``, tokenised with the tokenizer's
-    special tokens), ``"default"`` (the tokenizer's own chat template) or a Jinja string. Chat-formatted
-    text is tokenised without adding special tokens: the template writes them.
+    ``chat_template``: None (plain text: one user message ``system + "\n" + prompt``, tokenised with the
+    tokenizer's special tokens), ``"default"`` (the tokenizer's own chat template) or a Jinja string;
+    tokens come from `grpo.chat.ChatFormat` (one run of ids per message). A question may also be a list of
+    ``{"role", "content"}`` messages (a conversation so far; its assistant messages are context, never
+    trained): it needs a chat template, and the prompt template is not applied to it.
     """
 
-    def __init__(self, tokenizer, cfg: DataConfig, chat_template: str | None = None):
+    def __init__(self, tokenizer, cfg: DataConfig, chat_template: str | None = None, tools: list[dict] | None = None):
+        from grpo.chat import ChatFormat, ChatFormatError
+
         if cfg.prompt_file and cfg.prompt_template:
             raise DataError("data.prompt_file and data.prompt_template are both set: keep one")
         if cfg.system_prompt_file and cfg.system_prompt:
@@ -339,8 +354,10 @@ class PromptFormatter:
             _read_text(cfg.system_prompt_file, "system_prompt_file") if cfg.system_prompt_file else cfg.system_prompt
         )
         self.chat_template = chat_template
-        if chat_template == "default" and not getattr(tokenizer, "chat_template", None):
-            raise DataError("policy.tokenizer.chat_template='default' but the tokenizer has no chat template")
+        try:
+            self.chat = ChatFormat(tokenizer, chat_template, tools)
+        except ChatFormatError as err:
+            raise DataError(str(err)) from err
         self._check_template()
 
     def _check_template(self) -> None:
@@ -355,37 +372,68 @@ class PromptFormatter:
         if marker not in filled:
             raise DataError(f"prompt template {self.template!r} has no {{}} or {{input}} for the question")
 
-    def text(self, question: str) -> str:
-        """The prompt text the model sees."""
+    def messages(self, question: str | list[dict]) -> list[dict]:
+        """The prompt as ``{"role", "content"}`` messages."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        if isinstance(question, list):
+            if self.chat_template is None:
+                raise DataError("a prompt given as a list of messages needs a chat template "
+                                "(set policy.tokenizer.chat_template)")
+            has_system = bool(question) and question[0].get("role") == "system"
+            return ([] if has_system else system) + [{"role": m["role"], "content": m["content"]} for m in question]
         prompt = fill_template(self.template, question)
         if self.chat_template is None:
-            return prompt if self.system_prompt is None else f"{self.system_prompt}\n{prompt}"
-        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        kwargs = {} if self.chat_template == "default" else {"chat_template": self.chat_template}
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            return [{"role": "user", "content": prompt if self.system_prompt is None else f"{self.system_prompt}\n{prompt}"}]
+        return system + [{"role": "user", "content": prompt}]
 
-    def format(self, question: str) -> tuple[str, list[int]]:
-        text = self.text(question)
-        ids = self.tokenizer(text, add_special_tokens=self.chat_template is None)["input_ids"]
-        return text, list(ids)
+    def text(self, question: str | list[dict]) -> str:
+        """The prompt text the model sees."""
+        messages = self.messages(question)
+        return messages[0]["content"] if self.chat_template is None else self.chat.render(messages, True)
+
+    def format(self, question: str | list[dict]) -> tuple[str, list[int]]:
+        """(prompt text, prompt token ids)."""
+        return self.text(question), [t for ids in self.chat.prompt_token_ids(self.messages(question)) for t in ids]
+
+    def prompt_messages(self, question: str | list[dict]) -> list[dict]:
+        """The prompt messages with their token ids: ``{"role", "content", "token_ids"}``."""
+        messages = self.messages(question)
+        return [{**m, "token_ids": ids} for m, ids in zip(messages, self.chat.prompt_token_ids(messages))]
+
+
+def question_text(question: str | list[dict]) -> str:
+    """A question for logs: the text, or the last user message of a conversation."""
+    if isinstance(question, str):
+        return question
+    return next((m["content"] for m in reversed(question) if m.get("role") == "user"), "")
 
 
 class PromptDataset(Dataset):
-    """Formatted prompts; items are ``{"index", "question", "answer", "prompt_text", "prompt_ids",
-    "source", "meta"}`` with ``index`` the row's position in ``rows``. Prompts longer than
-    ``max_input_seq_length`` tokens are dropped at construction and counted in ``num_filtered``."""
+    """Formatted prompts; items are ``{"index", "question", "answer", "source", "meta", "task_name",
+    "prompt_messages", "prompt_ids"}`` with ``index`` the row's position in ``rows`` and
+    ``prompt_messages`` as `PromptFormatter.prompt_messages` gives them.
 
-    def __init__(self, rows: list[Row], formatter: PromptFormatter, max_input_seq_length: int | None = None):
+    A row's task (its environment) is ``meta[task_key]`` when the row has it, else ``default_task``;
+    ``tasks`` (when given) are the known ones, and a row naming another fails with its source. Prompts
+    longer than ``max_input_seq_length`` tokens are dropped at construction and counted in ``num_filtered``.
+    """
+
+    def __init__(self, rows: list[Row], formatter: PromptFormatter, max_input_seq_length: int | None = None,
+                 default_task: str = "default", task_key: str = "task_name", tasks: list[str] | None = None):
         self.items: list[dict] = []
         self.num_filtered = 0
         for index, row in enumerate(rows):
-            text, ids = formatter.format(row["question"])
+            task = str((row.get("meta") or {}).get(task_key, default_task))
+            if tasks is not None and task not in tasks:
+                raise DataError(f"{row.get('source', f'row {index}')}: {task_key}={task!r} has no environment "
+                                f"(known tasks: {sorted(tasks)}; add it to env.tasks)")
+            messages = formatter.prompt_messages(row["question"])
+            ids = [t for m in messages for t in m["token_ids"]]
             if max_input_seq_length is not None and len(ids) > max_input_seq_length:
                 self.num_filtered += 1
                 continue
-            self.items.append({"index": index, **row, "prompt_text": text, "prompt_ids": ids})
+            self.items.append({"index": index, **row, "question": question_text(row["question"]), "task_name": task,
+                               "prompt_messages": messages, "prompt_ids": ids})
         if not self.items:
             raise DataError(
                 f"all {len(rows)} prompts are longer than data.max_input_seq_length={max_input_seq_length} tokens"
@@ -430,3 +478,35 @@ def build_dataloader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=num_workers,
         collate_fn=collate_rows, generator=torch.Generator().manual_seed(seed + 1),
     )
+
+
+class PromptStream:
+    """Prompt batches across epochs, resumable: ``next()`` gives the next batch (a list of items), starting a
+    new epoch when the loader runs out, and None after ``max_epochs``. ``epoch`` is the current epoch.
+
+    ``loader_state`` (a `StatefulDataLoader` state saved between batches, see the module docstring) and
+    ``epoch`` restore a position; `mark` returns the current one (a copy, safe to keep).
+    """
+
+    def __init__(self, loader, max_epochs: int, epoch: int = 0, loader_state: dict | None = None):
+        self.loader, self.max_epochs, self.epoch = loader, max_epochs, epoch
+        if loader_state is not None:
+            loader.load_state_dict(loader_state)
+        self._it = iter(loader)
+
+    def next(self) -> list[dict] | None:
+        for _ in range(2):
+            try:
+                return next(self._it)
+            except StopIteration:
+                self.epoch += 1
+                if self.epoch >= self.max_epochs:
+                    return None
+                self._it = iter(self.loader)
+        return None
+
+    def mark(self) -> dict:
+        """``{"epoch", "loader"}``: where the next batch comes from."""
+        import copy
+
+        return {"epoch": self.epoch, "loader": copy.deepcopy(self.loader.state_dict())}

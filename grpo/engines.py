@@ -369,7 +369,8 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
                    chunk_size=None) -> dict:
     """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
 
-    The closure gets each micro-batch with its tensors moved to the engine's device.
+    A micro-batch is a `grpo.batch.TrainBatch` (or a dict with its field names): its ``input_ids_bt`` and
+    ``attention_mask_bt`` go through the model; the closure gets it with its tensors on the engine's device.
 
     ``loss_closure(logprobs_bt, mb) -> (loss, metrics)`` must normalise by GLOBAL counts (all
     micro-batches of all ranks), so the losses sum to the full-batch loss L. DeepSpeed applies
@@ -380,6 +381,7 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     micro-batches and ranks by `grpo.metrics.aggregate_rollout_metrics` (mean; min / max by name),
     ``grad_norm`` = |grad(L)| before clipping, and ``lr``, the learning rate this step used.
     """
+    from grpo.batch import get, to_device
     from grpo.metrics import aggregate_rollout_metrics
     from grpo.rollout import all_gather_objects
 
@@ -395,8 +397,9 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     engine.train()
     loss_sum, mb_metrics = 0.0, []
     for mb in micro_batches:
-        mb = {k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
-        logprobs_bt = forward_logprobs(engine, mb["input_ids"], mb["attention_mask"], temperature, chunk_size)
+        mb = to_device(mb, engine.device)
+        logprobs_bt = forward_logprobs(engine, get(mb, "input_ids_bt"), get(mb, "attention_mask_bt"), temperature,
+                                       chunk_size)
         loss, metrics = loss_closure(logprobs_bt, mb)
         engine.backward(loss * world, scale_wrt_gas=False)
         engine.step()

@@ -115,14 +115,19 @@ class MetricsLogger:
         else:
             print(text, flush=True)
 
-    def print_samples(self, samples: list[dict], n: int, title: str = "validation samples") -> None:
-        """Print ``n`` samples: question, completion, answer and reward."""
-        if not self.enabled or n <= 0 or not samples:
+    def print_samples(self, trajectories: list, n: int, title: str = "validation samples") -> None:
+        """Print ``n`` samples (`grpo.rollout.Trajectory`) as conversations: a single-turn sample as its
+        question and completion, a multi-turn one message by message; then the gold answer and reward."""
+        if not self.enabled or n <= 0 or not trajectories:
             return
-        lines = [f"---- {title} ({min(n, len(samples))} of {len(samples)}) ----"]
-        for s in samples[:n]:
-            lines.append(f"Q: {s['question']!r}\nA: {s['completion']!r}  (gold {s['answer']!r}, "
-                         f"reward {s['reward']:.3g})")
+        lines = [f"---- {title} ({min(n, len(trajectories))} of {len(trajectories)}) ----"]
+        for t in trajectories[:n]:
+            if t.turns <= 1:
+                lines.append(f"Q: {t.question!r}\nA: {t.completion_text()!r}")
+            else:
+                lines.append(f"Q: {t.question!r}")
+                lines += [f"  [{m.role}] {m.content!r}" for m in t.messages[t.num_prompt_messages:]]
+            lines[-1] += f"  (gold {t.answer!r}, reward {t.reward:.3g}" + (f", {t.turns} turns)" if t.turns > 1 else ")")
         self.write("\n".join(lines))
 
     def close(self) -> None:

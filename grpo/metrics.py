@@ -122,3 +122,40 @@ def global_valid_counts(
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     counts = counts.to(token_mask_bt.device)
     return counts[0], counts[1]
+
+
+def pass_at_k(rewards_b: torch.Tensor, group_ids_b: torch.Tensor) -> float:
+    """Fraction of prompts with at least one of their k samples rewarded (reward > 0).
+
+        >>> pass_at_k(torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]))
+        0.5
+    """
+    groups = torch.unique(group_ids_b)
+    hits = [(rewards_b[group_ids_b == g] > 0).any().item() for g in groups]
+    return float(sum(hits)) / max(len(hits), 1)
+
+
+def rollout_counts(trajectories: Sequence) -> dict:
+    """What a rollout's trajectories (`grpo.rollout.Trajectory`) count: scoring failures (reward_errors,
+    reward_timeouts, reward_error_rate, env_errors), turns (turns_mean, turns_max), tokens per sample
+    (assistant_tokens_mean, env_tokens_mean), mask_sample_count, and the reward mean of each task
+    (``reward_mean/<task>``, when the run has several)."""
+    n = max(len(trajectories), 1)
+    errors = [t.error for t in trajectories]
+    out = {
+        "reward_errors": sum(e == "reward_error" for e in errors),
+        "reward_timeouts": sum(e == "reward_timeout" for e in errors),
+        "env_errors": sum(e in ("env_error", "env_timeout") for e in errors),
+        "turns_mean": sum(t.turns for t in trajectories) / n,
+        "turns_max": max((t.turns for t in trajectories), default=0),
+        "assistant_tokens_mean": sum(t.num_generated_tokens for t in trajectories) / n,
+        "env_tokens_mean": sum(t.observation_tokens for t in trajectories) / n,
+        "mask_sample_count": sum(t.mask_sample for t in trajectories),
+    }
+    out["reward_error_rate"] = (out["reward_errors"] + out["reward_timeouts"]) / n
+    tasks = sorted({t.task_name for t in trajectories})
+    if len(tasks) > 1:
+        for task in tasks:
+            rewards = [t.reward for t in trajectories if t.task_name == task]
+            out[f"reward_mean/{task}"] = sum(rewards) / len(rewards)
+    return out

@@ -10,7 +10,7 @@ the initial policy, and training step ``t`` (1-based, as logged) trains the weig
 ``generation_version`` and its ``target_version``: the training step it is meant for (prompt batch i,
 0-based, of a run is meant for step i + 1, exactly as in the synchronous loop).
 
-A group is one prompt and all its G scored samples, as plain python (``groups_from_rollout``): the
+A group is one prompt and all its G scored samples, as plain python (``groups_from_trajectories``): the
 buffer and its ``state_dict`` hold only dicts, lists, numbers, strings and tensors, so a checkpoint
 loads with ``torch.load(weights_only=True)``.
 
@@ -24,6 +24,7 @@ loads with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import collections
+import enum
 import threading
 import time
 from collections.abc import Iterable
@@ -31,12 +32,29 @@ from collections.abc import Iterable
 import torch
 
 
-class ReplayClosed(RuntimeError):
-    """`ReplayBuffer.take` cannot be served: the producer closed the buffer (``failed``: by an error)."""
+class StopKind(str, enum.Enum):
+    """Why the producer closed the buffer (`ReplayClosed.kind`)."""
 
-    def __init__(self, reason: str, failed: bool):
-        super().__init__(reason)
-        self.reason, self.failed = reason, failed
+    OUT_OF_DATA = "out of training data"
+    FAILURES = "too many generation failures"
+    CRASHED = "the generation thread crashed"
+    ENDED = "the run ended"
+
+    @property
+    def failed(self) -> bool:
+        return self in (StopKind.FAILURES, StopKind.CRASHED)
+
+
+class ReplayClosed(RuntimeError):
+    """`ReplayBuffer.take` cannot be served: the buffer was closed (``kind`` says why, ``detail`` how)."""
+
+    def __init__(self, kind: StopKind, detail: str = ""):
+        super().__init__(f"{kind.value}: {detail}" if detail else kind.value)
+        self.kind, self.detail = kind, detail
+
+    @property
+    def failed(self) -> bool:
+        return self.kind.failed
 
 
 def trajectory_age(step: int, generation_version: int) -> int:
@@ -65,7 +83,7 @@ class ReplayBuffer:
         self.num_evicted = 0
         self._entries: collections.deque[dict] = collections.deque()
         self._cond = threading.Condition()
-        self._closed: tuple[str, bool] | None = None
+        self._closed: ReplayClosed | None = None
 
     # ---- producer ------------------------------------------------------------------------------
     def put(self, groups: list, generation_versions: list[int], target_version: int) -> None:
@@ -74,18 +92,18 @@ class ReplayBuffer:
             raise ValueError(f"put: {len(groups)} groups but {len(generation_versions)} generation versions")
         with self._cond:
             if self._closed is not None:
-                raise ReplayClosed(f"put after close: {self._closed[0]}", self._closed[1])
+                raise self._closed
             for group, version in zip(groups, generation_versions):
                 self._entries.append({"generation_version": int(version), "target_version": int(target_version),
                                       "group": group})
             self._cond.notify_all()
 
-    def close(self, reason: str, failed: bool = False) -> None:
+    def close(self, kind: StopKind, detail: str = "") -> None:
         """No more groups will come; waiting and later `take` calls that cannot be served raise
         `ReplayClosed` (the first close wins: its reason is the one reported)."""
         with self._cond:
             if self._closed is None:
-                self._closed = (reason, failed)
+                self._closed = ReplayClosed(kind, detail)
             self._cond.notify_all()
 
     # ---- consumer ------------------------------------------------------------------------------
@@ -117,7 +135,7 @@ class ReplayBuffer:
             self._evict(step)  # groups that arrived while waiting
             if self._count(step) < n:
                 if self._closed is not None:
-                    raise ReplayClosed(*self._closed)
+                    raise self._closed
                 if not ok:
                     raise TimeoutError(f"replay buffer: {self._count(step)} of {n} groups for step {step} "
                                        f"after {timeout}s")
@@ -210,61 +228,66 @@ class WeightStage:
 
 
 # --------------------------------------------------------------------------------------------------
-# Rollouts <-> plain groups
+# Trajectories <-> plain groups
 # --------------------------------------------------------------------------------------------------
-def groups_from_rollout(rollout: dict, prompts: list[dict], num_generations: int, extra: dict | None = None) -> list[dict]:
-    """Split a prompt batch's rollout (`grpo.phases.generate_and_score`) into one plain dict
-    per prompt: ``{"prompt_index", "outputs" (GenerationOutput fields as dicts), "rewards",
-    "components" (per-sample dicts or None), "versions" (per sample)}`` plus ``extra`` (shared).
+def groups_from_trajectories(trajectories: list, info: dict | None = None) -> list[dict]:
+    """Split a prompt batch's trajectories (`grpo.rollout.Trajectory`, consecutive by group id) into one
+    plain dict per prompt: ``{"prompt_index", "trajectories" (as dicts), "version" (the oldest generation
+    version of its samples), "info" (shared)}``.
 
-        >>> r = {"outputs": [], "rewards": [1.0, 0.0], "component_dicts": [None, None], "versions": [0, 1]}
-        >>> g = groups_from_rollout(r, [{"index": 7}], num_generations=2)
-        >>> g[0]["prompt_index"], g[0]["rewards"], g[0]["versions"]
-        (7, [1.0, 0.0], [0, 1])
+        >>> from grpo.rollout import Trajectory
+        >>> ts = [Trajectory(g, 10 + g, "t", "q", "a", [], {}, generation_version=v) for g, v in [(0, 3), (0, 2), (1, 5)]]
+        >>> [(g["prompt_index"], g["version"], len(g["trajectories"])) for g in groups_from_trajectories(ts)]
+        [(10, 2, 2), (11, 5, 1)]
     """
-    from dataclasses import asdict
-
-    G = num_generations
-    groups = []
-    for p, row in enumerate(prompts):
-        sl = slice(p * G, (p + 1) * G)
-        groups.append({
-            "prompt_index": int(row["index"]),
-            "outputs": [asdict(o) for o in rollout["outputs"][sl]],
-            "rewards": [float(r) for r in rollout["rewards"][sl]],
-            "components": list(rollout["component_dicts"][sl]),
-            "versions": [int(v) for v in rollout["versions"][sl]],
-            **(extra or {}),
-        })
+    groups: list[dict] = []
+    for t in trajectories:
+        if not groups or groups[-1]["_group_id"] != t.group_id:
+            groups.append({"_group_id": t.group_id, "prompt_index": t.prompt_index, "trajectories": [],
+                           "version": t.generation_version, "info": info or {}})
+        groups[-1]["trajectories"].append(t.to_dict())
+        groups[-1]["version"] = min(groups[-1]["version"], t.generation_version)
+    for g in groups:
+        del g["_group_id"]
     return groups
 
 
-def rollout_from_groups(groups: list[dict]) -> dict:
-    """Concatenate groups back into the lists a synchronous rollout has (outputs, rewards, components
-    ``[B, K]`` or None, texts, completion_ids, prompt_idx = position of the group) and
-    ``prompt_indices`` (the dataset row of each group).
+def trajectories_from_groups(groups: list[dict]) -> list:
+    """The groups' trajectories, concatenated, with group ids renumbered 0..P-1 by the groups' order."""
+    from grpo.rollout import Trajectory
 
-        >>> o = {"prompt_ids": [1], "completion_ids": [2], "logprobs": [-0.1], "finish_reason": "stop", "text": "2"}
-        >>> r = rollout_from_groups([{"prompt_index": 5, "outputs": [o, o], "rewards": [1.0, 0.0],
-        ...                           "components": [None, None]}])
-        >>> r["prompt_idx"], r["rewards"], r["prompt_indices"], r["components"]
-        ([0, 0], [1.0, 0.0], [5], None)
-    """
-    from grpo.generation.base import GenerationOutput
-    from grpo.phases import components_tensor
-
-    outputs, rewards, comps, prompt_idx = [], [], [], []
+    out = []
     for i, g in enumerate(groups):
-        outputs += [GenerationOutput(**o) for o in g["outputs"]]
-        rewards += [float(r) for r in g["rewards"]]
-        comps += list(g["components"])
-        prompt_idx += [i] * len(g["outputs"])
-    return {
-        "outputs": outputs,
-        "rewards": rewards,
-        "components": components_tensor(comps),
-        "texts": [o.text for o in outputs],
-        "completion_ids": [list(o.completion_ids) for o in outputs],
-        "prompt_idx": prompt_idx,
-        "prompt_indices": [int(g["prompt_index"]) for g in groups],
-    }
+        for d in g["trajectories"]:
+            t = Trajectory.from_dict(d)
+            t.group_id = i
+            out.append(t)
+    return out
+
+
+def replay_resume(run) -> tuple[ReplayBuffer, dict, dict, int]:
+    """The async loop's starting point after `grpo.run.setup`: ``(buffer, trained_mark, gen_mark, first_target)``.
+
+    A mark is ``{"epoch", "loader"}`` (a loader position). ``trained_mark``: after the last trained prompt
+    batch (what a checkpoint records; the loader's start for a fresh run); ``gen_mark``: after the last
+    buffered one, where the generation thread goes on; ``first_target``: the step of the thread's first
+    batch. The saved deque is restored with ``checkpointing.load_replay_buffer`` unless it holds groups older
+    than ``grpo.async_grpo.max_trajectory_age_steps`` allows (saved under a looser bound): then it is
+    regenerated from the trained position, so no prompt is skipped or trained twice.
+    """
+    import copy
+
+    cfg, state, resume = run.cfg, run.state, run.resume
+    buffer = ReplayBuffer(cfg.grpo.async_grpo.max_trajectory_age_steps)
+    trained_mark = {"epoch": state.current_epoch, "loader": resume.loader_state if resume else None}
+    if resume is not None and cfg.checkpointing.load_replay_buffer and "replay_buffer" in resume.extra:
+        buffer.load_state_dict(resume.extra["replay_buffer"])
+        if any(trajectory_age(e["target_version"], e["generation_version"]) > buffer.max_age_steps
+               for e in buffer.entries()):
+            buffer = ReplayBuffer(buffer.max_age_steps)
+    buffered = buffer.entries()
+    gen_mark = buffered[-1]["group"]["info"]["loader_mark"] if buffered else trained_mark
+    if trained_mark["loader"] is None:  # a fresh run: the loader's initial position
+        trained_mark = {"epoch": 0, "loader": copy.deepcopy(run.loader.state_dict())}
+    first_target = buffered[-1]["target_version"] + 1 if buffered else state.current_step + 1
+    return buffer, trained_mark, gen_mark, first_target

@@ -1,87 +1,19 @@
-"""Sample selection: DAPO dynamic sampling, overlong filtering, sample masks.
+"""Sample selection: DAPO dynamic sampling and overlong filtering.
 
-A *batch* here is a ``dict[str, Tensor | list]`` whose values all have the same leading length B
-(one row per sample): tensors ``[B, ...]`` or python lists of length B. Nothing else is assumed
-about the keys, except ``sample_mask`` in :func:`apply_sample_mask`.
+A *batch* here is a `grpo.batch.TrainBatch` (or a dict of ``[B, ...]`` tensors and length-B lists):
+rows are selected and concatenated with `grpo.batch.select_rows` / `concat_batches`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import dataclasses
+from typing import Optional
 
 import torch
 
 from grpo.advantages import group_index
-
-Batch = dict[str, Union[torch.Tensor, list]]
-
-
-# --------------------------------------------------------------------------------------------------
-# Batch helpers
-# --------------------------------------------------------------------------------------------------
-def batch_size(batch: Batch) -> int:
-    """The common leading length of the batch's values (ValueError if they disagree)."""
-    sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in batch.items()}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"batch values have different leading sizes: {sizes}")
-    return next(iter(sizes.values()), 0)
-
-
-def select_rows(batch: Batch, index: torch.Tensor | Sequence[int] | slice) -> Batch:
-    """Rows ``index`` (a slice, int indices in that order, or a bool mask ``[B]``) of every value."""
-    if isinstance(index, slice):  # tensors and lists alike; tensor slices are views
-        return {k: v[index] for k, v in batch.items()}
-    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
-        index = index.nonzero().flatten()
-    index = torch.as_tensor(index, dtype=torch.long)
-    idx = index.tolist()
-    return {k: (v[index.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in idx])
-            for k, v in batch.items()}
-
-
-def _pad_to(t: torch.Tensor, shape: Sequence[int], value: float) -> torch.Tensor:
-    if tuple(t.shape[1:]) == tuple(shape):
-        return t
-    out = t.new_full((t.shape[0], *shape), value)
-    out[(slice(None), *(slice(0, s) for s in t.shape[1:]))] = t
-    return out
-
-
-def concat_batches(batches: Sequence[Batch], pad_values: Optional[dict[str, float]] = None) -> Batch:
-    """Concatenate batches with the same keys along the rows.
-
-    Tensors whose trailing dims differ (e.g. ``[B, T]`` with different T) are right-padded to the
-    largest size with ``pad_values.get(key, 0)``.
-    """
-    if not batches:
-        return {}
-    keys = list(batches[0])
-    if any(list(b) != keys for b in batches):
-        raise ValueError(f"concat_batches: batches have different keys: {[sorted(b) for b in batches]}")
-    pad_values = pad_values or {}
-    out: Batch = {}
-    for k in keys:
-        values = [b[k] for b in batches]
-        if isinstance(values[0], torch.Tensor):
-            shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
-            out[k] = torch.cat([_pad_to(v, shape, pad_values.get(k, 0)) for v in values])
-        else:
-            out[k] = [x for v in values for x in v]
-    return out
-
-
-def apply_sample_mask(batch: Batch, mask_b: torch.Tensor) -> Batch:
-    """Turn samples off without removing them: ``sample_mask ← sample_mask · mask`` (ones if absent).
-
-    Rows stay, so baselines, group structure and shapes are unchanged; the loss ignores the samples
-    whose sample_mask is 0. Use :func:`select_rows` to drop rows instead. Returns a new dict.
-    """
-    mask_b = torch.as_tensor(mask_b)
-    current = batch.get("sample_mask")
-    current = torch.ones(mask_b.shape[0], dtype=torch.float32) if current is None else current
-    out = dict(batch)
-    out["sample_mask"] = current * mask_b.to(device=current.device, dtype=current.dtype)
-    return out
+from grpo.batch import Rows as Batch
+from grpo.batch import batch_size, concat_batches, select_rows
 
 
 def overlong_filter_mask(truncated_b: torch.Tensor, sample_mask_b: torch.Tensor) -> torch.Tensor:
@@ -162,7 +94,9 @@ class DynamicSamplingCache:
             kept = select_rows(batch, rows)
             offset = self.num_cached // self.num_generations
             local = {g: j for j, g in enumerate(kept_groups)}
-            kept["group_ids"] = torch.tensor([offset + local[int(gid[i])] for i in rows], dtype=torch.long)
+            group_ids = torch.tensor([offset + local[int(gid[i])] for i in rows], dtype=torch.long)
+            kept = (dataclasses.replace(kept, group_ids_b=group_ids) if dataclasses.is_dataclass(kept)
+                    else {**kept, "group_ids": group_ids})
             self.cached.append(kept)
             self.num_cached += len(rows)
 

@@ -175,6 +175,7 @@ def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.35,
 TOY_MODELS = {
     # name -> builder(out_dir); "toy:<name>" in policy.model_name resolves to assets/<name>.
     "demo": lambda out: make_demo_model(out),
+    "guess_number": lambda out: __import__("grpo.envs.guess_number", fromlist=["x"]).make_guess_number_model(out),
     "tiny": lambda out: save_tiny_model(out, size="tiny"),
     "small": lambda out: save_tiny_model(out, size="small"),
 }

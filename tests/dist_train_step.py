@@ -37,12 +37,12 @@ def make_batch(step: int, vocab: int) -> dict:
         attn[b, : p + c] = 1
         token_mask[b, p: p + c] = 1.0
     adv = torch.randn(GLOBAL_BATCH, generator=g)
-    return {"input_ids": ids, "attention_mask": attn, "token_mask": token_mask, "advantages": adv}
+    return {"input_ids_bt": ids, "attention_mask_bt": attn, "token_mask_bt": token_mask, "advantages": adv}
 
 
 def batch_loss(logprobs_bt: torch.Tensor, mb: dict, global_tokens: float) -> torch.Tensor:
     """Σ mask · (−A·lp + 0.5·lp²) / global_tokens: a policy-gradient term plus a non-linear one."""
-    m = mb["token_mask"]
+    m = mb["token_mask_bt"]
     per_token = -mb["advantages"][:, None] * logprobs_bt + 0.5 * logprobs_bt**2
     return (per_token * m).sum() / global_tokens
 
@@ -53,8 +53,8 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     export. Returns (full weights, results, logprobs [5, T]). Needs the process group."""
     from grpo import engines, weights
     from grpo.config import MasterConfig
-    from grpo.rollout import all_gather_objects, micro_batches, rank_slice
-    from grpo.sampling import select_rows
+    from grpo.batch import micro_batches, select_rows
+    from grpo.rollout import all_gather_objects, rank_slice
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cfg = MasterConfig.model_validate({
@@ -70,16 +70,16 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     results = []
     for step in range(STEPS):
         batch = make_batch(step, vocab)
-        global_tokens = float(batch["token_mask"].sum())
+        global_tokens = float(batch["token_mask_bt"].sum())
         mine = select_rows(batch, slice(rank * per_rank, (rank + 1) * per_rank))
         results.append(engines.train_on_batch(
             engine, micro_batches(mine, MICRO_BATCH),
-            lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb["token_mask"].sum()}),
+            lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb["token_mask_bt"].sum()}),
         ))
     full = {name: t.clone() for bucket in weights.iter_gathered_params(engine) for name, t in bucket}
     rows = select_rows(make_batch(STEPS, vocab), slice(0, 5))
     mine = select_rows(rows, rank_slice(5, rank, world))
-    lp = engines.compute_logprobs(engine, mine["input_ids"], mine["attention_mask"], 1.0, micro_batch_size=2)
+    lp = engines.compute_logprobs(engine, mine["input_ids_bt"], mine["attention_mask_bt"], 1.0, micro_batch_size=2)
     logprobs = torch.cat(all_gather_objects([lp]))
     if export_dir is not None:
         from grpo.toy import build_char_tokenizer

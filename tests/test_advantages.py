@@ -245,26 +245,26 @@ def test_reinforce_pp_without_baseline_or_kl():
 def test_compute_advantages_broadcasts_and_dispatches():
     ids, r, valid, mask = t(0, 0, dtype=torch.long), t(1.0, 0.0), torch.ones(2), torch.ones(2, 3)
     cfg = AdvEstimatorConfig(name="grpo", use_leave_one_out_baseline=False, normalize_rewards=False)
-    adv = compute_advantages("grpo", prompt_ids=ids, rewards=r, valid_mask=valid, token_mask=mask, cfg=cfg)
+    adv = compute_advantages("grpo", group_ids=ids, rewards=r, valid_mask=valid, token_mask=mask, cfg=cfg)
     torch.testing.assert_close(adv, torch.tensor([[0.5] * 3, [-0.5] * 3]))
     comps = torch.tensor([[1.0], [0.0]])
-    gd = compute_advantages("gdpo", prompt_ids=ids, rewards=r, valid_mask=valid, token_mask=mask, cfg=cfg,
+    gd = compute_advantages("gdpo", group_ids=ids, rewards=r, valid_mask=valid, token_mask=mask, cfg=cfg,
                             reward_components=comps)
     assert gd.shape == (2, 3)
-    rpp = compute_advantages("reinforce_plus_plus", prompt_ids=ids, rewards=r, valid_mask=valid, token_mask=mask,
+    rpp = compute_advantages("reinforce_plus_plus", group_ids=ids, rewards=r, valid_mask=valid, token_mask=mask,
                              cfg=cfg)
     torch.testing.assert_close(rpp, torch.tensor([[1.0] * 3, [-1.0] * 3]))
 
 
 def test_compute_advantages_unknown_name_lists_choices():
     with pytest.raises(ValueError, match=r"gdpo.*grpo.*reinforce_plus_plus"):
-        compute_advantages("ppo", prompt_ids=t(0, dtype=torch.long), rewards=t(1.0), valid_mask=t(1.0),
+        compute_advantages("ppo", group_ids=t(0, dtype=torch.long), rewards=t(1.0), valid_mask=t(1.0),
                            token_mask=torch.ones(1, 1), cfg=AdvEstimatorConfig())
 
 
 def test_gdpo_needs_components():
     with pytest.raises(ValueError, match="reward_components"):
-        compute_advantages("gdpo", prompt_ids=t(0, dtype=torch.long), rewards=t(1.0), valid_mask=t(1.0),
+        compute_advantages("gdpo", group_ids=t(0, dtype=torch.long), rewards=t(1.0), valid_mask=t(1.0),
                            token_mask=torch.ones(1, 1), cfg=AdvEstimatorConfig(name="gdpo"))
 
 
@@ -291,3 +291,20 @@ def test_message_penalties():
     out2 = apply_message_advantage_penalties(adv, spans, ["malformed_thinking"], 0.0)
     assert out2[1, 1:3].eq(0).all() and out2[0, 3:5].eq(0).all() and out2[1, 4] == 10
     assert apply_message_advantage_penalties(adv, spans, "invalid_tool_call", None) is adv
+
+
+def test_a_registered_estimator_is_found_by_name_and_the_config_accepts_it(monkeypatch):
+    import grpo.registry
+    from grpo.advantages import register_estimator
+    from grpo.config_load import load_config
+
+    monkeypatch.setattr(grpo.registry, "_ESTIMATORS", dict(grpo.registry._ESTIMATORS))  # undone after the test
+
+    @register_estimator("test_sign_only")
+    def sign_only(*, group_ids, rewards, valid_mask, token_mask, cfg, **extra):
+        return torch.sign(rewards - rewards.mean())
+
+    adv = compute_advantages("test_sign_only", group_ids=t(0, 0, dtype=torch.long), rewards=t(3.0, 1.0),
+                             valid_mask=torch.ones(2), token_mask=torch.ones(2, 2), cfg=AdvEstimatorConfig())
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0], [-1.0, -1.0]]))
+    assert load_config(None, ["grpo.adv_estimator.name=test_sign_only"]).grpo.adv_estimator.name == "test_sign_only"

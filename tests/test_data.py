@@ -15,6 +15,7 @@ import grpo.data
 from grpo.config import DataConfig
 from grpo.data import (
     DataError,
+    check_record,
     PromptDataset,
     PromptFormatter,
     build_dataloader,
@@ -311,8 +312,10 @@ def test_prompt_dataset_filters_long_prompts(tok):
             for i, q in enumerate(["1+2=", "10+20=", "3+4=", "100+200="])]
     ds = PromptDataset(rows, PromptFormatter(tok, DataConfig()), max_input_seq_length=5)  # <bos> + 4 chars
     assert ds.num_filtered == 2 and len(ds) == 2
+    ids = [tok.bos_token_id] + char_ids(tok, "3+4=")
     assert ds[1] == {"index": 2, "question": "3+4=", "answer": "a", "source": "s:2", "meta": {"k": 2},
-                     "prompt_text": "3+4=", "prompt_ids": [tok.bos_token_id] + char_ids(tok, "3+4=")}
+                     "task_name": "default", "prompt_ids": ids,
+                     "prompt_messages": [{"role": "user", "content": "3+4=", "token_ids": ids}]}
     assert len(PromptDataset(rows, PromptFormatter(tok, DataConfig()), None)) == 4
     with pytest.raises(DataError, match="all 4 prompts are longer"):
         PromptDataset(rows, PromptFormatter(tok, DataConfig()), max_input_seq_length=2)
@@ -395,3 +398,30 @@ def test_resume_with_worker_processes():
     fresh.load_state_dict(state["loader"])
     tail, _ = run(fresh, 2, start_epoch=state["epoch"])
     assert head + tail == full
+
+
+def test_prompt_dataset_reads_the_task_column_and_rejects_tasks_without_an_environment(tok):
+    rows = [{"question": "1+2=", "answer": "3", "source": "f.jsonl:1", "meta": {"task_name": "math"}},
+            {"question": "1+3=", "answer": "4", "source": "f.jsonl:2", "meta": {}}]
+    ds = PromptDataset(rows, PromptFormatter(tok, DataConfig()), default_task="arithmetic",
+                       tasks=["arithmetic", "math"])
+    assert [item["task_name"] for item in ds] == ["math", "arithmetic"]
+    with pytest.raises(DataError, match=r"f.jsonl:1: task_name='math' has no environment"):
+        PromptDataset(rows, PromptFormatter(tok, DataConfig()), default_task="arithmetic", tasks=["arithmetic"])
+
+
+def test_a_conversation_prompt_keeps_its_history_and_needs_a_chat_template(tok):
+    from grpo.toy import SIMPLE_CHAT_TEMPLATE
+
+    history = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"},
+               {"role": "user", "content": "and 1+3="}]
+    fmt = PromptFormatter(tok, DataConfig(system_prompt="be brief"), chat_template=SIMPLE_CHAT_TEMPLATE)
+    messages = fmt.prompt_messages(history)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    text, ids = fmt.format(history)
+    assert text == "system: be brief\nuser: 1+2=\nassistant: 3\nuser: and 1+3=\nassistant: "
+    assert ids == [t for m in messages for t in m["token_ids"]] == tok(text, add_special_tokens=False)["input_ids"]
+    assert check_record({"input": history, "output": "4"}, "input", "output") is None
+    assert "must end with a user message" in check_record({"input": history[:2], "output": "4"}, "input", "output")
+    with pytest.raises(DataError, match="needs a chat template"):
+        PromptFormatter(tok, DataConfig()).prompt_messages(history)

@@ -289,7 +289,7 @@ def test_logprobs_gather_export_interleave_with_training(model_dir, dist_group, 
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
-    mbs = [{"input_ids": ids, "attention_mask": mask}]
+    mbs = [{"input_ids_bt": ids, "attention_mask_bt": mask}]
     closure = lambda lp, mb: (-lp.sum() / 12, {})
     for _ in range(2):
         engines.train_on_batch(engine, mbs, closure)
@@ -308,7 +308,7 @@ def _one_step(cfg):
     ids = torch.randint(3, 80, (2, 9), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    out = engines.train_on_batch(engine, [{"input_ids": ids, "attention_mask": mask}],
+    out = engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
                                  lambda lp, mb: ((lp**2).sum() / 14, {}))
     return out, {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
 
@@ -331,13 +331,13 @@ def test_bf16_smoke(model_dir, plain_model, dist_group):
     mask = torch.ones_like(ids)
     got = engines.compute_logprobs(engine, ids, mask, 1.0, micro_batch_size=2)
     torch.testing.assert_close(got, _reference_logprobs(plain_model, ids, mask, 1.0), atol=0.1, rtol=0.02)
-    out = engines.train_on_batch(engine, [{"input_ids": ids, "attention_mask": mask}],
+    out = engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
                                  lambda lp, mb: (-lp.sum() / 14, {}))
     assert torch.isfinite(torch.tensor([out["loss"], out["grad_norm"]])).all()
 
 
 def test_train_on_batch_checks_micro_batch_count(policy_engine):
-    mb = {"input_ids": torch.ones((2, 3), dtype=torch.long), "attention_mask": torch.ones((2, 3), dtype=torch.long)}
+    mb = {"input_ids_bt": torch.ones((2, 3), dtype=torch.long), "attention_mask_bt": torch.ones((2, 3), dtype=torch.long)}
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
         engines.train_on_batch(policy_engine, [mb], lambda lp, m: (lp.sum(), {}))
 
@@ -358,11 +358,11 @@ def _plain_pytorch_reference(model_dir):
     results = []
     for step in range(dist_train_step.STEPS):
         batch = dist_train_step.make_batch(step, model.config.vocab_size)
-        ids, mask = batch["input_ids"], batch["attention_mask"]
+        ids, mask = batch["input_ids_bt"], batch["attention_mask_bt"]
         logits = model(input_ids=ids, attention_mask=mask).logits
         lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         lp = torch.nn.functional.pad(lp, (1, 0)) * mask
-        loss = dist_train_step.batch_loss(lp, batch, float(batch["token_mask"].sum()))
+        loss = dist_train_step.batch_loss(lp, batch, float(batch["token_mask_bt"].sum()))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run["max_grad_norm"])
         lr = opt.param_groups[0]["lr"]
@@ -371,7 +371,7 @@ def _plain_pytorch_reference(model_dir):
         opt.zero_grad()
         results.append({"loss": loss.item(), "grad_norm": norm.item(), "lr": lr})
     rows = dist_train_step.make_batch(dist_train_step.STEPS, model.config.vocab_size)
-    logprobs = _reference_logprobs(model, rows["input_ids"][:5], rows["attention_mask"][:5], 1.0)
+    logprobs = _reference_logprobs(model, rows["input_ids_bt"][:5], rows["attention_mask_bt"][:5], 1.0)
     return {n: p.detach() for n, p in model.named_parameters()}, results, logprobs
 
 

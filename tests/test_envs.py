@@ -1,4 +1,4 @@
-"""Tests of grpo/envs: the scorers, the worker pool's error/timeout handling, and build_env."""
+"""Tests of grpo/envs: the scorers, the worker pool's error/timeout handling, and build_environment."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import grpo.envs.function
 import grpo.envs.math
 from grpo.config import DataConfig, EnvConfig
 from grpo.data import load_rows
-from grpo.envs import EnvError, RewardEnv, ScoreResult, build_env, collect
+from grpo.envs import EnvError, RewardEnvironment, ScoreResult, build_environment, collect
 from grpo.envs.arithmetic import arithmetic_reward
 from grpo.envs.function import score_sample, to_reward
 from grpo.envs.math import math_reward
@@ -118,7 +118,7 @@ def test_math_reward_unparseable_gold_raises():
 
 
 def test_math_env_scores_in_worker_processes():
-    with build_env(EnvConfig(name="math", num_workers=2, timeout_s=30)) as env:
+    with build_environment(EnvConfig(name="math", num_workers=2, timeout_s=30)) as env:
         assert env._pool is not None and env._pool._workers == []  # lazy: nothing started yet
         result = env.score([sample(completion=c, answer=g) for g, c, _ in MATH_CASES] + [sample(answer="")])
     assert result.rewards == [w for _, _, w in MATH_CASES] + [0.0]
@@ -135,28 +135,28 @@ def test_reasoning_gym_env():
         {**rows[2], "completion": f"  {rows[2]['answer']}\n"},  # no tags: the whole completion is the answer
         sample(completion="<answer>1</answer>", answer="1"),  # no entry in meta: an error
     ]
-    with build_env(EnvConfig(name="reasoning_gym", num_workers=1, timeout_s=30), data_cfg) as env:
+    with build_environment(EnvConfig(name="reasoning_gym", num_workers=1, timeout_s=30), data_cfg) as env:
         result = env.score(samples)
     assert result.rewards == [1.0, 0.0, 1.0, 0.0] and result.num_errors == 1
 
 
 def test_reasoning_gym_env_needs_reasoning_gym_data():
     with pytest.raises(EnvError, match="reasoning_gym:<task>"):
-        build_env(EnvConfig(name="reasoning_gym"), DataConfig(dataset_name="arithmetic"))
+        build_environment(EnvConfig(name="reasoning_gym"), DataConfig(dataset_name="arithmetic"))
 
 
 # --------------------------------------------------------------------------------------------------
 # In-process arithmetic env
 # --------------------------------------------------------------------------------------------------
 def test_arithmetic_env_runs_in_process_and_counts_errors():
-    env = build_env(EnvConfig(name="arithmetic"), DataConfig())
+    env = build_environment(EnvConfig(name="arithmetic"), DataConfig())
     assert env.in_process and env._pool is None
     result = env.score([sample(completion="7", answer="7"), sample(completion="5", answer="7"),
                         sample(completion="5", answer="not a number")])
     assert isinstance(result, ScoreResult)
     assert result.rewards == [1.0, 0.0, 0.0] and (result.num_errors, result.num_timeouts) == (1, 0)
     assert set(result.metrics) == {"env/error_rate", "env/timeout_rate", "env/score_s"}
-    env.close()
+    env.shutdown()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,11 +164,11 @@ def test_arithmetic_env_runs_in_process_and_counts_errors():
 # --------------------------------------------------------------------------------------------------
 def test_build_env_function_checks_the_name():
     with pytest.raises(EnvError, match="cannot import 'no_such_module_xyz'"):
-        build_env(EnvConfig(name="function", reward_fn="no_such_module_xyz:f"))
+        build_environment(EnvConfig(name="function", reward_fn="no_such_module_xyz:f"))
     with pytest.raises(EnvError, match="has no 'missing'"):
-        build_env(EnvConfig(name="function", reward_fn=f"{FNS}:missing"))
+        build_environment(EnvConfig(name="function", reward_fn=f"{FNS}:missing"))
     with pytest.raises(EnvError, match="is int, not a function"):
-        build_env(EnvConfig(name="function", reward_fn=f"{FNS}:NOT_A_FUNCTION"))
+        build_environment(EnvConfig(name="function", reward_fn=f"{FNS}:NOT_A_FUNCTION"))
 
 
 def test_failures_cost_only_their_own_samples(caplog):
@@ -177,7 +177,7 @@ def test_failures_cost_only_their_own_samples(caplog):
         sample("ok", "1", "1"), sample("hang", "1", "1"), sample("raise", "1", "1"), sample("ok", "2", "1"),
         sample("crash", "1", "1"), sample("nan", "1", "1"), sample("ok", "3", "3"),
     ]
-    env = build_env(EnvConfig(name="function", reward_fn=f"{FNS}:by_question", num_workers=2, timeout_s=timeout_s))
+    env = build_environment(EnvConfig(name="function", reward_fn=f"{FNS}:by_question", num_workers=2, timeout_s=timeout_s))
     with env, caplog.at_level(logging.WARNING, logger="grpo.envs"):
         start = time.monotonic()
         result = env.score(batch)
@@ -206,14 +206,14 @@ def test_failures_cost_only_their_own_samples(caplog):
 
 def test_timeout_is_per_sample_from_dispatch():
     # 4 samples of 0.8 s on 2 workers take ~1.6 s in all, but each stays within its own 1.5 s limit.
-    with RewardEnv(f"{FNS}:sleepy", num_workers=2, timeout_s=1.5) as env:
+    with RewardEnvironment(f"{FNS}:sleepy", num_workers=2, timeout_s=1.5) as env:
         env.start()
         result = env.score([sample(meta={"sleep": 0.8}) for _ in range(4)] + [sample(meta={"sleep": 5})])
     assert result.rewards == [1.0, 1.0, 1.0, 1.0, 0.0] and result.num_timeouts == 1
 
 
 def test_samples_are_spread_over_workers():
-    with RewardEnv(f"{FNS}:pid", num_workers=2, timeout_s=10) as env:
+    with RewardEnvironment(f"{FNS}:pid", num_workers=2, timeout_s=10) as env:
         env.start()
         assert all(w.ready for w in env._pool._workers)
         pids = set(env.score([sample(meta={"sleep": 0.1}) for _ in range(8)]).rewards)
@@ -221,7 +221,7 @@ def test_samples_are_spread_over_workers():
 
 
 def test_dict_rewards_give_gdpo_components():
-    with build_env(EnvConfig(name="function", reward_fn=f"{FNS}:components", num_workers=1, timeout_s=10)) as env:
+    with build_environment(EnvConfig(name="function", reward_fn=f"{FNS}:components", num_workers=1, timeout_s=10)) as env:
         result = env.score([sample(completion="7", answer="7"), sample(completion="x", answer="7"),
                             sample(completion="3", answer="7", meta={"scalar": -2.0})])
     assert result.rewards == [1.5, 0.0, -2.0]
@@ -230,14 +230,14 @@ def test_dict_rewards_give_gdpo_components():
 
 
 def test_worker_that_cannot_import_the_scorer_fails_clearly():
-    env = RewardEnv("no_such_module_xyz:f", num_workers=1, timeout_s=5)  # not checked in-process
+    env = RewardEnvironment("no_such_module_xyz:f", num_workers=1, timeout_s=5)  # not checked in-process
     with env, pytest.raises(EnvError, match="cannot load 'no_such_module_xyz:f'"):
         env.score([sample()])
     assert [p for p in mp.active_children() if p.name == "grpo-reward-worker"] == []
 
 
 def test_empty_batch():
-    with RewardEnv(f"{FNS}:exact", num_workers=1, timeout_s=5) as env:
+    with RewardEnvironment(f"{FNS}:exact", num_workers=1, timeout_s=5) as env:
         result = env.score([])
         assert env._pool._workers == []
     assert result.rewards == [] and result.metrics["env/error_rate"] == 0.0

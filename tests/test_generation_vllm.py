@@ -28,7 +28,7 @@ import torch
 
 from grpo import engines
 from grpo.config_load import build_config
-from grpo.rollout import build_batch
+from grpo.step import mult_prob_error
 
 PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok", "(3*4)-5=", "Z"]
 SEEDS = [11, 22, 33, 44, 55, 66, 77, 88]
@@ -108,15 +108,6 @@ def perturb(engine, seed: int, scale: float = 0.05) -> None:
         g = torch.Generator().manual_seed(seed)
         for p in params:
             p.add_(torch.randn(p.shape, generator=g) * scale)
-
-
-def mult_prob_error(engine, outputs, pad_id: int, temperature: float = 1.0) -> float:
-    """token_mult_prob_error of ``outputs`` against the engine's teacher-forced logprobs."""
-    b = build_batch(outputs, pad_id)
-    ref_bt = engines.compute_logprobs(engine, b["input_ids"], b["attention_mask"], temperature, micro_batch_size=8)
-    mask_bt = b["token_mask"]
-    err_bt = torch.exp((b["generation_logprobs"] - ref_bt).abs()) * mask_bt
-    return float(err_bt.sum() / mask_bt.sum())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,7 +225,7 @@ def test_sleep_wake_load_order_over_steps(backend, policy, tok):
     assert events[:1 + len(FIXED_EVENTS)] == ["sleep", *FIXED_EVENTS]  # constructor, then the first refit
     events.clear()
     for step in range(3):
-        gen.wake_up()  # what grpo.phases.generate_and_score calls: a no-op right after a refit
+        gen.wake_up()  # what grpo.rollout.generate_rollout calls: a no-op right after a refit
         gen.generate(encode(tok, PROMPTS[:2]), SEEDS[:2])
         gen.sleep()
         perturb(policy, seed=10 + step, scale=0.01)  # "train"

@@ -1,5 +1,4 @@
-"""Unit tests of grpo/replay.py (the async replay deque and weight stage) and of the generation
-thread's rollout, grpo.phases.generate_and_score."""
+"""Unit tests of grpo/replay.py: the async replay deque, the weight stage, groups of trajectories."""
 
 import io
 import threading
@@ -10,10 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo.generation.base import GenerationOutput
 from grpo.replay import (
-    ReplayBuffer, ReplayClosed, WeightStage, groups_from_rollout, rollout_from_groups, trajectory_age,
+    ReplayBuffer, ReplayClosed, StopKind, WeightStage, groups_from_trajectories, trajectories_from_groups,
+    trajectory_age,
 )
+from grpo.rollout import Message, Trajectory
 
 
 def put_batch(buf, target, versions, tag=""):
@@ -102,30 +102,37 @@ def test_take_times_out_and_close_wakes_the_waiter():
     t = threading.Thread(target=consumer)
     t.start()
     time.sleep(0.1)
-    buf.close("3 generation failures", failed=True)
+    buf.close(StopKind.FAILURES, "3 generation failures")
     t.join(timeout=5)
     assert result["err"].failed and "3 generation failures" in str(result["err"])
+    assert result["err"].kind is StopKind.FAILURES
 
 
 def test_a_closed_buffer_still_serves_complete_steps_and_refuses_puts():
     buf = ReplayBuffer(max_age_steps=1)
     put_batch(buf, 1, [0, 0])
-    buf.close("out of training data")
+    buf.close(StopKind.OUT_OF_DATA)
+    buf.close(StopKind.CRASHED, "later closes do not replace the first reason")
     assert ids(buf.take(step=1, n=2)[0]) == ["1/0", "1/1"]
     with pytest.raises(ReplayClosed) as e:
         buf.take(step=2, n=2)
-    assert not e.value.failed and e.value.reason == "out of training data"
+    assert not e.value.failed and e.value.kind is StopKind.OUT_OF_DATA and str(e.value) == "out of training data"
     with pytest.raises(ReplayClosed):
         put_batch(buf, 2, [1])
 
 
+def traj(group_id, version, reward=0.0, components=None):
+    return Trajectory(group_id, 10 + group_id, "t", "q", "a",
+                      [Message("user", "q", [1, 2]), Message("assistant", "3", [3], [-0.5], ["invalid_tool_call"])],
+                      {"answer": "a"}, reward=reward, reward_components=components, generation_version=version)
+
+
 def test_state_dict_round_trips_through_a_weights_only_load():
     buf = ReplayBuffer(max_age_steps=2)
-    o = GenerationOutput(prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.5], finish_reason="stop", text="3")
-    rollout = {"outputs": [o, o], "rewards": [1.0, 0.0], "component_dicts": [{"a": 1.0}, None], "versions": [0, 1]}
     info = {"loader_mark": {"epoch": 0, "loader": {"gen": torch.arange(4), "n": 3}}, "metrics": {"x": 1.0}}
-    groups = groups_from_rollout(rollout, [{"index": 9}], num_generations=2, extra={"batch": info})
-    buf.put(groups, [0], target_version=2)
+    trajs = [traj(0, 0, 1.0, {"a": 1.0}), traj(0, 1)]
+    groups = groups_from_trajectories(trajs, info)
+    buf.put(groups, [g["version"] for g in groups], target_version=2)
     buf.take(step=1, n=0)
     f = io.BytesIO()
     torch.save(buf.state_dict(), f)
@@ -134,10 +141,9 @@ def test_state_dict_round_trips_through_a_weights_only_load():
     other = ReplayBuffer(max_age_steps=2)
     other.load_state_dict(state)
     (e,), _ = other.take(step=2, n=1)
-    assert e["generation_version"] == 0 and e["group"]["prompt_index"] == 9
-    assert e["group"]["outputs"][0] == {"prompt_ids": [1, 2], "completion_ids": [3], "logprobs": [-0.5],
-                                        "finish_reason": "stop", "text": "3"}
-    assert torch.equal(e["group"]["batch"]["loader_mark"]["loader"]["gen"], torch.arange(4))
+    assert e["generation_version"] == 0 and e["group"]["prompt_index"] == 10
+    assert trajectories_from_groups([e["group"]]) == trajs
+    assert torch.equal(e["group"]["info"]["loader_mark"]["loader"]["gen"], torch.arange(4))
 
 
 @settings(max_examples=60, deadline=None)
@@ -169,20 +175,14 @@ def test_taken_groups_are_never_too_old_and_never_taken_twice(max_age, plan):
 # ---------------------------------------------------------------------------------------------
 # Groups <-> rollouts
 # ---------------------------------------------------------------------------------------------
-def test_groups_round_trip_to_the_synchronous_rollout_lists():
-    outs = [GenerationOutput([1], [10 + i], [-0.1 * i], "stop", str(i)) for i in range(6)]
-    comps = [{"format": 0.5, "correct": float(i % 2)} for i in range(6)]
-    rollout = {"outputs": outs, "rewards": [float(i % 2) for i in range(6)], "component_dicts": comps,
-               "versions": [0, 0, 1, 1, 1, 2]}
-    groups = groups_from_rollout(rollout, [{"index": 4}, {"index": 1}, {"index": 7}], num_generations=2)
-    assert [g["prompt_index"] for g in groups] == [4, 1, 7]
-    assert [min(g["versions"]) for g in groups] == [0, 1, 1]
-    back = rollout_from_groups(groups)
-    assert back["outputs"] == outs
-    assert back["prompt_idx"] == [0, 0, 1, 1, 2, 2] and back["prompt_indices"] == [4, 1, 7]
-    assert back["texts"] == [str(i) for i in range(6)]
-    # components sorted by key, one row per sample: [correct, format]
-    assert back["components"].tolist() == [[float(i % 2), 0.5] for i in range(6)]
+def test_groups_round_trip_and_renumber_group_ids_by_position():
+    trajs = [traj(g, v, float(i % 2)) for i, (g, v) in enumerate([(0, 0), (0, 0), (1, 1), (1, 1), (2, 1), (2, 2)])]
+    groups = groups_from_trajectories(trajs)
+    assert [g["prompt_index"] for g in groups] == [10, 11, 12]
+    assert [g["version"] for g in groups] == [0, 1, 1]  # a group is as old as its oldest sample
+    back = trajectories_from_groups([groups[2], groups[0]])
+    assert [t.group_id for t in back] == [0, 0, 1, 1] and [t.prompt_index for t in back] == [12, 12, 10, 10]
+    assert [t.reward for t in back] == [0.0, 1.0, 0.0, 1.0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,72 +225,3 @@ def test_weight_stage_wait_for_blocks_until_the_version_or_close():
     stage.close()
     t.join(timeout=5)
     assert result["ok"] is False and stage.wait_for(0) is False
-
-
-# ---------------------------------------------------------------------------------------------
-# The generation thread's rollout: chunks, versions, failures
-# ---------------------------------------------------------------------------------------------
-class FakeGenerator:
-    """Completion = the sample's seed mod 7 as text; records the chunk sizes it was called with."""
-
-    def __init__(self, fail_on_call=None):
-        self.calls, self.fail_on_call, self.events = [], fail_on_call, []
-
-    def generate(self, prompt_ids, seeds, **kw):
-        self.events.append("generate")
-        self.calls.append(len(prompt_ids))
-        if self.fail_on_call == len(self.calls):
-            raise ValueError("prompt 0 has 99 tokens")
-        return [GenerationOutput(list(p), [s % 7], [-0.25], "stop", str(s % 7)) for p, s in zip(prompt_ids, seeds)]
-
-    def wake_up(self):
-        self.events.append("wake_up")
-
-    def sleep(self):
-        self.events.append("sleep")
-
-
-class FakeEnv:
-    def score(self, samples):
-        from grpo.envs import ScoreResult
-
-        return ScoreResult([float(s["completion"] == s["answer"]) for s in samples], None, 0, 0)
-
-
-@pytest.fixture
-def small_cfg():
-    from grpo.config_load import load_config
-
-    return load_config(None, ["grpo.num_generations_per_prompt=3", "policy.generation_batch_size=4",
-                              "policy.train_global_batch_size=96",
-                              "policy.train_micro_batch_size=4"])
-
-
-def prompts(n):
-    return [{"index": i, "question": f"q{i}", "answer": "3", "meta": {}, "prompt_ids": [i, i]} for i in range(n)]
-
-
-def test_chunked_rollout_matches_the_synchronous_rollout_and_tags_chunk_versions(small_cfg):
-    from grpo.phases import generate_and_score
-
-    versions = iter([5, 6, 7])
-    gen = FakeGenerator()
-    r = generate_and_score(small_cfg, gen, FakeEnv(), prompts(3), step=4, gen_batch=0, rank=0, world_size=1,
-                           timing={}, before_chunk=lambda: next(versions))
-    assert gen.calls == [4, 4, 1]  # 9 samples in chunks of policy.generation_batch_size
-    assert gen.events == ["wake_up", "generate", "generate", "generate", "sleep"]  # vLLM: asleep while training
-    assert r["versions"] == [5] * 4 + [6] * 4 + [7]
-    ref = generate_and_score(small_cfg, FakeGenerator(), FakeEnv(), prompts(3), step=4, gen_batch=0, rank=0,
-                             world_size=1, timing={})
-    assert r["outputs"] == ref["outputs"] and r["rewards"] == ref["rewards"]  # same seeds as train_grpo.py
-    assert r["prompt_idx"] == ref["prompt_idx"] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    groups = groups_from_rollout(r, prompts(3), num_generations=3)
-    assert [min(g["versions"]) for g in groups] == [5, 5, 6]  # a group is as old as its oldest sample
-
-
-def test_chunked_rollout_turns_a_failure_into_rollout_error(small_cfg):
-    from grpo.phases import RolloutError, generate_and_score
-
-    with pytest.raises(RolloutError, match="rank 0: ValueError: prompt 0 has 99 tokens"):
-        generate_and_score(small_cfg, FakeGenerator(fail_on_call=2), FakeEnv(), prompts(3), step=1, gen_batch=0,
-                           rank=0, world_size=1, timing={})

@@ -1,16 +1,9 @@
-"""grpo.sampling: DAPO dynamic sampling cache, overlong filtering, sample-mask and batch helpers."""
+"""grpo.sampling: DAPO dynamic sampling cache and overlong filtering."""
 
 import pytest
 import torch
 
-from grpo.sampling import (
-    DynamicSamplingCache,
-    apply_sample_mask,
-    batch_size,
-    concat_batches,
-    overlong_filter_mask,
-    select_rows,
-)
+from grpo.sampling import DynamicSamplingCache, overlong_filter_mask
 
 
 def gen_batch(tag: str, rewards, num_generations=2, T=3):
@@ -90,38 +83,6 @@ def test_wrong_group_size_raises():
         cache.add(*gen_batch("a", [1, 0, 1, 0]))
 
 
-def test_concat_batches_pads_trailing_dims():
-    a = {"ids": torch.ones(1, 2, dtype=torch.long), "mask": torch.ones(1, 2), "s": ["x"]}
-    b = {"ids": torch.full((2, 3), 2), "mask": torch.ones(2, 3), "s": ["y", "z"]}
-    out = concat_batches([a, b], pad_values={"ids": -1})
-    assert out["ids"].tolist() == [[1, 1, -1], [2, 2, 2], [2, 2, 2]]
-    assert out["mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
-    assert out["s"] == ["x", "y", "z"]
-    with pytest.raises(ValueError, match="different keys"):
-        concat_batches([a, {"ids": a["ids"]}])
-
-
-def test_select_rows_and_batch_size():
-    batch = {"x": torch.tensor([10, 11, 12]), "l": ["a", "b", "c"]}
-    assert batch_size(batch) == 3
-    out = select_rows(batch, [2, 0])
-    assert out["x"].tolist() == [12, 10] and out["l"] == ["c", "a"]
-    out = select_rows(batch, torch.tensor([False, True, True]))
-    assert out["x"].tolist() == [11, 12] and out["l"] == ["b", "c"]
-    assert select_rows(batch, [])["x"].shape == (0,)
-    with pytest.raises(ValueError, match="leading sizes"):
-        batch_size({"x": torch.zeros(2), "y": [1]})
-
-
 def test_overlong_filter_mask():
     out = overlong_filter_mask(torch.tensor([True, False, True]), torch.tensor([1.0, 1.0, 0.0]))
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0, 0.0]))
-
-
-def test_apply_sample_mask_keeps_rows():
-    batch = {"sample_mask": torch.tensor([1.0, 0.0, 1.0]), "x": torch.arange(3)}
-    out = apply_sample_mask(batch, torch.tensor([0, 1, 1]))
-    torch.testing.assert_close(out["sample_mask"], torch.tensor([0.0, 0.0, 1.0]))
-    assert out["x"] is batch["x"] and batch["sample_mask"].tolist() == [1.0, 0.0, 1.0]
-    fresh = apply_sample_mask({"x": torch.arange(2)}, torch.tensor([True, False]))
-    torch.testing.assert_close(fresh["sample_mask"], torch.tensor([1.0, 0.0]))

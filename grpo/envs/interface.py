@@ -33,9 +33,10 @@ then their sum.
 from __future__ import annotations
 
 import abc
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: reward worker processes import this package
+    import torch
 
 MetadataT = TypeVar("MetadataT")
 MessageLog = list[dict[str, Any]]
@@ -96,6 +97,8 @@ def check_return(ret: Any, n: int) -> EnvironmentReturn:
         >>> r.observations, r.rewards, r.terminateds, r.next_stop_strings
         ([[{'role': 'user', 'content': 'hi'}]], tensor([1.]), tensor([True]), [None])
     """
+    import torch
+
     if not isinstance(ret, tuple) or len(ret) != 6:
         raise ValueError(f"step returned {type(ret).__name__}, expected an EnvironmentReturn (6 fields)")
     observations, metadata, stops, rewards, terminateds, answers = ret

@@ -31,8 +31,13 @@ class GenerationOutput:
 
 class GenerationBackend(Protocol):
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens: int | None = None) -> list[GenerationOutput]:
-        """One output per prompt, in order; ``seeds[i]`` drives the sampling of sample i only."""
+                 max_new_tokens: int | Sequence[int] | None = None,
+                 stop_strings: Sequence[Sequence[str] | None] | None = None) -> list[GenerationOutput]:
+        """One output per prompt, in order; ``seeds[i]`` drives the sampling of sample i only.
+
+        ``max_new_tokens``: one cap for all, or one per sample (None: ``policy.generation.max_new_tokens``);
+        ``stop_strings``: per sample, its stop strings (None for a sample, or for all: the config's).
+        """
 
     def refit(self, engine) -> float:
         """Load the weights of the training engine (a collective); returns seconds taken."""
@@ -47,13 +52,17 @@ class GenerationBackend(Protocol):
         """Release the backend."""
 
 
-def length_caps(prompt_lens: Sequence[int], max_new_tokens: int, max_total_sequence_length: int) -> list[int]:
-    """Per-sample completion budget: min(max_new_tokens, max_total_sequence_length - prompt_len).
+def length_caps(prompt_lens: Sequence[int], max_new_tokens: int | Sequence[int],
+                max_total_sequence_length: int) -> list[int]:
+    """Per-sample completion budget: min(max_new_tokens_i, max_total_sequence_length - prompt_len_i).
 
         >>> length_caps([3, 10], max_new_tokens=8, max_total_sequence_length=12)
         [8, 2]
+        >>> length_caps([3, 3], max_new_tokens=[1, 20], max_total_sequence_length=12)
+        [1, 9]
     """
-    caps = [min(max_new_tokens, max_total_sequence_length - n) for n in prompt_lens]
+    per_sample = [max_new_tokens] * len(prompt_lens) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    caps = [min(m, max_total_sequence_length - n) for m, n in zip(per_sample, prompt_lens, strict=True)]
     bad = [i for i, c in enumerate(caps) if c <= 0]
     if bad:
         i = bad[0]
@@ -63,6 +72,19 @@ def length_caps(prompt_lens: Sequence[int], max_new_tokens: int, max_total_seque
             "filter them with data.max_input_seq_length"
         )
     return caps
+
+
+def per_sample_stops(stop_strings: Sequence[Sequence[str] | None] | None, default: Sequence[str] | None,
+                     n: int) -> list[list[str]]:
+    """Each sample's stop strings: its own where given, else ``default`` (the config's).
+
+        >>> per_sample_stops([None, ["</a>"]], default=["\\n"], n=2)
+        [['\\n'], ['</a>']]
+    """
+    given = [None] * n if stop_strings is None else list(stop_strings)
+    if len(given) != n:
+        raise ValueError(f"generate: {n} prompts but {len(given)} stop-string lists")
+    return [list(s) if s is not None else list(default or []) for s in given]
 
 
 def cut_completion(ids: Sequence[int], cap: int, stop_token_ids: Sequence[int],

@@ -17,27 +17,27 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from grpo.engines import DTYPES
 from grpo.weights import iter_gathered_params
-from grpo.generation.base import GenerationOutput, cut_completion, length_caps
+from grpo.generation.base import GenerationOutput, cut_completion, length_caps, per_sample_stops
 from grpo.generation.sampling import SeededSampler
 
 
 class _RowLimits(StoppingCriteria):
-    """Marks a row done once it has ``cap_b`` new tokens or its recent text holds a stop string.
+    """Marks a row done once it has ``cap_b`` new tokens or its recent text holds one of its stop strings.
 
     Only an early exit: it never stops a row before `cut_completion` would end it (a stop string in
     the decoded tail of the last ``window`` tokens is also in the whole text).
     """
 
-    def __init__(self, prompt_len: int, caps_b: torch.Tensor, stop_strings, decode, window: int):
+    def __init__(self, prompt_len: int, caps_b: torch.Tensor, stop_strings: list[list[str]], decode, window: int):
         self.prompt_len, self.caps_b, self.stop_strings = prompt_len, caps_b, stop_strings
         self.decode, self.window = decode, window
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         new_bt = input_ids[:, self.prompt_len:]
         done_b = self.caps_b.to(input_ids.device) <= new_bt.shape[1]
-        if self.stop_strings:
-            tails = [self.decode(row[-self.window:]) for row in new_bt.tolist()]
-            hit_b = [any(s in t for s in self.stop_strings) for t in tails]
+        if any(self.stop_strings):
+            hit_b = [bool(stops) and any(s in self.decode(row[-self.window:]) for s in stops)
+                     for row, stops in zip(new_bt.tolist(), self.stop_strings)]
             done_b = done_b | torch.tensor(hit_b, device=input_ids.device)
         return done_b
 
@@ -77,29 +77,32 @@ class HFGeneration:
         self.model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id
         )
-        longest = max((len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in self.gen.stop_strings or []),
-                      default=0)
-        self._stop_window = 4 * max(longest, 1) + 4
-
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _stop_window(self, stops: list[list[str]]) -> int:
+        """Tokens of decoded tail that surely hold any of these stop strings (a token has >= 1 character)."""
+        return 4 * max((len(s) for row in stops for s in row), default=1) + 4
+
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens: int | None = None) -> list[GenerationOutput]:
+                 max_new_tokens=None, stop_strings=None) -> list[GenerationOutput]:
+        """See `grpo.generation.base.GenerationBackend.generate`."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not self._has_weights:
             raise RuntimeError("HFGeneration: call refit(engine) before generate (the copy holds random weights)")
         caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen.max_new_tokens,
                            self.cfg.max_total_sequence_length)
+        stops = per_sample_stops(stop_strings, self.gen.stop_strings, len(prompt_ids))
         bs = self.cfg.generation_batch_size
         out: list[GenerationOutput] = []
         for i in range(0, len(prompt_ids), bs):
-            out += self._generate_chunk(prompt_ids[i:i + bs], seeds[i:i + bs], caps[i:i + bs], greedy)
+            out += self._generate_chunk(prompt_ids[i:i + bs], seeds[i:i + bs], caps[i:i + bs], stops[i:i + bs],
+                                        greedy)
         return out
 
-    def _generate_chunk(self, prompts, seeds, caps, greedy) -> list[GenerationOutput]:
+    def _generate_chunk(self, prompts, seeds, caps, stops, greedy) -> list[GenerationOutput]:
         B, L = len(prompts), max(len(p) for p in prompts)
         ids_bt = torch.full((B, L), self.pad_id, dtype=torch.long)
         mask_bt = torch.zeros((B, L), dtype=torch.long)
@@ -107,7 +110,7 @@ class HFGeneration:
             ids_bt[b, L - len(p):] = torch.tensor(p, dtype=torch.long)
             mask_bt[b, L - len(p):] = 1
         sampler = SeededSampler(seeds, self.gen.temperature, self.gen.top_k, self.gen.top_p, greedy, self.device)
-        limits = _RowLimits(L, torch.tensor(caps), self.gen.stop_strings, self._decode, self._stop_window)
+        limits = _RowLimits(L, torch.tensor(caps), stops, self._decode, self._stop_window(stops))
         gen_cfg = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
                                    eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
                                    bos_token_id=self.tokenizer.bos_token_id)
@@ -120,7 +123,7 @@ class HFGeneration:
         outputs = []
         for b in range(B):
             ids = new_bt[b].tolist()
-            n, reason = cut_completion(ids, caps[b], self.stop_token_ids, self.gen.stop_strings, self._decode)
+            n, reason = cut_completion(ids, caps[b], self.stop_token_ids, stops[b], self._decode)
             if chosen_bt[b, :n].tolist() != ids[:n]:
                 raise RuntimeError("HFGeneration: generate did not pick the sampler's tokens (a logits processor "
                                    "after SeededSampler?)")

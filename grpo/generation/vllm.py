@@ -37,7 +37,7 @@ from contextlib import contextmanager
 
 import torch
 
-from grpo.generation.base import GenerationOutput, length_caps
+from grpo.generation.base import GenerationOutput, length_caps, per_sample_stops
 from grpo.generation.vllm_params import llm_kwargs, sampling_kwargs, stop_token_ids, to_output
 
 # Environment variables an in-process CPU engine sets that would leak into the trainer's children.
@@ -233,11 +233,12 @@ class VllmGeneration:
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens: int | None = None) -> list[GenerationOutput]:
-        """One output per prompt, in order. Each sample is its own request with ``SamplingParams(seed=...)``,
-        so a completion depends only on its prompt, seed and the weights. Per-request seeds cost nothing
-        measurable here (64 x 32 tokens of the 25M bench model, 2 threads: 1.34 s seeded vs 1.36 s
-        unseeded, best of 3)."""
+                 max_new_tokens=None, stop_strings=None) -> list[GenerationOutput]:
+        """One output per prompt, in order (see `grpo.generation.base.GenerationBackend.generate`). Each
+        sample is its own request with ``SamplingParams(seed=...)``, so a completion depends only on its
+        prompt, seed and the weights. Per-request seeds cost nothing measurable here (64 x 32 tokens of the
+        25M bench model, 2 threads: 1.34 s seeded vs 1.36 s unseeded, best of 3). Prompts are token ids
+        (nothing is re-tokenised); with prefix caching, a conversation's earlier turns reuse their KV."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -247,15 +248,17 @@ class VllmGeneration:
             raise RuntimeError("VllmGeneration: call refit(policy_engine) before the first generate")
         self.wake_up()
         self._record("generate")
-        if self._tp_group is not None:  # every rank of a TP group runs the group's whole batch
-            prompt_ids, seeds, mine = self._tp_gather(prompt_ids, seeds)
-        if not prompt_ids:  # a rank with no share of a small batch
-            return []
         caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
                            self.cfg.policy.max_total_sequence_length)
+        stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
+        if self._tp_group is not None:  # every rank of a TP group runs the group's whole batch
+            (prompt_ids, seeds, caps, stops), mine = self._tp_gather([prompt_ids, seeds, caps, stops])
+        if not prompt_ids:  # a rank with no share of a small batch
+            return []
         stop_ids = stop_token_ids(self.tokenizer, self._model_eos, self.gen_cfg)
         params = [SamplingParams(**sampling_kwargs(self.gen_cfg, max_tokens=c, seed=int(s), greedy=greedy,
-                                                   stop_ids=stop_ids)) for c, s in zip(caps, seeds)]
+                                                   stop_ids=stop_ids, stop=st))
+                  for c, s, st in zip(caps, seeds, stops)]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         with preserved_host_state():
             results = self.llm.generate(prompts, params, use_tqdm=False)
@@ -341,13 +344,13 @@ class VllmGeneration:
         group, _ = dist.new_subgroups_by_enumeration(groups)
         return group
 
-    def _tp_gather(self, prompt_ids, seeds):
-        """The TP group's prompts and seeds, in rank order, and this rank's slice of them."""
+    def _tp_gather(self, columns: list[list]):
+        """The TP group's rows (per-sample ``columns``: prompts, seeds, ...), in rank order, and this rank's
+        slice of them."""
         import torch.distributed as dist
 
         parts: list = [None] * self.tp
-        dist.all_gather_object(parts, (list(prompt_ids), list(seeds)), group=self._tp_group)
+        dist.all_gather_object(parts, [list(c) for c in columns], group=self._tp_group)
         start = sum(len(p[0]) for p in parts[: dist.get_rank(self._tp_group)])
-        all_prompts = [x for p in parts for x in p[0]]
-        all_seeds = [x for p in parts for x in p[1]]
-        return all_prompts, all_seeds, slice(start, start + len(prompt_ids))
+        gathered = [[x for p in parts for x in p[k]] for k in range(len(columns))]
+        return gathered, slice(start, start + len(columns[0]))

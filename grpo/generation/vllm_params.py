@@ -59,22 +59,25 @@ def stop_token_ids(tokenizer, model_eos, gen_cfg) -> list[int]:
     return sorted(ids)
 
 
-def sampling_kwargs(gen_cfg, *, max_tokens: int, seed: int, greedy: bool, stop_ids: list[int]) -> dict:
+def sampling_kwargs(gen_cfg, *, max_tokens: int, seed: int, greedy: bool, stop_ids: list[int],
+                    stop: list[str] | None = None) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one sample.
 
     greedy -> temperature 0; top_k None -> -1 (off); ``logprobs=0`` returns the sampled token's logprob
-    only. The stop token stays in the output ids; the text is decoded by us (`to_output`).
+    only. The stop token stays in the output ids; the text is decoded by us (`to_output`). ``stop``: this
+    sample's stop strings (None: ``policy.generation.stop_strings``).
     """
+    stop = list(gen_cfg.stop_strings or []) if stop is None else list(stop)
     return dict(
         temperature=0.0 if greedy else gen_cfg.temperature,
         top_p=1.0 if greedy else gen_cfg.top_p,
         top_k=-1 if greedy or gen_cfg.top_k is None else gen_cfg.top_k,
         max_tokens=max_tokens,
-        stop=list(gen_cfg.stop_strings or []) or None,
+        stop=stop or None,
         stop_token_ids=stop_ids,
         seed=seed,
         logprobs=0,
-        detokenize=bool(gen_cfg.stop_strings),  # stop strings are matched on vLLM's text
+        detokenize=bool(stop),  # stop strings are matched on vLLM's text
     )
 
 

@@ -1,0 +1,218 @@
+"""The training batch: trajectories flattened into padded ``[B, T]`` tensors, and row operations on it.
+
+Alignment is the math contract's: per-token tensors are ``[B, T]`` (a conversation's tokens right-padded
+to ``T``); position ``t`` of a logprob tensor holds the logprob of token ``t`` given the tokens before it;
+``token_mask_bt`` is 1 exactly on the tokens the policy generated in this rollout (every assistant turn),
+0 on prompt, prompt-history and environment tokens.
+
+    >>> from grpo.rollout import Message, Trajectory
+    >>> t = Trajectory(0, 0, "arithmetic", "1+4=", "5", [Message("user", "1+4=", [1, 4]),
+    ...                Message("assistant", "x", [7, 2], [-0.5, -0.25])], {})
+    >>> b = build_batch([t], pad_id=0)
+    >>> b.input_ids_bt.tolist(), b.token_mask_bt.tolist(), b.generation_logprobs_bt.tolist()
+    ([[1, 4, 7, 2]], [[0.0, 0.0, 1.0, 1.0]], [[0.0, 0.0, -0.5, -0.25]])
+
+Every rank holds the whole batch of a step (filtering, baselines and advantages are computed identically
+everywhere); `TrainBatch.shard` hands each rank its contiguous slice to train on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+# A message span: positions [start, end) of the [B, T] layout and the flags raised on that message.
+MessageSpan = tuple[int, int, tuple[str, ...]]
+
+
+@dataclass
+class TrainBatch:
+    """One step's samples. Per-sample fields end in ``_b`` (``[B]``), per-token fields in ``_bt``
+    (``[B, T]``), ``reward_components_bk`` is ``[B, K]`` (names in ``component_names``). Optional parts
+    are None until the phase that makes them has run (or when the run does not need them)."""
+
+    input_ids_bt: torch.Tensor
+    attention_mask_bt: torch.Tensor
+    token_mask_bt: torch.Tensor
+    generation_logprobs_bt: torch.Tensor
+    group_ids_b: torch.Tensor
+    raw_rewards_b: torch.Tensor           # the environments' rewards, before penalties / scaling / shaping
+    rewards_b: torch.Tensor               # after them (phase 3)
+    response_lengths_b: torch.Tensor      # generated tokens
+    truncated_b: torch.Tensor             # bool: a turn hit its length cap or the conversation ran out of room
+    mask_sample_b: torch.Tensor           # bool: the environment asked to keep the sample out of the loss
+    sample_mask_b: torch.Tensor           # float: 1 = trained (phase 5 and 7 set zeros)
+    message_spans: list[list[MessageSpan]]  # per sample, its generated assistant messages
+    task_names: list[str]
+    reward_components_bk: Optional[torch.Tensor] = None
+    component_names: tuple[str, ...] = ()
+    prev_logprobs_bt: Optional[torch.Tensor] = None
+    ref_logprobs_bt: Optional[torch.Tensor] = None
+    teacher_logprobs_bt: Optional[torch.Tensor] = None
+    advantages_bt: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.input_ids_bt.shape[0]
+
+    def replace(self, **changes) -> TrainBatch:
+        return dataclasses.replace(self, **changes)
+
+    def select(self, index: Union[torch.Tensor, Sequence[int], slice]) -> TrainBatch:
+        """Rows ``index`` (a slice, int indices in that order, or a bool mask ``[B]``) of every per-row field."""
+        return select_rows(self, index)
+
+    def trim(self) -> TrainBatch:
+        return trim_padding(self)
+
+    def shard(self, rank: int, world_size: int) -> TrainBatch:
+        """This rank's contiguous slice, with shared padding trimmed."""
+        from grpo.rollout import rank_slice
+
+        return trim_padding(self.select(rank_slice(len(self), rank, world_size)))
+
+    def micro_batches(self, size: int) -> list[TrainBatch]:
+        return micro_batches(self, size)
+
+
+def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
+    """Flatten trajectories (`grpo.rollout.Trajectory`) into a right-padded `TrainBatch`.
+
+    Rewards start as the environments' rewards (``rewards_b = raw_rewards_b``), every sample trained
+    (``sample_mask_b = 1``); reward components become ``[B, K]`` with names sorted (a missing one is 0).
+    """
+    B = len(trajectories)
+    rows = [t.token_ids() for t in trajectories]
+    T = max(len(r) for r in rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    token_mask = torch.zeros((B, T), dtype=torch.float32)
+    gen_lp = torch.zeros((B, T), dtype=torch.float32)
+    spans: list[list[MessageSpan]] = []
+    for b, (traj, ids) in enumerate(zip(trajectories, rows)):
+        input_ids[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[b, :len(ids)] = 1
+        pos, sample_spans = 0, []
+        for m in traj.messages:
+            end = pos + len(m.token_ids)
+            if m.trained:
+                token_mask[b, pos:end] = 1.0
+                gen_lp[b, pos:end] = torch.tensor(m.generation_logprobs, dtype=torch.float32)
+                sample_spans.append((pos, end, tuple(m.flags)))
+            pos = end
+        spans.append(sample_spans)
+    raw = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    names = tuple(sorted({k for t in trajectories for k in (t.reward_components or {})}))
+    comps = torch.tensor([[float((t.reward_components or {}).get(k, 0.0)) for k in names] for t in trajectories],
+                         dtype=torch.float32) if names else None
+    return TrainBatch(
+        input_ids_bt=input_ids, attention_mask_bt=attention_mask, token_mask_bt=token_mask,
+        generation_logprobs_bt=gen_lp,
+        group_ids_b=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        raw_rewards_b=raw, rewards_b=raw.clone(),
+        response_lengths_b=torch.tensor([t.num_generated_tokens for t in trajectories], dtype=torch.long),
+        truncated_b=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
+        mask_sample_b=torch.tensor([t.mask_sample for t in trajectories], dtype=torch.bool),
+        sample_mask_b=torch.ones(B), message_spans=spans, task_names=[t.task_name for t in trajectories],
+        reward_components_bk=comps, component_names=names,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Row operations: a TrainBatch, or a dict of [B, ...] tensors and length-B lists named like its fields
+# (per-token tensors end in "_bt"; "input_ids_bt" and "attention_mask_bt" are the model's inputs)
+# --------------------------------------------------------------------------------------------------
+Rows = Union[TrainBatch, dict]
+
+
+def get(rows: Rows, name: str):
+    """A field of a TrainBatch, or a key of a dict."""
+    return getattr(rows, name) if dataclasses.is_dataclass(rows) else rows[name]
+
+
+def trim_padding(rows: Rows) -> Rows:
+    """Drop trailing columns that are padding in every row (after sharding / filtering)."""
+    mask_bt = get(rows, "attention_mask_bt")
+    T = max(int(mask_bt.sum(dim=1).max().item()), 1) if mask_bt.shape[0] else 1
+    return _rebuild(rows, {k: v[:, :T] for k, v in _row_fields(rows).items() if k.endswith("_bt")})
+
+
+def micro_batches(rows: Rows, size: int) -> list[Rows]:
+    """Consecutive micro-batches of ``size`` rows, each trimmed to its own longest row."""
+    n = batch_size(rows)
+    return [trim_padding(select_rows(rows, slice(i, min(i + size, n)))) for i in range(0, n, size)]
+
+
+def to_device(rows: Rows, device) -> Rows:
+    """Every tensor moved to ``device``."""
+    return _rebuild(rows, {k: v.to(device) for k, v in _row_fields(rows).items() if isinstance(v, torch.Tensor)})
+
+
+def _row_fields(batch: Rows) -> dict:
+    """The per-row values of a batch: tensors and lists (a TrainBatch's tuples and Nones are per batch)."""
+    items = ({f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)} if dataclasses.is_dataclass(batch)
+             else dict(batch))
+    return {k: v for k, v in items.items() if isinstance(v, (torch.Tensor, list))}
+
+
+def _rebuild(batch: Rows, values: dict) -> Rows:
+    return dataclasses.replace(batch, **values) if dataclasses.is_dataclass(batch) else {**batch, **values}
+
+
+def batch_size(batch: Rows) -> int:
+    """The common leading length of the batch's per-row values (ValueError if they disagree)."""
+    sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in _row_fields(batch).items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch values have different leading sizes: {sizes}")
+    return next(iter(sizes.values()), 0)
+
+
+def select_rows(batch: Rows, index: Union[torch.Tensor, Sequence[int], slice]) -> Rows:
+    """Rows ``index`` (a slice, int indices in that order, or a bool mask ``[B]``) of every per-row value.
+
+        >>> select_rows({"x": torch.tensor([5, 6, 7]), "names": ["a", "b", "c"]}, [2, 0])
+        {'x': tensor([7, 5]), 'names': ['c', 'a']}
+    """
+    fields = _row_fields(batch)
+    if isinstance(index, slice):  # tensors and lists alike; tensor slices are views
+        return _rebuild(batch, {k: v[index] for k, v in fields.items()})
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+        index = index.nonzero().flatten()
+    index = torch.as_tensor(index, dtype=torch.long)
+    idx = index.tolist()
+    return _rebuild(batch, {k: (v[index.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in idx])
+                            for k, v in fields.items()})
+
+
+def _pad_to(t: torch.Tensor, shape: Sequence[int], value: float) -> torch.Tensor:
+    if tuple(t.shape[1:]) == tuple(shape):
+        return t
+    out = t.new_full((t.shape[0], *shape), value)
+    out[(slice(None), *(slice(0, s) for s in t.shape[1:]))] = t
+    return out
+
+
+def concat_batches(batches: Sequence[Rows], pad_values: Optional[dict[str, float]] = None) -> Rows:
+    """Concatenate batches of the same kind along the rows.
+
+    Tensors whose trailing dims differ (``[B, T]`` with different T) are right-padded to the largest size
+    with ``pad_values.get(name, 0)``. Per-batch values (a TrainBatch's tuples) come from the first batch.
+    """
+    if not batches:
+        raise ValueError("concat_batches: no batches")
+    keys = list(_row_fields(batches[0]))
+    if any(list(_row_fields(b)) != keys for b in batches):
+        raise ValueError(f"concat_batches: batches have different keys: {[sorted(_row_fields(b)) for b in batches]}")
+    pad_values = pad_values or {}
+    out = {}
+    for k in keys:
+        values = [_row_fields(b)[k] for b in batches]
+        if isinstance(values[0], torch.Tensor):
+            shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+            out[k] = torch.cat([_pad_to(v, shape, pad_values.get(k, 0)) for v in values])
+        else:
+            out[k] = [x for v in values for x in v]
+    return _rebuild(batches[0], out)

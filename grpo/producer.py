@@ -1,0 +1,148 @@
+"""Async GRPO's generation thread: `RolloutProducer` plays prompt batches into the replay deque.
+
+    prompts -> G conversations each (its own weight copy) -> scored groups, tagged with the weight version
+            -> ReplayBuffer (meant for step t) ... the trainer takes them at step t
+
+Prompt batch i of the run is meant for training step i + 1, exactly as in the synchronous loop. Bounded
+staleness: before generating for step t the producer waits until weights of version
+``t - 1 - max_trajectory_age_steps`` or newer are published (`grpo.replay.WeightStage`), and loads the
+newest ones; with ``in_flight_weight_updates`` it also loads newer weights between generation chunks.
+Each rank runs one producer; they agree over their own gloo process group (the default group belongs to
+the main thread), so every rank puts the same groups in the same order.
+
+A rollout that fails (`grpo.rollout.RolloutError`) is retried on the next prompt batch; more than
+``grpo.async_grpo.max_generation_failures`` consecutive failures (NeMo-RL counts consecutive ones: a
+success resets the count) close the buffer with `StopKind.FAILURES`, and the trainer stops.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from grpo.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage, groups_from_trajectories
+
+
+class RolloutProducer:
+    """The generation thread and its state. ``prompts``: a `grpo.data.PromptStream` positioned at the next
+    batch to generate; ``first_target``: the step that batch is for; ``generator``: the thread's own
+    `grpo.generation.hf.HFGeneration` (a plain weight copy); ``envs``: the thread's environments.
+
+    Attributes the trainer reads: ``failures`` (consecutive), ``total_failures``, ``busy_s`` (seconds spent
+    generating and scoring), ``version`` (the weight version the copy holds).
+    """
+
+    def __init__(self, run, stage: WeightStage, buffer: ReplayBuffer, generator, envs, prompts, first_target: int,
+                 group=None, threads: int = 1):
+        self.run, self.stage, self.buffer = run, stage, buffer
+        self.generator, self.envs, self.prompts = generator, envs, prompts
+        self.target, self.group, self.threads = first_target, group, threads
+        self.failures = self.total_failures = 0
+        self.busy_s = 0.0
+        self.version = -1
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="grpo-generation", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread; returns once it has set up its device and threads."""
+        self._thread.start()
+        self._ready.wait()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def load_newest(self) -> int:
+        """A safe point: load the newest published weights into the copy; returns the version it holds."""
+        self.version = self.stage.load_into(self.generator.model, self.version)
+        return self.version
+
+    # ---------------------------------------------------------------- the thread
+    def _main(self) -> None:
+        import torch
+
+        device = self.run.device
+        if device.type == "cuda":  # the current device and stream are per thread
+            torch.cuda.set_device(device)
+            torch.cuda.set_stream(torch.cuda.Stream(device))  # generation kernels overlap training's
+        torch.set_num_threads(self.threads)  # OpenMP threads are per thread: the trainer keeps its own
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as err:
+            self.buffer.close(StopKind.CRASHED, f"{type(err).__name__}: {err}")
+            raise
+        finally:  # a step whose groups will never come must not wait forever
+            self.buffer.close(StopKind.ENDED, f"the generation thread ended before step {self.target}")
+
+    def _loop(self) -> None:
+        from grpo.rollout import RolloutError, all_gather_objects
+        from grpo.run import rollout
+
+        a = self.run.cfg.grpo.async_grpo
+        while self.target <= self.run.total_steps:
+            # ---- bounded staleness: step t may use weights of version t - 1 - max_age or newer
+            alive = self.stage.wait_for(self.target - 1 - a.max_trajectory_age_steps)
+            if not all(all_gather_objects([alive], self.group)):  # the run ends on every rank at once
+                return
+            self.load_newest()
+
+            # ---- the next prompt batch (a new epoch when the loader runs out)
+            rows = self.prompts.next()
+            if rows is None:
+                self.buffer.close(StopKind.OUT_OF_DATA)
+                return
+            mark = self.prompts.mark()
+
+            # ---- generate and score; a failure is retried on the next prompts, up to the limit
+            t0, wall0 = time.perf_counter(), time.time()
+            try:
+                r = rollout(self.run, self.generator, self.envs, rows, self.target, 0, group=self.group,
+                            weights=self if a.in_flight_weight_updates else _Fixed(self.version))
+            except RolloutError as err:
+                self.busy_s += time.perf_counter() - t0
+                self.failures += 1
+                self.total_failures += 1
+                if self.failures > a.max_generation_failures:
+                    self.buffer.close(StopKind.FAILURES, f"{self.failures} consecutive failures > "
+                                      f"grpo.async_grpo.max_generation_failures={a.max_generation_failures} "
+                                      f"(last, for step {self.target}: {err})")
+                    return
+                self.run.logger.write(f"generation failure {self.failures} of {a.max_generation_failures} tolerated "
+                                      f"(step {self.target}): {err}; retrying on the next prompts")
+                continue
+            self.failures = 0
+            self.busy_s += time.perf_counter() - t0
+            info = {"loader_mark": mark, "metrics": r.metrics, "timing": r.timing, "gen_start_time": wall0,
+                    "gen_end_time": time.time()}
+            groups = groups_from_trajectories(r.trajectories, info)
+            try:
+                self.buffer.put(groups, [g["version"] for g in groups], target_version=self.target)
+            except ReplayClosed:  # the trainer stopped (end of run, early stop)
+                return
+            self.target += 1
+
+
+class _Fixed:
+    """The weight source of a rollout without in-flight updates: every chunk uses the version loaded
+    before the batch."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def load_newest(self) -> int:
+        return self.version
+
+
+def weight_copy(run, stage: WeightStage):
+    """A plain transformers copy of the policy holding the staged weights, as an hf generation backend (the
+    generation thread's, and the async loop's validation)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.engines import DTYPES
+    from grpo.generation.hf import HFGeneration
+
+    p = run.cfg.policy
+    model = AutoModelForCausalLM.from_config(run.policy.module.config, dtype=DTYPES[p.precision],
+                                             trust_remote_code=p.trust_remote_code)
+    stage.load_into(model)
+    return HFGeneration(p, run.tokenizer, run.policy.module.config, run.device, model=model)

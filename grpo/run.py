@@ -1,0 +1,345 @@
+"""What both training scripts share around their loops: command line, config, setup, resume, validation,
+checkpoints and teardown. The loops themselves stay in `train_grpo.py` and `train_async_grpo.py`.
+
+    run = setup(argv, DEFAULT_CONFIG, asynchronous=False)   # a Run, or None / an error message to return
+    ... the loop, calling validate(run, ...) and save(run, ...) ...
+    return finish(run, stop_reason)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpo.config import MasterConfig, cluster_mismatch, resolve_skip_flags
+from grpo.config_load import ConfigError, config_help, load_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line and config: fails (exit 2) before torch is imported
+# --------------------------------------------------------------------------------------------------
+def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML run config (default: the built-in CPU demo)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    p.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="load the latest checkpoint, export consolidated HF safetensors to DIR, and exit")
+    p.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
+                   help="print every config field (key, type, default, description), or those of SECTION, and exit")
+    args, overrides = p.parse_known_args(argv)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (overrides are dotted.key=value)")
+    return args, overrides
+
+
+def load_run_config(argv=None, default_config: str = "", asynchronous: bool = False,
+                    description: str | None = None) -> tuple[argparse.Namespace, MasterConfig]:
+    """Parse the command line and validate the config; exits 2 naming the problem before torch is imported.
+
+    ``asynchronous``: the caller is train_async_grpo.py, which runs exactly the configs with
+    ``grpo.async_grpo.enabled=true`` (train_grpo.py runs the others).
+    """
+    args, overrides = parse_args(argv, description)
+    if args.help_config is not None:
+        try:
+            print(config_help(args.help_config or None))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
+    if args.config is None:
+        print(f"No --config given: running the built-in {'async ' if asynchronous else ''}CPU demo "
+              f"({os.path.relpath(default_config)})", flush=True)
+        args.config = default_config
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if cfg.grpo.async_grpo.enabled != asynchronous and args.export_hf is None:
+        wrong = ("train_async_grpo.py needs grpo.async_grpo.enabled=true (train_grpo.py is the synchronous loop)"
+                 if asynchronous else
+                 "grpo.async_grpo.enabled=true: run train_async_grpo.py (train_grpo.py is the synchronous loop)")
+        print(f"error: invalid config:\n  {wrong}", file=sys.stderr)
+        sys.exit(2)
+    return args, cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """Everything a loop works with, built by `setup`. ``generator`` is the synchronous loop's generation
+    backend (None for the async loop, which builds its own); ``val_envs`` are validation's environments
+    (``envs`` themselves unless ``env.val_tasks`` is set or the loop is asynchronous: its generation thread
+    owns ``envs``); ``resume`` holds what the newest checkpoint restored for the loop to use
+    (``loader_state``, ``extra``), or None."""
+
+    cfg: MasterConfig
+    args: argparse.Namespace
+    rank: int
+    world_size: int
+    device: Any
+    tokenizer: Any
+    chat: Any
+    train_ds: Any
+    val_ds: Any
+    loader: Any
+    envs: Any
+    val_envs: Any
+    policy: Any
+    logprob_engines: Any
+    ckpt: Any
+    logger: Any
+    state: Any
+    total_steps: int
+    deadline: Any
+    generator: Any = None
+    resume: Any = None
+    closables: list = field(default_factory=list)
+
+
+@dataclass
+class Resume:
+    path: Path
+    loader_state: dict | None
+    extra: dict
+
+
+def setup(argv, default_config: str, *, asynchronous: bool, description: str | None = None) -> Run | str | None:
+    """Parse, validate, start the process group, build data, environments, engines, the generation backend
+    (synchronous loop) and the logger, and resume from the newest checkpoint. Returns the `Run`, or what
+    ``main`` should return right away: None after ``--export-hf``, or the error message of a run that cannot
+    start (the script exits 1 with it)."""
+    args, cfg = load_run_config(argv, default_config, asynchronous, description)
+    started_at = time.monotonic()  # checkpointing.checkpoint_must_save_by counts from here
+
+    import warnings
+
+    # torch.distributed deprecation notices that DeepSpeed's collectives trigger on every step.
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.distributed.*")
+    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata calls a deprecated torch API
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed would otherwise warn that it falls back to its CPU accelerator
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from grpo import engines, weights
+    from grpo.checkpoint import CheckpointManager, GRPOSaveState, SaveDeadline
+    from grpo.data import build_dataloader
+    from grpo.envs import build_environments
+    from grpo.logging import MetricsLogger
+    from grpo.step import LogprobEngines
+    from grpo.toy import resolve_model_name
+
+    rank, _, world_size, device = engines.init_distributed()
+    if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
+        return mismatch
+    cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
+    g = cfg.grpo
+    skip_prev, skip_ref = resolve_skip_flags(cfg)
+
+    tokenizer = load_tokenizer(cfg.policy)
+    envs = build_environments(cfg.env, cfg.data)
+    formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks)
+    per_batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
+    loader = build_dataloader(train_ds, batch_size=per_batch, shuffle=cfg.data.shuffle, seed=g.seed)
+    if len(loader) == 0:
+        return f"error: {len(train_ds)} training prompts < {per_batch} prompts per step"
+    total_steps = min(g.max_num_steps, g.max_num_epochs * len(loader))
+    opt_steps = total_steps * g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
+    policy = engines.build_policy_engine(cfg, world_size, opt_steps)
+    reference = None if skip_ref else engines.build_reference_engine(cfg, world_size)
+    teacher = None
+    if cfg.on_policy_distillation.enabled:  # a frozen ZeRO-3 teacher sharing the policy's tokenizer
+        name = resolve_model_name(cfg.on_policy_distillation.teacher_model_name, rank)
+        teacher = engines.build_reference_engine(cfg.policy.model_copy(update={"model_name": name}), world_size)
+    ckpt = CheckpointManager(cfg.checkpointing, rank)
+
+    state, resume = GRPOSaveState(), None
+    latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
+    if args.export_hf is not None and latest is None:
+        return f"error: --export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}"
+    if latest is not None:
+        ckpt.clean_partial()
+        state, loader_state, extra = ckpt.load(latest, policy)
+        resume = Resume(latest, loader_state, extra)
+    if args.export_hf is not None:
+        weights.export_hf(policy, args.export_hf, tokenizer)
+        return None
+    logger = MetricsLogger(cfg.logger, rank, cfg.model_dump(mode="json"), total_steps, state.current_step)
+    if resume is not None:
+        logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
+    logger.write(f"grpo-ds{' async' if asynchronous else ''}: {world_size} rank(s), {len(train_ds)} train / "
+                 f"{len(val_ds)} val prompts ({train_ds.num_filtered} over data.max_input_seq_length filtered, "
+                 f"{train_rows.report.num_skipped} malformed rows skipped), {total_steps} steps, "
+                 f"reference {'skipped' if skip_ref else 'on'}, tasks {envs.tasks}, "
+                 f"up to {g.max_rollout_turns} turn(s) per rollout")
+    val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val")
+    run = Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
+              chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
+              policy=policy,
+              logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher), ckpt=ckpt,
+              logger=logger, state=state, total_steps=total_steps,
+              deadline=SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at), resume=resume)
+    run.closables += [logger, envs] + ([val_envs] if val_envs is not envs else [])
+    if not asynchronous:
+        run.generator = build_generation_backend(cfg, tokenizer, policy, device)
+        run.generator.refit(policy)
+        run.closables.append(run.generator)
+    return run
+
+
+def load_tokenizer(policy_cfg):
+    """The policy's tokenizer (or `policy.tokenizer.name`); pad falls back to EOS."""
+    from transformers import AutoTokenizer
+
+    name = policy_cfg.tokenizer.name or policy_cfg.model_name
+    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=policy_cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_datasets(cfg, tokenizer, tasks: list[str]):
+    """(formatter, train rows, train PromptDataset, val PromptDataset): prompts formatted and tokenised once."""
+    from grpo.data import PromptDataset, PromptFormatter, load_rows
+
+    formatter = PromptFormatter(tokenizer, cfg.data, cfg.policy.tokenizer.chat_template)
+    train_rows = load_rows(cfg.data, "train", seed=cfg.grpo.seed)
+    val_rows = load_rows(cfg.data, "val", seed=cfg.grpo.seed)
+    kw = dict(max_input_seq_length=cfg.data.max_input_seq_length, default_task=cfg.env.task_name or cfg.env.name,
+              task_key=cfg.data.task_key, tasks=tasks)
+    return formatter, train_rows, PromptDataset(train_rows, formatter, **kw), PromptDataset(val_rows, formatter, **kw)
+
+
+def build_generation_backend(cfg, tokenizer, policy_engine, device):
+    """`policy.generation.backend`: "hf" (transformers generate, any device) or "vllm" (colocated)."""
+    if cfg.policy.generation.backend == "hf":
+        from grpo.generation.hf import HFGeneration
+
+        return HFGeneration(cfg.policy, tokenizer, policy_engine.module.config, device,
+                            refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
+    from grpo.generation.vllm import VllmGeneration
+
+    return VllmGeneration(cfg, tokenizer, policy_engine, device,
+                          refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
+
+
+def turn_settings(cfg, greedy: bool = False):
+    """The rollout's limits from the config (`grpo.rollout.TurnSettings`)."""
+    from grpo.rollout import TurnSettings
+
+    p = cfg.policy
+    return TurnSettings(max_turns=cfg.grpo.max_rollout_turns, max_total_len=p.max_total_sequence_length,
+                        chunk_size=p.generation_batch_size, greedy=greedy, max_new_tokens=p.generation.max_new_tokens)
+
+
+def rollout(run: Run, generator, envs, prompts: list[dict], step: int, gen_batch: int, *, stream: str = "train",
+            num_generations: int | None = None, weights=None, group=None):
+    """`grpo.rollout.generate_rollout` of a prompt batch with the run's settings (a collective)."""
+    from grpo.rollout import generate_rollout
+
+    cfg = run.cfg
+    return generate_rollout(prompts, num_generations or cfg.grpo.num_generations_per_prompt, generator, envs,
+                            run.chat, turn_settings(cfg), base_seed=cfg.grpo.seed, step=step, gen_batch=gen_batch,
+                            stream=stream, rank=run.rank, world_size=run.world_size, weights=weights, group=group)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation, checkpoints, stopping
+# --------------------------------------------------------------------------------------------------
+def validate(run: Run, generator, envs, step: int) -> dict:
+    """Score up to ``grpo.max_val_samples`` prompts x ``grpo.val_num_generations_per_prompt`` samples, log
+    ``val/*`` and print a few conversations; returns the metrics (reward_mean, pass@k, response_length_mean,
+    truncated_frac, turns_mean, num_samples, generate_s).
+
+    Seeds depend only on the sample's index (not the step), so successive validations differ only by the
+    weights. A collective: every rank calls it.
+    """
+    import torch
+
+    from grpo.metrics import pass_at_k
+
+    g = run.cfg.grpo
+    n = min(len(run.val_ds), g.max_val_samples or len(run.val_ds))
+    k = g.val_num_generations_per_prompt
+    rows = [run.val_ds[i] for i in range(n)]
+    trajs, group_ids, generate_s = [], [], 0.0
+    bs = g.val_batch_size or n
+    for start in range(0, n, bs):
+        r = rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val", num_generations=k)
+        trajs += r.trajectories
+        group_ids += [start + t.group_id for t in r.trajectories]
+        generate_s += r.timing["generate_s"]
+    rewards_b = torch.tensor([t.reward for t in trajs])
+    metrics = {
+        "reward_mean": rewards_b.mean().item(),
+        f"pass@{k}": pass_at_k(rewards_b, torch.tensor(group_ids)),
+        "response_length_mean": sum(t.num_generated_tokens for t in trajs) / max(len(trajs), 1),
+        "truncated_frac": sum(t.truncated for t in trajs) / max(len(trajs), 1),
+        "turns_mean": sum(t.turns for t in trajs) / max(len(trajs), 1),
+        "num_samples": float(len(trajs)),
+        "generate_s": generate_s,
+    }
+    run.logger.log({f"val/{key}": v for key, v in metrics.items()}, step)
+    run.logger.print_samples(trajs, run.cfg.logger.num_val_samples_to_print)
+    return metrics
+
+
+def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_state: dict | None,
+         extra: dict | None = None) -> None:
+    """Checkpoint ``step`` (a collective): engine, loop state with the step's numeric metrics (checkpoint
+    ranking), loader position, RNG, ``extra`` (the async replay buffer); consolidated HF weights with
+    ``checkpointing.save_consolidated``."""
+    from grpo import weights
+
+    state = run.state
+    state.metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    if val_metrics is not None:
+        state.metrics.update({f"val/{k}": float(v) for k, v in val_metrics.items() if isinstance(v, (int, float))})
+        state.val_reward = float(val_metrics["reward_mean"])
+    export = (lambda d: weights.export_hf(run.policy, d, run.tokenizer)) if run.cfg.checkpointing.save_consolidated \
+        else None
+    run.ckpt.save(step, run.policy, state, loader_state, extra=extra, export_fn=export)
+
+
+def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
+    """Why the run stops after ``step`` (early stop on validation, or no time left before
+    ``checkpointing.checkpoint_must_save_by``), or None. A collective (the deadline agrees across ranks)."""
+    from grpo.step import early_stop_reason
+
+    reason = early_stop_reason(run.cfg, val_metrics)
+    if reason is None and step < run.total_steps and run.deadline.due():
+        reason = (f"checkpointing.checkpoint_must_save_by={run.deadline.spec}: no time left for another step "
+                  f"(the longest took {run.deadline.longest_step_s:.0f} s); rerun the same command to resume")
+    return reason
+
+
+def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None, failure: str | None = None,
+           extra: dict | None = None) -> str | None:
+    """End of a run: a last checkpoint when the data ran out between saves (or after a failure), the
+    consolidated export (``hf_final``, not after a failure or a time-limit stop), the closing line, and every
+    resource released. Returns ``failure`` (the script exits 1 with it) or None."""
+    from grpo import engines, weights
+
+    cfg, state = run.cfg, run.state
+    saved = run.ckpt.latest_step() if cfg.checkpointing.enabled else None
+    if cfg.checkpointing.enabled and (out_of_data or failure is not None) and saved != state.current_step:
+        save(run, state.current_step, state.metrics, None, loader_state, extra)
+    if failure is None and not run.deadline.reached and cfg.checkpointing.enabled:
+        weights.export_hf(run.policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), run.tokenizer)
+    run.logger.write(f"done: {state.current_step} steps" + (f", last val/reward_mean {state.val_reward:.4g}"
+                                                             if state.val_reward > -99999999.0 else ""))
+    for closable in run.closables:
+        closable.close()
+    engines.shutdown()
+    return failure

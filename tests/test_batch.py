@@ -1,0 +1,71 @@
+"""grpo.batch: trajectories -> padded [B, T] tensors; row selection, sharding, micro-batches."""
+
+import pytest
+import torch
+
+from grpo.batch import batch_size, build_batch, concat_batches, micro_batches, select_rows
+from grpo.rollout import Message, Trajectory, rank_slice
+
+
+def traj(group_id, prompt, completion, reward=0.0, **kw):
+    return Trajectory(group_id, group_id, "t", "q", "a",
+                      [Message("user", "q", list(prompt)), Message("assistant", "c", list(completion),
+                                                                   [-0.5] * len(completion))], {}, reward=reward, **kw)
+
+
+def test_concat_batches_pads_trailing_dims():
+    a = {"ids": torch.ones(1, 2, dtype=torch.long), "mask": torch.ones(1, 2), "s": ["x"]}
+    b = {"ids": torch.full((2, 3), 2), "mask": torch.ones(2, 3), "s": ["y", "z"]}
+    out = concat_batches([a, b], pad_values={"ids": -1})
+    assert out["ids"].tolist() == [[1, 1, -1], [2, 2, 2], [2, 2, 2]]
+    assert out["mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
+    assert out["s"] == ["x", "y", "z"]
+    with pytest.raises(ValueError, match="different keys"):
+        concat_batches([a, {"ids": a["ids"]}])
+
+
+def test_select_rows_and_batch_size():
+    batch = {"x": torch.tensor([10, 11, 12]), "l": ["a", "b", "c"]}
+    assert batch_size(batch) == 3
+    out = select_rows(batch, [2, 0])
+    assert out["x"].tolist() == [12, 10] and out["l"] == ["c", "a"]
+    out = select_rows(batch, torch.tensor([False, True, True]))
+    assert out["x"].tolist() == [11, 12] and out["l"] == ["b", "c"]
+    assert select_rows(batch, [])["x"].shape == (0,)
+    with pytest.raises(ValueError, match="leading sizes"):
+        batch_size({"x": torch.zeros(2), "y": [1]})
+
+
+def test_build_batch_right_pads_and_carries_per_sample_fields():
+    b = build_batch([traj(0, [1, 4], [7, 2], 1.0, truncated=True), traj(1, [1], [9, 9, 9], 0.0,
+                                                                         reward_components={"fmt": 0.5})], pad_id=0)
+    assert b.input_ids_bt.tolist() == [[1, 4, 7, 2], [1, 9, 9, 9]]
+    assert b.attention_mask_bt.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert b.token_mask_bt.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    assert b.group_ids_b.tolist() == [0, 1] and b.raw_rewards_b.tolist() == [1.0, 0.0]
+    assert b.response_lengths_b.tolist() == [2, 3] and b.truncated_b.tolist() == [True, False]
+    assert b.component_names == ("fmt",) and b.reward_components_bk.tolist() == [[0.0], [0.5]]
+
+
+def test_sharding_and_micro_batches_trim_to_their_own_longest_row():
+    trajs = [traj(i, [1], [5] * (i + 1)) for i in range(5)]
+    b = build_batch(trajs, pad_id=0)
+    assert b.input_ids_bt.shape == (5, 6)
+    shards = [b.shard(r, 2) for r in range(2)]
+    assert [len(s) for s in shards] == [3, 2] and [s.input_ids_bt.shape[1] for s in shards] == [4, 6]
+    assert [rank_slice(5, r, 2) for r in range(2)] == [slice(0, 3), slice(3, 5)]
+    mbs = b.micro_batches(2)
+    assert [len(m) for m in mbs] == [2, 2, 1] and [m.input_ids_bt.shape[1] for m in mbs] == [3, 5, 6]
+    assert mbs[1].message_spans == b.message_spans[2:4] and mbs[2].task_names == ["t"]
+    # The same functions on a dict named like a TrainBatch (the engines' tests use those).
+    d = {"input_ids_bt": b.input_ids_bt, "attention_mask_bt": b.attention_mask_bt}
+    assert [m["input_ids_bt"].shape[1] for m in micro_batches(d, 2)] == [3, 5, 6]
+
+
+def test_select_and_concat_work_on_train_batches():
+    b = build_batch([traj(i, [1], [5] * (i + 1), float(i)) for i in range(3)], pad_id=0)
+    picked = select_rows(b, torch.tensor([True, False, True]))
+    assert picked.raw_rewards_b.tolist() == [0.0, 2.0] and picked.message_spans == [b.message_spans[0],
+                                                                                      b.message_spans[2]]
+    both = concat_batches([picked.trim(), b.select([1])])
+    assert len(both) == 3 and both.input_ids_bt.shape == (3, 4) and both.raw_rewards_b.tolist() == [0.0, 2.0, 1.0]

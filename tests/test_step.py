@@ -1,0 +1,127 @@
+"""grpo.step: the phases both loops run after the rollout (the heavier ones are covered end to end)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.batch import build_batch
+from grpo.config_load import build_config
+from grpo.rollout import Message, Trajectory
+from grpo.step import compose_advantages, initial_sample_mask, shape_rewards, step_advantages
+
+
+def traj(group_id: int, reward: float, turns: list[tuple[list[int], list[float]]], prompt=(1, 5),
+         flags: list[list[str]] | None = None, truncated=False, mask_sample=False) -> Trajectory:
+    """A conversation: the prompt, then for each (assistant ids, observation ids) an assistant turn and the
+    environment's answer (an empty observation list: none)."""
+    messages = [Message("user", "p", list(prompt))]
+    for k, (ids, obs) in enumerate(turns):
+        messages.append(Message("assistant", f"a{k}", list(ids), [-0.5] * len(ids), (flags or [[]] * len(turns))[k]))
+        if obs:
+            messages.append(Message("user", f"o{k}", list(obs)))
+    return Trajectory(group_id, group_id, "t", "q", "a", messages, {}, reward=reward, turns=len(turns),
+                      truncated=truncated, mask_sample=mask_sample, num_prompt_messages=1)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    trajs = [traj(b // 4, float(torch.rand(1, generator=g)), [([7, 7, 7, 2], [])]) for b in range(8)]
+    batch = build_batch(trajs, pad_id=0)
+    gen_lp = -torch.rand(batch.token_mask_bt.shape, generator=g) * batch.token_mask_bt
+    prev_lp = gen_lp.clone()
+    prev_lp[0] -= 3.0 * batch.token_mask_bt[0]  # sample 0 disagrees with its generation logprobs: masked
+    return batch.replace(generation_logprobs_bt=gen_lp, prev_logprobs_bt=prev_lp)
+
+
+def test_advantages_on_the_gpu_flag_gives_the_cpu_result_back_on_the_cpu(monkeypatch):
+    cfg = build_config({"grpo": {"seq_logprob_error_threshold": 1.5}})
+    cpu, cpu_metrics = step_advantages(cfg, _batch())
+    assert cpu.sample_mask_b[0] == 0 and cpu.sample_mask_b[1:].all()
+
+    # No GPU here: stand one in that copies tensors, and check what comes back and where it lands.
+    moved = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: moved.append(1) or self.clone())
+    gpu_cfg = build_config({"grpo": {"seq_logprob_error_threshold": 1.5, "calculate_advantages_on_gpu": True}})
+    batch = _batch()
+    on, on_metrics = step_advantages(gpu_cfg, batch)
+    assert on_metrics.keys() == cpu_metrics.keys()
+    assert len(moved) == sum(isinstance(v, torch.Tensor) for v in vars(batch).values())
+    assert torch.equal(on.sample_mask_b, cpu.sample_mask_b) and torch.equal(on.advantages_bt, cpu.advantages_bt)
+
+
+def test_a_three_turn_conversation_trains_exactly_its_generated_tokens():
+    """Prompt (2 tokens), assistant turn 1 (2), observation (3), turn 2 (1), observation (1), turn 3 (2)."""
+    t = traj(0, 1.0, [([10, 11], [20, 21, 22]), ([12], [23]), ([13, 2], [])])
+    t.messages[0:1] = [Message("system", "s", [1]), Message("user", "p", [5]),
+                       Message("assistant", "history", [30, 31]), Message("user", "p2", [6])]  # prompt history
+    t.messages[4].generation_logprobs = [-0.1, -0.2]
+    t.messages[6].generation_logprobs = [-0.3]
+    t.messages[8].generation_logprobs = [-0.4, -0.5]
+    b = build_batch([t], pad_id=0)
+    assert b.input_ids_bt.tolist() == [[1, 5, 30, 31, 6, 10, 11, 20, 21, 22, 12, 23, 13, 2]]
+    assert b.token_mask_bt.tolist() == [[0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1]]  # prompt-history turn untrained
+    torch.testing.assert_close(b.generation_logprobs_bt,
+                               torch.tensor([[0] * 5 + [-0.1, -0.2, 0, 0, 0, -0.3, 0, -0.4, -0.5]]))
+    assert b.message_spans == [[(5, 7, ()), (10, 11, ()), (12, 14, ())]]
+    assert b.response_lengths_b.tolist() == [5]
+
+
+def test_phase_7_composes_estimator_distillation_message_penalties_and_clipping_as_documented():
+    cfg = build_config({"grpo": {"use_leave_one_out_baseline": False, "normalize_rewards": False,
+                                 "invalid_tool_call_advantage": -3.0, "malformed_thinking_advantage": -2.0,
+                                 "advantage_clip_low": -2.5, "advantage_clip_high": 0.3},
+                        "on_policy_distillation": {"enabled": True, "teacher_model_name": "t", "kl_coef": 0.5}})
+    # One group of two conversations; sample 0 has two turns, its first flagged invalid_tool_call, its second
+    # malformed_thinking; sample 1 has one turn.
+    t0 = traj(0, 1.0, [([10, 11], [20]), ([12, 2], [])], flags=[["invalid_tool_call"], ["malformed_thinking"]])
+    t1 = traj(0, 0.0, [([13, 14, 2], [])])
+    b = build_batch([t0, t1], pad_id=0)
+    prev = torch.zeros_like(b.token_mask_bt)
+    teacher = torch.where(b.token_mask_bt > 0, torch.tensor(-0.4), torch.tensor(0.0))
+    b = b.replace(prev_logprobs_bt=prev, teacher_logprobs_bt=teacher)
+    adv, mask, _ = compose_advantages(cfg, b)
+    # estimator: r - mean = +0.5 / -0.5; distillation: -0.5 * (0 - (-0.4)) = -0.2 on generated tokens
+    # sample 0: prompt tokens 0,1 and observation token 4 (untrained): 0.5 clipped to 0.3; tokens 2,3 invalid
+    # call -> -3 -> clipped to -2.5; tokens 5,6 malformed -> -2; sample 1: tokens 2,3,4: -0.5 - 0.2 = -0.7.
+    expected0 = [0.3, 0.3, -2.5, -2.5, 0.3, -2.0, -2.0]
+    expected1 = [-0.5, -0.5, -0.7, -0.7, -0.7, -0.5, -0.5]
+    torch.testing.assert_close(adv, torch.tensor([expected0, expected1]))
+    assert mask.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("flag, value", [("invalid_tool_call", -1.0), ("malformed_thinking", -0.25)])
+def test_each_message_penalty_changes_exactly_the_tokens_of_its_flagged_messages(flag, value):
+    key = {"invalid_tool_call": "invalid_tool_call_advantage", "malformed_thinking": "malformed_thinking_advantage"}
+    base = build_config({"grpo": {"use_leave_one_out_baseline": False}})
+    cfg = build_config({"grpo": {"use_leave_one_out_baseline": False, key[flag]: value}})
+    trajs = [traj(0, 1.0, [([10, 11], [20]), ([12], [21]), ([13, 2], [])], flags=[[], [flag], []]),
+             traj(0, 0.0, [([14], [22]), ([15, 2], [])], flags=[[flag], []])]
+    b = build_batch(trajs, pad_id=0)
+    plain, _, _ = compose_advantages(base, b)
+    penalised, _, _ = compose_advantages(cfg, b)
+    changed = (plain != penalised).nonzero().tolist()
+    assert changed == [[0, 5], [1, 2]]  # sample 0's second turn (1 token), sample 1's first turn (1 token)
+    assert penalised[0, 5] == value and penalised[1, 2] == value
+
+
+def test_sample_masks_keep_environment_masked_and_overlong_samples_out_of_the_loss():
+    cfg = build_config({"grpo": {"overlong_filtering": True}})
+    trajs = [traj(0, 1.0, [([7, 2], [])]), traj(0, 0.0, [([7, 7], [])], truncated=True),
+             traj(0, 1.0, [([8, 2], [])], mask_sample=True)]
+    b = build_batch(trajs, pad_id=0)
+    assert initial_sample_mask(cfg, b).tolist() == [1.0, 0.0, 0.0]
+    assert initial_sample_mask(build_config({}), b).tolist() == [1.0, 1.0, 0.0]
+
+
+def test_shape_rewards_penalises_scales_and_marks_malformed_thinking():
+    cfg = build_config({"reward_penalties": {"penalize_malformed_think_tag": True},
+                        "grpo": {"reward_scaling": {"enabled": True, "target_min": -1.0}}})
+    good, bad = traj(0, 1.0, [([7, 2], [])]), traj(0, 1.0, [([8, 2], [])])
+    bad.messages[1].content = "<think>oops"
+    b, metrics = shape_rewards(cfg, build_batch([good, bad], pad_id=0), [good, bad])
+    assert b.raw_rewards_b.tolist() == [1.0, 1.0]
+    assert b.rewards_b.tolist() == [1.0, -1.0]  # zeroed by the penalty, then scaled from [0, 1] to [-1, 1]
+    assert b.message_spans[1][0][2] == ("malformed_thinking",) and b.message_spans[0][0][2] == ()
+    assert metrics["reward_penalty/malformed_think_tag"] == 0.5
