@@ -48,7 +48,8 @@ def group_reward_shares(rewards_b: torch.Tensor, group_ids_b: torch.Tensor) -> d
     (possibly leave-one-out) baseline is 0 or 1; this counts groups, which is what the names describe
     (the two agree for equal-size groups without leave-one-out). Empty input gives ``{}``.
 
-        >>> out = group_reward_shares(torch.tensor([0., 0., 1., 1., 1., 0., 1., 1.]), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+        >>> rewards_b = torch.tensor([0., 0., 1., 1., 1., 0., 1., 1.])
+        >>> out = group_reward_shares(rewards_b, group_ids_b=torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
         >>> out["baseline_reward/pct_0"], out["baseline_reward/pct_1"], out["baseline_reward/pct_mixed"]
         (25.0, 50.0, 25.0)
         >>> out["baseline_reward/histogram"]
@@ -119,8 +120,12 @@ def task_reward_means(rewards_b: torch.Tensor | Sequence[float], task_names: Seq
     """Per task of the batch: ``task/<name>/reward_mean`` and ``task/<name>/num_samples`` (tasks in the
     order they first appear).
 
-        >>> task_reward_means([1.0, 0.0, 0.5, 1.0], ["math", "math", "code", "math"])
-        {'task/math/reward_mean': 0.6666666666666666, 'task/math/num_samples': 3.0, 'task/code/reward_mean': 0.5, 'task/code/num_samples': 1.0}
+        >>> for key, value in task_reward_means([1.0, 0.0, 0.5, 1.0], ["math", "math", "code", "math"]).items():
+        ...     print(key, round(value, 3))
+        task/math/reward_mean 0.667
+        task/math/num_samples 3.0
+        task/code/reward_mean 0.5
+        task/code/num_samples 1.0
     """
     rewards = torch.as_tensor(rewards_b, dtype=torch.float64)
     if len(task_names) != len(rewards):
