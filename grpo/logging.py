@@ -93,6 +93,15 @@ class MetricsLogger:
             for k, v in numeric.items():
                 self._tb.add_scalar(k, v, step)
 
+    def log_rollouts(self, key: str, records: list[dict], step: int) -> None:
+        """Log rollout records (``grpo.dumps`` schema) to wandb as a table under ``key`` (e.g.
+        ``train/rollouts``); nothing when wandb is off or on ranks other than 0."""
+        if not self.enabled or self._wandb is None:
+            return
+        from grpo.dumps import wandb_table
+
+        self._wandb.log({key: wandb_table(records)}, step=step)
+
     def progress(self, step: int, metrics: dict) -> None:
         """Advance the console bar to ``step`` with reward, KL and tokens/s (tqdm shows the ETA)."""
         if self._bar is None:
