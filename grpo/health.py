@@ -182,9 +182,9 @@ class ErrorBudget:
         >>> b = ErrorBudget(max_error_rate=0.5, max_error_steps=2)
         >>> b.update(3, 4, "Traceback: ...") is None, b.update(1, 4) is None, b.update(4, 4, "tb1") is None
         (True, True, True)
-        >>> print(b.update(4, 4, "tb2"))
-        the reward function failed on more than 50% of the samples for 2 steps in a row (100%, 100%), more than env.max_error_rate=0.5 for env.max_error_steps=2 steps: the run stops. The first failure:
-        tb1
+        >>> message = b.update(4, 4, "tb2")
+        >>> message.splitlines()[0][:70], message.splitlines()[-1]
+        ('the reward function failed on more than 50% of the samples for 2 steps', 'tb1')
     """
 
     def __init__(self, max_error_rate: float, max_error_steps: int):

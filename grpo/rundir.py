@@ -208,7 +208,8 @@ def check_fresh_start(checkpoint_dir: str | os.PathLike) -> None:
     """``checkpointing.resume=false``: refuse a checkpoint directory that already holds checkpoints (a later
     resume would take whichever step is highest, this run's or the other's)."""
     d = Path(checkpoint_dir)
-    steps = sorted(p.name for p in d.iterdir() if p.is_dir() and re.fullmatch(r"step_\d+", p.name)) if d.is_dir() else []
+    found = d.iterdir() if d.is_dir() else []
+    steps = sorted(p.name for p in found if p.is_dir() and re.fullmatch(r"step_\d+", p.name))
     if steps:
         raise RunDirError(
             f"checkpointing.resume=false but {d} holds checkpoints ({', '.join(steps[-3:])}): starting over there "

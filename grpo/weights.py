@@ -106,8 +106,8 @@ def export_refusal(out_dir: str | os.PathLike, run_id: str | None, overwrite: bo
         return None
     whose = "an export of another run" if marker is not None else "not an export of this run"
     return (f"{out} is not empty and is {whose}: exporting there would replace files this run did not write. "
-            "Choose a new or empty directory, or ask for it explicitly (--export-hf-overwrite); even then only files of "
-            "the names an export writes are replaced")
+            "Choose a new or empty directory, or ask for it explicitly (--export-hf-overwrite); even then only "
+            "files of the names an export writes are replaced")
 
 
 def _install(tmp: Path, out: Path, marker: dict | None) -> None:

@@ -28,8 +28,9 @@ from grpo.config import CheckpointingConfig
 class FakeEngine:
     """A DeepSpeed engine's checkpoint surface over one weight tensor."""
 
-    def __init__(self, value: float = 0.0):
+    def __init__(self, value: float = 0.0, rank: int = 0):
         self.weight = torch.full((4,), value)
+        self.file = "model_states.pt" if rank == 0 else f"model_states_rank{rank}.pt"
         # DeepSpeed's TorchCheckpointEngine.load: torch.load(weights_only=False)
         self.checkpoint_engine = SimpleNamespace(
             load=lambda path, map_location=None: torch.load(path, map_location=map_location, weights_only=False))
@@ -38,11 +39,11 @@ class FakeEngine:
         return False
 
     def save_checkpoint(self, save_dir, tag, save_latest=False):
-        os.makedirs(os.path.join(save_dir, tag))
-        torch.save({"module": self.weight}, os.path.join(save_dir, tag, "model_states.pt"))
+        os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+        torch.save({"module": self.weight}, os.path.join(save_dir, tag, self.file))
 
     def load_checkpoint(self, load_dir, tag, load_module_strict=True):
-        self.weight = self.checkpoint_engine.load(os.path.join(load_dir, tag, "model_states.pt"))["module"]
+        self.weight = self.checkpoint_engine.load(os.path.join(load_dir, tag, self.file))["module"]
         return load_dir, {}
 
 
@@ -184,6 +185,50 @@ def test_full_disk_during_save_names_the_directory_and_keeps_the_earlier_checkpo
                                                                      "step_000002"]
     assert ckpt.latest() == earlier and json.loads(
         (tmp_path / "ckpt" / "latest_checkpoint_status.json").read_text())["step"] == 2
+
+
+def _two_rank_save(rank: int, tmp: str) -> None:
+    """One of two gloo ranks: save step 1, then step 2 with rank 1's disk full; write what happened."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=f"{tmp}/ckpt"), rank=rank)
+    engine = FakeEngine(1.0, rank)
+    outcome = {"first": str(ckpt.save(1, engine, GRPOSaveState(current_step=1), {"p": 1}))}
+    real_save = torch.save
+    if rank == 1:
+        torch.save = lambda obj, f, *a, **k: real_save(obj, "/dev/full" if "rng_rank" in str(f) else f, *a, **k)
+    try:
+        ckpt.save(2, engine, GRPOSaveState(current_step=2), {"p": 2})
+        outcome["second"] = "saved"
+    except CheckpointError as err:
+        outcome["second"] = str(err)
+    torch.save = real_save
+    dist.barrier()
+    outcome["latest"] = str(ckpt.latest())
+    with open(f"{tmp}/rank{rank}.json", "w") as f:
+        json.dump(outcome, f)
+    dist.destroy_process_group()
+
+
+def test_a_failure_on_one_rank_makes_every_rank_raise_and_keeps_the_earlier_checkpoint(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_two_rank_save, args=(r, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["first"] == r1["first"] == str(tmp_path / "ckpt" / "step_000001")
+    assert "could not write checkpoint step 2" in r1["second"] and "GiB free" in r1["second"]
+    assert r0["second"].startswith(f"saving checkpoint step 2 in {tmp_path / 'ckpt'} failed on another rank")
+    assert r0["latest"] == r1["latest"] == r0["first"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest_checkpoint_status.json", "step_000001"]
+    files = json.loads((tmp_path / "ckpt" / "step_000001" / MANIFEST).read_text())["files"]
+    assert {"rng_rank0.pt", "rng_rank1.pt", "ds/ds/model_states.pt", "ds/ds/model_states_rank1.pt"} <= set(files)
 
 
 def test_other_save_errors_are_raised_as_they_are_and_leave_no_tmp(tmp_path):

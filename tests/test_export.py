@@ -70,7 +70,8 @@ def test_the_same_run_replaces_its_export_and_keeps_files_added_later(engine, to
     # An earlier export of this run wrote a shard the new one does not; the user added a README.
     (out / "model-00002-of-00002.safetensors").write_text("stale")
     marker = json.loads((out / EXPORT_MARKER).read_text())
-    (out / EXPORT_MARKER).write_text(json.dumps({**marker, "files": marker["files"] + ["model-00002-of-00002.safetensors"]}))
+    stale = marker["files"] + ["model-00002-of-00002.safetensors"]
+    (out / EXPORT_MARKER).write_text(json.dumps({**marker, "files": stale}))
     (out / "README.md").write_text("notes")
     export_hf(engine, str(out), tok, run_id="run-a")
     assert _files(out) == first | {"README.md"} and (out / "README.md").read_text() == "notes"

@@ -21,7 +21,8 @@ from tests.e2e import REPO, child_env
 
 def _lock_in_child(directory, hold: bool = False) -> subprocess.Popen:
     code = ("import sys, time\nfrom grpo.rundir import RunLock, RunDirError\n"
-            "try:\n    lock = RunLock(sys.argv[1])\nexcept RunDirError as e:\n    print(e, file=sys.stderr); sys.exit(3)\n"
+            "try:\n    lock = RunLock(sys.argv[1])\n"
+            "except RunDirError as e:\n    print(e, file=sys.stderr); sys.exit(3)\n"
             "print('locked', flush=True)\n"
             "time.sleep(600 if sys.argv[2] == '1' else 0)\n")
     return subprocess.Popen([sys.executable, "-c", code, str(directory), "1" if hold else "0"], cwd=REPO,
