@@ -1,14 +1,14 @@
 """One run per directory: an exclusive lock for the life of the run, and a fingerprint that a resume must match.
 
-At setup, rank 0 (before anything is written to ``checkpointing.checkpoint_dir`` or ``logger.log_dir``)::
+At setup, rank 0, before anything is written to ``checkpointing.checkpoint_dir`` or ``logger.log_dir``::
 
-    locks = [RunLock(d) for d in distinct_dirs(cfg.checkpointing.checkpoint_dir, cfg.logger.log_dir)]
-    fp = run_fingerprint(cfg.model_dump(mode="json"))
-    if not cfg.checkpointing.resume:
-        check_fresh_start(cfg.checkpointing.checkpoint_dir)
-    for d in dirs: check_fingerprint(d, fp, allow_change=...); run_id = write_fingerprint(d, fp)
+    locks, run_id = claim_run_dirs(cfg.checkpointing.checkpoint_dir, cfg.logger.log_dir, cfg.model_dump(mode="json"),
+                                   resume=cfg.checkpointing.resume, allow_change=...)
     ...
-    for lock in locks: lock.release()     # at the very end (the kernel releases it if the process dies)
+    for lock in locks: lock.release()     # at the very end (the kernel releases them if the process dies)
+
+which is `RunLock` on each distinct directory, `check_fresh_start` when not resuming, then `check_fingerprint`
+and `write_fingerprint` of `run_fingerprint` in each.
 
 Why a lock and not a PID file alone: ``fcntl.flock`` is released by the kernel when its holder dies, however
 it dies (kill -9 included), so a crashed run never leaves a stale lock behind; the PID, host and start time
@@ -215,3 +215,27 @@ def check_fresh_start(checkpoint_dir: str | os.PathLike) -> None:
             f"checkpointing.resume=false but {d} holds checkpoints ({', '.join(steps[-3:])}): starting over there "
             "would mix two runs. Give this run a new checkpointing.checkpoint_dir, move the old checkpoints away, or "
             "set checkpointing.resume=true to continue that run")
+
+
+def claim_run_dirs(checkpoint_dir: str | os.PathLike | None, log_dir: str | os.PathLike, cfg_dict: dict,
+                   resume: bool, allow_change: bool = False) -> tuple[list[RunLock], str]:
+    """Rank 0 at setup, before anything is written: lock the run's directories (``checkpoint_dir`` None: checkpointing
+    is off), refuse a fresh start over checkpoints, check and record the fingerprint. Returns the locks (release
+    them at the very end) and the run id (of the checkpoint directory, else of the log directory). On any error
+    the locks taken are released and the error is raised."""
+    dirs = distinct_dirs(*([checkpoint_dir] if checkpoint_dir is not None else []), log_dir)
+    locks: list[RunLock] = []
+    try:
+        for d in dirs:
+            locks.append(RunLock(d))
+        if not resume and checkpoint_dir is not None:
+            check_fresh_start(checkpoint_dir)
+        fp = run_fingerprint(cfg_dict)
+        for d in dirs:
+            check_fingerprint(d, fp, allow_change)
+        run_ids = [write_fingerprint(d, fp) for d in dirs]
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks, run_ids[0]

@@ -14,7 +14,7 @@ import pytest
 from grpo.config import MasterConfig
 from grpo.rundir import (
     FINGERPRINT_FILE, LOCK_FILE, RESUME_MUTABLE, RunDirError, RunLock, check_fingerprint, check_fresh_start,
-    distinct_dirs, run_fingerprint, write_fingerprint,
+    claim_run_dirs, distinct_dirs, run_fingerprint, write_fingerprint,
 )
 from tests.e2e import REPO, child_env
 
@@ -120,3 +120,28 @@ def test_resume_false_refuses_a_directory_with_checkpoints(tmp_path):
     with pytest.raises(RunDirError, match=rf"checkpointing.resume=false but {tmp_path} holds checkpoints "
                                           r"\(step_000010\)"):
         check_fresh_start(tmp_path)
+
+
+def test_claim_run_dirs_locks_checks_and_records(tmp_path):
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    locks, run_id = claim_run_dirs(ckpt, logs, _cfg(), resume=True)
+    with pytest.raises(RunDirError, match="is in use by another run"):
+        claim_run_dirs(ckpt, tmp_path / "other_logs", _cfg(), resume=True)
+    assert not (tmp_path / "other_logs" / FINGERPRINT_FILE).exists()  # nothing recorded by the refused claim
+    for lock in locks:
+        lock.release()
+    (ckpt / "step_000002").mkdir()
+    locks, again = claim_run_dirs(ckpt, logs, _cfg(("grpo.max_num_steps", 50)), resume=True)  # resume, train longer
+    assert again == run_id and [lk.directory for lk in locks] == [ckpt.resolve(), logs.resolve()]
+    for lock in locks:
+        lock.release()
+    with pytest.raises(RunDirError, match="checkpointing.resume=false"):
+        claim_run_dirs(ckpt, logs, _cfg(), resume=False)
+    with pytest.raises(RunDirError, match=r"policy.optimizer.lr: 5e-06 -> 0.1"):
+        claim_run_dirs(ckpt, logs, _cfg(("policy.optimizer.lr", 0.1)), resume=True)
+    locks, _ = claim_run_dirs(ckpt, logs, _cfg(("policy.optimizer.lr", 0.1)), resume=True, allow_change=True)
+    for lock in locks:  # the refusals above released what they had locked
+        lock.release()
+    locks, log_run = claim_run_dirs(None, tmp_path / "only_logs", _cfg(), resume=False)  # checkpointing off
+    assert len(locks) == 1 and log_run != run_id
+    locks[0].release()
