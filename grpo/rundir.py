@@ -176,6 +176,12 @@ def write_fingerprint(directory: str | os.PathLike, fp: dict) -> str:
     return run_id
 
 
+def recorded_run_id(directory: str | os.PathLike) -> str | None:
+    """The run id recorded in ``directory`` (None: no fingerprint there), e.g. for ``--export-hf`` of its checkpoints."""
+    fp = _read_json(Path(directory) / FINGERPRINT_FILE)
+    return None if fp is None else fp.get("run_id")
+
+
 def fingerprint_diff(old: dict, new: dict) -> list[str]:
     """``"key: old -> new"`` for every field of the reduced configs that differs, sorted by key.
 

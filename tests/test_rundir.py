@@ -14,7 +14,7 @@ import pytest
 from grpo.config import MasterConfig
 from grpo.rundir import (
     FINGERPRINT_FILE, LOCK_FILE, RESUME_MUTABLE, RunDirError, RunLock, check_fingerprint, check_fresh_start,
-    claim_run_dirs, distinct_dirs, run_fingerprint, write_fingerprint,
+    claim_run_dirs, distinct_dirs, recorded_run_id, run_fingerprint, write_fingerprint,
 )
 from tests.e2e import REPO, child_env
 
@@ -92,7 +92,9 @@ def test_fingerprint_holds_model_data_seed_and_ignores_only_the_resume_mutable_f
 def test_check_fingerprint_names_the_differing_field_and_can_be_overridden(tmp_path):
     fp = run_fingerprint(_cfg())
     check_fingerprint(tmp_path, fp)  # nothing recorded yet
+    assert recorded_run_id(tmp_path) is None
     run_id = write_fingerprint(tmp_path, fp)
+    assert recorded_run_id(tmp_path) == run_id and len(run_id) == 32
     check_fingerprint(tmp_path, run_fingerprint(_cfg(("grpo.max_num_steps", 99))))  # a resume that trains longer
     other = run_fingerprint(_cfg(("policy.optimizer.lr", 1e-3), ("grpo.seed", 7)))
     with pytest.raises(RunDirError) as err:
