@@ -30,6 +30,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -188,10 +189,25 @@ def manifest_problem(ckpt: Path, checksums: bool = True) -> str | None:
     return None
 
 
+def state_json(state: GRPOSaveState) -> dict:
+    """``state`` as strict JSON: metrics that are not finite numbers are left out (a checkpoint's metric then
+    ranks lowest for ``keep_top_k``) and a non-finite ``val_reward`` reads as "no validation yet".
+
+    >>> state_json(GRPOSaveState(val_reward=float("nan"), metrics={"train/loss": float("inf"), "a": 1.0}))["metrics"]
+    {'a': 1.0}
+    """
+    out = asdict(state)
+    out["metrics"] = {k: v for k, v in out["metrics"].items()
+                      if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    if not math.isfinite(out["val_reward"]):
+        out["val_reward"] = GRPOSaveState.val_reward
+    return out
+
+
 def _atomic_write_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
+        json.dump(obj, f, indent=2, sort_keys=True, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -304,7 +320,7 @@ class CheckpointManager:
                     torch.save(dataloader_state, tmp / "dataloader.pt")
                 for name, obj in (extra or {}).items():
                     torch.save(obj, tmp / f"extra_{name}.pt")
-                _atomic_write_json(tmp / "train_state.json", asdict(state))
+                _atomic_write_json(tmp / "train_state.json", state_json(state))
         except Exception as err:  # noqa: BLE001 - every rank must learn that the save failed
             error = err
         self._agree_or_raise(error, step, tmp)

@@ -86,6 +86,16 @@ def test_save_and_load_round_trip_with_manifest_and_status(tmp_path):
     assert ckpt.verify(path) is None and ckpt.latest() == path and ckpt.latest_step() == 3
 
 
+def test_train_state_is_strict_json_without_non_finite_metrics(tmp_path):
+    ckpt = manager(tmp_path)
+    state = GRPOSaveState(current_step=1, val_reward=float("nan"),
+                          metrics={"train/loss": float("nan"), "train/grad_norm": float("inf"), "train/kl": 0.5})
+    path = ckpt.save(1, FakeEngine(), state, {})
+    saved = json.loads((path / "train_state.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert saved["metrics"] == {"train/kl": 0.5} and saved["val_reward"] == -99999999.0
+    assert ckpt.verify(path) is None
+
+
 # --------------------------------------------------------------------------------------------------
 # verification and fallback
 # --------------------------------------------------------------------------------------------------
