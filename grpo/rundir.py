@@ -177,7 +177,8 @@ def write_fingerprint(directory: str | os.PathLike, fp: dict) -> str:
 
 
 def recorded_run_id(directory: str | os.PathLike) -> str | None:
-    """The run id recorded in ``directory`` (None: no fingerprint there), e.g. for ``--export-hf`` of its checkpoints."""
+    """The run id recorded in ``directory`` (None: no fingerprint there), e.g. for ``--export-hf`` of its checkpoints.
+    """
     fp = _read_json(Path(directory) / FINGERPRINT_FILE)
     return None if fp is None else fp.get("run_id")
 
