@@ -33,15 +33,59 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _yaml_error(where: str, err: yaml.YAMLError, text: str) -> str:
+    """``where, line L, column C: invalid YAML: problem`` and the offending line, from a YAML error."""
+    mark, context_mark = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+    problem, context = getattr(err, "problem", None) or str(err), getattr(err, "context", None)
+    if mark is None:
+        return f"{where}: invalid YAML ({problem})"
+    if context and context_mark is not None and context_mark.line != mark.line:
+        problem += f" ({context} started at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    elif context:
+        problem = f"{context}: {problem}"
+    lines = text.splitlines()
+    shown = f"\n    {lines[mark.line]}\n    {' ' * mark.column}^" if mark.line < len(lines) else ""
+    return f"{where}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}{shown}"
+
+
+def _utf8(data: bytes, where: str) -> str:
+    """``data`` decoded as UTF-8, or a ConfigError naming the line and column of the first bad byte.
+
+    >>> _utf8(b"a: 1\\nb: \\xff\\n", "x.yaml")
+    Traceback (most recent call last):
+    ...
+    grpo.config_load.ConfigError: x.yaml, line 2, column 4: byte 0xff is not UTF-8; save the file as UTF-8
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ConfigError(f"{where}, line {line}, column {column}: byte 0x{data[err.start]:02x} is not UTF-8; "
+                          "save the file as UTF-8") from None
+
+
 def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
-    """Read a recipe; ``defaults: other.yaml`` (or a list of them), relative to this file, is merged under it."""
+    """Read a recipe; ``defaults: other.yaml`` (or a list of them), relative to this file, is merged under it.
+    An empty file, bytes that are not UTF-8 and YAML syntax errors are `ConfigError`s naming the file (and line)."""
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError(f"defaults: recipe inheritance loops through {path}")
     if not path.exists():
         raise ConfigError(f"--config {path}: file not found")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    try:
+        text = _utf8(path.read_bytes(), str(path))
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read it ({err.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(_yaml_error(str(path), err, text)) from None
+    if raw is None or raw == {}:
+        raise ConfigError(
+            f"{path}: the config file is empty. A config holds what a run changes from the defaults (at least "
+            "policy.model_name and data.dataset_name; the default model is a hub download): start from "
+            "configs/cpu_demo.yaml, or inherit a recipe with `defaults: <recipe>.yaml` and change what differs")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     parents = raw.pop("defaults", None)
@@ -71,7 +115,14 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"override {key}: {part!r} is a value, not a section")
             node[part] = dict(nxt)
             node = node[part]
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+        bad = next((c for c in value if "\udc80" <= c <= "\udcff"), None)  # undecodable bytes of the command line
+        if bad is not None:
+            raise ConfigError(f"override {key}: byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8; pass the value as UTF-8")
+        try:
+            node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+        except yaml.YAMLError as err:
+            raise ConfigError(_yaml_error(f"override {key}={value!r}", err, value).replace(", line 1,", ",") +
+                              "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
     return raw
 
 

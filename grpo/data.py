@@ -150,10 +150,27 @@ class _BadJson:
     problem: str
 
 
+def _not_utf8(data: bytes, err: UnicodeDecodeError) -> str:
+    """Where a bad byte is, as text: ``byte 0xff at line 3, column 7 is not UTF-8`` (``data`` one or more lines).
+
+    >>> _not_utf8(b"ab\\ncd\\xff", UnicodeDecodeError("utf-8", b"ab\\ncd\\xff", 5, 6, "invalid start byte"))
+    'byte 0xff at line 2, column 3 is not UTF-8'
+    """
+    line = data.count(b"\n", 0, err.start) + 1
+    column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+    return f"byte 0x{data[err.start]:02x} at line {line}, column {column} is not UTF-8"
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """(1-based line, record) for each non-blank line; a line that is not JSON yields a `_BadJson`."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    """(1-based line, record) for each non-blank line; a line that is not JSON, or not UTF-8, yields a `_BadJson`
+    (a bad row: reported or skipped like any other, per ``data.on_bad_row``)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield lineno, _BadJson(_not_utf8(raw, err).replace("at line 1, ", "at "))
+                continue
             if not line.strip():
                 continue
             try:
@@ -163,9 +180,21 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _read_json(path: Path) -> list[Any] | None:
-    """Records of a .json file holding a list of objects (or ``{"data": [...]}``); None if it is JSON lines."""
+    """Records of a .json file holding a list of objects (or ``{"data": [...]}``); None if it is JSON lines.
+
+    A byte that is not UTF-8 in a JSON document is an error naming its line (a document has no rows to skip);
+    in a file of JSON lines it makes a bad row, like any other malformed line."""
+    data = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        try:
+            json.loads(data.decode("utf-8", errors="replace"))
+        except json.JSONDecodeError:
+            return None  # JSON lines: `_read_jsonl` reports the bad line as a row
+        raise DataError(f"{path}: {_not_utf8(data, err)}; save the file as UTF-8") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError:
         return None
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
@@ -176,18 +205,24 @@ def _read_json(path: Path) -> list[Any] | None:
 
 
 def _read_table(path: Path) -> list[Any]:
-    """Records of a .parquet or .arrow file."""
+    """Records of a .parquet or .arrow file; a file that is not one is a `DataError` naming it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    try:  # `datasets` writes the streaming format; plain Arrow IPC files use the file format
-        with pa.memory_map(str(path)) as src:
-            return pa.ipc.open_stream(src).read_all().to_pylist()
-    except pa.ArrowInvalid:
-        with pa.memory_map(str(path)) as src:
-            return pa.ipc.open_file(src).read_all().to_pylist()
+    kind = "Parquet" if path.suffix == ".parquet" else "Arrow"
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_table(path).to_pylist()
+        try:  # `datasets` writes the streaming format; plain Arrow IPC files use the file format
+            with pa.memory_map(str(path)) as src:
+                return pa.ipc.open_stream(src).read_all().to_pylist()
+        except pa.ArrowInvalid:
+            with pa.memory_map(str(path)) as src:
+                return pa.ipc.open_file(src).read_all().to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise DataError(f"{path}: not a readable {kind} file ({reason}); check the file, or give it the extension "
+                        f"of what it holds ({', '.join(FILE_EXTENSIONS)})") from None
 
 
 def _rows_from_records(records, where: str, cfg: DataConfig, report: LoadReport, line_numbers: bool) -> list[Row]:

@@ -1,7 +1,9 @@
 """Metrics sinks: ``metrics.jsonl`` always; wandb and tensorboard when enabled; a console progress bar.
 
 Every row of ``<logger.log_dir>/metrics.jsonl`` is one JSON object with ``step`` and flat keys
-(``train/reward_mean``, ``val/reward_mean``, ``timing/step_s``, ...). Only rank 0 writes.
+(``train/reward_mean``, ``val/reward_mean``, ``timing/step_s``, ...). Only rank 0 writes. A value that went
+non-finite is written as the string "nan", "inf" or "-inf" (`read_metrics` reads them back as floats).
+On resume, `truncate_metrics` drops the rows past the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -14,15 +16,42 @@ import time
 from pathlib import Path
 
 
-def _plain(v):
-    """JSON-safe scalar: tensors and numpy numbers become floats; NaN/inf become None."""
+NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _scalar(v):
+    """Tensors and numpy numbers -> Python numbers (lists for tensors of several elements); others as they are."""
     if hasattr(v, "item") and callable(v.item):
         try:
-            v = v.item()
+            return v.item()
         except (ValueError, RuntimeError):
-            v = v.tolist()
+            return v.tolist()
+    return v
+
+
+def _plain(v):
+    """JSON-safe value: tensors and numpy numbers become numbers; NaN and infinities become the strings "nan",
+    "inf" and "-inf" (JSON has no such numbers, and null would hide that a value went non-finite).
+
+    >>> _plain(float("nan")), _plain([1.0, float("-inf")]), _plain(2)
+    ('nan', [1.0, '-inf'], 2)
+    """
+    v = _scalar(v)
     if isinstance(v, float) and not math.isfinite(v):
-        return None
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def _from_json(v):
+    """`_plain` undone: "nan" / "inf" / "-inf" back to floats."""
+    if isinstance(v, str):
+        return NONFINITE.get(v, v)
+    if isinstance(v, list):
+        return [_from_json(x) for x in v]
     return v
 
 
@@ -81,12 +110,12 @@ class MetricsLogger:
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        row = {"step": step, "time": time.time()}
         if self.cfg.monitor_gpus:  # rank 0's device
             metrics = {**metrics, **gpu_metrics()}
-        row.update({k: _plain(v) for k, v in metrics.items()})
-        self._jsonl.write(json.dumps(row) + "\n")
-        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        values = {k: _scalar(v) for k, v in metrics.items()}
+        row = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in values.items()}}
+        self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+        numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         if self._tb is not None:
@@ -111,7 +140,7 @@ class MetricsLogger:
                            ("val/reward_mean", "val")):
             v = metrics.get(key)
             if v is not None:
-                post[short] = f"{_plain(v):.3g}"
+                post[short] = f"{_scalar(v):.3g}"
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(step - self._bar.n)
 
@@ -152,7 +181,40 @@ class MetricsLogger:
 
 
 def read_metrics(log_dir: str | os.PathLike) -> list[dict]:
-    """All rows of ``metrics.jsonl`` (used by tests, benchmarks and notebooks)."""
+    """All rows of ``metrics.jsonl`` (used by tests, benchmarks and notebooks); "nan" / "inf" / "-inf" are floats."""
     path = Path(log_dir) / "metrics.jsonl"
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [{k: _from_json(v) for k, v in json.loads(line).items()} for line in f if line.strip()]
+
+
+def truncate_metrics(log_dir: str | os.PathLike, after_step: int) -> int:
+    """Drop the rows of ``metrics.jsonl`` with ``step > after_step`` (call it on resume, with the checkpoint's
+    step, before logging again: every step then appears once). Atomic: the kept lines are written to a
+    temporary file that replaces the original. A last line cut short by a kill is dropped too. Returns the
+    number of rows dropped; no file is no rows.
+    """
+    path = Path(log_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:  # the half-written last line of a killed run
+                dropped += 1
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > after_step:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped

@@ -268,8 +268,8 @@ def test_export_hf_roundtrip(policy_engine, tmp_path):
 
     tok = build_char_tokenizer()
     out = tmp_path / "export"
-    for _ in range(2):  # the second export replaces the first
-        weights.export_hf(policy_engine, str(out), tok)
+    for _ in range(2):  # the second export (of the same run) replaces the first
+        weights.export_hf(policy_engine, str(out), tok, run_id="run-1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], "temporary directories left behind"
     reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     gathered = {n: t.clone() for b in weights.iter_gathered_params(policy_engine) for n, t in b}
@@ -295,7 +295,7 @@ def test_logprobs_gather_export_interleave_with_training(model_dir, dist_group, 
         engines.train_on_batch(engine, mbs, closure)
         got = engines.compute_logprobs(engine, ids, mask, 1.0, micro_batch_size=2)
         gathered = {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
-        weights.export_hf(engine, str(tmp_path / "hf"), build_char_tokenizer())
+        weights.export_hf(engine, str(tmp_path / "hf"), build_char_tokenizer(), run_id="run-1")
         plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
         for n, p in plain.named_parameters():
             torch.testing.assert_close(p, gathered[n], atol=0, rtol=0)

@@ -1,12 +1,16 @@
-"""grpo.logging: metrics.jsonl rows and the optional gpu/* columns (logger.monitor_gpus)."""
+"""grpo.logging: metrics.jsonl rows (non-finite values as strings), truncation on resume, and the optional gpu/*
+columns (logger.monitor_gpus)."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import pytest
 import torch
 
 from grpo.config import LoggerConfig
-from grpo.logging import MetricsLogger, read_metrics
+from grpo.logging import MetricsLogger, read_metrics, truncate_metrics
 
 
 def _log_one_row(tmp_path, **cfg) -> dict:
@@ -17,10 +21,44 @@ def _log_one_row(tmp_path, **cfg) -> dict:
     return row
 
 
-def test_rows_are_flat_json_with_step_and_non_finite_as_null(tmp_path):
+def test_rows_are_flat_json_with_step_and_non_finite_as_strings(tmp_path):
     row = _log_one_row(tmp_path)
-    assert row["step"] == 3 and row["train/loss"] == 0.5 and row["train/kl"] is None
+    assert row["step"] == 3 and row["train/loss"] == 0.5 and math.isnan(row["train/kl"])
     assert not any(k.startswith("gpu/") for k in row)
+
+
+def test_non_finite_values_are_strings_in_the_file_and_floats_when_read(tmp_path):
+    logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
+    logger.log({"train/loss": torch.tensor(float("nan")), "train/grad_norm": float("inf"),
+                "train/reward_min": torch.tensor(-1e39, dtype=torch.float64).float(), "train/hist": [1.0, float("nan")],
+                "train/ok": 1.5}, step=1)
+    logger.close()
+    raw = json.loads((tmp_path / "metrics.jsonl").read_text())  # strict JSON: no NaN / Infinity literals, no null
+    assert (raw["train/loss"], raw["train/grad_norm"], raw["train/reward_min"], raw["train/hist"]) == \
+        ("nan", "inf", "-inf", [1.0, "nan"])
+    (row,) = read_metrics(tmp_path)
+    assert math.isnan(row["train/loss"]) and row["train/grad_norm"] == math.inf and row["train/reward_min"] == -math.inf
+    assert row["train/hist"][0] == 1.0 and math.isnan(row["train/hist"][1]) and row["train/ok"] == 1.5
+
+
+def test_truncate_metrics_keeps_each_step_once_after_a_resume(tmp_path):
+    logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
+    for step in range(1, 6):  # the killed run got to step 5; its last checkpoint is step 3
+        logger.log({"train/loss": float(step)}, step)
+    logger.log({"val/reward_mean": 0.5}, 3)
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "train/lo')  # killed mid-write
+    assert truncate_metrics(tmp_path, after_step=3) == 3
+    resumed = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
+    for step in (4, 5):
+        resumed.log({"train/loss": 10.0 + step}, step)
+    resumed.close()
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r.get("train/loss")) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (3, None), (4, 14.0),
+                                                                (5, 15.0)]
+    assert truncate_metrics(tmp_path, after_step=5) == 0 and truncate_metrics(tmp_path / "none", 0) == 0
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_monitor_gpus_adds_memory_columns_on_cuda_and_nothing_without(tmp_path, monkeypatch):

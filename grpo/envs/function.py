@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import traceback
 from collections.abc import Callable
 from numbers import Real
 from typing import Any
@@ -32,15 +34,30 @@ class EnvError(RuntimeError):
     """A reward environment that cannot run (bad reward_fn name, scorer that fails to import)."""
 
 
+def traceback_summary(err: BaseException, limit: int = 6) -> str:
+    """The frames of ``err``'s traceback outside Python's import machinery and this file (the user's code),
+    the last ``limit`` of them, then the exception itself."""
+    machinery = (os.path.dirname(importlib.__file__) + os.sep, "<frozen ")
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(machinery) and f.filename != __file__][-limit:]
+    lines = [f'  File "{f.filename}", line {f.lineno}, in {f.name}' + (f"\n    {f.line}" if f.line else "")
+             for f in frames]
+    return "\n".join(lines + traceback.format_exception_only(type(err), err)).rstrip()
+
+
 def resolve_reward_fn(spec: str) -> RewardFn:
-    """``"package.module:function"`` -> the function (imports the module)."""
+    """``"package.module:function"`` -> the function (imports the module: in the trainer, use
+    `grpo.envs.pool.check_reward_fn`, which imports it in a worker process with a timeout)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise EnvError(f"env.reward_fn={spec!r}: expected 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise EnvError(f"env.reward_fn={spec!r}: cannot import {module_name!r} ({err})") from err
+    except Exception as err:  # noqa: BLE001 - whatever the module's own code raises
+        if isinstance(err, ModuleNotFoundError) and err.name and (module_name + ".").startswith(err.name + "."):
+            raise EnvError(f"env.reward_fn={spec!r}: cannot import {module_name!r} ({err})") from err
+        raise EnvError(f"env.reward_fn={spec!r}: importing {module_name!r} raised {type(err).__name__}: {err}\n"
+                       f"{traceback_summary(err)}") from err
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)

@@ -6,8 +6,10 @@ past its deadline is killed (SIGKILL) and a fresh one is started in its place wh
 scoring. Workers use the "spawn" start method (the trainer process has torch threads: fork is unsafe)
 and run the scorer in their main thread (math-verify's own timeouts use signals, which only work
 there). Workers are started on the first `run`, import the scorer before they take work (import time
-never counts against the timeout), ignore Ctrl-C (the trainer handles it), and exit when the trainer
-goes away.
+never counts against the timeout), ignore Ctrl-C (the trainer handles it), and never outlive the
+trainer: Linux kills them (SIGKILL) when the trainer dies, however it dies (`grpo.signals.set_parent_death_signal`),
+even in the middle of a reward function that hangs. `check_reward_fn` imports a scorer in such a worker
+with a timeout, so a module that hangs or raises at import cannot take the trainer with it.
 
 An outcome is ``("ok", (reward, components))``, ``("error", traceback text)`` or ``("timeout", text)``.
 """
@@ -15,6 +17,7 @@ An outcome is ``("ok", (reward, components))``, ``("error", traceback text)`` or
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import time
 import traceback
@@ -24,15 +27,20 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from grpo.envs.function import EnvError, resolve_reward_fn, score_sample
+from grpo.signals import set_parent_death_signal
 
 Outcome = tuple[str, Any]
 
 
-def _worker_main(conn: Connection, spec: str) -> None:
+def _worker_main(conn: Connection, spec: str, parent_pid: int | None = None) -> None:
     """Worker loop: import the scorer, say "ready", then score one sample per message until None/EOF."""
+    set_parent_death_signal(signal.SIGKILL, expected_parent=parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         fn = resolve_reward_fn(spec)
+    except EnvError as err:  # a message with the module's traceback summary
+        conn.send(("init_error", str(err)))
+        return
     except BaseException:
         conn.send(("init_error", traceback.format_exc()))
         return
@@ -75,7 +83,7 @@ class ScoringPool:
     # -- lifecycle ---------------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child_conn, self.spec), daemon=True,
+        process = self._ctx.Process(target=_worker_main, args=(child_conn, self.spec, os.getpid()), daemon=True,
                                     name="grpo-reward-worker")
         process.start()
         child_conn.close()
@@ -184,10 +192,26 @@ class ScoringPool:
                 outcomes[w.task] = ("timeout", f"no reward after env.timeout_s={self.timeout_s}s; worker restarted")
                 self._replace(w)
             elif not w.ready and now >= w.started_at + self.start_timeout_s:
-                raise EnvError(f"reward worker for {self.spec!r} did not start within {self.start_timeout_s}s")
+                raise EnvError(f"reward worker for {self.spec!r} did not start within {self.start_timeout_s}s: "
+                               "importing its module hangs or is too slow (keep a reward module's import cheap)")
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        return [w.process.pid for w in self._workers if w.process.is_alive()]
 
     def __del__(self):
         try:
             self.close()
         except Exception:  # interpreter shutdown: the daemon workers die with us anyway
             pass
+
+
+def check_reward_fn(spec: str, timeout_s: float) -> None:
+    """Import the scorer ``spec`` ("package.module:function") in a spawned worker process and raise `EnvError`
+    when that fails (the message carries the module's traceback summary) or takes more than ``timeout_s``
+    seconds (a module that hangs at import): the trainer itself never imports user reward code."""
+    pool = ScoringPool(spec, num_workers=1, timeout_s=timeout_s, start_timeout_s=timeout_s)
+    try:
+        pool.start(wait=True)
+    finally:
+        pool.close()

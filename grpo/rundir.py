@@ -1,0 +1,248 @@
+"""One run per directory: an exclusive lock for the life of the run, and a fingerprint that a resume must match.
+
+At setup, rank 0, before anything is written to ``checkpointing.checkpoint_dir`` or ``logger.log_dir``::
+
+    locks, run_id = claim_run_dirs(cfg.checkpointing.checkpoint_dir, cfg.logger.log_dir, cfg.model_dump(mode="json"),
+                                   resume=cfg.checkpointing.resume, allow_change=...)
+    ...
+    for lock in locks: lock.release()     # at the very end (the kernel releases them if the process dies)
+
+which is `RunLock` on each distinct directory, `check_fresh_start` when not resuming, then `check_fingerprint`
+and `write_fingerprint` of `run_fingerprint` in each.
+
+Why a lock and not a PID file alone: ``fcntl.flock`` is released by the kernel when its holder dies, however
+it dies (kill -9 included), so a crashed run never leaves a stale lock behind; the PID, host and start time
+in the file only say who holds it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from pathlib import Path
+
+LOCK_FILE = ".grpo_run.lock"
+FINGERPRINT_FILE = "run_fingerprint.json"
+
+# Config fields that may change when a run resumes; each changes when or how a run is observed or stored,
+# never what one optimizer step computes from the state a checkpoint restores:
+RESUME_MUTABLE = (
+    "grpo.max_num_steps",       # train longer (or stop earlier) than first planned
+    "grpo.max_num_epochs",      # the same, counted in epochs
+    "grpo.val_period",          # when to validate: validation does not change the weights
+    "grpo.val_at_start",        # only ever used at step 0
+    "grpo.val_at_end",
+    "logger.",                  # where and how metrics are shown (log_dir, wandb, tensorboard, progress bar)
+    "checkpointing.save_period",             # how often to save
+    "checkpointing.keep_top_k",              # how many to keep
+    "checkpointing.checkpoint_must_save_by",  # a new job gets a new time limit
+    "checkpointing.resume",
+    "checkpointing.checkpoint_dir",          # a run directory moved to another disk
+    "cluster.",                 # where it runs: the update is invariant to the world size (grpo.engines); the
+                                # RNG state per rank is checked on load (rng_rank{r}.pt)
+)
+
+
+class RunDirError(RuntimeError):
+    """A run directory that this run may not use; the message names it and says what to do."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Lock
+# --------------------------------------------------------------------------------------------------
+def _read_holder(path: Path) -> dict:
+    for _ in range(20):  # the holder writes its details right after taking the lock
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    return {}
+
+
+class RunLock:
+    """An exclusive ``fcntl.flock`` on ``<directory>/.grpo_run.lock`` (PID, host, start time inside) from
+    construction until `release` or the death of the process. A second holder, in any process, fails at
+    once with a `RunDirError` naming the holder's PID and host. Creates the directory."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / LOCK_FILE
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = None
+            h = _read_holder(self.path)
+            raise RunDirError(
+                f"{self.directory} is in use by another run (PID {h.get('pid', '?')} on {h.get('host', '?')}, "
+                f"started {h.get('started', '?')}): two runs in one directory would mix their checkpoints and "
+                "metrics. Wait for it to end, stop it, or give this run another checkpointing.checkpoint_dir / "
+                "logger.log_dir") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(info).encode(), 0)
+        os.fsync(self._fd)
+
+    def release(self) -> None:
+        """Unlock (the file stays: removing it would let a third run lock a file a second one still holds)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def distinct_dirs(*dirs: str | os.PathLike) -> list[Path]:
+    """The directories once each (a log_dir equal to the checkpoint_dir is locked once), resolved, in order.
+
+    >>> [p.name for p in distinct_dirs("/tmp/run", "/tmp/run/", "/tmp/logs")]
+    ['run', 'logs']
+    """
+    out: list[Path] = []
+    for d in dirs:
+        p = Path(d).expanduser().resolve()
+        if p not in out:
+            out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Fingerprint
+# --------------------------------------------------------------------------------------------------
+def flatten(cfg: dict, prefix: str = "") -> dict:
+    """Nested config -> ``{"dotted.key": value}``.
+
+    >>> flatten({"a": {"b": 1, "c": {"d": [2]}}, "e": None})
+    {'a.b': 1, 'a.c.d': [2], 'e': None}
+    """
+    out = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _mutable(key: str) -> bool:
+    return any(key == m or (m.endswith(".") and key.startswith(m)) for m in RESUME_MUTABLE)
+
+
+def run_fingerprint(cfg_dict: dict) -> dict:
+    """What makes a run this run: model, data, seed, and a sha256 of the config without `RESUME_MUTABLE`
+    (``cfg.model_dump(mode="json")`` as given, before ``toy:`` model names are resolved to a directory).
+    The reduced config itself rides along, so a mismatch can name the fields that differ."""
+    flat = {k: v for k, v in flatten(cfg_dict).items() if not _mutable(k)}
+    data = {k[len("data."):]: flat.get(k) for k in ("data.dataset_name", "data.dataset_config", "data.train_data_path",
+                                                    "data.val_data_path")}
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    return {"model": flat.get("policy.model_name"), "data": data, "seed": flat.get("grpo.seed"),
+            "config_sha256": digest, "config": flat}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise RunDirError(f"{path}: unreadable ({err}); remove it if this directory is yours") from None
+
+
+def write_fingerprint(directory: str | os.PathLike, fp: dict) -> str:
+    """Record ``fp`` in ``<directory>/run_fingerprint.json`` (atomically); returns the run id, made on the
+    first write and kept ever after (the marker of this run's HF exports: `grpo.weights.export_hf`)."""
+    path = Path(directory) / FINGERPRINT_FILE
+    old = _read_json(path) or {}
+    run_id = old.get("run_id") or uuid.uuid4().hex
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**fp, "run_id": run_id}, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+    return run_id
+
+
+def recorded_run_id(directory: str | os.PathLike) -> str | None:
+    """The run id recorded in ``directory`` (None: no fingerprint there), e.g. for ``--export-hf`` of its checkpoints.
+    """
+    fp = _read_json(Path(directory) / FINGERPRINT_FILE)
+    return None if fp is None else fp.get("run_id")
+
+
+def fingerprint_diff(old: dict, new: dict) -> list[str]:
+    """``"key: old -> new"`` for every field of the reduced configs that differs, sorted by key.
+
+    >>> fingerprint_diff({"config": {"a": 1, "b": 2}}, {"config": {"a": 1, "b": 3, "c": 0}})
+    ['b: 2 -> 3', 'c: (absent) -> 0']
+    """
+    a, b = old.get("config", {}), new.get("config", {})
+
+    def show(d: dict, k: str) -> str:
+        return repr(d[k]) if k in d else "(absent)"
+
+    return [f"{k}: {show(a, k)} -> {show(b, k)}" for k in sorted(set(a) | set(b)) if show(a, k) != show(b, k)]
+
+
+def check_fingerprint(directory: str | os.PathLike, fp: dict, allow_change: bool = False) -> None:
+    """Raise a `RunDirError` when ``directory`` holds the fingerprint of a run with another config (the first
+    differing dotted fields named), unless ``allow_change`` (a deliberate change). No fingerprint yet: fine."""
+    old = _read_json(Path(directory) / FINGERPRINT_FILE)
+    if old is None or old.get("config_sha256") == fp["config_sha256"] or allow_change:
+        return
+    diff = fingerprint_diff(old, fp)
+    shown = "; ".join(diff[:5]) + (f"; and {len(diff) - 5} more" if len(diff) > 5 else "")
+    raise RunDirError(
+        f"{directory} belongs to a run with another config ({shown}). Resuming it with this config would mix two "
+        "runs. Use another checkpointing.checkpoint_dir / logger.log_dir, or, if the change is deliberate, set "
+        "checkpointing.allow_config_change=true")
+
+
+def check_fresh_start(checkpoint_dir: str | os.PathLike) -> None:
+    """``checkpointing.resume=false``: refuse a checkpoint directory that already holds checkpoints (a later
+    resume would take whichever step is highest, this run's or the other's)."""
+    d = Path(checkpoint_dir)
+    found = d.iterdir() if d.is_dir() else []
+    steps = sorted(p.name for p in found if p.is_dir() and re.fullmatch(r"step_\d+", p.name))
+    if steps:
+        raise RunDirError(
+            f"checkpointing.resume=false but {d} holds checkpoints ({', '.join(steps[-3:])}): starting over there "
+            "would mix two runs. Give this run a new checkpointing.checkpoint_dir, move the old checkpoints away, or "
+            "set checkpointing.resume=true to continue that run")
+
+
+def claim_run_dirs(checkpoint_dir: str | os.PathLike | None, log_dir: str | os.PathLike, cfg_dict: dict,
+                   resume: bool, allow_change: bool = False) -> tuple[list[RunLock], str]:
+    """Rank 0 at setup, before anything is written: lock the run's directories (``checkpoint_dir`` None: checkpointing
+    is off), refuse a fresh start over checkpoints, check and record the fingerprint. Returns the locks (release
+    them at the very end) and the run id (of the checkpoint directory, else of the log directory). On any error
+    the locks taken are released and the error is raised."""
+    dirs = distinct_dirs(*([checkpoint_dir] if checkpoint_dir is not None else []), log_dir)
+    locks: list[RunLock] = []
+    try:
+        for d in dirs:
+            locks.append(RunLock(d))
+        if not resume and checkpoint_dir is not None:
+            check_fresh_start(checkpoint_dir)
+        fp = run_fingerprint(cfg_dict)
+        for d in dirs:
+            check_fingerprint(d, fp, allow_change)
+        run_ids = [write_fingerprint(d, fp) for d in dirs]
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks, run_ids[0]
