@@ -292,7 +292,8 @@ class CheckpointManager:
         return None
 
     def latest_step(self) -> int | None:
-        latest = self.latest()
+        """The step of the newest intact checkpoint (sizes checked, not checksums), or None."""
+        latest = self.latest(checksums=False)
         return None if latest is None else _step_of(latest)
 
     # ---- save ------------------------------------------------------------------------------
