@@ -198,20 +198,20 @@ def aligned_logprobs_from_logits(
     return (shift(lp), shift(full)) if return_unfiltered else shift(lp)
 
 
-def mask_out_of_filter(logprobs_bt: torch.Tensor, mask_bt: torch.Tensor) -> tuple[torch.Tensor, int]:
+def mask_out_of_filter(logprobs_bt: torch.Tensor, mask_bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NeMo-RL's ``mask_out_neg_inf_logprobs``: 0 where ``mask_bt`` is 0 or the logprob is −inf.
 
     A token the sampler kept can fall outside the trainer's top-k / top-p set (logits differ by float
-    rounding between engines); its −inf would make the loss NaN. Returns (logprobs, number of masked
-    positions whose logprob was −inf). The gradient is 0 at the replaced positions.
+    rounding between engines); its −inf would make the loss NaN. Returns (logprobs, number of positions
+    in the mask whose logprob was −inf, a 0-dim tensor: no device sync). The gradient is 0 at the
+    replaced positions.
 
         >>> mask_out_of_filter(torch.tensor([[-1.0, float("-inf"), float("-inf")]]), torch.tensor([[1, 1, 0]]))
-        (tensor([[-1.,  0.,  0.]]), 1)
+        (tensor([[-1.,  0.,  0.]]), tensor(1))
     """
     keep_bt = mask_bt > 0
     finite_bt = torch.isfinite(logprobs_bt)
-    num_out = int((keep_bt & ~finite_bt).sum().item())
-    return torch.where(keep_bt & finite_bt, logprobs_bt, 0.0), num_out
+    return torch.where(keep_bt & finite_bt, logprobs_bt, 0.0), (keep_bt & ~finite_bt).sum()
 
 
 # --------------------------------------------------------------------------------------------------
