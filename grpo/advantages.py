@@ -159,8 +159,8 @@ def gdpo_advantages(
     num_k = reward_components_bk.shape[1]
     if num_k < 2:
         raise ValueError(
-            f"grpo.adv_estimator.name='gdpo' needs at least 2 reward components; the environment returned {num_k}. "
-            "Return a dict of named rewards from the reward function, or set grpo.adv_estimator.name='grpo'"
+            f"grpo.adv_estimator.name='gdpo' needs at least 2 reward components, got {num_k}. Return a dict of "
+            "named rewards from the reward function, or set grpo.adv_estimator.name='grpo'"
         )
     weights = [1.0] * num_k if weights is None else list(weights)
     if len(weights) != num_k:
@@ -200,7 +200,8 @@ def reinforce_plus_plus_advantages(
         a_i      = r_i − mean_{group, valid}(r)       (minus_baseline; else a_i = r_i)
         A_it     = a_i − kl_coef · Σ_{t' ≥ t} mask·kl_it'     (kl_returns_to_go, Reinforce++ paper / OpenRLHF)
         A_it     = a_i − kl_coef · kl_it                      (kl_returns_to_go=False: NeMo-RL's estimator)
-        A        = (A − μ) · rsqrt(max(var, eps))             μ, var (population) over token_mask·sample_mask·valid_mask
+        A        = (A − μ) · rsqrt(max(var, eps))             μ, var (population) over m = token_mask · sample_mask
+                                                              · valid_mask
 
     As NeMo-RL: the baseline is over the valid samples of the group (samples masked out of the loss,
     by overlong filtering or the logprob-error mask, still count), the whitening statistics only over

@@ -181,7 +181,8 @@ def aligned_logprobs_from_logits(
 ):
     """Contract-aligned logprobs ``[B, T]`` from a causal LM's logits ``[B, T, V]``.
 
-        out[:, 0] = 0,   out[:, t] = log p(input_ids[t] | input_ids[<t]) = token_logprobs(logits[:, t−1])[input_ids[t]]
+        out[:, 0] = 0,   out[:, t] = log p(input_ids[t] | input_ids[<t])
+                                   = token_logprobs(logits[:, t−1], input_ids[t])
 
     with the temperature and the top-k / top-p filter of :func:`token_logprobs` (−inf where the
     token is outside the filter; ``return_unfiltered=True``: ``(filtered, temperature only)``).

@@ -319,7 +319,8 @@ def penalize_components(components_bk: torch.Tensor, flags: dict[str, torch.Tens
     reward = Σ_k components (NeMo-RL's own penalties zero only the scalar reward, and its
     ``validate_reward_components_match_scalar`` then stops the run).
 
-        >>> penalize_components(torch.tensor([[1.0, 0.5], [1.0, 0.5]]), {"empty_final_answer": torch.tensor([True, False])})
+        >>> flags = {"empty_final_answer": torch.tensor([True, False])}
+        >>> penalize_components(torch.tensor([[1.0, 0.5], [1.0, 0.5]]), flags)
         tensor([[0.0000, 0.0000],
                 [1.0000, 0.5000]])
     """

@@ -209,7 +209,8 @@ def test_is_oob_ratio_counts_masked_tokens_also_for_sequence_weights(kind, lo):
     assert m["is_oob_ratio"] == pytest.approx(3 / 4)
     assert m["is_oob_ratio"] == pytest.approx(_nemo_is_oob_ratio(raw_w, tm, sm, kind, 2.0, lo))
     # token-level weights: the same definition (row 0: three tokens at w = 2 are inside [lo, 2])
-    w_tok, m_tok = importance_weights(prev, gen, tm, sm, cfg.model_copy(update={"sequence_level_importance_ratios": False}))
+    token_cfg = cfg.model_copy(update={"sequence_level_importance_ratios": False})
+    _, m_tok = importance_weights(prev, gen, tm, sm, token_cfg)
     assert m_tok["is_oob_ratio"] == pytest.approx(_nemo_is_oob_ratio(torch.exp(prev - gen), tm, sm, kind, 2.0, lo))
 
 
