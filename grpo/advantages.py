@@ -145,17 +145,28 @@ def gdpo_advantages(
         A_i = whiten( Σ_k w_k · A_ik ),   A_ik = grpo_advantages(component k)_i
 
     whiten = (x − μ) / σ over valid samples (μ mean, σ unbiased std; divide only where σ > 0, as
-    NeMo-RL). Invalid samples get 0. ``weights`` default to 1 per component.
+    NeMo-RL). Invalid samples get 0. ``weights`` default to 1 per component. K >= 2 (NeMo-RL: with one
+    component GDPO is GRPO plus a global whitening; use grpo).
+
+    Components come penalised, scaled and shaped like the scalar reward
+    (`grpo.rewards.process_reward_components`): the environment's components sorted by name, then
+    ``overlong`` (the length penalty) when ``grpo.reward_shaping`` uses the overlong buffer.
     """
     if reward_components_bk.dim() != 2:
         raise ValueError(
             f"gdpo_advantages: reward_components_bk must be [B, K], got shape {tuple(reward_components_bk.shape)}"
         )
     num_k = reward_components_bk.shape[1]
+    if num_k < 2:
+        raise ValueError(
+            f"grpo.adv_estimator.name='gdpo' needs at least 2 reward components, got {num_k}. Return a dict of "
+            "named rewards from the reward function, or set grpo.adv_estimator.name='grpo'"
+        )
     weights = [1.0] * num_k if weights is None else list(weights)
     if len(weights) != num_k:
         raise ValueError(
-            f"grpo.adv_estimator.reward_weights has {len(weights)} entries but there are {num_k} reward components"
+            f"grpo.adv_estimator.reward_weights has {len(weights)} entries but there are {num_k} reward components "
+            "(the environment's, sorted by name, then 'overlong' when grpo.reward_shaping uses the overlong buffer)"
         )
     total_b = torch.zeros(reward_components_bk.shape[0], dtype=reward_components_bk.dtype,
                           device=reward_components_bk.device)
@@ -182,16 +193,21 @@ def reinforce_plus_plus_advantages(
     kl_coef: float = 0.0,
     eps: float = 1e-8,
     kl_returns_to_go: bool = False,
+    sample_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Reinforce++ per-token advantage, globally whitened over valid tokens.
+    """Reinforce++ per-token advantage, globally whitened over the trained tokens.
 
         a_i      = r_i − mean_{group, valid}(r)       (minus_baseline; else a_i = r_i)
         A_it     = a_i − kl_coef · Σ_{t' ≥ t} mask·kl_it'     (kl_returns_to_go, Reinforce++ paper / OpenRLHF)
         A_it     = a_i − kl_coef · kl_it                      (kl_returns_to_go=False: NeMo-RL's estimator)
-        A        = (A − μ) · rsqrt(max(var, eps))             μ, var (population) over token_mask·valid_mask
+        A        = (A − μ) · rsqrt(max(var, eps))             μ, var (population) over m = token_mask · sample_mask
+                                                              · valid_mask
 
-    ``kl_bt`` is the per-token KL to the reference (``grpo.loss.calculate_kl``), passed with
-    ``kl_coef = loss_fn.reference_policy_kl_penalty`` when ``loss_fn.use_kl_in_reward``.
+    As NeMo-RL: the baseline is over the valid samples of the group (samples masked out of the loss,
+    by overlong filtering or the logprob-error mask, still count), the whitening statistics only over
+    the tokens the loss trains (``sample_mask``, default all ones). ``kl_bt`` is the per-token KL to the
+    reference (``grpo.loss.calculate_kl``), passed with ``kl_coef = loss_fn.reference_policy_kl_penalty``
+    when ``loss_fn.use_kl_in_reward``.
     """
     if minus_baseline:
         mean_b, _ = baseline_and_std_per_prompt(prompt_ids, rewards, valid_mask, leave_one_out=False)
@@ -205,6 +221,8 @@ def reinforce_plus_plus_advantages(
         kl_term = reverse_cumsum(kl_masked) if kl_returns_to_go else kl_masked
         adv_bt = adv_bt - kl_coef * kl_term
     mask = token_mask * valid_mask.to(adv_bt.dtype)[:, None]
+    if sample_mask is not None:
+        mask = mask * sample_mask.to(adv_bt.dtype)[:, None]
     return masked_whiten(adv_bt, mask, var_floor=eps)
 
 
@@ -225,10 +243,12 @@ def gdpo_estimator(*, group_ids, valid_mask, cfg, reward_components=None, **extr
 
 
 def reinforce_plus_plus_estimator(*, group_ids, rewards, valid_mask, token_mask, cfg, kl_bt=None, kl_coef=0.0,
-                                  **extra):
-    """``reinforce_plus_plus``: `reinforce_plus_plus_advantages` with the reward KL when it is on."""
+                                  sample_mask=None, **extra):
+    """``reinforce_plus_plus``: `reinforce_plus_plus_advantages` with the reward KL when it is on, whitened
+    over the loss's samples (``sample_mask``)."""
     return reinforce_plus_plus_advantages(group_ids, rewards, valid_mask, token_mask,
-                                          cfg.minus_baseline, kl_bt, kl_coef, kl_returns_to_go=cfg.kl_returns_to_go)
+                                          cfg.minus_baseline, kl_bt, kl_coef, kl_returns_to_go=cfg.kl_returns_to_go,
+                                          sample_mask=sample_mask)
 
 
 def compute_advantages(
@@ -245,7 +265,8 @@ def compute_advantages(
 
     Per-sample estimators (grpo, gdpo) are broadcast over the token dimension of ``token_mask``
     (every position of a row holds A_i; the loss masks the untrained ones). ``extra``: the estimator's
-    other inputs (``reward_components``, ``kl_bt``, ``kl_coef``).
+    other inputs: ``reward_components``, ``kl_bt``, ``kl_coef``, and ``sample_mask`` (the loss's samples:
+    Reinforce++'s global whitening runs over them, as NeMo-RL's; grpo and gdpo do not read it).
     """
     adv = get_estimator(name)(group_ids=group_ids, rewards=rewards, valid_mask=valid_mask, token_mask=token_mask,
                               cfg=cfg, **extra)

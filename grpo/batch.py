@@ -54,6 +54,7 @@ class TrainBatch:
     ref_logprobs_bt: Optional[torch.Tensor] = None
     teacher_logprobs_bt: Optional[torch.Tensor] = None
     advantages_bt: Optional[torch.Tensor] = None
+    unfiltered_logprobs_bt: Optional[torch.Tensor] = None  # set on micro-batches by grpo.engines.train_on_batch
 
     def __len__(self) -> int:
         return self.input_ids_bt.shape[0]
@@ -144,6 +145,11 @@ def micro_batches(rows: Rows, size: int) -> list[Rows]:
     """Consecutive micro-batches of ``size`` rows, each trimmed to its own longest row."""
     n = batch_size(rows)
     return [trim_padding(select_rows(rows, slice(i, min(i + size, n)))) for i in range(0, n, size)]
+
+
+def with_fields(rows: Rows, **values) -> Rows:
+    """A copy with these fields set (a TrainBatch's, or a dict's keys)."""
+    return _rebuild(rows, values)
 
 
 def to_device(rows: Rows, device) -> Rows:

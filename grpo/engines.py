@@ -25,7 +25,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from grpo.logprobs import aligned_logprobs_from_logits
+from grpo.logprobs import aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -302,23 +302,35 @@ def build_reference_engine(cfg, world_size: int):
 # --------------------------------------------------------------------------------------------------
 # Logprobs and training
 # --------------------------------------------------------------------------------------------------
-def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None):
+def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
+                     top_k: int | None = None, top_p: float = 1.0, return_unfiltered: bool = False):
     """Aligned token logprobs [B, T] with grad: 0 at position 0 and on padding, and at t
 
-        log softmax(logits[t - 1] / temperature)[input_ids[t]]   (right-padded batches).
+        log softmax_K(logits[t - 1] / temperature)[input_ids[t]]   (right-padded batches)
+
+    with K the sampler's top-k / top-p keep set (`grpo.logprobs.token_logprobs`; the defaults filter
+    nothing). A token outside K gets 0, as NeMo-RL's ``mask_out_neg_inf_logprobs`` does (see
+    `grpo.logprobs.mask_out_of_filter`). ``return_unfiltered=True`` returns ``(filtered, unfiltered)``,
+    the second with the temperature only, from the same pass over the logits.
     """
     device = engine.device
     ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
     logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits
-    lp_bt = aligned_logprobs_from_logits(logits_btv, ids_bt, temperature, chunk_size)
-    return lp_bt * mask_bt.to(lp_bt.dtype)
+    lp_bt, full_bt = aligned_logprobs_from_logits(logits_btv, ids_bt, temperature, chunk_size, top_k=top_k,
+                                                  top_p=top_p, return_unfiltered=True)
+    lp_bt, _ = mask_out_of_filter(lp_bt, mask_bt)
+    if return_unfiltered:
+        return lp_bt, torch.where(mask_bt > 0, full_bt, 0.0)
+    return lp_bt
 
 
 @torch.no_grad()
 def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float, micro_batch_size: int,
-                     chunk_size=None) -> torch.Tensor:
+                     chunk_size=None, *, top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
     """`forward_logprobs` without grad, micro-batch by micro-batch; returns [B, T] fp32 on the CPU.
 
+    ``top_k`` / ``top_p``: the sampler's filter (policy.generation.top_k / top_p) for the previous-policy
+    logprobs; leave them off for the reference policy (NeMo-RL: its top-k set is not the policy's).
     Ranks may hold different numbers of rows: every rank runs as many forwards as the busiest one
     (the extra ones on a dummy row), since each ZeRO-3 forward is a collective.
     """
@@ -332,10 +344,10 @@ def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
         if i < n_local:
             sl = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
             out.append(forward_logprobs(engine, input_ids_bt[sl], attention_mask_bt[sl], temperature,
-                                        chunk_size).float().cpu())
+                                        chunk_size, top_k=top_k, top_p=top_p).float().cpu())
         else:
             dummy = torch.zeros((1, 2), dtype=torch.long)
-            forward_logprobs(engine, dummy, torch.ones_like(dummy), temperature, chunk_size)
+            forward_logprobs(engine, dummy, torch.ones_like(dummy), temperature, chunk_size, top_k=top_k, top_p=top_p)
     release_params(engine)
     engine.train(was_training)
     return torch.cat(out) if out else torch.zeros(input_ids_bt.shape, dtype=torch.float32)
@@ -366,11 +378,15 @@ LossClosure = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
 def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure, *, temperature: float = 1.0,
-                   chunk_size=None) -> dict:
+                   chunk_size=None, top_k: int | None = None, top_p: float = 1.0) -> dict:
     """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
 
     A micro-batch is a `grpo.batch.TrainBatch` (or a dict with its field names): its ``input_ids_bt`` and
     ``attention_mask_bt`` go through the model; the closure gets it with its tensors on the engine's device.
+    ``logprobs_bt`` are `forward_logprobs` with ``temperature`` and the sampler's ``top_k`` / ``top_p``
+    filter (policy.generation.*). With a filter on, the micro-batch also holds ``unfiltered_logprobs_bt``
+    (temperature only, with grad, from the same forward): NeMo-RL's ``curr_logprobs_unfiltered``, for the
+    KL term (`grpo.loss.clipped_pg_loss`'s ``unfiltered_logprobs``).
 
     ``loss_closure(logprobs_bt, mb) -> (loss, metrics)`` must normalise by GLOBAL counts (all
     micro-batches of all ranks), so the losses sum to the full-batch loss L. DeepSpeed applies
@@ -381,7 +397,7 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     micro-batches and ranks by `grpo.metrics.aggregate_rollout_metrics` (mean; min / max by name),
     ``grad_norm`` = |grad(L)| before clipping, and ``lr``, the learning rate this step used.
     """
-    from grpo.batch import get, to_device
+    from grpo.batch import get, to_device, with_fields
     from grpo.metrics import aggregate_rollout_metrics
     from grpo.rollout import all_gather_objects
 
@@ -398,8 +414,13 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     loss_sum, mb_metrics = 0.0, []
     for mb in micro_batches:
         mb = to_device(mb, engine.device)
-        logprobs_bt = forward_logprobs(engine, get(mb, "input_ids_bt"), get(mb, "attention_mask_bt"), temperature,
-                                       chunk_size)
+        ids_bt, mask_bt = get(mb, "input_ids_bt"), get(mb, "attention_mask_bt")
+        if needs_filter(top_k, top_p):
+            logprobs_bt, unfiltered_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size,
+                                                          top_k=top_k, top_p=top_p, return_unfiltered=True)
+            mb = with_fields(mb, unfiltered_logprobs_bt=unfiltered_bt)
+        else:
+            logprobs_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size)
         loss, metrics = loss_closure(logprobs_bt, mb)
         engine.backward(loss * world, scale_wrt_gas=False)
         engine.step()

@@ -1,4 +1,4 @@
-"""Token logprobs from logits with bounded memory, logprob-error metrics and masking, teacher logprobs.
+"""Token logprobs from logits with bounded memory (temperature, top-k / top-p), logprob-error metrics and masking.
 
 Alignment contract: per-token tensors are ``[B, T]`` and position t holds log p(token_t | tokens_<t).
 :func:`token_logprobs` itself does no shifting (``logits[b, t]`` scores ``tokens[b, t]``);
@@ -7,9 +7,11 @@ Alignment contract: per-token tensors are ``[B, T]`` and position t holds log p(
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
+
+from grpo.generation.sampling import filter_keep_mask
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 24  # rows per chunk = max(1, this // V): 64 MiB of fp32 working memory
 
@@ -19,90 +21,198 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """lp[n] = x[n, tok_n]/τ − logsumexp(x[n]/τ), row chunk by row chunk.
+def needs_filter(top_k: Optional[int], top_p: float) -> bool:
+    """True when top-k (``top_k`` not None) or top-p (``top_p < 1``) filtering is on.
 
-    Saves only the (already existing) logits, the tokens and the per-row logsumexp; the backward
-    recomputes softmax one chunk at a time and writes the gradient
-        ∂lp[n]/∂x[n, v] = (1[v = tok_n] − softmax(x[n]/τ)_v) / τ
-    straight into the gradient buffer, so the working memory is one chunk, not [N, V].
+        >>> needs_filter(None, 1.0), needs_filter(20, 1.0), needs_filter(None, 0.9)
+        (False, True, True)
+    """
+    return top_k is not None or top_p < 1.0
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """Filtered and unfiltered token logprobs, row chunk by row chunk, with x = logits / τ:
+
+        full[n] = x[n, tok_n] − logsumexp_v x[n, v]
+        lp[n]   = x[n, tok_n] − logsumexp_{v ∈ K_n} x[n, v]   if tok_n ∈ K_n, else −inf
+
+    K_n = `grpo.generation.sampling.filter_keep_mask` (top-k / top-p) of row n; without a filter
+    K_n is the whole vocabulary and lp = full. K_n is a constant of the forward (as in NeMo-RL's
+    ``_ApplyTopKTopP``): gradients flow through the kept logits only,
+
+        ∂full[n]/∂x[n, v] = (1[v = tok_n] − softmax(x[n])_v) / τ
+        ∂lp[n]/∂x[n, v]   = (1[v = tok_n] − softmax_K(x[n])_v) / τ   (softmax_K = 0 outside K_n;
+                                                                      0 everywhere when tok_n ∉ K_n)
+
+    Saves only the (already existing) logits, the tokens and two logsumexps per row; the backward
+    recomputes the chunk's softmax (and its filter, deterministically: same input, same ops) and writes
+    the gradient straight into one gradient buffer, so the working memory is one chunk, not [N, V].
     """
 
     @staticmethod
-    def forward(ctx, logits_nv, tokens_n, temperature: float, chunk_rows: int):
+    def forward(ctx, logits_nv, tokens_n, temperature: float, chunk_rows: int, top_k: Optional[int], top_p: float):
         cdtype = _compute_dtype(logits_nv.dtype)
+        filtering = needs_filter(top_k, top_p)
         num_rows = logits_nv.shape[0]
-        out_n = torch.empty(num_rows, dtype=cdtype, device=logits_nv.device)
+        lp_n = torch.empty(num_rows, dtype=cdtype, device=logits_nv.device)
+        full_n = torch.empty(num_rows, dtype=cdtype, device=logits_nv.device)
         lse_n = torch.empty(num_rows, dtype=cdtype, device=logits_nv.device)
+        lse_full_n = torch.empty(num_rows, dtype=cdtype, device=logits_nv.device)
         for start in range(0, num_rows, chunk_rows):
             stop = min(start + chunk_rows, num_rows)
             x = logits_nv[start:stop].to(cdtype) / temperature
-            lse = torch.logsumexp(x, dim=-1)
-            lse_n[start:stop] = lse
-            out_n[start:stop] = x.gather(-1, tokens_n[start:stop, None]).squeeze(-1) - lse
+            tok = tokens_n[start:stop, None]
+            x_tok = x.gather(-1, tok).squeeze(-1)
+            lse_full = torch.logsumexp(x, dim=-1)
+            lse_full_n[start:stop] = lse_full
+            full_n[start:stop] = x_tok - lse_full
+            if filtering:
+                keep = filter_keep_mask(x, top_k, top_p)
+                kept_tok = keep.gather(-1, tok).squeeze(-1)
+                lse = torch.logsumexp(x.masked_fill_(~keep, float("-inf")), dim=-1)
+                lse_n[start:stop] = lse
+                lp_n[start:stop] = torch.where(kept_tok, x_tok - lse, float("-inf"))
+                del keep
+            else:
+                lse_n[start:stop] = lse_full
+                lp_n[start:stop] = x_tok - lse_full
             del x
-        ctx.save_for_backward(logits_nv, tokens_n, lse_n)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
-        return out_n
+        ctx.save_for_backward(logits_nv, tokens_n, lse_n, lse_full_n)
+        ctx.temperature, ctx.chunk_rows, ctx.top_k, ctx.top_p = temperature, chunk_rows, top_k, top_p
+        ctx.set_materialize_grads(False)
+        return lp_n, full_n
 
     @staticmethod
-    def backward(ctx, grad_n):
-        logits_nv, tokens_n, lse_n = ctx.saved_tensors
-        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+    def backward(ctx, grad_lp_n, grad_full_n):
+        logits_nv, tokens_n, lse_n, lse_full_n = ctx.saved_tensors
+        temperature, chunk_rows, top_k, top_p = ctx.temperature, ctx.chunk_rows, ctx.top_k, ctx.top_p
+        filtering = needs_filter(top_k, top_p)
         cdtype = lse_n.dtype
+        if not filtering and grad_lp_n is not None and grad_full_n is not None:  # the same function twice
+            grad_lp_n, grad_full_n = grad_lp_n + grad_full_n, None
         grad_nv = torch.empty_like(logits_nv)
-        grad_n = grad_n.to(cdtype)
         for start in range(0, logits_nv.shape[0], chunk_rows):
             stop = min(start + chunk_rows, logits_nv.shape[0])
-            g = grad_n[start:stop, None]
-            probs = torch.exp(logits_nv[start:stop].to(cdtype) / temperature - lse_n[start:stop, None])
-            chunk = probs.mul_(-g)
-            chunk.scatter_add_(-1, tokens_n[start:stop, None], g)
+            x = logits_nv[start:stop].to(cdtype) / temperature
+            tok = tokens_n[start:stop, None]
+            chunk = torch.zeros_like(x)
+            if grad_full_n is not None:
+                g = grad_full_n[start:stop, None].to(cdtype)
+                chunk.sub_(torch.exp(x - lse_full_n[start:stop, None]).mul_(g))
+                chunk.scatter_add_(-1, tok, g)
+            if grad_lp_n is not None:
+                g = grad_lp_n[start:stop, None].to(cdtype)
+                if filtering:
+                    keep = filter_keep_mask(x, top_k, top_p)
+                    g = torch.where(keep.gather(-1, tok), g, 0.0)  # a removed token's −inf is flat
+                    x = x.masked_fill_(~keep, float("-inf"))
+                    del keep
+                chunk.sub_(torch.exp(x - lse_n[start:stop, None]).mul_(g))
+                chunk.scatter_add_(-1, tok, g)
             grad_nv[start:stop] = chunk.div_(temperature)
-            del probs, chunk
-        return grad_nv, None, None, None
+            del x, chunk
+        return grad_nv, None, None, None, None, None
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_size: Optional[int] = None
-) -> torch.Tensor:
-    """log_softmax(logits / temperature) gathered at ``tokens``: ``[..., V]`` x ``[...]`` -> ``[...]``.
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    *,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    return_unfiltered: bool = False,
+):
+    """Logprobs of ``tokens`` under the sampling distribution: ``[..., V]`` x ``[...]`` -> ``[...]``.
 
-        lp[b, t] = logits[b, t, tok]/τ − logsumexp_v(logits[b, t, v]/τ)
+        x = logits / temperature,   K = top-k / top-p keep set of x (`filter_keep_mask`, the sampler's filter)
+        lp[b, t] = x[b, t, tok] − logsumexp_{v ∈ K} x[b, t, v]      (−inf when tok ∉ K)
+
+    Without a filter (``top_k=None``, ``top_p=1``: the defaults) K is the whole vocabulary: plain
+    log_softmax(logits / temperature). These are the logprobs the generation backends report
+    (vLLM's ``processed_logprobs``, `grpo.generation.sampling.processed_logprobs`), so importance
+    weights and token_mult_prob_error compare like with like. ``return_unfiltered=True`` returns
+    ``(lp, full)`` with full = log_softmax(x)[tok] (temperature only) from the same pass.
 
     No second ``[B, T, V]`` tensor is made: rows (B·T of them) go ``chunk_size`` at a time, in
-    forward and backward (default: 2^24 / V rows). Differentiable; returns fp32 (fp64 for fp64
-    logits). Pass contiguous logits: a non-contiguous ``[..., V]`` view is copied once to flatten it.
+    forward and backward (default: 2^24 / V rows, a quarter of that with top-p, whose sort needs more
+    working memory). Differentiable (the filter is a constant: gradients flow through the kept logits
+    only); returns fp32 (fp64 for fp64 logits). Pass contiguous logits: a non-contiguous ``[..., V]``
+    view is copied once to flatten it.
 
         >>> token_logprobs(torch.zeros(1, 2, 4), torch.tensor([[0, 3]]))   # uniform over 4: log(1/4)
         tensor([[-1.3863, -1.3863]])
+        >>> token_logprobs(torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([1]), top_k=2)  # 1/2 of the mass
+        tensor([-0.6931])
     """
     if temperature <= 0:
         raise ValueError(f"token_logprobs: temperature={temperature}: expected > 0")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"token_logprobs: top_k={top_k}: expected None (off) or >= 1")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"token_logprobs: top_p={top_p}: expected 0 < top_p <= 1 (1: off)")
     vocab = logits.shape[-1]
     lead_shape = logits.shape[:-1]
     if tokens.shape != lead_shape:
         raise ValueError(f"token_logprobs: tokens {tuple(tokens.shape)} must match logits {tuple(logits.shape)}[:-1]")
-    rows = chunk_size if chunk_size is not None else max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
-    flat = _ChunkedTokenLogprobs.apply(
-        logits.reshape(-1, vocab), tokens.reshape(-1).long(), float(temperature), int(rows)
+    if chunk_size is not None:
+        rows = chunk_size
+    else:
+        rows = max(1, DEFAULT_CHUNK_ELEMENTS // vocab // (4 if top_p < 1.0 else 1))
+    lp, full = _ChunkedTokenLogprobs.apply(
+        logits.reshape(-1, vocab), tokens.reshape(-1).long(), float(temperature), int(rows),
+        None if top_k is None else int(top_k), float(top_p),
     )
-    return flat.reshape(lead_shape)
+    if return_unfiltered:
+        return lp.reshape(lead_shape), full.reshape(lead_shape)
+    return lp.reshape(lead_shape)
 
 
 def aligned_logprobs_from_logits(
-    logits_btv: torch.Tensor, input_ids_bt: torch.Tensor, temperature: float = 1.0, chunk_size: Optional[int] = None
-) -> torch.Tensor:
+    logits_btv: torch.Tensor,
+    input_ids_bt: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+    *,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    return_unfiltered: bool = False,
+):
     """Contract-aligned logprobs ``[B, T]`` from a causal LM's logits ``[B, T, V]``.
 
-        out[:, 0] = 0,   out[:, t] = log p(input_ids[t] | input_ids[<t]) = log_softmax(logits[:, t−1]/τ)[input_ids[t]]
+        out[:, 0] = 0,   out[:, t] = log p(input_ids[t] | input_ids[<t])
+                                   = token_logprobs(logits[:, t−1], input_ids[t])
 
-    The logits are not sliced (that would copy them in backward): the last position scores a
-    dummy token and is dropped.
+    with the temperature and the top-k / top-p filter of :func:`token_logprobs` (−inf where the
+    token is outside the filter; ``return_unfiltered=True``: ``(filtered, temperature only)``).
+    The logits are not sliced (that would copy them in backward): the last position scores a dummy
+    token and is dropped.
     """
     next_ids = torch.cat([input_ids_bt[:, 1:], torch.zeros_like(input_ids_bt[:, :1])], dim=1)
-    lp = token_logprobs(logits_btv, next_ids, temperature, chunk_size)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp[:, :-1]], dim=1)
+    lp, full = token_logprobs(logits_btv, next_ids, temperature, chunk_size, top_k=top_k, top_p=top_p,
+                              return_unfiltered=True)
+
+    def shift(x):
+        return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+    return (shift(lp), shift(full)) if return_unfiltered else shift(lp)
+
+
+def mask_out_of_filter(logprobs_bt: torch.Tensor, mask_bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeMo-RL's ``mask_out_neg_inf_logprobs``: 0 where ``mask_bt`` is 0 or the logprob is −inf.
+
+    A token the sampler kept can fall outside the trainer's top-k / top-p set (logits differ by float
+    rounding between engines); its −inf would make the loss NaN. Returns (logprobs, number of positions
+    in the mask whose logprob was −inf, a 0-dim tensor: no device sync). The gradient is 0 at the
+    replaced positions.
+
+        >>> mask_out_of_filter(torch.tensor([[-1.0, float("-inf"), float("-inf")]]), torch.tensor([[1, 1, 0]]))
+        (tensor([[-1.,  0.,  0.]]), tensor(1))
+    """
+    keep_bt = mask_bt > 0
+    finite_bt = torch.isfinite(logprobs_bt)
+    return torch.where(keep_bt & finite_bt, logprobs_bt, 0.0), (keep_bt & ~finite_bt).sum()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,35 +270,3 @@ def mask_by_seq_logprob_error(
         **_min_mean_max(err_b[keep_after], "seq_logprob_error_after"),
     }
     return sample_mask * keep_after.to(sample_mask.dtype), metrics
-
-
-# --------------------------------------------------------------------------------------------------
-# On-policy distillation
-# --------------------------------------------------------------------------------------------------
-def pad_teacher_logprobs(
-    teacher_logprobs_list: Sequence[Sequence[float] | torch.Tensor],
-    T: int,
-    pad_value: float = 0.0,
-    starts: Optional[Sequence[int]] = None,
-) -> torch.Tensor:
-    """Ragged teacher logprobs -> ``[B, T]`` in the contract's alignment.
-
-    ``teacher_logprobs_list[b][j]`` is the teacher's log p of the j-th completion token of sample b;
-    it lands at position ``starts[b] + j`` (``starts[b]`` = position of the first completion token,
-    i.e. the prompt length; default 0). Every other position holds ``pad_value``.
-
-        >>> pad_teacher_logprobs([[-1.0, -2.0], [-3.0]], T=4, starts=[1, 2])
-        tensor([[ 0., -1., -2.,  0.],
-                [ 0.,  0., -3.,  0.]])
-    """
-    out = torch.full((len(teacher_logprobs_list), T), float(pad_value), dtype=torch.float32)
-    for b, row in enumerate(teacher_logprobs_list):
-        values = torch.as_tensor(row, dtype=torch.float32).reshape(-1)
-        start = 0 if starts is None else int(starts[b])
-        if start < 0 or start + values.numel() > T:
-            raise ValueError(
-                f"pad_teacher_logprobs: sample {b} has {values.numel()} teacher logprobs from position {start}, "
-                f"which does not fit in T={T}"
-            )
-        out[b, start:start + values.numel()] = values
-    return out

@@ -145,8 +145,11 @@ def importance_weights(
         seq-mask-tis:  w = 0 on every token of sequences whose exp(mean_t m_t·(prev_t − gen_t)) ∉ [ratio_min, ratio]
 
     ``ratio`` / ``ratio_min`` are ``truncated_importance_sampling_ratio`` / ``..._ratio_min``;
-    inf / NaN weights become 0. Metric ``is_oob_ratio``: fraction of masked tokens (tis, icepop) or of
-    valid sequences (seq-mask-tis) outside the range.
+    inf / NaN weights become 0. Metric ``is_oob_ratio`` (NeMo-RL's): for tis and icepop the fraction
+    of masked tokens (m = token_mask · sample_mask) whose weight is outside the range, also with GSPO's
+    sequence weights (each token of a sequence carries its sequence's weight, so a sequence counts
+    with its number of masked tokens); for seq-mask-tis the fraction of valid sequences (sample_mask)
+    that are dropped.
     """
     dtype = prev_logprobs_bt.dtype
     token_mask = token_mask_bt.to(dtype)
@@ -164,16 +167,15 @@ def importance_weights(
     metrics: dict = {}
     if kind is None:
         return weights, metrics
-    token_level_mask = mask if weights.shape[-1] != 1 else sample_mask[:, None]
     if kind == "tis":
         lo = 0.0 if lo is None else lo
         oob = (weights > hi) | (weights < lo)
         weights = weights.clamp(min=lo, max=hi)
-        metrics["is_oob_ratio"] = masked_mean(oob.to(dtype).expand_as(token_level_mask), token_level_mask).item()
+        metrics["is_oob_ratio"] = masked_mean(oob.to(dtype).expand_as(mask), mask).item()
     elif kind == "icepop":
         kept = (weights >= lo) & (weights <= hi)
         weights = torch.where(kept, weights, 0.0)
-        metrics["is_oob_ratio"] = masked_mean((~kept).to(dtype).expand_as(token_level_mask), token_level_mask).item()
+        metrics["is_oob_ratio"] = masked_mean((~kept).to(dtype).expand_as(mask), mask).item()
     elif kind == "seq-mask-tis":
         geo_mean_b = torch.exp(masked_mean(log_w, token_mask, dim=-1))
         kept_b = (geo_mean_b >= lo) & (geo_mean_b <= hi)
@@ -198,13 +200,20 @@ def clipped_pg_loss(
     generation_logprobs: Optional[torch.Tensor] = None,
     global_valid_tokens: Normalizer = None,
     global_valid_seqs: Normalizer = None,
+    unfiltered_logprobs: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict]:
     """NeMo-RL's clipped policy-gradient loss with KL penalty and off-policy correction.
 
         r   = policy_ratio(...)                      L_t = clipped_objective(r, clamp(r), A)
         w   = importance_weights(...) if use_importance_sampling_correction else 1
-        KL  = calculate_kl(lp, ref)  [· exp(lp − gen) detached, if use_on_policy_kl_approximation]
+        KL  = calculate_kl(lp_u, ref)  [· exp(lp_u − gen) detached, if use_on_policy_kl_approximation]
         loss = aggregate(w·L) + β·aggregate(KL),   β = reference_policy_kl_penalty (0 if use_kl_in_reward)
+
+    Under top-k / top-p sampling, ``logprobs`` and ``prev_logprobs`` are the filtered ones (the sampling
+    distribution, like ``generation_logprobs``) and ``unfiltered_logprobs`` = lp_u are the current
+    policy's with the temperature only, as NeMo-RL's ``curr_logprobs_unfiltered``: the reference
+    logprobs are unfiltered (the reference's top-k set is not the policy's), so the KL term compares
+    unfiltered with unfiltered. Default (None): lp_u = ``logprobs`` (no filter).
 
     ``aggregate`` is :func:`aggregate_loss` (token or sequence level per ``cfg.token_level_loss``).
     ``advantages`` is ``[B]`` or ``[B, T]``. ``prev_logprobs`` may be None under
@@ -273,12 +282,13 @@ def clipped_pg_loss(
     if beta != 0:
         if ref_logprobs is None:
             raise ValueError(f"loss_fn.reference_policy_kl_penalty={beta} needs ref_logprobs")
-        kl_bt = calculate_kl(lp, clean(ref_logprobs), cfg.reference_policy_kl_type,
+        lp_u = lp if unfiltered_logprobs is None else clean(unfiltered_logprobs)
+        kl_bt = calculate_kl(lp_u, clean(ref_logprobs), cfg.reference_policy_kl_type,
                              cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
         if cfg.use_on_policy_kl_approximation:
             if gen is None:
                 raise ValueError("loss_fn.use_on_policy_kl_approximation=true needs generation_logprobs")
-            kl_bt = torch.nan_to_num(torch.exp(lp - gen).detach(), nan=0.0, posinf=0.0, neginf=0.0) * kl_bt
+            kl_bt = torch.nan_to_num(torch.exp(lp_u - gen).detach(), nan=0.0, posinf=0.0, neginf=0.0) * kl_bt
         loss = loss + beta * agg(kl_bt)
         with torch.no_grad():  # this micro-batch's own KL (local normalisers), for logging
             kl_value = aggregate_loss(kl_bt, token_mask, sample_mask, cfg.token_level_loss).item()

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from grpo.advantages import group_index
+from grpo.advantages import baseline_and_std_per_prompt, group_index
 from grpo.batch import Rows as Batch
 from grpo.batch import batch_size, concat_batches, select_rows
 
@@ -30,6 +30,25 @@ def overlong_filter_mask(truncated_b: torch.Tensor, sample_mask_b: torch.Tensor)
 # --------------------------------------------------------------------------------------------------
 # DAPO dynamic sampling
 # --------------------------------------------------------------------------------------------------
+def group_reward_std(prompt_ids: torch.Tensor, task_rewards: torch.Tensor) -> torch.Tensor:
+    """Per-sample std of its prompt group's task reward, for dynamic sampling's filter.
+
+    ``task_rewards``: ``[B]`` rewards, or ``[B, K]`` GDPO components (one std per component, ``[B, K]``),
+    after penalties and scaling but BEFORE reward shaping: DAPO filters on accuracy, and NeMo-RL
+    ("run dynamic sampling on unshaped rewards") takes the std of ``unshaped_total_reward``, so a group
+    of wrong answers whose overlong penalties differ is still dropped. Whole-group std
+    (``leave_one_out=False``): every member of a group gets the same value.
+
+        >>> group_reward_std(torch.tensor([0, 0, 1, 1]), torch.tensor([0.0, 0.0, 1.0, 0.0]))
+        tensor([0.0000, 0.0000, 0.7071, 0.7071])
+    """
+    ones_b = torch.ones(task_rewards.shape[0], dtype=task_rewards.dtype, device=task_rewards.device)
+    if task_rewards.dim() == 1:
+        return baseline_and_std_per_prompt(prompt_ids, task_rewards, ones_b, leave_one_out=False)[1]
+    return torch.stack([baseline_and_std_per_prompt(prompt_ids, task_rewards[:, k], ones_b, leave_one_out=False)[1]
+                        for k in range(task_rewards.shape[1])], dim=1)
+
+
 class DynamicSamplingCache:
     """Accumulates prompt groups with non-zero reward std until one training batch is full.
 
@@ -38,13 +57,18 @@ class DynamicSamplingCache:
             batch, prompt_ids, std = generate_more()      # a fresh generation batch
 
     ``add`` keeps the groups (rows sharing a prompt id *within that call*) where any ``std_b > 0``
+    (``std`` ``[B]``, or ``[B, K]`` per GDPO component: a group is kept when any component varies)
     and appends them to the cache. Once the cache holds ``num_prompts · num_generations`` rows it
     returns exactly that many (whole groups, in arrival order) with a ``group_ids`` LongTensor
     (0..num_prompts−1, unique across the generation batches that fed it), discards the rest (as
-    NeMo-RL does), and starts over for the next step.
+    NeMo-RL does), and starts over for the next step. As NeMo-RL, it gives up (RuntimeError) when the
+    batch is still not full after ``max_gen_batches + 1`` generation batches: NeMo-RL counts the batch
+    before generating it and raises once the count exceeds ``dynamic_sampling_max_gen_batches``.
 
-    Pass the std of ``baseline_and_std_per_prompt(..., leave_one_out=False)`` to keep exactly the
-    groups whose rewards are not all equal (leave-one-out std is 0 for every member of a 2-sample group).
+    Pass :func:`group_reward_std` of the unshaped task reward (GDPO: of the unshaped components).
+    Differences from NeMo-RL: whole groups are kept or dropped (NeMo-RL keeps the rows whose own std is
+    non-zero, and with its default leave-one-out std the only correct answer of a group, whose
+    siblings all agree, gets std 0 and is dropped); GDPO filters per component (NeMo-RL on the total).
 
     Metrics of each call: dynamic_sampling_num_gen_batches (batches fed so far this step),
     dynamic_sampling_num_discarded_zero_std_samples (rows dropped for zero std so far this step),
@@ -69,7 +93,8 @@ class DynamicSamplingCache:
         self.num_zero_std = 0
 
     def add(self, batch: Batch, prompt_ids: torch.Tensor, std_b: torch.Tensor) -> tuple[Optional[Batch], dict]:
-        """Feed one generation batch; return (training batch or None, metrics). See the class doc."""
+        """Feed one generation batch; return (training batch or None, metrics). ``std_b``: ``[B]`` or
+        ``[B, K]`` (see the class doc)."""
         size = batch_size(batch)
         if prompt_ids.shape[0] != size or std_b.shape[0] != size:
             raise ValueError(f"DynamicSamplingCache.add: batch has {size} rows, prompt_ids {prompt_ids.shape[0]}, "
@@ -83,7 +108,8 @@ class DynamicSamplingCache:
                 f"DynamicSamplingCache.add: every prompt group must have grpo.num_generations_per_prompt="
                 f"{self.num_generations} rows, got group sizes {sorted(set(group_sizes.tolist()))}"
             )
-        group_keep = torch.zeros(num_groups).index_add_(0, gid, (std_b.cpu() > 0).float()) > 0
+        varies_b = (std_b.cpu() > 0).reshape(size, -1).any(dim=1)
+        group_keep = torch.zeros(num_groups).index_add_(0, gid, varies_b.float()) > 0
         # Keep whole groups, in order of their first row.
         first_row = torch.full((num_groups,), size, dtype=torch.long).scatter_reduce(
             0, gid, torch.arange(size), reduce="amin")
@@ -107,7 +133,7 @@ class DynamicSamplingCache:
             "dynamic_sampling_num_cached_samples": self.num_cached,
         }
         if self.num_cached < self.target:
-            if self.num_gen_batches >= self.max_gen_batches:
+            if self.num_gen_batches > self.max_gen_batches:
                 raise RuntimeError(
                     f"dynamic sampling: only {self.num_cached} of {self.target} samples with non-zero reward std after "
                     f"{self.num_gen_batches} generation batches (grpo.dynamic_sampling_max_gen_batches="

@@ -247,7 +247,7 @@ def test_compute_advantages_broadcasts_and_dispatches():
     cfg = AdvEstimatorConfig(name="grpo", use_leave_one_out_baseline=False, normalize_rewards=False)
     adv = compute_advantages("grpo", group_ids=ids, rewards=r, valid_mask=valid, token_mask=mask, cfg=cfg)
     torch.testing.assert_close(adv, torch.tensor([[0.5] * 3, [-0.5] * 3]))
-    comps = torch.tensor([[1.0], [0.0]])
+    comps = torch.tensor([[1.0, 0.5], [0.0, 0.5]])  # GDPO needs two components
     gd = compute_advantages("gdpo", group_ids=ids, rewards=r, valid_mask=valid, token_mask=mask, cfg=cfg,
                             reward_components=comps)
     assert gd.shape == (2, 3)
@@ -308,3 +308,133 @@ def test_a_registered_estimator_is_found_by_name_and_the_config_accepts_it(monke
                              valid_mask=torch.ones(2), token_mask=torch.ones(2, 2), cfg=AdvEstimatorConfig())
     torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0], [-1.0, -1.0]]))
     assert load_config(None, ["grpo.adv_estimator.name=test_sign_only"]).grpo.adv_estimator.name == "test_sign_only"
+
+
+# ----------------------------------------------------------------------------------------------
+# NeMo-RL semantics: GDPO's components through penalties / scaling / shaping, K >= 2,
+# Reinforce++ whitening over the loss's samples
+# ----------------------------------------------------------------------------------------------
+def nemo_baseline_and_std(prompts, rewards, valid_mask, leave_one_out):
+    """NeMo-RL's calculate_baseline_and_std_per_prompt, transcribed (prompts [B, P])."""
+    baseline, std = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    for u in torch.unique(prompts, dim=0):
+        idx = torch.arange(len(prompts))[(prompts == u).all(1)]
+        m = (1 - torch.eye(len(idx))) if leave_one_out else torch.ones(len(idx), len(idx))
+        if valid_mask[idx].sum() <= 1:
+            baseline[idx] = rewards[idx]
+            continue
+        num_valid = valid_mask[idx].float().sum() - int(leave_one_out)
+        pb = m @ (rewards[idx] * valid_mask[idx]) / num_valid
+        sq = m @ (rewards[idx] ** 2 * valid_mask[idx]) / num_valid
+        baseline[idx] = pb
+        std[idx] = ((sq - pb.square()) * (num_valid / (num_valid - 1))).sqrt().nan_to_num(0)
+    return baseline, std
+
+
+def nemo_gdpo(prompts, components, weights, leave_one_out, normalize_rewards):
+    """NeMo-RL's GDPOAdvantageEstimator.compute_advantage, transcribed ([B] out)."""
+    parts = []
+    for r in components:
+        base, std_k = nemo_baseline_and_std(prompts, r, torch.ones_like(r), leave_one_out)
+        adv_k = (r - base).unsqueeze(-1)
+        if normalize_rewards:
+            nz = std_k > 0
+            adv_k[nz] = adv_k[nz] / (std_k.unsqueeze(-1)[nz] + 1e-6)
+        parts.append(adv_k)
+    adv = sum(w * a for w, a in zip(weights, parts))
+    s = adv.std()
+    return ((adv - adv.mean()) / s if s > 0 else adv - adv.mean())[:, 0]
+
+
+def nemo_scale(r, cfg):
+    """NeMo-RL's scale_rewards' _scale, applied to total_reward and every reward/<name> component."""
+    r = torch.clamp(r, min=cfg.source_min, max=cfg.source_max)
+    return cfg.target_min + (r - cfg.source_min) / (cfg.source_max - cfg.source_min) * (cfg.target_max - cfg.target_min)
+
+
+@pytest.mark.parametrize("loo,normalize", [(True, True), (False, True), (True, False)])
+def test_gdpo_components_are_scaled_as_nemo_rl(loo, normalize):
+    from grpo.config import RewardScalingConfig, RewardShapingConfig
+    from grpo.rewards import process_reward_components
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.arange(4).repeat_interleave(4)
+    correct = torch.randint(0, 2, (16,), generator=g).float()
+    bonus = torch.randint(-2, 5, (16,), generator=g).float() * 0.5  # in [-1, 2]: clamped to [0, 1] first
+    comps = torch.stack([correct, bonus], dim=1)
+    scaling = RewardScalingConfig(enabled=True, source_min=0.0, source_max=1.0, target_min=0.0, target_max=10.0)
+    task, shaped = process_reward_components(comps, {}, [5] * 16, None, scaling, RewardShapingConfig())
+    torch.testing.assert_close(task, shaped)
+    ours = gdpo_advantages(ids, shaped, torch.ones(16), weights=[1.0, 0.5], leave_one_out=loo,
+                           normalize_rewards=normalize)
+    theirs = nemo_gdpo(ids[:, None], [nemo_scale(comps[:, k], scaling) for k in range(2)], [1.0, 0.5], loo, normalize)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    raw = gdpo_advantages(ids, comps, torch.ones(16), weights=[1.0, 0.5], leave_one_out=loo,
+                          normalize_rewards=normalize)
+    assert (ours - raw).abs().max() > 0.1  # GDPO on the raw components (what the loop read) differs
+
+
+def test_gdpo_components_get_penalties_and_shaping():
+    from grpo.config import RewardScalingConfig, RewardShapingConfig
+    from grpo.rewards import process_reward_components
+
+    ids = torch.tensor([0, 0, 0, 0])
+    comps = torch.tensor([[1.0, 0.5], [1.0, 0.5], [0.0, 0.5], [0.0, 0.0]])
+    flags = {"malformed_think_tag": torch.tensor([False, True, False, False])}
+    shaping = RewardShapingConfig(enabled=True, overlong_buffer_length=20, overlong_buffer_penalty=1.0,
+                                  max_response_length=100)
+    task, shaped = process_reward_components(comps, flags, [10, 10, 90, 100], None, RewardScalingConfig(), shaping)
+    torch.testing.assert_close(task, torch.tensor([[1.0, 0.5], [0.0, 0.0], [0.0, 0.5], [0.0, 0.0]]))
+    torch.testing.assert_close(shaped[:, 2], torch.tensor([0.0, 0.0, -0.5, -1.0]))  # 'overlong', last
+    adv = gdpo_advantages(ids, shaped, torch.ones(4))
+    expected = nemo_gdpo(ids[:, None], [shaped[:, k] for k in range(3)], [1.0] * 3, True, True)
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=1e-5)
+    assert adv[1] < adv[0]  # the penalised sample lost its components
+    with pytest.raises(ValueError, match="overlong"):
+        gdpo_advantages(ids, shaped, torch.ones(4), weights=[1.0, 1.0])  # K + 1 weights needed
+    # stop-properly: the components of truncated samples are scaled by the coefficient
+    stop = RewardShapingConfig(enabled=True, stop_properly_penalty_coef=0.5)
+    _, shaped = process_reward_components(comps, {}, [10] * 4, torch.tensor([True, False, False, False]),
+                                          RewardScalingConfig(), stop)
+    torch.testing.assert_close(shaped, torch.tensor([[0.5, 0.25], [1.0, 0.5], [0.0, 0.5], [0.0, 0.0]]))
+
+
+def test_gdpo_needs_two_components():
+    with pytest.raises(ValueError, match=r"at least 2 reward components.*adv_estimator.name='grpo'"):
+        gdpo_advantages(t(0, 0, dtype=torch.long), torch.tensor([[1.0], [0.0]]), torch.ones(2))
+    with pytest.raises(ValueError, match="at least 2"):
+        compute_advantages("gdpo", group_ids=t(0, 0, dtype=torch.long), rewards=t(1.0, 0.0), valid_mask=torch.ones(2),
+                           token_mask=torch.ones(2, 1), cfg=AdvEstimatorConfig(name="gdpo"),
+                           reward_components=torch.tensor([[1.0], [0.0]]))
+
+
+def nemo_reinforce_pp(prompts, rewards, mask, minus_baseline=True):
+    """NeMo-RL's ReinforcePlusPlusAdvantageEstimator (no KL), transcribed; mask = token_mask · sample_mask."""
+    if minus_baseline:
+        mean, _ = nemo_baseline_and_std(prompts, rewards, torch.ones_like(rewards), False)
+        adv = rewards - mean
+    else:
+        adv = rewards
+    adv = adv.unsqueeze(-1).expand(mask.shape)
+    adv_mean = (adv * mask).sum() / mask.sum()
+    adv_var = ((adv - adv_mean).pow(2) * mask).sum() / mask.sum()
+    return (adv - adv_mean) * adv_var.clamp(min=1e-8).rsqrt()
+
+
+def test_reinforce_pp_whitens_over_the_loss_samples_as_nemo_rl():
+    # Sample 3 is out of the loss (sample_mask 0: overlong filtering) but stays in its group's baseline.
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    r = t(1.0, 0.0, 1.0, 0.0, 0.0)
+    token_mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    sample_mask = t(1.0, 1.0, 1.0, 0.0, 1.0)
+    mask = token_mask * sample_mask[:, None]
+    expected = nemo_reinforce_pp(ids[:, None], r, mask)
+    adv = reinforce_plus_plus_advantages(ids, r, torch.ones(5), token_mask, sample_mask=sample_mask)
+    torch.testing.assert_close(adv[mask.bool()], expected[mask.bool()])
+    cfg = AdvEstimatorConfig(name="reinforce_plus_plus")
+    via_registry = compute_advantages("reinforce_plus_plus", group_ids=ids, rewards=r, valid_mask=torch.ones(5),
+                                      token_mask=token_mask, cfg=cfg, sample_mask=sample_mask)
+    torch.testing.assert_close(via_registry[mask.bool()], expected[mask.bool()])
+    # the whitening ignored sample_mask before: whitened over sample 3's tokens too, which differs
+    unmasked = reinforce_plus_plus_advantages(ids, r, torch.ones(5), token_mask)
+    assert not torch.allclose(unmasked[mask.bool()], expected[mask.bool()], atol=1e-3)

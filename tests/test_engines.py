@@ -205,6 +205,63 @@ def test_compute_logprobs_matches_plain_hf(policy_engine, plain_model, temperatu
     assert (got[:, 1][mask[:, 1] == 1] < 0).all()
 
 
+def _filtered_reference(model, ids_bt, mask_bt, temperature, top_k, top_p):
+    """Plain autograd, unpadded rows: lp[t] = log_softmax(filter_logits(logits[t-1]))[ids[t]], 0 when the
+    token is outside the filter or on padding; and the unfiltered (temperature-only) logprobs."""
+    from grpo.generation.sampling import filter_logits
+
+    lp_bt, full_bt = torch.zeros(ids_bt.shape), torch.zeros(ids_bt.shape)
+    for b in range(ids_bt.shape[0]):
+        n = int(mask_bt[b].sum())
+        logits = model(ids_bt[b: b + 1, :n]).logits[0, :-1]
+        tok = ids_bt[b, 1:n, None]
+        lp = torch.log_softmax(filter_logits(logits, temperature, top_k, top_p), -1).gather(-1, tok)[:, 0]
+        lp_bt[b, 1:n] = torch.where(torch.isfinite(lp), lp, 0.0)
+        full_bt[b, 1:n] = torch.log_softmax(logits / temperature, -1).gather(-1, tok)[:, 0]
+    return lp_bt, full_bt
+
+
+def test_compute_logprobs_with_top_k_top_p_matches_plain_filtered(policy_engine, plain_model):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 80, (4, 8), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    ids[1, 5:] = 0
+    with torch.no_grad():
+        expected, full = _filtered_reference(plain_model, ids, mask, 0.7, 20, 0.9)
+    got = engines.compute_logprobs(policy_engine, ids, mask, 0.7, micro_batch_size=3, top_k=20, top_p=0.9)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    inside = int((got[:, 1:][mask[:, 1:] > 0] != 0).sum())
+    assert 0 < inside < int(mask[:, 1:].sum())  # random ids: some are in the top-k / top-p set, most are not
+    unfiltered = engines.compute_logprobs(policy_engine, ids, mask, 0.7, micro_batch_size=3)
+    torch.testing.assert_close(unfiltered, full, atol=1e-5, rtol=0)
+
+
+def test_train_on_batch_with_top_k_top_p_gives_the_plain_gradient(model_dir, plain_model, dist_group):
+    """The filtered logprobs and the micro-batch's unfiltered_logprobs both carry the right gradient."""
+    from transformers import AutoModelForCausalLM
+
+    engine = engines.build_policy_engine(make_cfg(model_dir, train_global_batch_size=2), 1, total_optimizer_steps=1)
+    ids = torch.randint(3, 80, (2, 9), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    seen = {}
+
+    def closure(lp, mb):
+        seen["keys"] = set(mb)
+        return ((lp ** 2).sum() + 0.5 * (mb["unfiltered_logprobs"] ** 2).sum()) / 14, {}
+
+    out = engines.train_on_batch(engine, [{"input_ids": ids, "attention_mask": mask}], closure,
+                                 temperature=0.7, top_k=20, top_p=0.9)
+    assert "unfiltered_logprobs" in seen["keys"]
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lp, full = _filtered_reference(plain, ids, mask, 0.7, 20, 0.9)
+    ((lp ** 2).sum() + 0.5 * (full ** 2).sum()).div(14).backward()
+    grad_norm = torch.sqrt(sum((p.grad ** 2).sum() for p in plain.parameters() if p.grad is not None))
+    assert out["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-4)
+    assert out["loss"] == pytest.approx(float(((lp ** 2).sum() + 0.5 * (full ** 2).sum()).detach() / 14), rel=1e-5)
+
+
 def test_reference_engine_matches_and_is_frozen(model_dir, plain_model, dist_group):
     ref = engines.build_reference_engine(make_cfg(model_dir), 1)
     assert not ref.module.training

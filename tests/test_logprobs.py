@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from grpo.logprobs import (
     aligned_logprobs_from_logits,
     mask_by_seq_logprob_error,
-    pad_teacher_logprobs,
     seq_logprob_error,
     token_logprobs,
 )
@@ -152,9 +151,119 @@ def test_mask_by_seq_logprob_error_by_hand():
 # ----------------------------------------------------------------------------------------------
 # Teacher logprobs
 # ----------------------------------------------------------------------------------------------
-def test_pad_teacher_logprobs():
-    out = pad_teacher_logprobs([torch.tensor([-1.0, -2.0]), [-3.0]], T=4, pad_value=9.0, starts=[2, 0])
-    torch.testing.assert_close(out, torch.tensor([[9.0, 9.0, -1.0, -2.0], [-3.0, 9.0, 9.0, 9.0]]))
-    torch.testing.assert_close(pad_teacher_logprobs([[-1.0]], T=2), torch.tensor([[-1.0, 0.0]]))
-    with pytest.raises(ValueError, match="does not fit"):
-        pad_teacher_logprobs([[-1.0, -2.0]], T=2, starts=[1])
+
+
+def naive_filtered(logits, tokens, temperature, top_k, top_p):
+    """Plain autograd: log_softmax of the sampler's own filtered logits (the filter is a constant mask)."""
+    from grpo.generation.sampling import filter_keep_mask
+
+    x = logits / temperature
+    keep = filter_keep_mask(x.detach(), top_k, top_p)
+    return torch.log_softmax(x.masked_fill(~keep, float("-inf")), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 3), st.integers(1, 6), st.integers(2, 40), st.sampled_from([1.0, 0.7, 1.6]),
+    st.one_of(st.none(), st.integers(1, 12)), st.sampled_from([1.0, 0.95, 0.9, 0.5]),
+    st.one_of(st.none(), st.integers(1, 9)), st.integers(0, 10_000),
+)
+def test_filtered_token_logprobs_match_autograd_values_and_gradients(B, T, V, temperature, top_k, top_p, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(B, T, V, generator=g)).requires_grad_(True)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    up_lp, up_full = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+
+    def loss(lp, full):  # a removed token's -inf contributes nothing (as the engines mask it)
+        return (torch.where(torch.isfinite(lp), lp, 0.0) * up_lp).sum() + (full * up_full).sum()
+
+    lp, full = token_logprobs(logits, tokens, temperature, chunk_size=chunk, top_k=top_k, top_p=top_p,
+                              return_unfiltered=True)
+    loss(lp, full).backward()
+    grad_ours = logits.grad.clone()
+    logits.grad = None
+    ref_lp, ref_full = naive_filtered(logits, tokens, temperature, top_k, top_p), naive(logits, tokens, temperature)
+    loss(ref_lp, ref_full).backward()
+    assert torch.equal(torch.isinf(lp), torch.isinf(ref_lp))
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(full, ref_full)
+    torch.testing.assert_close(grad_ours, logits.grad)
+    # the filtered value alone, and no filter = the plain path
+    torch.testing.assert_close(token_logprobs(logits, tokens, temperature, chunk, top_k=top_k, top_p=top_p), lp)
+    if top_k is None and top_p == 1.0:
+        torch.testing.assert_close(lp, full)
+
+
+def test_filtered_token_logprobs_gradcheck_float64():
+    g = torch.Generator().manual_seed(3)
+    logits = (2 * torch.randn(3, 4, 9, dtype=torch.float64, generator=g)).requires_grad_(True)
+    x = logits.detach() / 0.7
+    from grpo.generation.sampling import filter_keep_mask
+
+    keep = filter_keep_mask(x, 5, 0.8)
+    tokens = torch.multinomial(keep.reshape(-1, 9).double(), 1, generator=g).reshape(3, 4)  # kept tokens only
+    assert 1 < int(keep[0, 0].sum()) < 9  # the filter bites
+
+    def both(z):
+        lp, full = token_logprobs(z, tokens, 0.7, chunk_size=5, top_k=5, top_p=0.8, return_unfiltered=True)
+        return lp, full
+
+    assert torch.autograd.gradcheck(both, (logits,))
+    assert torch.autograd.gradcheck(lambda z: token_logprobs(z, tokens, 0.7, chunk_size=2, top_k=5, top_p=0.8),
+                                    (logits,))
+
+
+def test_filtered_logprobs_by_hand_and_ties():
+    # x = [0, 1, 1, 2]: top_k=2 keeps the tie at the 2nd value: K = {1, 2, 3}
+    logits = torch.tensor([[0.0, 1.0, 1.0, 2.0]] * 2)
+    lse = math.log(2 * math.e + math.e ** 2)
+    got = token_logprobs(logits, torch.tensor([0, 3]), top_k=2)
+    assert got[0] == float("-inf")
+    torch.testing.assert_close(got[1], torch.tensor(2.0 - lse))
+    # top-p 0.5 on softmax [.0871, .2369, .2369, .6439]: only the last token (cum .3561 <= .5 removed)
+    torch.testing.assert_close(token_logprobs(logits[:1], torch.tensor([3]), top_p=0.5), torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="top_k"):
+        token_logprobs(logits, torch.tensor([0, 3]), top_k=0)
+    with pytest.raises(ValueError, match="top_p"):
+        token_logprobs(logits, torch.tensor([0, 3]), top_p=1.5)
+
+
+def test_filtered_token_logprobs_save_no_extra_vocab_sized_tensor():
+    B, T, V = 2, 8, 1000
+    logits = torch.randn(B, T, V, requires_grad=True)
+    tokens = torch.randint(0, V, (B, T))
+    sizes = []
+
+    def pack(x):
+        if x.data_ptr() != logits.data_ptr():
+            sizes.append(x.numel() * x.element_size())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        lp, full = token_logprobs(logits, tokens, 0.7, chunk_size=4, top_k=20, top_p=0.9, return_unfiltered=True)
+    assert sum(sizes) <= 4 * B * T * 8  # tokens (int64) + two logsumexps per row
+    # the filtered path of NeMo-RL / plain autograd keeps at least one [B, T, V] tensor
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        naive_filtered(logits, tokens, 0.7, 20, 0.9)
+    assert sum(sizes) >= B * T * V * 4
+
+
+def test_aligned_logprobs_filtered_and_mask_out_of_filter():
+    from grpo.logprobs import mask_out_of_filter
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, 6, 11)
+    ids = torch.randint(0, 11, (2, 6))
+    lp, full = aligned_logprobs_from_logits(logits, ids, 0.8, top_k=3, return_unfiltered=True)
+    assert torch.equal(lp[:, 0], torch.zeros(2)) and torch.equal(full[:, 0], torch.zeros(2))
+    for t in range(1, 6):
+        torch.testing.assert_close(lp[:, t], naive_filtered(logits[:, t - 1], ids[:, t], 0.8, 3, 1.0))
+        torch.testing.assert_close(full[:, t], naive(logits[:, t - 1], ids[:, t], 0.8))
+    assert torch.isinf(lp).any()  # random tokens: some fall outside the top 3
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    clean, n_out = mask_out_of_filter(lp, mask)
+    assert torch.isfinite(clean).all() and (clean[mask == 0] == 0).all()
+    assert int(n_out) == int((torch.isinf(lp) & (mask > 0)).sum()) > 0
+    torch.testing.assert_close(clean[torch.isfinite(lp) & (mask > 0)], lp[torch.isfinite(lp) & (mask > 0)])

@@ -184,6 +184,56 @@ def test_importance_sampling_truncations_by_hand():
     assert m["is_oob_ratio"] == pytest.approx(0.5)
 
 
+def _nemo_is_oob_ratio(weights, tm, sm, kind, hi, lo):
+    """NeMo-RL's ClippedPGLossFn is_oob_ratio for tis / icepop, transcribed: weights [B, T] or [B, 1]
+    (sequence-level), masked_mean(oob, token_mask * sample_mask) with the batch's own valid tokens."""
+    mask = tm * sm[:, None]
+    oob = (weights > hi) | (weights < (lo or 0.0)) if kind == "tis" else ~((weights >= lo) & (weights <= hi))
+    return float((oob.float() * mask).sum() / (mask.sum() + 1e-8))
+
+
+@pytest.mark.parametrize("kind,lo", [("tis", None), ("icepop", 0.5)])
+def test_is_oob_ratio_counts_masked_tokens_also_for_sequence_weights(kind, lo):
+    # GSPO weights w_i = exp(sum_t m (prev - gen)): row 0 -> 8 (3 tokens, out), row 1 -> 1 (1 token, in),
+    # row 2 out of range but sample-masked. NeMo-RL: 3 out of 4 masked tokens, not 1 of 2 sequences.
+    prev = torch.zeros(3, 3)
+    gen = torch.tensor([[-LOG(2.0)] * 3, [0.0, 0.0, 0.0], [-LOG(4.0), 0.0, 0.0]])
+    tm = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    sm = torch.tensor([1.0, 1.0, 0.0])
+    cfg = cfg_(token_level_loss=False, sequence_level_importance_ratios=True, use_importance_sampling_correction=True,
+               truncated_importance_sampling_type=kind, truncated_importance_sampling_ratio=2.0,
+               truncated_importance_sampling_ratio_min=lo)
+    w, m = importance_weights(prev, gen, tm, sm, cfg)
+    torch.testing.assert_close(w[:2, 0], torch.tensor([2.0 if kind == "tis" else 0.0, 1.0]))
+    raw_w = torch.exp(((prev - gen) * tm * sm[:, None]).sum(-1, keepdim=True))
+    assert m["is_oob_ratio"] == pytest.approx(3 / 4)
+    assert m["is_oob_ratio"] == pytest.approx(_nemo_is_oob_ratio(raw_w, tm, sm, kind, 2.0, lo))
+    # token-level weights: the same definition (row 0: three tokens at w = 2 are inside [lo, 2])
+    token_cfg = cfg.model_copy(update={"sequence_level_importance_ratios": False})
+    _, m_tok = importance_weights(prev, gen, tm, sm, token_cfg)
+    assert m_tok["is_oob_ratio"] == pytest.approx(_nemo_is_oob_ratio(torch.exp(prev - gen), tm, sm, kind, 2.0, lo))
+
+
+def test_kl_term_uses_the_unfiltered_logprobs():
+    """Under top-k / top-p the KL compares the current policy's unfiltered logprobs with the (unfiltered)
+    reference, as NeMo-RL's curr_logprobs_unfiltered; the policy term keeps the filtered ones."""
+    cfg = cfg_(reference_policy_kl_penalty=0.5, reference_policy_kl_type="k1")
+    lp = torch.tensor([[LOG(0.5), LOG(0.25)]], requires_grad=True)  # filtered
+    lp_u = torch.tensor([[LOG(0.4), LOG(0.2)]], requires_grad=True)  # unfiltered (less mass per token)
+    ref = torch.tensor([[LOG(0.4), LOG(0.1)]])
+    tm, sm, adv = torch.ones(1, 2), torch.ones(1), torch.zeros(1, 2)
+    loss, m = clipped_pg_loss(lp, lp.detach(), adv, tm, sm, cfg, ref_logprobs=ref, unfiltered_logprobs=lp_u)
+    loss.backward()
+    kl_u = calculate_kl(lp_u.detach(), ref, "k1").mean()  # k1 = lp_u - ref = [0, log 2]
+    torch.testing.assert_close(loss.detach(), 0.5 * kl_u)
+    assert m["kl_penalty"] == pytest.approx(LOG(2.0) / 2)
+    torch.testing.assert_close(lp_u.grad, torch.tensor([[0.25, 0.25]]))  # d(0.5 * mean(lp_u - ref))
+    torch.testing.assert_close(lp.grad, torch.zeros(1, 2))  # A = 0: no policy gradient
+    # without unfiltered logprobs the KL uses `logprobs` (no filter): unchanged behaviour
+    loss2, _ = clipped_pg_loss(lp.detach(), lp.detach(), adv, tm, sm, cfg, ref_logprobs=ref)
+    torch.testing.assert_close(loss2, 0.5 * calculate_kl(lp.detach(), ref, "k1").mean())
+
+
 def test_gspo_importance_weight_sums_log_ratios():
     cfg = cfg_(token_level_loss=False, sequence_level_importance_ratios=True, use_importance_sampling_correction=True)
     w, _ = importance_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[LOG(0.5), LOG(0.5)]]), torch.ones(1, 2),

@@ -181,3 +181,96 @@ def test_apply_reward_penalties_think_token_ids():
 def test_apply_reward_penalties_length_mismatch():
     with pytest.raises(ValueError, match="texts"):
         apply_reward_penalties(torch.tensor([1.0, 1.0]), ["a"], [[1]], RewardPenaltyConfig())
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat templates that open the thinking block in the prompt
+# ----------------------------------------------------------------------------------------------
+QWEN3_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+                "<|im_end|>\n<|im_start|>assistant\n<think>\n")  # a Qwen3 thinking template's generation prompt
+
+
+def test_prompt_starts_in_think():
+    from grpo.rewards import prompt_starts_in_think
+
+    assert prompt_starts_in_think(QWEN3_PROMPT, "<think>", "</think>")
+    # thinking off: the template writes an empty, closed block
+    assert not prompt_starts_in_think(QWEN3_PROMPT + "\n</think>\n\n", "<think>", "</think>")
+    assert not prompt_starts_in_think("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<think>", "</think>")
+    # an earlier turn's closed block, then this turn's open tag
+    multi = ("<|im_start|>assistant\n<think>a</think>4<|im_end|>\n<|im_start|>user\nand 3+3?<|im_end|>\n"
+             "<|im_start|>assistant\n<think>\n")
+    assert prompt_starts_in_think(multi, "<think>", "</think>")
+    assert not prompt_starts_in_think(multi[: multi.rindex("<think>")], "<think>", "</think>")
+
+
+def test_correct_answers_after_a_template_opened_think_block_are_not_penalised():
+    from grpo.rewards import prompt_starts_in_think
+
+    cfg = RewardPenaltyConfig(penalize_malformed_think_tag=True, penalize_empty_final_answer=True)
+    prompts = [QWEN3_PROMPT, QWEN3_PROMPT, "<|im_start|>assistant\n"]
+    texts = ["2 plus 2 is 4.\n</think>\n\nThe answer is 4.",  # well formed: the open tag was in the prompt
+             "2 plus 2 is 4, and I never close",  # no answer after the block
+             "<think>2 plus 2</think>\n\n4"]  # a template that does not open the block
+    starts_b = [prompt_starts_in_think(p, cfg.think_open_tag, cfg.think_close_tag) for p in prompts]
+    assert starts_b == [True, True, False]
+    out, flags, _ = apply_reward_penalties(torch.ones(3), texts, [[], [], []], cfg, starts_in_think_b=starts_b)
+    torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 1.0]))
+    assert flags["malformed_think_tag"].tolist() == [False, True, False]
+    assert flags["empty_final_answer"].tolist() == [False, True, False]
+    # without the per-sample flags the first correct answer would be zeroed as malformed
+    out_blind, _, _ = apply_reward_penalties(torch.ones(3), texts, [[], [], []], cfg)
+    assert out_blind[0] == 0.0
+    with pytest.raises(ValueError, match="starts_in_think_b"):
+        apply_reward_penalties(torch.ones(3), texts, [[], [], []], cfg, starts_in_think_b=[True])
+
+
+def test_malformed_thinking_flags_stand_alone():
+    """For grpo.malformed_thinking_advantage without reward_penalties.penalize_malformed_think_tag: the flags
+    only, from the text and (when known) the think token ids, with no reward changed."""
+    from grpo.rewards import malformed_thinking_flags
+
+    cfg = RewardPenaltyConfig()  # no penalty switched on
+    texts = ["why</think> 4", "why</think> 4", "<think>a</think><think>b</think> 4", "4"]
+    ids = [[5, 13, 9], [5, 13, 9], [12, 5, 13, 12, 13], [9]]
+    flags = malformed_thinking_flags(texts, ids, cfg, [True, False, False, False])
+    assert flags.dtype == torch.bool and flags.tolist() == [False, True, True, False]
+    # token ids catch tags the text does not show (decoded away as special tokens)
+    flags = malformed_thinking_flags(["4", "why</think> 4"], [[12, 5, 13, 12, 13], [5, 13, 9]], cfg, [False, True],
+                                     tokenizer_think_ids=(12, 13))
+    assert flags.tolist() == [True, False]
+    assert malformed_thinking_flags(["4"], [[9]], cfg).tolist() == [False]  # default: no block opened
+
+
+# ----------------------------------------------------------------------------------------------
+# GDPO's components: penalties, scaling, shaping (the scalar reward's steps)
+# ----------------------------------------------------------------------------------------------
+def test_penalize_and_scale_components():
+    from grpo.rewards import penalize_components
+
+    comps = torch.tensor([[1.0, 0.5], [1.0, 2.0], [0.0, -1.0]])
+    flags = {"empty_final_answer": torch.tensor([False, True, False]),
+             "unwanted_tokens": torch.tensor([False, False, False])}
+    torch.testing.assert_close(penalize_components(comps, flags),
+                               torch.tensor([[1.0, 0.5], [0.0, 0.0], [0.0, -1.0]]))
+    assert torch.equal(penalize_components(comps, {}), comps)
+    cfg = RewardScalingConfig(enabled=True, source_min=0.0, source_max=1.0, target_min=0.0, target_max=10.0)
+    torch.testing.assert_close(scale_rewards(comps, cfg), torch.tensor([[10.0, 5.0], [10.0, 10.0], [0.0, 0.0]]))
+
+
+def test_shape_overlong_components():
+    from grpo.rewards import shape_overlong_components
+
+    comps = torch.tensor([[1.0, 0.5], [0.0, 0.5], [1.0, 0.0]])
+    cfg = RewardShapingConfig(enabled=True, overlong_buffer_length=20, overlong_buffer_penalty=1.0,
+                              max_response_length=100)
+    out = shape_overlong_components(comps, [10, 90, 100], None, cfg)
+    torch.testing.assert_close(out, torch.tensor([[1.0, 0.5, 0.0], [0.0, 0.5, -0.5], [1.0, 0.0, -1.0]]))
+    # the sum over components is the shaped scalar reward
+    torch.testing.assert_close(out.sum(1), shape_overlong_rewards(comps.sum(1), [10, 90, 100], None, cfg))
+    stop = RewardShapingConfig(enabled=True, stop_properly_penalty_coef=0.0)
+    torch.testing.assert_close(shape_overlong_components(comps, [5] * 3, [False, True, False], stop),
+                               torch.tensor([[1.0, 0.5], [0.0, 0.0], [1.0, 0.0]]))
+    assert shape_overlong_components(comps, [5] * 3, None, RewardShapingConfig()) is comps
+    with pytest.raises(ValueError, match=r"\[B, K\]"):
+        shape_overlong_components(torch.ones(3), [5] * 3, None, cfg)

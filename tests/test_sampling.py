@@ -73,8 +73,100 @@ def test_groups_interleaved_rows_stay_whole():
 def test_raises_after_max_gen_batches():
     cache = DynamicSamplingCache(2, 2, max_gen_batches=2)
     assert cache.add(*gen_batch("a", [1, 1, 1, 0]))[0] is None
-    with pytest.raises(RuntimeError, match=r"grpo\.dynamic_sampling_max_gen_batches=2"):
-        cache.add(*gen_batch("b", [0, 0, 1, 1]))
+    assert cache.add(*gen_batch("b", [0, 0, 1, 1]))[0] is None  # NeMo-RL still goes on at batch 2 of 2
+    with pytest.raises(RuntimeError, match=r"after 3 generation batches \(grpo\.dynamic_sampling_max_gen_batches=2\)"):
+        cache.add(*gen_batch("c", [0, 0, 1, 1]))
+
+
+def nemo_rl_batches_before_giving_up(max_gen_batches: int, fills_at: int | None) -> int:
+    """NeMo-RL's grpo_train loop around dynamic_sampling, transcribed: the counter goes up before each
+    generation; a batch that does not fill the cache continues while counter <= max, else raises.
+    Returns the number of generation batches it ran (the last one filled the cache or raised)."""
+    num_gen_batches = 0
+    while True:
+        num_gen_batches += 1
+        if fills_at is not None and num_gen_batches == fills_at:
+            return num_gen_batches
+        if num_gen_batches <= max_gen_batches:
+            continue
+        return num_gen_batches  # raise ValueError("Dynamic sampling has reached the maximum ...")
+
+
+@pytest.mark.parametrize("max_gen_batches", [1, 2, 4])
+@pytest.mark.parametrize("fills", [False, True])
+def test_max_gen_batches_matches_nemo_rl_loop(max_gen_batches, fills):
+    """The first batch brings one varying group of the two needed; later batches bring another (fills) or none."""
+    expected = nemo_rl_batches_before_giving_up(max_gen_batches, 2 if fills else None)
+    cache = DynamicSamplingCache(2, 2, max_gen_batches)
+    ran = 0
+    for i in range(10):
+        ran += 1
+        varies = i == 0 or fills
+        try:
+            out, _ = cache.add(*gen_batch(f"b{i}", [1, 0, 1, 1] if varies else [1, 1, 0, 0]))
+        except RuntimeError:
+            assert not fills
+            break
+        if out is not None:
+            assert fills
+            break
+    assert ran == expected
+
+
+def test_group_reward_std_rows_and_components():
+    from grpo.sampling import group_reward_std
+
+    ids = torch.tensor([0, 0, 1, 1])
+    torch.testing.assert_close(group_reward_std(ids, torch.tensor([1.0, 1.0, 1.0, 0.0])),
+                               torch.tensor([0.0, 0.0, 0.7071, 0.7071]), atol=1e-4, rtol=0)
+    comps = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 0.5], [0.0, 0.5]])
+    torch.testing.assert_close(group_reward_std(ids, comps),
+                               torch.tensor([[0.0, 0.7071], [0.0, 0.7071], [0.0, 0.0], [0.0, 0.0]]), atol=1e-4, rtol=0)
+
+
+def test_gdpo_group_kept_when_any_component_varies():
+    from grpo.sampling import group_reward_std
+
+    cache = DynamicSamplingCache(2, 2, 3)
+    ids = torch.tensor([0, 0, 1, 1, 2, 2])
+    # group 0: totals equal (1 and 1) but the components differ; group 1: nothing varies; group 2: correctness varies
+    comps = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.5], [1.0, 0.5], [1.0, 0.5], [0.0, 0.5]])
+    out, m = cache.add({"r": comps.sum(1)}, ids, group_reward_std(ids, comps))
+    assert out["group_ids"].tolist() == [0, 0, 1, 1]
+    torch.testing.assert_close(out["r"], torch.tensor([1.0, 1.0, 1.5, 0.5]))
+    assert m["dynamic_sampling_num_discarded_zero_std_samples"] == 2
+
+
+def test_dapo_filters_on_the_unshaped_reward_the_issue_example():
+    """Four wrong answers of 100, 3500, 4000 and 4096 tokens (max 4096, buffer 1024, penalty 1) are shaped
+    to [0, -0.418, -0.906, -1]; their group has zero accuracy and must be DROPPED (DAPO, NeMo-RL)."""
+    from grpo.config import RewardScalingConfig, RewardShapingConfig
+    from grpo.rewards import process_reward_components, scale_rewards, shape_overlong_rewards
+    from grpo.sampling import group_reward_std
+
+    shaping = RewardShapingConfig(enabled=True, max_response_length=4096, overlong_buffer_length=1024,
+                                  overlong_buffer_penalty=1.0)
+    lengths = [100, 3500, 4000, 4096, 10, 10, 10, 10]
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    task_b = scale_rewards(torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), RewardScalingConfig())
+    shaped_b = shape_overlong_rewards(task_b, lengths, None, shaping)
+    torch.testing.assert_close(shaped_b[:4], torch.tensor([0.0, -0.418, -0.906, -1.0]), atol=1e-3, rtol=0)
+    batch = {"rewards": shaped_b, "task_rewards": task_b}
+
+    cache = DynamicSamplingCache(2, 4, max_gen_batches=3)
+    out, m = cache.add(batch, ids, group_reward_std(ids, task_b))
+    assert out is None and cache.num_cached == 4  # group 0 dropped, group 1 (one correct answer) kept
+    assert m["dynamic_sampling_num_discarded_zero_std_samples"] == 4
+    torch.testing.assert_close(cache.cached[0]["task_rewards"], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    # the std of the shaped rewards (what the loop took) would have kept the zero-accuracy group
+    assert (group_reward_std(ids, shaped_b)[:4] > 0).all()
+    # GDPO: the unshaped components decide, not the overlong column shaping adds
+    comps = torch.stack([task_b, torch.full((8,), 0.5)], dim=1)
+    task_bk, shaped_bk = process_reward_components(comps, {}, lengths, None, RewardScalingConfig(), shaping)
+    assert shaped_bk.shape == (8, 3) and (group_reward_std(ids, shaped_bk)[:4] > 0).any()
+    gdpo_cache = DynamicSamplingCache(2, 4, max_gen_batches=3)
+    out, _ = gdpo_cache.add({"c": shaped_bk}, ids, group_reward_std(ids, task_bk))
+    assert out is None and gdpo_cache.num_cached == 4 and gdpo_cache.cached[0]["group_ids"].tolist() == [0] * 4
 
 
 def test_wrong_group_size_raises():
