@@ -26,13 +26,14 @@ from __future__ import annotations
 import os
 import time
 
-from grpo.run import finish, save, setup, stop_reason, validate
+from grpo.run import dump_rollouts, finish, save, setup, stop_reason, validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 
 
-def main(argv=None) -> str | None:
-    """Train; return None, or the error message of a run that cannot go on (the script exits 1 with it)."""
+def main(argv=None) -> str | int | None:
+    """Train; return None, or what stopped the run: an error message (the script exits 1 with it) or a
+    signal's exit status."""
     run = setup(argv, DEFAULT_CONFIG, asynchronous=True, description=__doc__)
     if run is None or isinstance(run, str):
         return run
@@ -43,10 +44,11 @@ def main(argv=None) -> str | None:
     from grpo.data import PromptStream
     from grpo.metrics import rollout_counts
     from grpo.producer import RolloutProducer, weight_copy
+    from grpo.rollout_metrics import step_summary
     from grpo.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups, trajectory_age
     from grpo.step import (
-        due_save, due_validation, initial_sample_mask, record_step, shape_rewards, step_advantages, step_logprobs,
-        step_metrics, timed, train_step,
+        due_save, due_validation, early_stop_reason, initial_sample_mask, record_step, shape_rewards, step_advantages,
+        step_logprobs, step_metrics, timed, train_step,
     )
 
     cfg, g, a, state = run.cfg, run.cfg.grpo, run.cfg.grpo.async_grpo, run.state
@@ -75,12 +77,13 @@ def main(argv=None) -> str | None:
         stage.load_into(val_generator.model)
         return validate(run, val_generator, run.val_envs, step)
 
+    stop = failure = closed = None
     if g.val_at_start and state.current_step == 0:
-        validate_with_staged(0)
+        stop = early_stop_reason(cfg, validate_with_staged(0))
 
     # ================================================================ the loop (the trainer)
-    closed, busy_prev, wall_prev = None, producer.busy_s, time.perf_counter()
-    while state.current_step < run.total_steps:
+    busy_prev, wall_prev = producer.busy_s, time.perf_counter()
+    while state.current_step < run.total_steps and stop is None:
         step = state.current_step + 1
         t_step = time.perf_counter()
 
@@ -94,7 +97,7 @@ def main(argv=None) -> str | None:
         info = entries[0]["group"]["info"]
         trajectories = trajectories_from_groups([e["group"] for e in entries])
         batch, penalty_metrics = shape_rewards(cfg, build_batch(trajectories, run.tokenizer.pad_token_id),
-                                               trajectories)
+                                               run.tokenizer)
         metrics = {f"train/{k}": v for k, v in {**rollout_counts(trajectories), **info["metrics"],
                                                  **penalty_metrics}.items()}
         timing = {f"timing/{k}": v for k, v in info["timing"].items()}
@@ -109,7 +112,7 @@ def main(argv=None) -> str | None:
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)
-        metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
+        metrics.update({f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()})
 
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
         results, timing["timing/train_s"] = timed(train_step, cfg, run.policy, batch, run.rank, run.world_size)
@@ -133,33 +136,35 @@ def main(argv=None) -> str | None:
             "async/train_start_time": train_start, "async/train_end_time": train_end,
         })
         busy_prev, wall_prev = busy_now, wall_now
+        failure = run.checks.after_step(trajectories, batch.raw_rewards_b, results, metrics)
         run.logger.log(metrics, step)
         run.logger.progress(step, metrics)
+        dump_rollouts(run, "train", step, batch.trajectories, batch)
+        if failure is not None:
+            break
         val = validate_with_staged(step) if due_validation(cfg, step, run.total_steps) else None
         stop = stop_reason(run, step, val)
         if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
             save(run, step, metrics, val, trained_mark["loader"], extra={"replay_buffer": buffer.state_dict()})
-        if stop is not None:
-            run.logger.write(stop)
-            break
 
     # ================================================================ the end
     stage.close()  # a thread waiting for weights returns; one mid-batch finishes it first
     buffer.close(StopKind.ENDED)
     producer.join(timeout=600)
     run.closables += [producer.generator]
-    failure = None
     if closed is not None and closed.failed:
         where = (f"a checkpoint of step {state.current_step} is in {cfg.checkpointing.checkpoint_dir}: rerun the same "
                  "command to resume" if cfg.checkpointing.enabled else "checkpointing is off: nothing to resume")
         hint = (" (raise grpo.async_grpo.max_generation_failures to tolerate more)"
                 if closed.kind is StopKind.FAILURES else "")
-        failure = f"error: the generation thread stopped the run: {closed}.\n  {where}{hint}"
-        run.logger.write(f"stopping at step {state.current_step}: {closed}")
-    elif closed is not None and closed.kind is StopKind.OUT_OF_DATA:
-        run.logger.write(f"stopping at step {state.current_step}: {closed}")
+        failure = f"the generation thread stopped the run: {closed}.\n  {where}{hint}"
+    elif closed is not None:
+        stop = str(closed)
+    if stop or failure:
+        run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
     return finish(run, out_of_data=closed is not None and closed.kind is StopKind.OUT_OF_DATA,
-                  loader_state=trained_mark["loader"], failure=failure, extra={"replay_buffer": buffer.state_dict()})
+                  loader_state=trained_mark["loader"], failure=failure and f"error: {failure}",
+                  extra={"replay_buffer": buffer.state_dict()})
 
 
 if __name__ == "__main__":

@@ -21,41 +21,41 @@ import itertools
 import os
 import time
 
-from grpo.run import finish, rollout, save, setup, stop_reason, validate
+from grpo.run import dump_rollouts, finish, rollout, save, setup, stop_reason, validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
 
 
-def main(argv=None) -> str | None:
-    """Train; return None, or the error message of a run that cannot go on (the script exits 1 with it)."""
+def main(argv=None) -> str | int | None:
+    """Train; return None, or what stopped the run: an error message (the script exits 1 with it) or a
+    signal's exit status."""
     run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__)
     if run is None or isinstance(run, str):
         return run
-    import torch
-
-    from grpo.advantages import baseline_and_std_per_prompt
     from grpo.batch import build_batch
     from grpo.data import PromptStream
     from grpo.metrics import rollout_counts
+    from grpo.rollout_metrics import step_summary
     from grpo.sampling import DynamicSamplingCache
     from grpo.step import (
-        due_save, due_validation, initial_sample_mask, record_step, shape_rewards, step_advantages, step_logprobs,
-        step_metrics, timed, train_step,
+        due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask,
+        record_step, shape_rewards, step_advantages, step_logprobs, step_metrics, timed, train_step,
     )
 
     cfg, g, state = run.cfg, run.cfg.grpo, run.state
     prompts = PromptStream(run.loader, g.max_num_epochs, state.current_epoch,
                            run.resume.loader_state if run.resume else None)
+    stop = failure = None
     if g.val_at_start and state.current_step == 0:
-        validate(run, run.generator, run.val_envs, 0)
+        stop = early_stop_reason(cfg, validate(run, run.generator, run.val_envs, 0))
 
     out_of_data = False
-    while state.current_step < run.total_steps:
+    while state.current_step < run.total_steps and stop is None:
         step = state.current_step + 1
         t_step = time.perf_counter()
         metrics, timing = {}, {"timing/generate_s": 0.0, "timing/env_step_s": 0.0}
 
-        # ---- 1-4. generate, score, penalties / scaling / shaping, dynamic sampling -------------
+        # ---- 1-4. play the conversations, score, penalties / scaling / shaping, dynamic sampling ----
         dynamic = DynamicSamplingCache(g.num_prompts_per_step, g.num_generations_per_prompt,
                                        g.dynamic_sampling_max_gen_batches)
         batch = None
@@ -67,14 +67,12 @@ def main(argv=None) -> str | None:
             timing["timing/generate_s"] += r.timing["generate_s"]
             timing["timing/env_step_s"] += r.timing["env_step_s"]
             batch, penalty_metrics = shape_rewards(cfg, build_batch(r.trajectories, run.tokenizer.pad_token_id),
-                                                   r.trajectories)
+                                                   run.tokenizer)
             metrics.update({**rollout_counts(r.trajectories), **r.metrics, **penalty_metrics})
             if not g.use_dynamic_sampling:
                 break
-            # DAPO: keep whole groups whose rewards differ; regenerate until the batch is full.
-            _, std_b = baseline_and_std_per_prompt(batch.group_ids_b, batch.rewards_b, torch.ones(len(batch)),
-                                                   leave_one_out=False)
-            batch, dyn_metrics = dynamic.add(batch, batch.group_ids_b, std_b)
+            # DAPO: keep whole groups whose (unshaped) rewards differ; regenerate until the batch is full.
+            batch, dyn_metrics = dynamic.add(batch, batch.group_ids_b, group_std_for_dynamic_sampling(batch))
             metrics.update(dyn_metrics)
             if batch is not None:
                 break
@@ -92,7 +90,7 @@ def main(argv=None) -> str | None:
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)
-        metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
+        metrics.update({f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()})
 
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
         results, timing["timing/train_s"] = timed(train_step, cfg, run.policy, batch, run.rank, run.world_size)
@@ -104,20 +102,24 @@ def main(argv=None) -> str | None:
         timing["timing/step_s"] = time.perf_counter() - t_step
         metrics.update({**step_metrics(batch, results, timing["timing/step_s"]), **timing,
                         **getattr(run.generator, "memory", {}), "train/epoch": state.current_epoch})
+        failure = run.checks.after_step(batch.trajectories, batch.raw_rewards_b, results, metrics)
         run.logger.log(metrics, step)
         run.logger.progress(step, metrics)
+        dump_rollouts(run, "train", step, batch.trajectories, batch)
+        if failure is not None:
+            break
         val = validate(run, run.generator, run.val_envs, step) if due_validation(cfg, step, run.total_steps) else None
         stop = stop_reason(run, step, val)
         if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
             save(run, step, metrics, val, run.loader.state_dict())
-        if stop is not None:
-            run.logger.write(stop)
-            break
 
     # ================================================================ the end
     if out_of_data:  # dynamic sampling can use up the epochs before max_num_steps
-        run.logger.write(f"stopping at step {state.current_step}: out of training data")
-    return finish(run, out_of_data=out_of_data, loader_state=run.loader.state_dict())
+        stop = "out of training data"
+    if stop or failure:
+        run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
+    return finish(run, out_of_data=out_of_data, loader_state=run.loader.state_dict(),
+                  failure=failure and f"error: {failure}")
 
 
 if __name__ == "__main__":

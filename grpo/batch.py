@@ -42,13 +42,16 @@ class TrainBatch:
     group_ids_b: torch.Tensor
     raw_rewards_b: torch.Tensor           # the environments' rewards, before penalties / scaling / shaping
     rewards_b: torch.Tensor               # after them (phase 3)
+    task_rewards_b: torch.Tensor          # after penalties and scaling, before shaping: dynamic sampling's
     response_lengths_b: torch.Tensor      # generated tokens
     truncated_b: torch.Tensor             # bool: a turn hit its length cap or the conversation ran out of room
     mask_sample_b: torch.Tensor           # bool: the environment asked to keep the sample out of the loss
     sample_mask_b: torch.Tensor           # float: 1 = trained (phase 5 and 7 set zeros)
     message_spans: list[list[MessageSpan]]  # per sample, its generated assistant messages
     task_names: list[str]
-    reward_components_bk: Optional[torch.Tensor] = None
+    trajectories: list                    # per sample, its grpo.rollout.Trajectory (rows follow every selection)
+    reward_components_bk: Optional[torch.Tensor] = None   # shaped like rewards_b (GDPO reads them)
+    task_components_bk: Optional[torch.Tensor] = None     # unshaped like task_rewards_b
     component_names: tuple[str, ...] = ()
     prev_logprobs_bt: Optional[torch.Tensor] = None
     ref_logprobs_bt: Optional[torch.Tensor] = None
@@ -82,7 +85,7 @@ class TrainBatch:
 def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
     """Flatten trajectories (`grpo.rollout.Trajectory`) into a right-padded `TrainBatch`.
 
-    Rewards start as the environments' rewards (``rewards_b = raw_rewards_b``), every sample trained
+    Rewards start as the environments' rewards (``rewards_b = task_rewards_b = raw_rewards_b``), every sample trained
     (``sample_mask_b = 1``); reward components become ``[B, K]`` with names sorted (a missing one is 0).
     """
     B = len(trajectories)
@@ -113,12 +116,13 @@ def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
         input_ids_bt=input_ids, attention_mask_bt=attention_mask, token_mask_bt=token_mask,
         generation_logprobs_bt=gen_lp,
         group_ids_b=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
-        raw_rewards_b=raw, rewards_b=raw.clone(),
+        raw_rewards_b=raw, rewards_b=raw.clone(), task_rewards_b=raw.clone(),
         response_lengths_b=torch.tensor([t.num_generated_tokens for t in trajectories], dtype=torch.long),
         truncated_b=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
         mask_sample_b=torch.tensor([t.mask_sample for t in trajectories], dtype=torch.bool),
         sample_mask_b=torch.ones(B), message_spans=spans, task_names=[t.task_name for t in trajectories],
-        reward_components_bk=comps, component_names=names,
+        trajectories=list(trajectories),
+        reward_components_bk=comps, task_components_bk=comps, component_names=names,
     )
 
 

@@ -39,38 +39,42 @@ class _Section(BaseModel):
 class ClippedPGLossConfig(_Section):
     """NeMo-RL's ``ClippedPGLossConfig``: the clipped policy-gradient loss (GRPO / DAPO / GSPO)."""
 
-    # Ratio r = pi/pi_old is not used; the loss becomes -A * logprob (REINFORCE/RLOO).
-    disable_ppo_ratio: bool = False
-    # Token-level: sum over all valid tokens / global valid tokens. Sequence-level: per-sequence mean,
-    # then mean over sequences.
-    token_level_loss: bool = True
-    # GSPO: one ratio per sequence, exp(mean_t(logprobs - prev_logprobs)); requires token_level_loss=false.
-    sequence_level_importance_ratios: bool = False
-    # PPO clip: r is clamped to [1 - ratio_clip_min, 1 + ratio_clip_max] (DAPO clip-higher: max > min).
-    ratio_clip_min: float = Field(0.2, ge=0)
-    ratio_clip_max: float = Field(0.2, ge=0)
-    # Dual clip (c > 1, usually 3): L = min(L, -c*A) where A < 0. None disables it.
-    ratio_clip_c: Optional[float] = None
-    # beta: weight of KL(pi || pi_ref) in the loss.
-    reference_policy_kl_penalty: float = Field(0.01, ge=0, allow_inf_nan=False)
-    # KL estimator: k1, k2 or k3 (http://joschu.net/blog/kl-approx.html).
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
-    # log-ratio is clamped to +-kl_input_clamp_value, the KL to +-kl_output_clamp_value (None: no clamp).
-    kl_input_clamp_value: Optional[float] = 20.0
-    kl_output_clamp_value: Optional[float] = 10.0
-    # Put beta*KL into the reward (Reinforce++) instead of the loss.
-    use_kl_in_reward: bool = False
-    # Multiply the policy term by w = exp(prev_logprobs - generation_logprobs) (required by async GRPO).
-    use_importance_sampling_correction: bool = False
-    # "tis": clamp w to [min, max]; "icepop": zero w outside [min, max]; "seq-mask-tis": zero whole
-    # sequences whose geometric-mean w falls outside [min, max].
-    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
-    truncated_importance_sampling_ratio: Optional[float] = None
-    truncated_importance_sampling_ratio_min: Optional[float] = None
-    # KL approximation with the importance weight of the current sample (on-policy KL).
-    use_on_policy_kl_approximation: bool = False
-    # r = exp(logprobs - stopgrad(logprobs)) == 1 with the PPO gradient; one update per rollout only.
-    force_on_policy_ratio: bool = False
+    disable_ppo_ratio: bool = Field(
+        False, description="Drop the ratio r = pi/pi_old: the loss is -A * logprob (REINFORCE / RLOO).")
+    token_level_loss: bool = Field(True, description=(
+        "true: sum over every valid token / the step's valid tokens; false: per-sequence mean, then mean over "
+        "sequences."))
+    sequence_level_importance_ratios: bool = Field(False, description=(
+        "GSPO: one ratio per sequence, exp(mean_t(logprobs - prev_logprobs)); needs token_level_loss=false."))
+    ratio_clip_min: float = Field(
+        0.2, ge=0, description="PPO clip: r is clamped to [1 - ratio_clip_min, 1 + ratio_clip_max].")
+    ratio_clip_max: float = Field(
+        0.2, ge=0, description="Upper clip of r is 1 + ratio_clip_max (DAPO's clip-higher: above ratio_clip_min).")
+    ratio_clip_c: Optional[float] = Field(
+        None, description="Dual clip c > 1 (usually 3): L = min(L, -c*A) where A < 0; null: off.")
+    reference_policy_kl_penalty: float = Field(0.01, ge=0, allow_inf_nan=False, description=(
+        "beta: weight of KL(pi || pi_ref) in the loss (0: no reference model is needed)."))
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator: k1, k2 or k3 (http://joschu.net/blog/kl-approx.html).")
+    kl_input_clamp_value: Optional[float] = Field(
+        20.0, description="The log-ratio ref - logprob is clamped to +- this before the KL estimator (null: no clamp).")
+    kl_output_clamp_value: Optional[float] = Field(
+        10.0, description="The per-token KL is clamped to +- this (null: no clamp).")
+    use_kl_in_reward: bool = Field(
+        False, description="Put beta * KL into the reward (Reinforce++) instead of the loss.")
+    use_importance_sampling_correction: bool = Field(False, description=(
+        "Multiply the policy term by w = exp(prev_logprobs - generation_logprobs) (required by async GRPO)."))
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = Field(None, description=(
+        "tis: clamp w to [min, max]; icepop: w = 0 outside [min, max]; seq-mask-tis: w = 0 on sequences whose "
+        "geometric-mean w is outside."))
+    truncated_importance_sampling_ratio: Optional[float] = Field(
+        None, description="Upper bound (max) of the truncated importance weights.")
+    truncated_importance_sampling_ratio_min: Optional[float] = Field(
+        None, description="Lower bound (min) of the truncated importance weights (tis: default 0).")
+    use_on_policy_kl_approximation: bool = Field(
+        False, description="Weight the per-token KL by exp(logprob - generation_logprob) (on-policy KL estimate).")
+    force_on_policy_ratio: bool = Field(False, description=(
+        "r = exp(logprobs - stopgrad(logprobs)) == 1 with the PPO gradient; one optimizer update per rollout."))
 
     @model_validator(mode="after")
     def _check(self) -> "ClippedPGLossConfig":
@@ -117,11 +121,11 @@ class ClippedPGLossConfig(_Section):
 class RewardScalingConfig(_Section):
     """Clamp rewards to [source_min, source_max], then map linearly onto [target_min, target_max]."""
 
-    enabled: bool = False
-    source_min: float = 0.0
-    source_max: float = 1.0
-    target_min: float = 0.0
-    target_max: float = 1.0
+    enabled: bool = Field(False, description="Scale rewards linearly (after penalties, before shaping).")
+    source_min: float = Field(0.0, description="Rewards are clamped to [source_min, source_max] first.")
+    source_max: float = Field(1.0, description="Upper end of the source range.")
+    target_min: float = Field(0.0, description="source_min maps to target_min.")
+    target_max: float = Field(1.0, description="source_max maps to target_max.")
 
     @model_validator(mode="after")
     def _check(self) -> "RewardScalingConfig":
@@ -135,14 +139,16 @@ class RewardScalingConfig(_Section):
 class RewardShapingConfig(_Section):
     """DAPO overlong reward shaping and the stop-properly penalty."""
 
-    enabled: bool = False
-    # Responses longer than max_response_length - overlong_buffer_length are penalised linearly,
-    # reaching -overlong_buffer_penalty at max_response_length.
-    overlong_buffer_length: Optional[int] = None
-    overlong_buffer_penalty: Optional[float] = None
-    max_response_length: Optional[int] = None
-    # Rewards of truncated responses are multiplied by this (0: zero reward, 1: no penalty).
-    stop_properly_penalty_coef: Optional[float] = None
+    enabled: bool = Field(
+        False, description="Shape rewards by response length (DAPO's overlong buffer, or the stop-properly penalty).")
+    overlong_buffer_length: Optional[int] = Field(None, description=(
+        "Responses longer than max_response_length - overlong_buffer_length are penalised linearly..."))
+    overlong_buffer_penalty: Optional[float] = Field(
+        None, description="... reaching -overlong_buffer_penalty at max_response_length.")
+    max_response_length: Optional[int] = Field(
+        None, description="Length (generated tokens) at which the overlong penalty is full.")
+    stop_properly_penalty_coef: Optional[float] = Field(
+        None, description="Rewards of truncated responses are multiplied by this (0: zero reward, 1: no penalty).")
 
     @model_validator(mode="after")
     def _check(self) -> "RewardShapingConfig":
@@ -181,33 +187,37 @@ class AdvEstimatorConfig(_Section):
     """Advantage estimator, chosen by name: grpo, gdpo, reinforce_plus_plus or one a fork registered with
     ``grpo.advantages.register_estimator`` (checked against `grpo.registry` when the config loads)."""
 
-    name: str = "grpo"
-    # GRPO: divide by the per-prompt std; use the leave-one-out baseline. None (default): take
-    # grpo.normalize_rewards / grpo.use_leave_one_out_baseline (NeMo-RL's top-level names).
-    normalize_rewards: Optional[bool] = None
-    use_leave_one_out_baseline: Optional[bool] = None
-    # GDPO: weights of the reward components in the aggregation (None: all 1).
-    reward_weights: Optional[list[float]] = None
-    # Reinforce++: subtract the per-prompt mean before global whitening.
-    minus_baseline: bool = True
-    # Reinforce++ with loss_fn.use_kl_in_reward: false (NeMo-RL) subtracts kl_coef * KL_t at each token;
-    # true subtracts the KL returns-to-go kl_coef * sum_{t' >= t} KL_t' (OpenRLHF, the Reinforce++ paper).
-    kl_returns_to_go: bool = False
+    name: str = Field("grpo", description=(
+        "Advantage estimator: grpo, gdpo, reinforce_plus_plus, or one registered with "
+        "grpo.advantages.register_estimator."))
+    normalize_rewards: Optional[bool] = Field(
+        None, description="Divide by the per-prompt std (null: grpo.normalize_rewards).")
+    use_leave_one_out_baseline: Optional[bool] = Field(
+        None, description="Leave-one-out baseline (null: grpo.use_leave_one_out_baseline).")
+    reward_weights: Optional[list[float]] = Field(
+        None, description="GDPO: weight of each reward component in the sum (null: all 1).")
+    minus_baseline: bool = Field(
+        True, description="Reinforce++: subtract the per-prompt mean reward before the global whitening.")
+    kl_returns_to_go: bool = Field(False, description=(
+        "Reinforce++ with the KL in the reward: false (NeMo-RL) subtracts kl_coef*KL_t per token; true the KL "
+        "returns-to-go (OpenRLHF)."))
 
 
 
 class AsyncGRPOConfig(_Section):
-    enabled: bool = False
-    # Trajectories older than this many optimizer steps are never trained on.
-    max_trajectory_age_steps: int = Field(1, ge=1)
-    # Generation failures tolerated before the run stops (0: the first one is fatal).
-    max_generation_failures: int = Field(0, ge=0)
-    # Generation picks up new weights without draining in-flight requests.
-    in_flight_weight_updates: bool = False
-    # Recompute the KV cache of in-flight requests after an in-flight weight update.
-    recompute_kv_cache_after_weight_updates: bool = False
-    # CPU only: torch threads of the generation thread (None: half of the trainer's).
-    generation_threads: Optional[int] = None
+    enabled: bool = Field(
+        False, description="Run the asynchronous loop (train_async_grpo.py): generation in a background thread.")
+    max_trajectory_age_steps: int = Field(
+        1, ge=1, description="Trajectories older than this many optimizer steps are never trained on.")
+    max_generation_failures: int = Field(0, ge=0, description=(
+        "Consecutive rollout failures tolerated (each retried on the next prompts) before the run stops."))
+    in_flight_weight_updates: bool = Field(False, description=(
+        "Generation picks up new weights between generation chunks, not only between prompt batches."))
+    recompute_kv_cache_after_weight_updates: bool = Field(False, description=(
+        "Recompute the KV cache of in-flight requests after an in-flight update (holds by construction: "
+        "chunks start fresh)."))
+    generation_threads: Optional[int] = Field(
+        None, description="CPU: torch threads of the generation thread (null: half of the trainer's).")
 
     @model_validator(mode="after")
     def _check(self) -> "AsyncGRPOConfig":
@@ -220,48 +230,59 @@ class AsyncGRPOConfig(_Section):
 
 
 class GRPOConfig(_Section):
-    num_prompts_per_step: int = Field(32, gt=0)
-    num_generations_per_prompt: int = Field(16, gt=0)
-    max_num_epochs: int = Field(1, gt=0)
-    max_num_steps: int = Field(1000000, gt=0)
-    max_rollout_turns: int = Field(1, gt=0)
-    normalize_rewards: bool = True
-    # Advantages are clipped to [advantage_clip_low, advantage_clip_high] after normalisation.
-    advantage_clip_low: Optional[float] = None
-    advantage_clip_high: Optional[float] = None
-    use_leave_one_out_baseline: bool = True
-    val_period: int = Field(10, ge=0)
-    val_batch_size: Optional[int] = Field(256, gt=0)
-    val_at_start: bool = False
-    val_at_end: bool = False
-    # Counts prompts; with val_num_generations_per_prompt = k there are max_val_samples * k rollouts.
-    max_val_samples: Optional[int] = Field(256, gt=0)
-    # k > 1 also reports pass@k.
-    val_num_generations_per_prompt: int = Field(1, gt=0)
-    # Early stop once this validation metric (e.g. "reward_mean", "pass@k") reaches the threshold.
-    stop_at_validation_metric: Optional[str] = None
-    stop_at_validation_threshold: Optional[float] = None
-    # None: resolved from the loss (skipped when beta == 0 and no KL in the reward).
-    skip_reference_policy_logprobs_calculation: Optional[bool] = None
-    seed: int = 42
-    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
-    # Truncated samples leave the loss (sample_mask = 0) but stay in the baseline.
-    overlong_filtering: bool = False
-    # DAPO dynamic sampling: drop prompt groups with zero reward std and generate more.
-    use_dynamic_sampling: bool = False
-    dynamic_sampling_max_gen_batches: int = Field(10, gt=0)
-    # With dynamic sampling, each generation batch has num_prompts_per_step * batch_multiplier prompts.
-    batch_multiplier: float = Field(1.0, ge=1.0)
-    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
-    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
-    # Run phase 7 (logprob-error masking, advantages, penalties, clipping) on the GPU when there is one.
-    calculate_advantages_on_gpu: bool = False
-    # Mask sequences whose mult-prob error exp|gen - prev| (mean over tokens) exceeds this (e.g. 1.5).
-    seq_logprob_error_threshold: Optional[float] = None
-    # Advantage written over the tokens of a flagged assistant message (None: off).
-    invalid_tool_call_advantage: Optional[float] = None
-    malformed_thinking_advantage: Optional[float] = None
-    adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
+    num_prompts_per_step: int = Field(32, gt=0, description="Prompts per training step.")
+    num_generations_per_prompt: int = Field(
+        16, gt=0, description="Samples (conversations) per prompt: the group of each baseline.")
+    max_num_epochs: int = Field(1, gt=0, description="Passes over the training prompts at most.")
+    max_num_steps: int = Field(1000000, gt=0, description="Training steps at most.")
+    max_rollout_turns: int = Field(
+        1, gt=0, description="Assistant turns per conversation at most (1: single-turn tasks).")
+    normalize_rewards: bool = Field(
+        True, description="Divide advantages by the per-prompt reward std (where it is > 0).")
+    advantage_clip_low: Optional[float] = Field(
+        None, description="Advantages are clipped to [advantage_clip_low, advantage_clip_high] last (null: no bound).")
+    advantage_clip_high: Optional[float] = Field(None, description="Upper advantage clip (null: no bound).")
+    use_leave_one_out_baseline: bool = Field(
+        True, description="Baseline of a sample = mean reward of the other samples of its prompt.")
+    val_period: int = Field(
+        10, ge=0, description="Validate every this many steps (0: never, except val_at_start / val_at_end).")
+    val_batch_size: Optional[int] = Field(256, gt=0, description="Validation prompts per rollout call.")
+    val_at_start: bool = Field(False, description="Validate before the first step (its metric can stop the run early).")
+    val_at_end: bool = Field(False, description="Validate after the last step.")
+    max_val_samples: Optional[int] = Field(
+        256, gt=0, description="Validation prompts (each with val_num_generations_per_prompt samples).")
+    val_num_generations_per_prompt: int = Field(
+        1, gt=0, description="Samples per validation prompt; k > 1 also reports pass@k.")
+    stop_at_validation_metric: Optional[str] = Field(None, description=(
+        "Stop once this validation metric reaches the threshold: reward_mean (alias accuracy), pass@k (alias "
+        "pass_k), ..."))
+    stop_at_validation_threshold: Optional[float] = Field(None, description="Threshold of stop_at_validation_metric.")
+    skip_reference_policy_logprobs_calculation: Optional[bool] = Field(
+        None, description="Skip the reference model (null: skipped when nothing reads its logprobs).")
+    seed: int = Field(42, description="Seed of sampling, data order and model init.")
+    async_grpo: AsyncGRPOConfig = Field(
+        default_factory=AsyncGRPOConfig, description="The asynchronous loop's settings.")
+    overlong_filtering: bool = Field(False, description="Truncated samples leave the loss (they stay in the baseline).")
+    use_dynamic_sampling: bool = Field(False, description=(
+        "DAPO dynamic sampling: drop prompt groups whose task reward does not vary and generate more."))
+    dynamic_sampling_max_gen_batches: int = Field(
+        10, gt=0, description="Generation batches per step before dynamic sampling gives up.")
+    batch_multiplier: float = Field(1.0, ge=1.0, description=(
+        "With dynamic sampling, each generation batch has num_prompts_per_step * batch_multiplier prompts."))
+    reward_shaping: RewardShapingConfig = Field(
+        default_factory=RewardShapingConfig, description="Length-based reward shaping.")
+    reward_scaling: RewardScalingConfig = Field(
+        default_factory=RewardScalingConfig, description="Linear reward scaling.")
+    calculate_advantages_on_gpu: bool = Field(False, description=(
+        "Run phase 7 (logprob-error masking, advantages, penalties, clipping) on the GPU when there is one."))
+    seq_logprob_error_threshold: Optional[float] = Field(
+        None, description="Mask sequences whose mean exp|gen - prev| exceeds this (e.g. 1.5); null: metrics only.")
+    invalid_tool_call_advantage: Optional[float] = Field(None, description=(
+        "Advantage written over the tokens of an assistant message flagged invalid_tool_call (null: off)."))
+    malformed_thinking_advantage: Optional[float] = Field(None, description=(
+        "Advantage written over the tokens of an assistant message with malformed think tags (null: off)."))
+    adv_estimator: AdvEstimatorConfig = Field(
+        default_factory=AdvEstimatorConfig, description="The advantage estimator.")
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":
@@ -291,132 +312,152 @@ class GRPOConfig(_Section):
 # policy
 # --------------------------------------------------------------------------------------------------
 class TokenizerConfig(_Section):
-    # None: the model's own tokenizer.
-    name: Optional[str] = None
-    # "default": the tokenizer's chat template; None: plain text prompts; anything else: a Jinja template.
-    chat_template: Optional[str] = None
+    name: Optional[str] = Field(None, description="Tokenizer to load (null: the model's own).")
+    chat_template: Optional[str] = Field(None, description=(
+        "null: plain-text prompts; default: the tokenizer's chat template; anything else: a Jinja template."))
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw"] = "adamw"
-    lr: float = Field(5.0e-6, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    name: Literal["adamw"] = Field("adamw", description="Optimizer (torch AdamW).")
+    lr: float = Field(5.0e-6, gt=0, description="Learning rate.")
+    weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
 
 
 class SchedulerConfig(_Section):
-    # Linear warmup over warmup_steps, then cosine decay to min_lr_ratio*lr, a constant lr or a linear decay.
-    name: Literal["cosine", "constant", "linear"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    name: Literal["cosine", "constant", "linear"] = Field(
+        "constant", description="After warmup: cosine decay to min_lr_ratio * lr, constant, or linear decay.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="The learning rate decays to min_lr_ratio * lr.")
 
 
 class VllmConfig(_Section):
-    tensor_parallel_size: int = Field(1, gt=0)
-    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
-    # Explicit KV cache size; required on CPU (vLLM otherwise reserves 92% of RAM).
-    kv_cache_memory_bytes: Optional[int] = Field(None, gt=0)
-    max_model_len: Optional[int] = Field(None, gt=0)
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    # 1: offload weights, discard KV cache; 2: discard both.
-    sleep_level: Literal[1, 2] = 1
-    # Offload the DeepSpeed optimizer states while generating (GPU only).
-    offload_optimizer_during_generation: bool = False
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs per vLLM engine (a divisor of the world size).")
+    gpu_memory_utilization: float = Field(
+        0.6, gt=0, le=1, description="Share of GPU memory vLLM may take (weights + KV cache).")
+    kv_cache_memory_bytes: Optional[int] = Field(
+        None, gt=0, description="Explicit KV cache size in bytes (CPU default 256 MiB: vLLM would reserve 92% of RAM).")
+    max_model_len: Optional[int] = Field(
+        None, gt=0, description="vLLM's context length (null: policy.max_total_sequence_length).")
+    enforce_eager: bool = Field(
+        False, description="No CUDA graphs / torch.compile in vLLM (faster start, slower decode).")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of shared prefixes (a group's prompt, a conversation's earlier turns).")
+    sleep_level: Literal[1, 2] = Field(1, description=(
+        "1: offload weights and discard the KV cache while training (default); 2: discard both (reports of "
+        "wrong output after wake)."))
+    offload_optimizer_during_generation: bool = Field(
+        False, description="GPU: move DeepSpeed's optimizer states to the host while vLLM generates.")
 
 
 class GenerationConfig(_Section):
-    backend: Literal["hf", "vllm"] = "hf"
-    max_new_tokens: int = Field(512, gt=0)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: Optional[int] = Field(None, gt=0)
-    stop_token_ids: Optional[list[int]] = None
-    stop_strings: Optional[list[str]] = None
-    # Elements per refit push: ZeRO-3 gathers whole decoder layers until a bucket holds this many.
-    refit_bucket_numel: int = Field(2**28, gt=0)
-    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: transformers generate on a plain copy (any device); vllm: colocated vLLM engine.")
+    max_new_tokens: int = Field(512, gt=0, description="Generated tokens per assistant turn at most.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer's logprobs use it too).")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling (the trainer's logprobs apply the same filter).")
+    top_k: Optional[int] = Field(
+        None, gt=0, description="Top-k sampling (null: off; the trainer's logprobs apply the same filter).")
+    stop_token_ids: Optional[list[int]] = Field(
+        None, description="Extra token ids that end a turn (besides the tokenizer's and the model's EOS).")
+    stop_strings: Optional[list[str]] = Field(
+        None, description="Strings that end a turn (an environment may set per-turn ones).")
+    refit_bucket_numel: int = Field(2**28, gt=0, description=(
+        "Elements per weight-refit push: ZeRO-3 gathers whole decoder layers until a bucket holds this many."))
+    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
 
 
 class PolicyConfig(_Section):
-    # Local directory or hub name (hub names need network access).
-    model_name: str = "Qwen/Qwen2.5-1.5B"
-    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    # Completions per optimizer step across all ranks (num_prompts_per_step * num_generations_per_prompt).
-    train_global_batch_size: int = Field(512, gt=0)
-    train_micro_batch_size: int = Field(4, gt=0)
-    generation_batch_size: int = Field(32, gt=0)
-    logprob_batch_size: int = Field(4, gt=0)
-    max_total_sequence_length: int = Field(512, gt=0)
-    precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    max_grad_norm: Optional[float] = Field(1.0, gt=0)
-    activation_checkpointing: bool = False
-    trust_remote_code: bool = False
-    # Vocabulary chunk of the logprob computation (None: whole vocabulary in one pass).
-    logprob_chunk_size: Optional[int] = Field(None, gt=0)
-    # DeepSpeed JSON configs; "auto" values are filled from this run config.
-    deepspeed_config: str = "ds_configs/zero3.json"
-    reference_deepspeed_config: str = "ds_configs/zero3_reference.json"
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    model_name: str = Field(
+        "Qwen/Qwen2.5-1.5B", description="Local directory, hub name (needs network), or toy:<name> (built locally).")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer and chat template.")
+    train_global_batch_size: int = Field(512, gt=0, description=(
+        "Samples per optimizer step across all ranks (a divisor of prompts x generations per step)."))
+    train_micro_batch_size: int = Field(4, gt=0, description="Samples per forward/backward on each rank.")
+    generation_batch_size: int = Field(32, gt=0, description="Conversations per generation call on each rank.")
+    logprob_batch_size: int = Field(
+        4, gt=0, description="Samples per logprob forward (previous policy, reference) on each rank.")
+    max_total_sequence_length: int = Field(
+        512, gt=0, description="Tokens of a whole conversation at most (prompt + every turn).")
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Training precision (float32 on CPUs: bf16 is 5-30x slower there).")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Gradient-norm clipping (null: off).")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (saves memory, costs a forward).")
+    trust_remote_code: bool = Field(
+        False, description="Allow model code from the checkpoint (transformers' trust_remote_code).")
+    logprob_chunk_size: Optional[int] = Field(
+        None, gt=0, description="Rows per chunk of the logprob computation (null: 2^24 / vocabulary size).")
+    deepspeed_config: str = Field(
+        "ds_configs/zero3.json", description="DeepSpeed JSON of the policy; auto values are filled from this config.")
+    reference_deepspeed_config: str = Field(
+        "ds_configs/zero3_reference.json", description="DeepSpeed JSON of the frozen reference (and teacher).")
+    max_nonfinite_steps: int = Field(3, ge=1, description=(
+        "Non-finite steps (loss, gradient norm or rewards) in a row before the run stops with exit 1."))
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Learning-rate schedule.")
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="Generation (sampling, backend, stop rules).")
 
 
 # --------------------------------------------------------------------------------------------------
 # data, env
 # --------------------------------------------------------------------------------------------------
 class DataConfig(_Section):
-    # "arithmetic" (built in), "reasoning_gym:<task>", a local .jsonl/.json/.parquet/.arrow file or
-    # directory, or a `datasets.load_dataset` name.
-    dataset_name: str = "arithmetic"
-    # Config name of a hub dataset with several (e.g. "main" for openai/gsm8k).
-    dataset_config: Optional[str] = None
-    # Explicit local files; override dataset_name for train / validation.
-    train_data_path: Optional[str] = None
-    val_data_path: Optional[str] = None
-    train_split: Optional[str] = None
-    val_split: Optional[str] = None
-    input_key: str = "input"
-    output_key: str = "output"
-    # Prompt template with "{}" or "{input}" where the question goes (from a file or inline).
-    prompt_file: Optional[str] = None
-    prompt_template: Optional[str] = None
-    system_prompt_file: Optional[str] = None
-    system_prompt: Optional[str] = None
-    # Prompts longer than this (in tokens) are filtered out and counted.
-    max_input_seq_length: Optional[int] = Field(None, gt=0)
-    shuffle: bool = True
-    # "error": a malformed row stops the run naming file and row; "skip": it is skipped and counted.
-    on_bad_row: Literal["error", "skip"] = "error"
-    # Size of procedural datasets (arithmetic, reasoning_gym) for train and validation.
-    num_train_samples: int = Field(2048, gt=0)
-    num_val_samples: int = Field(128, gt=0)
-    # Built-in arithmetic task: operands are drawn from [0, arithmetic_max_operand].
-    arithmetic_max_operand: int = Field(9, gt=0)
-    # Built-in multi-turn task guess_number: secrets are drawn from [0, guess_number_high].
-    guess_number_high: int = Field(9, gt=0)
-    num_workers: int = Field(0, ge=0)
-    # Data column naming each row's task (its environment, see env.tasks); rows without it use env's.
-    task_key: str = "task_name"
+    dataset_name: str = Field("arithmetic", description=(
+        "arithmetic, guess_number, reasoning_gym:<task>, a local .jsonl/.json/.parquet/.arrow file or "
+        "directory, or a hub name."))
+    dataset_config: Optional[str] = Field(
+        None, description="Config name of a hub dataset (e.g. main for openai/gsm8k).")
+    train_data_path: Optional[str] = Field(
+        None, description="Local training file (overrides dataset_name for training).")
+    val_data_path: Optional[str] = Field(
+        None, description="Local validation file (overrides dataset_name for validation).")
+    train_split: Optional[str] = Field(None, description="Split (hub) or file stem (directory) of the training data.")
+    val_split: Optional[str] = Field(None, description="Split (hub) or file stem (directory) of the validation data.")
+    input_key: str = Field(
+        "input", description="Column holding the prompt (a string, or a list of role/content messages).")
+    output_key: str = Field("output", description="Column holding the reference answer.")
+    prompt_file: Optional[str] = Field(
+        None, description="File holding the prompt template ({} or {input} for the question).")
+    prompt_template: Optional[str] = Field(None, description="Prompt template with {} or {input} for the question.")
+    system_prompt_file: Optional[str] = Field(None, description="File holding the system prompt.")
+    system_prompt: Optional[str] = Field(None, description="System prompt.")
+    max_input_seq_length: Optional[int] = Field(
+        None, gt=0, description="Prompts longer than this (tokens) are filtered out and counted.")
+    shuffle: bool = Field(True, description="Shuffle the training prompts (seeded; resumes exactly).")
+    on_bad_row: Literal["error", "skip"] = Field("error", description=(
+        "error: a malformed row stops the run naming file and row; skip: it is skipped and counted."))
+    num_train_samples: int = Field(
+        2048, gt=0, description="Size of procedural training sets (arithmetic, guess_number, reasoning_gym).")
+    num_val_samples: int = Field(128, gt=0, description="Size of procedural validation sets.")
+    arithmetic_max_operand: int = Field(
+        9, gt=0, description="Built-in arithmetic: operands are drawn from [0, arithmetic_max_operand].")
+    guess_number_high: int = Field(
+        9, gt=0, description="Built-in guess_number: secrets are drawn from [0, guess_number_high].")
+    num_workers: int = Field(0, ge=0, description="Data loader worker processes (0: load in the trainer).")
+    task_key: str = Field("task_name", description=(
+        "Column naming each row's task (its environment, see env.tasks); rows without it use env's."))
 
 
 class EnvSpec(_Section):
     """One environment: a reward function (single-turn), the built-in multi-turn task, or a user class."""
 
-    # "math": math-verify in a process pool; "reasoning_gym": the task's own scorer; "arithmetic":
-    # first integer equals the answer; "function": reward_fn below (all single-turn); "guess_number": the
-    # built-in multi-turn task; "class": env_class below.
-    name: Literal["math", "reasoning_gym", "arithmetic", "function", "guess_number", "class"] = "arithmetic"
-    # "package.module:function" with signature fn(question, completion, answer, meta) -> float | dict.
-    reward_fn: Optional[str] = None
-    # "package.module:ClassName" of a grpo.envs.interface.Environment (NeMo-RL's interface).
-    env_class: Optional[str] = None
-    # Keyword arguments of the environment's constructor (class and guess_number).
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    num_workers: int = Field(2, gt=0)
-    # Seconds a reward may take before the sample scores 0 (counted as a timeout).
-    timeout_s: float = Field(10.0, gt=0)
+    name: Literal["math", "reasoning_gym", "arithmetic", "function", "guess_number", "class"] = Field(
+        "arithmetic", description=(
+        "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
+        "multi-turn: guess_number; class: env_class."))
+    reward_fn: Optional[str] = Field(None, description=(
+        "package.module:function with signature fn(question, completion, answer, meta) -> float | dict."))
+    env_class: Optional[str] = Field(
+        None, description="package.module:ClassName of a grpo.envs.interface.Environment (NeMo-RL's interface).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the environment's constructor (class, guess_number).")
+    num_workers: int = Field(2, gt=0, description="Reward worker processes (math, reasoning_gym, function).")
+    timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a reward may take before its sample scores 0 (counted as a timeout).")
 
     @model_validator(mode="after")
     def _check(self) -> "EnvSpec":
@@ -431,14 +472,18 @@ class EnvSpec(_Section):
 
 
 class EnvConfig(EnvSpec):
-    # Task name of the top-level environment (None: env.name); rows without a task name use it.
-    task_name: Optional[str] = None
-    # More environments by task name; each data row's task name (data.task_key) picks one.
-    tasks: dict[str, EnvSpec] = Field(default_factory=dict)
-    # Validation's own environments for the tasks they name (the others use the training ones).
-    val_tasks: Optional[dict[str, EnvSpec]] = None
-    # Seconds one environment step (a batch of samples) may take before its samples end with reward 0.
-    step_timeout_s: float = Field(300.0, gt=0)
+    task_name: Optional[str] = Field(None, description="Task name of the top-level environment (null: env.name).")
+    tasks: dict[str, EnvSpec] = Field(default_factory=dict, description=(
+        "More environments by task name; a data row's task name (data.task_key) picks one."))
+    val_tasks: Optional[dict[str, EnvSpec]] = Field(
+        None, description="Validation's own environments for the tasks they name.")
+    step_timeout_s: float = Field(300.0, gt=0, description=(
+        "Seconds one environment step (a batch of samples) may take before its samples end with reward 0."))
+    max_error_rate: float = Field(0.5, ge=0, le=1, description=(
+        "Share of a step's samples whose reward may fail (errors + timeouts) before the step counts as failed "
+        "(1: off)."))
+    max_error_steps: int = Field(3, ge=1, description=(
+        "Failed steps in a row (see max_error_rate) before the run stops with the first traceback."))
 
     @model_validator(mode="after")
     def _tasks(self) -> "EnvConfig":
@@ -457,29 +502,37 @@ class EnvConfig(EnvSpec):
 # logger, cluster, checkpointing, penalties, distillation
 # --------------------------------------------------------------------------------------------------
 class WandbConfig(_Section):
-    project: str = "grpo-ds"
-    name: Optional[str] = None
-    entity: Optional[str] = None
+    project: str = Field("grpo-ds", description="wandb project.")
+    name: Optional[str] = Field(None, description="wandb run name.")
+    entity: Optional[str] = Field(None, description="wandb entity (team).")
 
 
 class LoggerConfig(_Section):
-    log_dir: str = "logs"
-    num_val_samples_to_print: int = Field(0, ge=0)
-    wandb_enabled: bool = False
-    tensorboard_enabled: bool = False
-    # CUDA memory (and utilisation, with pynvml) of rank 0's device in every metrics row (gpu/*).
-    monitor_gpus: bool = False
-    # Console progress bar (tqdm) on rank 0.
-    progress_bar: bool = True
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    log_dir: str = Field(
+        "logs", description="Where metrics.jsonl, config.json (and tensorboard, wandb, rollout dumps) go.")
+    num_val_samples_to_print: int = Field(
+        0, ge=0, description="Validation conversations printed after each validation.")
+    wandb_enabled: bool = Field(False, description="Log to wandb (offline without WANDB_API_KEY).")
+    tensorboard_enabled: bool = Field(False, description="Log to tensorboard.")
+    monitor_gpus: bool = Field(
+        False, description="Add rank 0's CUDA memory (and utilisation, with pynvml) to every metrics row (gpu/*).")
+    progress_bar: bool = Field(True, description="Console progress bar on rank 0.")
+    dump_rollouts: bool = Field(
+        False, description="Write each dumped step's samples to <log_dir>/rollouts/{train,val}_step_<N>.jsonl.")
+    dump_rollouts_every: int = Field(1, ge=1, description="Dump every N steps.")
+    dump_rollouts_max_samples: Optional[int] = Field(
+        256, ge=1, description="Lines per dump at most: worst, best and evenly spaced by reward (null: all).")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="wandb settings.")
 
 
 class ClusterConfig(_Section):
     """What the launcher is expected to start (None: whatever it starts); checked at startup
     (`cluster_mismatch`), so a recipe tuned for 8 GPUs does not silently run on 2."""
 
-    gpus_per_node: Optional[int] = Field(None, gt=0)
-    num_nodes: Optional[int] = Field(None, gt=0)
+    gpus_per_node: Optional[int] = Field(None, gt=0, description=(
+        "Ranks per node the launcher must start (null: whatever it starts); checked at startup."))
+    num_nodes: Optional[int] = Field(
+        None, gt=0, description="Nodes the launcher must start (null: whatever it starts); checked at startup.")
 
 
 def cluster_mismatch(cluster: ClusterConfig, world_size: int, local_world_size: int | None) -> str | None:
@@ -501,24 +554,26 @@ def cluster_mismatch(cluster: ClusterConfig, world_size: int, local_world_size: 
 
 
 class CheckpointingConfig(_Section):
-    enabled: bool = True
-    checkpoint_dir: str = "results/grpo"
-    # Keep the top k by metric_name (e.g. "val_reward"), or the last k when metric_name is None.
-    metric_name: Optional[str] = "val_reward"
-    higher_is_better: bool = True
-    keep_top_k: Optional[int] = Field(3, gt=0)
-    save_period: int = Field(10, gt=0)
-    # Stop with a checkpoint before a job's time limit: "DD:HH:MM:SS" of wall time from the start of the
-    # run (e.g. "00:03:45:00" under a 4-hour SLURM limit). A step is not started when the longest step
-    # so far would not fit; rerunning the same command resumes.
-    checkpoint_must_save_by: Optional[str] = None
-    model_save_format: Literal["safetensors"] = "safetensors"
-    # Write consolidated HF safetensors (from_pretrained-loadable) with each checkpoint and at the end.
-    save_consolidated: bool = False
-    # Resume from the newest checkpoint in checkpoint_dir when there is one.
-    resume: bool = True
-    # Async GRPO: restore the replay deque on resume (false: regenerate it from the rewound data).
-    load_replay_buffer: bool = True
+    enabled: bool = Field(True, description="Save checkpoints (and hf_final at the end).")
+    checkpoint_dir: str = Field(
+        "results/grpo", description="Where checkpoints go; one run per directory (a lock and a run fingerprint).")
+    metric_name: Optional[str] = Field("val_reward", description=(
+        "Keep the top keep_top_k checkpoints by this (val_reward, or a logged val/... or train/... key); "
+        "null: the last k."))
+    higher_is_better: bool = Field(True, description="Ranking direction of metric_name.")
+    keep_top_k: Optional[int] = Field(3, gt=0, description="Checkpoints kept (the newest always stays); null: all.")
+    save_period: int = Field(10, gt=0, description="Save every this many steps (and after the last one).")
+    checkpoint_must_save_by: Optional[str] = Field(None, description=(
+        "DD:HH:MM:SS of wall time from the start: save and stop (exit 0) once another step would not fit."))
+    model_save_format: Literal["safetensors"] = Field(
+        "safetensors", description="Format of exported weights (safetensors only; kept for NeMo-RL recipes).")
+    save_consolidated: bool = Field(
+        False, description="Write consolidated HF safetensors (from_pretrained) with every checkpoint.")
+    resume: bool = Field(True, description="Resume from the newest intact checkpoint in checkpoint_dir.")
+    load_replay_buffer: bool = Field(
+        True, description="Async: restore the replay deque on resume (false: regenerate it).")
+    allow_config_change: bool = Field(
+        False, description="Resume although the config differs from the run's recorded fingerprint.")
 
     @field_validator("checkpoint_must_save_by", mode="before")
     @classmethod
@@ -538,24 +593,29 @@ class CheckpointingConfig(_Section):
 
 
 class RewardPenaltyTokenIdsConfig(_Section):
-    unwanted: Optional[list[int]] = None
-    think_open: Optional[int] = None
-    think_close: Optional[int] = None
+    unwanted: Optional[list[int]] = Field(
+        None, description="Token ids whose presence zeroes the reward (penalize_unwanted_tokens).")
+    think_open: Optional[int] = Field(None, description="Token id of the think open tag (also checked on ids).")
+    think_close: Optional[int] = Field(None, description="Token id of the think close tag.")
 
 
 class RewardPenaltyConfig(_Section):
     """Reward-zeroing detectors; each sets the reward to 0 and raises a per-sample flag."""
 
-    penalize_duplicated_reasoning: bool = False
-    penalize_empty_final_answer: bool = False
-    penalize_unwanted_tokens: bool = False
-    penalize_malformed_think_tag: bool = False
-    think_open_tag: str = "<think>"
-    think_close_tag: str = "</think>"
-    # Duplicated reasoning: a sentence/line of at least this many characters repeated this many times.
-    duplicate_min_chars: int = Field(20, gt=0)
-    duplicate_min_repeats: int = Field(3, ge=2)
-    token_ids: Optional[RewardPenaltyTokenIdsConfig] = None
+    penalize_duplicated_reasoning: bool = Field(
+        False, description="Zero the reward of completions that repeat a line or sentence.")
+    penalize_empty_final_answer: bool = Field(
+        False, description="Zero the reward of completions with no final answer after the reasoning.")
+    penalize_unwanted_tokens: bool = Field(
+        False, description="Zero the reward of completions holding a token of token_ids.unwanted.")
+    penalize_malformed_think_tag: bool = Field(
+        False, description="Zero the reward of completions whose think tags are not one open ... close pair.")
+    think_open_tag: str = Field("<think>", description="Think open tag.")
+    think_close_tag: str = Field("</think>", description="Think close tag.")
+    duplicate_min_chars: int = Field(
+        20, gt=0, description="Duplicated reasoning: segments of at least this many characters...")
+    duplicate_min_repeats: int = Field(3, ge=2, description="... repeated at least this many times.")
+    token_ids: Optional[RewardPenaltyTokenIdsConfig] = Field(None, description="Token ids of the detectors.")
 
     @model_validator(mode="after")
     def _check(self) -> "RewardPenaltyConfig":
@@ -568,10 +628,11 @@ class RewardPenaltyConfig(_Section):
 
 
 class OnPolicyDistillationConfig(_Section):
-    enabled: bool = False
-    teacher_model_name: Optional[str] = None
-    # Weight of the reverse KL to the teacher, per token (added to the advantage as -coef*(lp - lp_teacher)).
-    kl_coef: float = Field(1.0, ge=0)
+    enabled: bool = Field(
+        False, description="Add a frozen teacher's reverse KL to the advantages (on-policy distillation).")
+    teacher_model_name: Optional[str] = Field(None, description="The teacher (shares the policy's tokenizer).")
+    kl_coef: float = Field(
+        1.0, ge=0, description="Weight of the per-token reverse KL: A += -kl_coef * (lp - lp_teacher).")
 
     @model_validator(mode="after")
     def _check(self) -> "OnPolicyDistillationConfig":
@@ -587,16 +648,21 @@ class OnPolicyDistillationConfig(_Section):
 # MasterConfig
 # --------------------------------------------------------------------------------------------------
 class MasterConfig(_Section):
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    logger: LoggerConfig = Field(default_factory=LoggerConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    reward_penalties: RewardPenaltyConfig = Field(default_factory=RewardPenaltyConfig)
-    on_policy_distillation: OnPolicyDistillationConfig = Field(default_factory=OnPolicyDistillationConfig)
+    policy: PolicyConfig = Field(
+        default_factory=PolicyConfig, description="The policy: model, batch sizes, precision, optimizer, generation.")
+    loss_fn: ClippedPGLossConfig = Field(
+        default_factory=ClippedPGLossConfig, description="The clipped policy-gradient loss.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Environments (rewards, multi-turn tasks).")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompts.")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="The algorithm.")
+    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Metrics and logs.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="What the launcher is expected to start.")
+    checkpointing: CheckpointingConfig = Field(
+        default_factory=CheckpointingConfig, description="Checkpoints and resume.")
+    reward_penalties: RewardPenaltyConfig = Field(
+        default_factory=RewardPenaltyConfig, description="Reward-zeroing detectors.")
+    on_policy_distillation: OnPolicyDistillationConfig = Field(
+        default_factory=OnPolicyDistillationConfig, description="On-policy distillation from a teacher.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "MasterConfig":
@@ -662,15 +728,19 @@ class MasterConfig(_Section):
             )
         if g.val_period > 0 and g.val_batch_size is None:
             raise ValueError("grpo.val_batch_size=None: expected a positive integer when grpo.val_period > 0")
-        if (
-            g.stop_at_validation_metric is not None
-            and g.stop_at_validation_metric.startswith("pass@")
-            and g.stop_at_validation_metric != f"pass@{g.val_num_generations_per_prompt}"
-        ):
-            raise ValueError(
-                f"grpo.stop_at_validation_metric={g.stop_at_validation_metric!r}: validation reports "
-                f"pass@{g.val_num_generations_per_prompt} (grpo.val_num_generations_per_prompt)"
-            )
+        if g.stop_at_validation_metric is not None:
+            produced = validation_metric_names(g.val_num_generations_per_prompt)
+            name = VALIDATION_METRIC_ALIASES.get(g.stop_at_validation_metric, g.stop_at_validation_metric)
+            name = f"pass@{g.val_num_generations_per_prompt}" if name == "pass@k" else name
+            if name not in produced:
+                raise ValueError(
+                    f"grpo.stop_at_validation_metric={g.stop_at_validation_metric!r}: validation reports "
+                    f"{produced} (NeMo-RL's names accuracy and pass_k are accepted as reward_mean and pass@k; "
+                    f"pass@k follows grpo.val_num_generations_per_prompt={g.val_num_generations_per_prompt})")
+            g.stop_at_validation_metric = name
+        if g.batch_multiplier != 1.0 and not g.use_dynamic_sampling:
+            raise ValueError(f"grpo.batch_multiplier={g.batch_multiplier} only acts with grpo.use_dynamic_sampling=true "
+                             "(NeMo-RL asserts the same): set it to 1 or turn dynamic sampling on")
         if self.checkpointing.keep_top_k is not None and self.checkpointing.metric_name not in (
             None,
             "val_reward",
@@ -691,6 +761,20 @@ class MasterConfig(_Section):
                 "(or train_grpo.py for colocated vLLM)"
             )
         return self
+
+
+# What validation reports (grpo.run.validate), and NeMo-RL's names for two of them.
+VALIDATION_METRIC_ALIASES = {"accuracy": "reward_mean", "pass_k": "pass@k"}
+
+
+def validation_metric_names(k: int) -> list[str]:
+    """The metrics validation reports with ``grpo.val_num_generations_per_prompt = k``.
+
+        >>> validation_metric_names(4)[:2]
+        ['reward_mean', 'pass@4']
+    """
+    return ["reward_mean", f"pass@{k}", "response_length_mean", "truncated_frac", "turns_mean", "num_samples",
+            "generate_s", "env_step_s", "validation_s"]
 
 
 def needs_reference(cfg: MasterConfig) -> bool:

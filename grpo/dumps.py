@@ -324,3 +324,39 @@ def wandb_table(records: list[dict]):
             row.append(v)
         rows.append(row)
     return wandb.Table(columns=list(RECORD_KEYS), data=rows)
+
+
+def rollout_records(trajectories: list, split: str, step: int, batch=None, overlong_filtering: bool = False
+                    ) -> list[dict]:
+    """Dump records (the schema above) of a rollout's trajectories (`grpo.rollout.Trajectory`). ``batch``: the
+    step's `grpo.batch.TrainBatch` after phase 7, for advantages, masks and logprob errors (None for
+    validation). A masked sample's reason: the environment's ``mask_sample``, else overlong filtering of a
+    truncated sample, else the sequence logprob-error threshold."""
+    from grpo.logprobs import seq_logprob_error
+    from grpo.rollout_metrics import sample_token_means
+
+    adv_b = err_b = mask_b = None
+    if batch is not None:
+        adv_b = sample_token_means(batch.advantages_bt, batch.token_mask_bt).tolist()
+        mask_b = batch.sample_mask_b.tolist()
+        if batch.prev_logprobs_bt is not None:
+            err_b = seq_logprob_error(batch.generation_logprobs_bt, batch.prev_logprobs_bt,
+                                      batch.token_mask_bt).tolist()
+    records = []
+    for i, t in enumerate(trajectories):
+        masked = mask_b is not None and mask_b[i] == 0
+        reason = None
+        if masked:
+            reason = ("mask_sample" if t.mask_sample else
+                      "overlong" if overlong_filtering and t.truncated else "logprob_error")
+        records.append({
+            "step": step, "split": split, "task_name": t.task_name, "group_id": t.group_id,
+            "prompt_index": t.prompt_index,
+            "messages": [{"role": m.role, "content": m.content, "trained": m.trained, "flags": list(m.flags),
+                          "num_tokens": len(m.token_ids)} for m in t.messages],
+            "question": t.question, "answer": t.answer, "reward": t.reward, "reward_components": t.reward_components,
+            "advantage": None if adv_b is None else adv_b[i], "masked": masked, "mask_reason": reason,
+            "finish_reason": t.finish_reason, "truncated": t.truncated, "turns": t.turns,
+            "response_length": t.num_generated_tokens, "logprob_error": None if err_b is None else err_b[i],
+        })
+    return records

@@ -210,3 +210,44 @@ class ErrorBudget:
                 f"{len(self.rates)} steps in a row ({rates}), more than env.max_error_rate={self.max_error_rate} for "
                 f"env.max_error_steps={self.max_error_steps} steps: the run stops. The first failure:\n"
                 f"{self.first_failure or '(no traceback recorded)'}")
+
+
+# --------------------------------------------------------------------------------------------------
+# All of it, once per step
+# --------------------------------------------------------------------------------------------------
+class StepChecks:
+    """The checks both loops run after every step (``policy.max_nonfinite_steps``, ``env.max_error_rate``,
+    ``env.max_error_steps``): `after_step` returns the message that stops the run (exit 1), or None, and adds
+    ``train/nonfinite_steps`` to the step's metrics; warnings are logged once.
+
+    A non-finite step needs no special path: `skip_nonfinite_loss` (which `grpo.step.train_step` applies)
+    turns it into NaN gradients that DeepSpeed discards, so the weights stay as they were; here it is counted.
+    """
+
+    def __init__(self, cfg, vocab_size: int):
+        self.guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
+        self.watch = CollapseWatch(vocab_size)
+        self.budget = ErrorBudget(cfg.env.max_error_rate, cfg.env.max_error_steps)
+        self.stop_kind: str | None = None  # "nonfinite" (nothing to save) or "rewards" after a stop
+
+    def after_step(self, trajectories: list, raw_rewards_b: torch.Tensor, train_results: list[dict],
+                   metrics: dict) -> str | None:
+        failed = [t for t in trajectories if t.error is not None]
+        budget = self.budget.update(len(failed), len(trajectories),
+                                    next((t.error_detail for t in failed if t.error_detail), None))
+        problem = nonfinite(rewards_b=raw_rewards_b)
+        for r in train_results:
+            problem = problem or nonfinite(r["loss"], r["grad_norm"])
+        verdict = self.guard.update(problem)
+        metrics["train/nonfinite_steps"] = self.guard.count
+        if problem is None:
+            self.watch.update(metrics.get("train/approx_entropy"), metrics.get("train/grad_norm"),
+                              raw_rewards_b.tolist())
+        if verdict == "stop":
+            self.stop_kind = "nonfinite"
+            return self.guard.message()
+        if verdict == "skip":
+            logger.warning("step not applied: %s (train/nonfinite_steps %d)", problem, self.guard.count)
+        if budget is not None:
+            self.stop_kind = "rewards"
+        return budget

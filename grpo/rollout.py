@@ -62,7 +62,7 @@ class Trajectory:
     ``truncated``: a turn hit its length cap or the conversation ran out of room; ``generation_version``:
     the oldest weight version that generated one of its turns (async GRPO); ``mask_sample``: the
     environment asked to keep it out of the loss; ``error``: "reward_error" / "reward_timeout" /
-    "env_error" / "env_timeout" when scoring failed (reward 0).
+    "env_error" / "env_timeout" when scoring failed (reward 0), ``error_detail`` its traceback.
     """
 
     group_id: int
@@ -80,6 +80,7 @@ class Trajectory:
     generation_version: int = 0
     mask_sample: bool = False
     error: str | None = None
+    error_detail: str | None = None
     done: bool = False
     num_prompt_messages: int = 0
 
@@ -253,7 +254,8 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
             for j, i in enumerate(idx):
                 t = trajs[i]
                 if ret is None:  # the environment failed on this call: its samples end with reward 0
-                    t.error, t.done, t.reward, t.reward_components = error, True, 0.0, None
+                    t.error, t.error_detail, t.done = error, envs.last_error, True
+                    t.reward, t.reward_components = 0.0, None
                     continue
                 _apply_step(t, ret, j)
                 if t.done:
@@ -288,7 +290,7 @@ def _by_task(trajs: list[Trajectory], idx: list[int]) -> dict[str, list[int]]:
 
 
 # Metadata keys that describe one turn: read into the trajectory, not passed on to the next turn.
-_PER_TURN_KEYS = (*MESSAGE_FLAGS, "reward_components", "reward_error")
+_PER_TURN_KEYS = (*MESSAGE_FLAGS, "reward_components", "reward_error", "reward_error_detail")
 
 
 def _apply_step(t: Trajectory, ret, j: int) -> None:
@@ -306,7 +308,7 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
             comps = meta["reward_components"]
             t.reward_components = {k: (t.reward_components or {}).get(k, 0.0) + float(v) for k, v in comps.items()}
         if meta.get("reward_error"):
-            t.error = meta["reward_error"]
+            t.error, t.error_detail = meta["reward_error"], meta.get("reward_error_detail")
         t.mask_sample = t.mask_sample or bool(meta.get("mask_sample", False))
         t.messages[-1].flags = [f for f in MESSAGE_FLAGS if meta.get(f)]
         meta = {k: v for k, v in meta.items() if k not in _PER_TURN_KEYS}

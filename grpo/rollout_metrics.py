@@ -10,7 +10,8 @@ the numbers only). Names follow NeMo-RL's ``_log_mixed_rewards_and_advantages_in
     advantages/mean, advantages/sum              over the trained tokens of the unmasked samples
     advantages/histogram                         one value per unmasked sample: its mean token advantage
     reward/<component>/mean                      per named reward component
-    task/<task_name>/reward_mean, /num_samples   per task of a multi-task batch
+
+Per-task reward means (``reward_mean/<task>``) are `grpo.metrics.rollout_counts`'.
 """
 
 from __future__ import annotations
@@ -116,23 +117,12 @@ def reward_component_means(components: Mapping[str, Sequence[float] | torch.Tens
     return out
 
 
-def task_reward_means(rewards_b: torch.Tensor | Sequence[float], task_names: Sequence[str]) -> dict:
-    """Per task of the batch: ``task/<name>/reward_mean`` and ``task/<name>/num_samples`` (tasks in the
-    order they first appear).
-
-        >>> for key, value in task_reward_means([1.0, 0.0, 0.5, 1.0], ["math", "math", "code", "math"]).items():
-        ...     print(key, round(value, 3))
-        task/math/reward_mean 0.667
-        task/math/num_samples 3.0
-        task/code/reward_mean 0.5
-        task/code/num_samples 1.0
-    """
-    rewards = torch.as_tensor(rewards_b, dtype=torch.float64)
-    if len(task_names) != len(rewards):
-        raise ValueError(f"task_reward_means: {len(task_names)} task names for {len(rewards)} rewards")
-    out = {}
-    for name in dict.fromkeys(task_names):
-        picked = rewards[torch.tensor([t == name for t in task_names])]
-        out[f"task/{name}/reward_mean"] = picked.mean().item()
-        out[f"task/{name}/num_samples"] = float(len(picked))
+def step_summary(batch) -> dict:
+    """The summary metrics of a step's `grpo.batch.TrainBatch` (after phase 7): group reward shares of the
+    environments' rewards, the advantage summary, and the mean of each reward component."""
+    out = {**group_reward_shares(batch.raw_rewards_b, batch.group_ids_b),
+           **advantage_summary(batch.advantages_bt, batch.token_mask_bt, batch.sample_mask_b)}
+    if batch.reward_components_bk is not None:
+        out.update(reward_component_means({name: batch.reward_components_bk[:, k]
+                                           for k, name in enumerate(batch.component_names)}))
     return out

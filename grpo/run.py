@@ -31,6 +31,9 @@ def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Name
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("--export-hf", default=None, metavar="DIR",
                    help="load the latest checkpoint, export consolidated HF safetensors to DIR, and exit")
+    p.add_argument("--export-hf-overwrite", action="store_true",
+                   help="let --export-hf write into a non-empty DIR that is not this run's export (same-named files "
+                        "are replaced, nothing else is deleted)")
     p.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
                    help="print every config field (key, type, default, description), or those of SECTION, and exit")
     args, overrides = p.parse_known_args(argv)
@@ -78,7 +81,10 @@ def load_run_config(argv=None, default_config: str = "", asynchronous: bool = Fa
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """Everything a loop works with, built by `setup`. ``generator`` is the synchronous loop's generation
+    """Everything a loop works with, built by `setup`. ``checks``: the per-step health checks
+    (`grpo.health.StepChecks`); ``stop``: the SIGTERM / SIGINT flag (`grpo.signals.StopRequest`); ``dumper``:
+    the rollout dumps (`grpo.dumps.RolloutDumper`); ``run_id``: the run's id in its directories
+    (`grpo.rundir`). ``generator`` is the synchronous loop's generation
     backend (None for the async loop, which builds its own); ``val_envs`` are validation's environments
     (``envs`` themselves unless ``env.val_tasks`` is set or the loop is asynchronous: its generation thread
     owns ``envs``); ``resume`` holds what the newest checkpoint restored for the loop to use
@@ -103,8 +109,13 @@ class Run:
     state: Any
     total_steps: int
     deadline: Any
+    checks: Any = None
+    stop: Any = None
+    dumper: Any = None
+    run_id: str | None = None
     generator: Any = None
     resume: Any = None
+    exit_status: int | None = None
     closables: list = field(default_factory=list)
 
 
@@ -133,16 +144,27 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     if not torch.cuda.is_available():  # DeepSpeed would otherwise warn that it falls back to its CPU accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from grpo import engines, weights
-    from grpo.checkpoint import CheckpointManager, GRPOSaveState, SaveDeadline
+    from grpo.checkpoint import CheckpointError, CheckpointManager, GRPOSaveState, SaveDeadline
     from grpo.data import build_dataloader
+    from grpo.dumps import RolloutDumper
     from grpo.envs import build_environments
-    from grpo.logging import MetricsLogger
+    from grpo.health import StepChecks, overflow_check_gap
+    from grpo.logging import MetricsLogger, truncate_metrics
+    from grpo.rundir import recorded_run_id
+    from grpo.signals import StopRequest
     from grpo.step import LogprobEngines
     from grpo.toy import resolve_model_name
+    from grpo.weights import ExportError
 
     rank, _, world_size, device = engines.init_distributed()
     if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
         return mismatch
+    locks, run_id = [], None
+    if args.export_hf is None:  # one run per directory: lock, refuse a foreign run's checkpoints
+        claimed = claim_dirs(cfg, rank)
+        if isinstance(claimed, str):
+            return claimed
+        locks, run_id = claimed
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
     skip_prev, skip_ref = resolve_skip_flags(cfg)
@@ -164,17 +186,25 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         teacher = engines.build_reference_engine(cfg.policy.model_copy(update={"model_name": name}), world_size)
     ckpt = CheckpointManager(cfg.checkpointing, rank)
 
+    if (gap := overflow_check_gap(policy)) is not None:
+        return f"error: {gap}"
     state, resume = GRPOSaveState(), None
-    latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
-    if args.export_hf is not None and latest is None:
-        return f"error: --export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}"
-    if latest is not None:
-        ckpt.clean_partial()
-        state, loader_state, extra = ckpt.load(latest, policy)
-        resume = Resume(latest, loader_state, extra)
-    if args.export_hf is not None:
-        weights.export_hf(policy, args.export_hf, tokenizer)
-        return None
+    try:
+        latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
+        if args.export_hf is not None and latest is None:
+            return f"error: --export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}"
+        if latest is not None:
+            ckpt.clean_partial()
+            state, loader_state, extra = ckpt.load(latest, policy)
+            resume = Resume(latest, loader_state, extra)
+        if args.export_hf is not None:
+            weights.export_hf(policy, args.export_hf, tokenizer, overwrite=args.export_hf_overwrite,
+                              run_id=recorded_run_id(cfg.checkpointing.checkpoint_dir))
+            return None
+    except (CheckpointError, ExportError) as err:
+        return f"error: {err}"
+    if rank == 0:  # every step once in metrics.jsonl: rows past the resumed step are from the lost steps
+        truncate_metrics(cfg.logger.log_dir, state.current_step)
     logger = MetricsLogger(cfg.logger, rank, cfg.model_dump(mode="json"), total_steps, state.current_step)
     if resume is not None:
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
@@ -190,12 +220,48 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
               logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher), ckpt=ckpt,
               logger=logger, state=state, total_steps=total_steps,
               deadline=SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at), resume=resume)
-    run.closables += [logger, envs] + ([val_envs] if val_envs is not envs else [])
+    run.checks = StepChecks(cfg, policy.module.config.vocab_size)
+    run.dumper = RolloutDumper(cfg.logger.log_dir, cfg.logger.dump_rollouts_every, cfg.logger.dump_rollouts_max_samples,
+                               rank, enabled=cfg.logger.dump_rollouts)
+    run.run_id = run_id
+    run.closables += [logger, envs] + ([val_envs] if val_envs is not envs else []) + [_Release(locks)]
     if not asynchronous:
         run.generator = build_generation_backend(cfg, tokenizer, policy, device)
         run.generator.refit(policy)
         run.closables.append(run.generator)
+    run.stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
+    run.closables.append(run.stop)
     return run
+
+
+class _Release:
+    """Closes (releases) the run directories' locks at the very end."""
+
+    def __init__(self, locks: list):
+        self.locks = locks
+
+    def close(self) -> None:
+        for lock in self.locks:
+            lock.release()
+
+
+def claim_dirs(cfg, rank: int):
+    """Rank 0 locks the checkpoint and log directories and checks the run fingerprint (`grpo.rundir`);
+    every rank gets ``(locks, run_id)`` (locks only on rank 0) or the error message. A collective."""
+    from grpo.rollout import all_gather_objects
+    from grpo.rundir import RunDirError, claim_run_dirs
+
+    claimed, error = ([], None), None
+    if rank == 0:
+        c = cfg.checkpointing
+        try:
+            claimed = claim_run_dirs(c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir,
+                                     cfg.model_dump(mode="json"), resume=c.resume, allow_change=c.allow_config_change)
+        except RunDirError as err:
+            error = f"error: {err}"
+    error = all_gather_objects([error])[0]
+    run_id = all_gather_objects([claimed[1]])[0]
+    return error if error is not None else (claimed[0], run_id)
 
 
 def load_tokenizer(policy_cfg):
@@ -259,8 +325,8 @@ def rollout(run: Run, generator, envs, prompts: list[dict], step: int, gen_batch
 # --------------------------------------------------------------------------------------------------
 def validate(run: Run, generator, envs, step: int) -> dict:
     """Score up to ``grpo.max_val_samples`` prompts x ``grpo.val_num_generations_per_prompt`` samples, log
-    ``val/*`` and print a few conversations; returns the metrics (reward_mean, pass@k, response_length_mean,
-    truncated_frac, turns_mean, num_samples, generate_s).
+    ``val/*``, print a few conversations and dump them (``logger.dump_rollouts``); returns the metrics
+    (`grpo.config.validation_metric_names` and the timings env_step_s, validation_s).
 
     Seeds depend only on the sample's index (not the step), so successive validations differ only by the
     weights. A collective: every rank calls it.
@@ -273,13 +339,13 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     n = min(len(run.val_ds), g.max_val_samples or len(run.val_ds))
     k = g.val_num_generations_per_prompt
     rows = [run.val_ds[i] for i in range(n)]
-    trajs, group_ids, generate_s = [], [], 0.0
+    trajs, group_ids, timing, t0 = [], [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
     bs = g.val_batch_size or n
     for start in range(0, n, bs):
         r = rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val", num_generations=k)
         trajs += r.trajectories
         group_ids += [start + t.group_id for t in r.trajectories]
-        generate_s += r.timing["generate_s"]
+        timing = {key: v + r.timing[key] for key, v in timing.items()}
     rewards_b = torch.tensor([t.reward for t in trajs])
     metrics = {
         "reward_mean": rewards_b.mean().item(),
@@ -288,11 +354,25 @@ def validate(run: Run, generator, envs, step: int) -> dict:
         "truncated_frac": sum(t.truncated for t in trajs) / max(len(trajs), 1),
         "turns_mean": sum(t.turns for t in trajs) / max(len(trajs), 1),
         "num_samples": float(len(trajs)),
-        "generate_s": generate_s,
+        **timing,
+        "validation_s": time.perf_counter() - t0,
     }
     run.logger.log({f"val/{key}": v for key, v in metrics.items()}, step)
     run.logger.print_samples(trajs, run.cfg.logger.num_val_samples_to_print)
+    dump_rollouts(run, "val", step, trajs)
     return metrics
+
+
+def dump_rollouts(run: Run, split: str, step: int, trajectories: list, batch=None) -> None:
+    """With ``logger.dump_rollouts``, on ``logger.dump_rollouts_every`` steps: the step's samples as
+    ``<log_dir>/rollouts/{split}_step_<N>.jsonl`` (`grpo.dumps`) and a wandb table when wandb is on."""
+    from grpo.dumps import rollout_records
+
+    if not run.dumper.due(step):
+        return
+    records = run.dumper.select(rollout_records(trajectories, split, step, batch, run.cfg.grpo.overlong_filtering))
+    run.dumper.write(split, step, records)
+    run.logger.log_rollouts(f"{split}/rollouts", records, step)
 
 
 def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_state: dict | None,
@@ -313,10 +393,16 @@ def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_st
 
 
 def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
-    """Why the run stops after ``step`` (early stop on validation, or no time left before
-    ``checkpointing.checkpoint_must_save_by``), or None. A collective (the deadline agrees across ranks)."""
+    """Why the run stops after ``step`` (a SIGTERM / SIGINT on any rank, early stop on validation, or no time
+    left before ``checkpointing.checkpoint_must_save_by``), or None. A collective: every rank agrees."""
+    from grpo.engines import any_rank
     from grpo.step import early_stop_reason
 
+    if any_rank(run.stop.requested()):
+        run.exit_status = run.stop.exit_status() or 143
+        return (f"{run.stop.signal_name or 'a signal'} received"
+                + ("; this step is checkpointed: rerun the same command to resume" if run.cfg.checkpointing.enabled
+                   else ""))
     reason = early_stop_reason(run.cfg, val_metrics)
     if reason is None and step < run.total_steps and run.deadline.due():
         reason = (f"checkpointing.checkpoint_must_save_by={run.deadline.spec}: no time left for another step "
@@ -325,21 +411,24 @@ def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
 
 
 def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None, failure: str | None = None,
-           extra: dict | None = None) -> str | None:
-    """End of a run: a last checkpoint when the data ran out between saves (or after a failure), the
-    consolidated export (``hf_final``, not after a failure or a time-limit stop), the closing line, and every
-    resource released. Returns ``failure`` (the script exits 1 with it) or None."""
+           extra: dict | None = None) -> str | int | None:
+    """End of a run: a last checkpoint when the data ran out between saves or after a failure the state is
+    good at (not after non-finite steps: the last checkpoint holds the last good weights), the consolidated
+    export (``hf_final``; not after a failure, a signal or a time-limit stop), the closing line, and every
+    resource released. Returns what ``main`` returns: ``failure`` (exit 1), a signal's exit status, or None."""
     from grpo import engines, weights
 
     cfg, state = run.cfg, run.state
     saved = run.ckpt.latest_step() if cfg.checkpointing.enabled else None
-    if cfg.checkpointing.enabled and (out_of_data or failure is not None) and saved != state.current_step:
+    good_state = failure is not None and run.checks.stop_kind != "nonfinite"
+    if cfg.checkpointing.enabled and (out_of_data or good_state) and saved != state.current_step:
         save(run, state.current_step, state.metrics, None, loader_state, extra)
-    if failure is None and not run.deadline.reached and cfg.checkpointing.enabled:
-        weights.export_hf(run.policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), run.tokenizer)
+    if failure is None and run.exit_status is None and not run.deadline.reached and cfg.checkpointing.enabled:
+        weights.export_hf(run.policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), run.tokenizer,
+                          run_id=run.run_id)
     run.logger.write(f"done: {state.current_step} steps" + (f", last val/reward_mean {state.val_reward:.4g}"
                                                              if state.val_reward > -99999999.0 else ""))
     for closable in run.closables:
         closable.close()
     engines.shutdown()
-    return failure
+    return failure if failure is not None else run.exit_status

@@ -25,27 +25,74 @@ from grpo.batch import TrainBatch
 from grpo.logprobs import mask_by_seq_logprob_error
 from grpo.loss import calculate_kl, clipped_pg_loss
 from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
-from grpo.rewards import apply_reward_penalties, scale_rewards, shape_overlong_rewards
+from grpo.rewards import (
+    apply_reward_penalties, malformed_thinking_flags, process_reward_components, prompt_starts_in_think, scale_rewards,
+    shape_overlong_rewards,
+)
 from grpo.rollout import all_gather_objects, rank_slice
-from grpo.sampling import overlong_filter_mask
+from grpo.sampling import group_reward_std, overlong_filter_mask
 
 
 # ---- phase 3 ---------------------------------------------------------------------------------------
-def shape_rewards(cfg, batch: TrainBatch, trajectories: list) -> tuple[TrainBatch, dict]:
-    """rewards = shape(scale(penalise(raw_rewards))); raw rewards stay for logging. A sample whose completion
-    has malformed think tags (``reward_penalties.penalize_malformed_think_tag``) gets the flag
-    ``malformed_thinking`` on its generated messages. Returns (batch, penalty metrics)."""
-    g = cfg.grpo
+def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
+    """Penalties, scaling and overlong shaping of the rewards (and of GDPO's components); returns (batch, metrics).
+
+        task_rewards = scale(penalise(raw_rewards))      what dynamic sampling filters on (DAPO, NeMo-RL)
+        rewards      = shape(task_rewards)               what the advantages read
+
+    Components (GDPO) go through the same steps (`grpo.rewards.process_reward_components`). The think-tag
+    detectors know when the text before a turn opened the thinking block (a chat template's generation
+    prompt). With ``grpo.malformed_thinking_advantage`` set, every generated message with malformed think
+    tags is flagged ``malformed_thinking`` (no reward is changed by that; the penalty
+    ``reward_penalties.penalize_malformed_think_tag`` zeroes the sample's reward on its own).
+    """
+    g, rp = cfg.grpo, cfg.reward_penalties
+    trajectories = batch.trajectories
     texts = [t.completion_text() for t in trajectories]
     ids = [t.completion_ids() for t in trajectories]
-    rewards_b, flags, metrics = apply_reward_penalties(batch.raw_rewards_b, texts, ids, cfg.reward_penalties)
-    rewards_b = scale_rewards(rewards_b, g.reward_scaling)
-    rewards_b = shape_overlong_rewards(rewards_b, batch.response_lengths_b, batch.truncated_b, g.reward_shaping)
-    spans = batch.message_spans
-    if "malformed_think_tag" in flags:
-        spans = [[(s, e, tuple(sorted({*f, "malformed_thinking"}))) if bad else (s, e, f) for s, e, f in sample]
-                 for sample, bad in zip(spans, flags["malformed_think_tag"].tolist())]
-    return batch.replace(rewards_b=rewards_b, message_spans=spans), metrics
+    opened = [_turns_open_thinking(t, tokenizer, rp) for t in trajectories]
+    task_b, flags, metrics = apply_reward_penalties(batch.raw_rewards_b, texts, ids, rp,
+                                                    starts_in_think_b=[o[0] if o else False for o in opened])
+    task_b = scale_rewards(task_b, g.reward_scaling)
+    rewards_b = shape_overlong_rewards(task_b, batch.response_lengths_b, batch.truncated_b, g.reward_shaping)
+    changes = {"task_rewards_b": task_b, "rewards_b": rewards_b}
+    if batch.reward_components_bk is not None:
+        task_bk, shaped_bk = process_reward_components(batch.reward_components_bk, flags, batch.response_lengths_b,
+                                                       batch.truncated_b, g.reward_scaling, g.reward_shaping)
+        extra = ("overlong",) if shaped_bk.shape[1] > task_bk.shape[1] else ()
+        changes.update(task_components_bk=task_bk, reward_components_bk=shaped_bk,
+                       component_names=batch.component_names + extra)
+    if g.malformed_thinking_advantage is not None:
+        spans = []
+        for traj, sample_spans, starts in zip(trajectories, batch.message_spans, opened):
+            generated = [m for m in traj.messages if m.trained]
+            bad = malformed_thinking_flags([m.content for m in generated], [m.token_ids for m in generated], rp,
+                                           starts).tolist()
+            spans.append([(s, e, tuple(sorted({*f, "malformed_thinking"})) if b else f)
+                          for (s, e, f), b in zip(sample_spans, bad)])
+        changes["message_spans"] = spans
+    return batch.replace(**changes), metrics
+
+
+def _turns_open_thinking(traj, tokenizer, rp) -> list[bool]:
+    """Per generated message of ``traj``: did the text just before it (the prompt, or an observation and the
+    next generation prompt) leave a think block open?"""
+    out, context = [], []
+    for m in traj.messages:
+        if m.trained:
+            out.append(prompt_starts_in_think(tokenizer.decode(context, skip_special_tokens=False),
+                                              rp.think_open_tag, rp.think_close_tag))
+            context = []
+        else:
+            context += m.token_ids
+    return out
+
+
+def group_std_for_dynamic_sampling(batch: TrainBatch) -> torch.Tensor:
+    """The std DAPO's group filter reads: of the unshaped task reward, per component for GDPO's components
+    (`grpo.sampling.group_reward_std`)."""
+    task = batch.task_components_bk if batch.task_components_bk is not None else batch.task_rewards_b
+    return group_reward_std(batch.group_ids_b, task)
 
 
 # ---- phase 5 ---------------------------------------------------------------------------------------
@@ -70,8 +117,9 @@ class LogprobEngines:
 
 
 def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, temperature: float,
-                    micro_batch_size: int, chunk_size: int | None = None) -> torch.Tensor:
-    """Logprobs ``[B, T]`` of the whole batch: each rank scores its share, then all ranks gather."""
+                    micro_batch_size: int, chunk_size: int | None = None, **top) -> torch.Tensor:
+    """Logprobs ``[B, T]`` of the whole batch: each rank scores its share, then all ranks gather. ``top``:
+    the sampler's ``top_k`` / ``top_p`` (`grpo.engines.compute_logprobs`)."""
     from grpo.engines import compute_logprobs
 
     B, T = batch.input_ids_bt.shape
@@ -79,22 +127,26 @@ def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, tempe
     attn = batch.attention_mask_bt[sl]
     t_local = max(int(attn.sum(dim=1).max().item()), 1) if len(attn) else 1
     lp = compute_logprobs(engine, batch.input_ids_bt[sl, :t_local], attn[:, :t_local], temperature,
-                          micro_batch_size, chunk_size)
+                          micro_batch_size, chunk_size, **top)
     lp = torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1]))
     return torch.cat(all_gather_objects([lp]), dim=0)
 
 
 def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, world_size: int) -> TrainBatch:
-    """Previous-policy, reference and teacher logprobs ``[B, T]`` under the current weights (a collective)."""
-    p = cfg.policy
+    """Previous-policy, reference and teacher logprobs ``[B, T]`` under the current weights (a collective).
 
-    def score(engine):
+    The previous policy's are scored under the sampling distribution (temperature, top-k, top-p: what the
+    generation logprobs are), the reference's and teacher's with the temperature only, as NeMo-RL."""
+    p, gen = cfg.policy, cfg.policy.generation
+
+    def score(engine, sampled: bool = False):
         if engine is None:
             return None
-        return gather_logprobs(engine, batch, rank, world_size, p.generation.temperature, p.logprob_batch_size,
-                               p.logprob_chunk_size)
+        top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
+        return gather_logprobs(engine, batch, rank, world_size, gen.temperature, p.logprob_batch_size,
+                               p.logprob_chunk_size, **top)
 
-    return batch.replace(prev_logprobs_bt=score(engines.prev), ref_logprobs_bt=score(engines.reference),
+    return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
                          teacher_logprobs_bt=score(engines.teacher))
 
 
@@ -114,7 +166,8 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     """(advantages ``[B, T]``, sample mask ``[B]``, metrics) of the step:
 
         sample_mask = sample_mask · 1[seq_logprob_error ≤ grpo.seq_logprob_error_threshold]
-        A   = estimator(group_ids, rewards, valid = 1, token_mask, kl = KL(prev || ref) if use_kl_in_reward)
+        A   = estimator(group_ids, rewards, valid = 1, token_mask, sample_mask,
+                        kl = KL(prev || ref) if use_kl_in_reward)
         A  += −kl_coef · (student − teacher)                         (on-policy distillation; student = prev)
         A[message] = invalid_tool_call_advantage / malformed_thinking_advantage   (flagged messages)
         A   = clamp(A, advantage_clip_low, advantage_clip_high)
@@ -124,7 +177,7 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     g, loss_cfg = cfg.grpo, cfg.loss_fn
     metrics: dict = {}
     sample_mask_b = batch.sample_mask_b
-    if g.seq_logprob_error_threshold is not None:
+    if batch.prev_logprobs_bt is not None:  # the error metrics always; masking only with a threshold (NeMo-RL)
         sample_mask_b, metrics = mask_by_seq_logprob_error(
             batch.generation_logprobs_bt, batch.prev_logprobs_bt, batch.token_mask_bt, sample_mask_b,
             batch.rewards_b, g.seq_logprob_error_threshold)
@@ -135,7 +188,8 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     adv_bt = compute_advantages(
         g.adv_estimator.name, group_ids=batch.group_ids_b, rewards=batch.rewards_b,
         valid_mask=torch.ones_like(batch.rewards_b), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
-        reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty)
+        reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty,
+        sample_mask=sample_mask_b)
     if batch.teacher_logprobs_bt is not None:
         student_bt = batch.prev_logprobs_bt if batch.prev_logprobs_bt is not None else batch.generation_logprobs_bt
         adv_bt = adv_bt + distillation_advantages(student_bt, batch.teacher_logprobs_bt, batch.token_mask_bt,
@@ -156,11 +210,13 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int, loss_
     normalised by the global valid-token / valid-sequence counts of the optimizer step
     (`grpo.metrics.global_valid_counts`), so the update does not depend on micro-batching or world size.
     Without previous-policy logprobs (``force_on_policy_ratio``) the training forward's own, detached,
-    stand in.
+    stand in. A micro-batch with a non-finite loss makes its optimizer step a no-op
+    (`grpo.health.skip_nonfinite_loss`).
     """
     from grpo.engines import train_on_batch
+    from grpo.health import skip_nonfinite_loss
 
-    p = cfg.policy
+    p, gen = cfg.policy, cfg.policy.generation
     results = []
     for start in range(0, len(batch), p.train_global_batch_size):
         mine = batch.select(slice(start, start + p.train_global_batch_size)).shard(rank, world_size)
@@ -170,19 +226,22 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int, loss_
             prev = mb.prev_logprobs_bt if mb.prev_logprobs_bt is not None else logprobs_bt.detach()
             return loss_fn(logprobs_bt, prev, mb.advantages_bt, mb.token_mask_bt, mb.sample_mask_b, cfg.loss_fn,
                            ref_logprobs=mb.ref_logprobs_bt, generation_logprobs=mb.generation_logprobs_bt,
-                           global_valid_tokens=n_tokens, global_valid_seqs=n_seqs)
+                           global_valid_tokens=n_tokens, global_valid_seqs=n_seqs,
+                           unfiltered_logprobs=mb.unfiltered_logprobs_bt)
 
-        results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size), loss_closure,
-                                      temperature=p.generation.temperature))
+        results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size),
+                                      skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
+                                      top_k=gen.top_k, top_p=gen.top_p))
     return results
 
 
 # ---- phase 9 ---------------------------------------------------------------------------------------
 def record_step(state, batch: TrainBatch, step: int) -> None:
-    """Advance the loop counters saved with each checkpoint (`grpo.checkpoint.GRPOSaveState`)."""
+    """Advance the loop counters saved with each checkpoint (`grpo.checkpoint.GRPOSaveState`);
+    ``consumed_samples`` counts prompts, as NeMo-RL's does."""
     state.current_step = step
     state.total_steps += 1
-    state.consumed_samples += len(batch)
+    state.consumed_samples += int(torch.unique(batch.group_ids_b).numel())
     state.total_valid_tokens += int((batch.token_mask_bt * batch.sample_mask_b[:, None]).sum())
 
 

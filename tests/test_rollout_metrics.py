@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from grpo.metrics import aggregate_rollout_metrics
 from grpo.rollout_metrics import (
-    advantage_summary, group_reward_shares, reward_component_means, sample_token_means, task_reward_means,
+    advantage_summary, group_reward_shares, reward_component_means, sample_token_means,
 )
 
 
@@ -52,16 +52,6 @@ def test_advantage_summary_without_trained_tokens_is_zero():
 def test_sample_token_means_is_nan_only_without_tokens():
     means_b = sample_token_means(torch.tensor([[1.0, 3.0], [4.0, 4.0]]), torch.tensor([[1, 1], [0, 0]]))
     assert means_b[0].item() == 2.0 and math.isnan(means_b[1].item())
-
-
-def test_component_and_task_means():
-    assert reward_component_means({"correctness": torch.tensor([1.0, 0.0, 0.0]), "format": [1, 1, 0]}) \
-        == pytest.approx({"reward/correctness/mean": 1 / 3, "reward/format/mean": 2 / 3})
-    out = task_reward_means(torch.tensor([1.0, 0.0, 1.0]), ["math", "code", "math"])
-    assert out == {"task/math/reward_mean": 1.0, "task/math/num_samples": 2.0,
-                   "task/code/reward_mean": 0.0, "task/code/num_samples": 1.0}
-    with pytest.raises(ValueError, match="2 task names for 3 rewards"):
-        task_reward_means([1.0, 0.0, 1.0], ["a", "b"])
 
 
 def test_outputs_aggregate_across_rollouts_like_other_metrics():

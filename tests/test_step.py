@@ -9,6 +9,7 @@ from grpo.batch import build_batch
 from grpo.config_load import build_config
 from grpo.rollout import Message, Trajectory
 from grpo.step import compose_advantages, initial_sample_mask, shape_rewards, step_advantages
+from grpo.toy import build_char_tokenizer
 
 
 def traj(group_id: int, reward: float, turns: list[tuple[list[int], list[float]]], prompt=(1, 5),
@@ -120,8 +121,42 @@ def test_shape_rewards_penalises_scales_and_marks_malformed_thinking():
                         "grpo": {"reward_scaling": {"enabled": True, "target_min": -1.0}}})
     good, bad = traj(0, 1.0, [([7, 2], [])]), traj(0, 1.0, [([8, 2], [])])
     bad.messages[1].content = "<think>oops"
-    b, metrics = shape_rewards(cfg, build_batch([good, bad], pad_id=0), [good, bad])
+    b, metrics = shape_rewards(cfg, build_batch([good, bad], pad_id=0), build_char_tokenizer())
     assert b.raw_rewards_b.tolist() == [1.0, 1.0]
     assert b.rewards_b.tolist() == [1.0, -1.0]  # zeroed by the penalty, then scaled from [0, 1] to [-1, 1]
-    assert b.message_spans[1][0][2] == ("malformed_thinking",) and b.message_spans[0][0][2] == ()
+    assert b.task_rewards_b.tolist() == [1.0, -1.0]  # no shaping configured
+    assert b.message_spans == build_batch([good, bad], pad_id=0).message_spans  # the penalty flags no message
     assert metrics["reward_penalty/malformed_think_tag"] == 0.5
+    # grpo.malformed_thinking_advantage flags the message, on its own, and changes no reward.
+    cfg = build_config({"grpo": {"malformed_thinking_advantage": -1.0}})
+    b, metrics = shape_rewards(cfg, build_batch([good, bad], pad_id=0), build_char_tokenizer())
+    assert b.rewards_b.tolist() == [1.0, 1.0] and "reward_penalty/malformed_think_tag" not in metrics
+    assert b.message_spans[1][0][2] == ("malformed_thinking",) and b.message_spans[0][0][2] == ()
+
+
+def test_a_prompt_that_opens_the_think_block_makes_a_closing_tag_well_formed():
+    cfg = build_config({"grpo": {"malformed_thinking_advantage": -1.0}})
+    tok = build_char_tokenizer()
+    opened = traj(0, 1.0, [([7, 2], [])], prompt=tok("q <think>")["input_ids"])
+    closed = traj(0, 1.0, [([7, 2], [])], prompt=tok("q")["input_ids"])
+    for t in (opened, closed):
+        t.messages[1].content = "hmm</think> 4"
+    b, _ = shape_rewards(cfg, build_batch([opened, closed], pad_id=0), tok)
+    assert [spans[0][2] for spans in b.message_spans] == [(), ("malformed_thinking",)]
+
+
+def test_dynamic_sampling_drops_a_group_of_wrong_answers_whose_overlong_penalties_differ():
+    """The issue's example: 4 wrong answers of lengths [100, 3500, 4000, 4096], max 4096, buffer 1024, penalty 1
+    are shaped to [0, -0.418, -0.906, -1]; their task reward does not vary, so DAPO drops the group."""
+    from grpo.sampling import DynamicSamplingCache
+    from grpo.step import group_std_for_dynamic_sampling
+
+    cfg = build_config({"policy": {"max_total_sequence_length": 8192, "generation": {"max_new_tokens": 4096}},
+                        "grpo": {"reward_shaping": {"enabled": True, "max_response_length": 4096,
+                                                    "overlong_buffer_length": 1024, "overlong_buffer_penalty": 1.0}}})
+    wrong = [traj(0, 0.0, [([5] * n, [])]) for n in (100, 3500, 4000, 4096)]
+    right = [traj(1, r, [([5] * 10, [])]) for r in (1.0, 0.0, 0.0, 0.0)]
+    b, _ = shape_rewards(cfg, build_batch(wrong + right, pad_id=0), build_char_tokenizer())
+    torch.testing.assert_close(b.rewards_b[:4], torch.tensor([0.0, -0.418, -0.906, -1.0]), atol=1e-3, rtol=0)
+    kept, _ = DynamicSamplingCache(1, 4, 2).add(b, b.group_ids_b, group_std_for_dynamic_sampling(b))
+    assert kept is not None and kept.raw_rewards_b.tolist() == [1.0, 0.0, 0.0, 0.0]  # only the mixed group

@@ -32,7 +32,7 @@ from typing import Any
 
 from grpo.envs.function import EnvError, resolve_reward_fn, score_sample
 from grpo.envs.interface import Environment, EnvironmentReturn, check_return
-from grpo.envs.pool import Outcome, ScoringPool
+from grpo.envs.pool import Outcome, ScoringPool, check_reward_fn
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class ScoreResult:
     num_timeouts: int
     kinds: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    details: list[str | None] = field(default_factory=list)  # per sample: the traceback of a failure
 
 
 def collect(outcomes: list[Outcome], seconds: float) -> ScoreResult:
@@ -79,7 +80,8 @@ def collect(outcomes: list[Outcome], seconds: float) -> ScoreResult:
     num_errors = sum(kind == "error" for kind, _ in outcomes)
     num_timeouts = sum(kind == "timeout" for kind, _ in outcomes)
     metrics = {"env/error_rate": num_errors / n, "env/timeout_rate": num_timeouts / n, "env/score_s": seconds}
-    return ScoreResult(rewards, components, num_errors, num_timeouts, [kind for kind, _ in outcomes], metrics)
+    return ScoreResult(rewards, components, num_errors, num_timeouts, [kind for kind, _ in outcomes], metrics,
+                       [None if kind == "ok" else str(payload)[-4000:] for kind, payload in outcomes])
 
 
 class RewardEnvironment(Environment):
@@ -99,8 +101,8 @@ class RewardEnvironment(Environment):
 
     def step(self, message_logs: list, metadata: list[dict]) -> EnvironmentReturn:
         """Reward of each conversation's last assistant message; every sample terminates. Metadata keeps the
-        row and adds ``reward_components`` (a dict reward's components) and ``reward_error`` ("reward_error"
-        / "reward_timeout") for a sample whose scorer failed."""
+        row and adds ``reward_components`` (a dict reward's components), and for a sample whose scorer failed
+        ``reward_error`` ("reward_error" / "reward_timeout") and ``reward_error_detail`` (its traceback)."""
         import torch
 
         completions = [next((m["content"] for m in reversed(log) if m["role"] == "assistant"), "")
@@ -108,9 +110,9 @@ class RewardEnvironment(Environment):
         result = self.score([{"question": md["question"], "completion": c, "answer": md["answer"],
                               "meta": md.get("meta") or {}} for c, md in zip(completions, metadata)])
         comps = result.components or [None] * len(completions)
-        out_meta = [{**md, "reward_components": comp,
-                     "reward_error": None if kind == "ok" else f"reward_{kind}"}
-                    for md, comp, kind in zip(metadata, comps, result.kinds)]
+        out_meta = [{**md, "reward_components": comp, "reward_error": None if kind == "ok" else f"reward_{kind}",
+                     "reward_error_detail": detail}
+                    for md, comp, kind, detail in zip(metadata, comps, result.kinds, result.details)]
         n = len(completions)
         return EnvironmentReturn(observations=[{"role": "user", "content": ""}] * n, metadata=out_meta,
                                  next_stop_strings=[None] * n, rewards=torch.tensor(result.rewards),
@@ -194,8 +196,8 @@ def build_environment(spec, data_cfg=None, key: str = "env") -> Environment:
         from grpo.envs.guess_number import GuessNumberEnvironment
 
         return GuessNumberEnvironment(**spec.kwargs)
-    if spec.name == "function":
-        resolve_reward_fn(spec.reward_fn)  # a bad name fails here, not in every worker
+    if spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
+        check_reward_fn(spec.reward_fn, spec.timeout_s)
         fn_spec, in_workers = spec.reward_fn, True
     else:
         fn_spec, in_workers = SCORERS[spec.name]
@@ -223,6 +225,7 @@ class Environments:
         self.envs = envs
         self.step_timeout_s = step_timeout_s
         self.num_failures = 0
+        self.last_error: str | None = None
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
@@ -231,7 +234,8 @@ class Environments:
         return sorted(self.envs)
 
     def step(self, task: str, message_logs: list, metadata: list) -> tuple[EnvironmentReturn | None, str | None]:
-        """One checked `Environment.step` of ``task``'s environment: ``(return, None)`` or ``(None, error)``."""
+        """One checked `Environment.step` of ``task``'s environment: ``(return, None)``, or ``(None, error)``
+        with the error's kind and traceback in `last_error`."""
         result: dict = {}
 
         def call() -> None:
@@ -244,23 +248,23 @@ class Environments:
         thread.start()
         thread.join(self.step_timeout_s)
         if thread.is_alive():
-            self._failed(task, "env_timeout", f"no return within env.step_timeout_s={self.step_timeout_s}")
-            return None, "env_timeout"
+            return None, self._failed(task, "env_timeout", f"no return within env.step_timeout_s={self.step_timeout_s}")
         if "error" in result:
-            self._failed(task, "env_error", result["error"])
-            return None, "env_error"
+            return None, self._failed(task, "env_error", result["error"])
         return result["ret"], None
 
-    def _failed(self, task: str, kind: str, detail: str) -> None:
+    def _failed(self, task: str, kind: str, detail: str) -> str:
         with self._lock:
             self.num_failures += 1
+            self.last_error = f"environment {task!r}: {detail}"[-4000:]
             if (task, kind) in self._logged:
-                return
+                return kind
             self._logged.add((task, kind))
         logger.warning("environment %r (task %r): step %s; its samples end with reward 0 and the run goes on "
                        "(later failures are only counted in train/env_errors):\n%s",
                        type(self.envs[task]).__name__, task, "timed out" if kind == "env_timeout" else "failed",
                        detail)
+        return kind
 
     def post_process(self, trajectories: list) -> tuple[list, dict[str, float]]:
         """Each environment's ``global_post_process_and_metrics`` on its own trajectories (order kept);

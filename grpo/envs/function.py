@@ -68,9 +68,15 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _finite(value: Any, what: str) -> float:
+    """A finite number, also as float32 (rewards are trained in float32: 1e39 would be inf there)."""
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
         raise ValueError(f"{what} must be a finite number, got {value!r}")
+    if abs(float(value)) > _FLOAT32_MAX:
+        raise ValueError(f"{what} must be a finite float32 number (|x| <= 3.4e38), got {value!r}")
     return float(value)
 
 
