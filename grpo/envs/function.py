@@ -32,23 +32,28 @@ class EnvError(RuntimeError):
     """A reward environment that cannot run (bad reward_fn name, scorer that fails to import)."""
 
 
-def resolve_reward_fn(spec: str) -> RewardFn:
-    """``"package.module:function"`` -> the function (imports the module)."""
-    module_name, sep, attr = spec.partition(":")
+def resolve_function(spec: str, key: str = "env.reward_fn") -> Callable:
+    """``"package.module:function"`` -> the function (imports the module); errors name the config ``key``."""
+    module_name, sep, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if not sep or not module_name or not attr:
-        raise EnvError(f"env.reward_fn={spec!r}: expected 'package.module:function'")
+        raise EnvError(f"{key}={spec!r}: expected 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise EnvError(f"env.reward_fn={spec!r}: cannot import {module_name!r} ({err})") from err
+        raise EnvError(f"{key}={spec!r}: cannot import {module_name!r} ({err})") from err
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise EnvError(f"env.reward_fn={spec!r}: module {module_name!r} has no {attr!r}")
+            raise EnvError(f"{key}={spec!r}: module {module_name!r} has no {attr!r}")
     if not callable(fn):
-        raise EnvError(f"env.reward_fn={spec!r}: {attr!r} is {type(fn).__name__}, not a function")
+        raise EnvError(f"{key}={spec!r}: {attr!r} is {type(fn).__name__}, not a function")
     return fn
+
+
+def resolve_reward_fn(spec: str) -> RewardFn:
+    """``"package.module:function"`` -> the reward function (imports the module)."""
+    return resolve_function(spec, "env.reward_fn")
 
 
 def _finite(value: Any, what: str) -> float:
