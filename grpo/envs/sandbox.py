@@ -1,7 +1,8 @@
 """The built-in ``python`` code tool (``env.tools: ["grpo.envs.sandbox:python"]``): code runs in a sandbox.
 
 Each call writes the code to ``main.py`` in a fresh scratch directory (removed afterwards) and runs
-``python -I -B main.py`` there, through two steps of this file run as a script:
+``python -I -B -u main.py`` there (unbuffered: stdout and stderr interleave in program order), through
+two steps of this file run as a script:
 
 1. a launcher (the process group leader, killed with its group at the wall-clock limit, and by the
    kernel when the tool worker that started it dies) that enters new user, network, PID, IPC and UTS
@@ -187,7 +188,8 @@ def run_python(code: str, limits: SandboxLimits = DEFAULT_LIMITS, require_landlo
 
 def _run_in(scratch: str, limits: SandboxLimits, require_landlock: bool) -> SandboxResult:
     status_r, status_w = os.pipe()
-    args = {"scratch": scratch, "limits": asdict(limits), "status_fd": status_w, "parent": os.getpid(), "uid": os.geteuid(),
+    args = {"scratch": scratch, "limits": asdict(limits), "status_fd": status_w, "parent": os.getpid(),
+            "uid": os.geteuid(),
             "read_roots": read_roots(), "require_landlock": require_landlock}
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
     try:
@@ -215,20 +217,46 @@ def _run_in(scratch: str, limits: SandboxLimits, require_landlock: bool) -> Sand
         if size > limits.max_output_bytes:
             truncated = True
             break
+    os.set_blocking(status_r, False)
+    reports = _read_available(status_r)
     if timed_out or truncated:
-        _kill_group(proc.pid)
+        _stop(proc, reports)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:  # cannot happen after SIGKILL, short of a kernel problem
         _kill_group(proc.pid)
         proc.wait()
     proc.stdout.close()
+    os.set_blocking(status_r, True)
     with os.fdopen(status_r, "rb") as f:
-        raw = f.read()
-    status = json.loads(raw) if raw else {}
+        reports += f.read()
+    status = {}
+    for line in reports.splitlines():  # {"init": pid} from the launcher, then how the code ended from the init
+        status.update(json.loads(line))
     output = b"".join(chunks)[: limits.max_output_bytes].decode("utf-8", errors="replace")
     return SandboxResult(output, status.get("exit_code"), status.get("signal"), timed_out, truncated,
                          status.get("isolation", {}))
+
+
+def _read_available(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return b""
+
+
+def _stop(proc: subprocess.Popen, reports: bytes) -> None:
+    """Kill the sandbox: its init first, so that the launcher only exits once every process of the PID
+    namespace is gone (the kernel empties a namespace whose init dies), then the process group (all of
+    it where there is no PID namespace)."""
+    init = next((json.loads(line)["init"] for line in reports.splitlines() if b'"init"' in line), None)
+    if init is not None:
+        try:
+            os.kill(init, signal.SIGKILL)  # not yet reaped by the launcher, which is alive: no PID reuse
+            proc.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    _kill_group(proc.pid)
 
 
 def _kill_group(pgid: int) -> None:
@@ -277,8 +305,8 @@ def _landlock(libc, abi: int, scratch: str, read_roots: list[str]) -> None:
         handled_fs |= 1 << 15  # ioctl_dev
     fields = [handled_fs] + ([3] if abi >= 4 else []) + ([3] if abi >= 6 else [])
     attr = (ctypes.c_uint64 * len(fields))(*fields)
-    ruleset = _check(libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
-                                  ctypes.c_uint32(0)), "landlock_create_ruleset")
+    ruleset = _check(libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr),
+                                  ctypes.c_size_t(ctypes.sizeof(attr)), ctypes.c_uint32(0)), "landlock_create_ruleset")
 
     class PathBeneath(ctypes.Structure):
         _pack_ = 1
@@ -330,7 +358,7 @@ def _run_code(libc, args: dict, limits: SandboxLimits, isolation: dict) -> None:
         elif args["require_landlock"]:
             raise OSError("Landlock is not available")
         _drop_capabilities(libc)
-        os.execve(sys.executable, [sys.executable, "-I", "-B", "-X", "utf8", "main.py"], dict(os.environ))
+        os.execve(sys.executable, [sys.executable, "-I", "-B", "-u", "-X", "utf8", "main.py"], dict(os.environ))
     except BaseException as err:
         os.write(2, f"sandbox setup failed: {type(err).__name__}: {err}\n".encode())
     os._exit(127)
@@ -378,8 +406,9 @@ def _child_main(args: dict) -> None:
         status = {"isolation": isolation,
                   "exit_code": os.waitstatus_to_exitcode(wait_status) if os.WIFEXITED(wait_status) else None,
                   "signal": os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else None}
-        os.write(status_fd, json.dumps(status).encode())
+        os.write(status_fd, json.dumps(status).encode() + b"\n")
         os._exit(0)
+    os.write(status_fd, json.dumps({"init": init}).encode() + b"\n")
     os.close(status_fd)
     os.waitpid(init, 0)
     os._exit(0)

@@ -229,7 +229,7 @@ def parse_tool_calls(text: str, fmt: str, schemas: dict[str, dict] | None = None
     ``schemas`` (``{name: schema}``) is needed by ``compact`` only: which tags are tools, and how a body
     maps to arguments.
 
-    >>> parse_tool_calls('ok <tool_call>\\n{"name": "calc", "arguments": {"expression": "2*3"}}\\n</tool_call>', "hermes")
+    >>> parse_tool_calls('<tool_call>\\n{"name": "calc", "arguments": {"expression": "2*3"}}\\n</tool_call>', "hermes")
     [ParsedCall(name='calc', arguments={'expression': '2*3'}, problem=None, detail='')]
     >>> [c.problem for c in parse_tool_calls("<tool_call>{oops</tool_call><tool_call>[1]", "hermes")]
     ['bad_json', 'missing_name']
