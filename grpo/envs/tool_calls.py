@@ -257,12 +257,16 @@ def format_result(fmt: str, text: str) -> str:
 
 
 def truncate(text: str, max_chars: int) -> str:
-    """At most ``max_chars`` characters of ``text``, then a marker saying how many were cut.
+    """``text`` cut to its first and last ``max_chars / 2`` characters (the end of a traceback or of a
+    program's output matters as much as its start), with a marker saying how many were cut.
 
-    >>> truncate("abcdefgh", 3), truncate("abc", 3)
-    ('abc...[5 more chars]', 'abc')
+    >>> truncate("abcdefgh", 4), truncate("abc", 3)
+    ('ab...[4 chars cut]...gh', 'abc')
     """
-    return text if len(text) <= max_chars else f"{text[:max_chars]}...[{len(text) - max_chars} more chars]"
+    if len(text) <= max_chars:
+        return text
+    head = max_chars - max_chars // 2
+    return f"{text[:head]}...[{len(text) - max_chars} chars cut]...{text[len(text) - max_chars // 2:]}"
 
 
 # --------------------------------------------------------------------------------------------------
