@@ -352,3 +352,19 @@ def test_qwen25_generated_call_decodes_and_parses(qwen25):
 def test_toolenv_rewards_are_a_tensor_per_sample(env):
     ret = env.step([[{"role": "assistant", "content": "408"}]], [row()])
     assert isinstance(ret.rewards, torch.Tensor) and ret.rewards.dtype == torch.float32
+
+
+def test_qwen25_tool_turn_only_appends_tokens(qwen25):
+    # What a multi-turn rollout relies on: the conversation re-rendered after a tool turn is the old prompt,
+    # the generated call (which stopped at </tool_call>, without <|im_end|>) and an observation suffix, and
+    # tokenizing the pieces separately gives the same ids as tokenizing the whole.
+    schemas = tool_schemas(resolve_tools([f"{FNS}:add"]))
+    user = [{"role": "user", "content": "What is 2+3?"}]
+    prompt = qwen25.apply_chat_template(user, tools=schemas, tokenize=False, add_generation_prompt=True)
+    call = hermes("add", {"a": 2, "b": 3})
+    after = user + [{"role": "assistant", "content": call}, {"role": "tool", "content": "5"}]
+    full = qwen25.apply_chat_template(after, tools=schemas, tokenize=False, add_generation_prompt=True)
+    observation = "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert full == prompt + call + observation
+    ids = [qwen25(part, add_special_tokens=False)["input_ids"] for part in (prompt, call, observation)]
+    assert ids[0] + ids[1] + ids[2] == qwen25(full, add_special_tokens=False)["input_ids"]
