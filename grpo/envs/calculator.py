@@ -127,9 +127,11 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
     defaults train on clean tool transcripts in half the rows and wrong direct answers in the other half:
     sampled at temperature 1 the model calls the tool in about half its samples and, having learnt to
     copy only approximately in 400 steps, gets about three quarters of those right; direct answers are
-    ~never right. Measured (scripts/measure_tools_demo.py, 64 val rows x 4 samples): reward 0.36 with the
-    tool, 0.00 with tools disabled. ~45 CPU-seconds with one thread. Deterministic for a given seed and
-    thread count.
+    ~never right. Measured (scripts/measure_tools_demo.py, 128 val rows x 4 samples, one thread): tool
+    calls in 51% of the samples, reward 0.37 with the tool and 0.002 with tools disabled; 30 steps of a bare
+    group-normalised policy gradient take it to 0.81 with the tool (calls in 99.6%) and leave the ablation
+    at 0.00. The build takes ~40 CPU-seconds with one thread. Deterministic for a given seed and thread
+    count.
     """
     import torch
 
