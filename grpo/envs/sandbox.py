@@ -17,7 +17,8 @@ What it enforces, and where:
   writing, truncating, renaming or deleting anything elsewhere fails with PermissionError, whatever the
   file permissions say and whether the process runs as root or not. **Reads and execution** are allowed
   only beneath the Python installation (``sys.prefix``, ``sys.base_prefix``, the stdlib and
-  site-packages), ``/usr``, ``/lib*``, ``/bin``, ``/sbin``, ``/dev``, a few files of ``/etc`` (the loader
+  site-packages), ``/usr``, ``/lib*``, ``/bin``, ``/sbin``, ``/dev/{null,zero,full,random,urandom}`` (not
+  the disks: a raw block device would bypass every rule), a few files of ``/etc`` (the loader
   cache, localtime, passwd, group), the code process's own ``/proc/self``, ``/proc/cpuinfo``,
   ``/proc/meminfo``, ``/sys/devices/system/cpu`` and the scratch directory, so files elsewhere (the home
   directory, ``/tmp``, the training data, keys in ``~/.cache``, ``/etc/shadow``, other processes'
@@ -77,7 +78,8 @@ _FS_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | 1 << 14 | 1 << 
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 1, 38, 24
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-_READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/dev", "/etc/ld.so.cache", "/etc/localtime",
+_READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/dev/null", "/dev/zero", "/dev/full",
+               "/dev/random", "/dev/urandom", "/etc/ld.so.cache", "/etc/localtime",
                "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/mime.types", "/proc/self", "/proc/cpuinfo",
                "/proc/meminfo", "/sys/devices/system/cpu")
 
