@@ -154,11 +154,14 @@ def test_fork_bomb_and_background_processes_cost_only_the_call():
     assert run_python("print('still fine')").output == "still fine\n"
 
 
-def test_no_network_and_no_signals_out():
+def test_no_network_no_unix_sockets_and_no_signals_out(tmp_path):
     probe = run_python("print(1)")
     if not probe.isolation.get("netns") and probe.isolation.get("landlock", 0) < 4:
         pytest.skip(f"neither a network namespace nor Landlock's TCP rules here: {probe.isolation}")
-    with socket.socket() as server:
+    unix_path = str(tmp_path / "s.sock")
+    with socket.socket() as server, socket.socket(socket.AF_UNIX) as unix_server:
+        unix_server.bind(unix_path)
+        unix_server.listen(1)
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         port = server.getsockname()[1]
@@ -168,6 +171,7 @@ for name, attempt in {{
     "tcp": lambda: socket.create_connection(("127.0.0.1", {port}), timeout=2),
     "udp": lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("8.8.8.8", 53)),
     "kill_trainer": lambda: os.kill({os.getpid()}, signal.SIGTERM),
+    "unix": lambda: socket.socket(socket.AF_UNIX).connect({unix_path!r}),
 }}.items():
     try:
         attempt()
@@ -176,7 +180,7 @@ for name, attempt in {{
         print(name, "denied", type(err).__name__)
 """
         result = run_python(code)
-    assert "WORKED" not in result.output and result.output.count("denied") == 3, result.output
+    assert "WORKED" not in result.output and result.output.count("denied") == 4, result.output
 
 
 def test_missing_landlock_refuses_to_run(monkeypatch):

@@ -26,7 +26,9 @@ What it enforces, and where:
   (``require_landlock=True``, the default) and the call returns an error.
 - **no network**: a new network namespace has no interface but a loopback that is down, so no packet
   leaves or arrives (needs user namespaces or root). With Landlock ABI >= 4, TCP bind/connect are
-  also denied. Where neither is available, the code has the network.
+  also denied. Where neither is available, the code has the network. A seccomp filter makes
+  ``socket(AF_UNIX, ...)`` fail (x86_64 and aarch64), so Unix sockets on the filesystem, which neither
+  covers (``/var/run/docker.sock``, a trainer's sockets), cannot be reached; ``socketpair`` still works.
 - **limits**: CPU seconds (SIGXCPU, then SIGKILL), address space (MemoryError), the size of any file
   written, open files, no core dumps. The number of tasks (processes + threads): ``max_processes`` by
   RLIMIT_NPROC inside a new user namespace when the trainer does not run as root (uid 0 is exempt from
@@ -332,6 +334,33 @@ def _landlock(libc, abi: int, scratch: str, read_roots: list[str]) -> None:
     os.close(ruleset)
 
 
+def _deny_unix_sockets(libc) -> bool:
+    """A seccomp filter: ``socket(AF_UNIX, ...)`` fails with EACCES (Landlock does not cover connecting to a
+    Unix socket on the filesystem, e.g. /var/run/docker.sock). False on an architecture not handled here."""
+    import platform
+
+    arch, sys_socket = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}.get(platform.machine(), (0, 0))
+    if not arch:
+        return False
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny = 0x7FFF0000, 0x00050000 | 13  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EACCES
+    program = [(ld, 0, 0, 4), (jeq, 0, 5, arch),  # seccomp_data.arch; another ABI: allow
+               (ld, 0, 0, 0), (jge, 4, 0, 0x40000000),  # seccomp_data.nr; x32 syscalls: deny
+               (jeq, 0, 2, sys_socket), (ld, 0, 0, 16), (jeq, 1, 0, 1),  # socket(AF_UNIX=1, ...): deny
+               (ret, 0, 0, allow), (ret, 0, 0, deny)]
+
+    class Instruction(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Instruction))]
+
+    filters = (Instruction * len(program))(*[Instruction(*i) for i in program])
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    _check(libc.prctl(22, 2, ctypes.byref(Program(len(program), filters)), 0, 0), "prctl(SECCOMP_MODE_FILTER)")
+    return True
+
+
 def _drop_capabilities(libc) -> None:
     """Empty the bounding set and the effective/permitted/inheritable sets (an exec regains nothing)."""
     for cap in range(64):
@@ -359,6 +388,7 @@ def _run_code(libc, args: dict, limits: SandboxLimits, isolation: dict) -> None:
             _landlock(libc, isolation["landlock"], args["scratch"], args["read_roots"])
         elif args["require_landlock"]:
             raise OSError("Landlock is not available")
+        _deny_unix_sockets(libc)
         _drop_capabilities(libc)
         os.execve(sys.executable, [sys.executable, "-I", "-B", "-u", "-X", "utf8", "main.py"], dict(os.environ))
     except BaseException as err:
