@@ -172,10 +172,18 @@ def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.35,
     return out_dir
 
 
+def make_calculator_demo_model(out_dir: str) -> str:
+    """The tools demo's starting policy (`grpo.envs.calculator.make_calculator_demo_model`)."""
+    from grpo.envs.calculator import make_calculator_demo_model as build
+
+    return build(out_dir)
+
+
 TOY_MODELS = {
     # name -> builder(out_dir); "toy:<name>" in policy.model_name resolves to assets/<name>.
     "demo": lambda out: make_demo_model(out),
     "guess_number": lambda out: __import__("grpo.envs.guess_number", fromlist=["x"]).make_guess_number_model(out),
+    "calc_demo": make_calculator_demo_model,
     "tiny": lambda out: save_tiny_model(out, size="tiny"),
     "small": lambda out: save_tiny_model(out, size="small"),
 }

@@ -45,27 +45,32 @@ def traceback_summary(err: BaseException, limit: int = 6) -> str:
     return "\n".join(lines + traceback.format_exception_only(type(err), err)).rstrip()
 
 
-def resolve_reward_fn(spec: str) -> RewardFn:
-    """``"package.module:function"`` -> the function (imports the module: in the trainer, use
-    `grpo.envs.pool.check_reward_fn`, which imports it in a worker process with a timeout)."""
-    module_name, sep, attr = spec.partition(":")
+def resolve_function(spec: str, key: str = "env.reward_fn") -> Callable:
+    """``"package.module:function"`` -> the function (imports the module); errors name the config ``key``."""
+    module_name, sep, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if not sep or not module_name or not attr:
-        raise EnvError(f"env.reward_fn={spec!r}: expected 'package.module:function'")
+        raise EnvError(f"{key}={spec!r}: expected 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - whatever the module's own code raises
         if isinstance(err, ModuleNotFoundError) and err.name and (module_name + ".").startswith(err.name + "."):
-            raise EnvError(f"env.reward_fn={spec!r}: cannot import {module_name!r} ({err})") from err
-        raise EnvError(f"env.reward_fn={spec!r}: importing {module_name!r} raised {type(err).__name__}: {err}\n"
+            raise EnvError(f"{key}={spec!r}: cannot import {module_name!r} ({err})") from err
+        raise EnvError(f"{key}={spec!r}: importing {module_name!r} raised {type(err).__name__}: {err}\n"
                        f"{traceback_summary(err)}") from err
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise EnvError(f"env.reward_fn={spec!r}: module {module_name!r} has no {attr!r}")
+            raise EnvError(f"{key}={spec!r}: module {module_name!r} has no {attr!r}")
     if not callable(fn):
-        raise EnvError(f"env.reward_fn={spec!r}: {attr!r} is {type(fn).__name__}, not a function")
+        raise EnvError(f"{key}={spec!r}: {attr!r} is {type(fn).__name__}, not a function")
     return fn
+
+
+def resolve_reward_fn(spec: str) -> RewardFn:
+    """``"package.module:function"`` -> the reward function (imports the module: in the trainer, use
+    `grpo.envs.pool.check_reward_fn`, which imports it in a worker process with a timeout)."""
+    return resolve_function(spec, "env.reward_fn")
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

@@ -1,4 +1,9 @@
-"""Worker processes that score samples with a per-sample timeout; a hung worker is killed and replaced.
+"""Worker processes that run one task at a time with a per-task timeout; a hung worker is killed and replaced.
+
+The reward scorers (`ScoringPool`: one sample per task) and the tool calls of `grpo.envs.tools` (one call
+per task) both run here: a pool is given a ``spec``, a ``load(spec)`` that each worker calls once to build
+its callable, and a ``call(loaded, task)`` that runs one task (both module-level functions, so that they
+pickle by reference).
 
 Why our own small pool rather than `concurrent.futures`: a timeout must cost only the sample that hung.
 Each worker takes one sample at a time, so the dispatcher knows when every sample started; a worker
@@ -11,7 +16,8 @@ trainer: Linux kills them (SIGKILL) when the trainer dies, however it dies (`grp
 even in the middle of a reward function that hangs. `check_reward_fn` imports a scorer in such a worker
 with a timeout, so a module that hangs or raises at import cannot take the trainer with it.
 
-An outcome is ``("ok", (reward, components))``, ``("error", traceback text)`` or ``("timeout", text)``.
+An outcome is ``("ok", call's return value)`` (scoring: ``(reward, components)``), ``("error", traceback
+text)`` or ``("timeout", text)``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Callable
 
 from grpo.envs.function import EnvError, resolve_reward_fn, score_sample
 from grpo.signals import set_parent_death_signal
@@ -32,12 +38,12 @@ from grpo.signals import set_parent_death_signal
 Outcome = tuple[str, Any]
 
 
-def _worker_main(conn: Connection, spec: str, parent_pid: int | None = None) -> None:
-    """Worker loop: import the scorer, say "ready", then score one sample per message until None/EOF."""
+def _worker_main(conn: Connection, spec: Any, load: Callable, call: Callable, parent_pid: int | None = None) -> None:
+    """Worker loop: ``load(spec)``, say "ready", then run ``call(loaded, task)`` per message until None/EOF."""
     set_parent_death_signal(signal.SIGKILL, expected_parent=parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        fn = resolve_reward_fn(spec)
+        fn = load(spec)
     except EnvError as err:  # a message with the module's traceback summary
         conn.send(("init_error", str(err)))
         return
@@ -53,7 +59,7 @@ def _worker_main(conn: Connection, spec: str, parent_pid: int | None = None) -> 
         if sample is None:
             return
         try:
-            conn.send(("ok", score_sample(fn, sample)))
+            conn.send(("ok", call(fn, sample)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
 
@@ -68,14 +74,19 @@ class _Worker:
     deadline: float = 0.0
 
 
-class ScoringPool:
-    """``num_workers`` spawned processes running the scorer ``spec`` ("package.module:function")."""
+class WorkerPool:
+    """``num_workers`` spawned processes running ``call(load(spec), task)``; by default the scorer ``spec``
+    ("package.module:function") on samples. ``what`` and ``timeout_key`` name the work and the config key of
+    the timeout in messages."""
 
-    def __init__(self, spec: str, num_workers: int, timeout_s: float, start_timeout_s: float = 300.0):
+    def __init__(self, spec: Any, num_workers: int, timeout_s: float, start_timeout_s: float = 300.0, *,
+                 load: Callable = resolve_reward_fn, call: Callable = score_sample, what: str = "reward",
+                 timeout_key: str = "env.timeout_s"):
         self.spec = spec
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
+        self.load, self.call, self.what, self.timeout_key = load, call, what, timeout_key
         self.num_restarts = 0
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -83,8 +94,9 @@ class ScoringPool:
     # -- lifecycle ---------------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(child_conn, self.spec, os.getpid()), daemon=True,
-                                    name="grpo-reward-worker")
+        process = self._ctx.Process(target=_worker_main,
+                                    args=(child_conn, self.spec, self.load, self.call, os.getpid()),
+                                    daemon=True, name=f"grpo-{self.what}-worker")
         process.start()
         child_conn.close()
         return _Worker(process, parent_conn, started_at=time.monotonic())
@@ -122,9 +134,9 @@ class ScoringPool:
             w.conn.close()
         self._workers = []
 
-    # -- scoring -----------------------------------------------------------------------------------
-    def run(self, samples: list[dict]) -> list[Outcome]:
-        """Score every sample; returns one outcome per sample, in order. Never hangs past the timeouts."""
+    # -- running -----------------------------------------------------------------------------------
+    def run(self, samples: list) -> list[Outcome]:
+        """Run every task (sample); returns one outcome per task, in order. Never hangs past the timeouts."""
         if not samples:
             return []
         outcomes: list[Outcome | None] = [None] * len(samples)
@@ -172,13 +184,13 @@ class ScoringPool:
             except (EOFError, OSError):  # the worker died (crash, os._exit, out of memory)
                 w.process.join(timeout=10)
                 if not w.ready:
-                    raise EnvError(f"reward worker for {self.spec!r} died while starting "
+                    raise EnvError(f"{self.what} worker for {self.spec!r} died while starting "
                                    f"(exit code {w.process.exitcode})") from None
-                outcomes[w.task] = ("error", f"reward worker process died (exit code {w.process.exitcode})")
+                outcomes[w.task] = ("error", f"{self.what} worker process died (exit code {w.process.exitcode})")
                 self._replace(w)
                 continue
             if kind == "init_error":
-                raise EnvError(f"reward worker cannot load {self.spec!r}:\n{payload}")
+                raise EnvError(f"{self.what} worker cannot load {self.spec!r}:\n{payload}")
             if kind == "ready":
                 w.ready = True
             else:
@@ -189,11 +201,12 @@ class ScoringPool:
         now = time.monotonic()
         for w in list(self._workers):
             if w.task is not None and now >= w.deadline:
-                outcomes[w.task] = ("timeout", f"no reward after env.timeout_s={self.timeout_s}s; worker restarted")
+                outcomes[w.task] = ("timeout", f"no {self.what} after {self.timeout_key}={self.timeout_s}s; "
+                                               "worker restarted")
                 self._replace(w)
             elif not w.ready and now >= w.started_at + self.start_timeout_s:
-                raise EnvError(f"reward worker for {self.spec!r} did not start within {self.start_timeout_s}s: "
-                               "importing its module hangs or is too slow (keep a reward module's import cheap)")
+                raise EnvError(f"{self.what} worker for {self.spec!r} did not start within {self.start_timeout_s}s: "
+                               "importing its module hangs or is too slow (keep the module's import cheap)")
 
     def pids(self) -> list[int]:
         """Process ids of the live workers."""
@@ -204,6 +217,10 @@ class ScoringPool:
             self.close()
         except Exception:  # interpreter shutdown: the daemon workers die with us anyway
             pass
+
+
+# The reward scorers' pool (its original name).
+ScoringPool = WorkerPool
 
 
 def check_reward_fn(spec: str, timeout_s: float) -> None:
