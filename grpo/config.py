@@ -407,8 +407,8 @@ class PolicyConfig(_Section):
 # --------------------------------------------------------------------------------------------------
 class DataConfig(_Section):
     dataset_name: str = Field("arithmetic", description=(
-        "arithmetic, guess_number, reasoning_gym:<task>, a local .jsonl/.json/.parquet/.arrow file or "
-        "directory, or a hub name."))
+        "arithmetic, guess_number, calculator, reasoning_gym:<task>, a local .jsonl/.json/.parquet/.arrow file "
+        "or directory, or a hub name."))
     dataset_config: Optional[str] = Field(
         None, description="Config name of a hub dataset (e.g. main for openai/gsm8k).")
     train_data_path: Optional[str] = Field(
@@ -437,6 +437,8 @@ class DataConfig(_Section):
         9, gt=0, description="Built-in arithmetic: operands are drawn from [0, arithmetic_max_operand].")
     guess_number_high: int = Field(
         9, gt=0, description="Built-in guess_number: secrets are drawn from [0, guess_number_high].")
+    calculator_max_operand: int = Field(99, ge=10, description=(
+        "Built-in calculator task: a*b with a, b drawn from [10, calculator_max_operand]."))
     num_workers: int = Field(0, ge=0, description="Data loader worker processes (0: load in the trainer).")
     task_key: str = Field("task_name", description=(
         "Column naming each row's task (its environment, see env.tasks); rows without it use env's."))
@@ -445,7 +447,7 @@ class DataConfig(_Section):
 class EnvSpec(_Section):
     """One environment: a reward function (single-turn), the built-in multi-turn task, or a user class."""
 
-    name: Literal["math", "reasoning_gym", "arithmetic", "function", "guess_number", "class"] = Field(
+    name: Literal["math", "reasoning_gym", "arithmetic", "function", "guess_number", "tools", "class"] = Field(
         "arithmetic", description=(
         "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
         "multi-turn: guess_number; class: env_class."))
@@ -458,6 +460,16 @@ class EnvSpec(_Section):
     num_workers: int = Field(2, gt=0, description="Reward worker processes (math, reasoning_gym, function).")
     timeout_s: float = Field(
         10.0, gt=0, description="Seconds a reward may take before its sample scores 0 (counted as a timeout).")
+    tools: list[str] = Field(default_factory=list, description=(
+        "env.name=tools: package.module:function of each tool (typed, documented; grpo.envs.sandbox:python runs "
+        "code in a sandbox)."))
+    tool_call_format: Literal["hermes", "compact"] = Field("hermes", description=(
+        "hermes: <tool_call>{json}</tool_call> (Qwen2.5 / Qwen3); compact: <name>argument</name> (the char toy)."))
+    tool_timeout_s: float = Field(20.0, gt=0, description="Seconds one tool call may take before it is an error.")
+    max_tool_result_chars: int = Field(1000, gt=0, description="Tool results are cut to this many characters.")
+    max_tool_calls_per_turn: int = Field(4, gt=0, description="Tool calls run per assistant message at most.")
+    disable_tools: bool = Field(False, description=(
+        "Answer every tool call with an error (an ablation: same task, same model, no tool results)."))
 
     @model_validator(mode="after")
     def _check(self) -> "EnvSpec":
@@ -465,6 +477,9 @@ class EnvSpec(_Section):
             raise ValueError("env.reward_fn=None: expected 'package.module:function' when env.name='function'")
         if self.reward_fn and ":" not in self.reward_fn:
             raise ValueError(f"env.reward_fn={self.reward_fn!r}: expected 'package.module:function'")
+        if self.name == "tools" and (not self.tools or not self.reward_fn):
+            raise ValueError(f"env.name='tools' needs env.tools (got {self.tools!r}) and env.reward_fn, the verifier "
+                             f"of the final answer (got {self.reward_fn!r})")
         if self.name == "class" and (not self.env_class or ":" not in self.env_class):
             raise ValueError(f"env.env_class={self.env_class!r}: expected 'package.module:ClassName' when "
                              "env.name='class'")
@@ -739,8 +754,9 @@ class MasterConfig(_Section):
                     f"pass@k follows grpo.val_num_generations_per_prompt={g.val_num_generations_per_prompt})")
             g.stop_at_validation_metric = name
         if g.batch_multiplier != 1.0 and not g.use_dynamic_sampling:
-            raise ValueError(f"grpo.batch_multiplier={g.batch_multiplier} only acts with grpo.use_dynamic_sampling=true "
-                             "(NeMo-RL asserts the same): set it to 1 or turn dynamic sampling on")
+            raise ValueError(f"grpo.batch_multiplier={g.batch_multiplier} only acts with "
+                             "grpo.use_dynamic_sampling=true (NeMo-RL asserts the same): set it to 1 or turn dynamic "
+                             "sampling on")
         if self.checkpointing.keep_top_k is not None and self.checkpointing.metric_name not in (
             None,
             "val_reward",

@@ -325,6 +325,10 @@ def load_rows(cfg: DataConfig, split: str, seed: int) -> Rows:
     n = cfg.num_train_samples if split == "train" else cfg.num_val_samples
     if explicit_path is None and name == "arithmetic":
         rows = arithmetic_rows(n, cfg.arithmetic_max_operand, seed, split)
+    elif explicit_path is None and name == "calculator":
+        from grpo.envs.calculator import calculator_rows
+
+        rows = calculator_rows(n, seed, split, max_operand=cfg.calculator_max_operand)
     elif explicit_path is None and name == "guess_number":
         from grpo.envs.guess_number import guess_number_rows
 

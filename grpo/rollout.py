@@ -221,7 +221,7 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
     each chunk (a safe point for new weights) and returns the version the chunk is generated with.
     """
     timing = {"generate_s": 0.0, "env_step_s": 0.0}
-    stops: dict[int, list[str] | None] = {}
+    stops = {i: envs.first_stop_strings(t.task_name) for i, t in enumerate(trajs)}
     for turn in range(settings.max_turns):
         active = [i for i, t in enumerate(trajs) if not t.done]
         for i in active:  # no room for even one new token: the conversation is over

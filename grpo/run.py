@@ -171,7 +171,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
 
     tokenizer = load_tokenizer(cfg.policy)
     envs = build_environments(cfg.env, cfg.data)
-    formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks)
+    formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks, envs.tool_schemas())
     per_batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
     loader = build_dataloader(train_ds, batch_size=per_batch, shuffle=cfg.data.shuffle, seed=g.seed)
     if len(loader) == 0:
@@ -275,11 +275,12 @@ def load_tokenizer(policy_cfg):
     return tok
 
 
-def build_datasets(cfg, tokenizer, tasks: list[str]):
-    """(formatter, train rows, train PromptDataset, val PromptDataset): prompts formatted and tokenised once."""
+def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = None):
+    """(formatter, train rows, train PromptDataset, val PromptDataset): prompts formatted and tokenised once;
+    ``tools``: JSON schemas the chat template shows the model."""
     from grpo.data import PromptDataset, PromptFormatter, load_rows
 
-    formatter = PromptFormatter(tokenizer, cfg.data, cfg.policy.tokenizer.chat_template)
+    formatter = PromptFormatter(tokenizer, cfg.data, cfg.policy.tokenizer.chat_template, tools)
     train_rows = load_rows(cfg.data, "train", seed=cfg.grpo.seed)
     val_rows = load_rows(cfg.data, "val", seed=cfg.grpo.seed)
     kw = dict(max_input_seq_length=cfg.data.max_input_seq_length, default_task=cfg.env.task_name or cfg.env.name,

@@ -13,6 +13,7 @@ Built in, by ``env.name``:
   scorer raises or times out scores 0.0 and is counted; the first failure of each kind is logged with its
   traceback, later ones are only counted, and the run goes on;
 - ``guess_number``: a multi-turn task (`grpo.envs.guess_number`);
+- ``tools``: tool calls (`grpo.envs.tools.ToolEnvironment`), the final answer scored by ``env.reward_fn``;
 - ``class``: a user environment, ``env.env_class: package.module:ClassName`` built with ``env.kwargs``.
 
 Several environments in one run: ``env.tasks: {task_name: {name: ..., ...}}``; each data row's
@@ -192,6 +193,12 @@ def build_environment(spec, data_cfg=None, key: str = "env") -> Environment:
             raise EnvError(f"{key}.env_class={spec.env_class!r}: {type(env).__name__} has no step(message_logs, "
                            "metadata) method (see grpo.envs.interface.Environment)")
         return env
+    if spec.name == "tools":
+        from grpo.envs.tools import ToolEnvironment
+
+        return ToolEnvironment(spec.tools, spec.reward_fn, spec.tool_call_format, spec.tool_timeout_s,
+                               spec.max_tool_result_chars, spec.max_tool_calls_per_turn, spec.num_workers,
+                               spec.timeout_s, spec.disable_tools)
     if spec.name == "guess_number":
         from grpo.envs.guess_number import GuessNumberEnvironment
 
@@ -232,6 +239,16 @@ class Environments:
     @property
     def tasks(self) -> list[str]:
         return sorted(self.envs)
+
+    def first_stop_strings(self, task: str) -> list[str] | None:
+        """The stop strings of a sample's first turn: its environment's ``stop_strings`` attribute when it has
+        one (a tool environment stops a turn at the end of a call), else None (the config's)."""
+        return getattr(self.envs[task], "stop_strings", None)
+
+    def tool_schemas(self) -> list[dict] | None:
+        """The JSON schemas of the tools of the run's environments (for the chat template), or None."""
+        schemas = [s for env in self.envs.values() for s in (getattr(env, "schemas", None) or [])]
+        return schemas or None
 
     def step(self, task: str, message_logs: list, metadata: list) -> tuple[EnvironmentReturn | None, str | None]:
         """One checked `Environment.step` of ``task``'s environment: ``(return, None)``, or ``(None, error)``
