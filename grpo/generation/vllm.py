@@ -29,16 +29,20 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from grpo.generation.base import GenerationOutput, length_caps
-from grpo.generation.vllm_params import llm_kwargs, sampling_kwargs, stop_token_ids, to_output
+from grpo.generation.vllm_params import (
+    PARAMS_NOT_LOADED, PER_LAYER_NOT_LOADED, RELOAD_LOGGERS, llm_kwargs, refit_problems, sampling_kwargs,
+    stop_token_ids, to_output,
+)
 
 # Environment variables an in-process CPU engine sets that would leak into the trainer's children.
 _LEAKED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
@@ -63,10 +67,52 @@ def push_weights(llm, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
 
 
+def push_buckets(llm, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[list[str], set[str]]:
+    """`push_weights` every bucket; returns the pushed names in order and the vLLM parameters that no
+    bucket loaded.
+
+    Each push reloads the whole model layer by layer: every vLLM layer outside the bucket keeps its
+    weights and logs "<Layer>: Failed to load weights", and the push ends with "Following weights were
+    not loaded from checkpoint: {names}" (vLLM 0.32 ``model_loader/reload``): about 1,200 lines per
+    refit of a 1.5B model. While the buckets are pushed those records are dropped, and the sets of
+    names are kept: a parameter in every bucket's set was loaded by none, a genuinely missing weight.
+    A bucket without the record loaded everything.
+    """
+    not_loaded: list[set[str]] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if PER_LAYER_NOT_LOADED in msg:
+            return False
+        if PARAMS_NOT_LOADED in msg and not_loaded:
+            not_loaded[-1] = {str(name) for name in record.args[0]} if record.args else {"?"}
+            return False
+        return True
+
+    loggers = [logging.getLogger(name) for name in RELOAD_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(keep)
+    pushed: list[str] = []
+    try:
+        for bucket in buckets:
+            not_loaded.append(set())
+            push_weights(llm, bucket)
+            pushed += [name for name, _ in bucket]
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
+    return pushed, set.intersection(*not_loaded) if not_loaded else set()
+
+
 def memory_gb() -> float:
-    """Accelerator memory reserved by torch (GPU), else this process's resident memory, in GiB."""
-    if torch.cuda.is_available():
-        return torch.cuda.memory_reserved() / 2**30
+    """Memory in use, in GiB: on a GPU the whole device's (total - free from ``mem_get_info``, which sees
+    vLLM's sleep pools and other processes; torch's ``memory_reserved`` does not), else this process's
+    resident memory."""
+    from grpo.logging import cuda_device_memory
+
+    device = cuda_device_memory()
+    if device:
+        return device["used_gb"]
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
@@ -156,6 +202,7 @@ class VllmGeneration:
         self._weights_discarded = False  # a level-2 sleep dropped them since
         self._engine_warmed = False
         self._optimizer_offloaded = False
+        self._offloaded: list = []  # what the last optimizer offload moved (`grpo.engines.Moved`)
 
         model = resolve_model_name(cfg.policy.model_name, self.rank)
         tok_path = cfg.policy.tokenizer.name or model
@@ -237,20 +284,25 @@ class VllmGeneration:
         """One output per prompt, in order. Each sample is its own request with ``SamplingParams(seed=...)``,
         so a completion depends only on its prompt, seed and the weights. Per-request seeds cost nothing
         measurable here (64 x 32 tokens of the 25M bench model, 2 threads: 1.34 s seeded vs 1.36 s
-        unseeded, best of 3)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        unseeded, best of 3).
 
+        With tensor_parallel_size > 1 a collective of the TP group (`generate_in_group`): every rank of
+        the group calls it the same number of times, with empty lists when it has nothing to generate
+        (``generate([], [])`` returns ``[]``; see `chunk_slices` for chunked callers)."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not self._refitted:
             raise RuntimeError("VllmGeneration: call refit(policy_engine) before the first generate")
         self.wake_up()
         self._record("generate")
-        if self._tp_group is not None:  # every rank of a TP group runs the group's whole batch
-            prompt_ids, seeds, mine = self._tp_gather(prompt_ids, seeds)
-        if not prompt_ids:  # a rank with no share of a small batch
-            return []
+        return generate_in_group(list(prompt_ids), list(seeds), self._tp_group,
+                                 lambda p, s: self._run_engine(p, s, greedy, max_new_tokens))
+
+    def _run_engine(self, prompt_ids, seeds, greedy: bool, max_new_tokens: int | None) -> list[GenerationOutput]:
+        """One vLLM ``generate`` call over ``prompt_ids`` (the TP group's whole batch)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
                            self.cfg.policy.max_total_sequence_length)
         stop_ids = stop_token_ids(self.tokenizer, self._model_eos, self.gen_cfg)
@@ -259,8 +311,7 @@ class VllmGeneration:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         with preserved_host_state():
             results = self.llm.generate(prompts, params, use_tqdm=False)
-        outputs = [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
-        return outputs[mine] if self._tp_group is not None else outputs
+        return [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
 
     def close(self) -> None:
         """Shut the engine down and free its memory (vLLM's model-parallel groups included; the
@@ -287,14 +338,19 @@ class VllmGeneration:
             self.recorder.append(event)
 
     def _push_all(self, engine, per_parameter: bool) -> None:
-        """Gather ZeRO-3 weights bucket by bucket and push each bucket (collective)."""
+        """Gather ZeRO-3 weights bucket by bucket and push each bucket (collective), then check that every
+        engine parameter went in exactly once and every vLLM parameter was loaded (`refit_problems`)."""
         from grpo.weights import iter_gathered_params
 
         self._warm_up_engine(engine)
-        for bucket in iter_gathered_params(engine, self.refit_bucket_numel):
-            # Tensors of a bucket are valid until the next one is gathered: push them now.
-            for part in ([[item] for item in bucket] if per_parameter else [bucket]):
-                push_weights(self.llm, part)
+        # Tensors of a bucket are valid until the next one is gathered: push_buckets pushes each at once.
+        buckets = iter_gathered_params(engine, self.refit_bucket_numel)
+        if per_parameter:
+            buckets = ([item] for bucket in buckets for item in bucket)
+        pushed, never_loaded = push_buckets(self.llm, buckets)
+        problems = refit_problems(pushed, [name for name, _ in engine.module.named_parameters()], never_loaded)
+        if problems:
+            raise RuntimeError(f"vLLM refit from {type(engine.module).__name__}: " + "; ".join(problems))
 
     def _warm_up_engine(self, engine) -> None:
         """Before the first refit, one dummy forward of a ZeRO-3 engine (collective), so the gathered
@@ -311,22 +367,24 @@ class VllmGeneration:
         self._engine_warmed = True
 
     def _offload_optimizer(self) -> None:
-        """GPU only, when configured: DeepSpeed optimizer states (and fp32 master weights, grads) to
-        the host while vLLM holds the accelerator."""
+        """GPU only, when configured: the optimizer's fp32 master weights, Adam moments and gradient
+        buffers to the host while vLLM holds the accelerator (`grpo.engines.offload_optimizer_states`)."""
         engine = self.policy_engine
         if (not self.vllm_cfg.offload_optimizer_during_generation or not torch.cuda.is_available()
                 or self._optimizer_offloaded or not hasattr(engine, "offload_states")):
             return
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+        from grpo.engines import offload_optimizer_states
 
-        engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer])
+        self._offloaded = offload_optimizer_states(engine, self._offloaded)
         self._optimizer_offloaded = True
         self._record("offload_optimizer")
         self.memory["memory/after_optimizer_offload_gb"] = memory_gb()
 
     def _reload_optimizer(self) -> None:
         if self._optimizer_offloaded:
-            self.policy_engine.reload_states()
+            from grpo.engines import reload_optimizer_states
+
+            reload_optimizer_states(self.policy_engine, self._offloaded)  # its host buffers serve the next offload
             self._optimizer_offloaded = False
             self._record("reload_optimizer")
 
@@ -341,13 +399,42 @@ class VllmGeneration:
         group, _ = dist.new_subgroups_by_enumeration(groups)
         return group
 
-    def _tp_gather(self, prompt_ids, seeds):
-        """The TP group's prompts and seeds, in rank order, and this rank's slice of them."""
-        import torch.distributed as dist
 
-        parts: list = [None] * self.tp
-        dist.all_gather_object(parts, (list(prompt_ids), list(seeds)), group=self._tp_group)
-        start = sum(len(p[0]) for p in parts[: dist.get_rank(self._tp_group)])
-        all_prompts = [x for p in parts for x in p[0]]
-        all_seeds = [x for p in parts for x in p[1]]
-        return all_prompts, all_seeds, slice(start, start + len(prompt_ids))
+# --------------------------------------------------------------------------------------------------
+# Tensor-parallel groups
+# --------------------------------------------------------------------------------------------------
+def generate_in_group(prompt_ids: list[list[int]], seeds: list[int], group,
+                      run: Callable[[list, list], list]) -> list:
+    """Generation in a tensor-parallel group: every rank runs the group's whole batch (the group's ranks
+    hold one engine between them) and keeps the outputs of its own prompts.
+
+    The ranks of ``group`` gather their prompts and seeds in rank order, empty lists included;
+    ``run(prompts, seeds)`` gets the concatenation and is called on every rank or, when the whole
+    group has nothing, on none. A collective of ``group``: each of its ranks calls this the same
+    number of times. ``group=None`` (no tensor parallelism): ``run`` on this rank's own prompts.
+    """
+    import torch.distributed as dist
+
+    if group is None:
+        return run(prompt_ids, seeds) if prompt_ids else []
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (prompt_ids, seeds), group=group)
+    start = sum(len(p) for p, _ in parts[: dist.get_rank(group)])
+    all_prompts = [x for p, _ in parts for x in p]
+    all_seeds = [x for _, s in parts for x in s]
+    outputs = run(all_prompts, all_seeds) if all_prompts else []
+    return outputs[start:start + len(prompt_ids)]
+
+
+def chunk_slices(n_local: int, n_most: int, chunk_size: int) -> list[slice]:
+    """Chunks of this rank's ``n_local`` samples such that every rank of a group makes the same number
+    of `generate` calls: ceil(n_most / chunk_size) slices, where ``n_most`` is the largest share in the
+    group; the slices past this rank's samples are empty (and still have to be generated).
+
+        >>> chunk_slices(n_local=3, n_most=4, chunk_size=2)
+        [slice(0, 2, None), slice(2, 3, None)]
+        >>> chunk_slices(n_local=0, n_most=1, chunk_size=2)
+        [slice(0, 0, None)]
+    """
+    return [slice(min(i, n_local), min(i + chunk_size, n_local))
+            for i in range(0, math.ceil(n_most / chunk_size) * chunk_size, chunk_size)]
