@@ -40,7 +40,7 @@ import torch
 
 from grpo.generation.base import GenerationOutput, length_caps
 from grpo.generation.vllm_params import (
-    PARAMS_NOT_LOADED, PER_LAYER_NOT_LOADED, RELOAD_LOGGERS, llm_kwargs, refit_problems, sampling_kwargs,
+    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, llm_kwargs, refit_problems, sampling_kwargs,
     stop_token_ids, to_output,
 )
 
@@ -72,17 +72,17 @@ def push_buckets(llm, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tupl
     bucket loaded.
 
     Each push reloads the whole model layer by layer: every vLLM layer outside the bucket keeps its
-    weights and logs "<Layer>: Failed to load weights", and the push ends with "Following weights were
-    not loaded from checkpoint: {names}" (vLLM 0.32 ``model_loader/reload``): about 1,200 lines per
-    refit of a 1.5B model. While the buckets are pushed those records are dropped, and the sets of
-    names are kept: a parameter in every bucket's set was loaded by none, a genuinely missing weight.
-    A bucket without the record loaded everything.
+    weights and logs "<Layer>: Failed to load weights", and the push ends with its duration and
+    "Following weights were not loaded from checkpoint: {names}" (vLLM 0.32 ``model_loader/reload``):
+    about 1,200 lines per refit of a 1.5B model. While the buckets are pushed those records are
+    dropped, and the sets of names are kept: a parameter in every bucket's set was loaded by none, a
+    genuinely missing weight. A bucket without the record loaded everything.
     """
     not_loaded: list[set[str]] = []
 
     def keep(record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        if PER_LAYER_NOT_LOADED in msg:
+        if any(noise in msg for noise in PER_PUSH_NOISE):
             return False
         if PARAMS_NOT_LOADED in msg and not_loaded:
             not_loaded[-1] = {str(name) for name in record.args[0]} if record.args else {"?"}

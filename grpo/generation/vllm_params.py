@@ -12,10 +12,11 @@ from grpo.generation.base import GenerationOutput
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
 # What vLLM logs at each in-place reload (vllm 0.32 model_executor/model_loader/reload/layerwise.py and
-# inplace.py): a warning per layer the push did not touch, then the set of parameter names it did not load.
+# inplace.py): a warning per layer the push did not touch, the push's duration (info), then the set of
+# parameter names it did not load.
 RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                   "vllm.model_executor.model_loader.reload.inplace")
-PER_LAYER_NOT_LOADED = "Failed to load weights"
+PER_PUSH_NOISE = ("Failed to load weights", "Reloading and processing weights took")
 PARAMS_NOT_LOADED = "weights were not loaded from checkpoint"
 
 
