@@ -99,6 +99,9 @@ def backend(model_dir, tok, policy):
     gen.refit(policy)
     yield gen, events, host
     gen.close()
+    import torch.distributed as dist
+
+    assert dist.is_initialized(), "closing the vLLM engine destroyed the trainer's process group"
 
 
 def encode(tok, texts):

