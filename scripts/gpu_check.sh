@@ -19,12 +19,21 @@
 #
 #   bash scripts/gpu_check.sh                  # the check (GPU_WHEELS=DIR: another wheel folder)
 #   bash scripts/gpu_check.sh --prepare DIR    # build the wheel folder (pip; network)
-#   PYTHON=/path/to/python bash scripts/...    # another interpreter (default: python3)
+#   PYTHON=/path/to/python bash scripts/...    # the interpreter (default: python3 or python, whichever has torch)
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-python3}"
 cd "$REPO"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then  # the first interpreter that has torch
+  for candidate in python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch' >/dev/null 2>&1; then
+      PY="$candidate"
+      break
+    fi
+  done
+  PY="${PY:-python3}"
+fi
 
 # Pure-Python wheels the GPU image lacks (versions: those installed where --prepare runs). pydantic-core is
 # compiled: its CPython 3.10-3.14 manylinux x86_64 wheels go in too (2 MB each); msgpack is built without its
@@ -99,6 +108,11 @@ fi
 [ $# -eq 0 ] || { echo "usage: $0 [--prepare DIR]" >&2; exit 2; }
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    echo "FAIL nvidia-smi lists GPUs but torch in $PY sees no CUDA device: set PYTHON=<the interpreter with CUDA torch>"
+    echo "GPU CHECK: FAIL"
+    exit 1
+  fi
   echo "no CUDA device: GPU checks skipped"
   exit 0
 fi

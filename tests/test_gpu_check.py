@@ -36,6 +36,15 @@ def test_without_cuda_the_check_skips_and_succeeds():
 
 
 @no_cuda
+def test_a_gpu_that_torch_cannot_see_is_a_failure_not_a_skip(tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    fake.chmod(0o755)
+    p = sh(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert p.returncode == 1 and "sees no CUDA device" in p.stdout and p.stdout.endswith("GPU CHECK: FAIL\n")
+
+
+@no_cuda
 def test_pytest_tests_gpu_skips_everything_with_the_reason():
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
