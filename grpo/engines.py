@@ -267,7 +267,10 @@ def _hidden_size(policy) -> int | None:
 
 
 def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
-    """The trainable ZeRO engine: model, torch AdamW (policy.optimizer), warmup + schedule (lr_lambda)."""
+    """The trainable ZeRO engine: model, torch AdamW (policy.optimizer), warmup + schedule (lr_lambda).
+
+    torch AdamW in every configuration, offload while generating included (`offload_optimizer_states`
+    moves its states; DeepSpeed's FusedAdam would need nvcc and ninja to JIT-build its op)."""
     import deepspeed
 
     policy = _policy(cfg)
@@ -313,9 +316,9 @@ Moved = list[tuple[torch.Tensor, torch.device, torch.Tensor]]  # (tensor, its de
 
 
 def optimizer_state_tensors(engine) -> list[torch.Tensor]:
-    """What ZeRO-3's optimizer holds besides the model: the fp32 master partitions (unless they are
-    the model's own partitions, as in fp32 runs) and every non-scalar optimizer state (Adam's exp_avg
-    and exp_avg_sq). Moving one means replacing its ``.data``: these are the optimizer's own objects."""
+    """What ZeRO-3's optimizer holds besides the model: the fp32 master partitions (unless DeepSpeed
+    reuses the model's own fp32 partitions as masters) and every non-scalar optimizer state (Adam's
+    exp_avg and exp_avg_sq). Moving one means replacing its ``.data``: these are the optimizer's objects."""
     zero = engine.optimizer
     model_parts = {id(t) for t in zero.fp16_partitioned_groups_flat}
     masters = [t for t in zero.fp32_partitioned_groups_flat if id(t) not in model_parts]
