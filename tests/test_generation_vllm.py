@@ -27,6 +27,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+elif os.environ.get("DS_ACCELERATOR") == "cpu":  # tests/conftest.py's CPU default: DeepSpeed must use CUDA here
+    del os.environ["DS_ACCELERATOR"]
 
 from grpo import engines
 from grpo.config_load import build_config
