@@ -47,8 +47,8 @@ def main(argv=None) -> str | int | None:
     from grpo.rollout_metrics import step_summary
     from grpo.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups, trajectory_age
     from grpo.step import (
-        due_save, due_validation, early_stop_reason, initial_sample_mask, record_step, shape_rewards, step_advantages,
-        step_logprobs, step_metrics, timed, train_step,
+        due_save, due_validation, early_stop_reason, initial_sample_mask, measured, record_step, shape_rewards,
+        step_advantages, step_logprobs, step_metrics, train_step,
     )
 
     cfg, g, a, state = run.cfg, run.cfg.grpo, run.cfg.grpo.async_grpo, run.state
@@ -107,15 +107,15 @@ def main(argv=None) -> str | int | None:
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
 
         # ---- 6. previous-policy, reference (and teacher) logprobs, under the CURRENT weights -------
-        batch, timing["timing/logprobs_s"] = timed(step_logprobs, cfg, batch, run.logprob_engines, run.rank,
-                                                   run.world_size)
+        batch = measured(timing, "logprobs", step_logprobs, cfg, batch, run.logprob_engines, run.rank,
+                         run.world_size)
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)
         metrics.update({f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()})
 
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
-        results, timing["timing/train_s"] = timed(train_step, cfg, run.policy, batch, run.rank, run.world_size)
+        results = measured(timing, "train", train_step, cfg, run.policy, batch, run.rank, run.world_size)
         train_end = time.time()
 
         # ---- 9. publish the new weights (version = step) to the generation thread; log, validate, save

@@ -38,8 +38,8 @@ def main(argv=None) -> str | int | None:
     from grpo.rollout_metrics import step_summary
     from grpo.sampling import DynamicSamplingCache
     from grpo.step import (
-        due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask,
-        record_step, shape_rewards, step_advantages, step_logprobs, step_metrics, timed, train_step,
+        due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask, measured,
+        record_step, shape_rewards, step_advantages, step_logprobs, step_metrics, train_step,
     )
 
     cfg, g, state = run.cfg, run.cfg.grpo, run.state
@@ -63,7 +63,7 @@ def main(argv=None) -> str | int | None:
             rows = prompts.next()
             if rows is None:
                 break
-            r = rollout(run, run.generator, run.envs, rows, step, gen_batch)
+            r = measured(timing, "rollout", rollout, run, run.generator, run.envs, rows, step, gen_batch)
             timing["timing/generate_s"] += r.timing["generate_s"]
             timing["timing/env_step_s"] += r.timing["env_step_s"]
             batch, penalty_metrics = shape_rewards(cfg, build_batch(r.trajectories, run.tokenizer.pad_token_id),
@@ -85,15 +85,15 @@ def main(argv=None) -> str | int | None:
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
 
         # ---- 6. previous-policy, reference (and teacher) logprobs; each rank scores its share ----
-        batch, timing["timing/logprobs_s"] = timed(step_logprobs, cfg, batch, run.logprob_engines, run.rank,
-                                                   run.world_size)
+        batch = measured(timing, "logprobs", step_logprobs, cfg, batch, run.logprob_engines, run.rank,
+                         run.world_size)
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)
         metrics.update({f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()})
 
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
-        results, timing["timing/train_s"] = timed(train_step, cfg, run.policy, batch, run.rank, run.world_size)
+        results = measured(timing, "train", train_step, cfg, run.policy, batch, run.rank, run.world_size)
 
         # ---- 9. refit the generation engine, log, validate, checkpoint --------------------------
         timing["timing/refit_s"] = run.generator.refit(run.policy)

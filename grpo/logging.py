@@ -13,6 +13,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -55,9 +57,36 @@ def _from_json(v):
     return v
 
 
+def device_memory_gb(free_bytes: int, total_bytes: int) -> dict[str, float]:
+    """What ``torch.cuda.mem_get_info()`` says about the whole device, in GiB: used = total - free.
+
+    Unlike ``memory_reserved()`` (this process's caching allocator) this sees every process on the
+    device and memory torch does not manage: vLLM's sleep-mode pools (released on sleep), NCCL buffers.
+
+        >>> device_memory_gb(free_bytes=3 * 2**30, total_bytes=8 * 2**30)
+        {'used_gb': 5.0, 'free_gb': 3.0, 'total_gb': 8.0}
+    """
+    gib = float(2**30)
+    return {"used_gb": (total_bytes - free_bytes) / gib, "free_gb": free_bytes / gib, "total_gb": total_bytes / gib}
+
+
+def cuda_device_memory() -> dict[str, float]:
+    """`device_memory_gb` of the current CUDA device; empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        free, total = torch.cuda.mem_get_info()
+    except (RuntimeError, AssertionError):  # no usable device after all (a CPU build told otherwise)
+        return {}
+    return device_memory_gb(free, total)
+
+
 def gpu_metrics() -> dict:
-    """`logger.monitor_gpus`: this rank's CUDA memory in GiB (the peak since the previous call) and, where
-    pynvml is installed, the device's utilisation. Empty without CUDA."""
+    """`logger.monitor_gpus`: this rank's CUDA memory in GiB: torch's allocator (allocated, reserved, the
+    peak allocated since the previous call), the whole device's used and free memory
+    (`cuda_device_memory`), and, where pynvml is installed, the device's utilisation. Empty without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
@@ -66,12 +95,39 @@ def gpu_metrics() -> dict:
     out = {"gpu/memory_allocated_gib": torch.cuda.memory_allocated() / gib,
            "gpu/memory_reserved_gib": torch.cuda.memory_reserved() / gib,
            "gpu/peak_memory_allocated_gib": torch.cuda.max_memory_allocated() / gib}
+    device = cuda_device_memory()
+    if device:
+        out.update({"gpu/device_used_gib": device["used_gb"], "gpu/device_free_gib": device["free_gb"]})
     torch.cuda.reset_peak_memory_stats()
     try:
         out["gpu/utilization_pct"] = float(torch.cuda.utilization())
     except Exception:  # pynvml missing or NVML unavailable: memory only
         pass
     return out
+
+
+@contextmanager
+def phase_memory(phase: str, out: dict) -> Iterator[None]:
+    """Peak memory of one phase of a step (CUDA only; nothing without it): on exit
+    ``out["memory/<phase>_peak_gb"]`` is the most torch allocated during the block and
+    ``out["memory/<phase>_used_gb"]`` the device's used memory (`cuda_device_memory`) at its end.
+    Resets torch's peak counter on entry (so `gpu_metrics`' peak then covers the step's last phase only).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        out[f"memory/{phase}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        device = cuda_device_memory()
+        if device:
+            out[f"memory/{phase}_used_gb"] = device["used_gb"]
 
 
 class MetricsLogger:

@@ -28,6 +28,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 
 from grpo.envs.interface import MESSAGE_FLAGS
+from grpo.generation.base import chunk_slices
 
 logger = logging.getLogger(__name__)
 
@@ -228,11 +229,13 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
             if _room(trajs[i], settings) <= 0:
                 trajs[i].done, trajs[i].truncated = True, True
         active = [i for i in active if not trajs[i].done]
-        if not active:
+        # A tensor-parallel vLLM group generates in lockstep: every rank makes as many calls as the busiest.
+        n_most = generator.lockstep_max(len(active)) if hasattr(generator, "lockstep_max") else len(active)
+        if n_most == 0:
             break
         t0 = time.perf_counter()
-        for start in range(0, len(active), settings.chunk_size):
-            chunk = active[start:start + settings.chunk_size]
+        for sl in chunk_slices(len(active), n_most, settings.chunk_size):
+            chunk = active[sl]
             version = weights.load_newest() if weights is not None else 0
             caps = [min(settings.max_new_tokens or 10**9, _room(trajs[i], settings)) for i in chunk]
             outputs = generator.generate([trajs[i].token_ids() for i in chunk],

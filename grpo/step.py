@@ -293,11 +293,17 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     return out
 
 
-def timed(fn, *args, **kwargs):
-    """``(fn(*args, **kwargs), seconds)``."""
+def measured(metrics: dict, phase: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, adding its seconds to ``timing/<phase>_s`` in ``metrics`` and recording, on
+    CUDA, the phase's peak memory (``memory/<phase>_peak_gb``, ``memory/<phase>_used_gb``:
+    `grpo.logging.phase_memory`)."""
+    from grpo.logging import phase_memory
+
     t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
+    with phase_memory(phase, metrics):
+        out = fn(*args, **kwargs)
+    metrics[f"timing/{phase}_s"] = metrics.get(f"timing/{phase}_s", 0.0) + time.perf_counter() - t0
+    return out
 
 
 def mult_prob_error(engine, outputs: list, pad_id: int, temperature: float = 1.0) -> float:

@@ -5,7 +5,10 @@ import sys
 
 import pytest
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # on a GPU machine DeepSpeed picks CUDA (tests/gpu, the vLLM tests)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")

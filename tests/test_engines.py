@@ -113,6 +113,30 @@ def test_build_ds_config_rejects_optimizer_section_and_unknown_auto(tmp_path):
         engines.build_ds_config(str(p), make_cfg(), 1, for_training=True, hidden_size=64)
 
 
+@pytest.mark.parametrize("path", [p for p in DS_CONFIGS if p.name != "zero3_reference.json"], ids=lambda p: p.name)
+def test_zero_training_configs_accumulate_gradients_in_fp32(path):
+    """bf16 / fp16 training: gradients of the micro-batches are summed in fp32 (the JSONs say so)."""
+    assert json.loads(path.read_text())["data_types"] == {"grad_accum_dtype": "fp32"}
+    for precision in ("bfloat16", "float16", "float32"):
+        ds = engines.build_ds_config(str(path), make_cfg(precision=precision), 1, for_training=True)
+        assert ds["data_types"]["grad_accum_dtype"] == "fp32", precision
+
+
+def test_build_ds_config_adds_fp32_accumulation_to_a_16_bit_zero_json_without_it(tmp_path):
+    raw = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    del raw["data_types"]
+    p = tmp_path / "mine.json"
+    p.write_text(json.dumps(raw))
+    bf16 = engines.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=True)
+    assert bf16["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "data_types" not in engines.build_ds_config(str(p), make_cfg(precision="float32"), 1, for_training=True)
+    assert "data_types" not in engines.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=False)
+    raw["data_types"] = {"grad_accum_dtype": "bf16"}  # an explicit choice is kept
+    p.write_text(json.dumps(raw))
+    kept = engines.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=True)
+    assert kept["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
 # --------------------------------------------------------------------------------------------------
 # lr schedule
 # --------------------------------------------------------------------------------------------------
@@ -391,6 +415,73 @@ def test_bf16_smoke(model_dir, plain_model, dist_group):
     out = engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
                                  lambda lp, mb: (-lp.sum() / 14, {}))
     assert torch.isfinite(torch.tensor([out["loss"], out["grad_norm"]])).all()
+
+
+def test_deepspeed_takes_fp32_gradient_accumulation_for_a_bf16_zero3_engine(model_dir, dist_group):
+    cfg = make_cfg(model_dir, precision="bfloat16", train_global_batch_size=2)
+    engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=1)
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert engine.optimizer.gradient_accumulation_dtype == torch.float32
+    assert engine.optimizer.grad_partitions_flat_buffer.dtype == torch.float32  # where micro-batches sum
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer states off the accelerator (policy.generation.vllm_cfg.offload_optimizer_during_generation)
+# --------------------------------------------------------------------------------------------------
+def _two_steps(engine, offload_between: bool):
+    ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(5))
+    mbs = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    closure = lambda lp, mb: (-(lp**2).sum() / 12, {})
+    moved = []
+    results = [engines.train_on_batch(engine, mbs, closure)]
+    if offload_between:
+        for _ in range(2):  # the second round reuses the first one's host buffers
+            moved = engines.offload_optimizer_states(engine, moved)
+            engines.reload_optimizer_states(engine, moved)
+    results.append(engines.train_on_batch(engine, mbs, closure))
+    return results, {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
+
+
+def test_offload_works_with_torch_adamw_and_training_goes_on_unchanged(model_dir, dist_group):
+    """DeepSpeed's own ZeRO-3 offload_states asserts FusedAdam; ours moves the same tensors for the
+    torch AdamW in use. On the CPU nothing leaves the device, so this checks the bookkeeping: the
+    gradient buffers DeepSpeed offloads and rebuilds, and a step after a round trip equals one without."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+    cfg = make_cfg(model_dir, train_global_batch_size=2, optimizer={"lr": 1e-2})
+    engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
+    assert type(engine.optimizer.optimizer) is torch.optim.AdamW
+    with pytest.raises(AssertionError, match="FusedAdam"):
+        engine.offload_states(include=[OffloadStateTypeEnum.optim_states], pin_memory=False)
+    plain_results, plain_weights = _two_steps(engine, offload_between=False)
+    engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
+    results, got = _two_steps(engine, offload_between=True)
+    assert [r["loss"] for r in results] == [r["loss"] for r in plain_results]
+    for n, w in got.items():
+        torch.testing.assert_close(w, plain_weights[n], atol=0, rtol=0)
+
+
+def test_optimizer_state_tensors_are_the_master_weights_and_adam_moments(model_dir, dist_group):
+    engine = engines.build_policy_engine(make_cfg(model_dir, train_global_batch_size=2), 1, total_optimizer_steps=1)
+    ids = torch.randint(3, 80, (2, 5), generator=torch.Generator().manual_seed(6))
+    engines.train_on_batch(engine, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+                           lambda lp, mb: (-lp.sum() / 8, {}))  # Adam creates its moments at the first step
+    zero = engine.optimizer
+    tensors = engines.optimizer_state_tensors(engine)
+    state = next(iter(zero.optimizer.state.values()))
+    masters = [t for t in zero.fp32_partitioned_groups_flat
+               if all(t is not m for m in zero.fp16_partitioned_groups_flat)]
+    assert [id(t) for t in tensors] == [id(t) for t in masters] + [id(state["exp_avg"]), id(state["exp_avg_sq"])]
+    n_params = sum(p.ds_numel for p in engine.module.parameters())
+    assert all(t.numel() == n_params and t.dtype == torch.float32 for t in tensors)
+    assert all(t is not m for t in tensors for m in zero.fp16_partitioned_groups_flat)  # never the model itself
+
+
+def test_offload_is_a_no_op_under_zero_cpu_offload(model_dir, dist_group):
+    cfg = make_cfg(model_dir, train_global_batch_size=2, deepspeed_config="ds_configs/zero3_offload.json")
+    engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=1)
+    assert engines.offload_optimizer_states(engine) == []
+    engines.reload_optimizer_states(engine, [])
 
 
 def test_train_on_batch_checks_micro_batch_count(policy_engine):

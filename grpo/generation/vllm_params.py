@@ -11,6 +11,14 @@ from grpo.generation.base import GenerationOutput
 # vLLM on the CPU otherwise reserves 92% of RAM for the KV cache.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
+# What vLLM logs at each in-place reload (vllm 0.32 model_executor/model_loader/reload/layerwise.py and
+# inplace.py): a warning per layer the push did not touch, the push's duration (info), then the set of
+# parameter names it did not load.
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                  "vllm.model_executor.model_loader.reload.inplace")
+PER_PUSH_NOISE = ("Failed to load weights", "Reloading and processing weights took")
+PARAMS_NOT_LOADED = "weights were not loaded from checkpoint"
+
 
 def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, on_cpu: bool,
                sleep_mode_available: bool) -> dict:
@@ -95,3 +103,57 @@ def to_output(prompt_ids: list[int], completion, decode) -> GenerationOutput:
         raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r} (expected stop or length)")
     return GenerationOutput(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs,
                             finish_reason=completion.finish_reason, text=decode(ids))
+
+
+def refit_problems(pushed: list[str], expected: list[str], never_loaded: set[str]) -> list[str]:
+    """What went wrong in one refit, as messages (empty: nothing).
+
+    ``pushed``: the engine parameter names pushed, in order, over all buckets; ``expected``: the
+    engine's parameter names; ``never_loaded``: vLLM parameters that no push loaded. Every expected
+    name must be pushed exactly once, nothing else pushed, and every vLLM parameter loaded.
+
+        >>> refit_problems(["a", "b", "b"], ["a", "b", "c"], {"model.norm.weight"})  # doctest: +NORMALIZE_WHITESPACE
+        ["pushed more than once: ['b']", "never pushed: ['c']",
+         "vLLM parameters no push loaded (they keep stale weights): ['model.norm.weight']"]
+    """
+    from collections import Counter
+
+    problems = []
+    twice = sorted(name for name, n in Counter(pushed).items() if n > 1)
+    for label, names in (("pushed more than once", twice),
+                         ("never pushed", sorted(set(expected) - set(pushed))),
+                         ("pushed but not an engine parameter", sorted(set(pushed) - set(expected))),
+                         ("vLLM parameters no push loaded (they keep stale weights)", sorted(never_loaded))):
+        if names:
+            problems.append(f"{label}: {names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    return problems
+
+
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                             tensor_parallel_size: int = 1) -> int:
+    """KV-cache bytes one token takes on one GPU: K and V of every layer, this GPU's share of the KV heads
+    (at least one head: vLLM replicates heads when TP exceeds their number).
+
+        >>> kv_cache_bytes_per_token(num_layers=28, num_kv_heads=2, head_dim=128, dtype_bytes=2)  # Qwen2.5-1.5B
+        28672
+    """
+    heads = max(1, num_kv_heads // tensor_parallel_size)
+    return 2 * num_layers * heads * head_dim * dtype_bytes
+
+
+def kv_cache_bytes_for_step(num_prompts: int, num_generations: int, max_total_sequence_length: int,
+                            data_parallel_size: int, bytes_per_token: int, headroom: float = 2.0) -> int:
+    """KV cache for one GPU to hold its whole share of a step at once, rounded up to a whole MiB:
+
+        ceil(num_prompts * num_generations / data_parallel_size) * max_total_sequence_length
+        * bytes_per_token * headroom
+
+    ``data_parallel_size`` = world size / tensor_parallel_size (engines that generate different
+    samples). The headroom covers vLLM's block granularity and validation batches larger than a step.
+
+        >>> kv_cache_bytes_for_step(64, 8, 1024, 8, 28672) / 2**30   # the 1.5B vLLM recipe on 8 GPUs
+        3.5
+    """
+    samples = -(-num_prompts * num_generations // data_parallel_size)
+    raw = samples * max_total_sequence_length * bytes_per_token * headroom
+    return int(-(-raw // 2**20) * 2**20)

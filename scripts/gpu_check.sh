@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# GPU check of grpo-ds in one call (issue 15): NCCL, ZeRO-3, bf16 and fp32, the hf backend, reference on,
+# checkpoint and resume, 1 and (with 2 GPUs) 2 processes, gpu/* and memory/* metrics, per-phase peak memory,
+# and the GPU-only tests in tests/gpu. At most 8 minutes (GPU_CHECK_BUDGET_S, default 480).
+#
+# How to run it on a lent GPU machine (torch, transformers and accelerate installed; no deepspeed, no
+# network; the working tree is copied over, 64 MiB at most):
+#   1. here, on a machine with network, once:
+#        bash scripts/gpu_check.sh --prepare assets/gpu_wheels
+#      builds ~16 MB of wheels (deepspeed, pydantic, torchdata, msgpack, pytest, ...; assets/ is git-ignored)
+#      and prints the folder's size;
+#   2. there, in one call that carries the folder:
+#        run(command="bash scripts/gpu_check.sh", carry=["assets/gpu_wheels"], timeout_s=600)
+#      it unpacks the wheels into a private folder put first on PYTHONPATH (the image is not modified), builds
+#      the toy model, runs scripts/gpu_check.py and ends with "GPU CHECK: PASS" or "GPU CHECK: FAIL"; the
+#      "PEAK_MEMORY {...}" line is the peak memory per phase. Logs, metrics and gpu_check.json go to $OUT
+#      when set (the folder a `run` call brings back), else results/gpu_check.
+# Without a CUDA device it prints "no CUDA device: GPU checks skipped" and exits 0.
+#
+#   bash scripts/gpu_check.sh                  # the check (GPU_WHEELS=DIR: another wheel folder)
+#   bash scripts/gpu_check.sh --prepare DIR    # build the wheel folder (pip; network)
+#   PYTHON=/path/to/python bash scripts/...    # the interpreter (default: python3 or python, whichever has torch)
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then  # the first interpreter that has torch
+  for candidate in python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch' >/dev/null 2>&1; then
+      PY="$candidate"
+      break
+    fi
+  done
+  PY="${PY:-python3}"
+fi
+
+# Pure-Python wheels the GPU image lacks (versions: those installed where --prepare runs). pydantic-core is
+# compiled: its CPython 3.10-3.14 manylinux x86_64 wheels go in too (2 MB each); msgpack is built without its
+# C extension (MSGPACK_PUREPYTHON=1); exceptiongroup and tomli are pytest's dependencies on Python 3.10.
+PURE="deepspeed hjson py-cpuinfo einops msgpack torchdata pydantic annotated-types typing-inspection
+      typing-extensions nvidia-ml-py pytest pluggy iniconfig pygments packaging"
+PY310_ONLY="exceptiongroup tomli"
+MAX_MIB=64
+
+prepare() {
+  local dir="$1"
+  mkdir -p "$dir" || return 1
+  rm -f "$dir"/*.whl
+  local pins
+  pins="$("$PY" - $PURE <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+NOT_HERE = {"nvidia-ml-py": "13.615.71"}  # pynvml, for gpu/utilization_pct: not needed on CPU machines
+out = []
+for name in sys.argv[1:]:
+    try:
+        out.append(f"{name}=={version(name)}")
+    except PackageNotFoundError:
+        out.append(f"{name}=={NOT_HERE[name]}")
+print(" ".join(out))
+EOF
+)" || { echo "error: $PY cannot read package versions" >&2; return 1; }
+  local core
+  core="$("$PY" -c 'from importlib.metadata import version; print(version("pydantic-core"))')" || {
+    echo "error: pydantic-core is not installed for $PY: install requirements.txt first" >&2; return 1; }
+  echo "wheels for: $pins pydantic-core==$core"
+  local pure_pins="" p
+  for p in $pins; do
+    case "$p" in deepspeed*|msgpack*) ;; *) pure_pins="$pure_pins $p" ;; esac
+  done
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$dir" $pure_pins || return 1
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --implementation py --abi none --platform any \
+    --python-version 3.10 -d "$dir" $PY310_ONLY || return 1
+  for p in $pins; do
+    case "$p" in
+      deepspeed*) "$PY" -m pip wheel -q --no-deps -w "$dir" "$p" || return 1 ;;  # an sdist: a pure wheel
+      msgpack*) MSGPACK_PUREPYTHON=1 "$PY" -m pip wheel -q --no-deps --no-binary msgpack -w "$dir" "$p" || return 1 ;;
+    esac
+  done
+  local v
+  for v in 3.10 3.11 3.12 3.13 3.14; do
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --implementation cp \
+      --python-version "$v" -d "$dir" "pydantic-core==$core" || return 1
+  done
+  local bad
+  bad="$(cd "$dir" && ls *.whl | grep -v -e '-none-any\.whl$' -e '^pydantic_core-')"
+  if [ -n "$bad" ]; then
+    echo "error: compiled wheels in $dir: $bad" >&2
+    return 1
+  fi
+  local kib
+  kib="$(du -sk "$dir" | cut -f1)"
+  echo "wheel folder $dir: $(ls "$dir"/*.whl | wc -l) wheels, $((kib / 1024)).$(( (kib % 1024) * 10 / 1024 )) MiB"
+  if [ "$kib" -ge $((MAX_MIB * 1024)) ]; then
+    echo "error: $dir is over $MAX_MIB MiB: the device takes at most $MAX_MIB MiB with the working tree" >&2
+    return 1
+  fi
+}
+
+if [ "${1:-}" = "--prepare" ]; then
+  [ -n "${2:-}" ] || { echo "usage: $0 --prepare DIR" >&2; exit 2; }
+  prepare "$2"
+  exit $?
+fi
+[ $# -eq 0 ] || { echo "usage: $0 [--prepare DIR]" >&2; exit 2; }
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    echo "FAIL nvidia-smi lists GPUs but torch in $PY sees no CUDA device: set PYTHON=<the interpreter with CUDA torch>"
+    echo "GPU CHECK: FAIL"
+    exit 1
+  fi
+  echo "no CUDA device: GPU checks skipped"
+  exit 0
+fi
+
+START=$SECONDS
+BUDGET="${GPU_CHECK_BUDGET_S:-480}"
+WHEELS="${GPU_WHEELS:-$REPO/assets/gpu_wheels}"
+OUT_DIR="${OUT:-$REPO/results/gpu_check}"
+SITE="${TMPDIR:-/tmp}/grpo_gpu_site"
+mkdir -p "$OUT_DIR"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/INFO nvidia-smi: /'
+
+# ---- what the image lacks, from the wheel folder: unpacked into $SITE, first on PYTHONPATH
+if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  echo "FAIL no wheels in $WHEELS: run 'bash scripts/gpu_check.sh --prepare assets/gpu_wheels' on a machine with"
+  echo "     network and carry that folder (run(..., carry=[\"assets/gpu_wheels\"]))"
+  echo "GPU CHECK: FAIL"
+  exit 1
+fi
+rm -rf "$SITE" && mkdir -p "$SITE"
+"$PY" - "$SITE" "$WHEELS"/*.whl <<'EOF' || { echo "GPU CHECK: FAIL (could not unpack the wheels)"; exit 1; }
+import sys, zipfile
+site, wheels = sys.argv[1], sys.argv[2:]
+for w in wheels:  # pure wheels unpack to importable folders; pydantic-core's .so files differ per Python
+    zipfile.ZipFile(w).extractall(site)
+print(f"INFO unpacked {len(wheels)} wheels into {site}")
+EOF
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
+if ! "$PY" -c 'import deepspeed, pydantic, torchdata, msgpack, pytest' 2>"$OUT_DIR/import_error.log"; then
+  echo "FAIL imports from $SITE:"; tail -5 "$OUT_DIR/import_error.log"
+  echo "GPU CHECK: FAIL"
+  exit 1
+fi
+
+"$PY" scripts/gpu_check.py --out "$OUT_DIR" --budget-s "$((BUDGET - (SECONDS - START)))"

@@ -1,0 +1,169 @@
+"""The CPU side of the GPU check (scripts/gpu_check.sh, scripts/gpu_check.py, scripts/train_with_phase_memory.py):
+the skip without CUDA, the wheel folder, the checks on metrics rows, the phase instrumentation, and the
+whole run sequence on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_check  # noqa: E402
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+
+
+def sh(*args, timeout=120, **env):
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHON": sys.executable, **env})
+
+
+@no_cuda
+def test_without_cuda_the_check_skips_and_succeeds():
+    p = sh()
+    assert p.returncode == 0 and p.stdout == "no CUDA device: GPU checks skipped\n", p.stdout + p.stderr
+    # an interpreter without torch at all counts as no CUDA device too
+    assert sh(PYTHON="/nonexistent/python").stdout == "no CUDA device: GPU checks skipped\n"
+    assert sh("--what").returncode == 2
+
+
+@no_cuda
+def test_a_gpu_that_torch_cannot_see_is_a_failure_not_a_skip(tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    fake.chmod(0o755)
+    p = sh(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert p.returncode == 1 and "sees no CUDA device" in p.stdout and p.stdout.endswith("GPU CHECK: FAIL\n")
+
+
+@no_cuda
+def test_pytest_tests_gpu_skips_everything_with_the_reason():
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:]
+    skipped = [line for line in p.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skipped and all(line.endswith("no CUDA device") for line in skipped), skipped
+    assert " passed" not in p.stdout and "skipped" in p.stdout.splitlines()[-1]
+
+
+# --------------------------------------------------------------------------------------------------
+# checks on metrics rows
+# --------------------------------------------------------------------------------------------------
+def row(step, loss=0.1, **extra):
+    r = {"step": step, "train/loss": loss, "gpu/memory_allocated_gib": 2.0, "gpu/memory_reserved_gib": 3.0,
+         "gpu/peak_memory_allocated_gib": 2.5, "gpu/device_used_gib": 5.0, "gpu/device_free_gib": 75.0,
+         "gpu/utilization_pct": 40.0}
+    for phase in gpu_check.PHASES:
+        r[f"memory/{phase}_peak_gb"], r[f"memory/{phase}_used_gb"] = 1.0 + step, 4.0
+    r.update(extra)
+    return r
+
+
+def test_compare_losses_fails_step_1_and_warns_later():
+    a = {1: {"train/loss": 0.10}, 2: {"train/loss": 0.20}, 3: {"train/loss": 0.30}}
+    same = gpu_check.compare_losses(a, {1: {"train/loss": 0.105}, 2: {"train/loss": 0.24}, 3: {"train/loss": 0.3}}, "x")
+    assert [level for level, _ in same] == ["OK", "OK", "OK"]
+    off = gpu_check.compare_losses(a, {1: {"train/loss": 0.2}, 2: {"train/loss": 0.4}, 3: {"train/loss": None}}, "x")
+    assert [level for level, _ in off] == ["FAIL", "WARN", "FAIL"]
+    assert "step 1 loss 0.100000 vs 0.200000" in off[0][1]
+
+
+def test_check_gpu_metrics_accepts_plausible_rows_and_names_the_rest():
+    val_row = {k: v for k, v in row(3).items() if not k.startswith(("train/", "memory/"))}
+    assert gpu_check.check_gpu_metrics([row(1), row(2), val_row], total_gib=80.0) == []
+    bad = [row(1, **{"gpu/device_used_gib": 1.0, "gpu/device_free_gib": 79.0}),  # less than torch reserved
+           row(2, **{"gpu/device_free_gib": 10.0}),                 # used + free != total
+           row(3, **{"memory/train_peak_gb": None}),                # a phase not measured
+           {"step": 4, "train/loss": 0.1}]                          # no gpu/* at all
+    problems = gpu_check.check_gpu_metrics(bad, total_gib=80.0)
+    assert len(problems) == 4, problems
+    assert "step 1: expected 0 < allocated" in problems[0] and "!= total" in problems[1]
+    assert "memory/train_peak_gb = None" in problems[2] and "missing" in problems[3]
+
+
+def test_peak_memory_report_takes_the_most_over_steps():
+    report = gpu_check.peak_memory_report([row(1), row(2), {"step": 2, "val/reward_mean": 0.5}])
+    assert report == {p: {"peak_allocated": 3.0, "used_at_end": 4.0} for p in gpu_check.PHASES}
+    assert json.loads(json.dumps(report)) == report
+
+
+# --------------------------------------------------------------------------------------------------
+# scripts/train_with_phase_memory.py
+# --------------------------------------------------------------------------------------------------
+def test_phase_instrumentation_puts_each_phase_peak_in_the_step_row(tmp_path, monkeypatch):
+    import grpo.phases
+    import grpo.update
+    import train_with_phase_memory
+    from grpo.config import LoggerConfig
+    from grpo.logging import MetricsLogger, read_metrics
+
+    peak = {"bytes": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: peak.update(bytes=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: peak["bytes"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
+    for module, name, _ in train_with_phase_memory.PHASES:  # restored after the test, wrappers and all
+        gib = {"generate_and_score": 3, "step_logprobs": 1, "train_step": 2}[name]
+        monkeypatch.setattr(sys.modules[module], name, lambda *a, _g=gib, **k: peak.update(bytes=_g * 2**30))
+    monkeypatch.setattr(MetricsLogger, "log", MetricsLogger.log)
+
+    train_with_phase_memory.instrument({})
+    grpo.phases.generate_and_score()
+    grpo.update.step_logprobs()
+    grpo.update.train_step()
+    logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
+    logger.log({"train/loss": 0.5}, step=1)
+    logger.log({"val/reward_mean": 0.2}, step=1)
+    logger.close()
+    step_row, val_row = read_metrics(tmp_path)
+    assert {k: v for k, v in step_row.items() if k.startswith("memory/")} == {
+        "memory/generation_peak_gb": 3.0, "memory/generation_used_gb": 10.0, "memory/logprobs_peak_gb": 1.0,
+        "memory/logprobs_used_gb": 10.0, "memory/train_peak_gb": 2.0, "memory/train_used_gb": 10.0}
+    assert not any(k.startswith("memory/") for k in val_row)
+
+
+# --------------------------------------------------------------------------------------------------
+# slow: the wheel folder (needs pip's index) and the whole sequence on the CPU
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_prepare_builds_a_small_wheel_folder_that_provides_the_missing_packages(tmp_path):
+    wheels = tmp_path / "wheels"
+    p = sh("--prepare", str(wheels), timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    size = sum(f.stat().st_size for f in wheels.iterdir())
+    assert size < 32 * 2**20 and f"wheel folder {wheels}:" in p.stdout
+    names = sorted(f.name for f in wheels.glob("*.whl"))
+    assert all(n.endswith("-none-any.whl") or n.startswith("pydantic_core-") for n in names), names
+    for want in ("deepspeed-0.19.8-", "pydantic-2.", "torchdata-", "msgpack-", "pytest-", "hjson-", "py_cpuinfo-"):
+        assert any(n.startswith(want) for n in names), want
+    assert any(n.startswith(f"pydantic_core-") and f"cp3{sys.version_info.minor}-" in n for n in names)
+    site = tmp_path / "site"
+    for w in wheels.glob("*.whl"):
+        zipfile.ZipFile(w).extractall(site)
+    code = ("import deepspeed, pydantic, pydantic_core, torchdata, msgpack, pytest, hjson, cpuinfo, einops, pynvml\n"
+            "mods = (deepspeed, pydantic, pydantic_core, torchdata, msgpack, pytest, hjson, cpuinfo, einops, pynvml)\n"
+            f"print([m.__name__ for m in mods if not m.__file__.startswith({str(site)!r})])")
+    q = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(site), "DS_ACCELERATOR": "cpu"})
+    assert q.returncode == 0 and q.stdout.strip().endswith("[]"), q.stdout + q.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_whole_check_sequence_passes_on_the_cpu(tmp_path):
+    p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(tmp_path), "--budget-s", "900"],
+                       cwd=REPO, capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert p.returncode == 0 and "GPU CHECK: PASS" in p.stdout, p.stdout[-4000:] + p.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["pass"] and set(summary["losses"]) == {"bf16", "resume_first_2_steps", "resume_to_step_3",
+                                                           "fp32", "bf16_2gpu"}
+    assert any(line.startswith("PEAK_MEMORY {") for line in p.stdout.splitlines())
