@@ -291,9 +291,9 @@ class CheckpointManager:
                                   "away to start over, or set checkpointing.checkpoint_dir to a new directory")
         return None
 
-    def latest_step(self) -> int | None:
-        """The step of the newest intact checkpoint (sizes checked, not checksums), or None."""
-        latest = self.latest(checksums=False)
+    def latest_step(self, checksums: bool = True) -> int | None:
+        """The step of the newest intact checkpoint (`latest`), or None."""
+        latest = self.latest(checksums)
         return None if latest is None else _step_of(latest)
 
     # ---- save ------------------------------------------------------------------------------

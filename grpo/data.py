@@ -422,7 +422,8 @@ class PromptFormatter:
             return ([] if has_system else system) + [{"role": m["role"], "content": m["content"]} for m in question]
         prompt = fill_template(self.template, question)
         if self.chat_template is None:
-            return [{"role": "user", "content": prompt if self.system_prompt is None else f"{self.system_prompt}\n{prompt}"}]
+            content = prompt if self.system_prompt is None else f"{self.system_prompt}\n{prompt}"
+            return [{"role": "user", "content": content}]
         return system + [{"role": "user", "content": prompt}]
 
     def text(self, question: str | list[dict]) -> str:
@@ -455,12 +456,16 @@ class PromptDataset(Dataset):
     A row's task (its environment) is ``meta[task_key]`` when the row has it, else ``default_task``;
     ``tasks`` (when given) are the known ones, and a row naming another fails with its source. Prompts
     longer than ``max_input_seq_length`` tokens are dropped at construction and counted in ``num_filtered``.
+    A prompt that leaves no room for one generated token under ``max_total_sequence_length`` cannot be
+    trained on: with ``on_bad_row="error"`` it fails naming the row, with "skip" it is dropped and counted
+    in ``num_too_long``.
     """
 
     def __init__(self, rows: list[Row], formatter: PromptFormatter, max_input_seq_length: int | None = None,
-                 default_task: str = "default", task_key: str = "task_name", tasks: list[str] | None = None):
+                 default_task: str = "default", task_key: str = "task_name", tasks: list[str] | None = None,
+                 max_total_sequence_length: int | None = None, on_bad_row: str = "error"):
         self.items: list[dict] = []
-        self.num_filtered = 0
+        self.num_filtered = self.num_too_long = 0
         for index, row in enumerate(rows):
             task = str((row.get("meta") or {}).get(task_key, default_task))
             if tasks is not None and task not in tasks:
@@ -471,11 +476,21 @@ class PromptDataset(Dataset):
             if max_input_seq_length is not None and len(ids) > max_input_seq_length:
                 self.num_filtered += 1
                 continue
+            if max_total_sequence_length is not None and len(ids) >= max_total_sequence_length:
+                if on_bad_row == "error":
+                    where = row.get("source", f"row {index}")
+                    raise DataError(f"{where}: the prompt has {len(ids)} tokens, leaving no "
+                                    f"room to generate under policy.max_total_sequence_length="
+                                    f"{max_total_sequence_length}; raise it, lower data.max_input_seq_length to "
+                                    "filter such prompts, or set data.on_bad_row=skip to skip and count them")
+                self.num_too_long += 1
+                continue
             self.items.append({"index": index, **row, "question": question_text(row["question"]), "task_name": task,
                                "prompt_messages": messages, "prompt_ids": ids})
         if not self.items:
             raise DataError(
-                f"all {len(rows)} prompts are longer than data.max_input_seq_length={max_input_seq_length} tokens"
+                f"all {len(rows)} prompts are longer than data.max_input_seq_length={max_input_seq_length} tokens "
+                f"or leave no room under policy.max_total_sequence_length={max_total_sequence_length}"
             )
 
     def __len__(self) -> int:

@@ -233,6 +233,8 @@ def clipped_pg_loss(
       is_oob_ratio: see :func:`importance_weights`                    (only with a truncation type)
       approx_entropy: masked mean of −exp(lp − gen)·lp (of −lp without generation_logprobs)
       num_valid_samples: Σ sample_mask
+    A micro-batch with no token in the mask (every sample masked) reports None for all but ``loss`` and
+    ``num_valid_samples``: `grpo.metrics.aggregate_rollout_metrics` averages over the others.
     """
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 / fp16 inputs: compute in fp32
     token_mask = token_mask.to(dtype)
@@ -297,7 +299,10 @@ def clipped_pg_loss(
     with torch.no_grad():
         entropy_w = torch.ones_like(lp) if gen is None else torch.exp(lp - gen)
         metrics["approx_entropy"] = masked_mean(-entropy_w * lp, mask).item()
-    metrics.update(loss=loss.item(), kl_penalty=kl_value, num_valid_samples=sample_mask.sum().item())
+    metrics.update(kl_penalty=kl_value)
+    if not bool(keep.any()):  # nothing trained here: no per-token statistic (micro-batch means skip None)
+        metrics = dict.fromkeys(metrics)
+    metrics.update(loss=loss.item(), num_valid_samples=sample_mask.sum().item())
     return loss, metrics
 
 

@@ -177,7 +177,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     if len(loader) == 0:
         return f"error: {len(train_ds)} training prompts < {per_batch} prompts per step"
     total_steps = min(g.max_num_steps, g.max_num_epochs * len(loader))
-    opt_steps = total_steps * g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
+    samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
+    opt_steps = total_steps * samples_per_step // cfg.policy.train_global_batch_size
     policy = engines.build_policy_engine(cfg, world_size, opt_steps)
     reference = None if skip_ref else engines.build_reference_engine(cfg, world_size)
     teacher = None
@@ -210,6 +211,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
     logger.write(f"grpo-ds{' async' if asynchronous else ''}: {world_size} rank(s), {len(train_ds)} train / "
                  f"{len(val_ds)} val prompts ({train_ds.num_filtered} over data.max_input_seq_length filtered, "
+                 f"{train_ds.num_too_long} with no room under policy.max_total_sequence_length skipped, "
                  f"{train_rows.report.num_skipped} malformed rows skipped), {total_steps} steps, "
                  f"reference {'skipped' if skip_ref else 'on'}, tasks {envs.tasks}, "
                  f"up to {g.max_rollout_turns} turn(s) per rollout")
@@ -284,7 +286,8 @@ def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = 
     train_rows = load_rows(cfg.data, "train", seed=cfg.grpo.seed)
     val_rows = load_rows(cfg.data, "val", seed=cfg.grpo.seed)
     kw = dict(max_input_seq_length=cfg.data.max_input_seq_length, default_task=cfg.env.task_name or cfg.env.name,
-              task_key=cfg.data.task_key, tasks=tasks)
+              task_key=cfg.data.task_key, tasks=tasks, max_total_sequence_length=cfg.policy.max_total_sequence_length,
+              on_bad_row=cfg.data.on_bad_row)
     return formatter, train_rows, PromptDataset(train_rows, formatter, **kw), PromptDataset(val_rows, formatter, **kw)
 
 
@@ -420,7 +423,7 @@ def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None
     from grpo import engines, weights
 
     cfg, state = run.cfg, run.state
-    saved = run.ckpt.latest_step() if cfg.checkpointing.enabled else None
+    saved = run.ckpt.latest_step(checksums=False) if cfg.checkpointing.enabled else None
     good_state = failure is not None and run.checks.stop_kind != "nonfinite"
     if cfg.checkpointing.enabled and (out_of_data or good_state) and saved != state.current_step:
         save(run, state.current_step, state.metrics, None, loader_state, extra)

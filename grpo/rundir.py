@@ -46,6 +46,19 @@ RESUME_MUTABLE = (
     "checkpointing.checkpoint_dir",          # a run directory moved to another disk
     "cluster.",                 # where it runs: the update is invariant to the world size (grpo.engines); the
                                 # RNG state per rank is checked on load (rng_rank{r}.pt)
+    "grpo.stop_at_validation_metric",        # when to stop early: it stops the run, never changes an update
+    "grpo.stop_at_validation_threshold",
+    "grpo.max_val_samples",                  # validation reads the weights, never changes them
+    "grpo.val_batch_size",
+    "grpo.val_num_generations_per_prompt",
+    "checkpointing.load_replay_buffer",      # how to resume (the deque is regenerated exactly otherwise)
+    "checkpointing.allow_config_change",
+    "checkpointing.save_consolidated",       # extra copies of the weights
+    "checkpointing.metric_name",             # which checkpoints to keep
+    "checkpointing.higher_is_better",
+    "policy.max_nonfinite_steps",            # when to stop a failing run
+    "env.max_error_rate",
+    "env.max_error_steps",
 )
 
 
@@ -197,11 +210,24 @@ def fingerprint_diff(old: dict, new: dict) -> list[str]:
     return [f"{k}: {show(a, k)} -> {show(b, k)}" for k in sorted(set(a) | set(b)) if show(a, k) != show(b, k)]
 
 
+def has_run_output(directory: str | os.PathLike) -> bool:
+    """Whether a run left something behind in ``directory``: a checkpoint (``step_N``) or logged steps."""
+    d = Path(directory)
+    if not d.is_dir():
+        return False
+    metrics = d / "metrics.jsonl"
+    return (any(p.is_dir() and re.fullmatch(r"step_\d+", p.name) for p in d.iterdir())
+            or (metrics.exists() and metrics.stat().st_size > 0))
+
+
 def check_fingerprint(directory: str | os.PathLike, fp: dict, allow_change: bool = False) -> None:
-    """Raise a `RunDirError` when ``directory`` holds the fingerprint of a run with another config (the first
-    differing dotted fields named), unless ``allow_change`` (a deliberate change). No fingerprint yet: fine."""
+    """Raise a `RunDirError` when ``directory`` holds the output of a run with another config (the first
+    differing dotted fields named), unless ``allow_change`` (a deliberate change). No fingerprint yet, or a
+    run that stopped before writing anything (a config error found at startup, then fixed): fine."""
     old = _read_json(Path(directory) / FINGERPRINT_FILE)
     if old is None or old.get("config_sha256") == fp["config_sha256"] or allow_change:
+        return
+    if not has_run_output(directory):
         return
     diff = fingerprint_diff(old, fp)
     shown = "; ".join(diff[:5]) + (f"; and {len(diff) - 5} more" if len(diff) > 5 else "")

@@ -4,10 +4,19 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "tests" / "configs" / "tiny.yaml")
+
+
+def launcher(name: str) -> list[str]:
+    """The command of a launcher installed with this python (no activated virtual environment needed):
+    torchrun as ``python -m torch.distributed.run``, deepspeed / accelerate from this python's bin directory."""
+    if name == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run"]
+    return [os.path.join(os.path.dirname(sys.executable), name)]
 
 
 def free_port() -> int:

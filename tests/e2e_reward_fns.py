@@ -20,3 +20,15 @@ def two_component_reward(question: str, completion: str, answer: str, meta: dict
     m = re.search(r"-?\d+", completion)
     return {"correct": float(m is not None and m.group() == answer),
             "format": float(completion.strip().lstrip("-").isdigit())}
+
+
+def huge_reward(question: str, completion: str, answer: str, meta: dict) -> float:
+    """1e39: finite in float64, inf in float32 (what rewards are trained in): a failing reward on every sample."""
+    return 1e39
+
+
+def slow_arithmetic(question: str, completion: str, answer: str, meta: dict) -> float:
+    """The arithmetic reward, a little slow: a run with it has reward workers alive most of the time."""
+    time.sleep(0.02)
+    m = re.search(r"-?\d+", completion)
+    return float(m is not None and m.group() == answer)

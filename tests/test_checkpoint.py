@@ -346,7 +346,7 @@ def deepspeed_checkpoint(tmp_path_factory):
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 1}})
     trained = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(4))
-    engines.train_on_batch(trained, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+    engines.train_on_batch(trained, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
                            lambda lp, mb: (-lp.sum() / 12, {}))
     ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp / "ckpt")))
     path = ckpt.save(1, trained, GRPOSaveState(current_step=1), {"position": 1},

@@ -273,11 +273,11 @@ def test_train_on_batch_with_top_k_top_p_gives_the_plain_gradient(model_dir, pla
 
     def closure(lp, mb):
         seen["keys"] = set(mb)
-        return ((lp ** 2).sum() + 0.5 * (mb["unfiltered_logprobs"] ** 2).sum()) / 14, {}
+        return ((lp ** 2).sum() + 0.5 * (mb["unfiltered_logprobs_bt"] ** 2).sum()) / 14, {}
 
-    out = engines.train_on_batch(engine, [{"input_ids": ids, "attention_mask": mask}], closure,
+    out = engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}], closure,
                                  temperature=0.7, top_k=20, top_p=0.9)
-    assert "unfiltered_logprobs" in seen["keys"]
+    assert "unfiltered_logprobs_bt" in seen["keys"]
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lp, full = _filtered_reference(plain, ids, mask, 0.7, 20, 0.9)
     ((lp ** 2).sum() + 0.5 * (full ** 2).sum()).div(14).backward()
@@ -430,7 +430,7 @@ def test_deepspeed_takes_fp32_gradient_accumulation_for_a_bf16_zero3_engine(mode
 # --------------------------------------------------------------------------------------------------
 def _two_steps(engine, offload_between: bool):
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(5))
-    mbs = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    mbs = [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}]
     closure = lambda lp, mb: (-(lp**2).sum() / 12, {})
     moved = []
     results = [engines.train_on_batch(engine, mbs, closure)]
@@ -464,7 +464,7 @@ def test_offload_works_with_torch_adamw_and_training_goes_on_unchanged(model_dir
 def test_optimizer_state_tensors_are_the_master_weights_and_adam_moments(model_dir, dist_group):
     engine = engines.build_policy_engine(make_cfg(model_dir, train_global_batch_size=2), 1, total_optimizer_steps=1)
     ids = torch.randint(3, 80, (2, 5), generator=torch.Generator().manual_seed(6))
-    engines.train_on_batch(engine, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+    engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
                            lambda lp, mb: (-lp.sum() / 8, {}))  # Adam creates its moments at the first step
     zero = engine.optimizer
     tensors = engines.optimizer_state_tensors(engine)

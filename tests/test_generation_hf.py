@@ -269,7 +269,7 @@ def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
         torch.testing.assert_close(dict(gen.model.named_parameters())[n], p, atol=0, rtol=0)
 
     ids = torch.tensor(encode(tok, ["1+2=3", "4+4=8"]))
-    engines.train_on_batch(engine, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+    engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
                            lambda lp, mb: (-lp.sum() / lp.numel(), {}))
     after = gathered()
     assert max((after[n] - p).abs().max().item() for n, p in initial.named_parameters()) > 1e-3

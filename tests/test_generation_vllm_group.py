@@ -36,8 +36,13 @@ def fake_engine(calls: list):
 
 def fake_backend(group, calls: list) -> VllmGeneration:
     """A `VllmGeneration` past construction and refit, whose vLLM engine is `fake_engine`."""
+    from grpo.config import MasterConfig
+
     gen = VllmGeneration.__new__(VllmGeneration)
     gen._tp_group, gen._refitted, gen._asleep, gen.recorder = group, True, False, []
+    gen.cfg = MasterConfig.model_validate({"policy": {"max_total_sequence_length": 16,
+                                                      "generation": {"max_new_tokens": 4}}})
+    gen.gen_cfg = gen.cfg.policy.generation
     gen._run_engine = lambda p, s, greedy, caps, stops: fake_engine(calls)(p, s)
     return gen
 

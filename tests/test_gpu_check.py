@@ -1,4 +1,4 @@
-"""The CPU side of the GPU check (scripts/gpu_check.sh, scripts/gpu_check.py, scripts/train_with_phase_memory.py):
+"""The CPU side of the GPU check (scripts/gpu_check.sh, scripts/gpu_check.py) and the per-phase memory metrics:
 the skip without CUDA, the wheel folder, the checks on metrics rows, the phase instrumentation, and the
 whole run sequence on the CPU."""
 
@@ -98,12 +98,8 @@ def test_peak_memory_report_takes_the_most_over_steps():
 # --------------------------------------------------------------------------------------------------
 # scripts/train_with_phase_memory.py
 # --------------------------------------------------------------------------------------------------
-def test_phase_instrumentation_puts_each_phase_peak_in_the_step_row(tmp_path, monkeypatch):
-    import grpo.phases
-    import grpo.update
-    import train_with_phase_memory
-    from grpo.config import LoggerConfig
-    from grpo.logging import MetricsLogger, read_metrics
+def test_measured_phases_put_their_time_and_peak_memory_in_the_step_metrics(monkeypatch):
+    from grpo.step import measured
 
     peak = {"bytes": 0}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -111,30 +107,14 @@ def test_phase_instrumentation_puts_each_phase_peak_in_the_step_row(tmp_path, mo
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: peak.update(bytes=0))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: peak["bytes"])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
-    for module, name, _ in train_with_phase_memory.PHASES:  # restored after the test, wrappers and all
-        gib = {"generate_and_score": 3, "step_logprobs": 1, "train_step": 2}[name]
-        monkeypatch.setattr(sys.modules[module], name, lambda *a, _g=gib, **k: peak.update(bytes=_g * 2**30))
-    monkeypatch.setattr(MetricsLogger, "log", MetricsLogger.log)
-
-    train_with_phase_memory.instrument({})
-    grpo.phases.generate_and_score()
-    grpo.update.step_logprobs()
-    grpo.update.train_step()
-    logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
-    logger.log({"train/loss": 0.5}, step=1)
-    logger.log({"val/reward_mean": 0.2}, step=1)
-    logger.close()
-    step_row, val_row = read_metrics(tmp_path)
-    assert {k: v for k, v in step_row.items() if k.startswith("memory/")} == {
-        "memory/generation_peak_gb": 3.0, "memory/generation_used_gb": 10.0, "memory/logprobs_peak_gb": 1.0,
+    metrics: dict = {}
+    for phase, gib in (("rollout", 3), ("logprobs", 1), ("train", 2)):
+        assert measured(metrics, phase, lambda g=gib: peak.update(bytes=g * 2**30) or g) == gib
+    assert {k: v for k, v in metrics.items() if k.startswith("memory/")} == {
+        "memory/rollout_peak_gb": 3.0, "memory/rollout_used_gb": 10.0, "memory/logprobs_peak_gb": 1.0,
         "memory/logprobs_used_gb": 10.0, "memory/train_peak_gb": 2.0, "memory/train_used_gb": 10.0}
-    assert not any(k.startswith("memory/") for k in val_row)
+    assert {k for k in metrics if k.startswith("timing/")} == {"timing/rollout_s", "timing/logprobs_s", "timing/train_s"}
 
-
-# --------------------------------------------------------------------------------------------------
-# slow: the wheel folder (needs pip's index) and the whole sequence on the CPU
-# --------------------------------------------------------------------------------------------------
-@pytest.mark.slow
 def test_prepare_builds_a_small_wheel_folder_that_provides_the_missing_packages(tmp_path):
     wheels = tmp_path / "wheels"
     p = sh("--prepare", str(wheels), timeout=900)

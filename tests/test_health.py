@@ -72,7 +72,7 @@ def engines_pair(tmp_path_factory):
 
 def _batch():
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(4))
-    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    return [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}]
 
 
 def _weights(engine) -> dict:

@@ -97,6 +97,8 @@ def test_check_fingerprint_names_the_differing_field_and_can_be_overridden(tmp_p
     assert recorded_run_id(tmp_path) == run_id and len(run_id) == 32
     check_fingerprint(tmp_path, run_fingerprint(_cfg(("grpo.max_num_steps", 99))))  # a resume that trains longer
     other = run_fingerprint(_cfg(("policy.optimizer.lr", 1e-3), ("grpo.seed", 7)))
+    check_fingerprint(tmp_path, other)  # the recorded run wrote nothing yet (stopped at startup): no conflict
+    (tmp_path / "step_000002").mkdir()  # now it has a checkpoint
     with pytest.raises(RunDirError) as err:
         check_fingerprint(tmp_path, other)
     message = str(err.value)

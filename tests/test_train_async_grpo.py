@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e import REPO, TINY, paths, run, train_rows
+from tests.e2e import REPO, TINY, launcher, paths, run, train_rows
 
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
 PROMPTS_PER_STEP = 4  # tiny.yaml
@@ -98,7 +98,7 @@ def test_checkpoint_holds_the_replay_buffer_loadable_weights_only(one_rank):
     state = torch.load(ckpt / "extra_replay_buffer.pt", weights_only=True)
     assert set(state) >= {"entries", "num_evicted"}
     for e in state["entries"]:  # whatever the thread had buffered past step 2
-        assert e["target_version"] >= 3 and len(e["group"]["outputs"]) == 4
+        assert e["target_version"] >= 3 and len(e["group"]["trajectories"]) == 4
     assert (ckpt / "dataloader.pt").exists()
 
 
@@ -222,7 +222,7 @@ def test_generation_failures_are_tolerated_up_to_the_limit_then_stop_cleanly_and
 # ---------------------------------------------------------------------------------------------
 def test_two_ranks_train_the_same_groups_as_one(one_rank, tmp_path):
     """Also with in-flight weight updates between chunks of 4 samples (2 per rank and prompt batch)."""
-    run(["torchrun", "--standalone", "--nproc_per_node", "2", "train_async_grpo.py", "--config",
+    run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "2", "train_async_grpo.py", "--config",
          TINY, *ASYNC, *paths(tmp_path), "grpo.max_num_steps=3", "checkpointing.enabled=false",
          "grpo.async_grpo.in_flight_weight_updates=true", "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
          "policy.generation_batch_size=4"], threads=1)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e import REPO, TINY, child_env, free_port, metrics, paths, run, train_rows
+from tests.e2e import REPO, TINY, child_env, free_port, launcher, metrics, paths, run, train_rows
 
 overrides = paths
 
@@ -154,7 +154,7 @@ def test_reward_rises_on_learnable_task(tmp_path):
 def test_one_and_two_processes_give_the_same_loss(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     python_train(one, "grpo.max_num_steps=2", "checkpointing.enabled=false")
-    run(["torchrun", "--standalone", "--nproc_per_node", "2", "train_grpo.py", "--config", TINY,
+    run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "2", "train_grpo.py", "--config", TINY,
          *overrides(two, "grpo.max_num_steps=2", "checkpointing.enabled=false")], threads=1)
     a, b = train_rows(one), train_rows(two)
     for step in (1, 2):
@@ -164,20 +164,20 @@ def test_one_and_two_processes_give_the_same_loss(tmp_path):
 
 def test_two_ranks_stop_together_at_the_save_deadline(tmp_path):
     """Each rank reads its own clock; `SaveDeadline.due` all-reduces, so no rank goes on into a collective alone."""
-    run(["torchrun", "--standalone", "--nproc_per_node", "2", "train_grpo.py", "--config", TINY,
+    run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "2", "train_grpo.py", "--config", TINY,
          *overrides(tmp_path, "grpo.max_num_steps=3", "checkpointing.save_period=10",
                     "checkpointing.checkpoint_must_save_by=00:00:00:01")], threads=1, timeout=240)
     assert sorted(train_rows(tmp_path)) == [1] and (tmp_path / "ckpt" / "step_000001").is_dir()
 
 
 def test_deepspeed_launcher(tmp_path):
-    run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train_grpo.py", "--config", TINY,
+    run([*launcher("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train_grpo.py", "--config", TINY,
          *overrides(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false")], threads=1)
     assert sorted(train_rows(tmp_path)) == [1, 2]
 
 
 def test_accelerate_launch(tmp_path):
-    run(["accelerate", "launch", "--config_file", "launch/accelerate_zero3.yaml", "--num_processes", "2",
+    run([*launcher("accelerate"), "launch", "--config_file", "launch/accelerate_zero3.yaml", "--num_processes", "2",
          "--main_process_port", str(free_port()), "train_grpo.py", "--config", TINY,
          *overrides(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false")], threads=1)
     assert sorted(train_rows(tmp_path)) == [1, 2]
@@ -185,7 +185,7 @@ def test_accelerate_launch(tmp_path):
 
 def test_two_nodes_on_loopback(tmp_path):
     port = free_port()
-    cmds = [["torchrun", "--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1", "--master_addr",
+    cmds = [[*launcher("torchrun"), "--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1", "--master_addr",
              "127.0.0.1", "--master_port", str(port), "train_grpo.py", "--config", TINY,
              *overrides(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false")] for r in (0, 1)]
     procs = [subprocess.Popen(c, cwd=REPO, env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

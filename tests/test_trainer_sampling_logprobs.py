@@ -25,7 +25,8 @@ from grpo.config_load import build_config
 from grpo.generation.sampling import filter_keep_mask
 from grpo.logprobs import token_logprobs
 from grpo.loss import clipped_pg_loss
-from grpo.rollout import build_batch
+from grpo.batch import build_batch
+from grpo.rollout import single_turn
 from tests.e2e import run
 
 TEMPERATURE, TOP_K, TOP_P = 0.7, 20, 0.9
@@ -52,12 +53,12 @@ def model_dir(tmp_path_factory):
 
 def mult_prob_error(model, outputs, pad_id: int, **filt) -> float:
     """clipped_pg_loss's token_mult_prob_error, prev = `forward_logprobs` of ``model`` (``filt``: top_k / top_p)."""
-    b = build_batch(outputs, pad_id)
+    b = build_batch(single_turn(outputs), pad_id)
     with torch.no_grad():
-        prev_bt = engines.forward_logprobs(model, b["input_ids"], b["attention_mask"], TEMPERATURE, **filt)
+        prev_bt = engines.forward_logprobs(model, b.input_ids_bt, b.attention_mask_bt, TEMPERATURE, **filt)
     cfg = build_config({"loss_fn": {"reference_policy_kl_penalty": 0.0}}).loss_fn
-    _, metrics = clipped_pg_loss(prev_bt, prev_bt, torch.zeros(len(outputs)), b["token_mask"],
-                                 torch.ones(len(outputs)), cfg, generation_logprobs=b["generation_logprobs"])
+    _, metrics = clipped_pg_loss(prev_bt, prev_bt, torch.zeros(len(outputs)), b.token_mask_bt,
+                                 torch.ones(len(outputs)), cfg, generation_logprobs=b.generation_logprobs_bt)
     return metrics["token_mult_prob_error"]
 
 

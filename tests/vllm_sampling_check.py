@@ -22,7 +22,8 @@ from grpo import engines
 from grpo.config_load import build_config
 from grpo.generation.vllm import VllmGeneration
 from grpo.loss import clipped_pg_loss
-from grpo.rollout import build_batch
+from grpo.batch import build_batch
+from grpo.rollout import single_turn
 
 PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok", "(3*4)-5=", "Z"]
 SEEDS = [11, 22, 33, 44, 55, 66, 77, 88]
@@ -47,17 +48,17 @@ def main(model_dir: str, temperature: float, top_k: int, top_p: float) -> dict:
     gen = VllmGeneration(cfg, tok, policy, "cpu")
     gen.refit(policy)
     outputs = gen.generate([tok(p)["input_ids"] for p in PROMPTS], SEEDS)
-    b = build_batch(outputs, tok.pad_token_id)
+    b = build_batch(single_turn(outputs), tok.pad_token_id)
 
     def mult_prob_error(**filt) -> float:
-        prev_bt = engines.compute_logprobs(policy, b["input_ids"], b["attention_mask"], temperature, 8, **filt)
+        prev_bt = engines.compute_logprobs(policy, b.input_ids_bt, b.attention_mask_bt, temperature, 8, **filt)
         zeros_b, ones_b = torch.zeros(len(outputs)), torch.ones(len(outputs))
-        _, m = clipped_pg_loss(prev_bt, prev_bt, zeros_b, b["token_mask"], ones_b, cfg.loss_fn,
-                               generation_logprobs=b["generation_logprobs"])
+        _, m = clipped_pg_loss(prev_bt, prev_bt, zeros_b, b.token_mask_bt, ones_b, cfg.loss_fn,
+                               generation_logprobs=b.generation_logprobs_bt)
         return m["token_mult_prob_error"]
 
     result = {"err": mult_prob_error(top_k=top_k, top_p=top_p), "biased": mult_prob_error(),
-              "tokens": int(b["token_mask"].sum())}
+              "tokens": int(b.token_mask_bt.sum())}
     gen.close()
     return result
 
