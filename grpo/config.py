@@ -259,6 +259,10 @@ class GRPOConfig(_Section):
     stop_at_validation_threshold: Optional[float] = Field(None, description="Threshold of stop_at_validation_metric.")
     skip_reference_policy_logprobs_calculation: Optional[bool] = Field(
         None, description="Skip the reference model (null: skipped when nothing reads its logprobs).")
+    skip_previous_policy_logprobs_calculation: Optional[bool] = Field(None, description=(
+        "Skip the separate previous-policy logprob pass (the training forward's own, detached, stand in; exact "
+        "when one optimizer step uses the whole rollout); null: skipped whenever that holds and nothing reads "
+        "them before training."))
     seed: int = Field(42, description="Seed of sampling, data order and model init.")
     async_grpo: AsyncGRPOConfig = Field(
         default_factory=AsyncGRPOConfig, description="The asynchronous loop's settings.")
@@ -390,10 +394,14 @@ class PolicyConfig(_Section):
         False, description="Allow model code from the checkpoint (transformers' trust_remote_code).")
     logprob_chunk_size: Optional[int] = Field(
         None, gt=0, description="Rows per chunk of the logprob computation (null: 2^24 / vocabulary size).")
-    deepspeed_config: str = Field(
-        "ds_configs/zero3.json", description="DeepSpeed JSON of the policy; auto values are filled from this config.")
+    deepspeed_config: str = Field("auto", description=(
+        "DeepSpeed JSON of the policy (its auto values are filled from this config); auto: ds_configs/zero1.json on "
+        "one rank (nothing to partition), ds_configs/zero3.json on several."))
     reference_deepspeed_config: str = Field(
         "ds_configs/zero3_reference.json", description="DeepSpeed JSON of the frozen reference (and teacher).")
+    reference_placement: Literal["auto", "plain", "zero3"] = Field("auto", description=(
+        "The frozen reference / teacher: plain (a module on each rank, no ZeRO hooks), zero3 (sharded over the "
+        "ranks), or auto: plain on one rank or when its weights take at most 1/4 of the free device memory."))
     max_nonfinite_steps: int = Field(3, ge=1, description=(
         "Non-finite steps (loss, gradient norm or rewards) in a row before the run stops with exit 1."))
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
@@ -718,6 +726,14 @@ class MasterConfig(_Section):
             )
         if g.async_grpo.enabled and g.use_dynamic_sampling:
             raise ValueError("grpo.use_dynamic_sampling=true is not supported with grpo.async_grpo.enabled=true")
+        if g.skip_previous_policy_logprobs_calculation:
+            one_update = p.train_global_batch_size == n_per_step
+            needed = prev_logprobs_needed_before_training(self)
+            if needed is not None or not (one_update or loss.force_on_policy_ratio):
+                why = needed or (f"policy.train_global_batch_size={p.train_global_batch_size} < {n_per_step} samples "
+                                 "per step: later optimizer steps of a step need the logprobs of the weights before it")
+                raise ValueError("grpo.skip_previous_policy_logprobs_calculation=true but the run needs "
+                                 f"previous-policy logprobs ({why}): set it to null or false")
         if g.skip_reference_policy_logprobs_calculation and needs_reference(self):
             raise ValueError(
                 "grpo.skip_reference_policy_logprobs_calculation=true but the run needs reference logprobs "
@@ -798,22 +814,38 @@ def needs_reference(cfg: MasterConfig) -> bool:
     return cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.loss_fn.use_kl_in_reward
 
 
+def prev_logprobs_needed_before_training(cfg: MasterConfig) -> str | None:
+    """What reads previous-policy logprobs before the optimizer step (so they need their own pass), or None."""
+    loss, g = cfg.loss_fn, cfg.grpo
+    if g.seq_logprob_error_threshold is not None:
+        return f"grpo.seq_logprob_error_threshold={g.seq_logprob_error_threshold}"
+    if loss.use_kl_in_reward and loss.reference_policy_kl_penalty > 0:
+        return "loss_fn.use_kl_in_reward=true"
+    if cfg.on_policy_distillation.enabled:
+        return "on_policy_distillation.enabled=true"
+    return None
+
+
 def resolve_skip_flags(cfg: MasterConfig) -> tuple[bool, bool]:
     """Return ``(skip_prev_logprobs, skip_reference_logprobs)`` for this run.
 
-    - Reference logprobs are skipped when nothing reads them (beta = 0 and no KL in the reward), or
+    - Reference logprobs are skipped when nothing reads them (beta = 0 and there is no KL in the reward), or
       when ``grpo.skip_reference_policy_logprobs_calculation`` says so (validated against that).
-    - Previous-policy logprobs are skipped under ``force_on_policy_ratio`` (the training forward's
-      own logprobs, detached, stand in for them), unless sequence logprob-error masking or the
-      reward KL needs them before training.
+    - Previous-policy logprobs are skipped when the training forward's own, detached, are the same numbers:
+      under ``force_on_policy_ratio``, or when one optimizer step uses the whole rollout (the weights that
+      score them are the weights being trained); unless sequence logprob-error masking, the reward KL or
+      distillation needs them before training (`prev_logprobs_needed_before_training`).
+      ``grpo.skip_previous_policy_logprobs_calculation`` overrides the choice (true is validated at load).
     """
     skip_ref = cfg.grpo.skip_reference_policy_logprobs_calculation
     if skip_ref is None:
         skip_ref = not needs_reference(cfg)
-    loss = cfg.loss_fn
-    skip_prev = (
-        loss.force_on_policy_ratio
-        and cfg.grpo.seq_logprob_error_threshold is None
-        and not (loss.use_kl_in_reward and loss.reference_policy_kl_penalty > 0)
-    )
+    g, p = cfg.grpo, cfg.policy
+    one_update = p.train_global_batch_size == g.num_prompts_per_step * g.num_generations_per_prompt
+    skip_prev = g.skip_previous_policy_logprobs_calculation
+    if skip_prev is None:
+        exact = cfg.loss_fn.force_on_policy_ratio or one_update
+        skip_prev = exact and prev_logprobs_needed_before_training(cfg) is None
     return skip_prev, skip_ref
+
+

@@ -12,26 +12,21 @@ Every forward of a ZeRO-3 engine is a collective: all ranks call `compute_logpro
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
 import sys
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from grpo.ds_config import build_ds_config, policy_ds_config_path
 from grpo.logprobs import aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# ZeRO bucket sizes filled from the model's hidden size (DeepSpeed's defaults without it).
-_BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                "stage3_param_persistence_threshold")
 
 
 def _policy(cfg):
@@ -129,87 +124,6 @@ def _all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# DeepSpeed JSON configs
-# --------------------------------------------------------------------------------------------------
-def _resolve_path(path: str) -> Path:
-    """As given if it exists, else relative to the repository root (``ds_configs/zero3.json``)."""
-    p = Path(path)
-    return p if p.exists() or p.is_absolute() else REPO_ROOT / p
-
-
-def _find_auto(node, prefix: str = "") -> list[str]:
-    if isinstance(node, dict):
-        return [k for key, v in node.items() for k in _find_auto(v, f"{prefix}{key}.")]
-    return [prefix.rstrip(".")] if node == "auto" else []
-
-
-def build_ds_config(json_path: str, cfg, world_size: int, *, for_training: bool,
-                    hidden_size: int | None = None) -> dict:
-    """Load a DeepSpeed JSON config and fill every ``"auto"`` from the run config.
-
-    - train_micro_batch_size_per_gpu = policy.train_micro_batch_size (training) or
-      policy.logprob_batch_size (inference engines),
-    - train_batch_size = policy.train_global_batch_size (training) or micro * world_size,
-    - gradient_accumulation_steps = global // (micro * world_size), an error when not divisible,
-    - gradient_clipping = policy.max_grad_norm (0: off), bf16/fp16.enabled from policy.precision,
-    - with ``hidden_size`` = h (as transformers does): reduce_bucket_size = allgather_bucket_size =
-      h*h, stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h;
-      without it those keys fall back to DeepSpeed's defaults;
-    - training with ZeRO in bf16 / fp16: data_types.grad_accum_dtype = "fp32" unless the JSON sets it
-      (DeepSpeed otherwise sums the micro-batch gradients in the model's 16-bit dtype).
-
-    The optimizer and LR schedule come from policy.optimizer / policy.scheduler, never from the JSON.
-    """
-    policy = _policy(cfg)
-    path = _resolve_path(json_path)
-    with open(path) as f:
-        ds = json.load(f)
-    for key in ("optimizer", "scheduler"):
-        if key in ds:
-            raise ValueError(f"{path}: remove the {key!r} section; it is built from policy.optimizer / "
-                             "policy.scheduler of the run config")
-    if for_training:
-        micro, global_bs = policy.train_micro_batch_size, policy.train_global_batch_size
-        if global_bs % (micro * world_size):
-            raise ValueError(
-                f"policy.train_global_batch_size={global_bs} must be a multiple of "
-                f"policy.train_micro_batch_size={micro} x world_size={world_size} = {micro * world_size} "
-                "(DeepSpeed train_batch_size = micro x gradient_accumulation_steps x world_size)"
-            )
-    else:
-        micro = policy.logprob_batch_size
-        global_bs = micro * world_size
-    values = {
-        "train_batch_size": global_bs,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": global_bs // (micro * world_size),
-        "gradient_clipping": policy.max_grad_norm or 0.0,
-        "bf16.enabled": policy.precision == "bfloat16",
-        "fp16.enabled": policy.precision == "float16",
-    }
-    if hidden_size is not None:
-        h = hidden_size
-        sizes = (h * h, h * h, int(0.9 * h * h), 10 * h)
-        values.update({f"zero_optimization.{k}": v for k, v in zip(_BUCKET_KEYS, sizes)})
-    for key in _find_auto(ds):
-        *parents, leaf = key.split(".")
-        node = ds
-        for p in parents:
-            node = node[p]
-        if key in values:
-            node[leaf] = values[key]
-        elif parents == ["zero_optimization"] and leaf in _BUCKET_KEYS:
-            del node[leaf]  # no hidden size: DeepSpeed's default
-        else:
-            raise ValueError(f"{path}: no value for {key}='auto' (fillable keys: {sorted(values)})")
-    if not for_training:
-        ds.pop("gradient_clipping", None)
-    elif policy.precision != "float32" and ds.get("zero_optimization", {}).get("stage", 0) > 0:
-        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-    return ds
-
-
-# --------------------------------------------------------------------------------------------------
 # Learning-rate schedule
 # --------------------------------------------------------------------------------------------------
 def lr_lambda(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
@@ -269,13 +183,14 @@ def _hidden_size(policy) -> int | None:
 def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     """The trainable ZeRO engine: model, torch AdamW (policy.optimizer), warmup + schedule (lr_lambda).
 
-    torch AdamW in every configuration, offload while generating included (`offload_optimizer_states`
-    moves its states; DeepSpeed's FusedAdam would need nvcc and ninja to JIT-build its op)."""
+    The DeepSpeed config is `grpo.ds_config.policy_ds_config_path` (``auto``: ZeRO-1 on one rank, ZeRO-3 on
+    several). torch AdamW in every configuration (fused where the device has the kernel), offload while
+    generating included (`grpo.offload`; DeepSpeed's FusedAdam would need nvcc and ninja to JIT-build its op)."""
     import deepspeed
 
     policy = _policy(cfg)
-    ds_config = build_ds_config(policy.deepspeed_config, policy, world_size, for_training=True,
-                                hidden_size=_hidden_size(policy))
+    path, _ = policy_ds_config_path(policy, world_size)
+    ds_config = build_ds_config(path, policy, world_size, for_training=True, hidden_size=_hidden_size(policy))
     if "offload_optimizer" in ds_config.get("zero_optimization", {}):
         # torch AdamW on the offloaded fp32 partitions: no C++ op to build (DeepSpeedCPUAdam is faster).
         ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
@@ -292,11 +207,76 @@ def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     return engine
 
 
-def build_reference_engine(cfg, world_size: int):
-    """A frozen ZeRO engine in eval mode (policy.reference_deepspeed_config: no optimizer)."""
+class FrozenModel:
+    """A frozen model behind the few methods the logprob path calls on a DeepSpeed engine (``module``,
+    ``device``, ``eval``, ``train``, ``zero_optimization_stage``, calling it): a reference or teacher that fits
+    on each rank runs as a plain module, without ZeRO's per-module hooks."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        self.module = module.to(device).eval().requires_grad_(False)
+        self.device = device
+
+    def __call__(self, **inputs):
+        return self.module(**inputs)
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def train(self, mode: bool = True) -> None:
+        """Frozen: stays in eval mode."""
+
+    @staticmethod
+    def zero_optimization_stage() -> int:
+        return 0
+
+
+def reference_placement(policy, world_size: int, num_params: int, free_bytes: int | None) -> str:
+    """Where a frozen model (reference, teacher) runs: ``policy.reference_placement``, or for ``auto`` a plain
+    module on each rank when there is one rank or its weights take at most a quarter of the free device
+    memory (``free_bytes``; None: unknown), else a ZeRO-3 inference engine sharded over the ranks.
+
+        >>> from grpo.config import PolicyConfig
+        >>> reference_placement(PolicyConfig(precision="bfloat16"), 8, num_params=1_500_000_000, free_bytes=80 * 2**30)
+        'plain'
+        >>> reference_placement(PolicyConfig(precision="bfloat16"), 8, num_params=70_000_000_000, free_bytes=80 * 2**30)
+        'zero3'
+    """
+    if policy.reference_placement != "auto":
+        return policy.reference_placement
+    if world_size == 1:
+        return "plain"
+    nbytes = num_params * DTYPES[policy.precision].itemsize
+    return "plain" if free_bytes is not None and nbytes <= free_bytes / 4 else "zero3"
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device``: CUDA's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def build_reference_engine(cfg, world_size: int, device: torch.device | None = None):
+    """The frozen reference (or, with its ``model_name``, a teacher): a `FrozenModel` or a ZeRO-3 inference
+    engine (``policy.reference_deepspeed_config``, no optimizer), per `reference_placement`."""
     import deepspeed
+    from transformers import AutoConfig
 
     policy = _policy(cfg)
+    device = device or _comm_device()
+    mc = AutoConfig.from_pretrained(policy.model_name, trust_remote_code=policy.trust_remote_code)
+    placement = reference_placement(policy, world_size, _num_params(mc), free_device_bytes(device))
+    if placement == "plain":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(policy.model_name, dtype=DTYPES[policy.precision],
+                                                     trust_remote_code=policy.trust_remote_code)
+        return FrozenModel(model, device)
     ds_config = build_ds_config(policy.reference_deepspeed_config, policy, world_size, for_training=False,
                                 hidden_size=_hidden_size(policy))
     model = _load_model(policy, ds_config)
@@ -306,76 +286,13 @@ def build_reference_engine(cfg, world_size: int):
     return engine
 
 
-# --------------------------------------------------------------------------------------------------
-# Optimizer states off the accelerator while a colocated generation engine holds it
-# --------------------------------------------------------------------------------------------------
-# torch.optim.AdamW stays the optimizer: ZeRO-3's own `engine.offload_states` asserts DeepSpeed's
-# FusedAdam for the master weights and Adam moments (deepspeed 0.19.8 runtime/zero/stage3.py), whose
-# op needs nvcc, ninja and a minutes-long JIT build; moving those tensors needs nothing of FusedAdam.
-Moved = list[tuple[torch.Tensor, torch.device, torch.Tensor]]  # (tensor, its device, host buffer)
+def _num_params(model_config) -> int:
+    """Parameters of a model, from its config alone (the meta device: nothing allocated)."""
+    from transformers import AutoModelForCausalLM
 
-
-def optimizer_state_tensors(engine) -> list[torch.Tensor]:
-    """What ZeRO-3's optimizer holds besides the model: the fp32 master partitions (unless DeepSpeed
-    reuses the model's own fp32 partitions as masters) and every non-scalar optimizer state (Adam's
-    exp_avg and exp_avg_sq). Moving one means replacing its ``.data``: these are the optimizer's objects."""
-    zero = engine.optimizer
-    model_parts = {id(t) for t in zero.fp16_partitioned_groups_flat}
-    masters = [t for t in zero.fp32_partitioned_groups_flat if id(t) not in model_parts]
-    moments = [v for state in zero.optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return masters + moments
-
-
-def _zero_offload_configured(engine) -> bool:
-    """ZeRO's own CPU/NVMe offload keeps the optimizer off the accelerator already."""
-    return any(c is not None and c.device != "none" for c in (engine.zero_offload_optimizer(),
-                                                                engine.zero_offload_param()))
-
-
-def offload_optimizer_states(engine, previous: Moved | None = None) -> Moved:
-    """Move the optimizer's accelerator memory to (pinned) host memory; undo with
-    `reload_optimizer_states`. A collective-free, per-rank operation.
-
-    ZeRO-3: `optimizer_state_tensors` are copied into host buffers (those of ``previous``, the
-    value of the last call, are reused) and DeepSpeed's `offload_states` takes the gradient
-    partitions and buckets. ZeRO-1/2: DeepSpeed's `offload_states` for all four (it accepts any
-    optimizer there). Nothing to do under ZeRO's own optimizer/parameter offload. Returns what
-    moved, for `reload_optimizer_states`.
-    """
-    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
-
-    if _zero_offload_configured(engine):
-        return []
-    pin = torch.cuda.is_available()
-    if engine.zero_optimization_stage() != 3:
-        engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer],
-                              pin_memory=pin)
-        return []
-    engine.offload_states(include=[S.lp_grads, S.contiguous_grad_buffer], pin_memory=pin)
-    reuse = {id(t): buf for t, _, buf in previous or []}
-    moved: Moved = []
-    for t in optimizer_state_tensors(engine):
-        if t.device.type == "cpu":
-            continue
-        buf = reuse.get(id(t))
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty_like(t, device="cpu", pin_memory=pin)
-        buf.copy_(t)
-        moved.append((t, t.device, buf))
-        t.data = buf
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return moved
-
-
-def reload_optimizer_states(engine, moved: Moved) -> None:
-    """Undo `offload_optimizer_states` (``moved`` is its return value; keep it for the next call)."""
-    if _zero_offload_configured(engine):
-        return
-    for t, device, buf in moved:
-        t.data = buf.to(device)
-    engine.reload_states()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return sum(p.numel() for p in model.parameters())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -443,10 +360,11 @@ def release_params(engine) -> None:
 
     A no-grad forward after a training step leaves parameters prefetched along the training trace
     "in flight"; a later `GatheredParameters` (refit, export) then fails with "Cannot partition a
-    param in flight". No-op for ZeRO-1/2 engines.
+    param in flight". No-op for ZeRO-1/2 engines and frozen plain models. (DeepSpeed's own
+    ``engine.empty_partition_cache`` adds a ``gc.collect()``: 0.2 s a call, for nothing here.)
     """
     if engine.zero_optimization_stage() == 3:
-        engine.empty_partition_cache()
+        engine.optimizer.empty_partition_cache()
 
 
 def _comm_device() -> torch.device:

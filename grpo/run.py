@@ -146,6 +146,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo import engines, weights
     from grpo.checkpoint import CheckpointError, CheckpointManager, GRPOSaveState, SaveDeadline
     from grpo.data import build_dataloader
+    from grpo.ds_config import policy_ds_config_path
     from grpo.dumps import RolloutDumper
     from grpo.envs import build_environments
     from grpo.health import StepChecks, overflow_check_gap
@@ -213,7 +214,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                  f"{len(val_ds)} val prompts ({train_ds.num_filtered} over data.max_input_seq_length filtered, "
                  f"{train_ds.num_too_long} with no room under policy.max_total_sequence_length skipped, "
                  f"{train_rows.report.num_skipped} malformed rows skipped), {total_steps} steps, "
-                 f"reference {'skipped' if skip_ref else 'on'}, tasks {envs.tasks}, "
+                 f"reference {'skipped' if skip_ref else type(reference).__name__}, previous-policy logprobs "
+                 f"{'from the training forward' if skip_prev else 'in their own pass'}, DeepSpeed "
+                 "{} ({})".format(*policy_ds_config_path(cfg.policy, world_size)) + f", tasks {envs.tasks}, "
                  f"up to {g.max_rollout_turns} turn(s) per rollout")
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val")
     run = Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
@@ -292,11 +295,14 @@ def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = 
 
 
 def build_generation_backend(cfg, tokenizer, policy_engine, device):
-    """`policy.generation.backend`: "hf" (transformers generate, any device) or "vllm" (colocated)."""
+    """`policy.generation.backend`: "hf" (transformers generate, any device) or "vllm" (colocated). With hf and
+    whole weights on every rank (ZeRO-1/2), generation runs on the policy module itself (no copy to refit)."""
     if cfg.policy.generation.backend == "hf":
         from grpo.generation.hf import HFGeneration
 
+        shared = policy_engine.zero_optimization_stage() < 3
         return HFGeneration(cfg.policy, tokenizer, policy_engine.module.config, device,
+                            model=policy_engine.module if shared else None, shared=shared,
                             refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
     from grpo.generation.vllm import VllmGeneration
 

@@ -20,7 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from grpo import engines, weights
+from grpo import ds_config, engines, offload, weights
 from grpo.config import MasterConfig
 from grpo.toy import build_char_tokenizer, save_tiny_model
 
@@ -33,7 +33,8 @@ DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 
 def make_cfg(model_dir="unused", **policy) -> MasterConfig:
     base = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 8,
-            "train_micro_batch_size": 2, "logprob_batch_size": 3, "max_grad_norm": 0.5}
+            "train_micro_batch_size": 2, "logprob_batch_size": 3, "max_grad_norm": 0.5,
+            "deepspeed_config": "ds_configs/zero3.json", "reference_placement": "zero3"}  # ZeRO-3 even on one rank
     base.update(policy)
     return MasterConfig.model_validate({"policy": base,
                                         "grpo": {"num_prompts_per_step": 12, "num_generations_per_prompt": 4}})
@@ -61,7 +62,7 @@ def test_ds_configs_exist_and_keep_auto():
 @pytest.mark.parametrize("for_training", [True, False])
 def test_build_ds_config_fills_every_auto(path, for_training):
     cfg = make_cfg(precision="bfloat16", train_global_batch_size=16)
-    ds = engines.build_ds_config(str(path), cfg, world_size=2, for_training=for_training, hidden_size=64)
+    ds = ds_config.build_ds_config(str(path), cfg, world_size=2, for_training=for_training, hidden_size=64)
     assert _autos(ds) == []
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     if for_training:
@@ -84,7 +85,7 @@ def test_build_ds_config_fills_every_auto(path, for_training):
 
 
 def test_build_ds_config_precision_and_relative_path():
-    ds = engines.build_ds_config("ds_configs/zero3.json", make_cfg(precision="float16", max_grad_norm=None), 1,
+    ds = ds_config.build_ds_config("ds_configs/zero3.json", make_cfg(precision="float16", max_grad_norm=None), 1,
                                  for_training=True)
     assert ds["fp16"]["enabled"] is True and ds["bf16"]["enabled"] is False
     assert ds["gradient_clipping"] == 0.0
@@ -97,9 +98,9 @@ def test_build_ds_config_precision_and_relative_path():
 def test_build_ds_config_rejects_non_divisible_batch():
     cfg = make_cfg(train_global_batch_size=12, train_micro_batch_size=4)
     with pytest.raises(ValueError, match=r"train_global_batch_size=12.*train_micro_batch_size=4.*world_size=2"):
-        engines.build_ds_config("ds_configs/zero3.json", cfg, world_size=2, for_training=True)
+        ds_config.build_ds_config("ds_configs/zero3.json", cfg, world_size=2, for_training=True)
     # the same sizes are fine for one rank (GAS 3)
-    ds = engines.build_ds_config("ds_configs/zero3.json", cfg, world_size=1, for_training=True)
+    ds = ds_config.build_ds_config("ds_configs/zero3.json", cfg, world_size=1, for_training=True)
     assert ds["gradient_accumulation_steps"] == 3
 
 
@@ -107,10 +108,10 @@ def test_build_ds_config_rejects_optimizer_section_and_unknown_auto(tmp_path):
     p = tmp_path / "bad.json"
     p.write_text(json.dumps({"train_batch_size": "auto", "optimizer": {"type": "AdamW"}}))
     with pytest.raises(ValueError, match="optimizer"):
-        engines.build_ds_config(str(p), make_cfg(), 1, for_training=True)
+        ds_config.build_ds_config(str(p), make_cfg(), 1, for_training=True)
     p.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"sub_group_size": "auto"}}))
     with pytest.raises(ValueError, match="zero_optimization.sub_group_size"):
-        engines.build_ds_config(str(p), make_cfg(), 1, for_training=True, hidden_size=64)
+        ds_config.build_ds_config(str(p), make_cfg(), 1, for_training=True, hidden_size=64)
 
 
 @pytest.mark.parametrize("path", [p for p in DS_CONFIGS if p.name != "zero3_reference.json"], ids=lambda p: p.name)
@@ -118,7 +119,7 @@ def test_zero_training_configs_accumulate_gradients_in_fp32(path):
     """bf16 / fp16 training: gradients of the micro-batches are summed in fp32 (the JSONs say so)."""
     assert json.loads(path.read_text())["data_types"] == {"grad_accum_dtype": "fp32"}
     for precision in ("bfloat16", "float16", "float32"):
-        ds = engines.build_ds_config(str(path), make_cfg(precision=precision), 1, for_training=True)
+        ds = ds_config.build_ds_config(str(path), make_cfg(precision=precision), 1, for_training=True)
         assert ds["data_types"]["grad_accum_dtype"] == "fp32", precision
 
 
@@ -127,13 +128,13 @@ def test_build_ds_config_adds_fp32_accumulation_to_a_16_bit_zero_json_without_it
     del raw["data_types"]
     p = tmp_path / "mine.json"
     p.write_text(json.dumps(raw))
-    bf16 = engines.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=True)
+    bf16 = ds_config.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=True)
     assert bf16["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert "data_types" not in engines.build_ds_config(str(p), make_cfg(precision="float32"), 1, for_training=True)
-    assert "data_types" not in engines.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=False)
+    assert "data_types" not in ds_config.build_ds_config(str(p), make_cfg(precision="float32"), 1, for_training=True)
+    assert "data_types" not in ds_config.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=False)
     raw["data_types"] = {"grad_accum_dtype": "bf16"}  # an explicit choice is kept
     p.write_text(json.dumps(raw))
-    kept = engines.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=True)
+    kept = ds_config.build_ds_config(str(p), make_cfg(precision="bfloat16"), 1, for_training=True)
     assert kept["data_types"] == {"grad_accum_dtype": "bf16"}
 
 
@@ -286,14 +287,28 @@ def test_train_on_batch_with_top_k_top_p_gives_the_plain_gradient(model_dir, pla
     assert out["loss"] == pytest.approx(float(((lp ** 2).sum() + 0.5 * (full ** 2).sum()).detach() / 14), rel=1e-5)
 
 
-def test_reference_engine_matches_and_is_frozen(model_dir, plain_model, dist_group):
-    ref = engines.build_reference_engine(make_cfg(model_dir), 1)
+@pytest.mark.parametrize("placement", ["zero3", "plain"])
+def test_reference_engine_matches_and_is_frozen(model_dir, plain_model, dist_group, placement):
+    ref = engines.build_reference_engine(make_cfg(model_dir, reference_placement=placement), 1)
+    assert (ref.zero_optimization_stage(), type(ref).__name__ == "FrozenModel") == ((3, False) if placement == "zero3"
+                                                                                    else (0, True))
     assert not ref.module.training
     assert not any(p.requires_grad for p in ref.module.parameters())
     ids = torch.randint(3, 80, (3, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     got = engines.compute_logprobs(ref, ids, mask, 1.0, micro_batch_size=3)
     torch.testing.assert_close(got, _reference_logprobs(plain_model, ids, mask, 1.0), atol=1e-5, rtol=0)
+
+
+def test_auto_placement_and_zero_stage_follow_the_world_size(model_dir, dist_group):
+    from grpo.ds_config import policy_ds_config_path, zero_stage
+
+    cfg = make_cfg(model_dir, deepspeed_config="auto", reference_placement="auto")
+    assert [zero_stage(policy_ds_config_path(cfg.policy, n)[0]) for n in (1, 2, 8)] == [1, 3, 3]
+    assert type(engines.build_reference_engine(cfg, 1)).__name__ == "FrozenModel"
+    engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=2)
+    assert engine.zero_optimization_stage() == 1
+    assert all(p.numel() > 0 for p in engine.module.parameters())  # whole weights: generation can use them
 
 
 def _check_buckets(buckets, plain_model):
@@ -436,8 +451,8 @@ def _two_steps(engine, offload_between: bool):
     results = [engines.train_on_batch(engine, mbs, closure)]
     if offload_between:
         for _ in range(2):  # the second round reuses the first one's host buffers
-            moved = engines.offload_optimizer_states(engine, moved)
-            engines.reload_optimizer_states(engine, moved)
+            moved = offload.offload_optimizer_states(engine, moved)
+            offload.reload_optimizer_states(engine, moved)
     results.append(engines.train_on_batch(engine, mbs, closure))
     return results, {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
 
@@ -467,7 +482,7 @@ def test_optimizer_state_tensors_are_the_master_weights_and_adam_moments(model_d
     engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
                            lambda lp, mb: (-lp.sum() / 8, {}))  # Adam creates its moments at the first step
     zero = engine.optimizer
-    tensors = engines.optimizer_state_tensors(engine)
+    tensors = offload.optimizer_state_tensors(engine)
     state = next(iter(zero.optimizer.state.values()))
     masters = [t for t in zero.fp32_partitioned_groups_flat
                if all(t is not m for m in zero.fp16_partitioned_groups_flat)]
@@ -480,8 +495,8 @@ def test_optimizer_state_tensors_are_the_master_weights_and_adam_moments(model_d
 def test_offload_is_a_no_op_under_zero_cpu_offload(model_dir, dist_group):
     cfg = make_cfg(model_dir, train_global_batch_size=2, deepspeed_config="ds_configs/zero3_offload.json")
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=1)
-    assert engines.offload_optimizer_states(engine) == []
-    engines.reload_optimizer_states(engine, [])
+    assert offload.offload_optimizer_states(engine) == []
+    offload.reload_optimizer_states(engine, [])
 
 
 def test_train_on_batch_checks_micro_batch_count(policy_engine):

@@ -253,7 +253,8 @@ def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
     engines.init_distributed()
     cfg = MasterConfig.model_validate({
         "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
-                   "train_micro_batch_size": 2, "generation_batch_size": 4, "optimizer": {"lr": 0.05}},
+                   "train_micro_batch_size": 2, "generation_batch_size": 4, "optimizer": {"lr": 0.05},
+                   "deepspeed_config": "ds_configs/zero3.json"},
         "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
     })
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=1)
@@ -285,3 +286,32 @@ def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
         expected = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(prompt):]
     assert out.completion_ids == expected.tolist()[: len(out.completion_ids)]
+
+
+def test_generation_on_the_shared_training_module_leaves_it_training_and_samples_like_a_copy(tok, tmp_path):
+    """ZeRO-1 on one rank: generation runs on the engine's own module (nothing to refit) and samples exactly what
+    a refitted copy samples; the module stays trainable, in train mode, with its own generation config."""
+    from grpo import engines
+    from grpo.toy import save_tiny_model
+
+    model_dir = save_tiny_model(str(tmp_path / "m"), seed=6)
+    engines.init_distributed()
+    cfg = MasterConfig.model_validate({
+        "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
+                   "train_micro_batch_size": 2, "generation_batch_size": 4, "optimizer": {"lr": 0.05},
+                   "deepspeed_config": "ds_configs/zero1.json"},
+        "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
+    })
+    engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=2)
+    ids = torch.tensor(encode(tok, ["1+2=3", "4+4=8"]))
+    engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+                           lambda lp, mb: (-lp.sum() / lp.numel(), {}))
+    engine.train()
+    own_config = engine.module.generation_config
+    shared = HFGeneration(cfg.policy, tok, engine.module.config, "cpu", model=engine.module, shared=True)
+    copy_ = HFGeneration(cfg.policy, tok, engine.module.config, "cpu")
+    assert shared.refit(engine) == 0.0 and copy_.refit(engine) > 0
+    prompts, seeds = encode(tok, ["1+2=", "3+3=", "9+9="]), [1, 2, 3]
+    assert shared.generate(prompts, seeds) == copy_.generate(prompts, seeds)
+    assert engine.module.training and all(p.requires_grad for p in engine.module.parameters())
+    assert engine.module.generation_config is own_config

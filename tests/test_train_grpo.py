@@ -275,3 +275,18 @@ def test_cpu_demo_raises_validation_reward_by_015(tmp_path):
          "logger.progress_bar=false"], timeout=1800)
     val = [r["val/reward_mean"] for r in metrics(tmp_path) if "val/reward_mean" in r]
     assert val[-1] >= val[0] + 0.15, val
+
+
+def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps(tmp_path):
+    """One optimizer step per step: the training forward's own logprobs (detached) are the previous policy's,
+    so skipping their separate pass (the default here) trains the same steps as computing them."""
+    skip, separate = tmp_path / "skip", tmp_path / "separate"
+    p = python_train(skip, "grpo.max_num_steps=3", "checkpointing.enabled=false")
+    assert "previous-policy logprobs from the training forward" in p.stdout + p.stderr
+    python_train(separate, "grpo.max_num_steps=3", "checkpointing.enabled=false",
+                 "grpo.skip_previous_policy_logprobs_calculation=false")
+    a, b = train_rows(skip), train_rows(separate)
+    for step in (1, 2, 3):
+        assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
+        for key in ("train/loss", "train/grad_norm", "train/kl", "train/token_mult_prob_error"):
+            assert abs(a[step][key] - b[step][key]) < 1e-6, (step, key, a[step][key], b[step][key])

@@ -11,6 +11,7 @@ the other rows of its chunk.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -48,12 +49,29 @@ def _as_list(x) -> list[int]:
     return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
 
 
+@contextmanager
+def _generating(model, generation_config):
+    """``model`` in eval mode with ``generation_config`` for the block; its mode and config restored after."""
+    training, saved = model.training, model.generation_config
+    model.eval()
+    model.generation_config = generation_config
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+        model.train(training)
+
+
 class HFGeneration:
     """`GenerationBackend` on transformers. ``model``: use this plain model instead of a copy built
-    from ``model_config`` (the copy needs `refit` before the first `generate`)."""
+    from ``model_config`` (the copy needs `refit` before the first `generate`).
+
+    ``shared=True``: ``model`` is the training engine's own module (its weights are whole on every rank:
+    ZeRO-1/2); it is generated from as is, in eval mode for the call, and `refit` has nothing to copy. No
+    second copy of the weights, no copying after each step (TRL does the same with its policy)."""
 
     def __init__(self, policy_cfg, tokenizer, model_config, device, *, model=None,
-                 refit_bucket_numel: int = 2**28):
+                 refit_bucket_numel: int = 2**28, shared: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.cfg = getattr(policy_cfg, "policy", policy_cfg)
@@ -61,11 +79,12 @@ class HFGeneration:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.refit_bucket_numel = refit_bucket_numel
+        self.shared = shared
         self._has_weights = model is not None
         if model is None:
             model = AutoModelForCausalLM.from_config(model_config, dtype=DTYPES[self.cfg.precision],
                                                      trust_remote_code=self.cfg.trust_remote_code)
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = model if shared else model.to(self.device).eval().requires_grad_(False)
         cfg_eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
         self.stop_token_ids = sorted(set(_as_list(tokenizer.eos_token_id) + _as_list(cfg_eos)
                                          + _as_list(self.gen.stop_token_ids)))
@@ -73,8 +92,9 @@ class HFGeneration:
             raise ValueError("no stop token: the tokenizer has no eos_token and policy.generation.stop_token_ids "
                              "is empty")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_token_ids[0]
-        # A clean generation config: nothing from the checkpoint's (repetition penalty, sampling defaults).
-        self.model.generation_config = GenerationConfig(
+        # A clean generation config: nothing from the checkpoint's (repetition penalty, sampling defaults). It is
+        # set on the model only while generating (a shared training module exports its own).
+        self._generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id
         )
     def _decode(self, ids: list[int]) -> str:
@@ -97,9 +117,10 @@ class HFGeneration:
         stops = per_sample_stops(stop_strings, self.gen.stop_strings, len(prompt_ids))
         bs = self.cfg.generation_batch_size
         out: list[GenerationOutput] = []
-        for i in range(0, len(prompt_ids), bs):
-            out += self._generate_chunk(prompt_ids[i:i + bs], seeds[i:i + bs], caps[i:i + bs], stops[i:i + bs],
-                                        greedy)
+        with _generating(self.model, self._generation_config):
+            for i in range(0, len(prompt_ids), bs):
+                out += self._generate_chunk(prompt_ids[i:i + bs], seeds[i:i + bs], caps[i:i + bs], stops[i:i + bs],
+                                            greedy)
         return out
 
     def _generate_chunk(self, prompts, seeds, caps, stops, greedy) -> list[GenerationOutput]:
@@ -133,7 +154,10 @@ class HFGeneration:
         return outputs
 
     def refit(self, engine) -> float:
-        """Copy the engine's weights into this copy, a bucket of whole layers at a time (collective)."""
+        """Copy the engine's weights into this copy, a bucket of whole layers at a time (collective); nothing
+        to do when the model is the engine's own (``shared``)."""
+        if self.shared:
+            return 0.0
         t0 = time.perf_counter()
         params = dict(self.model.named_parameters())
         seen = set()

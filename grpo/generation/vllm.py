@@ -254,7 +254,7 @@ class VllmGeneration:
         self._weights_discarded = False  # a level-2 sleep dropped them since
         self._engine_warmed = False
         self._optimizer_offloaded = False
-        self._offloaded: list = []  # what the last optimizer offload moved (`grpo.engines.Moved`)
+        self._offloaded: list = []  # what the last optimizer offload moved (`grpo.offload.Moved`)
 
         model = resolve_model_name(cfg.policy.model_name, self.rank)
         tok_path = cfg.policy.tokenizer.name or model
@@ -429,12 +429,12 @@ class VllmGeneration:
 
     def _offload_optimizer(self) -> None:
         """GPU only, when configured: the optimizer's fp32 master weights, Adam moments and gradient
-        buffers to the host while vLLM holds the accelerator (`grpo.engines.offload_optimizer_states`)."""
+        buffers to the host while vLLM holds the accelerator (`grpo.offload.offload_optimizer_states`)."""
         engine = self.policy_engine
         if (not self.vllm_cfg.offload_optimizer_during_generation or not torch.cuda.is_available()
                 or self._optimizer_offloaded or not hasattr(engine, "offload_states")):
             return
-        from grpo.engines import offload_optimizer_states
+        from grpo.offload import offload_optimizer_states
 
         self._offloaded = offload_optimizer_states(engine, self._offloaded)
         self._optimizer_offloaded = True
@@ -443,7 +443,7 @@ class VllmGeneration:
 
     def _reload_optimizer(self) -> None:
         if self._optimizer_offloaded:
-            from grpo.engines import reload_optimizer_states
+            from grpo.offload import reload_optimizer_states
 
             reload_optimizer_states(self.policy_engine, self._offloaded)  # its host buffers serve the next offload
             self._optimizer_offloaded = False

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import engines, weights
+from grpo import engines, offload, weights
 from grpo.config import MasterConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -69,20 +69,20 @@ def test_optimizer_offload_frees_the_gpu_and_training_goes_on_unchanged(model_di
     twin = engines.build_policy_engine(cfg, 1, total_optimizer_steps=3)
     train_steps(engine, range(1))
     twin_first = train_steps(twin, range(1))
-    tensors = engines.optimizer_state_tensors(engine)
+    tensors = offload.optimizer_state_tensors(engine)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     assert len(tensors) == 3 and all(t.is_cuda for t in tensors)  # fp32 master + exp_avg + exp_avg_sq
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    moved = engines.offload_optimizer_states(engine)
+    moved = offload.offload_optimizer_states(engine)
     freed = before - torch.cuda.memory_allocated()
     assert len(moved) == 3 and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
     assert freed >= 0.95 * nbytes, (freed, nbytes)
-    engines.reload_optimizer_states(engine, moved)
+    offload.reload_optimizer_states(engine, moved)
     assert all(t.is_cuda for t in tensors)
-    again = engines.offload_optimizer_states(engine, moved)  # the pinned host buffers are reused
+    again = offload.offload_optimizer_states(engine, moved)  # the pinned host buffers are reused
     assert [b.data_ptr() for _, _, b in again] == [b.data_ptr() for _, _, b in moved]
-    engines.reload_optimizer_states(engine, again)
+    offload.reload_optimizer_states(engine, again)
     ours, theirs = train_steps(engine, range(1, 3)), train_steps(twin, range(1, 3))
     assert twin_first and [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], rel=1e-3)
     a = {n: t.float().clone() for b in weights.iter_gathered_params(engine) for n, t in b}
