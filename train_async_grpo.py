@@ -57,6 +57,8 @@ def main(argv=None) -> str | int | None:
     # Two loader positions matter: after the last TRAINED prompt batch (saved as dataloader.pt) and after the last
     # BUFFERED one (kept in each group); the thread goes on from the second, a checkpoint records the first.
     buffer, trained_mark, gen_mark, first_target = replay_resume(run)
+    if run.resume is not None:
+        run.logger.write(f"{len(buffer)} replay groups restored")
     stage = WeightStage()
     refit_bucket = cfg.policy.generation.refit_bucket_numel
     stage.publish(weights.iter_gathered_params(run.policy, refit_bucket), version=state.current_step)

@@ -57,6 +57,7 @@ RESUME_MUTABLE = (
     "checkpointing.metric_name",             # which checkpoints to keep
     "checkpointing.higher_is_better",
     "policy.max_nonfinite_steps",            # when to stop a failing run
+    "grpo.async_grpo.max_generation_failures",
     "env.max_error_rate",
     "env.max_error_steps",
 )

@@ -34,3 +34,21 @@ class HintThenCheck(Environment):
             meta.append({**md, "mask_sample": bool(self.mask_every) and first % self.mask_every == 0})
         n = len(message_logs)
         return EnvironmentReturn(obs, meta, [None] * n, torch.tensor(rewards), torch.tensor(done), [None] * n)
+
+
+class FailsOnBoom(Environment):
+    """Single-turn arithmetic scoring whose whole rollout batch fails (``global_post_process_and_metrics``
+    raises) when one of its questions is "boom": a generation failure on demand for the async loop's tests."""
+
+    def step(self, message_logs, metadata):
+        rewards = [float(re.search(r"-?\d+", log[-1]["content"] or "x") is not None
+                         and re.search(r"-?\d+", log[-1]["content"]).group() == md["answer"])
+                   for log, md in zip(message_logs, metadata)]
+        n = len(message_logs)
+        return EnvironmentReturn([{"role": "user", "content": ""}] * n, list(metadata), [None] * n,
+                                 torch.tensor(rewards), torch.ones(n, dtype=torch.bool), [None] * n)
+
+    def global_post_process_and_metrics(self, trajectories):
+        if any(t.question == "boom" for t in trajectories):
+            raise RuntimeError("boom in this prompt batch")
+        return trajectories, {}

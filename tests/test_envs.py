@@ -242,3 +242,22 @@ def test_empty_batch():
         assert env._pool._workers == []
     assert result.rewards == [] and result.metrics["env/error_rate"] == 0.0
     assert not math.isnan(result.metrics["env/score_s"])
+
+
+def test_reward_workers_live_across_environment_steps():
+    """The runner calls a reward environment in its own thread: its workers (started there, killed by the kernel
+    when that thread ends: PR_SET_PDEATHSIG) serve every later step."""
+    from grpo.envs import Environments
+
+    env = RewardEnvironment(f"{FNS}:exact", num_workers=1, timeout_s=10)
+    envs = Environments({"t": env}, step_timeout_s=30)
+    logs = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "7"}]]
+    meta = [{"question": "q", "answer": "7", "meta": {}}]
+    try:
+        assert envs.step("t", logs, meta)[0].rewards.tolist() == [1.0]
+        pids = env._pool.pids()
+        time.sleep(0.5)
+        assert envs.step("t", logs, meta)[0].rewards.tolist() == [1.0]
+        assert env._pool.pids() == pids and env._pool.num_restarts == 0
+    finally:
+        envs.close()

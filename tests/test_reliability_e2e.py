@@ -77,16 +77,33 @@ def steps_logged_safe(tmp: Path) -> list[int]:
 
 
 def worker_pids(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid`` (the reward workers)."""
+    """Live reward workers of ``pid``: its children started by multiprocessing's spawn (``spawn_main``)."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                if (int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
+                        and b"spawn_main" in (d / "cmdline").read_bytes()):
                     out.append(int(d.name))
             except (OSError, IndexError, ValueError):
                 pass
     return out
+
+
+def alive(pids: list[int], within_s: float = 10.0) -> list[int]:
+    """The processes of ``pids`` still running (not zombies) after up to ``within_s`` seconds."""
+    def running(p: int) -> bool:
+        try:
+            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + within_s
+    while True:
+        left = [p for p in pids if running(p)]
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -107,8 +124,7 @@ def test_a_signal_finishes_the_step_saves_stops_the_workers_and_the_same_command
     last = max(steps_logged(tmp_path))
     assert json.loads((tmp_path / "ckpt" / "latest_checkpoint_status.json").read_text())["step"] == last
     assert not (tmp_path / "ckpt" / "hf_final").exists()
-    time.sleep(0.5)
-    assert not [w for w in workers if Path(f"/proc/{w}").exists()], "reward workers outlived the trainer"
+    assert not alive(workers), "reward workers outlived the trainer"
     p = run(cmd(tmp_path, f"grpo.max_num_steps={last + 1}", *common), timeout=300)
     assert f"resumed from {tmp_path / 'ckpt' / f'step_{last:06d}'}" in p.stdout + p.stderr
     assert steps_logged(tmp_path) == list(range(1, last + 2))  # every step once in metrics.jsonl

@@ -171,7 +171,7 @@ def test_resume_trains_the_same_prompts_as_an_uninterrupted_run(stopped_at_step_
         assert f"{len(buffered)} replay groups restored" in out and len(buffered) >= PROMPTS_PER_STEP
         # step 3 trained the restored groups themselves, not a regeneration
         step3 = [e["group"] for e in buffered if e["target_version"] == 3]
-        rewards = [r for grp in step3 for r in grp["rewards"]]
+        rewards = [t["reward"] for grp in step3 for t in grp["trajectories"]]
         assert train_rows(part)[3]["train/reward_mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-7)
     else:
         assert "0 replay groups restored" in out
@@ -181,40 +181,37 @@ def test_resume_trains_the_same_prompts_as_an_uninterrupted_run(stopped_at_step_
 # ---------------------------------------------------------------------------------------------
 # Generation failures: tolerated below the limit, a clean stop and a resumable checkpoint above it
 # ---------------------------------------------------------------------------------------------
-LONG = "1+1+1+1+1+1+1+1+1="  # 18 tokens > policy.max_total_sequence_length=16: generation raises
-
-
 @pytest.fixture
 def failing_data(tmp_path):
-    """40 rows, unshuffled; prompt batches 1 and 3 (rows 5 and 13) hold a prompt too long to generate."""
+    """40 rows, unshuffled; prompt batches 1 and 2 (rows 5 and 9) make their rollout fail (tests.multiturn_envs)."""
     rows = [{"input": f"{i % 10}+{i // 10}=", "output": str(i % 10 + i // 10)} for i in range(40)]
-    rows[5] = rows[13] = {"input": LONG, "output": "9"}
+    rows[5] = rows[9] = {"input": "boom", "output": "0"}
     train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
     train.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     val.write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\n")
     return [f"data.train_data_path={train}", f"data.val_data_path={val}", "data.shuffle=false",
-            "grpo.max_num_steps=4", "checkpointing.save_period=2"]
+            "grpo.max_num_steps=4", "checkpointing.save_period=2", "env.name=class",
+            "env.env_class=tests.multiturn_envs:FailsOnBoom"]
 
 
-GOOD_BATCHES = [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18, 19], [20, 21, 22, 23]]  # batches 0, 2, 4, 5
+GOOD_BATCHES = [[0, 1, 2, 3], [12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22, 23]]  # batches 0, 3, 4, 5
 
 
 def test_generation_failures_are_tolerated_up_to_the_limit_then_stop_cleanly_and_resume(tmp_path, failing_data):
-    # Limit 1: batch 1 fails and is skipped (step 2 trains batch 2); batch 3 is the failure too many.
+    # Limit 1 (consecutive failures, as NeMo-RL counts): batch 1 fails and is tolerated, batch 2 is the second
+    # failure in a row: the run stops after step 1 with a checkpoint.
     p = async_train(tmp_path, *failing_data, "grpo.async_grpo.max_generation_failures=1", check=False)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "generation failure 1 of 1 tolerated (step 2)" in p.stdout, p.stdout[-3000:]
-    assert "2 generation failures > grpo.async_grpo.max_generation_failures=1" in p.stderr, p.stderr[-3000:]
-    assert "tokens, leaving no room under policy.max_total_sequence_length=16" in p.stderr
-    assert "rerun the same command to resume" in p.stderr
-    assert trained_prompts(tmp_path) == GOOD_BATCHES[:2]
-    assert train_rows(tmp_path)[2]["async/generation_failures"] in (1, 2)  # counted when they happen
-    assert (tmp_path / "ckpt" / "step_000002" / "train_state.json").exists()
-    # Resume with room for more failures: batch 3 fails again and is skipped; nothing else changes.
+    assert "2 consecutive failures > grpo.async_grpo.max_generation_failures=1" in p.stderr, p.stderr[-3000:]
+    assert "boom in this prompt batch" in p.stderr and "rerun the same command to resume" in p.stderr
+    assert trained_prompts(tmp_path) == GOOD_BATCHES[:1]
+    assert (tmp_path / "ckpt" / "step_000001" / "train_state.json").exists()
+    # Resume with room for more failures: batches 1 and 2 fail again and are skipped; a success resets the count.
     p = async_train(tmp_path, *failing_data, "grpo.async_grpo.max_generation_failures=5")
     assert "resumed from" in p.stdout + p.stderr
     assert trained_prompts(tmp_path) == GOOD_BATCHES
-    assert train_rows(tmp_path)[4]["async/generation_failures"] == 1
+    assert train_rows(tmp_path)[2]["async/generation_failures"] == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,6 +93,8 @@ class RewardEnvironment(Environment):
     Workers start on the first call; `shutdown` (or leaving a ``with`` block) stops them.
     """
 
+    bounds_own_time = True  # every sample has env.timeout_s: `Environments` need not guard the call
+
     def __init__(self, spec: str, in_process: bool = False, num_workers: int = 2, timeout_s: float = 10.0):
         self.spec = spec
         self.in_process = in_process
@@ -252,15 +254,23 @@ class Environments:
 
     def step(self, task: str, message_logs: list, metadata: list) -> tuple[EnvironmentReturn | None, str | None]:
         """One checked `Environment.step` of ``task``'s environment: ``(return, None)``, or ``(None, error)``
-        with the error's kind and traceback in `last_error`."""
+        with the error's kind and traceback in `last_error`. An environment that bounds its own time
+        (``bounds_own_time = True``: the reward and tool environments, whose worker processes have per-call
+        timeouts, and which must start those workers from a thread that lives on) is called in this thread."""
         result: dict = {}
+        env = self.envs[task]
 
         def call() -> None:
             try:
-                result["ret"] = check_return(self.envs[task].step(message_logs, metadata), len(message_logs))
+                result["ret"] = check_return(env.step(message_logs, metadata), len(message_logs))
             except BaseException:
                 result["error"] = traceback.format_exc()
 
+        if getattr(env, "bounds_own_time", False):
+            call()
+            if "error" in result:
+                return None, self._failed(task, "env_error", result["error"])
+            return result["ret"], None
         thread = threading.Thread(target=call, name=f"env-{task}", daemon=True)
         thread.start()
         thread.join(self.step_timeout_s)

@@ -60,6 +60,8 @@ class ToolEnvironment(Environment):
     ``num_workers`` worker processes otherwise.
     """
 
+    bounds_own_time = True  # tool calls and the verifier have timeouts: `Environments` calls step directly
+
     def __init__(self, tools: Sequence[str | Callable], verifier: str, tool_call_format: str = "hermes",
                  timeout_s: float = 20.0, max_result_chars: int = 1000, max_calls_per_turn: int = 4,
                  num_workers: int = 2, verifier_timeout_s: float = 10.0, disable_tools: bool = False):
