@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Time GRPO steps on the shared CPU workload (../shared/bench/WORKLOAD.md) and print one JSON line.
+"""Time GRPO steps on the benchmark workload (bench/WORKLOAD.md) and print one JSON line.
 
     python bench/bench_step.py                      # bench model (25.2M), 6 steps
     python bench/bench_step.py --model tiny --steps 4
     python bench/bench_step.py --async              # train_async_grpo.py on the same workload
 
-Builds the workload with the shared make_workload.py (tokenizer, models, data; no download) into
+Builds the workload with bench/make_workload.py (tokenizer, models, data; no download) into
 --workload (default ./bench_workload), then runs the trainer as a subprocess with the workload's
 settings: 8 prompts x 8 generations, 32 new tokens, temperature 1, a reference model with beta 0.04,
 per-sequence loss, AdamW lr 1e-6 linear decay, grad clip 1.0, fp32, 2 threads, no checkpoints, no
@@ -26,16 +26,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_BENCH = REPO.parent / "shared" / "bench"
 
 
 def build_workload(workload: Path) -> None:
-    if (workload / "manifest.json").exists():
-        return
-    script = SHARED_BENCH / "make_workload.py"
-    if not script.exists():
-        raise SystemExit(f"{script} not found: pass --make-workload PATH to the shared make_workload.py")
-    subprocess.run([sys.executable, str(script), "--dir", str(workload)], check=True)
+    """Build the workload once (deterministic: the same bytes on every machine)."""
+    if not (workload / "manifest.json").exists():
+        subprocess.run([sys.executable, str(REPO / "bench" / "make_workload.py"), "--dir", str(workload)],
+                       check=True)
 
 
 def trainer_overrides(workload: Path, model: str, steps: int, log_dir: str) -> list[str]:

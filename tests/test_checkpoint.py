@@ -342,7 +342,8 @@ def deepspeed_checkpoint(tmp_path_factory):
     engines.init_distributed()
     cfg = MasterConfig.model_validate({
         "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
-                   "train_micro_batch_size": 2, "optimizer": {"lr": 1e-2}},
+                   "train_micro_batch_size": 2, "optimizer": {"lr": 1e-2},
+                   "deepspeed_config": "ds_configs/zero3.json"},
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 1}})
     trained = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(4))

@@ -116,13 +116,14 @@ def test_kl_in_reward_with_force_on_policy_is_allowed_when_its_inputs_exist():
 
 
 @pytest.mark.parametrize("overrides, flags", [
-    ([], (False, False)),
-    (["loss_fn.reference_policy_kl_penalty=0"], (False, True)),
+    ([], (True, False)),                                      # one optimizer step per rollout: exact
+    (["policy.train_global_batch_size=8"], (False, False)),   # several optimizer steps: its own pass
+    (["loss_fn.reference_policy_kl_penalty=0"], (True, True)),
     (["loss_fn.force_on_policy_ratio=true", "policy.train_global_batch_size=512"], (True, False)),
     (["loss_fn.force_on_policy_ratio=true", "policy.train_global_batch_size=512",
       "grpo.seq_logprob_error_threshold=2"], (False, False)),
     (["loss_fn.reference_policy_kl_penalty=0", "loss_fn.use_kl_in_reward=true",
-      "grpo.adv_estimator.name=reinforce_plus_plus"], (False, False)),
+      "grpo.adv_estimator.name=reinforce_plus_plus"], (True, False)),   # a 0-weighted reward KL reads none
 ])
 def test_skip_flag_resolution(overrides, flags):
     assert resolve_skip_flags(build_config(apply_overrides({}, overrides))) == flags

@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""grpo-ds against TRL's GRPOTrainer on the benchmark workload, side by side: the two alternate run by run.
+
+    python -m venv .venv-trl && .venv-trl/bin/pip install -r bench/requirements-trl.txt
+    python bench/compare_trl.py --trl-python .venv-trl/bin/python --model bench --pairs 3
+    python bench/compare_trl.py --trl-python .venv-trl/bin/python --model tiny --pairs 3
+
+Each run is a fresh process: grpo-ds (bench/bench_step.py, this interpreter), then TRL (bench/trl_step.py,
+--trl-python), then grpo-ds again, and so on. Every step after each run's first is pooled; the ratios are
+grpo-ds / TRL of the pooled medians and mins. A figure from another day is no comparison on a shared
+machine (they drift by 1.5x); a ratio measured like this is. Prints a line per pair, then one JSON line.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+
+
+def run(cmd: list[str]) -> dict:
+    proc = subprocess.run(cmd, cwd=BENCH.parent, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"steps": r["step_s"][1:], "rss_mb": r["peak_rss_mb"], "tok_s": r["completion_tokens_per_s"],
+            "first_s": r["time_to_first_step_s"], "phases": r.get("phase_s_median")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trl-python", required=True, help="an interpreter with bench/requirements-trl.txt")
+    ap.add_argument("--workload", default=str(BENCH.parent / "bench_workload"))
+    ap.add_argument("--model", default="bench", choices=["bench", "tiny"])
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=None, help="default: 6 for bench, 8 for tiny")
+    ap.add_argument("--async", dest="async_", action="store_true", help="time train_async_grpo.py")
+    a = ap.parse_args()
+    steps = str(a.steps or (6 if a.model == "bench" else 8))
+    ours_cmd = [sys.executable, "bench/bench_step.py", "--workload", a.workload, "--model", a.model,
+                "--steps", steps] + (["--async"] if a.async_ else [])
+    trl_cmd = [a.trl_python, "bench/trl_step.py", "--workload", a.workload, "--model", a.model, "--steps", steps]
+    ours, trl = [], []
+    for i in range(a.pairs):
+        ours.append(run(ours_cmd))
+        trl.append(run(trl_cmd))
+        print(f"pair {i + 1}: grpo-ds median {statistics.median(ours[-1]['steps']):.3f} s, "
+              f"TRL median {statistics.median(trl[-1]['steps']):.3f} s", flush=True)
+    o = [s for r in ours for s in r["steps"]]
+    t = [s for r in trl for s in r["steps"]]
+    print(json.dumps({
+        "model": a.model, "pairs": a.pairs, "steps_per_run": int(steps),
+        "ours_median_s": round(statistics.median(o), 4), "trl_median_s": round(statistics.median(t), 4),
+        "ours_min_s": round(min(o), 4), "trl_min_s": round(min(t), 4),
+        "ratio_median": round(statistics.median(o) / statistics.median(t), 3),
+        "ratio_min": round(min(o) / min(t), 3),
+        "ours_tok_s": [round(r["tok_s"], 1) for r in ours], "trl_tok_s": [round(r["tok_s"] or 0, 1) for r in trl],
+        "ours_peak_rss_mb": max(r["rss_mb"] for r in ours), "trl_peak_rss_mb": max(r["rss_mb"] for r in trl),
+        "ours_first_step_s": [r["first_s"] for r in ours], "trl_first_step_s": [round(r["first_s"], 2) for r in trl],
+        "ours_run_medians": [round(statistics.median(r["steps"]), 3) for r in ours],
+        "trl_run_medians": [round(statistics.median(r["steps"]), 3) for r in trl],
+        "ours_phases_last_run": ours[-1]["phases"],
+    }))
+
+
+if __name__ == "__main__":
+    main()
