@@ -395,8 +395,8 @@ class PolicyConfig(_Section):
     logprob_chunk_size: Optional[int] = Field(
         None, gt=0, description="Rows per chunk of the logprob computation (null: 2^24 / vocabulary size).")
     deepspeed_config: str = Field("auto", description=(
-        "DeepSpeed JSON of the policy (its auto values are filled from this config); auto: ds_configs/zero1.json on "
-        "one rank (nothing to partition), ds_configs/zero3.json on several."))
+        "DeepSpeed JSON of the policy (its auto values are filled from this config); auto: on one rank "
+        "ds_configs/zero0.json in float32 (nothing to partition) or zero1.json in 16-bit, zero3.json on several."))
     reference_deepspeed_config: str = Field(
         "ds_configs/zero3_reference.json", description="DeepSpeed JSON of the frozen reference (and teacher).")
     reference_placement: Literal["auto", "plain", "zero3"] = Field("auto", description=(

@@ -6,8 +6,9 @@ from the run config.
 
 ZeRO-3 partitions parameters, gradients and optimizer states across ranks; on a single rank there is nothing
 to partition, and its per-module gather hooks are pure overhead (every forward, every refit). So
-``policy.deepspeed_config: auto`` takes ZeRO-1 (the optimizer step and its overflow check, nothing else) on
-one rank and ZeRO-3 on several; a path forces a config.
+``policy.deepspeed_config: auto`` takes, on one rank, no ZeRO at all in fp32 (ds_configs/zero0.json: the
+module and torch AdamW as they are; `grpo.engines.CheckedAdamW` clips and skips non-finite steps) and ZeRO-1
+in 16-bit (its fp32 master weights and overflow check), and ZeRO-3 on several ranks; a path forces a config.
 """
 
 from __future__ import annotations
@@ -19,21 +20,26 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # ZeRO bucket sizes filled from the model's hidden size (DeepSpeed's defaults without it).
 _BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_param_persistence_threshold")
-AUTO_CONFIGS = {"one_rank": "ds_configs/zero1.json", "several_ranks": "ds_configs/zero3.json"}
+AUTO_CONFIGS = {"one_rank_fp32": "ds_configs/zero0.json", "one_rank_16bit": "ds_configs/zero1.json",
+                "several_ranks": "ds_configs/zero3.json"}
 
 
 def policy_ds_config_path(policy, world_size: int) -> tuple[str, str]:
     """``(path, why)`` of the policy's DeepSpeed config: ``policy.deepspeed_config``, or for ``"auto"``
-    ZeRO-1 on one rank and ZeRO-3 on several.
+    no ZeRO on one rank in fp32, ZeRO-1 on one rank in 16-bit, ZeRO-3 on several.
 
         >>> from grpo.config import PolicyConfig
-        >>> policy_ds_config_path(PolicyConfig(deepspeed_config="auto"), 1)
-        ('ds_configs/zero1.json', 'auto: one rank, nothing to partition')
+        >>> policy_ds_config_path(PolicyConfig(deepspeed_config="auto", precision="float32"), 1)
+        ('ds_configs/zero0.json', 'auto: one rank in float32, nothing to partition')
+        >>> policy_ds_config_path(PolicyConfig(deepspeed_config="auto", precision="bfloat16"), 1)[0]
+        'ds_configs/zero1.json'
     """
     if policy.deepspeed_config != "auto":
         return policy.deepspeed_config, "policy.deepspeed_config"
+    if world_size == 1 and policy.precision == "float32":
+        return AUTO_CONFIGS["one_rank_fp32"], "auto: one rank in float32, nothing to partition"
     if world_size == 1:
-        return AUTO_CONFIGS["one_rank"], "auto: one rank, nothing to partition"
+        return AUTO_CONFIGS["one_rank_16bit"], f"auto: one rank in {policy.precision} (ZeRO-1 keeps fp32 masters)"
     return AUTO_CONFIGS["several_ranks"], f"auto: {world_size} ranks"
 
 

@@ -183,9 +183,10 @@ def _hidden_size(policy) -> int | None:
 def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     """The trainable ZeRO engine: model, torch AdamW (policy.optimizer), warmup + schedule (lr_lambda).
 
-    The DeepSpeed config is `grpo.ds_config.policy_ds_config_path` (``auto``: ZeRO-1 on one rank, ZeRO-3 on
-    several). torch AdamW in every configuration (fused where the device has the kernel), offload while
-    generating included (`grpo.offload`; DeepSpeed's FusedAdam would need nvcc and ninja to JIT-build its op)."""
+    The DeepSpeed config is `grpo.ds_config.policy_ds_config_path` (``auto``: no ZeRO on one rank in fp32,
+    ZeRO-1 on one rank in 16-bit, ZeRO-3 on several). torch AdamW in every configuration, offload while
+    generating included (`grpo.offload`; DeepSpeed's FusedAdam would need nvcc and ninja to JIT-build its op);
+    without ZeRO in fp32 it is `CheckedAdamW`, which clips and skips non-finite steps as ZeRO's optimizers do."""
     import deepspeed
 
     policy = _policy(cfg)
@@ -198,13 +199,49 @@ def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     if policy.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     o, s = policy.optimizer, policy.scheduler
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  weight_decay=o.weight_decay)
+    adamw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    no_zero_fp32 = ds_config.get("zero_optimization", {}).get("stage", 0) == 0 and policy.precision == "float32"
+    if no_zero_fp32:  # DeepSpeed's own fp32 clipping records no norm: the optimizer clips
+        optimizer = CheckedAdamW(model.parameters(), max_grad_norm=ds_config.get("gradient_clipping", 0.0), **adamw)
+        ds_config["gradient_clipping"] = 0.0
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
     schedule = partial(lr_lambda, name=s.name, warmup_steps=s.warmup_steps, total_steps=total_optimizer_steps,
                        min_lr_ratio=s.min_lr_ratio)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    if no_zero_fp32 and engine.dp_world_size == 1:
+        engine.enable_backward_allreduce = False  # an all-reduce over one rank copies every gradient twice
     return engine
+
+
+class CheckedAdamW(torch.optim.AdamW):
+    """torch AdamW that clips the gradient norm and skips a non-finite step, for DeepSpeed without ZeRO (whose
+    fp32 path applies whatever gradient it gets).
+
+    ``step()``: g = ||grad||_2 over every parameter; if g is inf or NaN the step is skipped (weights, moments,
+    step count unchanged) and ``overflow`` is True, which DeepSpeed reads to count the skip
+    (``engine.skipped_steps``, ``engine.was_step_applied()``) and to hold the LR schedule, as ZeRO does;
+    otherwise the gradients are scaled by min(1, max_grad_norm / (g + 1e-6)) (``max_grad_norm`` 0: no
+    clipping) and AdamW steps. ``_global_grad_norm`` = g (before clipping) is what
+    ``engine.get_global_grad_norm()`` reports.
+    """
+
+    def __init__(self, params, *, max_grad_norm: float = 0.0, **adamw):
+        super().__init__(params, **adamw)
+        self.max_grad_norm, self.overflow, self._global_grad_norm = max_grad_norm, False, None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        self._global_grad_norm = float(norm)
+        self.overflow = not math.isfinite(self._global_grad_norm)
+        if self.overflow:
+            return None
+        if self.max_grad_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        return super().step(closure)
 
 
 class FrozenModel:

@@ -93,7 +93,7 @@ def skip_nonfinite_loss(loss_closure: Callable) -> Callable:
     its optimizer step a no-op.
 
     DeepSpeed's ZeRO optimizers discard a step whose gradient norm is inf or NaN (ZeRO-3 always; ZeRO-1/2
-    unless bf16 with ``bf16.check_grad_overflow=false``): weights, Adam moments and step count and the LR
+    unless bf16 with ``bf16.check_grad_overflow=false``; without ZeRO in fp32, `grpo.engines.CheckedAdamW`): weights, Adam moments and step count and the LR
     schedule stay as they were, the gradients are cleared, ``engine.skipped_steps`` counts it and
     ``engine.was_step_applied()`` is False. A non-finite loss can still have finite gradients (an inf term
     that does not depend on the weights), which DeepSpeed would apply; the wrapper adds
@@ -114,9 +114,9 @@ def overflow_check_gap(engine) -> str | None:
     """Why DeepSpeed would APPLY an optimizer step with a NaN or inf gradient on this engine, or None when it
     discards such steps (what `skip_nonfinite_loss` relies on). Call once at setup."""
     stage = engine.zero_optimization_stage()
-    if stage == 0:
-        return ("policy.deepspeed_config has no ZeRO stage: its optimizer applies NaN gradients; use a ZeRO config "
-                "(ds_configs/zero2.json or zero3.json)")
+    if stage == 0 and not hasattr(engine.optimizer, "overflow"):
+        return ("policy.deepspeed_config has no ZeRO stage: in 16-bit its optimizer applies NaN gradients; use a "
+                "ZeRO config (ds_configs/zero1.json, zero2.json or zero3.json)")
     if engine.bfloat16_enabled() and stage in (1, 2) and not engine._config.bfloat16_config.check_grad_overflow:
         return "policy.deepspeed_config sets bf16.check_grad_overflow=false: ZeRO-1/2 then apply NaN gradients"
     return None

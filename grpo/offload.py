@@ -15,9 +15,13 @@ Moved = list[tuple[torch.Tensor, torch.device, torch.Tensor]]  # (tensor, its de
 
 
 def optimizer_state_tensors(engine) -> list[torch.Tensor]:
-    """What ZeRO-3's optimizer holds besides the model: the fp32 master partitions (unless DeepSpeed
-    reuses the model's own fp32 partitions as masters) and every non-scalar optimizer state (Adam's
-    exp_avg and exp_avg_sq). Moving one means replacing its ``.data``: these are the optimizer's objects."""
+    """What the optimizer holds besides the model: under ZeRO-3 the fp32 master partitions (unless
+    DeepSpeed reuses the model's own fp32 partitions as masters), and every non-scalar optimizer state
+    (Adam's exp_avg and exp_avg_sq; without ZeRO, the only ones). Moving one means replacing its ``.data``:
+    these are the optimizer's objects."""
+    if engine.zero_optimization_stage() == 0:
+        return [v for state in engine.optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0]
     zero = engine.optimizer
     model_parts = {id(t) for t in zero.fp16_partitioned_groups_flat}
     masters = [t for t in zero.fp32_partitioned_groups_flat if id(t) not in model_parts]
@@ -39,19 +43,22 @@ def offload_optimizer_states(engine, previous: Moved | None = None) -> Moved:
     ZeRO-3: `optimizer_state_tensors` are copied into host buffers (those of ``previous``, the
     value of the last call, are reused) and DeepSpeed's `offload_states` takes the gradient
     partitions and buckets. ZeRO-1/2: DeepSpeed's `offload_states` for all four (it accepts any
-    optimizer there). Nothing to do under ZeRO's own optimizer/parameter offload. Returns what
-    moved, for `reload_optimizer_states`.
+    optimizer there). No ZeRO: the Adam moments, as under ZeRO-3 (gradients are None between steps).
+    Nothing to do under ZeRO's own optimizer/parameter offload. Returns what moved, for
+    `reload_optimizer_states`.
     """
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
 
-    if _zero_offload_configured(engine):
+    stage = engine.zero_optimization_stage()
+    if stage > 0 and _zero_offload_configured(engine):
         return []
     pin = torch.cuda.is_available()
-    if engine.zero_optimization_stage() != 3:
+    if stage in (1, 2):
         engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer],
                               pin_memory=pin)
         return []
-    engine.offload_states(include=[S.lp_grads, S.contiguous_grad_buffer], pin_memory=pin)
+    if stage == 3:
+        engine.offload_states(include=[S.lp_grads, S.contiguous_grad_buffer], pin_memory=pin)
     reuse = {id(t): buf for t, _, buf in previous or []}
     moved: Moved = []
     for t in optimizer_state_tensors(engine):
@@ -70,8 +77,10 @@ def offload_optimizer_states(engine, previous: Moved | None = None) -> Moved:
 
 def reload_optimizer_states(engine, moved: Moved) -> None:
     """Undo `offload_optimizer_states` (``moved`` is its return value; keep it for the next call)."""
-    if _zero_offload_configured(engine):
+    stage = engine.zero_optimization_stage()
+    if stage > 0 and _zero_offload_configured(engine):
         return
     for t, device, buf in moved:
         t.data = buf.to(device)
-    engine.reload_states()
+    if stage > 0:
+        engine.reload_states()

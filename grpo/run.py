@@ -174,7 +174,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     envs = build_environments(cfg.env, cfg.data)
     formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks, envs.tool_schemas())
     per_batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
-    loader = build_dataloader(train_ds, batch_size=per_batch, shuffle=cfg.data.shuffle, seed=g.seed)
+    loader = build_dataloader(train_ds, batch_size=per_batch, shuffle=cfg.data.shuffle, seed=g.seed,
+                              num_workers=cfg.data.num_workers)
     if len(loader) == 0:
         return f"error: {len(train_ds)} training prompts < {per_batch} prompts per step"
     total_steps = min(g.max_num_steps, g.max_num_epochs * len(loader))

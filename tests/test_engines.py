@@ -304,10 +304,12 @@ def test_auto_placement_and_zero_stage_follow_the_world_size(model_dir, dist_gro
     from grpo.ds_config import policy_ds_config_path, zero_stage
 
     cfg = make_cfg(model_dir, deepspeed_config="auto", reference_placement="auto")
-    assert [zero_stage(policy_ds_config_path(cfg.policy, n)[0]) for n in (1, 2, 8)] == [1, 3, 3]
+    assert [zero_stage(policy_ds_config_path(cfg.policy, n)[0]) for n in (1, 2, 8)] == [0, 3, 3]
+    bf16 = make_cfg(model_dir, deepspeed_config="auto", precision="bfloat16")
+    assert [zero_stage(policy_ds_config_path(bf16.policy, n)[0]) for n in (1, 2)] == [1, 3]
     assert type(engines.build_reference_engine(cfg, 1)).__name__ == "FrozenModel"
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=2)
-    assert engine.zero_optimization_stage() == 1
+    assert engine.zero_optimization_stage() == 0 and type(engine.optimizer).__name__ == "CheckedAdamW"
     assert all(p.numel() > 0 for p in engine.module.parameters())  # whole weights: generation can use them
 
 
@@ -407,6 +409,17 @@ def _one_step(cfg):
     out = engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
                                  lambda lp, mb: ((lp**2).sum() / 14, {}))
     return out, {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
+
+
+def test_no_zero_clips_and_steps_as_zero3(model_dir, dist_group):
+    """One rank in fp32 runs without ZeRO (`CheckedAdamW` clips): the same step as ZeRO-3, clipping active."""
+    base = {"train_global_batch_size": 2, "optimizer": {"lr": 1e-2}, "max_grad_norm": 0.05}
+    out_3, w_3 = _one_step(make_cfg(model_dir, **base))
+    out_0, w_0 = _one_step(make_cfg(model_dir, deepspeed_config="ds_configs/zero0.json", **base))
+    assert out_3["grad_norm"] > 0.05  # the clip acts
+    assert out_0["grad_norm"] == pytest.approx(out_3["grad_norm"], rel=1e-5) and out_0["lr"] == out_3["lr"]
+    for n in w_3:
+        torch.testing.assert_close(w_0[n], w_3[n], atol=1e-5, rtol=0)  # Adam rescales rounding noise
 
 
 def test_activation_checkpointing_gives_the_same_step(model_dir, dist_group):

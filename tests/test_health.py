@@ -53,9 +53,9 @@ def test_guard_skips_then_stops_after_max_consecutive_and_counts_all():
 # --------------------------------------------------------------------------------------------------
 # a non-finite optimizer step on a real engine
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engines_pair(tmp_path_factory):
-    """Two one-rank ZeRO-3 fp32 engines from the same weights."""
+@pytest.fixture(scope="module", params=["auto", "ds_configs/zero3.json"])
+def engines_pair(tmp_path_factory, request):
+    """Two one-rank fp32 engines from the same weights: without ZeRO (auto: `CheckedAdamW`), and ZeRO-3."""
     from grpo import engines
     from grpo.config import MasterConfig
     from grpo.toy import save_tiny_model
@@ -65,7 +65,7 @@ def engines_pair(tmp_path_factory):
     cfg = MasterConfig.model_validate({
         "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
                    "train_micro_batch_size": 2, "optimizer": {"lr": 1e-2},
-                   "scheduler": {"name": "linear", "warmup_steps": 0}},
+                   "scheduler": {"name": "linear", "warmup_steps": 0}, "deepspeed_config": request.param},
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 1}})
     return [engines.build_policy_engine(cfg, 1, total_optimizer_steps=4) for _ in range(2)]
 
@@ -97,7 +97,8 @@ def test_a_nonfinite_step_is_skipped_and_leaves_no_trace(engines_pair):
     assert overflow_check_gap(a) is None
     before, lr_before = _weights(a), a.get_lr()[0]
     out = train_on_batch(a, _batch(), skip_nonfinite_loss(_inf_without_gradient))
-    assert math.isnan(out["loss"]) and math.isinf(out["grad_norm"]) and not a.was_step_applied()
+    # ZeRO reports an overflow's norm as inf, CheckedAdamW the NaN it measured
+    assert math.isnan(out["loss"]) and not math.isfinite(out["grad_norm"]) and not a.was_step_applied()
     assert nonfinite(out["loss"], out["grad_norm"]) == "train/loss is nan"
     for name, w in _weights(a).items():
         torch.testing.assert_close(w, before[name], atol=0, rtol=0)
@@ -124,11 +125,13 @@ def test_without_the_wrapper_deepspeed_applies_an_inf_loss_with_finite_gradients
 
 
 def test_overflow_check_gap_names_configs_that_apply_nan_gradients():
-    def engine(stage, bf16=False, check=True):
+    def engine(stage, bf16=False, check=True, optimizer=None):
         return SimpleNamespace(zero_optimization_stage=lambda: stage, bfloat16_enabled=lambda: bf16,
+                               optimizer=optimizer or SimpleNamespace(),
                                _config=SimpleNamespace(bfloat16_config=SimpleNamespace(check_grad_overflow=check)))
 
     assert "no ZeRO stage" in overflow_check_gap(engine(0))
+    assert overflow_check_gap(engine(0, optimizer=SimpleNamespace(overflow=False))) is None  # CheckedAdamW
     assert "bf16.check_grad_overflow=false" in overflow_check_gap(engine(2, bf16=True, check=False))
     assert overflow_check_gap(engine(2, bf16=True)) is None and overflow_check_gap(engine(3, True, False)) is None
 
