@@ -36,7 +36,7 @@ def main(argv=None) -> str | int | None:
     from grpo.data import PromptStream
     from grpo.metrics import rollout_counts
     from grpo.rollout_metrics import step_summary
-    from grpo.sampling import DynamicSamplingCache
+    from grpo.dynamic_sampling import DynamicSamplingCache
     from grpo.step import (
         due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask, measured,
         record_step, shape_rewards, step_advantages, step_logprobs, step_metrics, train_step,

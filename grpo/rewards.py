@@ -113,7 +113,7 @@ def process_reward_components(
         shaped = shape_overlong_components(task, response_lengths, truncated)
 
     ``penalty_flags``: the flags of :func:`apply_reward_penalties`. ``task`` is what dynamic sampling
-    filters on (per component: `grpo.sampling.group_reward_std`); ``shaped`` is what GDPO's advantages
+    filters on (per component: `grpo.dynamic_sampling.group_reward_std`); ``shaped`` is what GDPO's advantages
     read (``reward_components`` of `grpo.advantages.compute_advantages`).
     """
     task_bk = scale_rewards(penalize_components(components_bk, penalty_flags), scaling_cfg)

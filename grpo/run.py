@@ -150,7 +150,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo.dumps import RolloutDumper
     from grpo.envs import build_environments
     from grpo.health import StepChecks, overflow_check_gap
-    from grpo.logging import MetricsLogger, truncate_metrics
+    from grpo.tracking import MetricsLogger, truncate_metrics
     from grpo.rundir import recorded_run_id
     from grpo.signals import StopRequest
     from grpo.step import LogprobEngines

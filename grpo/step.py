@@ -30,7 +30,7 @@ from grpo.rewards import (
     shape_overlong_rewards,
 )
 from grpo.rollout import all_gather_objects, rank_slice
-from grpo.sampling import group_reward_std, overlong_filter_mask
+from grpo.dynamic_sampling import group_reward_std, overlong_filter_mask
 
 
 # ---- phase 3 ---------------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ def _turns_open_thinking(traj, tokenizer, rp) -> list[bool]:
 
 def group_std_for_dynamic_sampling(batch: TrainBatch) -> torch.Tensor:
     """The std DAPO's group filter reads: of the unshaped task reward, per component for GDPO's components
-    (`grpo.sampling.group_reward_std`)."""
+    (`grpo.dynamic_sampling.group_reward_std`)."""
     task = batch.task_components_bk if batch.task_components_bk is not None else batch.task_rewards_b
     return group_reward_std(batch.group_ids_b, task)
 
@@ -296,8 +296,8 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
 def measured(metrics: dict, phase: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, adding its seconds to ``timing/<phase>_s`` in ``metrics`` and recording, on
     CUDA, the phase's peak memory (``memory/<phase>_peak_gb``, ``memory/<phase>_used_gb``:
-    `grpo.logging.phase_memory`)."""
-    from grpo.logging import phase_memory
+    `grpo.tracking.phase_memory`)."""
+    from grpo.tracking import phase_memory
 
     t0 = time.perf_counter()
     with phase_memory(phase, metrics):

@@ -15,7 +15,7 @@ from grpo.dumps import (
     RECORD_KEYS, RolloutDumper, check_record, list_dumps, read_dump, render_messages, representative_indices,
     wandb_table,
 )
-from grpo.logging import MetricsLogger
+from grpo.tracking import MetricsLogger
 from tests.rollout_records import make_record
 
 

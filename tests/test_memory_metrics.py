@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.generation.vllm import memory_gb
-from grpo.logging import cuda_device_memory, device_memory_gb, gpu_metrics, phase_memory
+from grpo.tracking import cuda_device_memory, device_memory_gb, gpu_metrics, phase_memory
 
 GIB = 2**30
 

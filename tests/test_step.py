@@ -148,7 +148,7 @@ def test_a_prompt_that_opens_the_think_block_makes_a_closing_tag_well_formed():
 def test_dynamic_sampling_drops_a_group_of_wrong_answers_whose_overlong_penalties_differ():
     """The issue's example: 4 wrong answers of lengths [100, 3500, 4000, 4096], max 4096, buffer 1024, penalty 1
     are shaped to [0, -0.418, -0.906, -1]; their task reward does not vary, so DAPO drops the group."""
-    from grpo.sampling import DynamicSamplingCache
+    from grpo.dynamic_sampling import DynamicSamplingCache
     from grpo.step import group_std_for_dynamic_sampling
 
     cfg = build_config({"policy": {"max_total_sequence_length": 8192, "generation": {"max_new_tokens": 4096}},

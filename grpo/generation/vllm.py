@@ -135,7 +135,7 @@ def memory_gb() -> float:
     """Memory in use, in GiB: on a GPU the whole device's (total - free from ``mem_get_info``, which sees
     vLLM's sleep pools and other processes; torch's ``memory_reserved`` does not), else this process's
     resident memory."""
-    from grpo.logging import cuda_device_memory
+    from grpo.tracking import cuda_device_memory
 
     device = cuda_device_memory()
     if device:

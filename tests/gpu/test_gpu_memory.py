@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo.generation.vllm import memory_gb
-from grpo.logging import cuda_device_memory, gpu_metrics, phase_memory
+from grpo.tracking import cuda_device_memory, gpu_metrics, phase_memory
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 GIB = 2**30

@@ -1,9 +1,9 @@
-"""grpo.sampling: DAPO dynamic sampling cache and overlong filtering."""
+"""grpo.dynamic_sampling: DAPO dynamic sampling cache and overlong filtering."""
 
 import pytest
 import torch
 
-from grpo.sampling import DynamicSamplingCache, overlong_filter_mask
+from grpo.dynamic_sampling import DynamicSamplingCache, overlong_filter_mask
 
 
 def gen_batch(tag: str, rewards, num_generations=2, T=3):
@@ -114,7 +114,7 @@ def test_max_gen_batches_matches_nemo_rl_loop(max_gen_batches, fills):
 
 
 def test_group_reward_std_rows_and_components():
-    from grpo.sampling import group_reward_std
+    from grpo.dynamic_sampling import group_reward_std
 
     ids = torch.tensor([0, 0, 1, 1])
     torch.testing.assert_close(group_reward_std(ids, torch.tensor([1.0, 1.0, 1.0, 0.0])),
@@ -125,7 +125,7 @@ def test_group_reward_std_rows_and_components():
 
 
 def test_gdpo_group_kept_when_any_component_varies():
-    from grpo.sampling import group_reward_std
+    from grpo.dynamic_sampling import group_reward_std
 
     cache = DynamicSamplingCache(2, 2, 3)
     ids = torch.tensor([0, 0, 1, 1, 2, 2])
@@ -142,7 +142,7 @@ def test_dapo_filters_on_the_unshaped_reward_the_issue_example():
     to [0, -0.418, -0.906, -1]; their group has zero accuracy and must be DROPPED (DAPO, NeMo-RL)."""
     from grpo.config import RewardScalingConfig, RewardShapingConfig
     from grpo.rewards import process_reward_components, scale_rewards, shape_overlong_rewards
-    from grpo.sampling import group_reward_std
+    from grpo.dynamic_sampling import group_reward_std
 
     shaping = RewardShapingConfig(enabled=True, max_response_length=4096, overlong_buffer_length=1024,
                                   overlong_buffer_penalty=1.0)

@@ -1,4 +1,4 @@
-"""grpo.logging: metrics.jsonl rows (non-finite values as strings), truncation on resume, and the optional gpu/*
+"""grpo.tracking: metrics.jsonl rows (non-finite values as strings), truncation on resume, and the optional gpu/*
 columns (logger.monitor_gpus)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo.config import LoggerConfig
-from grpo.logging import MetricsLogger, read_metrics, truncate_metrics
+from grpo.tracking import MetricsLogger, read_metrics, truncate_metrics
 
 
 def _log_one_row(tmp_path, **cfg) -> dict:
