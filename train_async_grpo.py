@@ -45,7 +45,7 @@ def main(argv=None) -> str | int | None:
     from grpo.metrics import rollout_counts
     from grpo.producer import RolloutProducer, weight_copy
     from grpo.rollout_metrics import step_summary
-    from grpo.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups, trajectory_age
+    from grpo.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
     from grpo.step import (
         due_save, due_validation, early_stop_reason, initial_sample_mask, measured, record_step, shape_rewards,
         step_advantages, step_logprobs, step_metrics, train_step,
@@ -84,7 +84,6 @@ def main(argv=None) -> str | int | None:
         stop = early_stop_reason(cfg, validate_with_staged(0))
 
     # ================================================================ the loop (the trainer)
-    busy_prev, wall_prev = producer.busy_s, time.perf_counter()
     while state.current_step < run.total_steps and stop is None:
         step = state.current_step + 1
         t_step = time.perf_counter()
@@ -103,7 +102,6 @@ def main(argv=None) -> str | int | None:
         metrics = {f"train/{k}": v for k, v in {**rollout_counts(trajectories), **info["metrics"],
                                                  **penalty_metrics}.items()}
         timing = {f"timing/{k}": v for k, v in info["timing"].items()}
-        ages = [trajectory_age(step, e["generation_version"]) for e in entries]
 
         # ---- 5. overlong filtering and environment masks (masked samples stay in the baseline) ----
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
@@ -126,18 +124,11 @@ def main(argv=None) -> str | int | None:
         trained_mark = info["loader_mark"]
         state.current_epoch = trained_mark["epoch"]
         timing["timing/step_s"] = time.perf_counter() - t_step
-        busy_now, wall_now = producer.busy_s, time.perf_counter()
         metrics.update({
-            **step_metrics(batch, results, timing["timing/step_s"]), **timing,
+            **step_metrics(batch, results, timing["timing/step_s"]), **timing, **producer.step_metrics(
+                step, entries, wait_s), "async/train_start_time": train_start, "async/train_end_time": train_end,
             "train/epoch": state.current_epoch, "train/prompt_indices": [e["group"]["prompt_index"] for e in entries],
-            "async/trajectory_age_hist": ages, "async/trajectory_age_mean": sum(ages) / len(ages),
-            "async/trajectory_age_max": max(ages), "async/buffer_size": len(buffer), "async/trainer_wait_s": wait_s,
-            "async/generation_busy_frac": min(1.0, (busy_now - busy_prev) / max(wall_now - wall_prev, 1e-9)),
-            "async/evicted_groups": buffer.num_evicted, "async/generation_failures": producer.total_failures,
-            "async/gen_start_time": info["gen_start_time"], "async/gen_end_time": info["gen_end_time"],
-            "async/train_start_time": train_start, "async/train_end_time": train_end,
         })
-        busy_prev, wall_prev = busy_now, wall_now
         failure = run.checks.after_step(trajectories, batch.raw_rewards_b, results, metrics)
         run.logger.log(metrics, step)
         run.logger.progress(step, metrics)
@@ -154,14 +145,10 @@ def main(argv=None) -> str | int | None:
     buffer.close(StopKind.ENDED)
     producer.join(timeout=600)
     run.closables += [producer.generator]
-    if closed is not None and closed.failed:
-        where = (f"a checkpoint of step {state.current_step} is in {cfg.checkpointing.checkpoint_dir}: rerun the same "
-                 "command to resume" if cfg.checkpointing.enabled else "checkpointing is off: nothing to resume")
-        hint = (" (raise grpo.async_grpo.max_generation_failures to tolerate more)"
-                if closed.kind is StopKind.FAILURES else "")
-        failure = f"the generation thread stopped the run: {closed}.\n  {where}{hint}"
-    elif closed is not None:
-        stop = str(closed)
+    if closed is not None:  # a failure exits 1; the end of the data is a normal stop
+        ckpt_dir = cfg.checkpointing.enabled and cfg.checkpointing.checkpoint_dir
+        message = closed.stop_message(ckpt_dir, state.current_step)
+        failure, stop = (message, stop) if closed.failed else (failure, message)
     if stop or failure:
         run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
     return finish(run, out_of_data=closed is not None and closed.kind is StopKind.OUT_OF_DATA,
