@@ -235,7 +235,7 @@ def test_disabled_tools_answer_every_call_with_an_error():
                           num_workers=1)
     try:
         ret = step(env, "<calc>12*34</calc>", "408")
-        assert contents(ret, 0) == ["<r>error: tools are disabled; answer without them</r>"]
+        assert contents(ret, 0) == ["<r>error: disabled</r>"]
         assert ret.metadata[0]["invalid_tool_call"] and ret.next_stop_strings[0] == ["</calc>"]
         assert ret.rewards.tolist() == [0.0, 1.0]
         assert env._pool._workers == []  # nothing ran

@@ -118,8 +118,8 @@ class ToolEnvironment(Environment):
             return call.problem, call.detail
         if k >= self.max_calls_per_turn:
             return "too_many_calls", f"not run: at most {self.max_calls_per_turn} tool calls per message"
-        if self.disable_tools:
-            return "disabled", "tools are disabled; answer without them"
+        if self.disable_tools:  # short: the ablation must leave the answer as much room as a real result does
+            return "disabled", "disabled"
         if call.name not in self.tools:
             names = ", ".join(self.tools) or "none"
             return "unknown_tool", f"unknown tool {call.name!r} (the tools: {names})"
