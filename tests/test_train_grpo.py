@@ -162,6 +162,7 @@ def test_one_and_two_processes_give_the_same_loss(tmp_path):
         assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
 
 
+@pytest.mark.slow  # the one-rank stop-and-resume above stays in the default suite
 def test_two_ranks_stop_together_at_the_save_deadline(tmp_path):
     """Each rank reads its own clock; `SaveDeadline.due` all-reduces, so no rank goes on into a collective alone."""
     run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "2", "train_grpo.py", "--config", TINY,
@@ -183,6 +184,7 @@ def test_accelerate_launch(tmp_path):
     assert sorted(train_rows(tmp_path)) == [1, 2]
 
 
+@pytest.mark.slow  # two processes of one node: test_one_and_two_processes_give_the_same_loss
 def test_two_nodes_on_loopback(tmp_path):
     port = free_port()
     cmds = [[*launcher("torchrun"), "--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1", "--master_addr",
