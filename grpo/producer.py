@@ -150,26 +150,6 @@ class _Fixed:
     def __init__(self, version: int):
         self.version = version
 
-    def step_metrics(self, step: int, entries: list[dict], wait_s: float) -> dict:
-        """The ``async/*`` metrics of a trainer step that took ``entries`` (replay entries) after waiting
-        ``wait_s``: trajectory ages (age = step - 1 - generation version), the deque, failures, and
-        ``generation_busy_frac``, the share of wall time since the last call that the thread spent
-        generating and scoring."""
-        from grpo.replay import trajectory_age
-
-        ages = [trajectory_age(step, e["generation_version"]) for e in entries]
-        info = entries[0]["group"]["info"]
-        busy, wall = self.busy_s, time.perf_counter()
-        busy_frac = min(1.0, (busy - self._busy_mark[0]) / max(wall - self._busy_mark[1], 1e-9))
-        self._busy_mark = (busy, wall)
-        return {
-            "async/trajectory_age_hist": ages, "async/trajectory_age_mean": sum(ages) / len(ages),
-            "async/trajectory_age_max": max(ages), "async/buffer_size": len(self.buffer),
-            "async/trainer_wait_s": wait_s, "async/generation_busy_frac": busy_frac,
-            "async/evicted_groups": self.buffer.num_evicted, "async/generation_failures": self.total_failures,
-            "async/gen_start_time": info["gen_start_time"], "async/gen_end_time": info["gen_end_time"],
-        }
-
     def load_newest(self) -> int:
         return self.version
 
