@@ -30,3 +30,22 @@ def tiny_model_dir(tmp_path_factory):
     from grpo.toy import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), size="tiny", seed=0)
+
+
+@pytest.fixture
+def vllm_records():
+    """Records that reach the handlers of vLLM's weight-reload loggers past our filter (vLLM's loggers do
+    not propagate, so caplog sees nothing)."""
+    import logging
+
+    from grpo.generation.vllm_params import RELOAD_LOGGERS
+
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in RELOAD_LOGGERS]
+    for lg in loggers:
+        lg.addHandler(handler)
+    yield records
+    for lg in loggers:
+        lg.removeHandler(handler)

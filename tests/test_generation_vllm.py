@@ -254,25 +254,7 @@ def test_sleep_wake_load_order_over_steps(backend, policy, tok):
     assert gen.last_refit_s > 0 and "memory/after_sleep_gb" in gen.memory
 
 
-@pytest.fixture
-def reload_records():
-    """Records of vLLM's in-place reload loggers that get past our filter (vLLM's loggers do not propagate)."""
-    import logging
-
-    from grpo.generation.vllm_params import RELOAD_LOGGERS
-
-    records: list = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    loggers = [logging.getLogger(n) for n in RELOAD_LOGGERS]
-    for lg in loggers:
-        lg.addHandler(handler)
-    yield records
-    for lg in loggers:
-        lg.removeHandler(handler)
-
-
-def test_bucketed_refit_is_quiet_and_a_missing_weight_is_caught(backend, policy, tok, reload_records):
+def test_bucketed_refit_is_quiet_and_a_missing_weight_is_caught(backend, policy, tok, vllm_records):
     """One decoder layer per push: vLLM warns about every other layer at each push; none of that gets
     out, the weights are right, and a weight that no push carries is reported."""
     from grpo.generation.vllm import push_buckets
@@ -286,7 +268,7 @@ def test_bucketed_refit_is_quiet_and_a_missing_weight_is_caught(backend, policy,
         gen.refit(policy)
     finally:
         gen.refit_bucket_numel = saved
-    assert [r.getMessage() for r in reload_records] == []
+    assert [r.getMessage() for r in vllm_records] == []
     err = mult_prob_error(policy, gen.generate(encode(tok, PROMPTS), SEEDS), tok.pad_token_id)
     assert err <= FRESH, err
 
@@ -294,7 +276,7 @@ def test_bucketed_refit_is_quiet_and_a_missing_weight_is_caught(backend, policy,
                     for bucket in iter_gathered_params(policy, 1))
     pushed, never_loaded = push_buckets(gen.llm, without_norm)
     assert "model.norm.weight" not in pushed and never_loaded == {"model.norm.weight"}
-    assert reload_records == []
+    assert vllm_records == []
     gen.refit(policy)
 
 

@@ -141,28 +141,10 @@ class LoggingFakeLLM:
             inplace.warning("Following weights were not loaded from checkpoint: %s", missing)
 
 
-@pytest.fixture
-def vllm_records():
-    """Records that reach the vLLM reload loggers' handlers (vLLM's loggers do not propagate)."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = Keep()
-    loggers = [logging.getLogger(n) for n in RELOAD_LOGGERS]
-    for lg in loggers:
-        lg.addHandler(handler)
-    yield records
-    for lg in loggers:
-        lg.removeHandler(handler)
-
-
 PARAMS = ["embed.weight", "layers.0.w", "layers.1.w", "norm.weight"]
 
 
-def test_bucketed_refit_logs_nothing_and_finds_nothing_missing(vllm_records):
+def test_bucketed_refit_logs_nothing_and_finds_nothing_missing(vllm_records):  # fixture: conftest.py
     llm = LoggingFakeLLM(PARAMS)
     buckets = [[("embed.weight", torch.zeros(1))], [("layers.0.w", torch.zeros(1)), ("layers.1.w", torch.zeros(1))],
                [("norm.weight", torch.zeros(1))]]
