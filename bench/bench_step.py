@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: 6 for bench, 4 for tiny")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--async", dest="async_", action="store_true", help="run train_async_grpo.py")
+    ap.add_argument("overrides", nargs="*", help="more dotted overrides, e.g. policy.shared_prompt_forward=false")
     args = ap.parse_args()
 
     workload = Path(args.workload).resolve()
@@ -96,7 +97,7 @@ def main() -> None:
     log_dir = tempfile.mkdtemp(prefix="grpo_bench_")
     script = "train_async_grpo.py" if args.async_ else "train_grpo.py"
     cmd = [sys.executable, script, "--config", "configs/cpu_demo.yaml",
-           *trainer_overrides(workload, args.model, steps, log_dir)]
+           *trainer_overrides(workload, args.model, steps, log_dir), *args.overrides]
     if args.async_:
         cmd += ["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1",
                 "loss_fn.use_importance_sampling_correction=true"]

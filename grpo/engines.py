@@ -336,7 +336,8 @@ def _num_params(model_config) -> int:
 # Logprobs and training
 # --------------------------------------------------------------------------------------------------
 def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
-                     top_k: int | None = None, top_p: float = 1.0, return_unfiltered: bool = False):
+                     top_k: int | None = None, top_p: float = 1.0, return_unfiltered: bool = False,
+                     prompt_lens_b: torch.Tensor | None = None):
     """Aligned token logprobs [B, T] with grad: 0 at position 0 and on padding, and at t
 
         log softmax_K(logits[t - 1] / temperature)[input_ids[t]]   (right-padded batches)
@@ -345,12 +346,28 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
     nothing). A token outside K gets 0, as NeMo-RL's ``mask_out_neg_inf_logprobs`` does (see
     `grpo.logprobs.mask_out_of_filter`). ``return_unfiltered=True`` returns ``(filtered, unfiltered)``,
     the second with the temperature only, from the same pass over the logits.
+
+    ``prompt_lens_b``: the rows' prompt lengths (`grpo.shared_prefix.prompt_lengths`); given, a prompt that
+    several rows share goes through the model once (`grpo.shared_prefix`: same values up to rounding). Not
+    under ZeRO-3, where every forward is a collective and ranks would have to agree on sharing.
     """
+    from grpo.shared_prefix import plan_shared_prefix
+
     device = engine.device
     ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
-    logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits
-    lp_bt, full_bt = aligned_logprobs_from_logits(logits_btv, ids_bt, temperature, chunk_size, top_k=top_k,
-                                                  top_p=top_p, return_unfiltered=True)
+
+    def logprobs(logits_nlv, ids_nl):
+        return aligned_logprobs_from_logits(logits_nlv, ids_nl, temperature, chunk_size, top_k=top_k, top_p=top_p,
+                                            return_unfiltered=True)
+
+    checkpointed = torch.is_grad_enabled() and getattr(engine.module, "is_gradient_checkpointing", False)
+    can_share = prompt_lens_b is not None and not checkpointed and engine.zero_optimization_stage() != 3
+    plan = plan_shared_prefix(ids_bt, mask_bt, prompt_lens_b) if can_share else None
+    shared = plan.logprobs(engine, logprobs) if plan is not None else None
+    if shared is not None:
+        lp_bt, full_bt = shared
+    else:
+        lp_bt, full_bt = logprobs(engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits, ids_bt)
     lp_bt, _ = mask_out_of_filter(lp_bt, mask_bt)
     if return_unfiltered:
         return lp_bt, torch.where(mask_bt > 0, full_bt, 0.0)
@@ -359,7 +376,8 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
 
 @torch.no_grad()
 def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float, micro_batch_size: int,
-                     chunk_size=None, *, top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
+                     chunk_size=None, *, top_k: int | None = None, top_p: float = 1.0,
+                     prompt_lens_b: torch.Tensor | None = None) -> torch.Tensor:
     """`forward_logprobs` without grad, micro-batch by micro-batch; returns [B, T] fp32 on the CPU.
 
     ``top_k`` / ``top_p``: the sampler's filter (policy.generation.top_k / top_p) for the previous-policy
@@ -376,8 +394,10 @@ def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
     for i in range(n_all):
         if i < n_local:
             sl = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
-            out.append(forward_logprobs(engine, input_ids_bt[sl], attention_mask_bt[sl], temperature,
-                                        chunk_size, top_k=top_k, top_p=top_p).float().cpu())
+            out.append(forward_logprobs(engine, input_ids_bt[sl], attention_mask_bt[sl], temperature, chunk_size,
+                                        top_k=top_k, top_p=top_p,
+                                        prompt_lens_b=None if prompt_lens_b is None else prompt_lens_b[sl],
+                                        ).float().cpu())
         else:
             dummy = torch.zeros((1, 2), dtype=torch.long)
             forward_logprobs(engine, dummy, torch.ones_like(dummy), temperature, chunk_size, top_k=top_k, top_p=top_p)
@@ -412,7 +432,7 @@ LossClosure = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
 def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure, *, temperature: float = 1.0,
-                   chunk_size=None, top_k: int | None = None, top_p: float = 1.0) -> dict:
+                   chunk_size=None, top_k: int | None = None, top_p: float = 1.0, share_prompts: bool = False) -> dict:
     """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
 
     A micro-batch is a `grpo.batch.TrainBatch` (or a dict with its field names): its ``input_ids_bt`` and
@@ -420,7 +440,8 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     ``logprobs_bt`` are `forward_logprobs` with ``temperature`` and the sampler's ``top_k`` / ``top_p``
     filter (policy.generation.*). With a filter on, the micro-batch also holds ``unfiltered_logprobs_bt``
     (temperature only, with grad, from the same forward): NeMo-RL's ``curr_logprobs_unfiltered``, for the
-    KL term (`grpo.loss.clipped_pg_loss`'s ``unfiltered_logprobs``).
+    KL term (`grpo.loss.clipped_pg_loss`'s ``unfiltered_logprobs``). ``share_prompts``: rows that share a
+    prompt run it once (`grpo.shared_prefix`; prompts end where ``token_mask_bt`` starts).
 
     ``loss_closure(logprobs_bt, mb) -> (loss, metrics)`` must normalise by GLOBAL counts (all
     micro-batches of all ranks), so the losses sum to the full-batch loss L. DeepSpeed applies
@@ -433,6 +454,7 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     """
     from grpo.batch import get, to_device, with_fields
     from grpo.metrics import aggregate_rollout_metrics
+    from grpo.shared_prefix import prompt_lengths
     from grpo.rollout import all_gather_objects
 
     gas = engine.gradient_accumulation_steps()
@@ -449,12 +471,15 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     for mb in micro_batches:
         mb = to_device(mb, engine.device)
         ids_bt, mask_bt = get(mb, "input_ids_bt"), get(mb, "attention_mask_bt")
+        prompt_lens_b = prompt_lengths(get(mb, "token_mask_bt"), mask_bt) if share_prompts else None
         if needs_filter(top_k, top_p):
             logprobs_bt, unfiltered_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size,
-                                                          top_k=top_k, top_p=top_p, return_unfiltered=True)
+                                                          top_k=top_k, top_p=top_p, return_unfiltered=True,
+                                                          prompt_lens_b=prompt_lens_b)
             mb = with_fields(mb, unfiltered_logprobs_bt=unfiltered_bt)
         else:
-            logprobs_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size)
+            logprobs_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size,
+                                           prompt_lens_b=prompt_lens_b)
         loss, metrics = loss_closure(logprobs_bt, mb)
         engine.backward(loss * world, scale_wrt_gas=False)
         engine.step()

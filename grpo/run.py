@@ -211,6 +211,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     logger = MetricsLogger(cfg.logger, rank, cfg.model_dump(mode="json"), total_steps, state.current_step)
     if resume is not None:
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
+    share = "once" if cfg.policy.shared_prompt_forward and policy.zero_optimization_stage() != 3 else "per sample"
     logger.write(f"grpo-ds{' async' if asynchronous else ''}: {world_size} rank(s), {len(train_ds)} train / "
                  f"{len(val_ds)} val prompts ({train_ds.num_filtered} over data.max_input_seq_length filtered, "
                  f"{train_ds.num_too_long} with no room under policy.max_total_sequence_length skipped, "
@@ -218,7 +219,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                  f"reference {'skipped' if skip_ref else type(reference).__name__}, previous-policy logprobs "
                  f"{'from the training forward' if skip_prev else 'in their own pass'}, DeepSpeed "
                  "{} ({})".format(*policy_ds_config_path(cfg.policy, world_size)) + f", tasks {envs.tasks}, "
-                 f"up to {g.max_rollout_turns} turn(s) per rollout")
+                 f"up to {g.max_rollout_turns} turn(s) per rollout, a shared prompt runs {share} in the logprob "
+                 "and training forwards")
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val")
     run = Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
               chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,

@@ -117,17 +117,21 @@ class LogprobEngines:
 
 
 def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, temperature: float,
-                    micro_batch_size: int, chunk_size: int | None = None, **top) -> torch.Tensor:
+                    micro_batch_size: int, chunk_size: int | None = None, share_prompts: bool = False,
+                    **top) -> torch.Tensor:
     """Logprobs ``[B, T]`` of the whole batch: each rank scores its share, then all ranks gather. ``top``:
-    the sampler's ``top_k`` / ``top_p`` (`grpo.engines.compute_logprobs`)."""
+    the sampler's ``top_k`` / ``top_p`` (`grpo.engines.compute_logprobs`); ``share_prompts``: a prompt that
+    several rows share goes through the model once (`grpo.shared_prefix`)."""
     from grpo.engines import compute_logprobs
+    from grpo.shared_prefix import prompt_lengths
 
     B, T = batch.input_ids_bt.shape
     sl = rank_slice(B, rank, world_size)
     attn = batch.attention_mask_bt[sl]
     t_local = max(int(attn.sum(dim=1).max().item()), 1) if len(attn) else 1
+    prompt_lens_b = prompt_lengths(batch.token_mask_bt[sl], attn) if share_prompts else None
     lp = compute_logprobs(engine, batch.input_ids_bt[sl, :t_local], attn[:, :t_local], temperature,
-                          micro_batch_size, chunk_size, **top)
+                          micro_batch_size, chunk_size, prompt_lens_b=prompt_lens_b, **top)
     lp = torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1]))
     return torch.cat(all_gather_objects([lp]), dim=0)
 
@@ -144,7 +148,7 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
             return None
         top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
         return gather_logprobs(engine, batch, rank, world_size, gen.temperature, p.logprob_batch_size,
-                               p.logprob_chunk_size, **top)
+                               p.logprob_chunk_size, p.shared_prompt_forward, **top)
 
     return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
                          teacher_logprobs_bt=score(engines.teacher))
@@ -231,7 +235,7 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int, loss_
 
         results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size),
                                       skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
-                                      top_k=gen.top_k, top_p=gen.top_p))
+                                      top_k=gen.top_k, top_p=gen.top_p, share_prompts=p.shared_prompt_forward))
     return results
 
 

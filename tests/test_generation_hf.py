@@ -161,6 +161,34 @@ def test_same_seed_same_completion_whatever_the_batch(tok, model):
     assert len({tuple(o.completion_ids) for o in again + [together[0]]}) > 1
 
 
+def test_a_prompt_shared_by_several_rows_is_prefilled_once_and_samples_as_alone(tok, model, monkeypatch):
+    prompts = encode(tok, [PROMPTS[0]] * 3 + [PROMPTS[4]] * 3 + [PROMPTS[1]])   # groups, as GRPO generates
+    seeds = list(range(20, 27))
+    kw = {"temperature": 1.0, "top_k": 20}
+    shared = make_gen(tok, model, **kw)
+    calls = []
+    real = HFGeneration._shared_prompt_cache
+    monkeypatch.setattr(HFGeneration, "_shared_prompt_cache",
+                        lambda self, *a: calls.append(a[0].shape) or real(self, *a))
+    outs = shared.generate(prompts, seeds)
+    assert [c[0] for c in calls] == [7]
+    plain = make_gen(tok, model, **kw)
+    plain.cfg = plain.cfg.model_copy(update={"shared_prompt_forward": False})
+    expected = plain.generate(prompts, seeds)
+    assert len(calls) == 1                                                      # the plain one never asked
+    for a, b in zip(outs, expected):
+        assert a.completion_ids == b.completion_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    cache = shared._shared_prompt_cache(*_left_padded(tok, prompts))
+    assert cache.get_seq_length() == max(len(p) for p in prompts) - 1 and cache.layers[0].keys.shape[0] == 7
+
+
+def _left_padded(tok, prompts):
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_token_id] * (L - len(p)) + p for p in prompts])
+    return ids, (torch.arange(L)[None] >= torch.tensor([L - len(p) for p in prompts])[:, None]).long()
+
+
 def test_greedy_equals_plain_generate(tok, model):
     gen = make_gen(tok, model, temperature=0.7, top_k=5, top_p=0.8, max_new_tokens=12)
     prompts = encode(tok, PROMPTS[:4])

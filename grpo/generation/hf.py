@@ -3,7 +3,8 @@
 Each rank holds one copy; `refit` fills it from the ZeRO engine a few whole decoder layers at a time
 (`grpo.weights.iter_gathered_params`). Generation is greedy decoding over `SeededSampler`'s scores
 (filtered logits + per-sample Gumbel noise), with the KV cache, left padding and chunks of
-`policy.generation_batch_size` prompts. Per-sample limits (length cap, stop strings) are applied by a
+`policy.generation_batch_size` prompts; a prompt that several rows of a chunk share is prefilled once
+(``policy.shared_prompt_forward``). Per-sample limits (length cap, stop strings) are applied by a
 per-row stopping criterion and, exactly, by `cut_completion` afterwards, so a sample never depends on
 the other rows of its chunk.
 """
@@ -135,9 +136,12 @@ class HFGeneration:
         gen_cfg = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
                                    eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
                                    bos_token_id=self.tokenizer.bos_token_id)
-        seqs_bt = self.model.generate(input_ids=ids_bt.to(self.device), attention_mask=mask_bt.to(self.device),
+        ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
+        cache = self._shared_prompt_cache(ids_bt, mask_bt) if self.cfg.shared_prompt_forward else None
+        seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
                                       generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]),
                                       stopping_criteria=StoppingCriteriaList([limits]))
+        del cache
         new_bt = seqs_bt[:, L:].cpu()
         chosen_bt = torch.stack(sampler.tokens, dim=1).cpu()[:, :new_bt.shape[1]]
         lp_bt = torch.stack(sampler.logprobs, dim=1).float().cpu()[:, :new_bt.shape[1]]
@@ -152,6 +156,26 @@ class HFGeneration:
                                             logprobs=lp_bt[b, :n].tolist(), finish_reason=reason,
                                             text=self._decode(ids[:n])))
         return outputs
+
+    def _shared_prompt_cache(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor):
+        """The KV cache of the chunk's left-padded prompts but their last token, each distinct prompt computed
+        once and copied to the rows that share it (G samples of a prompt: (G - 1) / G of the prefill saved);
+        None when no prompt repeats. `generate` then runs from the prompts' last token, as it would after its
+        own prefill (positions from the attention mask, as `generate` computes them)."""
+        rows = ids_bt.tolist()
+        index: dict[tuple, int] = {}
+        row_prompt = [index.setdefault(tuple(r), len(index)) for r in rows]
+        if len(index) == len(rows) or ids_bt.shape[1] < 2:
+            return None
+        first = torch.tensor([row_prompt.index(u) for u in range(len(index))], device=ids_bt.device)
+        ids_ul, mask_ul = ids_bt[first, :-1], mask_bt[first, :-1]
+        positions_ul = (mask_ul.cumsum(-1) - 1).masked_fill(mask_ul == 0, 1)
+        cache = self.model(input_ids=ids_ul, attention_mask=mask_ul, position_ids=positions_ul,
+                           use_cache=True).past_key_values
+        if cache is None or not hasattr(cache, "batch_select_indices"):
+            return None
+        cache.batch_select_indices(torch.tensor(row_prompt, device=ids_bt.device))
+        return cache
 
     def refit(self, engine) -> float:
         """Copy the engine's weights into this copy, a bucket of whole layers at a time (collective); nothing

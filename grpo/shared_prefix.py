@@ -1,0 +1,122 @@
+"""Each distinct prompt through the model once: the logprobs of a batch whose rows share prompts.
+
+A GRPO batch holds G completions of every prompt. The plain forward runs the prompt G times; here the
+distinct prompts run once (a forward with the KV cache on), their keys and values are copied to the
+rows that share them, and a second forward runs the rest of each row (its generated turns, and what
+came between them) on top:
+
+    forward 1:  the U distinct prompts  p_u = ids[b, :P_b]          (right-padded to max P_u)
+    forward 2:  each row's continuation ids[b, P_b - 1 : len_b]      over the cache of its prompt
+
+with ``P_b`` the row's first generated position (`prompt_lengths`). Forward 2 starts one token early, at
+the prompt's last token, whose logits score the first generated token; that token's cache entry from
+forward 1 is masked out, so every token is seen once, at its own position (``position_ids`` are the
+tokens' positions in the row). The causal attention, the positions and the gradient are those of the
+plain forward (the copies of the cache sum their gradients back into the prompt's forward); only the
+float rounding of differently shaped matmuls differs (about 1e-6 in fp32).
+
+Saved: (G - 1) / G of the prompt tokens' forward (and backward, in training). The price: two forward
+calls per micro-batch (two parameter gathers under ZeRO-3) and the cache's copies, so the rows are run
+the plain way when no prompt repeats, when a prompt has fewer than 2 tokens, when the model returns no
+cache (gradient checkpointing in training turns it off) and when ``policy.shared_prompt_forward`` is
+false.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+# (logits [N, L, V], input_ids [N, L]) -> (logprobs [N, L], unfiltered logprobs [N, L]), contract-aligned
+LogprobFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def prompt_lengths(token_mask_bt: torch.Tensor, attention_mask_bt: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each row's first generated position (its prompt's length); a row with no generated token
+    gets its length.
+
+        >>> prompt_lengths(torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))
+        tensor([2, 3])
+    """
+    T = token_mask_bt.shape[1]
+    first_b = torch.where(token_mask_bt > 0, torch.arange(T, device=token_mask_bt.device), T).min(dim=1).values
+    return torch.minimum(first_b, attention_mask_bt.sum(dim=1)).long()
+
+
+@dataclass
+class SharedPrefixPlan:
+    """The two forwards' inputs for rows ``ids_bt`` (see the module docstring)."""
+
+    prompt_ids_ul: torch.Tensor      # [U, Lp] the distinct prompts, right-padded
+    prompt_mask_ul: torch.Tensor
+    row_prompt_b: torch.Tensor       # [B] which distinct prompt a row continues
+    cont_ids_bc: torch.Tensor        # [B, C] ids[b, P_b - 1 : len_b], right-padded
+    cont_attention_bl: torch.Tensor  # [B, Lp + C] the cache (its prompt minus the last token) + the continuation
+    cont_positions_bc: torch.Tensor  # [B, C] positions P_b - 1, P_b, ...
+    prompt_lens_b: torch.Tensor      # [B]
+    seq_len: int                     # T of the rows
+
+    def logprobs(self, model, logprob_fn: LogprobFn) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``logprob_fn``'s two ``[B, T]`` outputs for the rows, as one plain forward would give them; None
+        when the model returned no cache (the caller runs the plain forward)."""
+        out = model(input_ids=self.prompt_ids_ul, attention_mask=self.prompt_mask_ul, use_cache=True)
+        cache = getattr(out, "past_key_values", None)
+        if cache is None or not hasattr(cache, "batch_select_indices"):
+            return None
+        prompt_lp_ul, prompt_full_ul = logprob_fn(out.logits, self.prompt_ids_ul)
+        del out
+        cache.batch_select_indices(self.row_prompt_b)
+        out = model(input_ids=self.cont_ids_bc, attention_mask=self.cont_attention_bl,
+                    position_ids=self.cont_positions_bc, past_key_values=cache, use_cache=True)
+        cont_lp_bc, cont_full_bc = logprob_fn(out.logits, self.cont_ids_bc)
+        del out, cache
+        return self._assemble(prompt_lp_ul, cont_lp_bc), self._assemble(prompt_full_ul, cont_full_bc)
+
+    def _assemble(self, prompt_ul: torch.Tensor, cont_bc: torch.Tensor) -> torch.Tensor:
+        """``[B, T]``: position t < P_b from the row's prompt, t >= P_b from its continuation (index
+        t - P_b + 1: the continuation starts at the prompt's last token)."""
+        B, T = cont_bc.shape[0], self.seq_len
+        t_bt = torch.arange(T, device=cont_bc.device).expand(B, T)
+        p_b1 = self.prompt_lens_b[:, None]
+        from_prompt_bt = prompt_ul[self.row_prompt_b].gather(1, t_bt.clamp(max=prompt_ul.shape[1] - 1))
+        from_cont_bt = cont_bc.gather(1, (t_bt - p_b1 + 1).clamp(0, cont_bc.shape[1] - 1))
+        return torch.where(t_bt < p_b1, from_prompt_bt, from_cont_bt)
+
+
+def plan_shared_prefix(ids_bt: torch.Tensor, mask_bt: torch.Tensor,
+                       prompt_lens_b: torch.Tensor) -> Optional[SharedPrefixPlan]:
+    """The plan for right-padded rows ``ids_bt`` whose first ``prompt_lens_b`` tokens are their prompts; None
+    when no prompt repeats or a prompt has fewer than 2 tokens (then the plain forward is as cheap)."""
+    B, T = ids_bt.shape
+    lens_b = mask_bt.sum(dim=1).long()
+    p_b = prompt_lens_b.to(ids_bt.device).long()
+    if B < 2 or int(p_b.min()) < 2:
+        return None
+    rows = ids_bt.cpu().tolist()
+    index: dict[tuple, int] = {}
+    row_prompt = [index.setdefault(tuple(row[:p]), len(index)) for row, p in zip(rows, p_b.tolist())]
+    if len(index) == B:
+        return None
+    prompts = list(index)
+    Lp = max(len(p) for p in prompts)
+    prompt_ids = torch.zeros((len(prompts), Lp), dtype=ids_bt.dtype)
+    prompt_mask = torch.zeros((len(prompts), Lp), dtype=mask_bt.dtype)
+    for u, p in enumerate(prompts):
+        prompt_ids[u, :len(p)] = torch.tensor(p, dtype=ids_bt.dtype)
+        prompt_mask[u, :len(p)] = 1
+    dev = ids_bt.device
+    cont_len_b = (lens_b - p_b + 1).clamp(min=1)
+    C = int(cont_len_b.max())
+    j_c = torch.arange(C, device=dev)
+    cont_mask_bc = (j_c[None] < cont_len_b[:, None]).to(mask_bt.dtype)
+    positions_bc = p_b[:, None] - 1 + j_c[None]
+    cont_ids_bc = ids_bt.gather(1, positions_bc.clamp(max=T - 1)) * cont_mask_bc.to(ids_bt.dtype)
+    cached_bl = (torch.arange(Lp, device=dev)[None] < (p_b - 1)[:, None]).to(mask_bt.dtype)
+    return SharedPrefixPlan(
+        prompt_ids_ul=prompt_ids.to(dev), prompt_mask_ul=prompt_mask.to(dev),
+        row_prompt_b=torch.tensor(row_prompt, device=dev), cont_ids_bc=cont_ids_bc,
+        cont_attention_bl=torch.cat([cached_bl, cont_mask_bc], dim=1), cont_positions_bc=positions_bc,
+        prompt_lens_b=p_b, seq_len=T,
+    )
