@@ -394,10 +394,11 @@ class PolicyConfig(_Section):
         False, description="Allow model code from the checkpoint (transformers' trust_remote_code).")
     logprob_chunk_size: Optional[int] = Field(
         None, gt=0, description="Rows per chunk of the logprob computation (null: 2^24 / vocabulary size).")
-    shared_prompt_forward: bool = Field(True, description=(
+    shared_prompt_forward: Literal["auto", True, False] = Field("auto", description=(
         "A prompt that several samples share goes through the model once, their continuations over its KV cache: "
         "in the hf backend's prefill, and in the logprob and training forwards except under ZeRO-3 "
-        "(grpo/shared_prefix.py; same values up to rounding)."))
+        "(grpo/shared_prefix.py; same values up to rounding). auto: for models of 10M parameters or more "
+        "(below, the extra forward call costs more than the prompt tokens save)."))
     deepspeed_config: str = Field("auto", description=(
         "DeepSpeed JSON of the policy (its auto values are filled from this config); auto: on one rank "
         "ds_configs/zero0.json in float32 (nothing to partition) or zero1.json in 16-bit, zero3.json on several."))

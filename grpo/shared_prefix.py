@@ -18,8 +18,8 @@ float rounding of differently shaped matmuls differs (about 1e-6 in fp32).
 Saved: (G - 1) / G of the prompt tokens' forward (and backward, in training). The price: two forward
 calls per micro-batch (two parameter gathers under ZeRO-3) and the cache's copies, so the rows are run
 the plain way when no prompt repeats, when a prompt has fewer than 2 tokens, when the model returns no
-cache (gradient checkpointing in training turns it off) and when ``policy.shared_prompt_forward`` is
-false.
+cache (gradient checkpointing in training turns it off), and as ``policy.shared_prompt_forward`` says
+(`shares_prompts`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,21 @@ import torch
 
 # (logits [N, L, V], input_ids [N, L]) -> (logprobs [N, L], unfiltered logprobs [N, L]), contract-aligned
 LogprobFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+AUTO_MIN_PARAMS = 10_000_000
+
+
+def shares_prompts(setting, module: torch.nn.Module) -> bool:
+    """``policy.shared_prompt_forward`` for this model: True / False as set; ``"auto"``: a model of at least
+    `AUTO_MIN_PARAMS` parameters (a smaller one runs so fast that the second forward call costs more than
+    the prompt tokens it saves: measured on the bench workload's 82K-parameter model).
+
+        >>> shares_prompts("auto", torch.nn.Linear(10, 10)), shares_prompts(True, torch.nn.Linear(10, 10))
+        (False, True)
+    """
+    if setting != "auto":
+        return bool(setting)
+    return sum(p.numel() for p in module.parameters()) >= AUTO_MIN_PARAMS
 
 
 def prompt_lengths(token_mask_bt: torch.Tensor, attention_mask_bt: torch.Tensor) -> torch.Tensor:

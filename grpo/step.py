@@ -31,6 +31,7 @@ from grpo.rewards import (
 )
 from grpo.rollout import all_gather_objects, rank_slice
 from grpo.dynamic_sampling import group_reward_std, overlong_filter_mask
+from grpo.shared_prefix import prompt_lengths, shares_prompts
 
 
 # ---- phase 3 ---------------------------------------------------------------------------------------
@@ -123,7 +124,6 @@ def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, tempe
     the sampler's ``top_k`` / ``top_p`` (`grpo.engines.compute_logprobs`); ``share_prompts``: a prompt that
     several rows share goes through the model once (`grpo.shared_prefix`)."""
     from grpo.engines import compute_logprobs
-    from grpo.shared_prefix import prompt_lengths
 
     B, T = batch.input_ids_bt.shape
     sl = rank_slice(B, rank, world_size)
@@ -148,7 +148,7 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
             return None
         top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
         return gather_logprobs(engine, batch, rank, world_size, gen.temperature, p.logprob_batch_size,
-                               p.logprob_chunk_size, p.shared_prompt_forward, **top)
+                               p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module), **top)
 
     return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
                          teacher_logprobs_bt=score(engines.teacher))
@@ -235,7 +235,8 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int, loss_
 
         results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size),
                                       skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
-                                      top_k=gen.top_k, top_p=gen.top_p, share_prompts=p.shared_prompt_forward))
+                                      top_k=gen.top_k, top_p=gen.top_p,
+                                      share_prompts=shares_prompts(p.shared_prompt_forward, policy.module)))
     return results
 
 

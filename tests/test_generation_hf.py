@@ -166,6 +166,7 @@ def test_a_prompt_shared_by_several_rows_is_prefilled_once_and_samples_as_alone(
     seeds = list(range(20, 27))
     kw = {"temperature": 1.0, "top_k": 20}
     shared = make_gen(tok, model, **kw)
+    shared.cfg = shared.cfg.model_copy(update={"shared_prompt_forward": True})   # auto: off for a tiny model
     calls = []
     real = HFGeneration._shared_prompt_cache
     monkeypatch.setattr(HFGeneration, "_shared_prompt_cache",

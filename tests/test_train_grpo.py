@@ -281,14 +281,23 @@ def test_cpu_demo_raises_validation_reward_by_015(tmp_path):
 
 def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps(tmp_path):
     """One optimizer step per step: the training forward's own logprobs (detached) are the previous policy's,
-    so skipping their separate pass (the default here) trains the same steps as computing them."""
+    so skipping their separate pass (the default here) trains the same steps as computing them. The second
+    run also runs each group's prompt once (grpo/shared_prefix.py: generation prefill, previous-policy,
+    reference and training forwards), which must not change the numbers either."""
     skip, separate = tmp_path / "skip", tmp_path / "separate"
     p = python_train(skip, "grpo.max_num_steps=3", "checkpointing.enabled=false")
     assert "previous-policy logprobs from the training forward" in p.stdout + p.stderr
-    python_train(separate, "grpo.max_num_steps=3", "checkpointing.enabled=false",
-                 "grpo.skip_previous_policy_logprobs_calculation=false")
+    assert "a shared prompt runs per sample" in p.stdout + p.stderr   # auto: off for a tiny model
+    p = python_train(separate, "grpo.max_num_steps=3", "checkpointing.enabled=false",
+                     "grpo.skip_previous_policy_logprobs_calculation=false", "policy.shared_prompt_forward=true")
+    assert "a shared prompt runs once" in p.stdout + p.stderr
     a, b = train_rows(skip), train_rows(separate)
     for step in (1, 2, 3):
         assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
-        for key in ("train/loss", "train/grad_norm", "train/kl", "train/token_mult_prob_error"):
-            assert abs(a[step][key] - b[step][key]) < 1e-6, (step, key, a[step][key], b[step][key])
+        # Step 1 (same weights) agrees to float rounding. That rounding (the shared prompts' gradients are summed
+        # in another order) then grows through Adam, whose first steps are about lr * sign(g): a parameter whose
+        # gradient is rounding noise moves by a whole lr. A real difference (a wrong position, a token scored
+        # twice) shows at step 1, of the order of the values themselves.
+        for key in ("train/loss", "train/kl", "train/token_mult_prob_error", "train/grad_norm"):
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-6 if step == 1 else 1e-2, abs=1e-7), \
+                (step, key, a[step][key], b[step][key])

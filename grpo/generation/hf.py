@@ -21,6 +21,7 @@ from grpo.engines import DTYPES
 from grpo.weights import iter_gathered_params
 from grpo.generation.base import GenerationOutput, cut_completion, length_caps, per_sample_stops
 from grpo.generation.sampling import SeededSampler
+from grpo.shared_prefix import shares_prompts
 
 
 class _RowLimits(StoppingCriteria):
@@ -137,7 +138,8 @@ class HFGeneration:
                                    eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
                                    bos_token_id=self.tokenizer.bos_token_id)
         ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
-        cache = self._shared_prompt_cache(ids_bt, mask_bt) if self.cfg.shared_prompt_forward else None
+        cache = self._shared_prompt_cache(ids_bt, mask_bt) if shares_prompts(self.cfg.shared_prompt_forward,
+                                                                             self.model) else None
         seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
                                       generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]),
                                       stopping_criteria=StoppingCriteriaList([limits]))
