@@ -18,7 +18,6 @@ from typing import Any
 
 from grpo.config import MasterConfig, cluster_mismatch, resolve_skip_flags
 from grpo.config_load import ConfigError, config_help, load_config
-from grpo.shared_prefix import shares_prompts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -212,6 +211,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     logger = MetricsLogger(cfg.logger, rank, cfg.model_dump(mode="json"), total_steps, state.current_step)
     if resume is not None:
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
+    from grpo.shared_prefix import shares_prompts  # here: a config error must exit before torch loads
+
     share = ("once" if shares_prompts(cfg.policy.shared_prompt_forward, policy.module)
              and policy.zero_optimization_stage() != 3 else "per sample")
     logger.write(f"grpo-ds{' async' if asynchronous else ''}: {world_size} rank(s), {len(train_ds)} train / "

@@ -583,6 +583,7 @@ def _initial_weights(model_dir):
     return dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
 
 
+@pytest.mark.slow  # two ranks end to end: test_train_grpo.py::test_one_and_two_processes_give_the_same_loss
 def test_two_processes_on_halves_equal_full_batch(model_dir, reference_run, tmp_path):
     out, export = tmp_path / "two.pt", tmp_path / "hf"
     env = {k: v for k, v in os.environ.items()

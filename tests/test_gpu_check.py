@@ -115,6 +115,7 @@ def test_measured_phases_put_their_time_and_peak_memory_in_the_step_metrics(monk
         "memory/logprobs_used_gb": 10.0, "memory/train_peak_gb": 2.0, "memory/train_used_gb": 10.0}
     assert {k for k in metrics if k.startswith("timing/")} == {"timing/rollout_s", "timing/logprobs_s", "timing/train_s"}
 
+@pytest.mark.slow  # 30 s of wheel building; the skip-without-CUDA checks stay in the default suite
 def test_prepare_builds_a_small_wheel_folder_that_provides_the_missing_packages(tmp_path):
     wheels = tmp_path / "wheels"
     p = sh("--prepare", str(wheels), timeout=900)

@@ -42,6 +42,7 @@ def test_the_tool_environment_trains_in_the_async_loop(tmp_path):
                 script="train_async_grpo.py"), on_policy=False)
 
 
+@pytest.mark.slow  # the hf backend's tool runs and tests/test_vllm_e2e.py stay in the default suite
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_the_tool_environment_trains_with_the_vllm_backend(tmp_path):
     check(train(tmp_path, *VLLM))

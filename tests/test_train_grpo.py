@@ -177,6 +177,7 @@ def test_deepspeed_launcher(tmp_path):
     assert sorted(train_rows(tmp_path)) == [1, 2]
 
 
+@pytest.mark.slow  # the deepspeed launcher and torchrun tests stay in the default suite
 def test_accelerate_launch(tmp_path):
     run([*launcher("accelerate"), "launch", "--config_file", "launch/accelerate_zero3.yaml", "--num_processes", "2",
          "--main_process_port", str(free_port()), "train_grpo.py", "--config", TINY,
