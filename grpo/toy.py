@@ -117,6 +117,33 @@ def save_char_tokenizer(tok, out_dir: str) -> None:
         json.dump(tok_cfg, f, indent=2, sort_keys=True)
 
 
+def supervise(model, pad_id: int, make_row, steps: int, batch_size: int, log_every: int = 0,
+              name: str = "toy model") -> None:
+    """Supervised next-token training of a toy model: ``steps`` AdamW steps (lr 3e-3) on batches of
+    ``make_row() -> (ids, labels)`` (labels -100 where a token is not trained), right-padded. Leaves the
+    model in eval mode. Deterministic for a given ``make_row`` and thread count."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        rows = [make_row() for _ in range(batch_size)]
+        width = max(len(ids) for ids, _ in rows)
+        ids_bt = torch.full((batch_size, width), pad_id)
+        labels_bt = torch.full((batch_size, width), -100)
+        attention_bt = torch.zeros((batch_size, width), dtype=torch.long)
+        for i, (ids, labels) in enumerate(rows):
+            ids_bt[i, : len(ids)], labels_bt[i, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
+            attention_bt[i, : len(ids)] = 1
+        loss = model(input_ids=ids_bt, attention_mask=attention_bt, labels=labels_bt).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if log_every and step % log_every == 0:
+            print(f"{name} sft step {step} loss {loss.item():.3f}", flush=True)
+    model.eval()
+
+
 def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.35, steps: int = 400, seed: int = 0,
                     log_every: int = 0) -> str:
     """Build the CPU demo's starting policy: the "small" model, supervised on noisy sums.
@@ -129,44 +156,21 @@ def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.35,
     """
     import random
 
-    import torch
-
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, size="small", seed=seed)
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     eos = tok.eos_token_id
 
-    def sample_row():
+    def sample_row() -> tuple[list[int], list[int]]:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         ans = a + b
         if rng.random() >= p_correct:
             ans = max(0, ans + rng.choice([-3, -2, -1, 1, 2, 3]))
         prompt = tok(f"{a}+{b}=")["input_ids"]
         target = tok(str(ans), add_special_tokens=False)["input_ids"] + [eos]
-        return prompt, target
+        return prompt + target, [-100] * len(prompt) + target
 
-    model.train()
-    for step in range(steps):
-        rows = [sample_row() for _ in range(64)]
-        width = max(len(p) + len(t) for p, t in rows)
-        ids = torch.full((len(rows), width), tok.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (p, t) in enumerate(rows):
-            seq = p + t
-            ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, len(p): len(seq)] = torch.tensor(t)
-            attn[i, : len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if log_every and step % log_every == 0:
-            print(f"demo model sft step {step} loss {loss.item():.3f}")
-    del gen
-    model.eval()
+    supervise(model, tok.pad_token_id, sample_row, steps, batch_size=64, log_every=log_every, name="demo model")
     model.save_pretrained(out_dir, safe_serialization=True)
     save_char_tokenizer(tok, out_dir)
     return out_dir

@@ -133,14 +133,11 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
     at 0.00. The build takes ~40 CPU-seconds with one thread. Deterministic for a given seed and thread
     count.
     """
-    import torch
-
-    from grpo.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer
+    from grpo.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer, supervise
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, size="small", seed=seed)
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
 
     def encode_row() -> tuple[list[int], list[int]]:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
@@ -152,23 +149,8 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
             labels += piece if trained else [-100] * len(piece)
         return ids + [tok.eos_token_id], labels + [tok.eos_token_id]
 
-    model.train()
-    for step in range(steps):
-        rows = [encode_row() for _ in range(batch_size)]
-        width = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((batch_size, width), tok.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        attention = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, (ids, lab) in enumerate(rows):
-            input_ids[i, : len(ids)], labels[i, : len(ids)] = torch.tensor(ids), torch.tensor(lab)
-            attention[i, : len(ids)] = 1
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if log_every and step % log_every == 0:
-            print(f"calculator demo model sft step {step} loss {loss.item():.3f}", flush=True)
-    model.eval()
+    supervise(model, tok.pad_token_id, encode_row, steps, batch_size, log_every=log_every,
+              name="calculator demo model")
     model.save_pretrained(out_dir, safe_serialization=True)
     save_char_tokenizer(tok, out_dir)
     return out_dir
