@@ -48,6 +48,33 @@ def shares_prompts(setting, module: torch.nn.Module) -> bool:
     return sum(p.numel() for p in module.parameters()) >= AUTO_MIN_PARAMS
 
 
+def distinct_rows(rows: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(each row's number among the distinct rows, the first row of each distinct row), numbered in order of
+    first appearance.
+
+        >>> distinct_rows([[1, 2], [3], [1, 2]])
+        ([0, 1, 0], [0, 1])
+    """
+    index: dict[tuple, int] = {}
+    of_row, first = [], []
+    for b, row in enumerate(rows):
+        u = index.setdefault(tuple(row), len(index))
+        if u == len(first):
+            first.append(b)
+        of_row.append(u)
+    return of_row, first
+
+
+def cache_for_rows(outputs, of_row_b: torch.Tensor):
+    """The KV cache of a forward over distinct rows (``use_cache=True``), copied to the rows that share each
+    (``of_row_b``: a row's distinct row); None when the model returned no cache that can select rows."""
+    cache = getattr(outputs, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(of_row_b)
+    return cache
+
+
 def prompt_lengths(token_mask_bt: torch.Tensor, attention_mask_bt: torch.Tensor) -> torch.Tensor:
     """``[B]``: each row's first generated position (its prompt's length); a row with no generated token
     gets its length.
@@ -77,12 +104,11 @@ class SharedPrefixPlan:
         """``logprob_fn``'s two ``[B, T]`` outputs for the rows, as one plain forward would give them; None
         when the model returned no cache (the caller runs the plain forward)."""
         out = model(input_ids=self.prompt_ids_ul, attention_mask=self.prompt_mask_ul, use_cache=True)
-        cache = getattr(out, "past_key_values", None)
-        if cache is None or not hasattr(cache, "batch_select_indices"):
+        cache = cache_for_rows(out, self.row_prompt_b)
+        if cache is None:
             return None
         prompt_lp_ul, prompt_full_ul = logprob_fn(out.logits, self.prompt_ids_ul)
         del out
-        cache.batch_select_indices(self.row_prompt_b)
         out = model(input_ids=self.cont_ids_bc, attention_mask=self.cont_attention_bl,
                     position_ids=self.cont_positions_bc, past_key_values=cache, use_cache=True)
         cont_lp_bc, cont_full_bc = logprob_fn(out.logits, self.cont_ids_bc)
@@ -109,12 +135,11 @@ def plan_shared_prefix(ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     p_b = prompt_lens_b.to(ids_bt.device).long()
     if B < 2 or int(p_b.min()) < 2:
         return None
-    rows = ids_bt.cpu().tolist()
-    index: dict[tuple, int] = {}
-    row_prompt = [index.setdefault(tuple(row[:p]), len(index)) for row, p in zip(rows, p_b.tolist())]
-    if len(index) == B:
+    prefixes = [row[:p] for row, p in zip(ids_bt.cpu().tolist(), p_b.tolist())]
+    row_prompt, first = distinct_rows(prefixes)
+    if len(first) == B:
         return None
-    prompts = list(index)
+    prompts = [prefixes[b] for b in first]
     Lp = max(len(p) for p in prompts)
     prompt_ids = torch.zeros((len(prompts), Lp), dtype=ids_bt.dtype)
     prompt_mask = torch.zeros((len(prompts), Lp), dtype=mask_bt.dtype)

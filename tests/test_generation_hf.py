@@ -272,6 +272,16 @@ def test_generate_checks_arguments(tok, model):
 # --------------------------------------------------------------------------------------------------
 # refit from a ZeRO-3 engine
 # --------------------------------------------------------------------------------------------------
+def _engine_cfg(model_dir: str, deepspeed_config: str) -> MasterConfig:
+    """A one-rank policy of 2-sample steps on ``model_dir`` (the refit and shared-module tests)."""
+    return MasterConfig.model_validate({
+        "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
+                   "train_micro_batch_size": 2, "generation_batch_size": 4, "optimizer": {"lr": 0.05},
+                   "deepspeed_config": deepspeed_config},
+        "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
+    })
+
+
 def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -280,12 +290,7 @@ def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
 
     model_dir = save_tiny_model(str(tmp_path / "m"), seed=5)
     engines.init_distributed()
-    cfg = MasterConfig.model_validate({
-        "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
-                   "train_micro_batch_size": 2, "generation_batch_size": 4, "optimizer": {"lr": 0.05},
-                   "deepspeed_config": "ds_configs/zero3.json"},
-        "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
-    })
+    cfg = _engine_cfg(model_dir, "ds_configs/zero3.json")
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=1)
     gen = HFGeneration(cfg.policy, tok, engine.module.config, "cpu", refit_bucket_numel=1)
     assert not any(p.numel() == 0 for p in gen.model.parameters()), "the copy must not be partitioned"
@@ -325,12 +330,7 @@ def test_generation_on_the_shared_training_module_leaves_it_training_and_samples
 
     model_dir = save_tiny_model(str(tmp_path / "m"), seed=6)
     engines.init_distributed()
-    cfg = MasterConfig.model_validate({
-        "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
-                   "train_micro_batch_size": 2, "generation_batch_size": 4, "optimizer": {"lr": 0.05},
-                   "deepspeed_config": "ds_configs/zero1.json"},
-        "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
-    })
+    cfg = _engine_cfg(model_dir, "ds_configs/zero1.json")
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=2)
     ids = torch.tensor(encode(tok, ["1+2=3", "4+4=8"]))
     engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],

@@ -21,7 +21,7 @@ from grpo.engines import DTYPES
 from grpo.weights import iter_gathered_params
 from grpo.generation.base import GenerationOutput, cut_completion, length_caps, per_sample_stops
 from grpo.generation.sampling import SeededSampler
-from grpo.shared_prefix import shares_prompts
+from grpo.shared_prefix import cache_for_rows, distinct_rows, shares_prompts
 
 
 class _RowLimits(StoppingCriteria):
@@ -164,20 +164,14 @@ class HFGeneration:
         once and copied to the rows that share it (G samples of a prompt: (G - 1) / G of the prefill saved);
         None when no prompt repeats. `generate` then runs from the prompts' last token, as it would after its
         own prefill (positions from the attention mask, as `generate` computes them)."""
-        rows = ids_bt.tolist()
-        index: dict[tuple, int] = {}
-        row_prompt = [index.setdefault(tuple(r), len(index)) for r in rows]
-        if len(index) == len(rows) or ids_bt.shape[1] < 2:
+        row_prompt, first = distinct_rows(ids_bt.tolist())
+        if len(first) == len(row_prompt) or ids_bt.shape[1] < 2:
             return None
-        first = torch.tensor([row_prompt.index(u) for u in range(len(index))], device=ids_bt.device)
-        ids_ul, mask_ul = ids_bt[first, :-1], mask_bt[first, :-1]
+        first_u = torch.tensor(first, device=ids_bt.device)
+        ids_ul, mask_ul = ids_bt[first_u, :-1], mask_bt[first_u, :-1]
         positions_ul = (mask_ul.cumsum(-1) - 1).masked_fill(mask_ul == 0, 1)
-        cache = self.model(input_ids=ids_ul, attention_mask=mask_ul, position_ids=positions_ul,
-                           use_cache=True).past_key_values
-        if cache is None or not hasattr(cache, "batch_select_indices"):
-            return None
-        cache.batch_select_indices(torch.tensor(row_prompt, device=ids_bt.device))
-        return cache
+        out = self.model(input_ids=ids_ul, attention_mask=mask_ul, position_ids=positions_ul, use_cache=True)
+        return cache_for_rows(out, torch.tensor(row_prompt, device=ids_bt.device))
 
     def refit(self, engine) -> float:
         """Copy the engine's weights into this copy, a bucket of whole layers at a time (collective); nothing
