@@ -1,4 +1,4 @@
-"""grpo.signals: SIGTERM / SIGINT set a flag, a second Ctrl-C exits at once with 130, the old handlers come back;
+"""grpo.signals: SIGTERM / SIGINT / SIGHUP / SIGUSR1 / SIGUSR2 set a flag, a second Ctrl-C exits at once with 130, the old handlers come back;
 reward workers die with the trainer, even under kill -9 and in the middle of a reward that hangs."""
 
 from __future__ import annotations
@@ -11,18 +11,22 @@ import time
 
 import pytest
 
-from grpo.signals import StopRequest, exit_status, set_parent_death_signal
+from grpo.signals import STOP_SIGNALS, StopRequest, exit_status, set_parent_death_signal
 from tests.e2e import REPO, child_env
 
 
 def test_signals_set_a_flag_and_close_restores_the_handlers():
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     with StopRequest() as stop:
         assert not stop.requested() and stop.signal_name is None and stop.exit_status() is None
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested() and stop.signal_name == "SIGTERM" and stop.exit_status() == 143
         os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM changes nothing
         assert stop.signal_name == "SIGTERM"
+    for sig, status in ((signal.SIGHUP, 129), (signal.SIGUSR1, 138), (signal.SIGUSR2, 140)):
+        with StopRequest() as stop:
+            os.kill(os.getpid(), sig)
+            assert stop.signal_name == signal.Signals(sig).name and stop.exit_status() == status
     assert {s: signal.getsignal(s) for s in before} == before
     assert exit_status(signal.SIGINT) == 130
 
@@ -50,13 +54,27 @@ def _loop(save_s: float) -> subprocess.Popen:
     return p
 
 
-@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129),
+                                         (signal.SIGUSR1, 138), (signal.SIGUSR2, 140)])
 def test_a_signal_stops_the_loop_after_the_step_with_the_documented_status(sig, status):
+    # SIGHUP: a closed ssh session; SIGUSR1 / SIGUSR2: SLURM's --signal=USR1@120 before the time limit.
+    # Without a handler each of these three kills the process at once, without a checkpoint.
     p = _loop(save_s=0.2)
     p.send_signal(sig)
     out, err = p.communicate(timeout=60)
     assert p.returncode == status, err
-    assert f"on {signal.Signals(sig).name}: saving" in out and "stopping after this step with a checkpoint" in err
+    assert f"on {signal.Signals(sig).name}: saving" in out and "stopping with a checkpoint" in err
+
+
+def test_a_sighup_ignored_at_start_stays_ignored_under_nohup():
+    code = ("import os, signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "from grpo.signals import StopRequest\n"
+            "stop = StopRequest(); os.kill(os.getpid(), signal.SIGHUP)\n"
+            "assert not stop.requested() and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN\n"
+            "os.kill(os.getpid(), signal.SIGUSR1); assert stop.signal_name == 'SIGUSR1'; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout == "ok\n", p.stderr
 
 
 def test_a_second_ctrl_c_exits_at_once_with_130():
