@@ -457,7 +457,8 @@ class VllmGeneration:
     def lockstep_max(self, n_local: int) -> int:
         """The most samples any rank of this rank's tensor-parallel group holds (a collective of the group;
         ``n_local`` without tensor parallelism): callers make as many `generate` calls as that rank needs
-        (`grpo.generation.base.chunk_slices`), so no rank is left alone in a gather."""
+        (`grpo.generation.base.chunk_slices`), so no rank is left alone in a gather. A host tensor: the TP
+        group is a gloo group (`_make_tp_group`)."""
         if self._tp_group is None:
             return n_local
         import torch.distributed as dist
@@ -467,9 +468,13 @@ class VllmGeneration:
         return int(n.item())
 
     def _make_tp_group(self, dist):
-        """Process groups of ``tp`` consecutive ranks (the vLLM engine of each group spans them)."""
+        """Gloo process groups of ``tp`` consecutive ranks (the vLLM engine of each group spans them).
+
+        Gloo, not the default group's backend: what the group exchanges is host data (`lockstep_max`'s
+        count, `generate_in_group`'s prompt lists), and NCCL, the default group's backend on GPUs, takes
+        device tensors only (a CPU tensor there fails at the first rollout; tests/test_device_rules.py)."""
         groups = [list(range(i, i + self.tp)) for i in range(0, self.world_size, self.tp)]
-        group, _ = dist.new_subgroups_by_enumeration(groups)
+        group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
         return group
 
 
