@@ -11,6 +11,7 @@ and yaml, so a bad config fails before torch is imported.
 from __future__ import annotations
 
 import os
+import reprlib
 from pathlib import Path
 
 import yaml
@@ -65,6 +66,63 @@ def _utf8(data: bytes, where: str) -> str:
                           "save the file as UTF-8") from None
 
 
+# A config holds hundreds of values; aliases (``*name``) may repeat a collection, but not into a "billion laughs"
+# bomb whose expanded size would hang validation and the error message (the limits count the expanded tree).
+MAX_YAML_VALUES = 100_000
+MAX_YAML_DEPTH = 64
+
+
+def _expanded_size(node, where: str) -> int:
+    """Values in the tree under ``node`` with every alias expanded (linear in the distinct nodes: sizes are
+    memoised), or a ConfigError for a tree over `MAX_YAML_VALUES` / `MAX_YAML_DEPTH` or a recursive alias."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(n, depth: int) -> int:
+        key = id(n)
+        if key in sizes:
+            return sizes[key]
+        line = f"{where}, line {n.start_mark.line + 1}" if n.start_mark is not None else where
+        if key in active:
+            raise ConfigError(f"{line}: this alias refers to a collection that contains it (a recursive value "
+                              "cannot be a config value)")
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(f"{line}: values nested more than {MAX_YAML_DEPTH} deep; a config is a few levels deep")
+        total = 1
+        if isinstance(n, (yaml.SequenceNode, yaml.MappingNode)):
+            active.add(key)
+            children = n.value if isinstance(n, yaml.SequenceNode) else [c for kv in n.value for c in kv]
+            for child in children:
+                total += size(child, depth + 1)
+                if total > MAX_YAML_VALUES:
+                    raise ConfigError(
+                        f"{line}: more than {MAX_YAML_VALUES:,} values here (an alias, *name, counts at its full "
+                        "size); a config holds far fewer: a YAML alias bomb, or data that belongs in a data file")
+            active.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(node, 0)
+
+
+def _bounded_yaml(text: str, where: str):
+    """``yaml.safe_load(text)``, refusing (`ConfigError`) what expands past `MAX_YAML_VALUES` values through aliases,
+    nests deeper than `MAX_YAML_DEPTH` or holds a recursive alias: checked on the composed nodes, before any
+    Python value is built. YAML syntax errors raise ``yaml.YAMLError`` as from ``safe_load``."""
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:
+            raise ConfigError(f"{where}: values nested too deep to read; a config is a few levels deep") from None
+        if node is None:
+            return None
+        _expanded_size(node, where)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
     """Read a recipe; ``defaults: other.yaml`` (or a list of them), relative to this file, is merged under it.
     An empty file, bytes that are not UTF-8 and YAML syntax errors are `ConfigError`s naming the file (and line)."""
@@ -78,7 +136,7 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
     except OSError as err:
         raise ConfigError(f"{path}: cannot read it ({err.strerror})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = _bounded_yaml(text, str(path))
     except yaml.YAMLError as err:
         raise ConfigError(_yaml_error(str(path), err, text)) from None
     if raw is None or raw == {}:
@@ -119,32 +177,54 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if bad is not None:
             raise ConfigError(f"override {key}: byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8; pass the value as UTF-8")
         try:
-            node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+            node[parts[-1]] = _bounded_yaml(value, f"override {key}") if value != "" else None
         except yaml.YAMLError as err:
             raise ConfigError(_yaml_error(f"override {key}={value!r}", err, value).replace(", line 1,", ",") +
                               "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
     return raw
 
 
+def _short_repr(value) -> str:
+    """A repr of at most a few hundred characters, whatever the size of ``value`` (bounded in time too).
+
+    >>> _short_repr(list(range(1000)))
+    '[0, 1, 2, 3, 4, 5, ...]'
+    """
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset, r.maxstring, r.maxother = 3, 6, 6, 6, 6, 80, 80
+    return r.repr(value)
+
+
+MAX_ERROR_LINES = 20
+MAX_ERROR_LINE_CHARS = 1000
+
+
 def _format_validation_error(err: ValidationError) -> str:
+    """``invalid config:`` and one line per error (the first `MAX_ERROR_LINES`), each naming the dotted key and a
+    bounded repr of the value: a huge value never makes a huge message."""
+    errors = err.errors(include_url=False)
     lines = []
-    for e in err.errors():
+    for e in errors[:MAX_ERROR_LINES]:
         key = ".".join(str(x) for x in e["loc"])
+        value = _short_repr(e.get("input"))
         if e["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key (value {e.get('input')!r}); check the spelling against grpo/config.py")
+            line = f"{key}: unknown key (value {value}); check the spelling against grpo/config.py"
         elif e["type"] == "value_error":
             # Our own checks already name the dotted key(s).
             msg = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
-            lines.append(msg if not key else (msg if msg.split("=")[0].count(".") else f"{key}: {msg}"))
+            line = msg if not key else (msg if msg.split("=")[0].count(".") else f"{key}: {msg}")
         else:
-            lines.append(f"{key}={e.get('input')!r}: {e['msg']}")
+            line = f"{key}={value}: {e['msg']}"
+        lines.append(line if len(line) <= MAX_ERROR_LINE_CHARS else line[:MAX_ERROR_LINE_CHARS] + " ...")
+    if len(errors) > MAX_ERROR_LINES:
+        lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more errors")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
 def build_config(raw: dict) -> MasterConfig:
     """Validate a raw config dict; checks that need more than one section's fields (the estimator name
     against `grpo.registry`) run here too."""
-    from grpo.registry import estimator_names
+    from grpo.registry import estimator_names, needs_group
 
     try:
         cfg = MasterConfig.model_validate(raw)
@@ -154,6 +234,14 @@ def build_config(raw: dict) -> MasterConfig:
     if name not in estimator_names():
         raise ConfigError(f"invalid config:\n  grpo.adv_estimator.name={name!r}: expected one of {estimator_names()} "
                           "(a fork registers its own with grpo.advantages.register_estimator before main())")
+    n = cfg.grpo.num_generations_per_prompt
+    if n < 2 and needs_group(name, cfg.grpo.adv_estimator) and not cfg.on_policy_distillation.enabled:
+        raise ConfigError(
+            f"invalid config:\n  grpo.num_generations_per_prompt={n}: the {name!r} advantage estimator compares the "
+            "samples of a prompt with each other (a per-prompt baseline), so one sample per prompt makes every "
+            "advantage, loss and gradient 0 and the run learns nothing. Set grpo.num_generations_per_prompt >= 2, "
+            "or use an estimator with a global baseline (grpo.adv_estimator.name=reinforce_plus_plus with "
+            "grpo.adv_estimator.minus_baseline=false)")
     return cfg
 
 

@@ -32,14 +32,38 @@ _ESTIMATORS: dict[str, Callable | str] = {
 }
 
 
-def register_estimator(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: make ``fn`` the advantage estimator called ``name`` (replacing one of that name)."""
+# name -> whether it needs a group of samples per prompt (a per-prompt baseline: one sample per prompt gives
+# every advantage 0), as a bool or a function of the ``grpo.adv_estimator`` config. Unlisted: needs one.
+_NEEDS_GROUP: dict[str, bool | Callable] = {
+    "grpo": True,
+    "gdpo": True,
+    "reinforce_plus_plus": lambda cfg: cfg.minus_baseline,  # a global baseline only with minus_baseline=false
+}
+
+
+def register_estimator(name: str, needs_group: bool | Callable = True) -> Callable[[Callable], Callable]:
+    """Decorator: make ``fn`` the advantage estimator called ``name`` (replacing one of that name).
+    ``needs_group``: whether it compares the samples of a prompt with each other (a per-prompt baseline), so
+    that ``grpo.num_generations_per_prompt=1`` is refused at config load; a bool, or a function of the
+    ``grpo.adv_estimator`` config."""
 
     def add(fn: Callable) -> Callable:
         _ESTIMATORS[name] = fn
+        _NEEDS_GROUP[name] = needs_group
         return fn
 
     return add
+
+
+def needs_group(name: str, cfg=None) -> bool:
+    """Whether the estimator ``name`` needs several samples per prompt, with the ``grpo.adv_estimator`` config
+    ``cfg`` (default: it does).
+
+        >>> needs_group("grpo"), needs_group("my_fork_estimator")
+        (True, True)
+    """
+    rule = _NEEDS_GROUP.get(name, True)
+    return bool(rule(cfg) if callable(rule) else rule)
 
 
 def estimator_names() -> list[str]:
