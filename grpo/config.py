@@ -33,6 +33,23 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def check_toy_model(name: Optional[str], key: str) -> Optional[str]:
+    """``name`` unchanged, or a ValueError for a ``toy:<name>`` that `grpo.toy` does not build (listing those).
+
+        >>> check_toy_model("toy:nonexistent", "policy.model_name")
+        Traceback (most recent call last):
+        ...
+        ValueError: policy.model_name='toy:nonexistent': no such toy model; expected one of ['toy:demo', ...
+    """
+    if name is not None and name.startswith("toy:"):
+        from grpo.toy import TOY_MODELS  # imports no torch
+
+        if name[len("toy:"):] not in TOY_MODELS:
+            raise ValueError(f"{key}={name!r}: no such toy model; expected one of {['toy:' + k for k in TOY_MODELS]} "
+                             "(built locally), a local directory or a hub name")
+    return name
+
+
 # --------------------------------------------------------------------------------------------------
 # loss_fn
 # --------------------------------------------------------------------------------------------------
@@ -376,6 +393,12 @@ class GenerationConfig(_Section):
 class PolicyConfig(_Section):
     model_name: str = Field(
         "Qwen/Qwen2.5-1.5B", description="Local directory, hub name (needs network), or toy:<name> (built locally).")
+
+    @field_validator("model_name")
+    @classmethod
+    def _toy_model(cls, v):
+        return check_toy_model(v, "policy.model_name")
+
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer and chat template.")
     train_global_batch_size: int = Field(512, gt=0, description=(
         "Samples per optimizer step across all ranks (a divisor of prompts x generations per step)."))
@@ -659,6 +682,12 @@ class OnPolicyDistillationConfig(_Section):
     enabled: bool = Field(
         False, description="Add a frozen teacher's reverse KL to the advantages (on-policy distillation).")
     teacher_model_name: Optional[str] = Field(None, description="The teacher (shares the policy's tokenizer).")
+
+    @field_validator("teacher_model_name")
+    @classmethod
+    def _toy_model(cls, v):
+        return check_toy_model(v, "on_policy_distillation.teacher_model_name")
+
     kl_coef: float = Field(
         1.0, ge=0, description="Weight of the per-token reverse KL: A += -kl_coef * (lp - lp_teacher).")
 
