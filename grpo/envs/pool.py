@@ -16,15 +16,25 @@ trainer: Linux kills them (SIGKILL) when the trainer dies, however it dies (`grp
 even in the middle of a reward function that hangs. `check_reward_fn` imports a scorer in such a worker
 with a timeout, so a module that hangs or raises at import cannot take the trainer with it.
 
+Each worker has a private scratch root, a directory the pool makes before it starts the worker and removes
+(`remove_tree`) after the worker has exited or been killed, and when the pool closes: the worker's temporary
+files (``tempfile.gettempdir()`` and ``TMPDIR`` point there, so the sandboxed ``python`` tool's per-call
+scratch directories live there too) cannot outlive it, whatever the code did before it was killed. The
+roots of one pool sit in a ``grpo-pool-*`` directory of the trainer's temp dir, locked (``flock``) by the
+trainer; a new pool removes those whose trainer died without closing them (kill -9).
+
 An outcome is ``("ok", call's return value)`` (scoring: ``(reward, components)``), ``("error", traceback
 text)`` or ``("timeout", text)``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
 import signal
+import stat
+import tempfile
 import time
 import traceback
 from collections import deque
@@ -38,10 +48,14 @@ from grpo.signals import set_parent_death_signal
 Outcome = tuple[str, Any]
 
 
-def _worker_main(conn: Connection, spec: Any, load: Callable, call: Callable, parent_pid: int | None = None) -> None:
-    """Worker loop: ``load(spec)``, say "ready", then run ``call(loaded, task)`` per message until None/EOF."""
+def _worker_main(conn: Connection, spec: Any, load: Callable, call: Callable, parent_pid: int | None = None,
+                 scratch_root: str | None = None) -> None:
+    """Worker loop: ``load(spec)``, say "ready", then run ``call(loaded, task)`` per message until None/EOF.
+    Temporary files go beneath ``scratch_root``, which the pool removes when this worker is gone."""
     set_parent_death_signal(signal.SIGKILL, expected_parent=parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if scratch_root is not None:
+        tempfile.tempdir = os.environ["TMPDIR"] = scratch_root
     try:
         fn = load(spec)
     except EnvError as err:  # a message with the module's traceback summary
@@ -72,6 +86,7 @@ class _Worker:
     ready: bool = False
     task: int | None = None  # index of the sample it is scoring
     deadline: float = 0.0
+    scratch: str | None = None  # its private scratch root, removed when it is gone
 
 
 class WorkerPool:
@@ -90,21 +105,28 @@ class WorkerPool:
         self.num_restarts = 0
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
+        self._root: str | None = None  # the grpo-pool-* directory holding the workers' scratch roots
+        self._root_lock: int | None = None  # its .lock, flock-ed while the pool is open
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:
+        if self._root is None:
+            remove_stale_pool_roots(tempfile.gettempdir())
+            self._root, self._root_lock = _make_pool_root()
+        scratch = tempfile.mkdtemp(prefix="worker-", dir=self._root)
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=_worker_main,
-                                    args=(child_conn, self.spec, self.load, self.call, os.getpid()),
+                                    args=(child_conn, self.spec, self.load, self.call, os.getpid(), scratch),
                                     daemon=True, name=f"grpo-{self.what}-worker")
         process.start()
         child_conn.close()
-        return _Worker(process, parent_conn, started_at=time.monotonic())
+        return _Worker(process, parent_conn, started_at=time.monotonic(), scratch=scratch)
 
     def _kill(self, worker: _Worker) -> None:
         worker.process.kill()
         worker.process.join(timeout=10)
         worker.conn.close()
+        remove_tree(worker.scratch)  # the kernel kills the worker's sandboxes with it (parent-death signal)
 
     def _replace(self, worker: _Worker) -> None:
         self._kill(worker)
@@ -133,6 +155,10 @@ class WorkerPool:
                 w.process.join(timeout=10)
             w.conn.close()
         self._workers = []
+        if self._root is not None:
+            remove_tree(self._root)
+            os.close(self._root_lock)
+            self._root = self._root_lock = None
 
     # -- running -----------------------------------------------------------------------------------
     def run(self, samples: list) -> list[Outcome]:
@@ -217,6 +243,162 @@ class WorkerPool:
             self.close()
         except Exception:  # interpreter shutdown: the daemon workers die with us anyway
             pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Scratch directories
+# --------------------------------------------------------------------------------------------------
+_POOL_ROOT_PREFIX, _LOCK = "grpo-pool-", ".lock"
+
+
+def _make_pool_root() -> tuple[str, int]:
+    """A new ``grpo-pool-*`` directory in the temp dir and the fd of its ``.lock``, flock-ed: the lock file
+    gets its name only once locked, so `remove_stale_pool_roots` never takes a pool that is being made."""
+    root = tempfile.mkdtemp(prefix=_POOL_ROOT_PREFIX)
+    fd = os.open(os.path.join(root, _LOCK + ".new"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(os.path.join(root, _LOCK + ".new"), os.path.join(root, _LOCK))
+    return root, fd
+
+
+def remove_stale_pool_roots(temp_dir: str) -> None:
+    """Remove the ``grpo-pool-*`` directories of ``temp_dir`` whose lock nobody holds (their trainer died)."""
+    try:
+        names = [n for n in os.listdir(temp_dir) if n.startswith(_POOL_ROOT_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        root = os.path.join(temp_dir, name)
+        try:
+            fd = os.open(os.path.join(root, _LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # not ours, or a pool being made
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            remove_tree(root)
+        except OSError:  # held: a live pool
+            pass
+        finally:
+            os.close(fd)
+
+
+def remove_tree(path: str | None, patience_s: float = 5.0) -> bool:
+    """Remove ``path`` and everything beneath it; True when it is gone. Never raises and never follows a
+    symlink (a link to a file or directory elsewhere is removed, not its target). Whatever tree the code
+    built: no recursion (10,000 nested directories are fine; `shutil.rmtree` of Python 3.11 raises
+    RecursionError past ~1,000) and two file descriptors at a time (it climbs back through ``..``, checking
+    it is where it came from); directories it cannot enter or empty (``chmod 000``) are given ``rwx`` for their
+    owner first. While something still writes into the tree (a process that is being killed), it starts
+    again, for up to ``patience_s`` seconds.
+
+    >>> d = tempfile.mkdtemp(); os.makedirs(os.path.join(d, "a", "b")); os.chmod(os.path.join(d, "a"), 0)
+    >>> remove_tree(d), os.path.exists(d)
+    (True, False)
+    """
+    if path is None:
+        return True
+    deadline, delay = time.monotonic() + patience_s, 0.01
+    while True:
+        try:
+            _remove_tree_once(os.path.abspath(path))
+        except Exception:  # something changed under us, or cannot be removed: look again
+            pass
+        if not os.path.lexists(path):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, 0.5)
+
+
+def _remove_tree_once(path: str) -> None:
+    parent, name = os.path.split(path)
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+            return
+    except FileNotFoundError:
+        return
+    parent_fd = os.open(parent or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = None
+    try:
+        fd = _open_dir(parent_fd, name)
+        # Depth first, without recursion: per level above and at fd, the directory's name in its parent, its
+        # (st_dev, st_ino), and the subdirectories left to remove (None: list it again).
+        levels: list[list] = [[name, _identity(fd), None]]
+        while True:
+            level = levels[-1]
+            if level[2] is None:
+                level[2] = _remove_entries(fd)
+                if not level[2]:  # empty: climb back and remove it
+                    levels.pop()
+                    if not levels:
+                        os.close(fd)
+                        fd = None
+                        os.rmdir(name, dir_fd=parent_fd)
+                        return
+                    up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+                    os.close(fd)
+                    fd = up
+                    if _identity(fd) != levels[-1][1]:
+                        raise OSError(f"{path}: the tree moved while it was removed")
+                    os.rmdir(level[0], dir_fd=fd)
+            elif level[2]:
+                child = level[2].pop()
+                try:
+                    child_fd = _open_dir(fd, child)
+                except (FileNotFoundError, NotADirectoryError):  # gone, or replaced: the next listing sees it
+                    continue
+                os.close(fd)
+                fd = child_fd
+                levels.append([child, _identity(fd), None])
+            else:  # every subdirectory listed is gone: list again (new entries?) before removing it
+                level[2] = None
+    finally:
+        if fd is not None:
+            os.close(fd)
+        os.close(parent_fd)
+
+
+def _open_dir(dir_fd: int, name: str) -> int:
+    """An fd of the directory ``name`` in ``dir_fd`` (never a symlink's target), made ``rwx`` for its owner."""
+    flags = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(name, os.O_RDONLY | flags, dir_fd=dir_fd)
+    except PermissionError:  # chmod 000 and we are not root: chmod it through an O_PATH fd of it
+        path_fd = os.open(name, os.O_PATH | flags, dir_fd=dir_fd)
+        try:
+            os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
+            fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=path_fd)
+        finally:
+            os.close(path_fd)
+    try:
+        os.chmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | 0o700)  # to remove its entries (r-x is not enough)
+    except OSError:
+        pass
+    return fd
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _remove_entries(fd: int) -> list[str]:
+    """Unlink every entry of the directory ``fd`` but its subdirectories; their names."""
+    subdirs = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                subdirs.append(entry.name)
+                continue
+            try:
+                os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:  # replaced by a directory since the listing
+                subdirs.append(entry.name)
+    return subdirs
 
 
 # The reward scorers' pool (its original name).
