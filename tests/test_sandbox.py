@@ -7,16 +7,21 @@ process checks also need the namespaces, and skip where the run reports they wer
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import stat
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
 
 import grpo.envs.sandbox as sandbox
+from grpo.envs.pool import WorkerPool
 from grpo.envs.sandbox import SandboxLimits, landlock_abi, python, run_python
-from grpo.envs.tool_calls import resolve_tools, tool_schemas
+from grpo.envs.tool_calls import load_tools, resolve_tools, run_tool_call, tool_schemas
 
 pytestmark = pytest.mark.skipif(landlock_abi() < 1, reason="this kernel has no Landlock: the sandbox refuses to run")
 
@@ -206,3 +211,194 @@ def test_python_tool_in_a_tool_environment():
         assert obs["content"].endswith("[exit code 1]") and not ret.metadata[0]["invalid_tool_call"]
     finally:
         env.shutdown()
+
+
+# --------------------------------------------------------------------------------------------------
+# The seccomp filter: no Unix (or any other non-IP) socket by any route
+# --------------------------------------------------------------------------------------------------
+# socket(AF_UNIX, SOCK_STREAM, 0) through the i386 syscall table (int 0x80, socket = 359), as a function that
+# returns eax: push rbx; mov eax, 359; mov ebx, 1; mov ecx, 1; xor edx, edx; int 0x80; pop rbx; ret
+INT80_SOCKET = """
+import ctypes, mmap, os
+code = bytes.fromhex("53" "B867010000" "BB01000000" "B901000000" "31D2" "CD80" "5B" "C3")
+page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(code)
+print("calling", flush=True)
+fd = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+print("fd", fd, os.readlink(f"/proc/self/fd/{fd}") if fd >= 0 else os.strerror(-fd))
+"""
+
+
+def test_unix_socket_through_the_32_bit_abi_kills_the_process():
+    if platform.machine() != "x86_64":
+        pytest.skip(f"int 0x80 is x86 only (this is {platform.machine()})")
+    host = subprocess.run([sys.executable, "-c", INT80_SOCKET], capture_output=True, text=True, timeout=30)
+    if "socket:[" not in host.stdout:  # no IA-32 emulation: int 0x80 faults or answers ENOSYS
+        pytest.skip(f"this kernel does not run int 0x80 syscalls (rc {host.returncode}: {host.stdout!r})")
+    result = run_python(INT80_SOCKET)
+    assert result.output == "calling\n" and result.signal == signal.SIGSYS, result
+    # x32 numbering (nr | 0x40000000) of the same ABI: killed too
+    x32 = run_python("import ctypes\nprint('calling', flush=True)\n"
+                     "print(ctypes.CDLL(None).syscall(0x40000000 + 41, 1, 1, 0))")
+    assert x32.output == "calling\n" and x32.signal == signal.SIGSYS, x32
+
+
+def test_socketpair_cannot_send_to_a_unix_socket_outside(tmp_path):
+    listener_path = str(tmp_path / "dgram.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(listener_path)
+        listener.setblocking(False)
+        code = f"""
+import socket
+def attempt(name, f):
+    try:
+        f()
+        print(name, "WORKED")
+    except OSError as err:
+        print(name, "denied", type(err).__name__)
+attempt("dgram_pair", lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)[0].sendto(b"out", {listener_path!r}))
+attempt("seqpacket_pair", lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+try:
+    a, b = socket.socketpair()
+except OSError as err:
+    print("stream_pair denied", type(err).__name__)
+else:
+    a.sendall(b"ping")
+    print("stream_pair", b.recv(4).decode())
+    attempt("stream_pair_sendto", lambda: a.sendto(b"out", {listener_path!r}))
+    attempt("stream_pair_connect", lambda: a.connect({listener_path!r}))
+"""
+        refused = run_python(code)
+        with pytest.raises(BlockingIOError):  # nothing arrived
+            print("received", listener.recv(100))
+        allowed = run_python(code, SandboxLimits(allow_socketpair=True))  # stream pairs only
+        with pytest.raises(BlockingIOError):
+            print("received", listener.recv(100))
+    assert refused.output.splitlines() == ["dgram_pair denied PermissionError", "seqpacket_pair denied PermissionError",
+                                           "stream_pair denied PermissionError"], refused.output
+    assert allowed.output.splitlines() == ["dgram_pair denied PermissionError", "seqpacket_pair denied PermissionError",
+                                           "stream_pair ping", "stream_pair_sendto denied OSError",
+                                           "stream_pair_connect denied OSError"], allowed.output
+
+
+def test_only_ip_sockets_can_be_made():
+    families = {"unix": "AF_UNIX, socket.SOCK_STREAM", "unix_dgram": "AF_UNIX, socket.SOCK_DGRAM",
+                "vsock": "AF_VSOCK, socket.SOCK_STREAM", "netlink": "AF_NETLINK, socket.SOCK_RAW",
+                "packet": "AF_PACKET, socket.SOCK_RAW", "alg": "AF_ALG, socket.SOCK_SEQPACKET",
+                "inet": "AF_INET, socket.SOCK_STREAM", "inet6": "AF_INET6, socket.SOCK_DGRAM"}
+    code = "import socket\n" + "".join(f"""
+try:
+    socket.socket(socket.{args}).close()
+    print({name!r}, "made")
+except OSError as err:
+    print({name!r}, type(err).__name__)
+""" for name, args in families.items()) + """
+import ctypes, os
+params = ctypes.create_string_buffer(120)  # io_uring_setup: IORING_OP_SOCKET makes sockets without socket()
+libc = ctypes.CDLL(None, use_errno=True)
+print("io_uring", libc.syscall(425, 4, params), os.strerror(ctypes.get_errno()))
+"""
+    lines = run_python(code).output.splitlines()
+    assert lines == [f"{name} PermissionError" for name in list(families)[:6]] + [
+        "inet made", "inet6 made", "io_uring -1 Operation not permitted"], lines
+    # vsock to the host (CID 2) is refused at creation, not reset by the hypervisor's device
+    vsock = run_python("import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).connect((2, 1024))")
+    assert "PermissionError" in vsock.output and "ConnectionResetError" not in vsock.output, vsock.output
+
+
+def test_ordinary_programs_still_work():
+    code = """
+import asyncio, math, os, subprocess, sys, threading, socket
+print(math.factorial(20))
+open("data.txt", "w").write("x" * 1000)
+print(os.path.getsize("data.txt"))
+print(subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True).stdout.strip())
+out = []
+threads = [threading.Thread(target=out.append, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(sorted(out))
+r, w = os.pipe()
+if os.fork() == 0:
+    os.write(w, b"[1, 2]")
+    os._exit(0)
+print(os.read(r, 100).decode())
+print(len(socket.getaddrinfo("127.0.0.1", 80)) > 0)
+try:
+    print(asyncio.run(asyncio.sleep(0, "async ok")))
+except PermissionError:
+    print("no asyncio")
+"""
+    expected = ["2432902008176640000", "1000", "42", "[0, 1, 2, 3]", "[1, 2]", "True"]
+    result = run_python(code, SandboxLimits(wall_s=30))
+    assert result.output.splitlines()[:7] == expected + ["no asyncio"] and result.exit_code == 0, result.output
+    result = run_python(code, SandboxLimits(wall_s=30, allow_socketpair=True))
+    assert result.output.splitlines() == expected + ["async ok"] and result.exit_code == 0, result.output
+
+
+# --------------------------------------------------------------------------------------------------
+# Scratch space: nothing is left behind, whatever the code does
+# --------------------------------------------------------------------------------------------------
+def tree_size(path) -> tuple[int, int]:
+    """(entries, bytes) beneath ``path``."""
+    entries = size = 0
+    for root, dirs, files in os.walk(path):
+        entries += len(dirs) + len(files)
+        size += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+    return entries, size
+
+
+def test_a_worker_killed_at_the_tool_timeout_leaves_no_scratch(tmp_path, monkeypatch):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the workers' temp dir (before the pool gave them their own)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # the pool's
+    code = ("import os, time\nfor i in range(40):\n    open(f'big{i}', 'wb').write(os.urandom(1 << 20))\n"
+            "print('written', flush=True)\ntime.sleep(60)")
+    pool = WorkerPool(["grpo.envs.sandbox:python"], 1, timeout_s=4.0, load=load_tools, call=run_tool_call, what="tool")
+    try:
+        pool.start(wait=True)
+        (outcome,) = pool.run([{"name": "python", "arguments": {"code": code}, "max_chars": 1000}])
+        assert outcome[0] == "timeout" and pool.num_restarts == 1, outcome
+        entries, size = tree_size(temp)
+        assert size < 1 << 20, (entries, size)  # only the new worker's empty scratch root, no 40 MB
+        (outcome,) = pool.run([{"name": "python", "arguments": {"code": "print('next')"}, "max_chars": 100}])
+        assert outcome == ("ok", ("ok", "next\n"))
+    finally:
+        pool.close()
+    assert list(temp.iterdir()) == []
+
+
+def test_a_tree_that_defeats_rmtree_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    (tmp_path / "outside_dir").mkdir()
+    (tmp_path / "outside_dir" / "f").write_text("keep me too")
+    code = f"""
+import os
+top = os.getcwd()
+os.symlink({str(outside)!r}, "link_to_file")
+os.symlink({str(tmp_path / 'outside_dir')!r}, "link_to_dir")
+for i in range(1200):  # deeper than Python 3.11's rmtree can go
+    os.mkdir("d")
+    os.chdir("d")
+    if i % 300 == 0:
+        open("f", "w").write("x")
+        os.symlink({str(outside)!r}, "link")
+os.chdir(top)
+os.makedirs("locked/inner/deeper")
+open("locked/inner/file", "w").write("x")
+os.chmod("locked/inner", 0)
+os.chmod("locked", 0)
+os.mkdir("readonly")
+open("readonly/file", "w").write("x")
+os.chmod("readonly", 0o500)
+print("built")
+"""
+    result = run_python(code)
+    assert result.output == "built\n" and result.exit_code == 0, result
+    assert outside.read_text() == "keep me" and (tmp_path / "outside_dir" / "f").read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt", "outside_dir"]

@@ -26,9 +26,26 @@ What it enforces, and where:
   (``require_landlock=True``, the default) and the call returns an error.
 - **no network**: a new network namespace has no interface but a loopback that is down, so no packet
   leaves or arrives (needs user namespaces or root). With Landlock ABI >= 4, TCP bind/connect are
-  also denied. Where neither is available, the code has the network. A seccomp filter makes
-  ``socket(AF_UNIX, ...)`` fail (x86_64 and aarch64), so Unix sockets on the filesystem, which neither
-  covers (``/var/run/docker.sock``, a trainer's sockets), cannot be reached; ``socketpair`` still works.
+  also denied. Where neither is available, the code has the network.
+- **no socket but IP ones** (a seccomp filter, `sandbox_child.seccomp_program`; x86_64 and aarch64, and on
+  another architecture the code does not run): ``socket()`` succeeds only for AF_INET and AF_INET6, which
+  the network namespace isolates; AF_UNIX (Unix sockets on the filesystem, which neither Landlock nor the
+  namespace covers: ``/var/run/docker.sock``, a trainer's sockets), AF_VSOCK (the hypervisor), AF_NETLINK,
+  AF_PACKET and every other family fail with PermissionError when the socket is made. ``socketpair()``
+  fails too: asyncio's event loop needs one, so ``asyncio.run`` fails unless
+  ``SandboxLimits.allow_socketpair`` allows connected SOCK_STREAM pairs (they cannot address another
+  socket: connect and sendto answer EISCONN); SOCK_DGRAM pairs, which could ``sendto`` any socket path,
+  stay refused. The filter checks the ABI before the syscall number: a syscall through another one
+  (``int 0x80`` into the i386 table, where socket is 359 and socketcall 102; x32 numbers) kills the
+  process with SIGSYS. io_uring, which makes sockets without ``socket()`` (IORING_OP_SOCKET), fails
+  with PermissionError.
+- **nothing left on disk**: the scratch directory is removed after each call by `grpo.envs.pool.remove_tree`
+  (no recursion, so thousands of nested directories are fine; never follows a symlink; enters
+  ``chmod 000`` directories; starts again while a dying process still writes). In a tool worker it lies
+  beneath the worker's private scratch root, which the pool removes when it kills the worker at
+  ``env.tool_timeout_s`` (the kernel kills the worker's sandboxes with it, before this module's own
+  clean-up could run) and when it closes; a trainer killed with SIGKILL leaves its ``grpo-pool-*``
+  directory in the temp dir, which the next pool to start removes.
 - **limits**: CPU seconds (SIGXCPU, then SIGKILL), address space (MemoryError), the size of any file
   written, open files, no core dumps. The number of tasks (processes + threads): ``max_processes`` by
   RLIMIT_NPROC inside a new user namespace when the trainer does not run as root (uid 0 is exempt from
@@ -60,7 +77,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -70,6 +86,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from grpo.envs import sandbox_child
+from grpo.envs.pool import remove_tree
 from grpo.envs.sandbox_child import landlock_abi
 
 _READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/dev/null", "/dev/zero", "/dev/full",
@@ -83,7 +100,9 @@ class SandboxLimits:
     """Limits of one code run. ``cpu_s``: CPU seconds per process; ``wall_s``: wall-clock seconds of the
     whole call; ``memory_mb``: address space per process; ``file_mb``: size of any one file written;
     ``max_processes``: processes + threads (see the module docstring for where); ``max_output_bytes``:
-    stdout + stderr read back (the code is killed past it)."""
+    stdout + stderr read back (the code is killed past it); ``allow_socketpair``: let ``socketpair()`` make
+    connected SOCK_STREAM pairs (asyncio's event loop needs one: ``asyncio.run`` fails without it), which
+    cannot address any other socket; SOCK_DGRAM pairs, which could ``sendto`` a Unix socket path, stay refused."""
 
     cpu_s: int = 5
     wall_s: float = 10.0
@@ -92,6 +111,7 @@ class SandboxLimits:
     max_processes: int = 16
     max_open_files: int = 256
     max_output_bytes: int = 64 * 1024
+    allow_socketpair: bool = False
 
 
 @dataclass
@@ -157,13 +177,13 @@ def run_python(code: str, limits: SandboxLimits = DEFAULT_LIMITS, require_landlo
         return SandboxResult("error: the python tool is unavailable: this kernel has no Landlock (Linux >= 5.13 "
                              "with landlock in its LSM list), so the sandbox cannot keep code from writing "
                              "outside its directory", None, None, False, False, {"landlock": 0})
-    scratch = tempfile.mkdtemp(prefix="grpo-sandbox-")
+    scratch = tempfile.mkdtemp(prefix="grpo-sandbox-")  # in a tool worker: beneath its scratch root
     try:
         with open(os.path.join(scratch, "main.py"), "w") as f:
             f.write(code)
         return _run_in(scratch, limits, require_landlock)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_tree(scratch)  # every process of the sandbox is dead by now (but without a PID namespace)
 
 
 def _run_in(scratch: str, limits: SandboxLimits, require_landlock: bool) -> SandboxResult:

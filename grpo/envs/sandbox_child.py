@@ -26,6 +26,7 @@ _FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 
 _FS_READ = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
 _FS_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | 1 << 14 | 1 << 15  # + truncate, ioctl_dev
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 1, 38, 24
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _CLONE_NEWUTS, _CLONE_NEWIPC = 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 
@@ -107,18 +108,88 @@ def _landlock(libc, abi: int, scratch: str, read_roots: list[str]) -> None:
     os.close(ruleset)
 
 
-def _deny_unix_sockets(libc) -> None:
-    """A seccomp filter: ``socket(AF_UNIX, ...)`` fails with EACCES (Landlock does not cover connecting to a
-    Unix socket on the filesystem, e.g. /var/run/docker.sock). Nothing on other architectures than these."""
-    arch, sys_socket = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}.get(platform.machine(), (0, 0))
-    if not arch:
-        return
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    allow, deny = 0x7FFF0000, 0x00050000 | 13  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EACCES
-    program = [(ld, 0, 0, 4), (jeq, 0, 5, arch),  # seccomp_data.arch; another ABI: allow
-               (ld, 0, 0, 0), (jge, 4, 0, 0x40000000),  # seccomp_data.nr; x32 syscalls: deny
-               (jeq, 0, 2, sys_socket), (ld, 0, 0, 16), (jeq, 1, 0, 1),  # socket(AF_UNIX=1, ...): deny
-               (ret, 0, 0, allow), (ret, 0, 0, deny)]
+# The seccomp filter (classic BPF over struct seccomp_data: int nr; u32 arch; u64 ip; u64 args[6]).
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_AND_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x54, 0x06
+_DATA_NR, _DATA_ARCH = 0, 4
+_DATA_ARG_LOW = (16, 24)  # the low 32 bits of args[0] and args[1] (little-endian); the kernel reads ints
+_RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+_EACCES, _EPERM = 13, 1
+_AF_INET, _AF_INET6, _SOCK_STREAM, _SOCK_TYPE_MASK = 2, 10, 1, 0xF
+_X32_SYSCALL_BIT = 0x40000000
+_SECCOMP_ABIS = {  # AUDIT_ARCH_*, then the native numbers of socket, socketpair, io_uring_{setup,enter,register}
+    "x86_64": (0xC000003E, 41, 53, (425, 426, 427)),
+    "aarch64": (0xC00000B7, 198, 199, (425, 426, 427)),
+}
+
+
+def seccomp_program(machine: str, allow_socketpair: bool = False) -> list[tuple[int, int, int, int]]:
+    """The sandbox's seccomp filter as BPF instructions ``(code, jt, jf, k)``; [] on an architecture it does
+    not know (the caller refuses to run there). In order:
+
+    1. a syscall of another ABI than the native one (``int 0x80`` into the i386 table, whose socket is 359
+       and socketcall 102; an arm32 compat task) or an x32 syscall (``nr | 0x40000000``) kills the process;
+    2. ``socket()`` succeeds for AF_INET and AF_INET6 only (the network namespace isolates those): AF_UNIX,
+       AF_VSOCK, AF_NETLINK, AF_PACKET, AF_ALG and every other family fail with EACCES;
+    3. ``socketpair()`` fails with EACCES, or with ``allow_socketpair`` succeeds for SOCK_STREAM only (a
+       connected stream pair cannot address anything else: connect/sendto answer EISCONN, while a
+       SOCK_DGRAM pair could ``sendto`` any Unix socket path);
+    4. io_uring (setup, enter, register) fails with EPERM: IORING_OP_SOCKET makes sockets without socket().
+    """
+    if machine not in _SECCOMP_ABIS:
+        return []
+    arch, sys_socket, sys_socketpair, sys_io_uring = _SECCOMP_ABIS[machine]
+    source = [
+        # 1. the ABI: check seccomp_data.arch before anything reads a syscall number
+        ("ld", _DATA_ARCH), ("jeq", arch, None, "kill"),
+        ("ld", _DATA_NR), ("jge", _X32_SYSCALL_BIT, "kill", None),
+        # dispatch on the syscall number
+        ("jeq", sys_socket, "socket", None),
+        ("jeq", sys_socketpair, "socketpair", None),
+        *[("jeq", nr, "eperm", None) for nr in sys_io_uring],
+        ("ret", _RET_ALLOW),
+        # 2. socket(domain, ...): an allow-list of domains
+        "socket", ("ld", _DATA_ARG_LOW[0]), ("jeq", _AF_INET, "allow", None), ("jeq", _AF_INET6, "allow", "eacces"),
+        # 3. socketpair(domain, type, ...): stream pairs only, and only when allowed
+        "socketpair", ("ld", _DATA_ARG_LOW[1]), ("and", _SOCK_TYPE_MASK),
+        ("jeq", _SOCK_STREAM, "allow" if allow_socketpair else "eacces", "eacces"),
+        "allow", ("ret", _RET_ALLOW),
+        "eacces", ("ret", _RET_ERRNO | _EACCES),
+        "eperm", ("ret", _RET_ERRNO | _EPERM),
+        "kill", ("ret", _RET_KILL_PROCESS),
+    ]
+    return _assemble(source)
+
+
+def _assemble(source: list) -> list[tuple[int, int, int, int]]:
+    """BPF instructions from ``source``: strings are labels, ``("ld", offset)``, ``("and", k)``,
+    ``("ret", k)``, ``("jeq"|"jge", k, then, else)`` with labels (None: the next instruction)."""
+    labels, n = {}, 0
+    for item in source:
+        if isinstance(item, str):
+            labels[item] = n
+        else:
+            n += 1
+    program = []
+    for item in source:
+        if isinstance(item, str):
+            continue
+        op, k, *targets = item
+        if op in ("jeq", "jge"):
+            here = len(program) + 1  # jumps are relative to the next instruction, forward only
+            jt, jf = (0 if t is None else labels[t] - here for t in targets)
+            assert 0 <= jt < 256 and 0 <= jf < 256, item
+            program.append((_BPF_JEQ_K if op == "jeq" else _BPF_JGE_K, jt, jf, k))
+        else:
+            program.append(({"ld": _BPF_LD_W_ABS, "and": _BPF_AND_K, "ret": _BPF_RET_K}[op], 0, 0, k))
+    return program
+
+
+def _install_seccomp(libc, allow_socketpair: bool) -> None:
+    """Install `seccomp_program` on this (single-threaded) process; its children and exec inherit it. Landlock
+    does not cover connecting to a Unix socket on the filesystem (/var/run/docker.sock, a trainer's socket)."""
+    program = seccomp_program(platform.machine(), allow_socketpair)
+    if not program:
+        raise OSError(f"no seccomp filter for this architecture ({platform.machine()}): Unix sockets would be open")
 
     class Instruction(ctypes.Structure):
         _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
@@ -129,7 +200,8 @@ def _deny_unix_sockets(libc) -> None:
 
     filters = (Instruction * len(program))(*[Instruction(*i) for i in program])
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-    _check(libc.prctl(22, 2, ctypes.byref(Program(len(program), filters)), 0, 0), "prctl(SECCOMP_MODE_FILTER)")
+    _check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(Program(len(program), filters)), 0, 0),
+           "prctl(SECCOMP_MODE_FILTER)")
 
 
 def _drop_capabilities(libc) -> None:
@@ -159,7 +231,7 @@ def _run_code(libc, args: dict, limits: dict, isolation: dict) -> None:
             _landlock(libc, isolation["landlock"], args["scratch"], args["read_roots"])
         elif args["require_landlock"]:
             raise OSError("Landlock is not available")
-        _deny_unix_sockets(libc)
+        _install_seccomp(libc, limits["allow_socketpair"])
         _drop_capabilities(libc)
         os.execve(sys.executable, [sys.executable, "-I", "-B", "-u", "-X", "utf8", "main.py"], dict(os.environ))
     except BaseException as err:
