@@ -2,9 +2,16 @@
 
     moved = offload_optimizer_states(engine)        # before generating
     reload_optimizer_states(engine, moved)          # before training
+
+Between the two, ``engine.save_checkpoint`` still writes the true states (validation and checkpoints run
+while vLLM holds the accelerator): tensors moved by replacing ``.data`` are host tensors then, and tensors
+parked in place (`park`: BF16_Optimizer's) are shown from their host copies for the duration of the save.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -30,6 +37,72 @@ def optimizer_state_tensors(engine) -> list[torch.Tensor]:
     return masters + moments
 
 
+def has_own_offload(engine) -> bool:
+    """Whether DeepSpeed's optimizer defines ``offload_states`` (ZeRO-1/2's and ZeRO-3's do; BF16_Optimizer,
+    which one rank in bf16 with fp32 gradient accumulation gets under ZeRO-1, does not)."""
+    return hasattr(engine.optimizer, "offload_states")
+
+
+def bf16_optimizer_tensors(engine) -> list[torch.Tensor]:
+    """What DeepSpeed's BF16_Optimizer (ZeRO-1 in bf16 with fp32 gradient accumulation) holds besides the bf16
+    model: the fp32 master partitions, the flat fp32 gradient-accumulation buffers, the bf16 gradients and the
+    inner optimizer's non-scalar states (Adam's moments). The masters and buffers are viewed by per-parameter
+    tensors (gradient views, the ``_hp_mapping`` fragments), so they are parked in place, never replaced."""
+    opt = engine.optimizer
+    lp_grads = [p.grad for group in opt.bf16_groups for p in group if p.grad is not None]
+    moments = [v for state in opt.optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return [*opt.fp32_groups_flat_partition, *opt.fp32_groups_gradients_flat, *lp_grads, *moments]
+
+
+def park(tensors: list[torch.Tensor], previous: "Moved | None" = None, pin: bool = False) -> "Moved":
+    """Copy each tensor into a host buffer (those of ``previous`` are reused) and free its storage in place
+    (``untyped_storage().resize_(0)``): the tensor object, its views and their offsets stay valid, and
+    `unpark` gives the storage back with the same contents. On the CPU it frees and restores host memory the
+    same way (what the CPU tests check). Each must own its whole storage (a view of part of a storage cannot free it)."""
+    reuse = {id(t): buf for t, _, buf in previous or []}
+    moved: Moved = []
+    for t in tensors:
+        if t.numel() == 0 or t.untyped_storage().nbytes() == 0:
+            continue
+        if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            raise ValueError(f"park: a tensor of shape {tuple(t.shape)} does not own its whole storage")
+        buf = reuse.get(id(t))
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty_like(t, device="cpu", pin_memory=pin)
+        buf.copy_(t)
+        moved.append((t, t.device, buf))
+    for t, _, _ in moved:
+        t.untyped_storage().resize_(0)
+    return moved
+
+
+def unpark(moved: "Moved") -> None:
+    """Undo `park` (and the ``.data`` moves of `offload_optimizer_states`)."""
+    with torch.no_grad():  # masters are leaves that require grad
+        for t, device, buf in moved:
+            if t.device == device and t.untyped_storage().nbytes() == 0:  # parked in place
+                t.untyped_storage().resize_(buf.numel() * buf.element_size())
+                t.copy_(buf)
+            else:
+                t.data = buf.to(device)
+
+
+@contextmanager
+def host_data(moved: "Moved") -> Iterator[None]:
+    """Within the block, every parked tensor of ``moved`` holds its host copy (``.data`` points there), so
+    whatever reads it (a checkpoint save) reads the true values; afterwards it is parked again (its freed
+    storage and views untouched)."""
+    parked = [(t, t.data, buf) for t, device, buf in moved if t.device == device and t.untyped_storage().nbytes() == 0]
+    for t, _, buf in parked:
+        t.data = buf
+    try:
+        yield
+    finally:
+        for t, original, _ in parked:
+            t.data = original
+
+
 def _zero_offload_configured(engine) -> bool:
     """ZeRO's own CPU/NVMe offload keeps the optimizer off the accelerator already."""
     return any(c is not None and c.device != "none" for c in (engine.zero_offload_optimizer(),
@@ -43,7 +116,9 @@ def offload_optimizer_states(engine, previous: Moved | None = None) -> Moved:
     ZeRO-3: `optimizer_state_tensors` are copied into host buffers (those of ``previous``, the
     value of the last call, are reused) and DeepSpeed's `offload_states` takes the gradient
     partitions and buckets. ZeRO-1/2: DeepSpeed's `offload_states` for all four (it accepts any
-    optimizer there). No ZeRO: the Adam moments, as under ZeRO-3 (gradients are None between steps).
+    optimizer there). BF16_Optimizer (ZeRO-1 in bf16 with fp32 gradient accumulation: one rank in bf16
+    under ``deepspeed_config: auto``) has no `offload_states`: `bf16_optimizer_tensors` are parked in place
+    (`park`), and until the reload ``engine.save_checkpoint`` saves them from their host copies. No ZeRO: the Adam moments, as under ZeRO-3 (gradients are None between steps).
     Nothing to do under ZeRO's own optimizer/parameter offload. Returns what moved, for
     `reload_optimizer_states`.
     """
@@ -53,6 +128,12 @@ def offload_optimizer_states(engine, previous: Moved | None = None) -> Moved:
     if stage > 0 and _zero_offload_configured(engine):
         return []
     pin = torch.cuda.is_available()
+    if stage > 0 and not has_own_offload(engine):  # BF16_Optimizer
+        moved = park(bf16_optimizer_tensors(engine), previous, pin)
+        _save_from_host(engine, moved)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return moved
     if stage in (1, 2):
         engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer],
                               pin_memory=pin)
@@ -80,7 +161,19 @@ def reload_optimizer_states(engine, moved: Moved) -> None:
     stage = engine.zero_optimization_stage()
     if stage > 0 and _zero_offload_configured(engine):
         return
-    for t, device, buf in moved:
-        t.data = buf.to(device)
-    if stage > 0:
+    engine.__dict__.pop("save_checkpoint", None)  # `_save_from_host`'s wrapper
+    unpark(moved)
+    if stage > 0 and has_own_offload(engine):
         engine.reload_states()
+
+
+def _save_from_host(engine, moved: Moved) -> None:
+    """Until `reload_optimizer_states`, ``engine.save_checkpoint`` saves the parked tensors from their host
+    copies (a save reads ``.data``; a parked tensor has no storage)."""
+    save = type(engine).save_checkpoint
+
+    def save_checkpoint(*args, **kwargs):
+        with host_data(moved):
+            return save(engine, *args, **kwargs)
+
+    engine.__dict__["save_checkpoint"] = save_checkpoint
