@@ -159,22 +159,60 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build_manifest(ckpt: Path) -> dict:
-    """``{"files": {relative path: {"size", "sha256"}}}`` of every file under ``ckpt`` but the manifest."""
+def build_manifest(ckpt: Path, world_size: int | None = None) -> dict:
+    """``{"files": {relative path: {"size", "sha256"}}, "world_size": ranks that saved it}`` of every file under
+    ``ckpt`` but the manifest (``world_size`` None: not recorded; `saved_world_size` counts the RNG files)."""
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.relative_to(ckpt).as_posix() != MANIFEST)
-    return {"version": 1, "files": {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size,
-                                                                     "sha256": file_sha256(p)} for p in files}}
+    manifest = {"version": 1, "files": {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size,
+                                                                         "sha256": file_sha256(p)} for p in files}}
+    if world_size is not None:
+        manifest["world_size"] = world_size
+    return manifest
+
+
+def saved_world_size(manifest: dict) -> int | None:
+    """The number of ranks that saved a checkpoint: its manifest's ``world_size``, or for a manifest without one
+    (older checkpoints) the number of ``rng_rank{r}.pt`` files it lists (each rank saves its own); None when
+    neither says."""
+    recorded = manifest.get("world_size")
+    if type(recorded) is int and recorded > 0:
+        return recorded
+    return sum(1 for f in manifest["files"] if re.fullmatch(r"rng_rank\d+\.pt", f)) or None
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _gather(obj) -> list:
+    """Every rank's ``obj``, in rank order (a collective; ``[obj]`` without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def manifest_problem(ckpt: Path, checksums: bool = True) -> str | None:
     """What is wrong with ``ckpt`` against its manifest (missing, resized or changed files), or None."""
     try:
         manifest = json.loads((ckpt / MANIFEST).read_text())
-        files = manifest["files"]
     except FileNotFoundError:
         return f"no {MANIFEST}: the save did not finish"
-    except (ValueError, KeyError, TypeError, OSError) as err:
-        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})"
+    except (ValueError, OSError) as err:
+        return f"{MANIFEST} is unreadable ({type(err).__name__}: {str(err)[:200]})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return f"{MANIFEST} is malformed (no mapping of files)"
+    for rel, entry in files.items():
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("sha256"), str)):
+            return f"{MANIFEST} is malformed (the entry of {rel[:200]!r} has no integer size and sha256 string)"
+        if rel.startswith("/") or ".." in rel.split("/"):
+            return f"{MANIFEST} is malformed (it lists {rel[:200]!r}, outside the checkpoint)"
     if "train_state.json" not in files:
         return f"{MANIFEST} lists no train_state.json"
     for rel, entry in files.items():
@@ -327,7 +365,7 @@ class CheckpointManager:
         self._agree_or_raise(error, step, tmp)
         if self.rank == 0:
             try:
-                _atomic_write_json(tmp / MANIFEST, build_manifest(tmp))  # last: it vouches for the rest
+                _atomic_write_json(tmp / MANIFEST, build_manifest(tmp, _world_size()))  # last: it vouches for the rest
                 if final.exists():  # the same step saved again (e.g. a resumed run stopping at once)
                     os.replace(final, self.root / f"{final.name}.old.tmp")
                 os.replace(tmp, final)
@@ -352,11 +390,14 @@ class CheckpointManager:
                                   "error); the partial checkpoint was removed, the earlier ones are kept")
         if not _write_failed(error):
             raise error
-        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+        from grpo.write_errors import write_failure_hint  # full disk, quota, or a file-size limit (ulimit -f)
+
+        hint = write_failure_hint(error, self.root)
         raise CheckpointError(
-            f"could not write checkpoint step {step} in {self.root}: {free / 2**30:.2f} GiB free there "
+            f"could not write checkpoint step {step} in {self.root}: {hint} "
             f"({type(error).__name__}: {str(error)[:200]}). The partial checkpoint was removed and the earlier ones "
-            "are kept: free some space (or lower checkpointing.keep_top_k) and rerun the same command to resume"
+            "are kept" + ("" if "file-size limit" in hint else " (lowering checkpointing.keep_top_k leaves more room)")
+            + ": rerun the same command to resume"
         ) from error
 
     def _metric(self, path: Path) -> float | None:
@@ -396,19 +437,22 @@ class CheckpointManager:
     def load(self, path: Path, engine, need_dataloader: bool = True) -> tuple[GRPOSaveState, dict | None, dict]:
         """Restore engine weights/optimizer/scheduler and this rank's RNG; return the loop state, the dataloader
         state and the extras. Every file is read with ``weights_only=True``. A missing ``rng_rank{r}.pt`` (or
-        ``dataloader.pt`` with ``need_dataloader``) is an error naming it, never a silent restart."""
+        ``dataloader.pt`` with ``need_dataloader``) is an error naming it, never a silent restart.
+
+        A collective: every rank checks the checkpoint (intact, saved by as many ranks as this run has, the
+        same one on every rank) before DeepSpeed reads any of it, and every rank raises the same
+        `CheckpointError` when one rank finds a problem."""
         path = Path(path)
-        problem = self.verify(path, checksums=path != self._checksummed)
+        problem = self._load_problem(path, need_dataloader)
+        found = _gather([str(path), problem])
+        problem = next((p for _, p in found if p is not None), None)
+        if problem is None and len({p for p, _ in found}) > 1:
+            problem = (f"the ranks found different newest checkpoints ({sorted({p for p, _ in found})}): a save "
+                       "is still being written or the ranks see different files; rerun once they agree")
         if problem is not None:
-            raise CheckpointError(f"{path}: {problem}")
+            raise CheckpointError(problem)
         files = json.loads((path / MANIFEST).read_text())["files"]
         rng_file = path / f"rng_rank{self.rank}.pt"
-        if rng_file.name not in files:
-            saved = sorted(f for f in files if f.startswith("rng_rank"))
-            raise CheckpointError(f"{rng_file} is missing (the checkpoint has {saved}): it was saved by "
-                                  f"{len(saved)} rank(s); resume with the same number of ranks")
-        if need_dataloader and "dataloader.pt" not in files:
-            raise CheckpointError(f"{path / 'dataloader.pt'} is missing: without it the data order would restart")
         use_safe_loading(engine)
         loaded, _ = engine.load_checkpoint(str(path / "ds"), tag="ds", load_module_strict=True)
         if loaded is None:
@@ -419,6 +463,27 @@ class CheckpointManager:
         extra = {name[len("extra_"):-len(".pt")]: safe_load(path / name)  # only files the manifest vouches for
                  for name in sorted(files) if name.startswith("extra_") and name.endswith(".pt") and "/" not in name}
         return state, dataloader_state, extra
+
+    def _load_problem(self, path: Path, need_dataloader: bool) -> str | None:
+        """What keeps this rank from loading ``path`` (the whole message), or None."""
+        problem = self.verify(path, checksums=path != self._checksummed)
+        if problem is not None:
+            return f"{path}: {problem}"
+        manifest = json.loads((path / MANIFEST).read_text())
+        files, saved, world = manifest["files"], saved_world_size(manifest), _world_size()
+        if saved is not None and saved != world:
+            return (f"{path} was saved by {saved} rank(s) and this run has {world}: resume with the same number "
+                    f"of ranks ({saved}: e.g. torchrun --nproc_per_node {saved}); the ZeRO optimizer state is "
+                    "sharded per rank. To go on with another number of ranks, start a new run from the weights "
+                    "(--export-hf, then policy.model_name=<that directory>)")
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if rng_file.name not in files:
+            rng_saved = sorted(f for f in files if f.startswith("rng_rank"))
+            return (f"{rng_file} is missing (the checkpoint has {rng_saved}): it was saved by "
+                    f"{len(rng_saved)} rank(s); resume with the same number of ranks")
+        if need_dataloader and "dataloader.pt" not in files:
+            return f"{path / 'dataloader.pt'} is missing: without it the data order would restart"
+        return None
 
     def clean_partial(self) -> None:
         """Remove ``.tmp`` directories left by a run killed mid-save (rank 0)."""

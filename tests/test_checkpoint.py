@@ -111,12 +111,25 @@ def _flip_byte(path: Path, rel: str) -> None:
     f.write_bytes(bytes(data))
 
 
+def _edit_manifest(path: Path, edit) -> None:
+    manifest = json.loads((path / MANIFEST).read_text())
+    edit(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize("damage, expected", [
     (lambda p: _truncate(p, "ds/ds/model_states.pt"), "ds/ds/model_states.pt has"),
     (lambda p: (p / "train_state.json").write_text(""), "train_state.json has 0 bytes"),
     (lambda p: _flip_byte(p, "extra_buffer.pt"), "extra_buffer.pt does not match its sha256"),
     (lambda p: (p / MANIFEST).unlink(), "no manifest.json"),
     (lambda p: (p / MANIFEST).write_text("{"), "manifest.json is unreadable"),
+    (lambda p: _edit_manifest(p, lambda m: m["files"]["dataloader.pt"].pop("size")), "manifest.json is malformed"),
+    (lambda p: _edit_manifest(p, lambda m: m.update(files=sorted(m["files"]))), "manifest.json is malformed"),
+    (lambda p: _edit_manifest(p, lambda m: m["files"].update({"dataloader.pt": "x"})), "manifest.json is malformed"),
+    (lambda p: _edit_manifest(p, lambda m: m["files"]["rng_rank0.pt"].update(size="12")), "manifest.json is malformed"),
+    (lambda p: (p / MANIFEST).write_text("[]"), "manifest.json is malformed"),
+    (lambda p: (p / MANIFEST).write_text('{"files": {"../../outside": {"size": 1, "sha256": ""}}}'),
+     "manifest.json is malformed"),
     (lambda p: (p / "dataloader.pt").unlink(), "dataloader.pt is missing"),
     (lambda p: (p / "rng_rank0.pt").unlink(), "rng_rank0.pt is missing"),
 ])
@@ -239,6 +252,82 @@ def test_a_failure_on_one_rank_makes_every_rank_raise_and_keeps_the_earlier_chec
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest_checkpoint_status.json", "step_000001"]
     files = json.loads((tmp_path / "ckpt" / "step_000001" / MANIFEST).read_text())["files"]
     assert {"rng_rank0.pt", "rng_rank1.pt", "ds/ds/model_states.pt", "ds/ds/model_states_rank1.pt"} <= set(files)
+
+
+class _LoadRecorder(FakeEngine):
+    """A FakeEngine that records whether DeepSpeed's load was reached."""
+
+    def load_checkpoint(self, load_dir, tag, load_module_strict=True):
+        self.loaded = True
+        return super().load_checkpoint(load_dir, tag, load_module_strict)
+
+
+def _ranks_run(tmp: str, world_size: int, action: str) -> None:
+    """Run ``action`` ("save" or "load") on ``world_size`` gloo ranks; each writes rank{r}_{action}.json."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_action, args=(r, world_size, tmp, action)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * world_size
+
+
+def _rank_action(rank: int, world_size: int, tmp: str, action: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous_{action}_{world_size}", rank=rank,
+                            world_size=world_size)
+    ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=f"{tmp}/ckpt"), rank=rank)
+    engine = _LoadRecorder(1.0, rank)
+    engine.loaded = False
+    if action == "save":
+        outcome = {"saved": str(ckpt.save(1, engine, GRPOSaveState(current_step=1), {"p": 1}))}
+    else:
+        try:
+            ckpt.load(ckpt.latest(), engine)
+            outcome = {"error": None}
+        except CheckpointError as err:
+            outcome = {"error": str(err)}
+        outcome["deepspeed_load_reached"] = engine.loaded
+    dist.barrier()
+    with open(f"{tmp}/rank{rank}_{action}.json", "w") as f:
+        json.dump(outcome, f)
+    dist.destroy_process_group()
+
+
+def test_resuming_two_ranks_checkpoint_on_one_rank_names_the_world_size_before_deepspeed_loads(tmp_path):
+    _ranks_run(str(tmp_path), 2, "save")
+    path = tmp_path / "ckpt" / "step_000001"
+    assert json.loads((path / MANIFEST).read_text())["world_size"] == 2
+    engine = _LoadRecorder()
+    engine.loaded = False
+    ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")))
+    with pytest.raises(CheckpointError, match=r"was saved by 2 rank\(s\) and this run has 1: resume with the same "
+                                              r"number of ranks \(2: e.g. torchrun --nproc_per_node 2\)"):
+        ckpt.load(ckpt.latest(), engine)
+    assert not engine.loaded
+
+
+def test_resuming_one_ranks_checkpoint_on_two_ranks_fails_alike_on_every_rank_before_deepspeed_loads(tmp_path):
+    path = save(manager(tmp_path), 1)
+    assert json.loads((path / MANIFEST).read_text())["world_size"] == 1
+    _ranks_run(str(tmp_path), 2, "load")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}_load.json").read_text()) for r in range(2))
+    assert r0["error"] == r1["error"] and "was saved by 1 rank(s) and this run has 2" in r0["error"]
+    assert not r0["deepspeed_load_reached"] and not r1["deepspeed_load_reached"]
+
+
+def test_a_checkpoint_without_a_recorded_world_size_counts_its_rng_files(tmp_path):
+    path = save(manager(tmp_path), 1)
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest["world_size"]  # saved before the world size was recorded
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    _ranks_run(str(tmp_path), 2, "load")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}_load.json").read_text()) for r in range(2))
+    assert r0["error"] == r1["error"] and "was saved by 1 rank(s) and this run has 2" in r0["error"]
 
 
 def test_other_save_errors_are_raised_as_they_are_and_leave_no_tmp(tmp_path):
