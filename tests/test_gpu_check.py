@@ -148,3 +148,17 @@ def test_the_whole_check_sequence_passes_on_the_cpu(tmp_path):
     assert summary["pass"] and set(summary["losses"]) == {"bf16", "resume_first_2_steps", "resume_to_step_3",
                                                            "fp32", "bf16_2gpu"}
     assert any(line.startswith("PEAK_MEMORY {") for line in p.stdout.splitlines())
+
+
+# --------------------------------------------------------------------------------------------------
+# the GPU-only tests' own logic, on the CPU (so tests/gpu cannot rot unseen: issue 21)
+# --------------------------------------------------------------------------------------------------
+def test_the_gpu_zero3_check_runs_on_the_cpu(tiny_model_dir):
+    """tests/gpu/test_gpu_engines.py's ZeRO-3 bf16 check (field names, the forced ZeRO-3 config, DeepSpeed's
+    fp32 accumulation buffer) on a tiny model and gloo: it read batch["token_mask"] and expected ZeRO-3
+    internals from the one-GPU auto config, and no CPU test ran it."""
+    from grpo import engines
+    from tests.gpu.test_gpu_engines import check_zero3_bf16_accumulates_in_fp32
+
+    engines.init_distributed()
+    check_zero3_bf16_accumulates_in_fp32(tiny_model_dir)
