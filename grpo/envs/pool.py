@@ -17,11 +17,11 @@ even in the middle of a reward function that hangs. `check_reward_fn` imports a 
 with a timeout, so a module that hangs or raises at import cannot take the trainer with it.
 
 Each worker has a private scratch root, a directory the pool makes before it starts the worker and removes
-(`remove_tree`) after the worker has exited or been killed, and when the pool closes: the worker's temporary
-files (``tempfile.gettempdir()`` and ``TMPDIR`` point there, so the sandboxed ``python`` tool's per-call
-scratch directories live there too) cannot outlive it, whatever the code did before it was killed. The
-roots of one pool sit in a ``grpo-pool-*`` directory of the trainer's temp dir, locked (``flock``) by the
-trainer; a new pool removes those whose trainer died without closing them (kill -9).
+(`remove_tree`) after the worker has exited or been killed, and when the pool closes (or, left open, when the
+trainer exits): the worker's temporary files (``tempfile.gettempdir()`` and ``TMPDIR`` point there, so the
+sandboxed ``python`` tool's per-call scratch directories live there too) cannot outlive it, whatever the code
+did before it was killed. The roots of one pool sit in a ``grpo-pool-*`` directory of the trainer's temp dir,
+locked (``flock``) by the trainer; a new pool removes those whose trainer died without closing them (kill -9).
 
 An outcome is ``("ok", call's return value)`` (scoring: ``(reward, components)``), ``("error", traceback
 text)`` or ``("timeout", text)``.
@@ -37,6 +37,7 @@ import stat
 import tempfile
 import time
 import traceback
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -106,13 +107,13 @@ class WorkerPool:
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._root: str | None = None  # the grpo-pool-* directory holding the workers' scratch roots
-        self._root_lock: int | None = None  # its .lock, flock-ed while the pool is open
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _start_worker(self) -> _Worker:
         if self._root is None:
             remove_stale_pool_roots(tempfile.gettempdir())
-            self._root, self._root_lock = _make_pool_root()
+            self._root, lock = _make_pool_root()
+            self._remove_root = weakref.finalize(self, _remove_pool_root, self._root, lock)  # or at exit
         scratch = tempfile.mkdtemp(prefix="worker-", dir=self._root)
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=_worker_main,
@@ -156,9 +157,8 @@ class WorkerPool:
             w.conn.close()
         self._workers = []
         if self._root is not None:
-            remove_tree(self._root)
-            os.close(self._root_lock)
-            self._root = self._root_lock = None
+            self._remove_root()
+            self._root = None
 
     # -- running -----------------------------------------------------------------------------------
     def run(self, samples: list) -> list[Outcome]:
@@ -259,6 +259,11 @@ def _make_pool_root() -> tuple[str, int]:
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.rename(os.path.join(root, _LOCK + ".new"), os.path.join(root, _LOCK))
     return root, fd
+
+
+def _remove_pool_root(root: str, lock_fd: int) -> None:
+    remove_tree(root)
+    os.close(lock_fd)
 
 
 def remove_stale_pool_roots(temp_dir: str) -> None:
