@@ -237,6 +237,7 @@ class RolloutDumper:
         self.max_samples = max_samples
         self.rank = rank
         self.enabled = enabled
+        self.failed: str | None = None  # why writing stopped (a failed write turns the dumps off)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a dump step: enabled and step % every == 0 (step 0, validation before
@@ -253,19 +254,26 @@ class RolloutDumper:
 
     def write(self, split: str, step: int, records: list[dict]) -> Path | None:
         """Write ``select(records)`` atomically (a temporary file renamed into place); returns the path,
-        or None on ranks other than 0 and when disabled. Every record is checked against the schema
-        first (ValueError naming the field)."""
+        or None on ranks other than 0, when disabled, and after a failed write. Every record is checked
+        against the schema first (ValueError naming the field). A write the file system refuses (OSError:
+        a full disk, a file-size limit, a read-only directory) leaves no partial file, sets ``failed``
+        (no later dump is tried: ``due`` stays the same on every rank) and is raised for the caller to
+        count and warn about; the training goes on."""
         if split not in SPLITS:
             raise ValueError(f"RolloutDumper.write: split={split!r}, expected one of {SPLITS}")
-        if not self.enabled or self.rank != 0:
+        if not self.enabled or self.rank != 0 or self.failed is not None:
             return None
         plain = [to_plain(r) for r in records]
         for r in plain:
             check_record(r, split=split, step=step)
         plain = self.select(plain)
         path = dump_path(self.log_dir, split, step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as err:
+            self.failed = f"{type(err).__name__}: {err}"
+            raise
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 for r in plain:
@@ -273,8 +281,10 @@ class RolloutDumper:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as err:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(err, OSError):
+                self.failed = f"{type(err).__name__}: {err}"
             raise
         return path
 

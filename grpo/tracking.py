@@ -4,10 +4,17 @@ Every row of ``<logger.log_dir>/metrics.jsonl`` is one JSON object with ``step``
 (``train/reward_mean``, ``val/reward_mean``, ``timing/step_s``, ...). Only rank 0 writes. A value that went
 non-finite is written as the string "nan", "inf" or "-inf" (`read_metrics` reads them back as floats).
 On resume, `truncate_metrics` drops the rows past the checkpoint's step.
+
+A write that fails (a full log disk, a file-size limit) never stops the run: the row is lost (a partly written
+line is cut off again), the failure is counted in ``logger/metrics_write_failures`` of the rows that make it to
+the file, and one warning per outage says why (`grpo.write_errors`). Rollout dumps that fail the same way are
+turned off for the rest of the run (``logger/dump_write_failures``). Checkpoints, on their own disk perhaps,
+go on being saved.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -139,10 +146,14 @@ class MetricsLogger:
         self._wandb = None
         self._tb = None
         self._bar = None
+        self.write_failures = {"metrics": 0, "dump": 0}  # failed writes of metrics rows and rollout dumps
+        self._writing = True  # False during an outage of metrics.jsonl: one warning each
+        self._fd = None
         if not self.enabled:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)
+        self.metrics_path = self.log_dir / "metrics.jsonl"
+        self._fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if run_config is not None:
             with open(self.log_dir / "config.json", "w") as f:
                 json.dump(run_config, f, indent=2)
@@ -169,14 +180,48 @@ class MetricsLogger:
         if self.cfg.monitor_gpus:  # rank 0's device
             metrics = {**metrics, **gpu_metrics()}
         values = {k: _scalar(v) for k, v in metrics.items()}
+        values.update({f"logger/{k}_write_failures": n for k, n in self.write_failures.items() if n})
         row = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in values.items()}}
-        self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+        try:
+            self._append(json.dumps(row, allow_nan=False) + "\n")
+        except OSError as err:
+            self.record_write_failure("metrics", f"step {step} of {self.metrics_path}", err, warn=self._writing,
+                                      then="the run goes on; rows are lost until the disk takes writes again")
+            self._writing = False
+        else:
+            self._writing = True
         numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         if self._tb is not None:
             for k, v in numeric.items():
                 self._tb.add_scalar(k, v, step)
+
+    def _append(self, line: str) -> None:
+        """Append ``line`` to metrics.jsonl whole or not at all: a write that fails part-way is cut off again,
+        so the next row does not land on a broken line."""
+        data = memoryview(line.encode())
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+            raise
+
+    def record_write_failure(self, kind: str, what: str, err: OSError, warn: bool = True, then: str = "") -> None:
+        """Count a failed write (``kind``: "metrics" or "dump", shown as ``logger/<kind>_write_failures`` in the
+        next rows) and, with ``warn``, say what failed, why (`grpo.write_errors`) and ``then`` what happens."""
+        from grpo.write_errors import write_failure_hint
+
+        self.write_failures[kind] += 1
+        if warn and self.enabled:
+            why = (f"{err.strerror}: {write_failure_hint(err, self.log_dir)}"
+                   if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else str(err))
+            self.write(f"warning: could not write {what} ({type(err).__name__}: {why})" + (f"; {then}" if then else ""))
 
     def log_rollouts(self, key: str, records: list[dict], step: int) -> None:
         """Log rollout records (``grpo.dumps`` schema) to wandb as a table under ``key`` (e.g.
@@ -229,7 +274,9 @@ class MetricsLogger:
             return
         if self._bar is not None:
             self._bar.close()
-        self._jsonl.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:
@@ -274,3 +321,49 @@ def truncate_metrics(log_dir: str | os.PathLike, after_step: int) -> int:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return dropped
+
+
+METRICS_OWNER = "metrics.run_id"  # beside metrics.jsonl: the id (`grpo.rundir`) of the run that writes it
+
+
+def claim_metrics(log_dir: str | os.PathLike, run_id: str | None, resume_step: int, resumed: bool) -> str | None:
+    """Make ``<log_dir>/metrics.jsonl`` this run's before it logs (rank 0, at setup); returns what to tell the
+    user, or None.
+
+    - This run resuming (``resumed`` and the file's recorded owner, ``metrics.run_id``, is ``run_id``; or no
+      owner recorded, a file written before owners were): `truncate_metrics` to ``resume_step``, so every
+      step appears once.
+    - Anything else with rows in it (a fresh start, e.g. the same command with a new or disabled checkpoint
+      directory, or another run's file): nothing is deleted; the file is renamed aside to
+      ``metrics.<its run id>.jsonl`` (``metrics.previous.jsonl`` when unknown; ``.1``, ``.2``... when taken) and
+      this run starts a new one.
+
+    Then ``run_id`` is recorded as the owner.
+    """
+    d = Path(log_dir)
+    path, owner_path = d / "metrics.jsonl", d / METRICS_OWNER
+    try:
+        owner = owner_path.read_text().strip() or None
+    except FileNotFoundError:
+        owner = None
+    note = None
+    same_run = resumed and (owner is None or owner == run_id)
+    if same_run:
+        dropped = truncate_metrics(d, resume_step)
+        if dropped:
+            note = f"metrics.jsonl: {dropped} rows past the resumed step {resume_step} dropped (those steps run again)"
+    elif path.exists() and path.stat().st_size > 0:
+        base = f"metrics.{owner or 'previous'}"
+        aside, n = d / f"{base}.jsonl", 0
+        while aside.exists():
+            n += 1
+            aside = d / f"{base}.{n}.jsonl"
+        os.replace(path, aside)
+        why = "a fresh start" if not resumed else f"this run ({run_id}) resumes, the file is run {owner}'s"
+        note = (f"{path} held another run's metrics ({why}): kept as {aside}; this run writes a new metrics.jsonl "
+                "(use another logger.log_dir to keep runs apart)")
+    if run_id is not None and owner != run_id:
+        tmp = owner_path.with_name(owner_path.name + ".tmp")
+        tmp.write_text(run_id + "\n")
+        os.replace(tmp, owner_path)
+    return note

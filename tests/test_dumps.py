@@ -165,3 +165,28 @@ def test_metrics_logger_logs_rollouts_to_wandb_only_when_on(tmp_path):
     logger.close()
     ((data, step),) = logged
     assert step == 3 and data["train/rollouts"].columns == list(RECORD_KEYS)
+
+
+def test_a_write_the_disk_refuses_leaves_no_file_raises_once_and_turns_the_dumps_off(tmp_path, monkeypatch):
+    # issue 25: the loop (grpo.run.dump_rollouts) counts and warns about the OSError and goes on training.
+    import errno
+    import os
+
+    import grpo.dumps as dumps
+
+    dumper = RolloutDumper(tmp_path, every=1, max_samples=None, rank=0)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dumps.os, "fsync", full)
+    with pytest.raises(OSError):
+        dumper.write("train", 1, [make_record(step=1)])
+    assert dumper.failed and "No space left" in dumper.failed and list(tmp_path.rglob("*")) == [tmp_path / "rollouts"]
+    monkeypatch.setattr(dumps.os, "fsync", os.fsync)
+    assert dumper.due(2) and dumper.write("train", 2, [make_record(step=2)]) is None  # off for the rest of the run
+    (tmp_path / "blocked").write_text("")  # a file where the directory should be
+    other = RolloutDumper(tmp_path / "blocked", every=1, max_samples=None, rank=0)
+    with pytest.raises(OSError):
+        other.write("val", 0, [make_record(split="val", step=0)])
+    assert other.failed is not None

@@ -74,3 +74,57 @@ def test_monitor_gpus_adds_memory_columns_on_cuda_and_nothing_without(tmp_path, 
     assert (row["gpu/memory_allocated_gib"], row["gpu/memory_reserved_gib"], row["gpu/peak_memory_allocated_gib"]) \
         == pytest.approx((2.0, 3.0, 4.0))
     assert "gpu/utilization_pct" not in row and resets == [1]  # the peak is per logged row
+
+
+# ---- issue 25: a log disk that refuses writes, another run's metrics in the log directory ---------------
+def test_a_failed_metrics_write_is_cut_off_counted_and_warned_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    import grpo.tracking as tracking
+
+    logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
+    logger.log({"train/loss": 1.0}, 1)
+    real_write, full = os.write, {"on": True}
+
+    def disk_full(fd, data):  # half a row reaches the disk, then it is full (what a real ENOSPC does)
+        if not full["on"]:
+            return real_write(fd, data)
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tracking.os, "write", disk_full)
+    logger.log({"train/loss": 2.0}, 2)  # no exception: the run goes on
+    logger.log({"train/loss": 3.0}, 3)
+    full["on"] = False
+    logger.log({"train/loss": 4.0}, 4)
+    logger.close()
+    out = capsys.readouterr().out
+    assert out.count("warning: could not write step") == 1 and "No space left" in out and "GiB free" in out
+    rows = read_metrics(tmp_path)  # every line parses: the half rows were cut off
+    assert [r["step"] for r in rows] == [1, 4] and rows[1]["logger/metrics_write_failures"] == 2
+
+
+def test_claim_metrics_truncates_only_this_runs_resume_and_keeps_another_runs_file(tmp_path):
+    from grpo.tracking import claim_metrics
+
+    def log(steps):
+        logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
+        for s in steps:
+            logger.log({"train/loss": float(s)}, s)
+        logger.close()
+
+    assert claim_metrics(tmp_path, "run-a", 0, resumed=False) is None  # a new directory
+    log([1, 2, 3])
+    assert "1 rows past the resumed step 2" in claim_metrics(tmp_path, "run-a", 2, resumed=True)  # run a resumes
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    note = claim_metrics(tmp_path, "run-b", 0, resumed=False)  # the same command, a fresh checkpoint directory
+    assert "kept as" in note and "metrics.run-a.jsonl" in note
+    kept = [json.loads(line)["step"] for line in (tmp_path / "metrics.run-a.jsonl").read_text().splitlines()]
+    assert kept == [1, 2] and not (tmp_path / "metrics.jsonl").exists()
+    log([1])
+    note = claim_metrics(tmp_path, "run-b", 0, resumed=False)  # checkpointing off: the same id, a fresh start again
+    assert "metrics.run-b.jsonl" in note and (tmp_path / "metrics.run-b.jsonl").exists()
+    log([1])
+    assert "metrics.run-b.1.jsonl" in claim_metrics(tmp_path, "run-c", 5, resumed=True)  # run c resumes: not its file
+    assert (tmp_path / "metrics.run_id").read_text().strip() == "run-c"
