@@ -534,6 +534,13 @@ def build_dataloader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int
     )
 
 
+def _samples_yielded(loader_state: dict) -> str:
+    """How far into its epoch a saved `StatefulDataLoader` state is, in prompts ("?" when it does not say)."""
+    sampler = loader_state.get("_sampler_iter_state") if isinstance(loader_state, dict) else None
+    yielded = sampler.get("samples_yielded") if isinstance(sampler, dict) else None
+    return str(yielded) if isinstance(yielded, int) else "?"
+
+
 class PromptStream:
     """Prompt batches across epochs, resumable: ``next()`` gives the next batch (a list of items), starting a
     new epoch when the loader runs out, and None after ``max_epochs``. ``epoch`` is the current epoch.
@@ -544,9 +551,19 @@ class PromptStream:
 
     def __init__(self, loader, max_epochs: int, epoch: int = 0, loader_state: dict | None = None):
         self.loader, self.max_epochs, self.epoch = loader, max_epochs, epoch
-        if loader_state is not None:
+        if loader_state is None:
+            self._it = iter(loader)
+            return
+        try:  # the loader applies a saved position on the next iter()
             loader.load_state_dict(loader_state)
-        self._it = iter(loader)
+            self._it = iter(loader)
+        except (StopIteration, IndexError, KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise DataError(
+                f"the checkpoint's data position (epoch {epoch}, "
+                f"{_samples_yielded(loader_state)} prompts into it) does not fit the data now "
+                f"({len(loader.dataset)} prompts, {len(loader)} batches per epoch): the training data changed since "
+                f"the checkpoint ({type(err).__name__}{': ' + str(err)[:200] if str(err) else ''}). Restore the "
+                "data it trained on, or start a new run (another checkpointing.checkpoint_dir)") from None
 
     def next(self) -> list[dict] | None:
         for _ in range(2):

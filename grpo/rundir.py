@@ -156,16 +156,99 @@ def _mutable(key: str) -> bool:
     return any(key == m or (m.endswith(".") and key.startswith(m)) for m in RESUME_MUTABLE)
 
 
+# Config keys that may name local files whose content a run trains on (fingerprinted by content, not path).
+DATA_FILE_KEYS = ("data.dataset_name", "data.train_data_path", "data.val_data_path", "data.prompt_file",
+                  "data.system_prompt_file")
+FULL_HASH_BYTES = 64 << 20   # files up to this size are hashed whole; larger ones by size, head and tail
+HEAD_TAIL_BYTES = 4 << 20
+MAX_DIR_FILES = 1000
+
+
+def file_fingerprint(path: str | os.PathLike) -> dict:
+    """``{"size", "sha256"}`` of a file: the sha256 of its content up to `FULL_HASH_BYTES`, else of its first and
+    last `HEAD_TAIL_BYTES` (``"hashed": "head+tail"``; with the size, a change anywhere but the middle shows)."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            return {"size": size, "sha256": h.hexdigest()}
+        h.update(f.read(HEAD_TAIL_BYTES))
+        f.seek(size - HEAD_TAIL_BYTES)
+        h.update(f.read(HEAD_TAIL_BYTES))
+    return {"size": size, "sha256": h.hexdigest(), "hashed": "head+tail"}
+
+
+def data_fingerprint(cfg_flat: dict) -> dict:
+    """``{"data.train_data_path": {"path", "size", "sha256"}, ...}`` for each of `DATA_FILE_KEYS` naming a local
+    file; a local directory gets ``{"path", "files": {relative path: print}}`` of the files under it (the first
+    `MAX_DIR_FILES`). Names that are not on disk (built-in tasks, hub names) are left out."""
+    out = {}
+    for key in DATA_FILE_KEYS:
+        value = cfg_flat.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        path = Path(value).expanduser()
+        try:
+            if path.is_file():
+                out[key] = {"path": str(path.resolve()), **file_fingerprint(path)}
+            elif path.is_dir():
+                files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+                out[key] = {"path": str(path.resolve()), "files": {
+                    p.relative_to(path).as_posix(): file_fingerprint(p) for p in files[:MAX_DIR_FILES]}}
+        except OSError as err:  # unreadable: the data loader names it
+            out[key] = {"path": str(path), "error": err.strerror or type(err).__name__}
+    return out
+
+
 def run_fingerprint(cfg_dict: dict) -> dict:
     """What makes a run this run: model, data, seed, and a sha256 of the config without `RESUME_MUTABLE`
     (``cfg.model_dump(mode="json")`` as given, before ``toy:`` model names are resolved to a directory).
-    The reduced config itself rides along, so a mismatch can name the fields that differ."""
+    The reduced config itself rides along, so a mismatch can name the fields that differ. ``data_files``: the
+    content of the local data files (`data_fingerprint`): the same path with other content is another run."""
     flat = {k: v for k, v in flatten(cfg_dict).items() if not _mutable(k)}
     data = {k[len("data."):]: flat.get(k) for k in ("data.dataset_name", "data.dataset_config", "data.train_data_path",
                                                     "data.val_data_path")}
     digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
     return {"model": flat.get("policy.model_name"), "data": data, "seed": flat.get("grpo.seed"),
-            "config_sha256": digest, "config": flat}
+            "config_sha256": digest, "config": flat, "data_files": data_fingerprint(flat)}
+
+
+def data_diff(old: dict, new: dict) -> list[str]:
+    """``"key path: what changed"`` for every local data file whose content differs between two fingerprints
+    (none when ``old`` predates data fingerprints).
+
+    >>> data_diff({"data_files": {"data.train_data_path": {"path": "/d.jsonl", "size": 10, "sha256": "a"}}},
+    ...           {"data_files": {"data.train_data_path": {"path": "/d.jsonl", "size": 7, "sha256": "b"}}})
+    ['data.train_data_path /d.jsonl: 10 bytes -> 7 bytes, other content']
+    """
+    if "data_files" not in old:
+        return []
+    a, b = old["data_files"], new.get("data_files", {})
+
+    def show(d: dict) -> str:
+        if "files" in d:
+            return f"a directory of {len(d['files'])} files"
+        return f"{d.get('size', '?')} bytes" if "size" in d else d.get("error", "?")
+
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if x == y or (x is not None and y is not None and {**x, "path": ""} == {**y, "path": ""}):
+            continue  # unchanged (a data directory that moved with its run is the same data)
+        where = f"{key} {(y or x).get('path')}"
+        if x is None or y is None:
+            out.append(f"{where}: {'(not a local file)' if x is None else show(x)} -> "
+                       f"{'(not a local file)' if y is None else show(y)}")
+        elif show(x) != show(y):
+            out.append(f"{where}: {show(x)} -> {show(y)}, other content")
+        else:
+            changed = ([f for f in sorted(set(x["files"]) | set(y["files"]))
+                        if x["files"].get(f) != y["files"].get(f)] if "files" in x and "files" in y else [])
+            out.append(f"{where}: other content" + (f" ({', '.join(changed[:3])})" if changed else ""))
+    return out
 
 
 def _read_json(path: Path) -> dict | None:
@@ -226,11 +309,19 @@ def check_fingerprint(directory: str | os.PathLike, fp: dict, allow_change: bool
     differing dotted fields named), unless ``allow_change`` (a deliberate change). No fingerprint yet, or a
     run that stopped before writing anything (a config error found at startup, then fixed): fine."""
     old = _read_json(Path(directory) / FINGERPRINT_FILE)
-    if old is None or old.get("config_sha256") == fp["config_sha256"] or allow_change:
+    if old is None or allow_change or not has_run_output(directory):
         return
-    if not has_run_output(directory):
+    if old.get("config_sha256") == fp["config_sha256"]:
+        changed = data_diff(old, fp)
+        if changed:
+            shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
+            raise RunDirError(
+                f"{directory} belongs to a run that trained on other data under the same path ({shown}). Resuming "
+                "would continue its data order over other prompts. Restore the data it trained on, use another "
+                "checkpointing.checkpoint_dir / logger.log_dir, or, if the change is deliberate, set "
+                "checkpointing.allow_config_change=true")
         return
-    diff = fingerprint_diff(old, fp)
+    diff = fingerprint_diff(old, fp) + data_diff(old, fp)
     shown = "; ".join(diff[:5]) + (f"; and {len(diff) - 5} more" if len(diff) > 5 else "")
     raise RunDirError(
         f"{directory} belongs to a run with another config ({shown}). Resuming it with this config would mix two "

@@ -56,3 +56,17 @@ def test_windows_line_endings_still_read(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_bytes(b"\r\n".join(json.dumps(r).encode() for r in GOOD) + b"\r\n")
     assert [r["answer"] for r in load_rows(DataConfig(train_data_path=str(path)), "train", 0)] == ["1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_saved_position_past_the_end_of_shorter_data_is_a_data_error(shuffle):
+    from grpo.data import PromptStream, build_dataloader
+
+    stream = PromptStream(build_dataloader(list(range(40)), 4, shuffle=shuffle, seed=0), max_epochs=2)
+    for _ in range(5):
+        stream.next()
+    mark = stream.mark()  # 20 prompts into epoch 0
+    shorter = build_dataloader(list(range(8)), 4, shuffle=shuffle, seed=0)
+    with pytest.raises(DataError, match=r"the checkpoint's data position \(epoch 0, 20 prompts into it\) does not "
+                                        r"fit the data now \(8 prompts, 2 batches per epoch\)"):
+        PromptStream(shorter, 2, mark["epoch"], mark["loader"])

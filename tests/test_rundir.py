@@ -149,3 +149,56 @@ def test_claim_run_dirs_locks_checks_and_records(tmp_path):
     locks, log_run = claim_run_dirs(None, tmp_path / "only_logs", _cfg(), resume=False)  # checkpointing off
     assert len(locks) == 1 and log_run != run_id
     locks[0].release()
+
+
+def _data_cfg(path):
+    return _cfg(("data.dataset_name", str(path)), ("data.val_data_path", str(path)))
+
+
+@pytest.mark.parametrize("change", ["other rows", "fewer rows", "same size"])
+def test_other_data_under_the_same_path_is_refused_unless_allowed(tmp_path, change):
+    data = tmp_path / "data.jsonl"
+    rows = [json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) for i in range(8)]
+    data.write_text("\n".join(rows) + "\n")
+    run = tmp_path / "run"
+    write_fingerprint(run, run_fingerprint(_data_cfg(data)))
+    (run / "step_000002").mkdir()
+    check_fingerprint(run, run_fingerprint(_data_cfg(data)))  # the same data: resumes
+    if change == "other rows":
+        data.write_text("\n".join(rows[::-1]) + "\n")
+    elif change == "fewer rows":
+        data.write_text("\n".join(rows[:3]) + "\n")
+    else:
+        data.write_text(data.read_text().replace("0+1", "9+1"))
+    with pytest.raises(RunDirError) as err:
+        check_fingerprint(run, run_fingerprint(_data_cfg(data)))
+    message = str(err.value)
+    assert message.startswith(f"{run} belongs to a run that trained on other data under the same path "
+                              f"(data.dataset_name {data}: ")
+    assert "other content" in message and "checkpointing.allow_config_change=true" in message
+    check_fingerprint(run, run_fingerprint(_data_cfg(data)), allow_change=True)
+
+
+def test_a_data_directory_and_large_files_are_fingerprinted_by_content(tmp_path, monkeypatch):
+    import grpo.rundir as rundir
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    (tmp_path / "d" / "val.jsonl").write_text('{"question": "1+2=", "answer": "3"}\n')
+    fp = run_fingerprint(_cfg(("data.dataset_name", str(tmp_path / "d"))))["data_files"]
+    assert set(fp["data.dataset_name"]["files"]) == {"train.jsonl", "val.jsonl"}
+    monkeypatch.setattr(rundir, "FULL_HASH_BYTES", 16)
+    monkeypatch.setattr(rundir, "HEAD_TAIL_BYTES", 8)
+    big = rundir.file_fingerprint(tmp_path / "d" / "train.jsonl")
+    assert big["hashed"] == "head+tail" and big["size"] == 36
+    assert run_fingerprint(_cfg())["data_files"] == {}  # built-in tasks and hub names have no file
+
+
+def test_a_fingerprint_recorded_before_data_fingerprints_still_resumes(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1+1=", "answer": "2"}\n')
+    old = run_fingerprint(_data_cfg(data))
+    del old["data_files"]
+    write_fingerprint(tmp_path / "run", old)
+    (tmp_path / "run" / "step_000002").mkdir()
+    check_fingerprint(tmp_path / "run", run_fingerprint(_data_cfg(data)))
