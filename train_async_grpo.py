@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 
-from grpo.run import dump_rollouts, finish, save, setup, stop_reason, validate
+from grpo.run import dump_rollouts, finish, resume_note, run_script, save, setup, stop_reason, stop_requested, validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 
@@ -44,6 +44,7 @@ def main(argv=None) -> str | int | None:
     from grpo.data import PromptStream
     from grpo.metrics import rollout_counts
     from grpo.producer import RolloutProducer, weight_copy
+    from grpo.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
     from grpo.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
     from grpo.step import (
@@ -79,12 +80,15 @@ def main(argv=None) -> str | int | None:
         stage.load_into(val_generator.model)
         return validate(run, val_generator, run.val_envs, step)
 
-    stop = failure = closed = None
+    stop = failure = closed = metrics = None
     if g.val_at_start and state.current_step == 0:
-        stop = early_stop_reason(cfg, validate_with_staged(0))
+        try:
+            stop = early_stop_reason(cfg, validate_with_staged(0))
+        except RolloutError as err:  # an environment that breaks; every rank raises it together
+            failure = f"validation before training failed: {err}"
 
     # ================================================================ the loop (the trainer)
-    while state.current_step < run.total_steps and stop is None:
+    while state.current_step < run.total_steps and stop is None and failure is None:
         step = state.current_step + 1
         t_step = time.perf_counter()
 
@@ -135,7 +139,13 @@ def main(argv=None) -> str | int | None:
         dump_rollouts(run, "train", step, batch.trajectories, batch)
         if failure is not None:
             break
-        val = validate_with_staged(step) if due_validation(cfg, step, run.total_steps) else None
+        val = None
+        if due_validation(cfg, step, run.total_steps) and not stop_requested(run):  # a stop signal skips it
+            try:
+                val = validate_with_staged(step)
+            except RolloutError as err:  # step `step` is trained and good: finish() saves it
+                failure = f"validation at step {step} failed: {err}{resume_note(run)}"
+                break
         stop = stop_reason(run, step, val)
         if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
             save(run, step, metrics, val, trained_mark["loader"], extra={"replay_buffer": buffer.state_dict()})
@@ -153,11 +163,8 @@ def main(argv=None) -> str | int | None:
         run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
     return finish(run, out_of_data=closed is not None and closed.kind is StopKind.OUT_OF_DATA,
                   loader_state=trained_mark["loader"], failure=failure and f"error: {failure}",
-                  extra={"replay_buffer": buffer.state_dict()})
+                  extra={"replay_buffer": buffer.state_dict()}, metrics=metrics)
 
 
 if __name__ == "__main__":
-    stopped = main()
-    from grpo.engines import exit_process
-
-    exit_process(stopped)  # without interpreter finalization: see its docstring
+    run_script(main)  # known errors as one `error:` line (GRPO_DEBUG=1: with the traceback); exit status

@@ -21,7 +21,10 @@ import itertools
 import os
 import time
 
-from grpo.run import dump_rollouts, finish, rollout, save, setup, stop_reason, validate
+from grpo.run import (
+    dump_rollouts, finish, resume_note, rollout, run_script, save, setup, signal_stop_message, stop_reason,
+    stop_requested, validate,
+)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
 
@@ -33,8 +36,10 @@ def main(argv=None) -> str | int | None:
     if run is None or isinstance(run, str):
         return run
     from grpo.batch import build_batch
+    from grpo.checkpoint import rng_state
     from grpo.data import PromptStream
     from grpo.metrics import rollout_counts
+    from grpo.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
     from grpo.dynamic_sampling import DynamicSamplingCache
     from grpo.step import (
@@ -45,14 +50,19 @@ def main(argv=None) -> str | int | None:
     cfg, g, state = run.cfg, run.cfg.grpo, run.state
     prompts = PromptStream(run.loader, g.max_num_epochs, state.current_epoch,
                            run.resume.loader_state if run.resume else None)
-    stop = failure = None
+    stop = failure = abandoned = last_metrics = None
     if g.val_at_start and state.current_step == 0:
-        stop = early_stop_reason(cfg, validate(run, run.generator, run.val_envs, 0))
+        try:
+            stop = early_stop_reason(cfg, validate(run, run.generator, run.val_envs, 0))
+        except RolloutError as err:  # an environment that breaks; every rank raises it together
+            failure = f"validation before training failed: {err}"
 
     out_of_data = False
-    while state.current_step < run.total_steps and stop is None:
+    while state.current_step < run.total_steps and stop is None and failure is None:
         step = state.current_step + 1
         t_step = time.perf_counter()
+        # Where the last finished step left the prompts and the RNG: what a step abandoned before training saves.
+        mark, rng = prompts.mark(), rng_state()
         metrics, timing = {}, {"timing/generate_s": 0.0, "timing/env_step_s": 0.0}
 
         # ---- 1-4. play the conversations, score, penalties / scaling / shaping, dynamic sampling ----
@@ -63,7 +73,11 @@ def main(argv=None) -> str | int | None:
             rows = prompts.next()
             if rows is None:
                 break
-            r = measured(timing, "rollout", rollout, run, run.generator, run.envs, rows, step, gen_batch)
+            try:
+                r = measured(timing, "rollout", rollout, run, run.generator, run.envs, rows, step, gen_batch)
+            except RolloutError as err:  # the state of the last finished step is good: finish() saves it
+                failure, abandoned = f"the rollout of step {step} failed: {err}{resume_note(run)}", step
+                break
             timing["timing/generate_s"] += r.timing["generate_s"]
             timing["timing/env_step_s"] += r.timing["env_step_s"]
             batch, penalty_metrics = shape_rewards(cfg, build_batch(r.trajectories, run.tokenizer.pad_token_id),
@@ -76,10 +90,15 @@ def main(argv=None) -> str | int | None:
             metrics.update(dyn_metrics)
             if batch is not None:
                 break
+        if abandoned is not None:
+            break
         if batch is None:
             out_of_data = True
             break
         metrics = {f"train/{k}": v for k, v in metrics.items()}
+        if stop_requested(run):  # a stop signal: abandon the step now rather than after training
+            abandoned = step
+            break
 
         # ---- 5. overlong filtering and environment masks (masked samples stay in the baseline) ----
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
@@ -87,6 +106,9 @@ def main(argv=None) -> str | int | None:
         # ---- 6. previous-policy, reference (and teacher) logprobs; each rank scores its share ----
         batch = measured(timing, "logprobs", step_logprobs, cfg, batch, run.logprob_engines, run.rank,
                          run.world_size)
+        if stop_requested(run):  # the last safe point before the weights change
+            abandoned = step
+            break
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)
@@ -95,7 +117,7 @@ def main(argv=None) -> str | int | None:
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
         results = measured(timing, "train", train_step, cfg, run.policy, batch, run.rank, run.world_size)
 
-        # ---- 9. refit the generation engine, log, validate, checkpoint --------------------------
+        # ---- 9. refit the generation engine, log, validate, checkpoint (a stop signal skips validation) --
         timing["timing/refit_s"] = run.generator.refit(run.policy)
         record_step(state, batch, step)
         state.current_epoch = prompts.epoch
@@ -106,9 +128,16 @@ def main(argv=None) -> str | int | None:
         run.logger.log(metrics, step)
         run.logger.progress(step, metrics)
         dump_rollouts(run, "train", step, batch.trajectories, batch)
+        last_metrics = metrics
         if failure is not None:
             break
-        val = validate(run, run.generator, run.val_envs, step) if due_validation(cfg, step, run.total_steps) else None
+        val = None
+        if due_validation(cfg, step, run.total_steps) and not stop_requested(run):
+            try:
+                val = validate(run, run.generator, run.val_envs, step)
+            except RolloutError as err:  # step `step` is trained and good: finish() saves it
+                failure = f"validation at step {step} failed: {err}{resume_note(run)}"
+                break
         stop = stop_reason(run, step, val)
         if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
             save(run, step, metrics, val, run.loader.state_dict())
@@ -116,14 +145,13 @@ def main(argv=None) -> str | int | None:
     # ================================================================ the end
     if out_of_data:  # dynamic sampling can use up the epochs before max_num_steps
         stop = "out of training data"
+    if abandoned is not None and failure is None:
+        stop = signal_stop_message(run, abandoned)
     if stop or failure:
         run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
-    return finish(run, out_of_data=out_of_data, loader_state=run.loader.state_dict(),
-                  failure=failure and f"error: {failure}")
+    return finish(run, out_of_data=out_of_data, loader_state=mark["loader"] if abandoned else run.loader.state_dict(),
+                  failure=failure and f"error: {failure}", metrics=last_metrics, rng=rng if abandoned else None)
 
 
 if __name__ == "__main__":
-    stopped = main()
-    from grpo.engines import exit_process
-
-    exit_process(stopped)  # without interpreter finalization: see its docstring
+    run_script(main)  # known errors as one `error:` line (GRPO_DEBUG=1: with the traceback); exit status

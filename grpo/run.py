@@ -150,7 +150,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo.dumps import RolloutDumper
     from grpo.envs import build_environments
     from grpo.health import StepChecks, overflow_check_gap
-    from grpo.tracking import MetricsLogger, truncate_metrics
+    from grpo.tracking import MetricsLogger, claim_metrics
     from grpo.rundir import recorded_run_id
     from grpo.signals import StopRequest
     from grpo.step import LogprobEngines
@@ -206,9 +206,12 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
             return None
     except (CheckpointError, ExportError) as err:
         return f"error: {err}"
-    if rank == 0:  # every step once in metrics.jsonl: rows past the resumed step are from the lost steps
-        truncate_metrics(cfg.logger.log_dir, state.current_step)
+    metrics_note = None  # every step once in metrics.jsonl; another run's file is renamed aside, never cut
+    if rank == 0:
+        metrics_note = claim_metrics(cfg.logger.log_dir, run_id, state.current_step, resumed=resume is not None)
     logger = MetricsLogger(cfg.logger, rank, cfg.model_dump(mode="json"), total_steps, state.current_step)
+    if metrics_note is not None:
+        logger.write(metrics_note)
     if resume is not None:
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
     from grpo.shared_prefix import shares_prompts  # here: a config error must exit before torch loads
@@ -381,13 +384,19 @@ def validate(run: Run, generator, envs, step: int) -> dict:
 
 def dump_rollouts(run: Run, split: str, step: int, trajectories: list, batch=None) -> None:
     """With ``logger.dump_rollouts``, on ``logger.dump_rollouts_every`` steps: the step's samples as
-    ``<log_dir>/rollouts/{split}_step_<N>.jsonl`` (`grpo.dumps`) and a wandb table when wandb is on."""
+    ``<log_dir>/rollouts/{split}_step_<N>.jsonl`` (`grpo.dumps`) and a wandb table when wandb is on. A dump
+    the file system refuses is counted (``logger/dump_write_failures``) and warned about once, and turns the
+    dumps off; the run goes on."""
     from grpo.dumps import rollout_records
 
     if not run.dumper.due(step):
         return
     records = run.dumper.select(rollout_records(trajectories, split, step, batch, run.cfg.grpo.overlong_filtering))
-    run.dumper.write(split, step, records)
+    try:
+        run.dumper.write(split, step, records)
+    except OSError as err:  # a full log disk must not cost the run: no more dumps, the training goes on
+        run.logger.record_write_failure("dump", f"the rollout dump of {split} step {step} in {run.dumper.log_dir}",
+                                        err, then="rollout dumps are off for the rest of the run; the training goes on")
     run.logger.log_rollouts(f"{split}/rollouts", records, step)
 
 
@@ -408,17 +417,46 @@ def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_st
     run.ckpt.save(step, run.policy, state, loader_state, extra=extra, export_fn=export)
 
 
-def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
-    """Why the run stops after ``step`` (a SIGTERM / SIGINT on any rank, early stop on validation, or no time
-    left before ``checkpointing.checkpoint_must_save_by``), or None. A collective: every rank agrees."""
+def stop_requested(run: Run) -> bool:
+    """Whether a stop signal (`grpo.signals.STOP_SIGNALS`) reached any rank; sets ``run.exit_status``. A
+    collective: the loops call it at the same safe points on every rank (before each phase that may be
+    abandoned, and after training), so a stop never waits for more than the phase in progress."""
     from grpo.engines import any_rank
-    from grpo.step import early_stop_reason
 
     if any_rank(run.stop.requested()):
         run.exit_status = run.stop.exit_status() or 143
-        return (f"{run.stop.signal_name or 'a signal'} received"
-                + ("; this step is checkpointed: rerun the same command to resume" if run.cfg.checkpointing.enabled
-                   else ""))
+        return True
+    return False
+
+
+def signal_stop_message(run: Run, abandoned_step: int | None = None) -> str:
+    """What the run says when it stops on a signal (after `stop_requested`)."""
+    name = run.stop.signal_name or "a signal"
+    if abandoned_step is not None:
+        done = run.state.current_step
+        return (f"{name} received during step {abandoned_step}: the step was abandoned before training"
+                + (f"; step {done} is checkpointed: rerun the same command to resume" if run.cfg.checkpointing.enabled
+                   and done > 0 else ""))
+    return (f"{name} received"
+            + ("; this step is checkpointed: rerun the same command to resume" if run.cfg.checkpointing.enabled
+               else ""))
+
+
+def resume_note(run: Run) -> str:
+    """What a failure message adds when `finish` saves the last finished step: "; step N is checkpointed: ..."."""
+    if not run.cfg.checkpointing.enabled or run.state.current_step == 0:
+        return ""
+    return (f"; step {run.state.current_step} is checkpointed: fix the cause and rerun the same command to resume "
+            "from it")
+
+
+def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
+    """Why the run stops after ``step`` (a stop signal on any rank, early stop on validation, or no time
+    left before ``checkpointing.checkpoint_must_save_by``), or None. A collective: every rank agrees."""
+    from grpo.step import early_stop_reason
+
+    if stop_requested(run):
+        return signal_stop_message(run)
     reason = early_stop_reason(run.cfg, val_metrics)
     if reason is None and step < run.total_steps and run.deadline.due():
         reason = (f"checkpointing.checkpoint_must_save_by={run.deadline.spec}: no time left for another step "
@@ -426,19 +464,70 @@ def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
     return reason
 
 
+def known_error_message(err: BaseException) -> str | None:
+    """The ``error:`` line of an exception whose message is written for people (bad data, a checkpoint that
+    cannot be written or read, a run directory that cannot be used, a rollout that broke, a file system that
+    refuses a write), or None for any other exception (a bug: its traceback matters)."""
+    from grpo.write_errors import describe_os_error
+
+    known: list[type] = [ConfigError]
+    for module, names in (("grpo.data", ("DataError",)), ("grpo.chat", ("ChatFormatError",)),
+                          ("grpo.checkpoint", ("CheckpointError",)), ("grpo.rundir", ("RunDirError",)),
+                          ("grpo.weights", ("ExportError",)), ("grpo.rollout", ("RolloutError",))):
+        mod = sys.modules.get(module)  # an error of a module never imported cannot have been raised
+        known += [getattr(mod, n) for n in names if mod is not None and hasattr(mod, n)]
+    if isinstance(err, tuple(known)):
+        return f"error: {err}"
+    if isinstance(err, OSError) and err.errno is not None:
+        return f"error: {describe_os_error(err)}"
+    return None
+
+
+def run_script(main) -> None:
+    """The scripts' ``__main__``: run ``main`` and leave the process with what it returned (None or an exit
+    status; a message is printed and exits 1), without interpreter finalization (`grpo.engines.exit_process`).
+    An exception of a known kind (`known_error_message`) prints one ``error:`` line and exits 1, its traceback
+    only with ``GRPO_DEBUG=1``; any other exception prints its traceback, then the ``error:`` line."""
+    import traceback
+
+    try:
+        stopped = main()
+    except KeyboardInterrupt:  # Ctrl-C before the loop's handler is installed (setup): nothing to save yet
+        print("\ninterrupted during setup (nothing trained yet)", file=sys.stderr)
+        stopped = 130
+    except Exception as err:  # noqa: BLE001 - the top of the script: say it once, clearly
+        message = known_error_message(err)
+        if message is None or os.environ.get("GRPO_DEBUG", "") not in ("", "0"):
+            traceback.print_exc()
+        stopped = message or f"error: {type(err).__name__}: {err}"
+        if message is not None and not os.environ.get("GRPO_DEBUG"):
+            stopped += " (GRPO_DEBUG=1 shows the traceback)"
+    from grpo.engines import exit_process
+
+    exit_process(stopped)
+
+
 def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None, failure: str | None = None,
-           extra: dict | None = None) -> str | int | None:
-    """End of a run: a last checkpoint when the data ran out between saves or after a failure the state is
-    good at (not after non-finite steps: the last checkpoint holds the last good weights), the consolidated
-    export (``hf_final``; not after a failure, a signal or a time-limit stop), the closing line, and every
-    resource released. Returns what ``main`` returns: ``failure`` (exit 1), a signal's exit status, or None."""
+           extra: dict | None = None, metrics: dict | None = None, rng: dict | None = None) -> str | int | None:
+    """End of a run: a last checkpoint of the last finished step when it is not saved yet and the data ran
+    out, a signal stopped the run (e.g. abandoning a step before training), or a failure left the state good
+    (not after non-finite steps: the last checkpoint holds the last good weights); the consolidated export
+    (``hf_final``; not after a failure, a signal or a time-limit stop), the closing line, and every resource
+    released. ``loader_state``, ``metrics`` (the step's, for checkpoint ranking) and ``rng`` (the RNG state at
+    the end of that step, `grpo.checkpoint.rng_state`; None: as it is now) describe that last finished step.
+    Returns what ``main`` returns: ``failure`` (exit 1), a signal's exit status, or None."""
     from grpo import engines, weights
+    from grpo.checkpoint import set_rng_state
 
     cfg, state = run.cfg, run.state
     saved = run.ckpt.latest_step(checksums=False) if cfg.checkpointing.enabled else None
     good_state = failure is not None and run.checks.stop_kind != "nonfinite"
-    if cfg.checkpointing.enabled and (out_of_data or good_state) and saved != state.current_step:
-        save(run, state.current_step, state.metrics, None, loader_state, extra)
+    signalled = run.exit_status is not None
+    if (cfg.checkpointing.enabled and (out_of_data or good_state or signalled) and saved != state.current_step
+            and (state.current_step > 0 or out_of_data)):
+        if rng is not None:
+            set_rng_state(rng)
+        save(run, state.current_step, metrics if metrics is not None else state.metrics, None, loader_state, extra)
     if failure is None and run.exit_status is None and not run.deadline.reached and cfg.checkpointing.enabled:
         weights.export_hf(run.policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), run.tokenizer,
                           run_id=run.run_id)
