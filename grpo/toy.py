@@ -199,7 +199,6 @@ def resolve_model_name(name: str, rank: int = 0) -> str:
     Anything else is returned unchanged (a local path or a hub name for `from_pretrained`).
     """
     import os
-    import shutil
 
     if not name.startswith("toy:"):
         return name
@@ -210,14 +209,73 @@ def resolve_model_name(name: str, rank: int = 0) -> str:
     out = os.path.join(root, f"{key}_model")
     if rank == 0 and not os.path.exists(os.path.join(out, "config.json")):
         print(f"building {name} into {out} (local, no download) ...", flush=True)
-        tmp = f"{out}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        TOY_MODELS[key](tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        build_into(out, TOY_MODELS[key])
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return out
+
+
+def build_into(out: str, builder) -> None:
+    """``builder(tmp)`` into ``<out>.tmp<PID>-<host>``, then renamed to ``out``: a reader never sees half a model.
+    The temporary directory is removed if the build fails, is interrupted (Ctrl-C) or gets SIGTERM (the process
+    then dies of the signal, as it would have); ones left by dead processes (kill -9) are removed first."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import threading
+
+    remove_stale_builds(out)
+    tmp = f"{out}.tmp{os.getpid()}-{socket.gethostname()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    handle = previous is not None  # Python can set handlers (main thread; None: one set outside Python)
+
+    def on_sigterm(signum, frame):
+        if previous == signal.SIG_DFL:  # die of the signal, as without this handler, minus the mess
+            shutil.rmtree(tmp, ignore_errors=True)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        elif callable(previous):
+            previous(signum, frame)
+
+    if handle:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        builder(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        if handle:
+            signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_builds(out: str) -> list[str]:
+    """Remove the ``<out>.tmp<PID>[-<host>]`` directories of builds whose process is gone (killed before they
+    could clean up); a build of a live process, or of another host, stays. Returns the removed paths."""
+    import glob
+    import os
+    import re
+    import shutil
+    import socket
+
+    removed = []
+    for path in glob.glob(glob.escape(out) + ".tmp*"):
+        m = re.fullmatch(re.escape(out) + r"\.tmp(\d+)(?:-(.+))?", path)
+        if m is None or (m.group(2) is not None and m.group(2) != socket.gethostname()):
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or reused: leave it)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
