@@ -45,7 +45,11 @@ def _yaml_error(where: str, err: yaml.YAMLError, text: str) -> str:
     elif context:
         problem = f"{context}: {problem}"
     lines = text.splitlines()
-    shown = f"\n    {lines[mark.line]}\n    {' ' * mark.column}^" if mark.line < len(lines) else ""
+    shown = ""
+    if mark.line < len(lines):  # the line, cut to a window around the column on a long one
+        start = max(0, mark.column - 100)
+        line = lines[mark.line][start: mark.column + 100]
+        shown = f"\n    {'...' if start else ''}{line}\n    {' ' * (mark.column - start + (3 if start else 0))}^"
     return f"{where}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}{shown}"
 
 
@@ -179,7 +183,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         try:
             node[parts[-1]] = _bounded_yaml(value, f"override {key}") if value != "" else None
         except yaml.YAMLError as err:
-            raise ConfigError(_yaml_error(f"override {key}={value!r}", err, value).replace(", line 1,", ",") +
+            raise ConfigError(_yaml_error(f"override {key}={_short_repr(value)}", err, value).replace(", line 1,", ",") +
                               "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
     return raw
 

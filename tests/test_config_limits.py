@@ -127,3 +127,13 @@ def test_the_entry_point_names_an_unknown_toy_model_before_locking_anything(tmp_
                        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "no such toy model" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_syntax_error_in_a_huge_value_gives_a_short_message(tmp_path):
+    value = "[1, " + "2" * 200_000 + "}"
+    message = error_of(apply_overrides, {}, [f"policy.x={value}"])
+    assert message.startswith("override policy.x='[1, 2222") and "invalid YAML" in message and len(message) < 1000
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"policy:\n  x: {value}\n")
+    message = error_of(load_config, cfg)
+    assert message.startswith(f"{cfg}, line 2, column ") and "\n    ...2222" in message and len(message) < 1000
