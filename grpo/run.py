@@ -208,7 +208,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         return f"error: {err}"
     metrics_note = None  # every step once in metrics.jsonl; another run's file is renamed aside, never cut
     if rank == 0:
-        metrics_note = claim_metrics(cfg.logger.log_dir, run_id, state.current_step, resumed=resume is not None)
+        metrics_note = claim_metrics(cfg.logger.log_dir, run_id, state.current_step, resumed=resume is not None,
+                                     checkpointed=cfg.checkpointing.enabled)
     logger = MetricsLogger(cfg.logger, rank, cfg.model_dump(mode="json"), total_steps, state.current_step)
     if metrics_note is not None:
         logger.write(metrics_note)

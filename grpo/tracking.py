@@ -326,13 +326,15 @@ def truncate_metrics(log_dir: str | os.PathLike, after_step: int) -> int:
 METRICS_OWNER = "metrics.run_id"  # beside metrics.jsonl: the id (`grpo.rundir`) of the run that writes it
 
 
-def claim_metrics(log_dir: str | os.PathLike, run_id: str | None, resume_step: int, resumed: bool) -> str | None:
+def claim_metrics(log_dir: str | os.PathLike, run_id: str | None, resume_step: int, resumed: bool,
+                  checkpointed: bool = True) -> str | None:
     """Make ``<log_dir>/metrics.jsonl`` this run's before it logs (rank 0, at setup); returns what to tell the
-    user, or None.
+    user, or None. ``run_id``: the run's id (`grpo.rundir`, the checkpoint directory's when ``checkpointed``);
+    ``resumed``: a checkpoint was restored, at step ``resume_step``.
 
-    - This run resuming (``resumed`` and the file's recorded owner, ``metrics.run_id``, is ``run_id``; or no
-      owner recorded, a file written before owners were): `truncate_metrics` to ``resume_step``, so every
-      step appears once.
+    - This run again (the file's recorded owner, ``metrics.run_id``, is ``run_id`` and the run resumes or
+      keeps its checkpoint directory, e.g. killed before its first save; or no owner recorded, a file written
+      before owners were, and a resume): `truncate_metrics` to ``resume_step``, so every step appears once.
     - Anything else with rows in it (a fresh start, e.g. the same command with a new or disabled checkpoint
       directory, or another run's file): nothing is deleted; the file is renamed aside to
       ``metrics.<its run id>.jsonl`` (``metrics.previous.jsonl`` when unknown; ``.1``, ``.2``... when taken) and
@@ -347,11 +349,13 @@ def claim_metrics(log_dir: str | os.PathLike, run_id: str | None, resume_step: i
     except FileNotFoundError:
         owner = None
     note = None
-    same_run = resumed and (owner is None or owner == run_id)
+    same_run = ((run_id is not None and owner == run_id and (resumed or checkpointed))
+                or (owner is None and resumed))
     if same_run:
         dropped = truncate_metrics(d, resume_step)
         if dropped:
-            note = f"metrics.jsonl: {dropped} rows past the resumed step {resume_step} dropped (those steps run again)"
+            note = (f"metrics.jsonl: {dropped} rows of this run past step {resume_step} dropped (steps not checkpointed: "
+                    "they run again)")
     elif path.exists() and path.stat().st_size > 0:
         base = f"metrics.{owner or 'previous'}"
         aside, n = d / f"{base}.jsonl", 0

@@ -116,14 +116,17 @@ def test_claim_metrics_truncates_only_this_runs_resume_and_keeps_another_runs_fi
 
     assert claim_metrics(tmp_path, "run-a", 0, resumed=False) is None  # a new directory
     log([1, 2, 3])
-    assert "1 rows past the resumed step 2" in claim_metrics(tmp_path, "run-a", 2, resumed=True)  # run a resumes
+    assert "1 rows of this run past step 2" in claim_metrics(tmp_path, "run-a", 2, resumed=True)  # run a resumes
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     note = claim_metrics(tmp_path, "run-b", 0, resumed=False)  # the same command, a fresh checkpoint directory
     assert "kept as" in note and "metrics.run-a.jsonl" in note
     kept = [json.loads(line)["step"] for line in (tmp_path / "metrics.run-a.jsonl").read_text().splitlines()]
     assert kept == [1, 2] and not (tmp_path / "metrics.jsonl").exists()
+    log([1, 2])
+    assert "2 rows of this run past step 0" in claim_metrics(tmp_path, "run-b", 0, resumed=False)  # killed unsaved
+    assert not (tmp_path / "metrics.jsonl").read_text()
     log([1])
-    note = claim_metrics(tmp_path, "run-b", 0, resumed=False)  # checkpointing off: the same id, a fresh start again
+    note = claim_metrics(tmp_path, "run-b", 0, resumed=False, checkpointed=False)  # nothing says it is this run
     assert "metrics.run-b.jsonl" in note and (tmp_path / "metrics.run-b.jsonl").exists()
     log([1])
     assert "metrics.run-b.1.jsonl" in claim_metrics(tmp_path, "run-c", 5, resumed=True)  # run c resumes: not its file
