@@ -286,12 +286,18 @@ def fingerprint_diff(old: dict, new: dict) -> list[str]:
     >>> fingerprint_diff({"config": {"a": 1, "b": 2}}, {"config": {"a": 1, "b": 3, "c": 0}})
     ['b: 2 -> 3', 'c: (absent) -> 0']
     """
+    import reprlib
+
     a, b = old.get("config", {}), new.get("config", {})
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 2, 4, 4, 60, 60
 
-    def show(d: dict, k: str) -> str:
-        return repr(d[k]) if k in d else "(absent)"
+    def show(d: dict, k: str) -> str:  # bounded: a long value never makes a long message
+        return short.repr(d[k]) if k in d else "(absent)"
 
-    return [f"{k}: {show(a, k)} -> {show(b, k)}" for k in sorted(set(a) | set(b)) if show(a, k) != show(b, k)]
+    missing = object()
+    return [f"{k}: {show(a, k)} -> {show(b, k)}" for k in sorted(set(a) | set(b))
+            if repr(a.get(k, missing)) != repr(b.get(k, missing))]
 
 
 def has_run_output(directory: str | os.PathLike) -> bool:

@@ -202,3 +202,10 @@ def test_a_fingerprint_recorded_before_data_fingerprints_still_resumes(tmp_path)
     write_fingerprint(tmp_path / "run", old)
     (tmp_path / "run" / "step_000002").mkdir()
     check_fingerprint(tmp_path / "run", run_fingerprint(_data_cfg(data)))
+
+
+def test_a_differing_long_value_is_named_briefly():
+    from grpo.rundir import fingerprint_diff
+
+    diff = fingerprint_diff({"config": {"env.x": list(range(10_000))}}, {"config": {"env.x": list(range(10_001))}})
+    assert diff == ["env.x: [0, 1, 2, 3, ...] -> [0, 1, 2, 3, ...]"]
