@@ -1,25 +1,29 @@
 #!/usr/bin/env python
-"""The runs and checks of the GPU check (issue 15); scripts/gpu_check.sh installs what the device lacks
-and calls this. Everything runs on tests/configs/tiny.yaml (toy:demo policy built locally, arithmetic
-env, hf generation backend, ZeRO-3, reference on), NCCL, 3 steps:
+"""The checks of the GPU check (issues 15, 21); scripts/gpu_check.sh installs what the device lacks and calls
+this. One line per check, in order of value (CHECKS), then ``PEAK_MEMORY {json}`` (GiB per phase, the most over
+steps), <out>/gpu_check.json (the verdict), and "GPU CHECK: PASS" (exit 0) or "GPU CHECK: FAIL" (exit 1).
 
-  bf16      1 process, checkpoint at step 2, logger.monitor_gpus=true, advantages on the GPU, phase
-            peaks (train_grpo.py's memory/<phase>_* on CUDA): gpu/* and memory/* present and plausible
-  resume    1 process, bf16: 2 steps, then the same command to 3 resumes from step 2
-  fp32      1 process: losses compared with bf16
-  bf16_2gpu 2 processes when the device has 2 GPUs: losses compared with 1 process
-  pytest    tests/gpu (offload, fp32 gradient accumulation, bf16 vs fp32 on a fixed batch, memory metrics),
-            and the vLLM tests on CUDA where vllm is installed
+  1. one pytest process over tests/gpu (NCCL, one GPU, a ~9M Llama built locally): ZeRO-3 bf16 with fp32
+     gradient accumulation (buffer dtype), optimizer offload on ZeRO-1 (BF16_Optimizer) / 2 / 3 with training
+     equal to an untouched twin, the ZeRO-3 refit gather equal to the HF export bit for bit, mem_get_info
+     metrics, grpo's collectives and the tensor-parallel lockstep on NCCL, bf16 vs fp32 on fixed batches; the
+     vLLM tests on CUDA only where vllm is installed (else the check says so);
+  2. train_grpo.py on tests/configs/tiny.yaml (toy:demo built locally, arithmetic env, hf backend, reference
+     on) with ZeRO-3 forced on one GPU, bf16: 2 steps with a checkpoint at step 2, logger.monitor_gpus=true,
+     advantages on the GPU (startup line, token_mult_prob_error, gpu/* and memory/* plausible); then the same
+     command to step 3 resumes from step 2;
+  3. the same run with deepspeed_config auto (one GPU in bf16: ZeRO-1): step-1 loss equal to ZeRO-3's;
+  4. 2 processes (ZeRO-3) when the device has 2 GPUs: step-1 loss equal to 1 process.
 
-Tolerances. Step 1 of every run generates from the same checkpoint with the same seeds, so its samples
-are the same unless bf16 rounding (or another GPU count) flips a sampled token: step-1 losses must agree
-within LOSS_TOL (measured on the CPU: bf16 vs fp32 within 1e-5 at all 3 steps). Later steps and the
-resumed step only warn beyond LATER_TOL / RESUME_TOL (their samples may differ by one flipped token).
-token_mult_prob_error (generation vs training logprobs of the same weights) must stay under
-MULT_PROB_MAX[precision]. Prints one line per check, ``PEAK_MEMORY {json}`` (GiB per phase, the most
-over steps), writes <out>/gpu_check.json, ends with "GPU CHECK: PASS" (exit 0) or "GPU CHECK: FAIL" (exit 1).
+Tolerances. Step 1 of every run generates from the same checkpoint with the same seeds, so its samples are the
+same unless rounding (another ZeRO stage, another GPU count) flips a sampled token: step-1 losses must agree
+within LOSS_TOL. Later steps and the resumed step only warn beyond LATER_TOL / RESUME_TOL (their samples may
+differ by one flipped token). token_mult_prob_error (generation vs training logprobs of the same weights) must
+stay under MULT_PROB_MAX[precision].
 
-    python scripts/gpu_check.py --out DIR [--budget-s 480] [--cpu]   # --cpu: the same runs on the CPU (gloo)
+    python scripts/gpu_check.py --out DIR [--budget-s 480]
+    python scripts/gpu_check.py --cpu --out DIR      # the same logic on the CPU (gloo, fp32; tests/gpu skipped)
+    python scripts/gpu_check.py --skip-all REASON    # list every check as skipped (no CUDA): stdlib only
 """
 
 from __future__ import annotations
@@ -45,9 +49,93 @@ GPU_KEYS = ("gpu/memory_allocated_gib", "gpu/memory_reserved_gib", "gpu/peak_mem
             "gpu/device_used_gib", "gpu/device_free_gib")
 
 
+# (name, what it checks) in order of value; `--skip-all` lists them, the verdict has one entry each.
+CHECKS = (
+    ("zero3_bf16_fp32_accumulation", "tests/gpu: ZeRO-3 in bf16 sums gradients in an fp32 buffer on the GPU"),
+    ("optimizer_offload", "tests/gpu: optimizer offload on ZeRO-1 (BF16_Optimizer), 2, 3 frees the GPU; "
+                          "training equals an untouched twin"),
+    ("refit_gather_equals_export", "tests/gpu: the ZeRO-3 refit gather equals the HF export bit for bit"),
+    ("memory_metrics", "tests/gpu: mem_get_info, phase peaks, gpu/* metrics"),
+    ("loop_zero3_one_gpu", "train_grpo.py, ZeRO-3 on one GPU, bf16, reference on: 2 steps, checkpoint, metrics"),
+    ("resume", "the same command to step 3 resumes from the step-2 checkpoint"),
+    ("nccl_collectives_tp_lockstep", "tests/gpu: grpo's collectives and the vLLM TP group's lockstep on NCCL"),
+    ("auto_config", "train_grpo.py with deepspeed_config auto: step-1 loss equals ZeRO-3's"),
+    ("bf16_vs_fp32", "tests/gpu: bf16 and fp32 agree on fixed batches"),
+    ("two_processes", "2 processes (ZeRO-3): step-1 loss equals 1 process"),
+    ("vllm", "the vLLM tests on CUDA (only where vllm is installed)"),
+)
+PYTEST_CHECKS = {  # check -> pytest node ids (prefixes) that make it
+    "zero3_bf16_fp32_accumulation": ["tests/gpu/test_gpu_engines.py::test_bf16_zero3_engine_accumulates_gradients"],
+    "optimizer_offload": ["tests/gpu/test_gpu_engines.py::test_optimizer_offload_frees_the_gpu"],
+    "refit_gather_equals_export": ["tests/gpu/test_gpu_engines.py::test_zero3_refit_gather_equals_the_export"],
+    "memory_metrics": ["tests/gpu/test_gpu_memory.py"],
+    "nccl_collectives_tp_lockstep": ["tests/gpu/test_gpu_collectives.py"],
+    "bf16_vs_fp32": ["tests/gpu/test_gpu_engines.py::test_bf16_and_fp32_agree"],
+    "vllm": ["tests/test_generation_vllm.py", "tests/test_generation_vllm_qwen2.py"],
+}
+ZERO3 = "ds_configs/zero3.json"
+
+
 # --------------------------------------------------------------------------------------------------
-# Checks on metrics rows: pure functions (tests/test_gpu_check.py)
+# What runs print and write, and checks on metrics rows: pure functions (tests/test_gpu_check.py)
 # --------------------------------------------------------------------------------------------------
+def parse_startup(text: str) -> dict:
+    """The facts of train_grpo.py's startup line ("grpo-ds: N rank(s), ..., reference X, ..., DeepSpeed PATH
+    (why), ..."): {"ranks": N, "reference": X ("skipped" when off), "deepspeed": PATH}; {} without the line."""
+    import re
+
+    line = next((l for l in text.splitlines() if l.startswith("grpo-ds: ")), None)
+    if line is None:
+        return {}
+    out: dict = {}
+    for key, pattern, cast in (("ranks", r"grpo-ds: (\d+) rank", int), ("reference", r", reference (\S+?),", str),
+                               ("deepspeed", r", DeepSpeed (\S+)", str)):
+        m = re.search(pattern, line)
+        if m:
+            out[key] = cast(m.group(1))
+    return out
+
+
+def junit_outcomes(xml_text: str) -> dict[str, tuple[str, str]]:
+    """pytest's --junitxml report -> {node id: (outcome, message)}, outcome passed / failed / skipped."""
+    import xml.etree.ElementTree as ET
+
+    out = {}
+    for case in ET.fromstring(xml_text).iter("testcase"):
+        node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+        outcome, message = "passed", ""
+        for tag, name in (("failure", "failed"), ("error", "failed"), ("skipped", "skipped")):
+            el = case.find(tag)
+            if el is not None:
+                outcome, message = name, (el.get("message") or el.text or "").strip().splitlines()[0][:300] \
+                    if (el.get("message") or el.text) else ""
+                break
+        out[node] = (outcome, message)
+    return out
+
+
+def pytest_check(outcomes: dict[str, tuple[str, str]], prefixes: list[str]) -> tuple[str, str]:
+    """(level, message) of one check from the outcomes of its tests: FAIL if one failed or none ran, SKIP if all
+    skipped, else OK."""
+    mine = {n: o for n, o in outcomes.items() if any(n.startswith(p) for p in prefixes)}
+    if not mine:
+        return "FAIL", f"no test collected for {prefixes}"
+    failed = [f"{n.split('::')[-1]}: {m}" for n, (o, m) in mine.items() if o == "failed"]
+    if failed:
+        return "FAIL", "; ".join(failed)
+    if all(o == "skipped" for o, _ in mine.values()):
+        return "SKIP", next(iter(mine.values()))[1]
+    passed = sum(o == "passed" for o, _ in mine.values())
+    return "OK", f"{passed} passed" + (f", {len(mine) - passed} skipped" if passed < len(mine) else "")
+
+
+def worst(levels: list[str]) -> str:
+    for level in ("FAIL", "WARN"):
+        if level in levels:
+            return level
+    return "OK"
+
+
 def train_rows(rows: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "train/loss" in r}
 
@@ -140,11 +228,10 @@ def train(out: Path, name: str, overrides: list[str], *, nproc: int, cpu: bool, 
           log_name: str | None = None) -> dict:
     """One train_grpo.py run (which records memory/<phase>_* on CUDA) into out/name;
     its output goes to out/<log_name or name>.log."""
-    script = "train_grpo.py"
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc_per_node", str(nproc)]
     run_dir = out / name
-    cmd = [*launcher, script, "--config", TINY, f"logger.log_dir={run_dir}/logs",
+    cmd = [*launcher, "train_grpo.py", "--config", TINY, f"logger.log_dir={run_dir}/logs",
            f"checkpointing.checkpoint_dir={run_dir}/ckpt", *overrides]
     t0 = time.monotonic()
     try:
@@ -154,25 +241,40 @@ def train(out: Path, name: str, overrides: list[str], *, nproc: int, cpu: bool, 
         rc, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
         text = text.decode(errors="replace") if isinstance(text, bytes) else text
     (out / f"{log_name or name}.log").write_text(" ".join(cmd) + "\n" + text)
-    return {"rc": rc, "seconds": time.monotonic() - t0, "rows": read_rows(run_dir / "logs"), "text": text}
+    return {"rc": rc, "seconds": time.monotonic() - t0, "rows": read_rows(run_dir / "logs"), "text": text,
+            "startup": parse_startup(text)}
+
+
+def skip_all(reason: str) -> int:
+    for name, what in CHECKS:
+        print(f"SKIP {name}: {reason} ({what})")
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for logs, metrics and gpu_check.json")
+    ap.add_argument("--out", help="folder for logs, metrics and gpu_check.json")
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of all runs (default 8 min)")
-    ap.add_argument("--cpu", action="store_true", help="run the same sequence on the CPU (checks the script itself)")
+    ap.add_argument("--cpu", action="store_true", help="the same logic on the CPU (gloo, fp32; tests/gpu skipped)")
+    ap.add_argument("--two-process", action="store_true", help="with --cpu: also the 2-process run")
+    ap.add_argument("--skip-all", metavar="REASON", help="list every check as skipped with REASON and exit 0")
     args = ap.parse_args(argv)
+    if args.skip_all:
+        return skip_all(args.skip_all)
+    if not args.out:
+        ap.error("--out is required")
     import torch
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
-    results: list[tuple[str, str]] = []
+    verdict: dict[str, tuple[str, str]] = {}
+    runs: dict[str, dict] = {}
+    peaks: dict = {}
 
-    def say(level: str, msg: str) -> None:
-        results.append((level, msg))
-        print(f"{level:4} {msg}", flush=True)
+    def say(name: str, level: str, msg: str) -> None:
+        verdict[name] = (level, msg)
+        print(f"{level:4} {name}: {msg}", flush=True)
 
     def left() -> float:
         return deadline - time.monotonic()
@@ -180,110 +282,128 @@ def main(argv=None) -> int:
     n_gpus = 0 if args.cpu else torch.cuda.device_count()
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if n_gpus else 0.0
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
+    precision = "float32" if args.cpu else "bfloat16"  # bf16 is 5-30x slower on the CPU; its logic is the same
     import deepspeed
     import transformers
 
-    say("INFO", f"{device} x{max(n_gpus, 1)}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
-                f"{transformers.__version__}, deepspeed {deepspeed.__version__}, python {sys.version.split()[0]}")
+    print(f"INFO {device} x{max(n_gpus, 1)}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
+          f"{transformers.__version__}, deepspeed {deepspeed.__version__}, python {sys.version.split()[0]}", flush=True)
 
-    from grpo.toy import resolve_model_name
+    # ---- 1. tests/gpu in one pytest process (highest value first), the vLLM tests where vllm is installed
+    import importlib.util
 
-    resolve_model_name("toy:demo")  # built locally once, before the timed runs share it
-    common = ["grpo.max_num_steps=3", "logger.monitor_gpus=true", "checkpointing.save_period=2"]
-    runs: dict[str, dict] = {}
-
-    def start(name: str, overrides: list[str], nproc: int = 1, steps: int = 3,
-              log_name: str | None = None) -> dict | None:
-        label = log_name or name
-        if left() < 30:
-            say("FAIL", f"{label}: not run, the {args.budget_s:.0f} s budget is spent")
-            return None
-        r = train(out, name, overrides, nproc=nproc, cpu=args.cpu, timeout=min(left(), 240),
-                  log_name=label)
-        got = sorted(train_rows(r["rows"]))
-        r["ok"] = r["rc"] == 0 and got == list(range(1, steps + 1))
-        say("OK" if r["ok"] else "FAIL", f"{label}: exit {r['rc']} in {r['seconds']:.0f} s, steps {got} "
-                                         f"(log: {out / label}.log)")
-        if r["rc"] != 0:
-            print("\n".join("     | " + line for line in r["text"].splitlines()[-25:]), flush=True)
-        runs[label] = r
-        return r if r["ok"] else None
-
-    def mult_prob(name: str, precision: str) -> None:
-        rows = train_rows(runs[name]["rows"])
-        worst = max((r.get("train/token_mult_prob_error") or float("inf") for r in rows.values()), default=float("inf"))
-        say("OK" if worst <= MULT_PROB_MAX[precision] else "FAIL",
-            f"{name}: token_mult_prob_error max {worst:.5f} (<= {MULT_PROB_MAX[precision]})")
-
-    # ---- bf16, 1 process: the reference of the other runs; metrics; phase peaks
-    bf16 = start("bf16", [*common, "policy.precision=bfloat16", "grpo.calculate_advantages_on_gpu=true"])
-    if bf16:
-        say("OK" if "reference on" in bf16["text"] else "FAIL", "bf16: the reference policy is on (KL penalty 0.01)")
-        mult_prob("bf16", "bfloat16")
-        if not args.cpu:
-            problems = check_gpu_metrics(bf16["rows"], total_gib)
-            say("FAIL" if problems else "OK", "bf16: gpu/* and memory/* metrics " +
-                ("; ".join(problems[:6]) if problems else f"present and plausible ({total_gib:.1f} GiB device)"))
-        peaks = peak_memory_report(bf16["rows"])
-        print("PEAK_MEMORY " + json.dumps({"run": "bf16, 1 process", "device": device, "gib": peaks}), flush=True)
-
-    # ---- checkpoint and resume
-    part = start("resume", [*common, "policy.precision=bfloat16", "grpo.max_num_steps=2"], steps=2,
-                 log_name="resume_first_2_steps")
-    if part:
-        resumed = start("resume", [*common, "policy.precision=bfloat16"], log_name="resume_to_step_3")
-        if resumed:
-            ok = "resumed from" in resumed["text"] and "(step 2," in resumed["text"]
-            say("OK" if ok else "FAIL", "resume: the second run resumed from the step-2 checkpoint and ran step 3"
-                if ok else "resume: the second run did not say 'resumed from ... (step 2, ...'")
-            if bf16:
-                whole = train_rows(bf16["rows"]).get(3, {}).get("train/loss")
-                again = train_rows(resumed["rows"]).get(3, {}).get("train/loss")
-                same = finite(whole) and finite(again) and abs(whole - again) <= RESUME_TOL
-                say("OK" if same else "WARN", f"resume: step 3 loss {again} resumed vs {whole} uninterrupted "
-                                              f"(tolerance {RESUME_TOL}; GPU kernels need not be deterministic)")
-
-    # ---- fp32 vs bf16
-    fp32 = start("fp32", [*common, "policy.precision=float32", "checkpointing.enabled=false"])
-    if fp32:
-        mult_prob("fp32", "float32")
-        if bf16:
-            for level, msg in compare_losses(train_rows(fp32["rows"]), train_rows(bf16["rows"]), "fp32 vs bf16"):
-                say(level, msg)
-
-    # ---- 2 processes
-    if n_gpus >= 2 or args.cpu:
-        two = start("bf16_2gpu", [*common, "policy.precision=bfloat16"], nproc=2)
-        if two and bf16:
-            for level, msg in compare_losses(train_rows(two["rows"]), train_rows(bf16["rows"]), "2 vs 1 process"):
-                say(level, msg)
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    pytest_names = [n for n in PYTEST_CHECKS if n != "vllm" or has_vllm]
+    if args.cpu:
+        for name in pytest_names:
+            say(name, "SKIP", "--cpu: needs CUDA (its CPU twin is in the default suite: tests/test_gpu_check.py, "
+                              "tests/test_offload.py, tests/test_device_rules.py)")
     else:
-        say("INFO", f"bf16_2gpu: skipped, {n_gpus} GPU")
-
-    # ---- GPU unit tests
-    if left() > 30 and not args.cpu:
+        nodes = [n for name in pytest_names for n in PYTEST_CHECKS[name]]
+        junit = out / "pytest_gpu.xml"
         t0 = time.monotonic()
         try:
-            # the vLLM files skip themselves where vllm is not installed (the lent image has none)
-            p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
-                                "tests/test_generation_vllm.py", "tests/test_generation_vllm_qwen2.py"], cwd=REPO,
-                               env=child_env(False), capture_output=True, text=True, timeout=left())
-            rc, text = p.returncode, p.stdout + p.stderr
-        except subprocess.TimeoutExpired:
-            rc, text = "timeout", ""
-        (out / "pytest_gpu.log").write_text(text)
-        tail = [line for line in text.splitlines() if line.strip()][-1:] or ["no output"]
-        say("OK" if rc == 0 else "FAIL", f"pytest tests/gpu + vLLM tests: {tail[0]} in {time.monotonic() - t0:.0f} s")
-        if rc != 0:
-            print("\n".join("     | " + line for line in text.splitlines()[-40:]), flush=True)
+            p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                                f"--junitxml={junit}", *dict.fromkeys(n.split("::")[0] for n in nodes)],
+                               cwd=REPO, env=child_env(False), capture_output=True, text=True,
+                               timeout=max(min(left() - 120, 300), 30))
+            text = p.stdout + p.stderr
+        except subprocess.TimeoutExpired as e:
+            text = f"timeout after {time.monotonic() - t0:.0f} s\n{e.stdout or ''}"
+        (out / "pytest_gpu.log").write_text(text if isinstance(text, str) else text.decode(errors="replace"))
+        outcomes = junit_outcomes(junit.read_text()) if junit.exists() else {}
+        for name in pytest_names:
+            level, msg = pytest_check(outcomes, PYTEST_CHECKS[name]) if outcomes else \
+                ("FAIL", f"pytest gave no report ({out / 'pytest_gpu.log'}): {text.strip().splitlines()[-1:]}")
+            say(name, level, msg)
+        print(f"INFO pytest tests/gpu took {time.monotonic() - t0:.0f} s (log: {out / 'pytest_gpu.log'})", flush=True)
+    if not has_vllm:
+        say("vllm", "SKIP", "vllm is not installed here: the vLLM tests did not run")
 
-    failed = [m for level, m in results if level == "FAIL"]
-    summary = {"pass": not failed, "device": device, "gpus": n_gpus, "results": results,
+    # ---- 2. the loop: ZeRO-3 on one device, checkpoint at step 2, then resume to step 3
+    common = ["logger.monitor_gpus=true", "checkpointing.save_period=2", f"policy.precision={precision}"]
+
+    def start(name: str, overrides: list[str], steps: list[int], nproc: int = 1, log_name: str | None = None):
+        label = log_name or name
+        if left() < 30:
+            return None, f"{label}: not run, the {args.budget_s:.0f} s budget is spent"
+        r = train(out, name, overrides, nproc=nproc, cpu=args.cpu, timeout=min(left(), 240), log_name=label)
+        runs[label] = r
+        got = sorted(train_rows(r["rows"]))  # a resumed run appends to the rows of the run it resumes
+        if r["rc"] != 0 or not set(steps) <= set(got) or max(got) != steps[-1]:
+            tail = [line for line in r["text"].splitlines() if line.strip()][-3:]
+            return None, f"{label}: exit {r['rc']} in {r['seconds']:.0f} s, steps {got} (log {out / label}.log): {tail}"
+        return r, f"{label}: {len(steps)} steps in {r['seconds']:.0f} s"
+
+    def mult_prob(r: dict) -> tuple[str, str]:
+        rows = train_rows(r["rows"])
+        w = max((x.get("train/token_mult_prob_error") or float("inf") for x in rows.values()), default=float("inf"))
+        return ("OK" if w <= MULT_PROB_MAX[precision] else "FAIL"), f"token_mult_prob_error max {w:.5f}"
+
+    zero3, msg = start("zero3", [*common, f"policy.deepspeed_config={ZERO3}", "grpo.max_num_steps=2",
+                                 "grpo.calculate_advantages_on_gpu=true"], [1, 2], log_name="zero3_first_2_steps")
+    if zero3 is None:
+        say("loop_zero3_one_gpu", "FAIL", msg)
+    else:
+        st = zero3["startup"]
+        parts = [("OK", msg),
+                 ("OK" if st.get("deepspeed") == ZERO3 else "FAIL", f"DeepSpeed {st.get('deepspeed')}"),
+                 ("OK" if st.get("reference") not in (None, "skipped") else "FAIL", f"reference {st.get('reference')}"),
+                 mult_prob(zero3)]
+        if not args.cpu:
+            problems = check_gpu_metrics(zero3["rows"], total_gib)
+            parts.append(("FAIL", "; ".join(problems[:4])) if problems else ("OK", "gpu/* and memory/* plausible"))
+        say("loop_zero3_one_gpu", worst([lv for lv, _ in parts]), "; ".join(m for _, m in parts))
+        peaks = peak_memory_report(zero3["rows"])
+        print("PEAK_MEMORY " + json.dumps({"run": "zero3, 1 process", "device": device, "gib": peaks}), flush=True)
+    resumed = None
+    if zero3 is None:
+        say("resume", "FAIL", "not run: the first two steps failed")
+    else:
+        resumed, msg = start("zero3", [*common, f"policy.deepspeed_config={ZERO3}", "grpo.max_num_steps=3",
+                                       "grpo.calculate_advantages_on_gpu=true"], [3], log_name="zero3_resume_to_step_3")
+        if resumed is None:
+            say("resume", "FAIL", msg)
+        else:
+            ok = "resumed from" in resumed["text"] and "(step 2," in resumed["text"]
+            say("resume", "OK" if ok else "FAIL", f"{msg}; " + ("resumed from the step-2 checkpoint" if ok else
+                                                               "no 'resumed from ... (step 2, ...' line"))
+
+    # ---- 3. deepspeed_config auto (one device: ZeRO-1 in bf16, no ZeRO in fp32) against ZeRO-3
+    auto, msg = start("auto", [*common, "checkpointing.enabled=false", "grpo.max_num_steps=3"], [1, 2, 3])
+    if auto is None:
+        say("auto_config", "FAIL", msg)
+    else:
+        parts = [("OK", f"{msg}, DeepSpeed {auto['startup'].get('deepspeed')}"), mult_prob(auto)]
+        if zero3 is not None:
+            a, z = train_rows(auto["rows"]), {**train_rows(zero3["rows"]), **train_rows((resumed or {}).get("rows", []))}
+            parts += compare_losses(a, z, "auto vs ZeRO-3")
+        say("auto_config", worst([lv for lv, _ in parts]), "; ".join(m for _, m in parts))
+
+    # ---- 4. two processes
+    if n_gpus >= 2 or (args.cpu and args.two_process):
+        two, msg = start("two", [*common, "checkpointing.enabled=false", "grpo.max_num_steps=3"], [1, 2, 3], nproc=2)
+        if two is None:
+            say("two_processes", "FAIL", msg)
+        elif zero3 is not None:
+            parts = [("OK", f"{msg}, DeepSpeed {two['startup'].get('deepspeed')}")]
+            parts += compare_losses(train_rows(two["rows"]), train_rows(zero3["rows"]), "2 vs 1 process")
+            say("two_processes", worst([lv for lv, _ in parts]), "; ".join(m for _, m in parts))
+        else:
+            say("two_processes", "OK", msg)
+    else:
+        say("two_processes", "SKIP", f"{n_gpus} GPU" if not args.cpu else "--cpu without --two-process")
+
+    failed = [n for n, (level, _) in verdict.items() if level == "FAIL"]
+    summary = {"pass": not failed, "device": device, "gpus": n_gpus, "precision": precision,
+               "checks": [{"name": n, "status": verdict.get(n, ("FAIL", "not run"))[0],
+                           "message": verdict.get(n, ("FAIL", "not run"))[1]} for n, _ in CHECKS],
+               "peak_memory_gib": peaks,
                "losses": {name: {s: r.get("train/loss") for s, r in train_rows(run["rows"]).items()}
                           for name, run in runs.items()}}
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     print(f"GPU CHECK: {'PASS' if not failed else 'FAIL'} ({len(failed)} failed, "
-          f"{sum(level == 'WARN' for level, _ in results)} warnings; {out / 'gpu_check.json'})", flush=True)
+          f"{sum(level == 'WARN' for level, _ in verdict.values())} warnings; {out / 'gpu_check.json'})", flush=True)
     return 0 if not failed else 1
 
 

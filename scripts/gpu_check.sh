@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU check of grpo-ds in one call (issue 15): NCCL, ZeRO-3, bf16 and fp32, the hf backend, reference on,
-# checkpoint and resume, 1 and (with 2 GPUs) 2 processes, gpu/* and memory/* metrics, per-phase peak memory,
-# and the GPU-only tests in tests/gpu. At most 8 minutes (GPU_CHECK_BUDGET_S, default 480).
+# GPU check of grpo-ds in one call (issues 15, 21), in order of value (scripts/gpu_check.py's CHECKS): tests/gpu
+# (ZeRO-3 bf16 with fp32 accumulation, optimizer offload on ZeRO-1/2/3, refit gather = export bit for bit,
+# mem_get_info metrics, NCCL collectives and the TP lockstep, bf16 vs fp32), a real 3-step loop with ZeRO-3 on one
+# GPU, a checkpoint and a resume, the auto config, 2 processes with 2 GPUs, the vLLM tests where vllm is installed.
+# One line per check, a JSON verdict. At most 8 minutes (GPU_CHECK_BUDGET_S, default 480).
 #
 # How to run it on a lent GPU machine (torch, transformers and accelerate installed; no deepspeed, no
 # network; the working tree is copied over, 64 MiB at most):
@@ -15,7 +17,7 @@
 #      the toy model, runs scripts/gpu_check.py and ends with "GPU CHECK: PASS" or "GPU CHECK: FAIL"; the
 #      "PEAK_MEMORY {...}" line is the peak memory per phase. Logs, metrics and gpu_check.json go to $OUT
 #      when set (the folder a `run` call brings back), else results/gpu_check.
-# Without a CUDA device it prints "no CUDA device: GPU checks skipped" and exits 0.
+# Without a CUDA device it prints "no CUDA device: GPU checks skipped", lists every check as skipped, exits 0.
 #
 #   bash scripts/gpu_check.sh                  # the check (GPU_WHEELS=DIR: another wheel folder)
 #   bash scripts/gpu_check.sh --prepare DIR    # build the wheel folder (pip; network)
@@ -114,6 +116,12 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     exit 1
   fi
   echo "no CUDA device: GPU checks skipped"
+  # every check, listed as skipped (the listing needs no package: any python3 will do)
+  for lister in "$PY" python3 python; do
+    if command -v "$lister" >/dev/null 2>&1 && "$lister" scripts/gpu_check.py --skip-all "no CUDA device" 2>/dev/null; then
+      break
+    fi
+  done
   exit 0
 fi
 

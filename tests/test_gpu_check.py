@@ -26,12 +26,17 @@ def sh(*args, timeout=120, **env):
                           text=True, timeout=timeout, env={**os.environ, "PYTHON": sys.executable, **env})
 
 
+SKIPPED = "no CUDA device: GPU checks skipped\n" + "".join(
+    f"SKIP {name}: no CUDA device ({what})\n" for name, what in gpu_check.CHECKS)
+
+
 @no_cuda
-def test_without_cuda_the_check_skips_and_succeeds():
+def test_without_cuda_the_check_skips_every_check_and_succeeds():
     p = sh()
-    assert p.returncode == 0 and p.stdout == "no CUDA device: GPU checks skipped\n", p.stdout + p.stderr
-    # an interpreter without torch at all counts as no CUDA device too
-    assert sh(PYTHON="/nonexistent/python").stdout == "no CUDA device: GPU checks skipped\n"
+    assert p.returncode == 0 and p.stdout == SKIPPED, p.stdout + p.stderr
+    assert len(gpu_check.CHECKS) == 11 and set(gpu_check.PYTEST_CHECKS) <= {n for n, _ in gpu_check.CHECKS}
+    # an interpreter without torch at all counts as no CUDA device too (the list needs only the stdlib)
+    assert sh(PYTHON="/nonexistent/python").stdout == SKIPPED
     assert sh("--what").returncode == 2
 
 
@@ -138,16 +143,68 @@ def test_prepare_builds_a_small_wheel_folder_that_provides_the_missing_packages(
     assert q.returncode == 0 and q.stdout.strip().endswith("[]"), q.stdout + q.stderr[-2000:]
 
 
-@pytest.mark.slow
-def test_the_whole_check_sequence_passes_on_the_cpu(tmp_path):
-    p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(tmp_path), "--budget-s", "900"],
-                       cwd=REPO, capture_output=True, text=True, timeout=1200,
+def _check_on_the_cpu(tmp_path, *extra) -> tuple[subprocess.CompletedProcess, dict]:
+    p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(tmp_path), "--budget-s", "900",
+                        *extra], cwd=REPO, capture_output=True, text=True, timeout=1200,
                        env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert p.returncode == 0 and "GPU CHECK: PASS" in p.stdout, p.stdout[-4000:] + p.stderr[-3000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert summary["pass"] and set(summary["losses"]) == {"bf16", "resume_first_2_steps", "resume_to_step_3",
-                                                           "fp32", "bf16_2gpu"}
+    return p, summary
+
+
+def test_the_check_sequence_passes_on_the_cpu(tmp_path):
+    """scripts/gpu_check.py end to end on the CPU (fp32, gloo; about a minute): the runs, the startup line it
+    parses (ZeRO-3 forced on one rank, reference on), the resume, the auto config, one line per check and the
+    verdict. It looked for "reference on", which run.py no longer printed, and only `-m slow` ran it."""
+    p, summary = _check_on_the_cpu(tmp_path)
+    status = {c["name"]: c["status"] for c in summary["checks"]}
+    assert list(status) == [n for n, _ in gpu_check.CHECKS]
+    assert {n for n, s in status.items() if s == "OK"} == {"loop_zero3_one_gpu", "resume", "auto_config"}, status
+    assert {n for n, s in status.items() if s != "OK"} == set(gpu_check.PYTEST_CHECKS) | {"two_processes"}
+    assert all(s == "SKIP" for n, s in status.items() if n != "auto_config" and s != "OK")
+    assert set(summary["losses"]) == {"zero3_first_2_steps", "zero3_resume_to_step_3", "auto"}
+    lines = [line for line in p.stdout.splitlines() if line[:4] in ("OK  ", "FAIL", "WARN", "SKIP")]
+    assert [line.split(":")[0].split()[-1] for line in lines] == [n for n in gpu_check.PYTEST_CHECKS] + [
+        "loop_zero3_one_gpu", "resume", "auto_config", "two_processes"]
+    assert "DeepSpeed ds_configs/zero3.json; reference FrozenModel" in p.stdout
     assert any(line.startswith("PEAK_MEMORY {") for line in p.stdout.splitlines())
+
+
+@pytest.mark.slow
+def test_the_check_with_two_processes_passes_on_the_cpu(tmp_path):
+    _, summary = _check_on_the_cpu(tmp_path, "--two-process")
+    assert {c["name"]: c["status"] for c in summary["checks"]}["two_processes"] == "OK"
+
+
+STARTUP = ("grpo-ds: 1 rank(s), 64 train / 8 val prompts (0 over data.max_input_seq_length filtered, 0 with no "
+           "room under policy.max_total_sequence_length skipped, 0 malformed rows skipped), 3 steps, reference "
+           "FrozenModel, previous-policy logprobs from the training forward, DeepSpeed ds_configs/zero3.json "
+           "(policy.deepspeed_config), tasks ['arithmetic'], up to 1 turn(s) per rollout")
+
+
+def test_parse_startup_reads_ranks_reference_and_deepspeed_config():
+    assert gpu_check.parse_startup("noise\n" + STARTUP + "\ndone") == {
+        "ranks": 1, "reference": "FrozenModel", "deepspeed": "ds_configs/zero3.json"}
+    assert gpu_check.parse_startup(STARTUP.replace("reference FrozenModel", "reference skipped"))["reference"] \
+        == "skipped"
+    assert gpu_check.parse_startup("no such line") == {}
+
+
+def test_pytest_checks_come_from_the_junit_report():
+    xml = """<testsuites><testsuite>
+      <testcase classname="tests.gpu.test_gpu_engines" name="test_optimizer_offload_frees_the_gpu_and_training[zero2]"/>
+      <testcase classname="tests.gpu.test_gpu_engines" name="test_optimizer_offload_frees_the_gpu_and_training[zero3]">
+        <failure message="AssertionError: freed 0">trace</failure></testcase>
+      <testcase classname="tests.gpu.test_gpu_memory" name="test_a"><skipped message="no CUDA device"/></testcase>
+    </testsuite></testsuites>"""
+    outcomes = gpu_check.junit_outcomes(xml)
+    assert outcomes["tests/gpu/test_gpu_memory.py::test_a"] == ("skipped", "no CUDA device")
+    level, msg = gpu_check.pytest_check(outcomes, gpu_check.PYTEST_CHECKS["optimizer_offload"])
+    assert level == "FAIL" and "[zero3]: AssertionError: freed 0" in msg
+    assert gpu_check.pytest_check(outcomes, gpu_check.PYTEST_CHECKS["memory_metrics"]) == ("SKIP", "no CUDA device")
+    assert gpu_check.pytest_check(outcomes, ["tests/gpu/test_nothing.py"])[0] == "FAIL"
+    ok = gpu_check.junit_outcomes(xml.replace('<failure message="AssertionError: freed 0">trace</failure>', ""))
+    assert gpu_check.pytest_check(ok, gpu_check.PYTEST_CHECKS["optimizer_offload"]) == ("OK", "2 passed")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,3 +219,11 @@ def test_the_gpu_zero3_check_runs_on_the_cpu(tiny_model_dir):
 
     engines.init_distributed()
     check_zero3_bf16_accumulates_in_fp32(tiny_model_dir)
+
+
+def test_the_gpu_refit_gather_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
+    from grpo import engines
+    from tests.gpu.test_gpu_engines import check_zero3_refit_gather_equals_the_export
+
+    engines.init_distributed()
+    check_zero3_refit_gather_equals_the_export(tiny_model_dir, str(tmp_path / "export"))

@@ -70,8 +70,29 @@ def check_zero3_bf16_accumulates_in_fp32(model_dir: str) -> None:
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in train_steps(engine, range(2)))
 
 
+def check_zero3_refit_gather_equals_the_export(model_dir: str, out_dir: str) -> None:
+    """After a bf16 ZeRO-3 step, what the vLLM refit pushes (`grpo.weights.iter_gathered_params`, bucketed
+    layer gathers) equals the consolidated HF export (the checkpoint a user loads) bit for bit, every exported
+    tensor pushed. Also run on the CPU (tests/test_gpu_check.py)."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    engine = engines.build_policy_engine(make_cfg(model_dir, "bfloat16", ZERO3), 1, total_optimizer_steps=2)
+    train_steps(engine, range(1))
+    pushed = {n: t.detach().cpu().clone() for b in weights.iter_gathered_params(engine, 2**16) for n, t in b}
+    weights.export_hf(engine, out_dir, AutoTokenizer.from_pretrained(model_dir))
+    exported = load_file(str(Path(out_dir) / "model.safetensors"))
+    assert exported and set(exported) <= set(pushed), sorted(set(exported) - set(pushed))
+    differ = [n for n, t in exported.items() if t.dtype != pushed[n].dtype or not torch.equal(t, pushed[n])]
+    assert differ == [], differ
+
+
 def test_bf16_zero3_engine_accumulates_gradients_in_fp32(model_dir, nccl_group):
     check_zero3_bf16_accumulates_in_fp32(model_dir)
+
+
+def test_zero3_refit_gather_equals_the_export_bit_for_bit(model_dir, nccl_group, tmp_path):
+    check_zero3_refit_gather_equals_the_export(model_dir, str(tmp_path / "export"))
 
 
 @pytest.mark.parametrize("deepspeed_config", ["auto", "ds_configs/zero2.json", ZERO3],
