@@ -1,11 +1,14 @@
 """Tests of the sandboxed python tool (grpo/envs/sandbox.py): confinement, limits, clean-up.
 
 They need Landlock (Linux >= 5.13 with landlock in the LSM list) and skip without it; the network and
-process checks also need the namespaces, and skip where the run reports they were not available.
+process checks also need the namespaces, and skip where the run reports they were not available; the
+read-only mounts need a mount namespace (a user namespace, or root), and skip where this process cannot
+make one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import signal
@@ -207,7 +210,8 @@ def test_python_tool_in_a_tool_environment():
         message = "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
         ret = env.step([[{"role": "assistant", "content": message}]], [{"question": "q", "answer": "42"}])
         (obs,) = ret.observations[0]
-        assert obs["content"].startswith("42\nTraceback") and "PermissionError" in obs["content"]
+        assert obs["content"].startswith("42\nTraceback")
+        assert "PermissionError" in obs["content"] or "Read-only file system" in obs["content"], obs["content"]
         assert obs["content"].endswith("[exit code 1]") and not ret.metadata[0]["invalid_tool_call"]
     finally:
         env.shutdown()
@@ -402,3 +406,149 @@ print("built")
     assert result.output == "built\n" and result.exit_code == 0, result
     assert outside.read_text() == "keep me" and (tmp_path / "outside_dir" / "f").read_text() == "keep me too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt", "outside_dir"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Metadata (chmod, chown, utime, xattrs), which Landlock does not cover: read-only mounts and seccomp
+# --------------------------------------------------------------------------------------------------
+def mount_namespace_refused() -> str | None:
+    """Why this process cannot make a mount namespace in which it may remount (None: it can), probed in a
+    forked child as the sandbox does it: with a user namespace, or as root without one."""
+    pid = os.fork()
+    if pid == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        os._exit(0 if libc.unshare(0x10000000 | 0x00020000) == 0 or libc.unshare(0x00020000) == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    return None if os.waitstatus_to_exitcode(status) == 0 else "neither a user namespace nor CAP_SYS_ADMIN here"
+
+
+def metadata(path) -> tuple:
+    st = os.lstat(path)
+    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns, st.st_ctime_ns
+
+
+ATTEMPTS = """
+import os
+def attempt(name, f):
+    try:
+        f()
+        print(name, "WORKED")
+    except OSError as err:
+        print(name, "denied", os.strerror(err.errno))
+"""
+
+
+def test_cannot_change_metadata_outside_its_scratch_directory(tmp_path):
+    if (reason := mount_namespace_refused()) is not None:
+        pytest.skip(reason)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("data")
+    os.chmod(victim, 0o644)
+    os.utime(victim, ns=(1_000_000_000, 1_000_000_000))
+    before = {p: metadata(p) for p in (victim, tmp_path)}
+    via_proc = f"/proc/{os.getpid()}/root{victim}"  # the trainer's mount namespace, through its /proc entry
+    code = ATTEMPTS + f"""
+attempt("chmod", lambda: os.chmod({str(victim)!r}, 0o777))
+attempt("chmod_dir", lambda: os.chmod({str(tmp_path)!r}, 0o777))
+attempt("chmod_via_proc", lambda: os.chmod({via_proc!r}, 0o777))
+attempt("utime", lambda: os.utime({str(victim)!r}, (0, 0)))
+attempt("utime_now", lambda: os.utime({str(victim)!r}))
+attempt("chown", lambda: os.chown({str(victim)!r}, os.getuid(), os.getgid()))
+attempt("lchown", lambda: os.lchown({str(victim)!r}, -1, -1))
+attempt("setxattr", lambda: os.setxattr({str(victim)!r}, "user.grpo", b"x"))
+attempt("link_in", lambda: os.link({str(victim)!r}, "hardlink"))
+attempt("chmod_scratch_parent", lambda: os.chmod("..", 0o777))
+"""
+    result = run_python(code)
+    lines = result.output.splitlines()
+    assert len(lines) == 10 and all(" denied " in line for line in lines), result.output
+    assert result.isolation["mountns"] and result.isolation["readonly_root"] is True, result.isolation
+    for name in ("chmod", "chmod_dir", "utime", "utime_now", "setxattr", "chmod_scratch_parent"):
+        assert f"{name} denied Read-only file system" in lines, result.output
+    assert {p: metadata(p) for p in (victim, tmp_path)} == before
+    assert "user.grpo" not in os.listxattr(victim)
+
+
+def test_cannot_fchmod_a_file_opened_read_only_outside():
+    if (reason := mount_namespace_refused()) is not None:
+        pytest.skip(reason)
+    library = os.path.realpath(os.__file__)  # beneath an allowed read root; its own mode: harmless if it worked
+    before = {p: metadata(p) for p in (library, "/dev/null")}
+    code = ATTEMPTS + f"""
+for path in ({library!r}, "/dev/null"):
+    fd = os.open(path, os.O_RDONLY)
+    mode = os.fstat(fd).st_mode & 0o7777
+    attempt("fchmod " + path, lambda: os.fchmod(fd, mode))
+    attempt("fchown " + path, lambda: os.fchown(fd, -1, -1))
+    attempt("fsetxattr " + path, lambda: os.setxattr(fd, "user.grpo", b"x"))
+    attempt("futimes " + path, lambda: os.utime(fd))
+print(open(os.devnull, "w").write("still writable"))
+"""
+    result = run_python(code)
+    lines = result.output.splitlines()
+    assert len(lines) == 9 and all(" denied " in line for line in lines[:8]) and lines[8] == "14", result.output
+    assert f"fchmod {library} denied Read-only file system" in lines, result.output
+    assert {p: metadata(p) for p in (library, "/dev/null")} == before
+
+
+def test_setuid_and_setgid_bits_and_chown_are_refused_even_in_scratch():
+    numbers = {"x86_64": (90, 268, 452), "aarch64": (None, 53, 452)}.get(platform.machine())
+    if numbers is None:
+        pytest.skip(f"no seccomp filter for {platform.machine()}")
+    chmod_nr, fchmodat_nr, fchmodat2_nr = numbers
+    code = ATTEMPTS + f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def raw(nr, *args):
+    if libc.syscall(nr, *args) != 0:
+        raise OSError(ctypes.get_errno(), "")
+open("tool", "w").write("#!/bin/sh\\n")
+os.chmod("tool", 0o755)
+os.mkdir("dir")
+attempt("chmod_suid", lambda: os.chmod("tool", 0o4755))
+attempt("chmod_sgid", lambda: os.chmod("tool", 0o2755))
+attempt("chmod_sgid_dir", lambda: os.chmod("dir", 0o2775))
+fd = os.open("tool", os.O_RDONLY)
+attempt("fchmod_suid", lambda: os.fchmod(fd, 0o4755))
+attempt("fchmodat_suid", lambda: raw({fchmodat_nr}, -100, b"tool", 0o4755))
+attempt("fchmodat2_suid", lambda: raw({fchmodat2_nr}, -100, b"tool", 0o6755, 0))
+if {chmod_nr} is not None:
+    attempt("chmod_syscall_suid", lambda: raw({chmod_nr}, b"tool", 0o104755))
+attempt("chown", lambda: os.chown("tool", os.getuid(), os.getgid()))
+attempt("fchown", lambda: os.fchown(fd, -1, -1))
+print(oct(os.stat("tool").st_mode & 0o7777), oct(os.stat("dir").st_mode & 0o7777))
+attempt("chmod_plain", lambda: os.chmod("tool", 0o700))
+"""
+    result = run_python(code)
+    lines = result.output.splitlines()
+    refused = [line for line in lines if line.endswith(" denied Operation not permitted")]
+    assert len(refused) == (9 if chmod_nr else 8) and "WORKED" not in "".join(lines[:-2]), result.output
+    assert lines[-2:] == ["0o755 0o755", "chmod_plain WORKED"], result.output
+
+
+def test_ordinary_file_work_inside_scratch_still_works(tmp_path):
+    outside = tmp_path / "readable.txt"
+    outside.write_text("outside")
+    code = """
+import os, shutil, subprocess, sys
+open("script.sh", "w").write("#!/bin/sh\\necho script ran $1\\n")
+os.chmod("script.sh", 0o755)
+print(subprocess.run(["./script.sh", "ok"], capture_output=True, text=True).stdout.strip())
+open("tool.py", "w").write("print('tool ran')")
+print(subprocess.run([sys.executable, "tool.py"], capture_output=True, text=True).stdout.strip())
+shutil.copy("script.sh", "copy.sh")
+print(oct(os.stat("copy.sh").st_mode & 0o777), open("copy.sh").read() == open("script.sh").read())
+shutil.copy2("script.sh", "copy2.sh")
+os.utime("copy.sh", (1, 2))
+print(os.stat("copy.sh").st_mtime)
+os.makedirs("a/b/c")
+os.chmod("a/b", 0o700)
+os.rename("a/b/c", "c")
+os.symlink("copy.sh", "link")
+os.truncate("copy.sh", 3)
+print(open("link").read(), sorted(os.listdir(".")))
+"""
+    result = run_python(code)
+    assert result.exit_code == 0 and result.output.splitlines() == [
+        "script ran ok", "tool ran", "0o755 True", "2.0",
+        "#!/ ['a', 'c', 'copy.sh', 'copy2.sh', 'link', 'main.py', 'script.sh', 'tool.py']"], result.output

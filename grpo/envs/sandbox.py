@@ -1,29 +1,51 @@
 """The built-in ``python`` code tool (``env.tools: ["grpo.envs.sandbox:python"]``): code runs in a sandbox.
 
-Each call writes the code to ``main.py`` in a fresh scratch directory (removed afterwards) and runs
-``python -I -B -u main.py`` there (unbuffered: stdout and stderr interleave in program order), through
-two steps of `grpo.envs.sandbox_child` run as a script:
+Each call writes the code to ``main.py`` in a fresh scratch directory (``work`` in a private 0700
+directory made for the call; both removed afterwards) and runs ``python -I -B -u main.py`` there
+(unbuffered: stdout and stderr interleave in program order), through two steps of
+`grpo.envs.sandbox_child` run as a script:
 
 1. a launcher (the process group leader, killed with its group at the wall-clock limit, and by the
-   kernel when the tool worker that started it dies) that enters new user, network, PID, IPC and UTS
-   namespaces where the OS allows it, then forks an init: PID 1 of the new PID namespace, which
-   reports how the code ended; when it exits or is killed, every process in the namespace dies;
+   kernel when the tool worker that started it dies) that enters new user, mount, network, PID, IPC and
+   UTS namespaces where the OS allows it, then forks an init: PID 1 of the new PID namespace, which
+   remounts every mount of its mount namespace but the scratch directory read-only, forks the code's
+   process and reports how the code ended; when it exits or is killed, every process in the namespace dies;
 2. the code's process, forked by the init, which sets the resource limits, confines itself with
    Landlock, installs a seccomp filter, drops every capability and execs the interpreter on ``main.py``.
 
 What it enforces, and where:
 
 - **writes only inside the scratch directory** (Landlock, Linux >= 5.13 with Landlock enabled): creating,
-  writing, truncating, renaming or deleting anything elsewhere fails with PermissionError, whatever the
-  file permissions say and whether the process runs as root or not. **Reads and execution** are allowed
-  only beneath the Python installation (``sys.prefix``, ``sys.base_prefix``, the stdlib and
-  site-packages), ``/usr``, ``/lib*``, ``/bin``, ``/sbin``, ``/dev/{null,zero,full,random,urandom}`` (not
+  writing, truncating, renaming or deleting anything elsewhere fails, whatever the file permissions say
+  and whether the process runs as root or not: with PermissionError from Landlock, or first with OSError
+  EROFS where the read-only mounts below hold (most writes: the kernel checks the mount first). **Reads
+  and execution** are allowed only beneath the Python installation (``sys.prefix``, ``sys.base_prefix``,
+  the stdlib and site-packages), ``/usr``, ``/lib*``, ``/bin``, ``/sbin``, ``/dev/{null,zero,full,random,urandom}`` (not
   the disks: a raw block device would bypass every rule), a few files of ``/etc`` (the loader
   cache, localtime, passwd, group), the code process's own ``/proc/self``, ``/proc/cpuinfo``,
   ``/proc/meminfo``, ``/sys/devices/system/cpu`` and the scratch directory, so files elsewhere (the home
   directory, ``/tmp``, the training data, keys in ``~/.cache``, ``/etc/shadow``, other processes'
   ``/proc`` entries) cannot be read. Where Landlock is missing, `run_python` refuses to run code
   (``require_landlock=True``, the default) and the call returns an error.
+- **no metadata changes outside the scratch directory** (Landlock does not cover chmod, chown, utime or
+  xattrs): in a new mount namespace (with the user namespace, or as root without one) every mount is
+  made private (nothing propagates to or from the host), the scratch directory is bind-mounted onto
+  itself (read-write, nosuid, nodev) and every other mount point of /proc/self/mountinfo is remounted
+  read-only (keeping the nosuid/nodev/noexec/atime flags a user namespace locks), so ``chmod``,
+  ``utime``, ``setxattr`` and writes anywhere else fail with OSError EROFS ("Read-only file system"),
+  also through a descriptor opened read-only (``fchmod`` of a file under ``/usr``, of ``/dev/null``), and
+  hard links into the scratch directory fail with EXDEV; ``/dev/null`` stays writable (a device). Inside
+  the scratch directory everything works (files, ``chmod +x`` and run, ``shutil.copy``, ``os.utime``).
+  A mount hidden under another one at the same path cannot be reached and stays as it was. The code
+  cannot undo this: it has no capability, Landlock forbids mount changes, and a user namespace it makes
+  inherits the mounts locked read-only. ``SandboxResult.isolation``: ``mountns``, ``readonly_root`` (True
+  when every reachable mount was made read-only; else ``writable_mounts`` or ``mount_error`` says what
+  did not). Independently of the mounts, the seccomp filter refuses (EPERM) ``chmod``/``fchmod``/
+  ``fchmodat``/``fchmodat2`` with S_ISUID or S_ISGID in the mode and the whole chown family (``chown``,
+  ``fchown``, ``lchown``, ``fchownat``), wherever the file lies. A setuid file can still be *created*
+  in the scratch directory (``open(path, O_CREAT, 0o4755)``, ``mknod``): inside the sandbox it grants
+  nothing (nosuid mount, ``no_new_privs``), and outside it lies in the 0700 directory that the code
+  cannot chmod (it is read-only to it) until it is removed.
 - **no network**: a new network namespace has no interface but a loopback that is down, so no packet
   leaves or arrives (needs user namespaces or root). With Landlock ABI >= 4, TCP bind/connect are
   also denied. Where neither is available, the code has the network.
@@ -69,7 +91,11 @@ number); a program that sleeps uses no CPU time, so only the wall-clock limit st
 Without user/PID namespaces (e.g. a container whose seccomp profile forbids ``unshare``), or as root
 on a kernel older than 6.14, the number of processes is not limited; without namespaces the network
 stays on (but for Landlock's TCP rule) and background processes that leave the process group can
-outlive the call (they stay confined and CPU-limited).
+outlive the call (they stay confined and CPU-limited). Without a mount namespace (neither a user
+namespace nor root, or ``unshare`` forbidden: ``isolation["readonly_root"]`` is False) the code can
+still change the permission bits (not setuid/setgid), timestamps and ``user.*`` xattrs of any file the
+trainer's user owns wherever it can name it (as root: most of the system, e.g. ``chmod 000`` on the
+training data), including the directory holding its scratch directory; ownership stays refused.
 """
 
 from __future__ import annotations
@@ -117,7 +143,8 @@ class SandboxLimits:
 @dataclass
 class SandboxResult:
     """What a run gave: the output (stdout and stderr interleaved, decoded), how it ended, and which
-    protections were in force (``isolation``: landlock ABI, namespaces, process limit)."""
+    protections were in force (``isolation``: landlock ABI, namespaces (userns, mountns, netns, pidns),
+    readonly_root, process limit)."""
 
     output: str
     exit_code: int | None  # None when it was killed by a signal
@@ -177,13 +204,17 @@ def run_python(code: str, limits: SandboxLimits = DEFAULT_LIMITS, require_landlo
         return SandboxResult("error: the python tool is unavailable: this kernel has no Landlock (Linux >= 5.13 "
                              "with landlock in its LSM list), so the sandbox cannot keep code from writing "
                              "outside its directory", None, None, False, False, {"landlock": 0})
-    scratch = tempfile.mkdtemp(prefix="grpo-sandbox-")  # in a tool worker: beneath its scratch root
+    # The code's directory lies in a private (0700) one that it cannot chmod (read-only to it), so no other
+    # user of the host can reach what it leaves there (say a setuid copy of a binary) before it is removed.
+    top = tempfile.mkdtemp(prefix="grpo-sandbox-")  # in a tool worker: beneath its scratch root
     try:
+        scratch = os.path.join(top, "work")
+        os.mkdir(scratch, 0o700)
         with open(os.path.join(scratch, "main.py"), "w") as f:
             f.write(code)
         return _run_in(scratch, limits, require_landlock)
     finally:
-        remove_tree(scratch)  # every process of the sandbox is dead by now (but without a PID namespace)
+        remove_tree(top)  # every process of the sandbox is dead by now (but without a PID namespace)
 
 
 def _run_in(scratch: str, limits: SandboxLimits, require_landlock: bool) -> SandboxResult:

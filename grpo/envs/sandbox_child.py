@@ -1,9 +1,10 @@
 """Inside the python tool's sandbox: this file runs as a script (``python -I -B sandbox_child.py ARGS``),
 so it imports the standard library only. See `grpo.envs.sandbox` for what it enforces and why.
 
-1. the launcher (`_child_main`) enters new user, network, PID, IPC and UTS namespaces where the OS
-   allows it, then forks an init: PID 1 of the new PID namespace, which reports how the code ended;
-   when it exits or is killed, every process in the namespace dies;
+1. the launcher (`_child_main`) enters new user, mount, network, PID, IPC and UTS namespaces where the
+   OS allows it, then forks an init: PID 1 of the new PID namespace, which makes every mount but the
+   scratch directory read-only (`_read_only_mounts`), forks the code's process and reports how the code
+   ended; when it exits or is killed, every process in the namespace dies;
 2. the code's process (`_run_code`), forked by the init, sets the resource limits, confines itself
    with Landlock, installs a seccomp filter, drops every capability and execs the interpreter on
    ``main.py``.
@@ -15,6 +16,7 @@ import ctypes
 import json
 import os
 import platform
+import re
 import resource
 import signal
 import sys
@@ -27,8 +29,11 @@ _FS_READ = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
 _FS_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | 1 << 14 | 1 << 15  # + truncate, ioctl_dev
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 1, 38, 24
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
-_CLONE_NEWUTS, _CLONE_NEWIPC = 0x04000000, 0x08000000
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_NOSYMFOLLOW = 1, 2, 4, 8, 32, 256
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "nosymfollow": _MS_NOSYMFOLLOW}
 
 
 def _libc():
@@ -55,20 +60,85 @@ def _check(ret: int, what: str) -> int:
 
 
 def _enter_namespaces(libc) -> dict:
-    """New user (mapped to our own uid/gid), network, PID, IPC and UTS namespaces; what it got."""
+    """New user (mapped to our own uid/gid), mount, network, PID, IPC and UTS namespaces; what it got: the
+    first set the OS allows of: all of them; all but the mount namespace; the same two without a user
+    namespace (root where user namespaces are forbidden); a mount namespace alone (none: a container whose
+    seccomp profile forbids ``unshare``)."""
     uid, gid = os.geteuid(), os.getegid()
-    flags = _CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
-    if libc.unshare(flags) == 0:
+    others = _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
+    for userns, flags in ((True, _CLONE_NEWNS | others), (True, others), (False, _CLONE_NEWNS | others),
+                          (False, others), (False, _CLONE_NEWNS)):
+        if libc.unshare(flags | (_CLONE_NEWUSER if userns else 0)) == 0:
+            break
+    else:
+        return {"userns": False, "mountns": False, "netns": False, "pidns": False}
+    if userns:
         with open("/proc/self/setgroups", "w") as f:
             f.write("deny")
         with open("/proc/self/uid_map", "w") as f:
             f.write(f"0 {uid} 1")
         with open("/proc/self/gid_map", "w") as f:
             f.write(f"0 {gid} 1")
-        return {"userns": True, "netns": True, "pidns": True}
-    if libc.unshare(_CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS) == 0:  # root without userns
-        return {"userns": False, "netns": True, "pidns": True}
-    return {"userns": False, "netns": False, "pidns": False}
+    return {"userns": userns, "mountns": bool(flags & _CLONE_NEWNS), "netns": bool(flags & _CLONE_NEWNET),
+            "pidns": bool(flags & _CLONE_NEWPID)}
+
+
+def _mount_table() -> list[tuple[int, str, int]]:
+    """This mount namespace's mounts from /proc/self/mountinfo: (mount id, mount point, the per-mount flags
+    that a bind remount must repeat: nosuid, nodev, noexec, nosymfollow). The kernel keeps the atime flags
+    when a remount names none, and refuses (EPERM) to clear a flag it locked in a user namespace."""
+    table = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])  # \040: a space
+            flags = sum(_MOUNT_OPTION_FLAGS.get(o, 0) for o in fields[5].decode().split(","))
+            table.append((int(fields[0]), os.fsdecode(point), flags))
+    return table
+
+
+def _mount_id(fd: int) -> int:
+    """The id of the mount an open file lies on (``mnt_id`` of /proc/self/fdinfo)."""
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("mnt_id:"))
+
+
+def _read_only_mounts(libc, scratch: str) -> dict:
+    """In this (new) mount namespace: make every mount private (nothing propagates to or from the host's),
+    bind-mount ``scratch`` onto itself (read-write, nosuid, nodev) and remount every other mount read-only,
+    then make ``scratch`` the working directory (the old one lies on the now read-only mount beneath it).
+
+    chmod, chown, utime, setxattr and writes anywhere but beneath ``scratch`` then fail with EROFS, whatever
+    Landlock (which does not cover metadata) and the file permissions say; hard links into ``scratch`` from
+    outside fail with EXDEV. A mount whose mount point leads to another mount (one mounted over it) cannot
+    be reached by path and is left as it is. Returns ``readonly_root`` and the mounts that stayed writable."""
+    _check(libc.mount(None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None), "mount(/, MS_PRIVATE)")
+    target = os.fsencode(scratch)
+    _check(libc.mount(target, target, None, ctypes.c_ulong(_MS_BIND), None), "bind mount of the scratch directory")
+    fd = os.open(scratch, os.O_PATH | os.O_CLOEXEC)
+    try:
+        scratch_mount = _mount_id(fd)
+    finally:
+        os.close(fd)
+    writable = []
+    for mount_id, point, flags in _mount_table():
+        try:
+            fd = os.open(point, os.O_PATH | os.O_CLOEXEC)
+        except OSError:  # beneath a mount that hides it
+            continue
+        try:
+            if _mount_id(fd) != mount_id:  # hidden by a mount on top of it: the path leads to that one
+                continue
+            extra = _MS_NOSUID | _MS_NODEV if mount_id == scratch_mount else _MS_RDONLY
+            path = f"/proc/self/fd/{fd}".encode()  # exactly this mount, however the path resolves
+            if libc.mount(None, path, None, ctypes.c_ulong(_MS_REMOUNT | _MS_BIND | flags | extra), None) != 0:
+                if mount_id == scratch_mount:
+                    continue  # nosuid and nodev are extras: the code runs with no_new_privs and no CAP_MKNOD
+                writable.append(f"{point}: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(fd)
+    os.chdir(scratch)
+    return {"readonly_root": not writable, **({"writable_mounts": writable} if writable else {})}
 
 
 def _landlock(libc, abi: int, scratch: str, read_roots: list[str]) -> None:
@@ -111,14 +181,17 @@ def _landlock(libc, abi: int, scratch: str, read_roots: list[str]) -> None:
 # The seccomp filter (classic BPF over struct seccomp_data: int nr; u32 arch; u64 ip; u64 args[6]).
 _BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_AND_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x54, 0x06
 _DATA_NR, _DATA_ARCH = 0, 4
-_DATA_ARG_LOW = (16, 24)  # the low 32 bits of args[0] and args[1] (little-endian); the kernel reads ints
+_DATA_ARG_LOW = (16, 24, 32)  # the low 32 bits of args[0..2] (little-endian); the kernel reads ints and modes
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 _EACCES, _EPERM = 13, 1
 _AF_INET, _AF_INET6, _SOCK_STREAM, _SOCK_TYPE_MASK = 2, 10, 1, 0xF
+_S_ISUID, _S_ISGID = 0o4000, 0o2000
 _X32_SYSCALL_BIT = 0x40000000
-_SECCOMP_ABIS = {  # AUDIT_ARCH_*, then the native numbers of socket, socketpair, io_uring_{setup,enter,register}
-    "x86_64": (0xC000003E, 41, 53, (425, 426, 427)),
-    "aarch64": (0xC00000B7, 198, 199, (425, 426, 427)),
+_SECCOMP_ABIS = {  # AUDIT_ARCH_* and the native syscall numbers (aarch64 has no chmod, chown, lchown)
+    "x86_64": {"arch": 0xC000003E, "socket": 41, "socketpair": 53, "io_uring": (425, 426, 427),
+               "mode_in_arg1": (90, 91), "mode_in_arg2": (268, 452), "chown": (92, 93, 94, 260)},
+    "aarch64": {"arch": 0xC00000B7, "socket": 198, "socketpair": 199, "io_uring": (425, 426, 427),
+                "mode_in_arg1": (52,), "mode_in_arg2": (53, 452), "chown": (54, 55)},
 }
 
 
@@ -133,25 +206,35 @@ def seccomp_program(machine: str, allow_socketpair: bool = False) -> list[tuple[
     3. ``socketpair()`` fails with EACCES, or with ``allow_socketpair`` succeeds for SOCK_STREAM only (a
        connected stream pair cannot address anything else: connect/sendto answer EISCONN, while a
        SOCK_DGRAM pair could ``sendto`` any Unix socket path);
-    4. io_uring (setup, enter, register) fails with EPERM: IORING_OP_SOCKET makes sockets without socket().
+    4. io_uring (setup, enter, register) fails with EPERM: IORING_OP_SOCKET makes sockets without socket();
+    5. chmod, fchmod (mode in args[1]), fchmodat and fchmodat2 (mode in args[2]) fail with EPERM when the
+       mode has S_ISUID or S_ISGID: no setuid/setgid file, wherever it lies (the read-only mounts are the
+       first line: this one also holds where the mount namespace could not be had);
+    6. chown, fchown, lchown and fchownat fail with EPERM.
     """
     if machine not in _SECCOMP_ABIS:
         return []
-    arch, sys_socket, sys_socketpair, sys_io_uring = _SECCOMP_ABIS[machine]
+    nr = _SECCOMP_ABIS[machine]
     source = [
         # 1. the ABI: check seccomp_data.arch before anything reads a syscall number
-        ("ld", _DATA_ARCH), ("jeq", arch, None, "kill"),
+        ("ld", _DATA_ARCH), ("jeq", nr["arch"], None, "kill"),
         ("ld", _DATA_NR), ("jge", _X32_SYSCALL_BIT, "kill", None),
         # dispatch on the syscall number
-        ("jeq", sys_socket, "socket", None),
-        ("jeq", sys_socketpair, "socketpair", None),
-        *[("jeq", nr, "eperm", None) for nr in sys_io_uring],
+        ("jeq", nr["socket"], "socket", None),
+        ("jeq", nr["socketpair"], "socketpair", None),
+        *[("jeq", n, "eperm", None) for n in nr["io_uring"]],
+        *[("jeq", n, "mode_in_arg1", None) for n in nr["mode_in_arg1"]],
+        *[("jeq", n, "mode_in_arg2", None) for n in nr["mode_in_arg2"]],
+        *[("jeq", n, "eperm", None) for n in nr["chown"]],
         ("ret", _RET_ALLOW),
         # 2. socket(domain, ...): an allow-list of domains
         "socket", ("ld", _DATA_ARG_LOW[0]), ("jeq", _AF_INET, "allow", None), ("jeq", _AF_INET6, "allow", "eacces"),
         # 3. socketpair(domain, type, ...): stream pairs only, and only when allowed
         "socketpair", ("ld", _DATA_ARG_LOW[1]), ("and", _SOCK_TYPE_MASK),
         ("jeq", _SOCK_STREAM, "allow" if allow_socketpair else "eacces", "eacces"),
+        # 5. chmod(path, mode), fchmod(fd, mode); fchmodat(dirfd, path, mode), fchmodat2(dirfd, path, mode, flags)
+        "mode_in_arg1", ("ld", _DATA_ARG_LOW[1]), ("and", _S_ISUID | _S_ISGID), ("jeq", 0, "allow", "eperm"),
+        "mode_in_arg2", ("ld", _DATA_ARG_LOW[2]), ("and", _S_ISUID | _S_ISGID), ("jeq", 0, "allow", "eperm"),
         "allow", ("ret", _RET_ALLOW),
         "eacces", ("ret", _RET_ERRNO | _EACCES),
         "eperm", ("ret", _RET_ERRNO | _EPERM),
@@ -186,7 +269,8 @@ def _assemble(source: list) -> list[tuple[int, int, int, int]]:
 
 def _install_seccomp(libc, allow_socketpair: bool) -> None:
     """Install `seccomp_program` on this (single-threaded) process; its children and exec inherit it. Landlock
-    does not cover connecting to a Unix socket on the filesystem (/var/run/docker.sock, a trainer's socket)."""
+    does not cover connecting to a Unix socket on the filesystem (/var/run/docker.sock, a trainer's socket),
+    nor chmod and chown."""
     program = seccomp_program(platform.machine(), allow_socketpair)
     if not program:
         raise OSError(f"no seccomp filter for this architecture ({platform.machine()}): Unix sockets would be open")
@@ -272,7 +356,14 @@ def _child_main(args: dict) -> None:
     init = os.fork()
     if init == 0:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        isolation["max_tasks"] = _limit_tasks(limits, isolation, args["uid"])
+        isolation["max_tasks"] = _limit_tasks(limits, isolation, args["uid"])  # writes /proc: before the remount
+        isolation["readonly_root"] = False
+        if isolation["mountns"]:
+            try:
+                isolation.update(_read_only_mounts(libc, args["scratch"]))
+            except OSError as err:
+                isolation["mount_error"] = str(err)
+                os.chdir(args["scratch"])  # the bind mount if one was made (then the scratch stays writable)
         code = os.fork()
         if code == 0:
             os.close(status_fd)
