@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from grpo.generation.vllm import VllmGeneration, chunk_slices, generate_in_group, push_buckets
 from grpo.generation.vllm_params import (
-    PARAMS_NOT_LOADED, RELOAD_LOGGERS, kv_cache_bytes_for_step, kv_cache_bytes_per_token, refit_problems,
+    PARAMS_NOT_LOADED, RELOAD_LOGGERS, kv_cache_bytes_for_step, kv_cache_bytes_per_token, kv_cache_shortfall,
+    refit_problems, startup_memory_problem, step_kv_cache_bytes,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -212,3 +213,39 @@ def test_kv_cache_arithmetic():
     one = kv_cache_bytes_for_step(1, 1, 1, 1, bytes_per_token=1, headroom=1.0)
     assert one == 2**20  # whole MiB
     assert kv_cache_bytes_for_step(3, 3, 100, 2, 1000, headroom=1.0) == math.ceil(5 * 100 * 1000 / 2**20) * 2**20
+
+
+def qwen25_15b_config():
+    """Qwen2.5-1.5B's shape (its hub config.json), built locally: nothing is downloaded."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(num_hidden_layers=28, hidden_size=1536, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960, vocab_size=151936)
+
+
+@pytest.mark.parametrize("recipe", ["grpo_math_qwen2.5_1.5b_vllm.yaml", "dapo_qwen2.5_1.5b.yaml"])
+def test_the_engine_sizes_the_kv_cache_of_the_recipes_from_the_model_config(recipe):
+    """The sizing the engine checks at start (`step_kv_cache_bytes`, from the run and the model's HF config) is
+    what the recipes set; a step grown past it warns; the recipes' start-up gate covers weights + KV cache."""
+    from grpo.config_load import load_config
+
+    cfg = load_config(str(REPO / "configs" / recipe), [])
+    v = cfg.policy.generation.vllm_cfg
+    world = cfg.cluster.gpus_per_node * cfg.cluster.num_nodes
+    assert step_kv_cache_bytes(cfg, qwen25_15b_config(), world) == v.kv_cache_memory_bytes
+    assert kv_cache_shortfall(cfg, qwen25_15b_config(), world) is None
+    bigger = cfg.model_copy(deep=True)
+    bigger.grpo.num_prompts_per_step *= 4
+    warning = kv_cache_shortfall(bigger, qwen25_15b_config(), world)
+    assert warning and f"suggests {step_kv_cache_bytes(bigger, qwen25_15b_config(), world)}" in warning
+    # vLLM refuses to start unless free >= gpu_memory_utilization x total, also with the KV cache set: the gate
+    # must pass with the trainer's ~10 GB on an 80 GB GPU and still cover vLLM's own weights and cache
+    total, weights = 80 * 10**9, 2 * 1.54e9
+    assert startup_memory_problem(total - 10 * 10**9, total, v.gpu_memory_utilization) is None
+    assert v.gpu_memory_utilization * total > weights + v.kv_cache_memory_bytes
+
+
+def test_startup_memory_problem_names_the_gate_and_the_value_that_passes():
+    msg = startup_memory_problem(30 * 2**30, 80 * 2**30, 0.5)
+    assert "0.5 x 80.0 = 40.0 GiB" in msg and "30.0 GiB free" in msg and "at most 0.38" in msg
+    assert startup_memory_problem(40 * 2**30, 80 * 2**30, 0.5) is None

@@ -40,8 +40,8 @@ import torch
 
 from grpo.generation.base import GenerationOutput, chunk_slices, length_caps, per_sample_stops  # noqa: F401
 from grpo.generation.vllm_params import (
-    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, llm_kwargs, refit_problems, sampling_kwargs,
-    stop_token_ids, to_output,
+    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, kv_cache_shortfall, llm_kwargs, refit_problems,
+    sampling_kwargs, startup_memory_problem, stop_token_ids, to_output,
 )
 
 # Environment variables an in-process CPU engine sets that would leak into the trainer's children.
@@ -183,6 +183,20 @@ def check_cpu_head_size(model_cfg, name: str) -> None:
                          f"(supported: {supported}); use another model or policy.generation.backend=hf")
 
 
+def check_kv_cache_and_free_memory(cfg, model_cfg, world_size: int, device: torch.device) -> None:
+    """Before the engine starts: warn when the configured KV cache cannot hold one generation batch
+    (`kv_cache_shortfall`), and on a GPU fail with what to change when vLLM would refuse to start for lack of
+    free memory (`startup_memory_problem`: its gate is gpu_memory_utilization, also with kv_cache_memory_bytes)."""
+    if torch.cuda.is_available() and device.type == "cuda":
+        warning = kv_cache_shortfall(cfg, model_cfg, world_size)
+        if warning:
+            logging.getLogger(__name__).warning(warning)
+        free, total = torch.cuda.mem_get_info(device)
+        problem = startup_memory_problem(free, total, cfg.policy.generation.vllm_cfg.gpu_memory_utilization)
+        if problem:
+            raise ValueError(problem)
+
+
 @contextmanager
 def _vllm_groups_only_teardown() -> Iterator[None]:
     """vLLM's ``EngineCore.shutdown`` ends in ``cleanup_dist_env_and_memory``, whose
@@ -276,6 +290,7 @@ class VllmGeneration:
                 logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropCpuSleepWarnings())
             kw = llm_kwargs(cfg, model=model, tokenizer=tok_path, rank=self.rank, world_size=self.world_size,
                             on_cpu=not torch.cuda.is_available(), sleep_mode_available=self.sleep_mode)
+            check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
             self.llm = LLM(**kw)
         # The engine starts with the checkpoint's weights; put it to sleep so that the first refit takes
         # the same path as every later one.

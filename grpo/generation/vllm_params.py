@@ -157,3 +157,51 @@ def kv_cache_bytes_for_step(num_prompts: int, num_generations: int, max_total_se
     samples = -(-num_prompts * num_generations // data_parallel_size)
     raw = samples * max_total_sequence_length * bytes_per_token * headroom
     return int(-(-raw // 2**20) * 2**20)
+
+
+def step_kv_cache_bytes(cfg, hf_config, world_size: int, headroom: float = 2.0) -> int:
+    """`kv_cache_bytes_for_step` of this run on one GPU, from the run config and the model's HF config: a
+    generation batch is grpo.num_prompts_per_step (x grpo.batch_multiplier with dynamic sampling) prompts x
+    num_generations_per_prompt samples, shared by world_size / tensor_parallel_size engines, each up to
+    policy.max_total_sequence_length tokens of KV in the policy's dtype (fp32: 4 bytes, else 2)."""
+    g, p, v = cfg.grpo, cfg.policy, cfg.policy.generation.vllm_cfg
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = kv_cache_bytes_per_token(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
+                                         head_dim, 4 if p.precision == "float32" else 2, v.tensor_parallel_size)
+    prompts = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
+    return kv_cache_bytes_for_step(prompts, g.num_generations_per_prompt, p.max_total_sequence_length,
+                                   max(1, world_size // v.tensor_parallel_size), per_token, headroom)
+
+
+def kv_cache_shortfall(cfg, hf_config, world_size: int) -> str | None:
+    """A warning when ``vllm_cfg.kv_cache_memory_bytes`` cannot hold one generation batch at full length (then
+    vLLM queues and preempts requests: slower, not wrong); None when it can or when vLLM sizes it itself."""
+    kv = cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes
+    need = step_kv_cache_bytes(cfg, hf_config, world_size, headroom=1.0)
+    if kv is None or kv >= need:
+        return None
+    return (f"policy.generation.vllm_cfg.kv_cache_memory_bytes={kv} ({kv / 2**30:.2f} GiB) holds less than one "
+            f"generation batch at full length ({need / 2**30:.2f} GiB per GPU): vLLM will queue and preempt; "
+            f"grpo.generation.vllm_params.step_kv_cache_bytes suggests {step_kv_cache_bytes(cfg, hf_config, world_size)}")
+
+
+def startup_memory_problem(free_bytes: int, total_bytes: int, gpu_memory_utilization: float) -> str | None:
+    """Why vLLM would refuse to start on this GPU, or None. vLLM (0.32-0.33 ``v1/worker/utils.py``
+    ``request_memory``) requires free memory >= gpu_memory_utilization x total at start-up, also when
+    ``kv_cache_memory_bytes`` is set (then the utilization is used for nothing else: it is only this gate).
+
+        >>> startup_memory_problem(30 * 2**30, 80 * 2**30, 0.5) is not None
+        True
+        >>> startup_memory_problem(60 * 2**30, 80 * 2**30, 0.5) is None
+        True
+    """
+    asked = gpu_memory_utilization * total_bytes
+    if free_bytes >= asked:
+        return None
+    return (f"vLLM starts only with free GPU memory >= policy.generation.vllm_cfg.gpu_memory_utilization x total "
+            f"= {gpu_memory_utilization} x {total_bytes / 2**30:.1f} = {asked / 2**30:.1f} GiB (also with "
+            f"kv_cache_memory_bytes set), and the trainer leaves {free_bytes / 2**30:.1f} GiB free: lower "
+            f"gpu_memory_utilization to at most {free_bytes / total_bytes:.2f} (it must still cover vLLM's weights, "
+            "KV cache and activations when kv_cache_memory_bytes is null)")
