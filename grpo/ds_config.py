@@ -35,12 +35,40 @@ def policy_ds_config_path(policy, world_size: int) -> tuple[str, str]:
         'ds_configs/zero1.json'
     """
     if policy.deepspeed_config != "auto":
+        problem = precision_problem(policy.deepspeed_config, policy.precision)
+        if problem:
+            raise ValueError(problem)
         return policy.deepspeed_config, "policy.deepspeed_config"
     if world_size == 1 and policy.precision == "float32":
         return AUTO_CONFIGS["one_rank_fp32"], "auto: one rank in float32, nothing to partition"
     if world_size == 1:
         return AUTO_CONFIGS["one_rank_16bit"], f"auto: one rank in {policy.precision} (ZeRO-1 keeps fp32 masters)"
     return AUTO_CONFIGS["several_ranks"], f"auto: {world_size} ranks"
+
+
+def precision_problem(path: str, precision: str) -> str | None:
+    """Why DeepSpeed would refuse the DeepSpeed JSON at ``path`` with ``precision``, or None.
+
+    Without ZeRO, DeepSpeed accumulates gradients in the model's dtype only: a 16-bit model with
+    ``data_types.grad_accum_dtype`` fp32 (as ds_configs/zero0.json sets) raises NotImplementedError
+    ("unsupported mix of model_dtype and grad_accum_dtype", deepspeed 0.19.8 engine
+    ``_do_optimizer_sanity_check``) when the engine is built. `policy_ds_config_path` raises this before.
+
+        >>> precision_problem("ds_configs/zero0.json", "float32") is None
+        True
+        >>> precision_problem("ds_configs/zero0.json", "bfloat16").split(":")[0]
+        'policy.deepspeed_config=ds_configs/zero0.json with policy.precision=bfloat16'
+    """
+    with open(_resolve_path(path)) as f:
+        ds = json.load(f)
+    accum = ds.get("data_types", {}).get("grad_accum_dtype")
+    names = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    if int(ds.get("zero_optimization", {}).get("stage", 0)) > 0 or accum is None or accum == names[precision]:
+        return None
+    return (f"policy.deepspeed_config={path} with policy.precision={precision}: without ZeRO DeepSpeed accumulates "
+            f"gradients in the model's dtype only, and this file sets data_types.grad_accum_dtype={accum} "
+            "(DeepSpeed raises NotImplementedError). Use deepspeed_config auto (ZeRO-1 on one rank in 16-bit, "
+            "with fp32 accumulation), ds_configs/zero1.json, or policy.precision=float32")
 
 
 def zero_stage(path: str) -> int:
