@@ -9,7 +9,7 @@
 # network; the working tree is copied over, 64 MiB at most):
 #   1. here, on a machine with network, once:
 #        bash scripts/gpu_check.sh --prepare assets/gpu_wheels
-#      builds ~16 MB of wheels (deepspeed, pydantic, torchdata, msgpack, pytest, ...; assets/ is git-ignored)
+#      builds ~13 MB of wheels (deepspeed, pydantic, torchdata, ...; assets/ is git-ignored)
 #      and prints the folder's size;
 #   2. there, in one call that carries the folder:
 #        run(command="bash scripts/gpu_check.sh", carry=["assets/gpu_wheels"], timeout_s=600)
@@ -37,12 +37,13 @@ if [ -z "$PY" ]; then  # the first interpreter that has torch
   PY="${PY:-python3}"
 fi
 
-# Pure-Python wheels the GPU image lacks (versions: those installed where --prepare runs). pydantic-core is
-# compiled: its CPython 3.10-3.14 manylinux x86_64 wheels go in too (2 MB each); msgpack is built without its
-# C extension (MSGPACK_PUREPYTHON=1); exceptiongroup and tomli are pytest's dependencies on Python 3.10.
-PURE="deepspeed hjson py-cpuinfo einops msgpack torchdata pydantic annotated-types typing-inspection
-      typing-extensions nvidia-ml-py pytest pluggy iniconfig pygments packaging"
-PY310_ONLY="exceptiongroup tomli"
+# Pure-Python wheels the GPU image lacks (versions: those installed where --prepare runs). The image (torch 2.11,
+# transformers 5.17, accelerate 1.15, peft; the device tool's KINDS.md lists it) has deepspeed's other needs
+# (py-cpuinfo, einops, msgpack, ninja, psutil, nvidia-ml-py) and pytest with its plugins: carrying our own pytest
+# would shadow the one those plugins were installed for. typing-extensions comes along for pydantic (backward
+# compatible). pydantic-core is compiled: its CPython 3.10-3.14 manylinux x86_64 wheels go in (2 MB each).
+PURE="deepspeed hjson torchdata pydantic annotated-types typing-inspection typing-extensions"
+PY310_ONLY=""
 MAX_MIB=64
 
 prepare() {
@@ -53,7 +54,7 @@ prepare() {
   pins="$("$PY" - $PURE <<'EOF'
 import sys
 from importlib.metadata import PackageNotFoundError, version
-NOT_HERE = {"nvidia-ml-py": "13.615.71"}  # pynvml, for gpu/utilization_pct: not needed on CPU machines
+NOT_HERE = {}
 out = []
 for name in sys.argv[1:]:
     try:
@@ -69,17 +70,18 @@ EOF
   echo "wheels for: $pins pydantic-core==$core"
   local pure_pins="" p
   for p in $pins; do
-    case "$p" in deepspeed*|msgpack*) ;; *) pure_pins="$pure_pins $p" ;; esac
+    case "$p" in deepspeed*) ;; *) pure_pins="$pure_pins $p" ;; esac
   done
   # shellcheck disable=SC2086
   "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$dir" $pure_pins || return 1
-  # shellcheck disable=SC2086
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --implementation py --abi none --platform any \
-    --python-version 3.10 -d "$dir" $PY310_ONLY || return 1
+  if [ -n "$PY310_ONLY" ]; then
+    # shellcheck disable=SC2086
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --implementation py --abi none --platform any \
+      --python-version 3.10 -d "$dir" $PY310_ONLY || return 1
+  fi
   for p in $pins; do
     case "$p" in
       deepspeed*) "$PY" -m pip wheel -q --no-deps -w "$dir" "$p" || return 1 ;;  # an sdist: a pure wheel
-      msgpack*) MSGPACK_PUREPYTHON=1 "$PY" -m pip wheel -q --no-deps --no-binary msgpack -w "$dir" "$p" || return 1 ;;
     esac
   done
   local v
