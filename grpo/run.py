@@ -497,11 +497,11 @@ def run_script(main) -> None:
         print("\ninterrupted during setup (nothing trained yet)", file=sys.stderr)
         stopped = 130
     except Exception as err:  # noqa: BLE001 - the top of the script: say it once, clearly
-        message = known_error_message(err)
-        if message is None or os.environ.get("GRPO_DEBUG", "") not in ("", "0"):
+        message, debug = known_error_message(err), os.environ.get("GRPO_DEBUG", "") not in ("", "0")
+        if message is None or debug:
             traceback.print_exc()
         stopped = message or f"error: {type(err).__name__}: {err}"
-        if message is not None and not os.environ.get("GRPO_DEBUG"):
+        if message is not None and not debug:
             stopped += " (GRPO_DEBUG=1 shows the traceback)"
     from grpo.engines import exit_process
 

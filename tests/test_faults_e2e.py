@@ -46,7 +46,7 @@ def boom_data(tmp: Path, train_boom: bool) -> list[str]:
             "checkpointing.save_period=10"]
 
 
-@pytest.mark.parametrize("where", ["train", "val"])
+@pytest.mark.parametrize("where", ["train", pytest.param("val", marks=pytest.mark.slow)])  # the same path
 def test_an_environment_that_raises_stops_the_sync_loop_with_a_checkpoint_and_one_error_line(tmp_path, where):
     extra = ["grpo.max_num_steps=4"] if where == "train" else ["grpo.max_num_steps=2", "grpo.val_period=1"]
     p = run(cmd(tmp_path, *boom_data(tmp_path, where == "train"), *extra), check=False)
@@ -95,7 +95,10 @@ SIGNAL_RUN = ("grpo.max_num_steps=3", "checkpointing.save_period=100", "env.name
               "env.reward_fn=tests.signal_reward_fns:arithmetic_then_signal")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])
+# SIGUSR1 fails on the old code twice over (killed at once; step 3 not abandoned); SIGTERM and SIGHUP take the
+# same path (tests/test_signals.py checks every signal's handler): slow suite only.
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])
 def test_a_signal_during_a_rollout_abandons_the_step_saves_the_last_one_and_the_rerun_matches(tmp_path, sig,
                                                                                               uninterrupted):
     # 16 reward calls per step: the 40th is in the middle of step 3's rollout. Before, step 3 ran to its end
