@@ -22,14 +22,21 @@ without a device (or with "cpu") is a host tensor, and ``.cpu()`` makes one. ``r
 Host groups (``backend="gloo"``) take CPU tensors, as on GPUs.
 
 Only collectives called through the ``torch.distributed`` namespace are checked (torch's own object
-collectives call the c10d functions underneath and are checked as object collectives). DeepSpeed's engines
-make their tensors on ``get_accelerator()``'s device, which this harness does not simulate: run grpo's own
-collectives under it, not a ZeRO engine.
+collectives call the c10d functions underneath and are checked as object collectives), and only when called
+from code outside the libraries in ``LIBRARIES``: DeepSpeed's engines make their tensors on
+``get_accelerator()``'s device, which this harness does not simulate, so the collectives inside a ZeRO engine
+pass unchecked while grpo's own around it (loss totals, forward counts, flags, object gathers) are checked.
+
+Whole runs: ``python tests/device_rules.py SCRIPT ARGS...`` (or under torchrun) runs SCRIPT as ``__main__``
+inside ``nccl_rules()``; with ``DEVICE_RULES_LOG=FILE`` each checked collective appends a line to FILE.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import runpy
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -45,6 +52,7 @@ TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_ga
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list")
 GLOO_ONLY = ("monitored_barrier",)
+LIBRARIES = ("deepspeed", "torch", "transformers", "accelerate", "vllm")  # their collectives are not checked
 _MARK = "_device_rules_on_accelerator"
 
 
@@ -105,6 +113,7 @@ class NcclRules:
         self.device = torch.device("cpu")  # recognised by identity
         self.host_groups: list = []  # groups created with backend="gloo"
         self.violations: list[str] = []
+        self.checked: list[str] = []  # "<collective> from <caller module>", in order
         self._local = threading.local()
 
     def set_device(self, index: int | torch.device | None = 0) -> None:
@@ -148,6 +157,7 @@ def nccl_rules() -> Iterator[NcclRules]:
     import grpo.engines as engines
 
     rules = NcclRules()
+    log = os.environ.get("DEVICE_RULES_LOG")  # a file that gets one line per checked collective
     rules.set_device()  # the entering thread, as init_distributed does on GPUs
     saved: dict[tuple[object, str], object] = {}
 
@@ -175,7 +185,14 @@ def nccl_rules() -> Iterator[NcclRules]:
             continue
 
         def checked(*args, _func=func, _name=name, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.split(".")[0] in LIBRARIES:
+                return _func(*args, **kwargs)
             group = _group_of(_func, args, kwargs)
+            rules.checked.append(f"{_name} from {caller}")
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"{_name} {caller} {'device' if rules.is_device_group(group) else 'host'}\n")
             if _name in TENSOR_COLLECTIVES:
                 rules.check_tensors(_name, group, _tensors(list(args)) + _tensors(kwargs))
             elif _name in OBJECT_COLLECTIVES:
@@ -194,3 +211,10 @@ def nccl_rules() -> Iterator[NcclRules]:
     finally:
         for (owner, name), value in saved.items():
             setattr(owner, name, value)
+
+
+if __name__ == "__main__":  # python tests/device_rules.py SCRIPT ARGS...: SCRIPT under NCCL's rules
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    with nccl_rules():
+        runpy.run_path(sys.argv[0], run_name="__main__")

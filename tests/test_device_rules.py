@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -127,3 +129,33 @@ def test_vllm_tensor_parallel_lockstep_and_gather_follow_nccl_rules(ranks):
         assert r["lockstep_value"] == 3
         assert r["tp_generate"] == "ok", r["tp_generate"]
         assert r["tp_outputs"] == [f"{[rank]}/{10 + rank}"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole runs on two ranks under the rules: ZeRO-3, multi-turn rollouts, refits, checkpoints, the async producer
+# --------------------------------------------------------------------------------------------------
+MULTITURN = ["grpo.max_rollout_turns=3", "env.name=class", "env.env_class=tests.multiturn_envs:HintThenCheck",
+             "policy.max_total_sequence_length=32", "grpo.max_num_steps=2"]
+
+
+@pytest.mark.parametrize("script, extra", [
+    ("train_grpo.py", ["checkpointing.save_period=1"]),
+    ("train_async_grpo.py", ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]),
+], ids=["sync", "async"])
+def test_two_rank_multiturn_runs_follow_nccl_rules(tmp_path, script, extra):
+    """Every collective grpo calls in a 2-rank multi-turn run (ZeRO-3 engines, refits of the generation copy,
+    checkpoints; in the async loop the producer thread on its gloo group) is legal on NCCL. DeepSpeed's own
+    collectives are not checked (tests/device_rules.py)."""
+    from tests.e2e import REPO, TINY, child_env, paths, train_rows
+
+    log = tmp_path / "collectives.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "tests/device_rules.py", script, "--config", TINY, *MULTITURN, *extra, *paths(tmp_path)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**child_env(1), "DEVICE_RULES_LOG": str(log)})
+    assert p.returncode == 0 and "DeviceRuleError" not in p.stdout + p.stderr, p.stdout[-3000:] + p.stderr[-5000:]
+    assert sorted(train_rows(tmp_path)) == [1, 2]
+    seen = set(log.read_text().splitlines())
+    assert {"all_reduce grpo.engines device", "all_gather_object grpo.rollout device"} <= seen, seen
+    if "async" in script:
+        assert "all_gather_object grpo.rollout host" in seen  # the producer's own gloo group
