@@ -74,6 +74,9 @@ def _utf8(data: bytes, where: str) -> str:
 # bomb whose expanded size would hang validation and the error message (the limits count the expanded tree).
 MAX_YAML_VALUES = 100_000
 MAX_YAML_DEPTH = 64
+# The largest recipe file read (the biggest shipped recipe is a few KB): a path like /dev/zero or a data file passed
+# as --config would otherwise be read whole into memory.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def _expanded_size(node, where: str) -> int:
@@ -136,7 +139,12 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
     if not path.exists():
         raise ConfigError(f"--config {path}: file not found")
     try:
-        text = _utf8(path.read_bytes(), str(path))
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, which no config is (is it a data "
+                              "file or a device?); a recipe holds a few hundred values")
+        text = _utf8(data, str(path))
     except OSError as err:
         raise ConfigError(f"{path}: cannot read it ({err.strerror})") from None
     try:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from grpo.config_load import MAX_YAML_VALUES, ConfigError, apply_overrides, load_config
+from grpo.config_load import MAX_CONFIG_BYTES, MAX_YAML_VALUES, ConfigError, apply_overrides, load_config
 from grpo.registry import _ESTIMATORS, _NEEDS_GROUP, needs_group, register_estimator
 from tests.e2e import REPO, child_env
 
@@ -27,6 +27,16 @@ def error_of(fn, *args) -> str:
     with pytest.raises(ConfigError) as err:
         fn(*args)
     return str(err.value)
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "big"])
+def test_a_config_path_that_never_ends_or_is_huge_is_refused_without_reading_it_whole(tmp_path, source):
+    """``--config /dev/zero`` read 10 GB in 30 s, and a 300 MB YAML hung the parser."""
+    path = source if source.startswith("/dev/") else tmp_path / "big.yaml"
+    if source == "big":
+        path.write_text("a: 1\n" * (MAX_CONFIG_BYTES // 5 + 10))
+    message = error_of(load_config, path)
+    assert f"larger than {MAX_CONFIG_BYTES >> 20} MiB" in message and len(message) < 300
 
 
 def test_a_yaml_alias_bomb_in_a_file_is_refused_at_once(tmp_path):
