@@ -107,8 +107,8 @@ def junit_outcomes(xml_text: str) -> dict[str, tuple[str, str]]:
         for tag, name in (("failure", "failed"), ("error", "failed"), ("skipped", "skipped")):
             el = case.find(tag)
             if el is not None:
-                outcome, message = name, (el.get("message") or el.text or "").strip().splitlines()[0][:300] \
-                    if (el.get("message") or el.text) else ""
+                lines = (el.get("message") or el.text or "").strip().splitlines()
+                outcome, message = name, (lines[0][:300] if lines else "")
                 break
         out[node] = (outcome, message)
     return out
@@ -369,6 +369,10 @@ def main(argv=None) -> int:
             say("resume", "OK" if ok else "FAIL", f"{msg}; " + ("resumed from the step-2 checkpoint" if ok else
                                                                "no 'resumed from ... (step 2, ...' line"))
 
+    def zero3_rows() -> dict[int, dict]:
+        """Steps 1-2 of the ZeRO-3 run and step 3 of its resume."""
+        return {**train_rows(zero3["rows"]), **train_rows((resumed or {}).get("rows", []))}
+
     # ---- 3. deepspeed_config auto (one device: ZeRO-1 in bf16, no ZeRO in fp32) against ZeRO-3
     auto, msg = start("auto", [*common, "checkpointing.enabled=false", "grpo.max_num_steps=3"], [1, 2, 3])
     if auto is None:
@@ -376,8 +380,7 @@ def main(argv=None) -> int:
     else:
         parts = [("OK", f"{msg}, DeepSpeed {auto['startup'].get('deepspeed')}"), mult_prob(auto)]
         if zero3 is not None:
-            a, z = train_rows(auto["rows"]), {**train_rows(zero3["rows"]), **train_rows((resumed or {}).get("rows", []))}
-            parts += compare_losses(a, z, "auto vs ZeRO-3")
+            parts += compare_losses(train_rows(auto["rows"]), zero3_rows(), "auto vs ZeRO-3")
         say("auto_config", worst([lv for lv, _ in parts]), "; ".join(m for _, m in parts))
 
     # ---- 4. two processes
@@ -387,7 +390,7 @@ def main(argv=None) -> int:
             say("two_processes", "FAIL", msg)
         elif zero3 is not None:
             parts = [("OK", f"{msg}, DeepSpeed {two['startup'].get('deepspeed')}")]
-            parts += compare_losses(train_rows(two["rows"]), train_rows(zero3["rows"]), "2 vs 1 process")
+            parts += compare_losses(train_rows(two["rows"]), zero3_rows(), "2 vs 1 process")
             say("two_processes", worst([lv for lv, _ in parts]), "; ".join(m for _, m in parts))
         else:
             say("two_processes", "OK", msg)
