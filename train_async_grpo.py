@@ -39,18 +39,20 @@ def main(argv=None) -> str | int | None:
         return run
     import torch
 
-    from grpo import weights
+    from grpo.system import weights
     from grpo.batch import build_batch
-    from grpo.data import PromptStream
+    from grpo.system.data import PromptStream
     from grpo.metrics import rollout_counts
     from grpo.producer import RolloutProducer, weight_copy
-    from grpo.rollout import RolloutError
+    from grpo.system.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
-    from grpo.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
+    from grpo.system.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
     from grpo.step import (
-        due_save, due_validation, early_stop_reason, initial_sample_mask, measured, record_step, shape_rewards,
-        step_advantages, step_logprobs, step_metrics, train_step,
+        due_save, due_validation, early_stop_reason, initial_sample_mask, record_step, shape_rewards, step_advantages,
+        step_metrics,
     )
+    from grpo.system.tracking import measured
+    from grpo.system.training import step_logprobs, train_step
 
     cfg, g, a, state = run.cfg, run.cfg.grpo, run.cfg.grpo.async_grpo, run.state
 

@@ -22,7 +22,7 @@ import os
 import time
 
 from grpo.run import (
-    dump_rollouts, finish, resume_note, rollout, run_script, save, setup, signal_stop_message, stop_reason,
+    dump_rollouts, finish, resume_note, run_rollout, run_script, save, setup, signal_stop_message, stop_reason,
     stop_requested, validate,
 )
 
@@ -36,16 +36,18 @@ def main(argv=None) -> str | int | None:
     if run is None or isinstance(run, str):
         return run
     from grpo.batch import build_batch
-    from grpo.checkpoint import rng_state
-    from grpo.data import PromptStream
+    from grpo.system.checkpoint import rng_state
+    from grpo.system.data import PromptStream
     from grpo.metrics import rollout_counts
-    from grpo.rollout import RolloutError
+    from grpo.system.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
     from grpo.dynamic_sampling import DynamicSamplingCache
     from grpo.step import (
-        due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask, measured,
-        record_step, shape_rewards, step_advantages, step_logprobs, step_metrics, train_step,
+        due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask, record_step,
+        shape_rewards, step_advantages, step_metrics,
     )
+    from grpo.system.tracking import measured
+    from grpo.system.training import step_logprobs, train_step
 
     cfg, g, state = run.cfg, run.cfg.grpo, run.state
     prompts = PromptStream(run.loader, g.max_num_epochs, state.current_epoch,
@@ -74,7 +76,7 @@ def main(argv=None) -> str | int | None:
             if rows is None:
                 break
             try:
-                r = measured(timing, "rollout", rollout, run, run.generator, run.envs, rows, step, gen_batch)
+                r = measured(timing, "rollout", run_rollout, run, run.generator, run.envs, rows, step, gen_batch)
             except RolloutError as err:  # the state of the last finished step is good: finish() saves it
                 failure, abandoned = f"the rollout of step {step} failed: {err}{resume_note(run)}", step
                 break

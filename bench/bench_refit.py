@@ -55,7 +55,7 @@ def perturb(engine, seed: int, scale: float = 0.02) -> None:
 
 
 def mult_prob_error(gen, engine, tok, prompts: list[str]) -> float:
-    from grpo.step import mult_prob_error as error
+    from grpo.system.training import mult_prob_error as error
 
     return error(engine, gen.generate([tok(p)["input_ids"] for p in prompts], list(range(len(prompts)))),
                  tok.pad_token_id)
@@ -74,12 +74,13 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from grpo import engines
-    from grpo.generation.vllm import VllmGeneration
+    from grpo.system import engines
+    from grpo.system.dist import init_distributed
+    from grpo.system.generation.vllm import VllmGeneration
 
     # The workload's "tiny" model has head size 16, which vLLM's CPU attention does not support.
     cfg = bench_config(workload, "bench")
-    rank, _, world, device = engines.init_distributed()
+    rank, _, world, device = init_distributed()
     tok = AutoTokenizer.from_pretrained(cfg.policy.tokenizer.name)
     policy = engines.build_policy_engine(cfg, world, total_optimizer_steps=1)
     t = time.perf_counter()
@@ -112,6 +113,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from grpo.engines import exit_process
+    from grpo.system.engines import exit_process
 
     exit_process(0)

@@ -5,7 +5,7 @@ to ``T``); position ``t`` of a logprob tensor holds the logprob of token ``t`` g
 ``token_mask_bt`` is 1 exactly on the tokens the policy generated in this rollout (every assistant turn),
 0 on prompt, prompt-history and environment tokens.
 
-    >>> from grpo.rollout import Message, Trajectory
+    >>> from grpo.system.rollout import Message, Trajectory
     >>> t = Trajectory(0, 0, "arithmetic", "1+4=", "5", [Message("user", "1+4=", [1, 4]),
     ...                Message("assistant", "x", [7, 2], [-0.5, -0.25])], {})
     >>> b = build_batch([t], pad_id=0)
@@ -25,6 +25,8 @@ from typing import Optional, Union
 
 import torch
 
+from grpo.system.dist import rank_slice
+
 # A message span: positions [start, end) of the [B, T] layout and the flags raised on that message.
 MessageSpan = tuple[int, int, tuple[str, ...]]
 
@@ -41,15 +43,15 @@ class TrainBatch:
     generation_logprobs_bt: torch.Tensor
     group_ids_b: torch.Tensor
     raw_rewards_b: torch.Tensor           # the environments' rewards, before penalties / scaling / shaping
-    rewards_b: torch.Tensor               # after them (phase 3)
+    rewards_b: torch.Tensor               # after them (the rewards phase)
     task_rewards_b: torch.Tensor          # after penalties and scaling, before shaping: dynamic sampling's
     response_lengths_b: torch.Tensor      # generated tokens
     truncated_b: torch.Tensor             # bool: a turn hit its length cap or the conversation ran out of room
     mask_sample_b: torch.Tensor           # bool: the environment asked to keep the sample out of the loss
-    sample_mask_b: torch.Tensor           # float: 1 = trained (phase 5 and 7 set zeros)
+    sample_mask_b: torch.Tensor           # float: 1 = trained (the sample-mask and advantages phases set zeros)
     message_spans: list[list[MessageSpan]]  # per sample, its generated assistant messages
     task_names: list[str]
-    trajectories: list                    # per sample, its grpo.rollout.Trajectory (rows follow every selection)
+    trajectories: list                    # per sample, its grpo.system.rollout.Trajectory (rows follow every selection)
     reward_components_bk: Optional[torch.Tensor] = None   # shaped like rewards_b (GDPO reads them)
     task_components_bk: Optional[torch.Tensor] = None     # unshaped like task_rewards_b
     component_names: tuple[str, ...] = ()
@@ -57,7 +59,7 @@ class TrainBatch:
     ref_logprobs_bt: Optional[torch.Tensor] = None
     teacher_logprobs_bt: Optional[torch.Tensor] = None
     advantages_bt: Optional[torch.Tensor] = None
-    unfiltered_logprobs_bt: Optional[torch.Tensor] = None  # set on micro-batches by grpo.engines.train_on_batch
+    unfiltered_logprobs_bt: Optional[torch.Tensor] = None  # set on micro-batches by grpo.system.training.train_on_batch
 
     def __len__(self) -> int:
         return self.input_ids_bt.shape[0]
@@ -74,8 +76,6 @@ class TrainBatch:
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:
         """This rank's contiguous slice, with shared padding trimmed."""
-        from grpo.rollout import rank_slice
-
         return trim_padding(self.select(rank_slice(len(self), rank, world_size)))
 
     def micro_batches(self, size: int) -> list[TrainBatch]:
@@ -83,7 +83,7 @@ class TrainBatch:
 
 
 def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
-    """Flatten trajectories (`grpo.rollout.Trajectory`) into a right-padded `TrainBatch`.
+    """Flatten trajectories (`grpo.system.rollout.Trajectory`) into a right-padded `TrainBatch`.
 
     Rewards start as the environments' rewards (``rewards_b = task_rewards_b = raw_rewards_b``), every sample trained
     (``sample_mask_b = 1``); reward components become ``[B, K]`` with names sorted (a missing one is 0).

@@ -4,7 +4,8 @@ Field names and defaults follow NeMo-RL (``nemo_rl.algorithms.grpo`` / ``loss_fu
 NeMo-RL recipe reads the same here. Every model forbids unknown keys. Loading (YAML recipes with
 ``defaults:`` inheritance, dotted command-line overrides, readable errors) is `grpo.config_load`.
 
-This module imports only pydantic: a bad config fails before torch, deepspeed or a model is ever
+This module imports only pydantic and the task catalogue (`grpo.tasks.catalogue`, for the built-in task
+names; it imports nothing heavy): a bad config fails before torch, deepspeed or a model is ever
 loaded, with an error naming the dotted key, the value and what was expected.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from grpo.tasks.catalogue import ENV_NAMES, TASKS, TOY_MODELS
 
 
 def dhms_seconds(spec: str, key: str = "duration") -> int:
@@ -34,7 +37,7 @@ class _Section(BaseModel):
 
 
 def check_toy_model(name: Optional[str], key: str) -> Optional[str]:
-    """``name`` unchanged, or a ValueError for a ``toy:<name>`` that `grpo.toy` does not build (listing those).
+    """``name`` unchanged, or a ValueError for a ``toy:<name>`` that `grpo.tasks.catalogue` does not build (listing those).
 
         >>> check_toy_model("toy:nonexistent", "policy.model_name")
         Traceback (most recent call last):
@@ -42,8 +45,6 @@ def check_toy_model(name: Optional[str], key: str) -> Optional[str]:
         ValueError: policy.model_name='toy:nonexistent': no such toy model; expected one of ['toy:demo', ...
     """
     if name is not None and name.startswith("toy:"):
-        from grpo.toy import TOY_MODELS  # imports no torch
-
         if name[len("toy:"):] not in TOY_MODELS:
             raise ValueError(f"{key}={name!r}: no such toy model; expected one of {['toy:' + k for k in TOY_MODELS]} "
                              "(built locally), a local directory or a hub name")
@@ -295,7 +296,7 @@ class GRPOConfig(_Section):
     reward_scaling: RewardScalingConfig = Field(
         default_factory=RewardScalingConfig, description="Linear reward scaling.")
     calculate_advantages_on_gpu: bool = Field(False, description=(
-        "Run phase 7 (logprob-error masking, advantages, penalties, clipping) on the GPU when there is one."))
+        "Run the advantages phase (logprob-error masking, advantages, penalties, clipping) on the GPU when there is one."))
     seq_logprob_error_threshold: Optional[float] = Field(
         None, description="Mask sequences whose mean exp|gen - prev| exceeds this (e.g. 1.5); null: metrics only.")
     invalid_tool_call_advantage: Optional[float] = Field(None, description=(
@@ -420,7 +421,7 @@ class PolicyConfig(_Section):
     shared_prompt_forward: Literal["auto", True, False] = Field("auto", description=(
         "A prompt that several samples share goes through the model once, their continuations over its KV cache: "
         "in the hf backend's prefill, and in the logprob and training forwards except under ZeRO-3 "
-        "(grpo/shared_prefix.py; same values up to rounding). auto: for models of 10M parameters or more "
+        "(grpo/system/shared_prefix.py; same values up to rounding). auto: for models of 10M parameters or more "
         "(below, the extra forward call costs more than the prompt tokens save)."))
     deepspeed_config: str = Field("auto", description=(
         "DeepSpeed JSON of the policy (its auto values are filled from this config); auto: on one rank "
@@ -483,21 +484,21 @@ class DataConfig(_Section):
 class EnvSpec(_Section):
     """One environment: a reward function (single-turn), the built-in multi-turn task, or a user class."""
 
-    name: Literal["math", "reasoning_gym", "arithmetic", "function", "guess_number", "tools", "class"] = Field(
+    name: Literal[ENV_NAMES] = Field(  # the built-in tasks of grpo.tasks.catalogue, function, tools, class
         "arithmetic", description=(
         "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
         "multi-turn: guess_number; class: env_class."))
     reward_fn: Optional[str] = Field(None, description=(
         "package.module:function with signature fn(question, completion, answer, meta) -> float | dict."))
     env_class: Optional[str] = Field(
-        None, description="package.module:ClassName of a grpo.envs.interface.Environment (NeMo-RL's interface).")
+        None, description="package.module:ClassName of a grpo.tasks.interface.Environment (NeMo-RL's interface).")
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the environment's constructor (class, guess_number).")
     num_workers: int = Field(2, gt=0, description="Reward worker processes (math, reasoning_gym, function).")
     timeout_s: float = Field(
         10.0, gt=0, description="Seconds a reward may take before its sample scores 0 (counted as a timeout).")
     tools: list[str] = Field(default_factory=list, description=(
-        "env.name=tools: package.module:function of each tool (typed, documented; grpo.envs.sandbox:python runs "
+        "env.name=tools: package.module:function of each tool (typed, documented; grpo.system.sandbox:python runs "
         "code in a sandbox)."))
     tool_call_format: Literal["hermes", "compact"] = Field("hermes", description=(
         "hermes: <tool_call>{json}</tool_call> (Qwen2.5 / Qwen3); compact: <name>argument</name> (the char toy)."))
@@ -815,9 +816,10 @@ class MasterConfig(_Section):
                 f"checkpointing.metric_name={self.checkpointing.metric_name!r}: expected 'val_reward', a logged "
                 "'val/...' or 'train/...' key, or null (keep the last k)"
             )
-        if self.env.name == "reasoning_gym" and not self.data.dataset_name.startswith("reasoning_gym:"):
+        task = TASKS.get(self.env.name)
+        if task is not None and task.dataset_prefix and not self.data.dataset_name.startswith(f"{self.env.name}:"):
             raise ValueError(
-                f"env.name='reasoning_gym' needs data.dataset_name='reasoning_gym:<task>' "
+                f"env.name={self.env.name!r} needs data.dataset_name='{self.env.name}:<task>' "
                 f"(got {self.data.dataset_name!r})"
             )
         if g.async_grpo.enabled and p.generation.backend != "hf":

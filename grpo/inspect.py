@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from grpo.dumps import SPLITS, list_dumps, read_dump, render_messages
+from grpo.system.dumps import SPLITS, list_dumps, read_dump, render_messages
 
 
 class InspectError(Exception):

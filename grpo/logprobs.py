@@ -11,9 +11,47 @@ from typing import Optional
 
 import torch
 
-from grpo.generation.sampling import filter_keep_mask
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 24  # rows per chunk = max(1, this // V): 64 MiB of fp32 working memory
+
+
+def filter_keep_mask(x_bv: torch.Tensor, top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
+    """The top-k / top-p keep mask (True = kept) of already temperature-scaled logits ``x [..., V]``.
+
+    THE definition of the filter, shared by the sampler (`grpo.system.generation.sampling.filter_logits`)
+    and the trainer's logprobs (`token_logprobs`): top-k keeps x_v >= the k-th largest x (ties kept);
+    top-p then keeps the smallest set of most likely tokens whose softmax mass (over the top-k
+    survivors) reaches top_p: sorted ascending, a token is removed when the cumulative mass up to and
+    including it is <= 1 - top_p (the most likely token always stays). Same rules as transformers'
+    TopK/TopP warpers; same operations, sort included, as vLLM's ``apply_top_k_top_p`` (CPU / PyTorch
+    path) and NeMo-RL's training-side filter, so that equal logits split by the top-p cut are split
+    alike (the warpers sort after top-k and may split such ties differently).
+    ``top_k`` None (or >= V) and ``top_p`` 1 turn a filter off.
+
+        >>> filter_keep_mask(torch.tensor([[0.0, 1.0, 1.0, 2.0]]), top_k=2)   # ties at the k-th value stay
+        tensor([[False,  True,  True,  True]])
+        >>> filter_keep_mask(torch.tensor([[0.0, 0.0, 3.0]]), top_p=0.9)      # softmax [.045, .045, .91]
+        tensor([[False, False,  True]])
+    """
+    vocab = x_bv.shape[-1]
+    use_top_k = top_k is not None and top_k < vocab
+    if top_p >= 1.0:
+        if not use_top_k:
+            return torch.ones_like(x_bv, dtype=torch.bool)
+        return x_bv >= torch.topk(x_bv, top_k, dim=-1).values[..., -1:]
+    # vLLM's order of operations: sort the raw logits once, top-k and top-p on the sorted values (so
+    # tied logits split by the top-p cut are split the way vLLM splits them).
+    sorted_bv, order_bv = torch.sort(x_bv, dim=-1)
+    keep_sorted_bv = torch.ones_like(sorted_bv, dtype=torch.bool)
+    if use_top_k:
+        keep_sorted_bv = sorted_bv >= sorted_bv[..., vocab - top_k: vocab - top_k + 1]
+        sorted_bv = sorted_bv.masked_fill(~keep_sorted_bv, float("-inf"))
+    cum_bv = sorted_bv.softmax(dim=-1).cumsum(dim=-1)
+    # 1 - top_p in float32 as vLLM computes it (its top_p is a float32 tensor): equal probabilities
+    # often sum to exactly the cut, and a python-float cut would decide those tokens differently.
+    keep_sorted_bv &= cum_bv > 1.0 - torch.tensor(top_p, dtype=torch.float32, device=x_bv.device)
+    keep_sorted_bv[..., -1] = True
+    return keep_sorted_bv.scatter(-1, order_bv, keep_sorted_bv)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,7 +74,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         full[n] = x[n, tok_n] − logsumexp_v x[n, v]
         lp[n]   = x[n, tok_n] − logsumexp_{v ∈ K_n} x[n, v]   if tok_n ∈ K_n, else −inf
 
-    K_n = `grpo.generation.sampling.filter_keep_mask` (top-k / top-p) of row n; without a filter
+    K_n = `filter_keep_mask` (top-k / top-p) of row n; without a filter
     K_n is the whole vocabulary and lp = full. K_n is a constant of the forward (as in NeMo-RL's
     ``_ApplyTopKTopP``): gradients flow through the kept logits only,
 
@@ -131,7 +169,7 @@ def token_logprobs(
 
     Without a filter (``top_k=None``, ``top_p=1``: the defaults) K is the whole vocabulary: plain
     log_softmax(logits / temperature). These are the logprobs the generation backends report
-    (vLLM's ``processed_logprobs``, `grpo.generation.sampling.processed_logprobs`), so importance
+    (vLLM's ``processed_logprobs``, `grpo.system.generation.sampling.processed_logprobs`), so importance
     weights and token_mult_prob_error compare like with like. ``return_unfiltered=True`` returns
     ``(lp, full)`` with full = log_softmax(x)[tok] (temperature only) from the same pass.
 

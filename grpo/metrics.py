@@ -136,7 +136,7 @@ def pass_at_k(rewards_b: torch.Tensor, group_ids_b: torch.Tensor) -> float:
 
 
 def rollout_counts(trajectories: Sequence) -> dict:
-    """What a rollout's trajectories (`grpo.rollout.Trajectory`) count: scoring failures (reward_errors,
+    """What a rollout's trajectories (`grpo.system.rollout.Trajectory`) count: scoring failures (reward_errors,
     reward_timeouts, reward_error_rate, env_errors), turns (turns_mean, turns_max), tokens per sample
     (assistant_tokens_mean, env_tokens_mean), mask_sample_count, and the reward mean of each task
     (``reward_mean/<task>``, when the run has several)."""

@@ -5,12 +5,12 @@
 
 Prompt batch i of the run is meant for training step i + 1, exactly as in the synchronous loop. Bounded
 staleness: before generating for step t the producer waits until weights of version
-``t - 1 - max_trajectory_age_steps`` or newer are published (`grpo.replay.WeightStage`), and loads the
+``t - 1 - max_trajectory_age_steps`` or newer are published (`grpo.system.replay.WeightStage`), and loads the
 newest ones; with ``in_flight_weight_updates`` it also loads newer weights between generation chunks.
 Each rank runs one producer; they agree over their own gloo process group (the default group belongs to
 the main thread), so every rank puts the same groups in the same order.
 
-A rollout that fails (`grpo.rollout.RolloutError`) is retried on the next prompt batch; more than
+A rollout that fails (`grpo.system.rollout.RolloutError`) is retried on the next prompt batch; more than
 ``grpo.async_grpo.max_generation_failures`` consecutive failures (NeMo-RL counts consecutive ones: a
 success resets the count) close the buffer with `StopKind.FAILURES`, and the trainer stops.
 """
@@ -20,13 +20,13 @@ from __future__ import annotations
 import threading
 import time
 
-from grpo.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage, groups_from_trajectories
+from grpo.system.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage, groups_from_trajectories
 
 
 class RolloutProducer:
-    """The generation thread and its state. ``prompts``: a `grpo.data.PromptStream` positioned at the next
+    """The generation thread and its state. ``prompts``: a `grpo.system.data.PromptStream` positioned at the next
     batch to generate; ``first_target``: the step that batch is for; ``generator``: the thread's own
-    `grpo.generation.hf.HFGeneration` (a plain weight copy); ``envs``: the thread's environments.
+    `grpo.system.generation.hf.HFGeneration` (a plain weight copy); ``envs``: the thread's environments.
 
     Attributes the trainer reads: ``failures`` (consecutive), ``total_failures``, ``busy_s`` (seconds spent
     generating and scoring), ``version`` (the weight version the copy holds).
@@ -57,7 +57,7 @@ class RolloutProducer:
         ``wait_s``: trajectory ages (age = step - 1 - generation version), the deque, failures, and
         ``generation_busy_frac``, the share of wall time since the last call that the thread spent
         generating and scoring."""
-        from grpo.replay import trajectory_age
+        from grpo.system.replay import trajectory_age
 
         ages = [trajectory_age(step, e["generation_version"]) for e in entries]
         info = entries[0]["group"]["info"]
@@ -96,8 +96,9 @@ class RolloutProducer:
             self.buffer.close(StopKind.ENDED, f"the generation thread ended before step {self.target}")
 
     def _loop(self) -> None:
-        from grpo.rollout import RolloutError, all_gather_objects
-        from grpo.run import rollout
+        from grpo.run import run_rollout
+        from grpo.system.dist import all_gather_objects
+        from grpo.system.rollout import RolloutError
 
         a = self.run.cfg.grpo.async_grpo
         while self.target <= self.run.total_steps:
@@ -117,7 +118,7 @@ class RolloutProducer:
             # ---- generate and score; a failure is retried on the next prompts, up to the limit
             t0, wall0 = time.perf_counter(), time.time()
             try:
-                r = rollout(self.run, self.generator, self.envs, rows, self.target, 0, group=self.group,
+                r = run_rollout(self.run, self.generator, self.envs, rows, self.target, 0, group=self.group,
                             weights=self if a.in_flight_weight_updates else _Fixed(self.version))
             except RolloutError as err:
                 self.busy_s += time.perf_counter() - t0
@@ -159,8 +160,8 @@ def weight_copy(run, stage: WeightStage):
     generation thread's, and the async loop's validation)."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.engines import DTYPES
-    from grpo.generation.hf import HFGeneration
+    from grpo.system.engines import DTYPES
+    from grpo.system.generation.hf import HFGeneration
 
     p = run.cfg.policy
     model = AutoModelForCausalLM.from_config(run.policy.module.config, dtype=DTYPES[p.precision],

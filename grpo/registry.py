@@ -1,4 +1,4 @@
-"""Advantage estimators by name: the fork point of phase 7, importable without torch.
+"""Advantage estimators by name: the fork point of the advantages phase, importable without torch.
 
 An estimator is a function of keyword arguments that returns advantages ``[B]`` (broadcast over the
 tokens) or ``[B, T]``::

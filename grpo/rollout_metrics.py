@@ -118,7 +118,7 @@ def reward_component_means(components: Mapping[str, Sequence[float] | torch.Tens
 
 
 def step_summary(batch) -> dict:
-    """The summary metrics of a step's `grpo.batch.TrainBatch` (after phase 7): group reward shares of the
+    """The summary metrics of a step's `grpo.batch.TrainBatch` (after the advantages phase): group reward shares of the
     environments' rewards, the advantage summary, and the mean of each reward component."""
     out = {**group_reward_shares(batch.raw_rewards_b, batch.group_ids_b),
            **advantage_summary(batch.advantages_bt, batch.token_mask_bt, batch.sample_mask_b)}

@@ -82,9 +82,9 @@ def load_run_config(argv=None, default_config: str = "", asynchronous: bool = Fa
 @dataclass
 class Run:
     """Everything a loop works with, built by `setup`. ``checks``: the per-step health checks
-    (`grpo.health.StepChecks`); ``stop``: the SIGTERM / SIGINT flag (`grpo.signals.StopRequest`); ``dumper``:
-    the rollout dumps (`grpo.dumps.RolloutDumper`); ``run_id``: the run's id in its directories
-    (`grpo.rundir`). ``generator`` is the synchronous loop's generation
+    (`grpo.system.health.StepChecks`); ``stop``: the SIGTERM / SIGINT flag (`grpo.system.signals.StopRequest`); ``dumper``:
+    the rollout dumps (`grpo.system.dumps.RolloutDumper`); ``run_id``: the run's id in its directories
+    (`grpo.system.rundir`). ``generator`` is the synchronous loop's generation
     backend (None for the async loop, which builds its own); ``val_envs`` are validation's environments
     (``envs`` themselves unless ``env.val_tasks`` is set or the loop is asynchronous: its generation thread
     owns ``envs``); ``resume`` holds what the newest checkpoint restored for the loop to use
@@ -143,21 +143,22 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
 
     if not torch.cuda.is_available():  # DeepSpeed would otherwise warn that it falls back to its CPU accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from grpo import engines, weights
-    from grpo.checkpoint import CheckpointError, CheckpointManager, GRPOSaveState, SaveDeadline
-    from grpo.data import build_dataloader
-    from grpo.ds_config import policy_ds_config_path
-    from grpo.dumps import RolloutDumper
-    from grpo.envs import build_environments
-    from grpo.health import StepChecks, overflow_check_gap
-    from grpo.tracking import MetricsLogger, claim_metrics
-    from grpo.rundir import recorded_run_id
-    from grpo.signals import StopRequest
-    from grpo.step import LogprobEngines
-    from grpo.toy import resolve_model_name
-    from grpo.weights import ExportError
+    from grpo.system import engines, weights
+    from grpo.system.dist import init_distributed
+    from grpo.system.checkpoint import CheckpointError, CheckpointManager, GRPOSaveState, SaveDeadline
+    from grpo.system.data import build_dataloader
+    from grpo.system.ds_config import policy_ds_config_path
+    from grpo.system.dumps import RolloutDumper
+    from grpo.tasks.factory import build_environments
+    from grpo.system.health import StepChecks, overflow_check_gap
+    from grpo.system.tracking import MetricsLogger, claim_metrics
+    from grpo.system.rundir import recorded_run_id
+    from grpo.system.signals import StopRequest
+    from grpo.system.training import LogprobEngines
+    from grpo.tasks.catalogue import resolve_model_name
+    from grpo.system.weights import ExportError
 
-    rank, _, world_size, device = engines.init_distributed()
+    rank, _, world_size, device = init_distributed()
     if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
         return mismatch
     locks, run_id = [], None
@@ -215,7 +216,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         logger.write(metrics_note)
     if resume is not None:
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
-    from grpo.shared_prefix import shares_prompts  # here: a config error must exit before torch loads
+    from grpo.system.shared_prefix import shares_prompts  # here: a config error must exit before torch loads
 
     share = ("once" if shares_prompts(cfg.policy.shared_prompt_forward, policy.module)
              and policy.zero_optimization_stage() != 3 else "per sample")
@@ -261,10 +262,10 @@ class _Release:
 
 
 def claim_dirs(cfg, rank: int):
-    """Rank 0 locks the checkpoint and log directories and checks the run fingerprint (`grpo.rundir`);
+    """Rank 0 locks the checkpoint and log directories and checks the run fingerprint (`grpo.system.rundir`);
     every rank gets ``(locks, run_id)`` (locks only on rank 0) or the error message. A collective."""
-    from grpo.rollout import all_gather_objects
-    from grpo.rundir import RunDirError, claim_run_dirs
+    from grpo.system.dist import all_gather_objects
+    from grpo.system.rundir import RunDirError, claim_run_dirs
 
     claimed, error = ([], None), None
     if rank == 0:
@@ -293,7 +294,7 @@ def load_tokenizer(policy_cfg):
 def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = None):
     """(formatter, train rows, train PromptDataset, val PromptDataset): prompts formatted and tokenised once;
     ``tools``: JSON schemas the chat template shows the model."""
-    from grpo.data import PromptDataset, PromptFormatter, load_rows
+    from grpo.system.data import PromptDataset, PromptFormatter, load_rows
 
     formatter = PromptFormatter(tokenizer, cfg.data, cfg.policy.tokenizer.chat_template, tools)
     train_rows = load_rows(cfg.data, "train", seed=cfg.grpo.seed)
@@ -308,31 +309,31 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device):
     """`policy.generation.backend`: "hf" (transformers generate, any device) or "vllm" (colocated). With hf and
     whole weights on every rank (ZeRO-1/2), generation runs on the policy module itself (no copy to refit)."""
     if cfg.policy.generation.backend == "hf":
-        from grpo.generation.hf import HFGeneration
+        from grpo.system.generation.hf import HFGeneration
 
         shared = policy_engine.zero_optimization_stage() < 3
         return HFGeneration(cfg.policy, tokenizer, policy_engine.module.config, device,
                             model=policy_engine.module if shared else None, shared=shared,
                             refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
-    from grpo.generation.vllm import VllmGeneration
+    from grpo.system.generation.vllm import VllmGeneration
 
     return VllmGeneration(cfg, tokenizer, policy_engine, device,
                           refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
 
 
 def turn_settings(cfg, greedy: bool = False):
-    """The rollout's limits from the config (`grpo.rollout.TurnSettings`)."""
-    from grpo.rollout import TurnSettings
+    """The rollout's limits from the config (`grpo.system.rollout.TurnSettings`)."""
+    from grpo.system.rollout import TurnSettings
 
     p = cfg.policy
     return TurnSettings(max_turns=cfg.grpo.max_rollout_turns, max_total_len=p.max_total_sequence_length,
                         chunk_size=p.generation_batch_size, greedy=greedy, max_new_tokens=p.generation.max_new_tokens)
 
 
-def rollout(run: Run, generator, envs, prompts: list[dict], step: int, gen_batch: int, *, stream: str = "train",
+def run_rollout(run: Run, generator, envs, prompts: list[dict], step: int, gen_batch: int, *, stream: str = "train",
             num_generations: int | None = None, weights=None, group=None):
-    """`grpo.rollout.generate_rollout` of a prompt batch with the run's settings (a collective)."""
-    from grpo.rollout import generate_rollout
+    """`grpo.system.rollout.generate_rollout` of a prompt batch with the run's settings (a collective)."""
+    from grpo.system.rollout import generate_rollout
 
     cfg = run.cfg
     return generate_rollout(prompts, num_generations or cfg.grpo.num_generations_per_prompt, generator, envs,
@@ -362,7 +363,7 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     trajs, group_ids, timing, t0 = [], [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
     bs = g.val_batch_size or n
     for start in range(0, n, bs):
-        r = rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val", num_generations=k)
+        r = run_rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val", num_generations=k)
         trajs += r.trajectories
         group_ids += [start + t.group_id for t in r.trajectories]
         timing = {key: v + r.timing[key] for key, v in timing.items()}
@@ -385,10 +386,10 @@ def validate(run: Run, generator, envs, step: int) -> dict:
 
 def dump_rollouts(run: Run, split: str, step: int, trajectories: list, batch=None) -> None:
     """With ``logger.dump_rollouts``, on ``logger.dump_rollouts_every`` steps: the step's samples as
-    ``<log_dir>/rollouts/{split}_step_<N>.jsonl`` (`grpo.dumps`) and a wandb table when wandb is on. A dump
+    ``<log_dir>/rollouts/{split}_step_<N>.jsonl`` (`grpo.system.dumps`) and a wandb table when wandb is on. A dump
     the file system refuses is counted (``logger/dump_write_failures``) and warned about once, and turns the
     dumps off; the run goes on."""
-    from grpo.dumps import rollout_records
+    from grpo.system.dumps import rollout_records
 
     if not run.dumper.due(step):
         return
@@ -406,7 +407,7 @@ def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_st
     """Checkpoint ``step`` (a collective): engine, loop state with the step's numeric metrics (checkpoint
     ranking), loader position, RNG, ``extra`` (the async replay buffer); consolidated HF weights with
     ``checkpointing.save_consolidated``."""
-    from grpo import weights
+    from grpo.system import weights
 
     state = run.state
     state.metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -419,10 +420,10 @@ def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_st
 
 
 def stop_requested(run: Run) -> bool:
-    """Whether a stop signal (`grpo.signals.STOP_SIGNALS`) reached any rank; sets ``run.exit_status``. A
+    """Whether a stop signal (`grpo.system.signals.STOP_SIGNALS`) reached any rank; sets ``run.exit_status``. A
     collective: the loops call it at the same safe points on every rank (before each phase that may be
     abandoned, and after training), so a stop never waits for more than the phase in progress."""
-    from grpo.engines import any_rank
+    from grpo.system.dist import any_rank
 
     if any_rank(run.stop.requested()):
         run.exit_status = run.stop.exit_status() or 143
@@ -469,12 +470,12 @@ def known_error_message(err: BaseException) -> str | None:
     """The ``error:`` line of an exception whose message is written for people (bad data, a checkpoint that
     cannot be written or read, a run directory that cannot be used, a rollout that broke, a file system that
     refuses a write), or None for any other exception (a bug: its traceback matters)."""
-    from grpo.write_errors import describe_os_error
+    from grpo.system.write_errors import describe_os_error
 
     known: list[type] = [ConfigError]
-    for module, names in (("grpo.data", ("DataError",)), ("grpo.chat", ("ChatFormatError",)),
-                          ("grpo.checkpoint", ("CheckpointError",)), ("grpo.rundir", ("RunDirError",)),
-                          ("grpo.weights", ("ExportError",)), ("grpo.rollout", ("RolloutError",))):
+    for module, names in (("grpo.system.data", ("DataError",)), ("grpo.system.chat", ("ChatFormatError",)),
+                          ("grpo.system.checkpoint", ("CheckpointError",)), ("grpo.system.rundir", ("RunDirError",)),
+                          ("grpo.system.weights", ("ExportError",)), ("grpo.system.rollout", ("RolloutError",))):
         mod = sys.modules.get(module)  # an error of a module never imported cannot have been raised
         known += [getattr(mod, n) for n in names if mod is not None and hasattr(mod, n)]
     if isinstance(err, tuple(known)):
@@ -486,7 +487,7 @@ def known_error_message(err: BaseException) -> str | None:
 
 def run_script(main) -> None:
     """The scripts' ``__main__``: run ``main`` and leave the process with what it returned (None or an exit
-    status; a message is printed and exits 1), without interpreter finalization (`grpo.engines.exit_process`).
+    status; a message is printed and exits 1), without interpreter finalization (`grpo.system.engines.exit_process`).
     An exception of a known kind (`known_error_message`) prints one ``error:`` line and exits 1, its traceback
     only with ``GRPO_DEBUG=1``; any other exception prints its traceback, then the ``error:`` line."""
     import traceback
@@ -503,7 +504,7 @@ def run_script(main) -> None:
         stopped = message or f"error: {type(err).__name__}: {err}"
         if message is not None and not debug:
             stopped += " (GRPO_DEBUG=1 shows the traceback)"
-    from grpo.engines import exit_process
+    from grpo.system.engines import exit_process
 
     exit_process(stopped)
 
@@ -515,10 +516,10 @@ def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None
     (not after non-finite steps: the last checkpoint holds the last good weights); the consolidated export
     (``hf_final``; not after a failure, a signal or a time-limit stop), the closing line, and every resource
     released. ``loader_state``, ``metrics`` (the step's, for checkpoint ranking) and ``rng`` (the RNG state at
-    the end of that step, `grpo.checkpoint.rng_state`; None: as it is now) describe that last finished step.
+    the end of that step, `grpo.system.checkpoint.rng_state`; None: as it is now) describe that last finished step.
     Returns what ``main`` returns: ``failure`` (exit 1), a signal's exit status, or None."""
-    from grpo import engines, weights
-    from grpo.checkpoint import set_rng_state
+    from grpo.system import engines, weights
+    from grpo.system.checkpoint import set_rng_state
 
     cfg, state = run.cfg, run.state
     saved = run.ckpt.latest_step(checksums=False) if cfg.checkpointing.enabled else None

@@ -1,20 +1,20 @@
 """The phases of a GRPO step, after the rollout: both loops call them under their banners, in this order.
 
-    3. shape_rewards        penalties -> scaling -> overlong shaping          (TrainBatch.rewards_b)
-    5. initial_sample_mask  overlong filtering, the environments' mask_sample  (TrainBatch.sample_mask_b)
-    6. step_logprobs        previous-policy, reference, teacher logprobs       (..._logprobs_bt)
-    7. step_advantages      logprob-error masking, estimator + distillation, message penalties, clipping
-    8. train_step           one optimizer step per policy.train_global_batch_size samples
-    9. record_step, due_validation, due_save, step_metrics
+    rewards       shape_rewards        penalties -> scaling -> overlong shaping          (TrainBatch.rewards_b)
+    sample mask   initial_sample_mask  overlong filtering, the environments' mask_sample  (TrainBatch.sample_mask_b)
+    logprobs      step_logprobs        previous-policy, reference, teacher logprobs       (..._logprobs_bt)
+    advantages    step_advantages      logprob-error masking, estimator + distillation, message penalties, clipping
+    train         train_step           one optimizer step per policy.train_global_batch_size samples
+    bookkeeping   record_step, due_validation, due_save, step_metrics
+
+`step_logprobs` and `train_step` run the engines: they are the training forward's (`grpo.system.training`);
+the others are here, pure functions of the config and the batch: what a fork of the algorithm edits.
 
 Each function takes the step's whole `grpo.batch.TrainBatch` (every rank holds all of it) and returns
 a new one, or what it measured; nothing is filled in place.
 """
 
 from __future__ import annotations
-
-import time
-from dataclasses import dataclass
 
 import torch
 
@@ -23,18 +23,16 @@ from grpo.advantages import (
 )
 from grpo.batch import TrainBatch
 from grpo.logprobs import mask_by_seq_logprob_error
-from grpo.loss import calculate_kl, clipped_pg_loss
-from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
+from grpo.loss import calculate_kl
+from grpo.metrics import aggregate_rollout_metrics
 from grpo.rewards import (
     apply_reward_penalties, malformed_thinking_flags, process_reward_components, prompt_starts_in_think, scale_rewards,
     shape_overlong_rewards,
 )
-from grpo.rollout import all_gather_objects, rank_slice
 from grpo.dynamic_sampling import group_reward_std, overlong_filter_mask
-from grpo.shared_prefix import prompt_lengths, shares_prompts
 
 
-# ---- phase 3 ---------------------------------------------------------------------------------------
+# ---- rewards ---------------------------------------------------------------------------------------
 def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
     """Penalties, scaling and overlong shaping of the rewards (and of GDPO's components); returns (batch, metrics).
 
@@ -96,7 +94,7 @@ def group_std_for_dynamic_sampling(batch: TrainBatch) -> torch.Tensor:
     return group_reward_std(batch.group_ids_b, task)
 
 
-# ---- phase 5 ---------------------------------------------------------------------------------------
+# ---- sample mask -----------------------------------------------------------------------------------
 def initial_sample_mask(cfg, batch: TrainBatch) -> torch.Tensor:
     """1 per sample; 0 for truncated samples under ``grpo.overlong_filtering`` and for samples an
     environment flagged ``mask_sample``. Masked samples stay in their group's baseline."""
@@ -106,57 +104,9 @@ def initial_sample_mask(cfg, batch: TrainBatch) -> torch.Tensor:
     return mask_b * (~batch.mask_sample_b).float()
 
 
-# ---- phase 6 ---------------------------------------------------------------------------------------
-@dataclass
-class LogprobEngines:
-    """The engines phase 6 scores with; None where the run skips them (`grpo.config.resolve_skip_flags`,
-    no distillation)."""
-
-    prev: object | None
-    reference: object | None
-    teacher: object | None = None
-
-
-def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, temperature: float,
-                    micro_batch_size: int, chunk_size: int | None = None, share_prompts: bool = False,
-                    **top) -> torch.Tensor:
-    """Logprobs ``[B, T]`` of the whole batch: each rank scores its share, then all ranks gather. ``top``:
-    the sampler's ``top_k`` / ``top_p`` (`grpo.engines.compute_logprobs`); ``share_prompts``: a prompt that
-    several rows share goes through the model once (`grpo.shared_prefix`)."""
-    from grpo.engines import compute_logprobs
-
-    B, T = batch.input_ids_bt.shape
-    sl = rank_slice(B, rank, world_size)
-    attn = batch.attention_mask_bt[sl]
-    t_local = max(int(attn.sum(dim=1).max().item()), 1) if len(attn) else 1
-    prompt_lens_b = prompt_lengths(batch.token_mask_bt[sl], attn) if share_prompts else None
-    lp = compute_logprobs(engine, batch.input_ids_bt[sl, :t_local], attn[:, :t_local], temperature,
-                          micro_batch_size, chunk_size, prompt_lens_b=prompt_lens_b, **top)
-    lp = torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1]))
-    return torch.cat(all_gather_objects([lp]), dim=0)
-
-
-def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, world_size: int) -> TrainBatch:
-    """Previous-policy, reference and teacher logprobs ``[B, T]`` under the current weights (a collective).
-
-    The previous policy's are scored under the sampling distribution (temperature, top-k, top-p: what the
-    generation logprobs are), the reference's and teacher's with the temperature only, as NeMo-RL."""
-    p, gen = cfg.policy, cfg.policy.generation
-
-    def score(engine, sampled: bool = False):
-        if engine is None:
-            return None
-        top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
-        return gather_logprobs(engine, batch, rank, world_size, gen.temperature, p.logprob_batch_size,
-                               p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module), **top)
-
-    return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
-                         teacher_logprobs_bt=score(engines.teacher))
-
-
-# ---- phase 7 ---------------------------------------------------------------------------------------
+# ---- advantages ------------------------------------------------------------------------------------
 def step_advantages(cfg, batch: TrainBatch) -> tuple[TrainBatch, dict]:
-    """Phase 7 (`compose_advantages`); with ``grpo.calculate_advantages_on_gpu`` (and CUDA) the math runs on
+    """The advantages phase (`compose_advantages`); with ``grpo.calculate_advantages_on_gpu`` (and CUDA) the math runs on
     the GPU and the results come back to the CPU."""
     if cfg.grpo.calculate_advantages_on_gpu and torch.cuda.is_available():
         on_gpu = batch.replace(**{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)})
@@ -205,44 +155,9 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     return clip_advantages(adv_bt, g.advantage_clip_low, g.advantage_clip_high), sample_mask_b, metrics
 
 
-# ---- phase 8 ---------------------------------------------------------------------------------------
-def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int, loss_fn=clipped_pg_loss) -> list[dict]:
-    """One optimizer step per ``policy.train_global_batch_size`` samples of the batch; returns each step's
-    metrics (`grpo.engines.train_on_batch`).
-
-    Each rank trains its shard in micro-batches; ``loss_fn`` (`grpo.loss.clipped_pg_loss`'s signature) is
-    normalised by the global valid-token / valid-sequence counts of the optimizer step
-    (`grpo.metrics.global_valid_counts`), so the update does not depend on micro-batching or world size.
-    Without previous-policy logprobs (``force_on_policy_ratio``) the training forward's own, detached,
-    stand in. A micro-batch with a non-finite loss makes its optimizer step a no-op
-    (`grpo.health.skip_nonfinite_loss`).
-    """
-    from grpo.engines import train_on_batch
-    from grpo.health import skip_nonfinite_loss
-
-    p, gen = cfg.policy, cfg.policy.generation
-    results = []
-    for start in range(0, len(batch), p.train_global_batch_size):
-        mine = batch.select(slice(start, start + p.train_global_batch_size)).shard(rank, world_size)
-        n_tokens, n_seqs = global_valid_counts(mine.token_mask_bt, mine.sample_mask_b)
-
-        def loss_closure(logprobs_bt, mb: TrainBatch, n_tokens=n_tokens, n_seqs=n_seqs):
-            prev = mb.prev_logprobs_bt if mb.prev_logprobs_bt is not None else logprobs_bt.detach()
-            return loss_fn(logprobs_bt, prev, mb.advantages_bt, mb.token_mask_bt, mb.sample_mask_b, cfg.loss_fn,
-                           ref_logprobs=mb.ref_logprobs_bt, generation_logprobs=mb.generation_logprobs_bt,
-                           global_valid_tokens=n_tokens, global_valid_seqs=n_seqs,
-                           unfiltered_logprobs=mb.unfiltered_logprobs_bt)
-
-        results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size),
-                                      skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
-                                      top_k=gen.top_k, top_p=gen.top_p,
-                                      share_prompts=shares_prompts(p.shared_prompt_forward, policy.module)))
-    return results
-
-
-# ---- phase 9 ---------------------------------------------------------------------------------------
+# ---- bookkeeping -----------------------------------------------------------------------------------
 def record_step(state, batch: TrainBatch, step: int) -> None:
-    """Advance the loop counters saved with each checkpoint (`grpo.checkpoint.GRPOSaveState`);
+    """Advance the loop counters saved with each checkpoint (`grpo.system.checkpoint.GRPOSaveState`);
     ``consumed_samples`` counts prompts, as NeMo-RL's does."""
     state.current_step = step
     state.total_steps += 1
@@ -296,29 +211,3 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
         "train/tokens_per_s": float(batch.token_mask_bt.sum().item()) / max(seconds, 1e-9),
     })
     return out
-
-
-def measured(metrics: dict, phase: str, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, adding its seconds to ``timing/<phase>_s`` in ``metrics`` and recording, on
-    CUDA, the phase's peak memory (``memory/<phase>_peak_gb``, ``memory/<phase>_used_gb``:
-    `grpo.tracking.phase_memory`)."""
-    from grpo.tracking import phase_memory
-
-    t0 = time.perf_counter()
-    with phase_memory(phase, metrics):
-        out = fn(*args, **kwargs)
-    metrics[f"timing/{phase}_s"] = metrics.get(f"timing/{phase}_s", 0.0) + time.perf_counter() - t0
-    return out
-
-
-def mult_prob_error(engine, outputs: list, pad_id: int, temperature: float = 1.0) -> float:
-    """token_mult_prob_error of plain generation outputs against ``engine``: the mean over generated tokens of
-    exp|generation logprob − engine logprob| (1.0: the two agree). A check of a generation backend."""
-    from grpo.batch import build_batch
-    from grpo.engines import compute_logprobs
-    from grpo.rollout import single_turn
-
-    b = build_batch(single_turn(outputs), pad_id)
-    ref_bt = compute_logprobs(engine, b.input_ids_bt, b.attention_mask_bt, temperature, micro_batch_size=len(b))
-    mask_bt = b.token_mask_bt
-    return float((torch.exp((b.generation_logprobs_bt - ref_bt).abs()) * mask_bt).sum() / mask_bt.sum())

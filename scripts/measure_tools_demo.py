@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python scripts/measure_tools_demo.py [--model DIR] [--rows 64] [--samples 4]
 
-Builds the starting policy (`grpo.envs.calculator.make_calculator_demo_model`, timed) unless ``--model``
+Builds the starting policy (`grpo.tasks.calculator.make_calculator_demo_model`, timed) unless ``--model``
 is given, then samples validation rows at temperature 1 with a minimal multi-turn sampler (HF generate on
 the plain-text conversation: prompt, assistant turns and tool results concatenated; stop at the format's
 closing tag or <eos>) against the ToolEnvironment, with tools and with ``disable_tools=True`` (the
@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo.envs.calculator import calculator_rows, make_calculator_demo_model  # noqa: E402
-from grpo.envs.interface import check_return  # noqa: E402
-from grpo.envs.tools import ToolEnvironment  # noqa: E402
-from grpo.generation.base import cut_completion  # noqa: E402
+from grpo.tasks.calculator import calculator_rows, make_calculator_demo_model  # noqa: E402
+from grpo.tasks.interface import check_return  # noqa: E402
+from grpo.tasks.tools import ToolEnvironment  # noqa: E402
+from grpo.system.generation.base import cut_completion  # noqa: E402
 
 
 def sample_rollouts(model, tok, env, rows: list[dict], samples: int, max_turns: int = 3, max_new_tokens: int = 24,
@@ -126,7 +126,7 @@ def main() -> None:
     rows = calculator_rows(args.rows, seed=42, split="val")
     for name, disable in (("tools", False), ("tools_disabled", True)):
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        env = ToolEnvironment(["grpo.envs.calculator:calc"], "grpo.envs.arithmetic:arithmetic_reward",
+        env = ToolEnvironment(["grpo.tasks.calculator:calc"], "grpo.tasks.arithmetic:arithmetic_reward",
                               tool_call_format="compact", timeout_s=10, num_workers=1, disable_tools=disable)
         start = time.perf_counter()
         result, _ = sample_rollouts(model, tok, env, rows, args.samples, seed=args.seed)

@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from grpo.toy import build_char_tokenizer
+    from grpo.tasks.toy import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -27,7 +27,7 @@ def char_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-init tiny Llama + char tokenizer saved with save_pretrained (session-wide, read-only)."""
-    from grpo.toy import save_tiny_model
+    from grpo.tasks.toy import save_tiny_model
 
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), size="tiny", seed=0)
 
@@ -38,7 +38,7 @@ def vllm_records():
     not propagate, so caplog sees nothing)."""
     import logging
 
-    from grpo.generation.vllm_params import RELOAD_LOGGERS
+    from grpo.system.generation.vllm_params import RELOAD_LOGGERS
 
     records: list = []
     handler = logging.Handler()

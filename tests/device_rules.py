@@ -14,11 +14,11 @@ communicates device tensors only; on the CPU every group is gloo and takes anyth
 - ``monitored_barrier`` (gloo only) over a device group raises.
 
 The simulated accelerator is ``rules.device``: a CPU device object that the harness recognises by identity.
-``grpo.engines._comm_device()`` returns it; a tensor made with ``device=rules.device``, moved with
+``grpo.system.dist.comm_device()`` returns it (where grpo's collectives put their tensors); a tensor made with ``device=rules.device``, moved with
 ``.to(rules.device)`` or ``.cuda()``, or computed from such tensors is "on the accelerator"; a tensor made
 without a device (or with "cpu") is a host tensor, and ``.cpu()`` makes one. ``rules.set_device()`` is
 ``torch.cuda.set_device`` for the calling thread (``activate`` does it for the thread that enters, as
-`grpo.engines.init_distributed` does on GPUs); ``torch.cuda.set_device`` itself is recorded too.
+`grpo.system.dist.init_distributed` does on GPUs); ``torch.cuda.set_device`` itself is recorded too.
 Host groups (``backend="gloo"``) take CPU tensors, as on GPUs.
 
 Only collectives called through the ``torch.distributed`` namespace are checked (torch's own object
@@ -154,7 +154,9 @@ def _group_of(func, args, kwargs):
 @contextmanager
 def nccl_rules() -> Iterator[NcclRules]:
     """Enforce NCCL's rules on this process's collectives until the block ends (see the module docstring)."""
-    import grpo.engines as engines
+    import grpo.system.dist
+    import grpo.system.engines
+    import grpo.system.training
 
     rules = NcclRules()
     log = os.environ.get("DEVICE_RULES_LOG")  # a file that gets one line per checked collective
@@ -203,7 +205,8 @@ def nccl_rules() -> Iterator[NcclRules]:
 
         patch(dist, name, checked)
     patch(torch.cuda, "set_device", rules.set_device)
-    patch(engines, "_comm_device", lambda: rules.device)
+    for module in (grpo.system.dist, grpo.system.engines, grpo.system.training):  # each holds the name
+        patch(module, "comm_device", lambda: rules.device)
     tracker = _Tracker(rules.device)
     try:
         with tracker:

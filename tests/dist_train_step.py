@@ -51,10 +51,11 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     """STEPS calls of `train_on_batch` on this rank's shard, then logprobs of `make_batch(STEPS)` with
     ranks holding unequal shares (5 rows: 3 + 2 with 2 ranks, so unequal forward counts) and an HF
     export. Returns (full weights, results, logprobs [5, T]). Needs the process group."""
-    from grpo import engines, weights
+    from grpo.system import engines, weights
+    from grpo.system.training import compute_logprobs, train_on_batch
     from grpo.config import MasterConfig
     from grpo.batch import micro_batches, select_rows
-    from grpo.rollout import all_gather_objects, rank_slice
+    from grpo.system.dist import all_gather_objects, rank_slice
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cfg = MasterConfig.model_validate({
@@ -72,17 +73,17 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
         batch = make_batch(step, vocab)
         global_tokens = float(batch["token_mask_bt"].sum())
         mine = select_rows(batch, slice(rank * per_rank, (rank + 1) * per_rank))
-        results.append(engines.train_on_batch(
+        results.append(train_on_batch(
             engine, micro_batches(mine, MICRO_BATCH),
             lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb["token_mask_bt"].sum()}),
         ))
     full = {name: t.clone() for bucket in weights.iter_gathered_params(engine) for name, t in bucket}
     rows = select_rows(make_batch(STEPS, vocab), slice(0, 5))
     mine = select_rows(rows, rank_slice(5, rank, world))
-    lp = engines.compute_logprobs(engine, mine["input_ids_bt"], mine["attention_mask_bt"], 1.0, micro_batch_size=2)
+    lp = compute_logprobs(engine, mine["input_ids_bt"], mine["attention_mask_bt"], 1.0, micro_batch_size=2)
     logprobs = torch.cat(all_gather_objects([lp]))
     if export_dir is not None:
-        from grpo.toy import build_char_tokenizer
+        from grpo.tasks.toy import build_char_tokenizer
 
         weights.export_hf(engine, export_dir, build_char_tokenizer())
     return full, results, logprobs
@@ -92,9 +93,10 @@ def main(model_dir: str, out_path: str, export_dir: str) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     warnings.filterwarnings("ignore")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from grpo import engines
+    from grpo.system import engines
+    from grpo.system.dist import init_distributed
 
-    rank, _, world, _ = engines.init_distributed()
+    rank, _, world, _ = init_distributed()
     weights, results, logprobs = train_and_collect(model_dir, export_dir)
     if rank == 0:
         torch.save({"weights": weights, "results": results, "logprobs": logprobs, "world": world}, out_path)
@@ -103,6 +105,6 @@ def main(model_dir: str, out_path: str, export_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3])
-    from grpo.engines import exit_process
+    from grpo.system.engines import exit_process
 
     exit_process(0)

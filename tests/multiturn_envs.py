@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from grpo.envs.interface import Environment, EnvironmentReturn
+from grpo.tasks.interface import Environment, EnvironmentReturn
 
 
 class HintThenCheck(Environment):

@@ -1,4 +1,4 @@
-"""A valid rollout dump record (grpo.dumps schema) for the dump and inspect tests."""
+"""A valid rollout dump record (grpo.system.dumps schema) for the dump and inspect tests."""
 
 
 def make_record(step=3, split="train", reward=1.0, group_id=0, **over) -> dict:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from grpo.batch import batch_size, build_batch, concat_batches, micro_batches, select_rows
-from grpo.rollout import Message, Trajectory, rank_slice
+from grpo.system.dist import rank_slice
+from grpo.system.rollout import Message, Trajectory
 
 
 def traj(group_id, prompt, completion, reward=0.0, **kw):

@@ -1,12 +1,12 @@
-"""grpo.chat with a real Qwen2.5 tokenizer and chat template: a conversation's tokens only grow at the end, and
+"""grpo.system.chat with a real Qwen2.5 tokenizer and chat template: a conversation's tokens only grow at the end, and
 equal what the template renders for the whole conversation (token in, token out)."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.chat import ChatFormat
-from grpo.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
+from grpo.system.chat import ChatFormat
+from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""grpo.checkpoint: manifests and verification, fallback to the newest intact checkpoint, missing state files,
+"""grpo.system.checkpoint: manifests and verification, fallback to the newest intact checkpoint, missing state files,
 a full disk, pruning, ``.tmp`` cleanup, the status file, and no code run from any file a resume reads.
 
 Most tests use `FakeEngine` (DeepSpeed's save/load surface over one tensor, loading through
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.checkpoint import (
+from grpo.system.checkpoint import (
     MANIFEST, CheckpointError, CheckpointManager, GRPOSaveState, build_manifest, safe_load, use_safe_loading,
 )
 from grpo.config import CheckpointingConfig
@@ -138,7 +138,7 @@ def test_latest_skips_a_broken_newest_checkpoint_naming_the_problem(tmp_path, ca
     good, bad = save(ckpt, 2), save(ckpt, 4)
     damage(bad)
     assert expected in ckpt.verify(bad)
-    with caplog.at_level(logging.WARNING, logger="grpo.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="grpo.system.checkpoint"):
         assert ckpt.latest() == good and ckpt.latest_step() == 2
     assert str(bad) in caplog.text and expected in caplog.text
     with pytest.raises(CheckpointError, match=expected):  # and it never loads
@@ -422,13 +422,15 @@ def test_use_safe_loading_refuses_universal_checkpoints():
 @pytest.fixture(scope="module")
 def deepspeed_checkpoint(tmp_path_factory):
     """A one-rank ZeRO-3 engine trained one step and saved with CheckpointManager; a fresh engine to load into."""
-    from grpo import engines
+    from grpo.system import engines
+    from grpo.system.dist import init_distributed
+    from grpo.system.training import train_on_batch
     from grpo.config import MasterConfig
-    from grpo.toy import save_tiny_model
+    from grpo.tasks.toy import save_tiny_model
 
     tmp = tmp_path_factory.mktemp("ds_ckpt")
     model_dir = save_tiny_model(str(tmp / "model"), seed=3)
-    engines.init_distributed()
+    init_distributed()
     cfg = MasterConfig.model_validate({
         "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
                    "train_micro_batch_size": 2, "optimizer": {"lr": 1e-2},
@@ -436,7 +438,7 @@ def deepspeed_checkpoint(tmp_path_factory):
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 1}})
     trained = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(4))
-    engines.train_on_batch(trained, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+    train_on_batch(trained, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
                            lambda lp, mb: (-lp.sum() / 12, {}))
     ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp / "ckpt")))
     path = ckpt.save(1, trained, GRPOSaveState(current_step=1), {"position": 1},
@@ -446,7 +448,7 @@ def deepspeed_checkpoint(tmp_path_factory):
 
 
 def _gathered(engine) -> dict:
-    from grpo.weights import iter_gathered_params
+    from grpo.system.weights import iter_gathered_params
 
     return {n: t.clone() for bucket in iter_gathered_params(engine) for n, t in bucket}
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 READ_ONLY_BY_THE_SCHEMA = {
     "grpo.skip_reference_policy_logprobs_calculation":
         "resolved by grpo.config.resolve_skip_flags (validated against beta / KL in reward), whose result the "
-        "loops use (grpo/step.py LogprobEngines)",
+        "loops use (grpo/system/training.py LogprobEngines)",
     "grpo.skip_previous_policy_logprobs_calculation": "the same: resolve_skip_flags",
     "cluster.gpus_per_node": "checked against the launcher by grpo.config.cluster_mismatch, called by grpo/run.py",
     "cluster.num_nodes": "the same: cluster_mismatch",
@@ -27,7 +27,7 @@ READ_ONLY_BY_THE_SCHEMA = {
         "NeMo-RL's name; holds by construction (a weight update lands between generation chunks, which start "
         "with a fresh KV cache); validated: needs in_flight_weight_updates",
     "checkpointing.model_save_format":
-        "NeMo-RL's name; a one-value Literal (safetensors, what grpo.weights.export_hf writes), so a recipe "
+        "NeMo-RL's name; a one-value Literal (safetensors, what grpo.system.weights.export_hf writes), so a recipe "
         "that asks for torch_save fails at load instead of being ignored",
 }
 

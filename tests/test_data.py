@@ -1,4 +1,4 @@
-"""Tests of grpo/data.py: row sources, malformed rows, prompt formatting, resumable loader order."""
+"""Tests of grpo/system/data.py: row sources, malformed rows, prompt formatting, resumable loader order."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-import grpo.data
+import grpo.system.data
 from grpo.config import DataConfig
-from grpo.data import (
+from grpo.system.data import (
     DataError,
     check_record,
     PromptDataset,
@@ -22,7 +22,7 @@ from grpo.data import (
     load_rows,
     split_seed,
 )
-from grpo.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
+from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 
 RECORDS = [
     {"input": "1+2=", "output": "3", "level": 1},
@@ -45,7 +45,7 @@ def expected_rows(source, first=0):
 
 
 def test_doctests():
-    assert doctest.testmod(grpo.data).failed == 0
+    assert doctest.testmod(grpo.system.data).failed == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,7 +411,7 @@ def test_prompt_dataset_reads_the_task_column_and_rejects_tasks_without_an_envir
 
 
 def test_a_conversation_prompt_keeps_its_history_and_needs_a_chat_template(tok):
-    from grpo.toy import SIMPLE_CHAT_TEMPLATE
+    from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE
 
     history = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"},
                {"role": "user", "content": "and 1+3="}]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from grpo.config import DataConfig
-from grpo.data import DataError, load_rows
+from grpo.system.data import DataError, load_rows
 
 GOOD = [{"input": f"{i}+1=", "output": str(i + 1)} for i in range(4)]
 
@@ -60,7 +60,7 @@ def test_windows_line_endings_still_read(tmp_path):
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_a_saved_position_past_the_end_of_shorter_data_is_a_data_error(shuffle):
-    from grpo.data import PromptStream, build_dataloader
+    from grpo.system.data import PromptStream, build_dataloader
 
     stream = PromptStream(build_dataloader(list(range(40)), 4, shuffle=shuffle, seed=0), max_epochs=2)
     for _ in range(5):

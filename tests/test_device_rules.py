@@ -43,8 +43,9 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from grpo import engines, metrics, rollout
-    from grpo.generation.vllm import VllmGeneration
+    from grpo import metrics
+    from grpo.system.dist import all_gather_objects, any_rank
+    from grpo.system.generation.vllm import VllmGeneration
     from tests.device_rules import nccl_rules
     from tests.test_generation_vllm_group import fake_backend
 
@@ -69,9 +70,9 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         r["object_thread_gloo"] = _in_thread(lambda: dist.all_gather_object([None, None], rank, group=gloo),
                                              False, rules)
         # grpo's own collectives
-        r["any_rank"] = _probe(lambda: engines.any_rank(rank == 1))
+        r["any_rank"] = _probe(lambda: any_rank(rank == 1))
         r["valid_counts"] = _probe(lambda: metrics.global_valid_counts(torch.ones(2, 3), torch.ones(2)))
-        r["gather_objects"] = _probe(lambda: rollout.all_gather_objects([rank]))
+        r["gather_objects"] = _probe(lambda: all_gather_objects([rank]))
         # the vLLM backend with tensor_parallel_size=2: its group as the backend makes it, then the lockstep
         gen = VllmGeneration.__new__(VllmGeneration)
         gen.tp, gen.world_size = 2, 2
@@ -156,6 +157,6 @@ def test_two_rank_multiturn_runs_follow_nccl_rules(tmp_path, script, extra):
     assert p.returncode == 0 and "DeviceRuleError" not in p.stdout + p.stderr, p.stdout[-3000:] + p.stderr[-5000:]
     assert sorted(train_rows(tmp_path)) == [1, 2]
     seen = set(log.read_text().splitlines())
-    assert {"all_reduce grpo.engines device", "all_gather_object grpo.rollout device"} <= seen, seen
+    assert {"all_reduce grpo.system.dist device", "all_gather_object grpo.system.dist device"} <= seen, seen
     if "async" in script:
-        assert "all_gather_object grpo.rollout host" in seen  # the producer's own gloo group
+        assert "all_gather_object grpo.system.dist host" in seen  # the producer's own gloo group

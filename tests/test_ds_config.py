@@ -1,4 +1,4 @@
-"""grpo/ds_config.py: a DeepSpeed JSON that DeepSpeed would refuse with the run's precision fails before any
+"""grpo/system/ds_config.py: a DeepSpeed JSON that DeepSpeed would refuse with the run's precision fails before any
 engine is built, with the reason."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.config import PolicyConfig
-from grpo.ds_config import build_ds_config, policy_ds_config_path, precision_problem
+from grpo.system.ds_config import build_ds_config, policy_ds_config_path, precision_problem
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
@@ -27,9 +27,9 @@ def test_deepspeed_itself_refuses_zero0_with_bf16_and_fp32_accumulation(tiny_mod
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from grpo import engines
+    from grpo.system.dist import init_distributed
 
-    engines.init_distributed()
+    init_distributed()
     policy = PolicyConfig(model_name=tiny_model_dir, precision="bfloat16", train_global_batch_size=2,
                           train_micro_batch_size=2)
     ds = build_ds_config("ds_configs/zero0.json", policy, 1, for_training=True)

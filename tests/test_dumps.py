@@ -1,4 +1,4 @@
-"""grpo.dumps: rollout dump records, the writer (size bound, rank 0, atomic), reading back, the wandb table."""
+"""grpo.system.dumps: rollout dump records, the writer (size bound, rank 0, atomic), reading back, the wandb table."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo.config import LoggerConfig
-from grpo.dumps import (
+from grpo.system.dumps import (
     RECORD_KEYS, RolloutDumper, check_record, list_dumps, read_dump, render_messages, representative_indices,
     wandb_table,
 )
-from grpo.tracking import MetricsLogger
+from grpo.system.tracking import MetricsLogger
 from tests.rollout_records import make_record
 
 
@@ -172,7 +172,7 @@ def test_a_write_the_disk_refuses_leaves_no_file_raises_once_and_turns_the_dumps
     import errno
     import os
 
-    import grpo.dumps as dumps
+    import grpo.system.dumps as dumps
 
     dumper = RolloutDumper(tmp_path, every=1, max_samples=None, rank=0)
 

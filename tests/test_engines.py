@@ -1,4 +1,4 @@
-"""grpo/engines.py: DeepSpeed config filling, LR schedule, ZeRO-3 logprobs, the DP-invariant training
+"""grpo/system/engines.py: DeepSpeed config filling, LR schedule, ZeRO-3 logprobs, the DP-invariant training
 step (1 process vs 2 processes vs plain PyTorch), layer-bucketed gathering and HF export.
 
 The engines run for real (ZeRO-3, gloo, fp32) on a tiny Llama; the process group of this pytest
@@ -20,9 +20,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from grpo import ds_config, engines, offload, weights
+from grpo.system import ds_config, engines, offload, weights
+from grpo.system.dist import init_distributed
+from grpo.system.training import compute_logprobs, train_on_batch
 from grpo.config import MasterConfig
-from grpo.toy import build_char_tokenizer, save_tiny_model
+from grpo.tasks.toy import build_char_tokenizer, save_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_train_step
@@ -145,7 +147,7 @@ def test_build_ds_config_adds_fp32_accumulation_to_a_16_bit_zero_json_without_it
 def test_exit_process_flushes_and_skips_finalization(status, code, err):
     """`exit_process` keeps what was printed, exits with the status (a message: printed, status 1) and runs
     no exit-time Python code (no atexit handler, no finalization, where a gloo worker's GIL take aborts)."""
-    prog = ("import atexit, sys; from grpo.engines import exit_process; atexit.register(lambda: print('atexit ran'));"
+    prog = ("import atexit, sys; from grpo.system.engines import exit_process; atexit.register(lambda: print('atexit ran'));"
             f" print('out'); sys.stderr.write('err'); exit_process({status})")
     p = subprocess.run([sys.executable, "-c", prog], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -185,7 +187,7 @@ def plain_model(model_dir):
 @pytest.fixture(scope="module")
 def dist_group():
     """This process as a one-rank group (gloo)."""
-    rank, _, world, device = engines.init_distributed()
+    rank, _, world, device = init_distributed()
     assert (rank, world, device.type) == (0, 1, "cpu")
 
 
@@ -223,7 +225,7 @@ def test_compute_logprobs_matches_plain_hf(policy_engine, plain_model, temperatu
         ids[b, :n] = torch.randint(3, 80, (n,), generator=g)
         mask[b, :n] = 1
     expected = _reference_logprobs(plain_model, ids, mask, temperature)
-    got = engines.compute_logprobs(policy_engine, ids, mask, temperature, micro_batch_size=2)
+    got = compute_logprobs(policy_engine, ids, mask, temperature, micro_batch_size=2)
     assert got.shape == (5, 9)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert (got[:, 0] == 0).all() and (got[mask == 0] == 0).all()
@@ -233,7 +235,7 @@ def test_compute_logprobs_matches_plain_hf(policy_engine, plain_model, temperatu
 def _filtered_reference(model, ids_bt, mask_bt, temperature, top_k, top_p):
     """Plain autograd, unpadded rows: lp[t] = log_softmax(filter_logits(logits[t-1]))[ids[t]], 0 when the
     token is outside the filter or on padding; and the unfiltered (temperature-only) logprobs."""
-    from grpo.generation.sampling import filter_logits
+    from grpo.system.generation.sampling import filter_logits
 
     lp_bt, full_bt = torch.zeros(ids_bt.shape), torch.zeros(ids_bt.shape)
     for b in range(ids_bt.shape[0]):
@@ -254,11 +256,11 @@ def test_compute_logprobs_with_top_k_top_p_matches_plain_filtered(policy_engine,
     ids[1, 5:] = 0
     with torch.no_grad():
         expected, full = _filtered_reference(plain_model, ids, mask, 0.7, 20, 0.9)
-    got = engines.compute_logprobs(policy_engine, ids, mask, 0.7, micro_batch_size=3, top_k=20, top_p=0.9)
+    got = compute_logprobs(policy_engine, ids, mask, 0.7, micro_batch_size=3, top_k=20, top_p=0.9)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     inside = int((got[:, 1:][mask[:, 1:] > 0] != 0).sum())
     assert 0 < inside < int(mask[:, 1:].sum())  # random ids: some are in the top-k / top-p set, most are not
-    unfiltered = engines.compute_logprobs(policy_engine, ids, mask, 0.7, micro_batch_size=3)
+    unfiltered = compute_logprobs(policy_engine, ids, mask, 0.7, micro_batch_size=3)
     torch.testing.assert_close(unfiltered, full, atol=1e-5, rtol=0)
 
 
@@ -276,7 +278,7 @@ def test_train_on_batch_with_top_k_top_p_gives_the_plain_gradient(model_dir, pla
         seen["keys"] = set(mb)
         return ((lp ** 2).sum() + 0.5 * (mb["unfiltered_logprobs_bt"] ** 2).sum()) / 14, {}
 
-    out = engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}], closure,
+    out = train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}], closure,
                                  temperature=0.7, top_k=20, top_p=0.9)
     assert "unfiltered_logprobs_bt" in seen["keys"]
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -296,12 +298,12 @@ def test_reference_engine_matches_and_is_frozen(model_dir, plain_model, dist_gro
     assert not any(p.requires_grad for p in ref.module.parameters())
     ids = torch.randint(3, 80, (3, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    got = engines.compute_logprobs(ref, ids, mask, 1.0, micro_batch_size=3)
+    got = compute_logprobs(ref, ids, mask, 1.0, micro_batch_size=3)
     torch.testing.assert_close(got, _reference_logprobs(plain_model, ids, mask, 1.0), atol=1e-5, rtol=0)
 
 
 def test_auto_placement_and_zero_stage_follow_the_world_size(model_dir, dist_group):
-    from grpo.ds_config import policy_ds_config_path, zero_stage
+    from grpo.system.ds_config import policy_ds_config_path, zero_stage
 
     cfg = make_cfg(model_dir, deepspeed_config="auto", reference_placement="auto")
     assert [zero_stage(policy_ds_config_path(cfg.policy, n)[0]) for n in (1, 2, 8)] == [0, 3, 3]
@@ -390,8 +392,8 @@ def test_logprobs_gather_export_interleave_with_training(model_dir, dist_group, 
     mbs = [{"input_ids_bt": ids, "attention_mask_bt": mask}]
     closure = lambda lp, mb: (-lp.sum() / 12, {})
     for _ in range(2):
-        engines.train_on_batch(engine, mbs, closure)
-        got = engines.compute_logprobs(engine, ids, mask, 1.0, micro_batch_size=2)
+        train_on_batch(engine, mbs, closure)
+        got = compute_logprobs(engine, ids, mask, 1.0, micro_batch_size=2)
         gathered = {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
         weights.export_hf(engine, str(tmp_path / "hf"), build_char_tokenizer(), run_id="run-1")
         plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
@@ -406,7 +408,7 @@ def _one_step(cfg):
     ids = torch.randint(3, 80, (2, 9), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    out = engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
+    out = train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
                                  lambda lp, mb: ((lp**2).sum() / 14, {}))
     return out, {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
 
@@ -438,9 +440,9 @@ def test_bf16_smoke(model_dir, plain_model, dist_group):
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=1)
     ids = torch.randint(3, 80, (2, 8), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
-    got = engines.compute_logprobs(engine, ids, mask, 1.0, micro_batch_size=2)
+    got = compute_logprobs(engine, ids, mask, 1.0, micro_batch_size=2)
     torch.testing.assert_close(got, _reference_logprobs(plain_model, ids, mask, 1.0), atol=0.1, rtol=0.02)
-    out = engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
+    out = train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
                                  lambda lp, mb: (-lp.sum() / 14, {}))
     assert torch.isfinite(torch.tensor([out["loss"], out["grad_norm"]])).all()
 
@@ -461,12 +463,12 @@ def _two_steps(engine, offload_between: bool):
     mbs = [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}]
     closure = lambda lp, mb: (-(lp**2).sum() / 12, {})
     moved = []
-    results = [engines.train_on_batch(engine, mbs, closure)]
+    results = [train_on_batch(engine, mbs, closure)]
     if offload_between:
         for _ in range(2):  # the second round reuses the first one's host buffers
             moved = offload.offload_optimizer_states(engine, moved)
             offload.reload_optimizer_states(engine, moved)
-    results.append(engines.train_on_batch(engine, mbs, closure))
+    results.append(train_on_batch(engine, mbs, closure))
     return results, {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
 
 
@@ -492,7 +494,7 @@ def test_offload_works_with_torch_adamw_and_training_goes_on_unchanged(model_dir
 def test_optimizer_state_tensors_are_the_master_weights_and_adam_moments(model_dir, dist_group):
     engine = engines.build_policy_engine(make_cfg(model_dir, train_global_batch_size=2), 1, total_optimizer_steps=1)
     ids = torch.randint(3, 80, (2, 5), generator=torch.Generator().manual_seed(6))
-    engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+    train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
                            lambda lp, mb: (-lp.sum() / 8, {}))  # Adam creates its moments at the first step
     zero = engine.optimizer
     tensors = offload.optimizer_state_tensors(engine)
@@ -515,7 +517,7 @@ def test_offload_is_a_no_op_under_zero_cpu_offload(model_dir, dist_group):
 def test_train_on_batch_checks_micro_batch_count(policy_engine):
     mb = {"input_ids_bt": torch.ones((2, 3), dtype=torch.long), "attention_mask_bt": torch.ones((2, 3), dtype=torch.long)}
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
-        engines.train_on_batch(policy_engine, [mb], lambda lp, m: (lp.sum(), {}))
+        train_on_batch(policy_engine, [mb], lambda lp, m: (lp.sum(), {}))
 
 
 # --------------------------------------------------------------------------------------------------

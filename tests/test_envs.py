@@ -11,15 +11,15 @@ import time
 import pytest
 
 import grpo.envs
-import grpo.envs.arithmetic
-import grpo.envs.function
-import grpo.envs.math
+import grpo.tasks.arithmetic
+import grpo.tasks.function
+import grpo.tasks.math
 from grpo.config import DataConfig, EnvConfig
-from grpo.data import load_rows
+from grpo.system.data import load_rows
 from grpo.envs import EnvError, RewardEnvironment, ScoreResult, build_environment, collect
-from grpo.envs.arithmetic import arithmetic_reward
-from grpo.envs.function import score_sample, to_reward
-from grpo.envs.math import math_reward
+from grpo.tasks.arithmetic import arithmetic_reward
+from grpo.tasks.function import score_sample, to_reward
+from grpo.tasks.math import math_reward
 
 FNS = "reward_fns_for_tests"  # tests/ is on sys.path under pytest, and the spawned workers inherit it
 
@@ -28,7 +28,7 @@ def sample(question="q", completion="", answer="", meta=None):
     return {"question": question, "completion": completion, "answer": answer, "meta": meta or {}}
 
 
-@pytest.mark.parametrize("module", [grpo.envs, grpo.envs.arithmetic, grpo.envs.function, grpo.envs.math])
+@pytest.mark.parametrize("module", [grpo.envs, grpo.tasks.arithmetic, grpo.tasks.function, grpo.tasks.math])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
 

@@ -1,4 +1,4 @@
-"""grpo.weights.export_hf never deletes what the run did not write: a non-empty directory that is not an earlier
+"""grpo.system.weights.export_hf never deletes what the run did not write: a non-empty directory that is not an earlier
 export of the same run is refused unless asked, and even then only same-named files are replaced.
 
 The engine here is a stand-in without ZeRO (a plain HF model; export_hf's ZeRO-3 gather is tested in
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.toy import build_char_tokenizer
-from grpo.weights import EXPORT_MARKER, ExportError, export_hf
+from grpo.tasks.toy import build_char_tokenizer
+from grpo.system.weights import EXPORT_MARKER, ExportError, export_hf
 
 
 @pytest.fixture(scope="module")

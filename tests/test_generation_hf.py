@@ -16,10 +16,10 @@ import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo.config import MasterConfig
-from grpo.generation.base import cut_completion, length_caps
-from grpo.generation.hf import HFGeneration
-from grpo.generation.sampling import SeededSampler, filter_logits
-from grpo.toy import build_char_tokenizer, build_tiny_model
+from grpo.system.generation.base import cut_completion, length_caps
+from grpo.system.generation.hf import HFGeneration
+from grpo.system.generation.sampling import SeededSampler, filter_logits
+from grpo.tasks.toy import build_char_tokenizer, build_tiny_model
 
 PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok"]
 
@@ -285,11 +285,13 @@ def _engine_cfg(model_dir: str, deepspeed_config: str) -> MasterConfig:
 def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from grpo import engines, weights
-    from grpo.toy import save_tiny_model
+    from grpo.system import engines, weights
+    from grpo.system.dist import init_distributed
+    from grpo.system.training import train_on_batch
+    from grpo.tasks.toy import save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "m"), seed=5)
-    engines.init_distributed()
+    init_distributed()
     cfg = _engine_cfg(model_dir, "ds_configs/zero3.json")
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=1)
     gen = HFGeneration(cfg.policy, tok, engine.module.config, "cpu", refit_bucket_numel=1)
@@ -304,7 +306,7 @@ def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
         torch.testing.assert_close(dict(gen.model.named_parameters())[n], p, atol=0, rtol=0)
 
     ids = torch.tensor(encode(tok, ["1+2=3", "4+4=8"]))
-    engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+    train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
                            lambda lp, mb: (-lp.sum() / lp.numel(), {}))
     after = gathered()
     assert max((after[n] - p).abs().max().item() for n, p in initial.named_parameters()) > 1e-3
@@ -325,15 +327,17 @@ def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
 def test_generation_on_the_shared_training_module_leaves_it_training_and_samples_like_a_copy(tok, tmp_path):
     """ZeRO-1 on one rank: generation runs on the engine's own module (nothing to refit) and samples exactly what
     a refitted copy samples; the module stays trainable, in train mode, with its own generation config."""
-    from grpo import engines
-    from grpo.toy import save_tiny_model
+    from grpo.system import engines
+    from grpo.system.dist import init_distributed
+    from grpo.system.training import train_on_batch
+    from grpo.tasks.toy import save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "m"), seed=6)
-    engines.init_distributed()
+    init_distributed()
     cfg = _engine_cfg(model_dir, "ds_configs/zero1.json")
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=2)
     ids = torch.tensor(encode(tok, ["1+2=3", "4+4=8"]))
-    engines.train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+    train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
                            lambda lp, mb: (-lp.sum() / lp.numel(), {}))
     engine.train()
     own_config = engine.module.generation_config

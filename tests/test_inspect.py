@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from grpo.dumps import RolloutDumper
+from grpo.system.dumps import RolloutDumper
 from grpo.inspect import main
 from tests.e2e import REPO, child_env
 from tests.rollout_records import make_record
@@ -63,7 +63,7 @@ def test_a_step_without_a_dump_lists_the_dumped_steps(tmp_path, capsys):
 def test_module_runs_with_m_and_does_not_shadow_the_standard_inspect(tmp_path):
     """``grpo/inspect.py`` must not hide the standard library's inspect (torch, pydantic, pytest use it)."""
     _dump(tmp_path, 1, [1.0, 0.0])
-    code = ("import sysconfig, inspect, grpo.inspect, grpo.dumps, grpo.plot; "
+    code = ("import sysconfig, inspect, grpo.inspect, grpo.system.dumps, grpo.plot; "
             "assert inspect.__file__.startswith(sysconfig.get_paths()['stdlib']), inspect.__file__; "
             "assert callable(inspect.signature) and grpo.inspect.__name__ == 'grpo.inspect'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(1), check=True, timeout=120)

@@ -155,7 +155,7 @@ def test_mask_by_seq_logprob_error_by_hand():
 
 def naive_filtered(logits, tokens, temperature, top_k, top_p):
     """Plain autograd: log_softmax of the sampler's own filtered logits (the filter is a constant mask)."""
-    from grpo.generation.sampling import filter_keep_mask
+    from grpo.logprobs import filter_keep_mask
 
     x = logits / temperature
     keep = filter_keep_mask(x.detach(), top_k, top_p)
@@ -198,7 +198,7 @@ def test_filtered_token_logprobs_gradcheck_float64():
     g = torch.Generator().manual_seed(3)
     logits = (2 * torch.randn(3, 4, 9, dtype=torch.float64, generator=g)).requires_grad_(True)
     x = logits.detach() / 0.7
-    from grpo.generation.sampling import filter_keep_mask
+    from grpo.logprobs import filter_keep_mask
 
     keep = filter_keep_mask(x, 5, 0.8)
     tokens = torch.multinomial(keep.reshape(-1, 9).double(), 1, generator=g).reshape(3, 4)  # kept tokens only

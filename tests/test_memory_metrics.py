@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.generation.vllm import memory_gb
-from grpo.tracking import cuda_device_memory, device_memory_gb, gpu_metrics, phase_memory
+from grpo.system.generation.vllm import memory_gb
+from grpo.system.tracking import cuda_device_memory, device_memory_gb, gpu_metrics, phase_memory
 
 GIB = 2**30
 

@@ -37,7 +37,7 @@ def test_a_user_environment_class_trains_multi_turn_in_the_synchronous_loop(tmp_
     assert sorted(rows) == [1, 2]
     check_multiturn(rows)
     assert any(r["train/mask_sample_count"] > 0 for r in rows.values())
-    from grpo.dumps import list_dumps, read_dump
+    from grpo.system.dumps import list_dumps, read_dump
 
     dump = read_dump(list_dumps(tmp_path / "logs", "train")[2])
     assert {tuple(m["role"] for m in r["messages"]) for r in dump} == {("user", "assistant", "user", "assistant")}

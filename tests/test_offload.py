@@ -1,4 +1,4 @@
-"""grpo/offload.py on the CPU: the optimizer states of every engine the runs build (no ZeRO, ZeRO-1 in bf16 =
+"""grpo/system/offload.py on the CPU: the optimizer states of every engine the runs build (no ZeRO, ZeRO-1 in bf16 =
 DeepSpeed's BF16_Optimizer, ZeRO-1/3) go off and come back with training unchanged, and a checkpoint saved while
 they are off (validation and saving run between the refit and the next sleep) holds the true states."""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo import engines, offload, weights
-from grpo.toy import save_tiny_model
+from grpo.system import engines, offload, weights
+from grpo.system.dist import init_distributed
+from grpo.system.training import train_on_batch
+from grpo.tasks.toy import save_tiny_model
 from tests.test_engines import make_cfg
 
 
@@ -19,7 +21,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dist_group():
-    engines.init_distributed()
+    init_distributed()
 
 
 IDS = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(5))
@@ -27,7 +29,7 @@ IDS = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(5))
 
 def step(engine) -> dict:
     mbs = [{"input_ids_bt": IDS, "attention_mask_bt": torch.ones_like(IDS)}]
-    return engines.train_on_batch(engine, mbs, lambda lp, mb: (-(lp.float() ** 2).sum() / 12, {}))
+    return train_on_batch(engine, mbs, lambda lp, mb: (-(lp.float() ** 2).sum() / 12, {}))
 
 
 def build(model_dir, **policy):

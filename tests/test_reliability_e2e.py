@@ -106,7 +106,7 @@ def alive(pids: list[int], within_s: float = 10.0) -> list[int]:
         time.sleep(0.2)
 
 
-# SIGINT takes the same path as SIGTERM (grpo/signals.py; tests/test_signals.py checks both): slow suite only.
+# SIGINT takes the same path as SIGTERM (grpo/system/signals.py; tests/test_signals.py checks both): slow suite only.
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143),
                                          pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_a_signal_finishes_the_step_saves_stops_the_workers_and_the_same_command_resumes(tmp_path, sig, status):

@@ -1,4 +1,4 @@
-"""Unit tests of grpo/replay.py: the async replay deque, the weight stage, groups of trajectories."""
+"""Unit tests of grpo/system/replay.py: the async replay deque, the weight stage, groups of trajectories."""
 
 import io
 import threading
@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo.replay import (
+from grpo.system.replay import (
     ReplayBuffer, ReplayClosed, StopKind, WeightStage, groups_from_trajectories, trajectories_from_groups,
     trajectory_age,
 )
-from grpo.rollout import Message, Trajectory
+from grpo.system.rollout import Message, Trajectory
 
 
 def put_batch(buf, target, versions, tag=""):

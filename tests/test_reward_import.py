@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from grpo.envs.function import EnvError, resolve_reward_fn
-from grpo.envs.pool import ScoringPool, check_reward_fn
+from grpo.tasks.function import EnvError, resolve_reward_fn
+from grpo.tasks.pool import ScoringPool, check_reward_fn
 
 RAISES = '''
 import math

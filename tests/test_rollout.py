@@ -1,4 +1,4 @@
-"""grpo.rollout: the conversation loop (turns, observations, limits, failures), chunks and weight versions,
+"""grpo.system.rollout: the conversation loop (turns, observations, limits, failures), chunks and weight versions,
 seeds, and a prompt batch across ranks. Fake generators and environments; the real ones run end to end."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 
-from grpo.chat import ChatFormat
+from grpo.system.chat import ChatFormat
 from grpo.envs import Environments
-from grpo.envs.interface import Environment, EnvironmentReturn
-from grpo.generation.base import GenerationOutput
-from grpo.rollout import (
+from grpo.tasks.interface import Environment, EnvironmentReturn
+from grpo.system.generation.base import GenerationOutput
+from grpo.system.rollout import (
     RolloutError, TurnSettings, generate_rollout, new_trajectories, rank_slice, run_conversations, sample_seed,
 )
-from grpo.toy import build_char_tokenizer
+from grpo.tasks.toy import build_char_tokenizer
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id

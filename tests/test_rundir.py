@@ -1,4 +1,4 @@
-"""grpo.rundir: one run per directory (a lock another process cannot take, released when its holder dies), the
+"""grpo.system.rundir: one run per directory (a lock another process cannot take, released when its holder dies), the
 run fingerprint a resume must match, and no fresh start into a directory holding checkpoints."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from grpo.config import MasterConfig
-from grpo.rundir import (
+from grpo.system.rundir import (
     FINGERPRINT_FILE, LOCK_FILE, RESUME_MUTABLE, RunDirError, RunLock, check_fingerprint, check_fresh_start,
     claim_run_dirs, distinct_dirs, recorded_run_id, run_fingerprint, write_fingerprint,
 )
@@ -20,7 +20,7 @@ from tests.e2e import REPO, child_env
 
 
 def _lock_in_child(directory, hold: bool = False) -> subprocess.Popen:
-    code = ("import sys, time\nfrom grpo.rundir import RunLock, RunDirError\n"
+    code = ("import sys, time\nfrom grpo.system.rundir import RunLock, RunDirError\n"
             "try:\n    lock = RunLock(sys.argv[1])\n"
             "except RunDirError as e:\n    print(e, file=sys.stderr); sys.exit(3)\n"
             "print('locked', flush=True)\n"
@@ -180,7 +180,7 @@ def test_other_data_under_the_same_path_is_refused_unless_allowed(tmp_path, chan
 
 
 def test_a_data_directory_and_large_files_are_fingerprinted_by_content(tmp_path, monkeypatch):
-    import grpo.rundir as rundir
+    import grpo.system.rundir as rundir
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "train.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
@@ -205,7 +205,7 @@ def test_a_fingerprint_recorded_before_data_fingerprints_still_resumes(tmp_path)
 
 
 def test_a_differing_long_value_is_named_briefly():
-    from grpo.rundir import fingerprint_diff
+    from grpo.system.rundir import fingerprint_diff
 
     diff = fingerprint_diff({"config": {"env.x": list(range(10_000))}}, {"config": {"env.x": list(range(10_001))}})
     assert diff == ["env.x: [0, 1, 2, 3, ...] -> [0, 1, 2, 3, ...]"]

@@ -1,4 +1,4 @@
-"""Tests of the scratch clean-up of grpo/envs/pool.py: `remove_tree` and the pools' scratch roots.
+"""Tests of the scratch clean-up of grpo/tasks/pool.py: `remove_tree` and the pools' scratch roots.
 
 The sandbox-level checks (a tool worker killed at its timeout, a tree built by sandboxed code) live in
 tests/test_sandbox.py; these need no Landlock.
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from grpo.envs.pool import WorkerPool, remove_stale_pool_roots, remove_tree
+from grpo.tasks.pool import WorkerPool, remove_stale_pool_roots, remove_tree
 
 
 def build_hostile_tree(top: str, outside_file: str, outside_dir: str) -> None:
@@ -136,7 +136,7 @@ def test_pools_remove_their_scratch_roots_and_those_of_dead_trainers(tmp_path, m
         remove_stale_pool_roots(str(tmp_path))
         assert sorted(p.name for p in tmp_path.iterdir()) == ["grpo-pool-live", "grpo-pool-unlocked"]
 
-        pool = WorkerPool("grpo.envs.arithmetic:arithmetic_reward", num_workers=2, timeout_s=30)
+        pool = WorkerPool("grpo.tasks.arithmetic:arithmetic_reward", num_workers=2, timeout_s=30)
         try:
             pool.start(wait=True)
             roots = [w.scratch for w in pool._workers]

@@ -1,11 +1,12 @@
-"""grpo.shared_prefix: a shared prompt runs once, and logprobs and gradients equal the plain forward's."""
+"""grpo.system.shared_prefix: a shared prompt runs once, and logprobs and gradients equal the plain forward's."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo.engines import FrozenModel, forward_logprobs
-from grpo.shared_prefix import plan_shared_prefix, prompt_lengths
+from grpo.system.engines import FrozenModel
+from grpo.system.training import forward_logprobs
+from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""grpo.signals: SIGTERM / SIGINT / SIGHUP / SIGUSR1 / SIGUSR2 set a flag, a second Ctrl-C exits at once with 130, the old handlers come back;
+"""grpo.system.signals: SIGTERM / SIGINT / SIGHUP / SIGUSR1 / SIGUSR2 set a flag, a second Ctrl-C exits at once with 130, the old handlers come back;
 reward workers die with the trainer, even under kill -9 and in the middle of a reward that hangs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from grpo.signals import STOP_SIGNALS, StopRequest, exit_status, set_parent_death_signal
+from grpo.system.signals import STOP_SIGNALS, StopRequest, exit_status, set_parent_death_signal
 from tests.e2e import REPO, child_env
 
 
@@ -33,7 +33,7 @@ def test_signals_set_a_flag_and_close_restores_the_handlers():
 
 _LOOP = """
 import sys, time
-from grpo.signals import StopRequest
+from grpo.system.signals import StopRequest
 stop = StopRequest()
 print("ready", flush=True)
 step = 0
@@ -68,7 +68,7 @@ def test_a_signal_stops_the_loop_after_the_step_with_the_documented_status(sig, 
 
 def test_a_sighup_ignored_at_start_stays_ignored_under_nohup():
     code = ("import os, signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-            "from grpo.signals import StopRequest\n"
+            "from grpo.system.signals import StopRequest\n"
             "stop = StopRequest(); os.kill(os.getpid(), signal.SIGHUP)\n"
             "assert not stop.requested() and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN\n"
             "os.kill(os.getpid(), signal.SIGUSR1); assert stop.signal_name == 'SIGUSR1'; print('ok')")
@@ -96,7 +96,7 @@ def test_parent_death_signal_is_set():
 
 _TRAINER = """
 import sys
-from grpo.envs.pool import ScoringPool
+from grpo.tasks.pool import ScoringPool
 pool = ScoringPool("tests.reward_fns_for_tests:sleepy", num_workers=2, timeout_s=600)
 pool.start(wait=True)
 print(" ".join(map(str, pool.pids())), flush=True)

@@ -7,9 +7,9 @@ import torch
 
 from grpo.batch import build_batch
 from grpo.config_load import build_config
-from grpo.rollout import Message, Trajectory
+from grpo.system.rollout import Message, Trajectory
 from grpo.step import compose_advantages, initial_sample_mask, shape_rewards, step_advantages
-from grpo.toy import build_char_tokenizer
+from grpo.tasks.toy import build_char_tokenizer
 
 
 def traj(group_id: int, reward: float, turns: list[tuple[list[int], list[float]]], prompt=(1, 5),

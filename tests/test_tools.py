@@ -12,21 +12,21 @@ import time
 import pytest
 import torch
 
-import grpo.envs.calculator
-import grpo.envs.tool_calls
-import grpo.envs.tools
-from grpo.envs.calculator import calc, calculator_rows, demo_transcript
-from grpo.envs.function import EnvError
-from grpo.envs.interface import check_return
-from grpo.envs.tool_calls import (ParsedCall, check_arguments, function_spec, parse_tool_calls, resolve_tools,
+import grpo.tasks.calculator
+import grpo.tasks.tool_calls
+import grpo.tasks.tools
+from grpo.tasks.calculator import calc, calculator_rows, demo_transcript
+from grpo.tasks.function import EnvError
+from grpo.tasks.interface import check_return
+from grpo.tasks.tool_calls import (ParsedCall, check_arguments, function_spec, parse_tool_calls, resolve_tools,
                                   stop_strings, tool_schemas)
-from grpo.envs.tools import ERROR_KINDS, ToolEnvironment
+from grpo.tasks.tools import ERROR_KINDS, ToolEnvironment
 
 FNS = "tool_fns_for_tests"  # tests/ is on sys.path under pytest, and the spawned workers inherit it
-ARITH = "grpo.envs.arithmetic:arithmetic_reward"
+ARITH = "grpo.tasks.arithmetic:arithmetic_reward"
 
 
-@pytest.mark.parametrize("module", [grpo.envs.tool_calls, grpo.envs.tools, grpo.envs.calculator])
+@pytest.mark.parametrize("module", [grpo.tasks.tool_calls, grpo.tasks.tools, grpo.tasks.calculator])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
 
@@ -122,7 +122,7 @@ def test_hermes_call_without_its_closing_tag_at_the_end():
 
 def test_compact_parsing():
     schemas = {s["function"]["name"]: s for s in tool_schemas(resolve_tools([f"{FNS}:add", f"{FNS}:fail",
-                                                                              f"grpo.envs.calculator:calc"]))}
+                                                                              f"grpo.tasks.calculator:calc"]))}
     text = '<calc>12*34</calc> then <b>bold</b> <fail>oops</fail><add>{"a": 1, "b": 2}</add><add>1</add><calc>5'
     calls = parse_tool_calls(text, "compact", schemas)
     assert calls[:4] == [ParsedCall("calc", {"expression": "12*34"}), ParsedCall("fail", {"message": "oops"}),
@@ -231,7 +231,7 @@ def test_a_timeout_costs_only_its_call(env):
 
 
 def test_disabled_tools_answer_every_call_with_an_error():
-    env = ToolEnvironment(["grpo.envs.calculator:calc"], ARITH, tool_call_format="compact", disable_tools=True,
+    env = ToolEnvironment(["grpo.tasks.calculator:calc"], ARITH, tool_call_format="compact", disable_tools=True,
                           num_workers=1)
     try:
         ret = step(env, "<calc>12*34</calc>", "408")
@@ -292,7 +292,7 @@ def test_calculator_rows_and_transcripts():
 
 
 def test_calculator_env_end_to_end_in_compact_format():
-    env = ToolEnvironment(["grpo.envs.calculator:calc"], ARITH, tool_call_format="compact", num_workers=1,
+    env = ToolEnvironment(["grpo.tasks.calculator:calc"], ARITH, tool_call_format="compact", num_workers=1,
                           max_result_chars=200)
     try:
         assert env.stop_strings == ["</calc>"]

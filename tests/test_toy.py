@@ -1,4 +1,4 @@
-"""grpo.toy's local model builds leave nothing half-built behind: SIGTERM, Ctrl-C or an error during a build
+"""grpo.tasks.toy's local model builds leave nothing half-built behind: SIGTERM, Ctrl-C or an error during a build
 removes its temporary directory, and the temporary directories of builds killed outright (kill -9) are removed
 by the next build; a live build's directory stays."""
 
@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from grpo.toy import build_into, remove_stale_builds
+from grpo.tasks.toy import build_into, remove_stale_builds
 from tests.e2e import REPO, child_env
 
 SLOW_BUILD = """
 import os, sys, time
-from grpo.toy import build_into
+from grpo.tasks.toy import build_into
 
 def slow(tmp):
     with open(os.path.join(tmp, "weights.bin"), "wb") as f:

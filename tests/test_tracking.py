@@ -1,4 +1,4 @@
-"""grpo.tracking: metrics.jsonl rows (non-finite values as strings), truncation on resume, and the optional gpu/*
+"""grpo.system.tracking: metrics.jsonl rows (non-finite values as strings), truncation on resume, and the optional gpu/*
 columns (logger.monitor_gpus)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo.config import LoggerConfig
-from grpo.tracking import MetricsLogger, read_metrics, truncate_metrics
+from grpo.system.tracking import MetricsLogger, read_metrics, truncate_metrics
 
 
 def _log_one_row(tmp_path, **cfg) -> dict:
@@ -81,7 +81,7 @@ def test_a_failed_metrics_write_is_cut_off_counted_and_warned_once_and_the_run_g
     import errno
     import os
 
-    import grpo.tracking as tracking
+    import grpo.system.tracking as tracking
 
     logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
     logger.log({"train/loss": 1.0}, 1)
@@ -106,7 +106,7 @@ def test_a_failed_metrics_write_is_cut_off_counted_and_warned_once_and_the_run_g
 
 
 def test_claim_metrics_truncates_only_this_runs_resume_and_keeps_another_runs_file(tmp_path):
-    from grpo.tracking import claim_metrics
+    from grpo.system.tracking import claim_metrics
 
     def log(steps):
         logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))

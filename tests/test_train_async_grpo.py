@@ -27,7 +27,7 @@ def trained_prompts(tmp: Path) -> list[list[int]]:
 
 def loader_batches(n_prompts: int, steps: int, seed: int = 42) -> list[list[int]]:
     """The prompt batches the StatefulDataLoader yields (no prompt filtered: position == row index)."""
-    from grpo.data import build_dataloader
+    from grpo.system.data import build_dataloader
 
     loader = build_dataloader([{"index": i} for i in range(n_prompts)], PROMPTS_PER_STEP, shuffle=True, seed=seed)
     it = iter(loader)

@@ -283,7 +283,7 @@ def test_cpu_demo_raises_validation_reward_by_015(tmp_path):
 def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps(tmp_path):
     """One optimizer step per step: the training forward's own logprobs (detached) are the previous policy's,
     so skipping their separate pass (the default here) trains the same steps as computing them. The second
-    run also runs each group's prompt once (grpo/shared_prefix.py: generation prefill, previous-policy,
+    run also runs each group's prompt once (grpo/system/shared_prefix.py: generation prefill, previous-policy,
     reference and training forwards), which must not change the numbers either."""
     skip, separate = tmp_path / "skip", tmp_path / "separate"
     p = python_train(skip, "grpo.max_num_steps=3", "checkpointing.enabled=false")

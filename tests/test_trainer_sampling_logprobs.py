@@ -2,7 +2,7 @@
 
 NeMo-RL's canary token_mult_prob_error = mean over generated tokens of exp(|gen - prev|), with gen the
 backend's logprob of the token it sampled and prev the trainer's teacher-forced logprob of that token
-under the same weights (`grpo.engines.forward_logprobs` / `compute_logprobs` with the sampler's top-k /
+under the same weights (`grpo.system.training.forward_logprobs` / `compute_logprobs` with the sampler's top-k /
 top-p). It is 1 within float error for both backends, and the trainer's filter is vLLM's, ties included.
 The vLLM engine runs in its own process (tests/vllm_sampling_check.py): closing an in-process engine
 takes torch.distributed down, and an earlier module's closed engine breaks a later in-process ZeRO engine.
@@ -20,13 +20,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest
 import torch
 
-from grpo import engines
+from grpo.system.training import forward_logprobs
 from grpo.config_load import build_config
-from grpo.generation.sampling import filter_keep_mask
-from grpo.logprobs import token_logprobs
+from grpo.logprobs import filter_keep_mask, token_logprobs
 from grpo.loss import clipped_pg_loss
 from grpo.batch import build_batch
-from grpo.rollout import single_turn
+from grpo.system.rollout import single_turn
 from tests.e2e import run
 
 TEMPERATURE, TOP_K, TOP_P = 0.7, 20, 0.9
@@ -39,7 +38,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 def model_dir(tmp_path_factory):
     """The "small" toy Llama (vLLM's CPU attention needs its head size 32), lm_head scaled so the
     distributions are neither flat nor one-hot: top-k 20 and top-p 0.9 both remove real mass."""
-    from grpo.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer
+    from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer
 
     out = str(tmp_path_factory.mktemp("small_model"))
     tok = build_char_tokenizer()
@@ -55,7 +54,7 @@ def mult_prob_error(model, outputs, pad_id: int, **filt) -> float:
     """clipped_pg_loss's token_mult_prob_error, prev = `forward_logprobs` of ``model`` (``filt``: top_k / top_p)."""
     b = build_batch(single_turn(outputs), pad_id)
     with torch.no_grad():
-        prev_bt = engines.forward_logprobs(model, b.input_ids_bt, b.attention_mask_bt, TEMPERATURE, **filt)
+        prev_bt = forward_logprobs(model, b.input_ids_bt, b.attention_mask_bt, TEMPERATURE, **filt)
     cfg = build_config({"loss_fn": {"reference_policy_kl_penalty": 0.0}}).loss_fn
     _, metrics = clipped_pg_loss(prev_bt, prev_bt, torch.zeros(len(outputs)), b.token_mask_bt,
                                  torch.ones(len(outputs)), cfg, generation_logprobs=b.generation_logprobs_bt)
@@ -67,7 +66,7 @@ def test_hf_generation_and_trainer_agree_under_top_k_top_p(model_dir):
     same weights; the ZeRO-3 engine's equality with this plain forward is tests/test_engines.py's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.generation.hf import HFGeneration
+    from grpo.system.generation.hf import HFGeneration
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     policy = build_config({"policy": {

@@ -24,7 +24,7 @@ class FreezingLLM:
 
 def test_constructing_the_backend_leaves_the_heap_unfrozen(monkeypatch, tiny_model_dir, char_tokenizer):
     from grpo.config import MasterConfig
-    from grpo.generation import vllm as backend
+    from grpo.system.generation import vllm as backend
 
     platform = types.SimpleNamespace(is_cpu=lambda: True, is_sleep_mode_available=lambda: False)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FreezingLLM))

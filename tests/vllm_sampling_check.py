@@ -18,12 +18,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 
-from grpo import engines
+from grpo.system import engines
+from grpo.system.dist import init_distributed
+from grpo.system.training import compute_logprobs
 from grpo.config_load import build_config
-from grpo.generation.vllm import VllmGeneration
+from grpo.system.generation.vllm import VllmGeneration
 from grpo.loss import clipped_pg_loss
 from grpo.batch import build_batch
-from grpo.rollout import single_turn
+from grpo.system.rollout import single_turn
 
 PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok", "(3*4)-5=", "Z"]
 SEEDS = [11, 22, 33, 44, 55, 66, 77, 88]
@@ -43,7 +45,7 @@ def main(model_dir: str, temperature: float, top_k: int, top_p: float) -> dict:
         "loss_fn": {"reference_policy_kl_penalty": 0.0},
     })
     tok = AutoTokenizer.from_pretrained(model_dir)
-    engines.init_distributed()
+    init_distributed()
     policy = engines.build_policy_engine(cfg, world_size=1, total_optimizer_steps=10)
     gen = VllmGeneration(cfg, tok, policy, "cpu")
     gen.refit(policy)
@@ -51,7 +53,7 @@ def main(model_dir: str, temperature: float, top_k: int, top_p: float) -> dict:
     b = build_batch(single_turn(outputs), tok.pad_token_id)
 
     def mult_prob_error(**filt) -> float:
-        prev_bt = engines.compute_logprobs(policy, b.input_ids_bt, b.attention_mask_bt, temperature, 8, **filt)
+        prev_bt = compute_logprobs(policy, b.input_ids_bt, b.attention_mask_bt, temperature, 8, **filt)
         zeros_b, ones_b = torch.zeros(len(outputs)), torch.ones(len(outputs))
         _, m = clipped_pg_loss(prev_bt, prev_bt, zeros_b, b.token_mask_bt, ones_b, cfg.loss_fn,
                                generation_logprobs=b.generation_logprobs_bt)

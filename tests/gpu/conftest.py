@@ -28,8 +28,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def nccl_group():
     """This process as a one-rank NCCL group on cuda:0."""
-    from grpo import engines
+    from grpo.system.dist import init_distributed
 
-    rank, _, world, device = engines.init_distributed()
+    rank, _, world, device = init_distributed()
     assert (rank, world, device.type) == (0, 1, "cuda")
     return device

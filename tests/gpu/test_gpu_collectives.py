@@ -13,19 +13,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 def test_step_and_run_collectives_on_nccl(nccl_group):
     import torch.distributed as dist
 
-    from grpo import engines, metrics, rollout
+    from grpo import metrics
+    from grpo.system.dist import all_gather_objects, any_rank
 
     assert dist.get_backend() == "nccl"
-    assert engines.any_rank(True) and not engines.any_rank(False)
+    assert any_rank(True) and not any_rank(False)
     tokens, seqs = metrics.global_valid_counts(torch.ones(2, 3), torch.ones(2))  # host masks
     assert (float(tokens), float(seqs)) == (6.0, 2.0)
-    assert rollout.all_gather_objects([("a", 1)]) == [("a", 1)]
+    assert all_gather_objects([("a", 1)]) == [("a", 1)]
 
 
 def test_tensor_parallel_lockstep_and_gather_on_an_nccl_world(nccl_group):
     import torch.distributed as dist
 
-    from grpo.generation.vllm import VllmGeneration, generate_in_group
+    from grpo.system.generation.vllm import VllmGeneration, generate_in_group
 
     gen = VllmGeneration.__new__(VllmGeneration)
     gen.tp, gen.world_size = 1, dist.get_world_size()

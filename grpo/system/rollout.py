@@ -1,0 +1,336 @@
+"""Rollouts: conversations between the policy and its environments, as typed trajectories.
+
+A prompt batch of P rows becomes P x G `Trajectory` objects (G = generations per prompt), each a message
+log that starts with the row's prompt messages. `run_conversations` then alternates, for up to
+``grpo.max_rollout_turns`` turns, one batched generation over the still-active samples with one
+environment step per environment; a single-turn task is an environment that ends every sample after the
+first turn, so every rollout takes this one code path. NeMo-RL's ``run_multi_turn_rollout`` is the model.
+
+    prompt messages -> [assistant turn -> environment step -> observation]* -> reward, done
+
+Token in, token out: an assistant message holds exactly the generated token ids and their generation
+logprobs; observations are tokenised by `grpo.system.chat.ChatFormat`, appended at the end. A sample ends when
+its environment says so, when it has used ``max_rollout_turns`` turns, or when the next turn would not fit
+``policy.max_total_sequence_length`` (then it counts as truncated).
+
+Data parallelism: every rank runs the conversations of its contiguous share of the samples
+(`rank_slice`), then `generate_rollout` gathers them, so every rank holds the whole rollout.
+Sampling seeds are keyed per sample and turn (`sample_seed`): a completion does not depend on which rank
+generated it, nor on the other samples of its batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+from grpo.tasks.interface import MESSAGE_FLAGS
+from grpo.system.dist import all_gather_objects, rank_slice
+from grpo.system.generation.base import chunk_slices
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------
+# Typed data
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Message:
+    """One message of a conversation. ``generation_logprobs`` is set exactly on assistant messages the
+    policy generated in this rollout: those are the trained ones (prompt-history assistant messages are
+    context). ``flags``: names raised on the message (``invalid_tool_call``, ``malformed_thinking``)."""
+
+    role: str
+    content: str
+    token_ids: list[int]
+    generation_logprobs: list[float] | None = None
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def trained(self) -> bool:
+        return self.generation_logprobs is not None
+
+
+@dataclass
+class Trajectory:
+    """One sample: a conversation and what the environment made of it.
+
+    ``group_id``: position of its prompt in the prompt batch (the G samples of a prompt share it);
+    ``prompt_index``: the dataset row; ``reward``: sum of the turns' rewards; ``reward_components``:
+    named components (GDPO), summed over turns, or None; ``finish_reason`` of the last generated turn;
+    ``truncated``: a turn hit its length cap or the conversation ran out of room; ``generation_version``:
+    the oldest weight version that generated one of its turns (async GRPO); ``mask_sample``: the
+    environment asked to keep it out of the loss; ``error``: "reward_error" / "reward_timeout" /
+    "env_error" / "env_timeout" when scoring failed (reward 0), ``error_detail`` its traceback.
+    """
+
+    group_id: int
+    prompt_index: int
+    task_name: str
+    question: str
+    answer: str
+    messages: list[Message]
+    metadata: dict
+    reward: float = 0.0
+    reward_components: dict[str, float] | None = None
+    finish_reason: str = "stop"
+    truncated: bool = False
+    turns: int = 0
+    generation_version: int = 0
+    mask_sample: bool = False
+    error: str | None = None
+    error_detail: str | None = None
+    done: bool = False
+    num_prompt_messages: int = 0
+
+    @property
+    def observation_tokens(self) -> int:
+        """Tokens the environments added (observations), prompt excluded."""
+        return sum(len(m.token_ids) for m in self.messages[self.num_prompt_messages:] if not m.trained)
+
+    def token_ids(self) -> list[int]:
+        """The conversation's tokens: every message's, in order."""
+        return [t for m in self.messages for t in m.token_ids]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(m.token_ids) for m in self.messages if m.trained)
+
+    def completion_text(self) -> str:
+        """The generated assistant messages' text, joined (a single-turn sample's completion)."""
+        return "".join(m.content for m in self.messages if m.trained)
+
+    def completion_ids(self) -> list[int]:
+        return [t for m in self.messages if m.trained for t in m.token_ids]
+
+    def to_dict(self) -> dict:
+        """Plain python (checkpoints load it with ``torch.load(weights_only=True)``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        return cls(**{**d, "messages": [Message(**m) for m in d["messages"]]})
+
+
+@dataclass
+class Rollout:
+    """A scored rollout of one prompt batch, the same on every rank. ``timing``: seconds per phase
+    (``generate_s``, ``env_step_s``); ``metrics``: environments' own (``env/<task>/<name>``)."""
+
+    trajectories: list[Trajectory]
+    timing: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutError(RuntimeError):
+    """Generation or an environment broke on some rank (every rank raises it together)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Seeds, shares, gathers
+# --------------------------------------------------------------------------------------------------
+def sample_seed(base_seed: int, step: int, sample_index: int, stream: str = "train", turn: int = 0) -> int:
+    """A 63-bit seed for one turn of one sample: hash(base_seed, stream, step, sample_index[, turn]).
+
+    Generation randomness keyed per sample makes a completion independent of batch composition,
+    world size and resume: the same (seed, step, index, turn) always samples the same tokens.
+    """
+    key = f"{base_seed}:{stream}:{step}:{sample_index}" + (f":{turn}" if turn else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def new_trajectories(prompts: list[dict], num_generations: int) -> list[Trajectory]:
+    """``num_generations`` fresh trajectories per prompt row, consecutively, group ids 0..P-1.
+
+    A row carries ``prompt_messages``: ``{"role", "content", "token_ids"}`` dicts (see `grpo.system.data.PromptDataset`).
+    """
+    out = []
+    for group_id, row in enumerate(prompts):
+        for _ in range(num_generations):
+            messages = [Message(m["role"], m["content"], list(m["token_ids"])) for m in row["prompt_messages"]]
+            metadata = {"question": row["question"], "answer": row["answer"], "meta": row.get("meta") or {},
+                        "task_name": row["task_name"]}
+            out.append(Trajectory(group_id=group_id, prompt_index=int(row["index"]), task_name=row["task_name"],
+                                  question=row["question"], answer=row["answer"], messages=messages,
+                                  metadata=metadata, num_prompt_messages=len(messages)))
+    return out
+
+
+def single_turn(outputs: list) -> list[Trajectory]:
+    """Trajectories of plain generation outputs (`grpo.system.generation.base.GenerationOutput`): the prompt as one
+    user message, the completion as one generated assistant message; sample i is its own group."""
+    return [Trajectory(i, i, "", "", "", [Message("user", "", list(o.prompt_ids)),
+                                          Message("assistant", o.text, list(o.completion_ids), list(o.logprobs))],
+                       {}, finish_reason=o.finish_reason, truncated=o.finish_reason == "length", turns=1,
+                       num_prompt_messages=1) for i, o in enumerate(outputs)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The conversation loop (one rank's share)
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class TurnSettings:
+    """What `run_conversations` needs from the config: ``grpo.max_rollout_turns``,
+    ``policy.max_total_sequence_length``, ``policy.generation_batch_size`` (prompts per generate call)."""
+
+    max_turns: int
+    max_total_len: int
+    chunk_size: int
+    greedy: bool = False
+    max_new_tokens: int | None = None
+
+
+def _room(traj: Trajectory, settings: TurnSettings) -> int:
+    return settings.max_total_len - len(traj.token_ids())
+
+
+def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator, envs, chat, settings: TurnSettings,
+                      weights=None) -> dict[str, float]:
+    """Play every trajectory of this rank to its end, in place; returns seconds per phase.
+
+    Per turn: one `generator.generate` call per chunk of ``settings.chunk_size`` active samples (seed of
+    sample i at turn k: ``sample_seed(*seed_keys[i], turn=k)``), then one `envs.step` per task for the
+    samples of that task. ``weights``: the async loop's weight source; ``weights.load_newest()`` runs before
+    each chunk (a safe point for new weights) and returns the version the chunk is generated with.
+    """
+    timing = {"generate_s": 0.0, "env_step_s": 0.0}
+    stops = {i: envs.first_stop_strings(t.task_name) for i, t in enumerate(trajs)}
+    for turn in range(settings.max_turns):
+        active = [i for i, t in enumerate(trajs) if not t.done]
+        for i in active:  # no room for even one new token: the conversation is over
+            if _room(trajs[i], settings) <= 0:
+                trajs[i].done, trajs[i].truncated = True, True
+        active = [i for i in active if not trajs[i].done]
+        # A tensor-parallel vLLM group generates in lockstep: every rank makes as many calls as the busiest.
+        n_most = generator.lockstep_max(len(active)) if hasattr(generator, "lockstep_max") else len(active)
+        if n_most == 0:
+            break
+        t0 = time.perf_counter()
+        for sl in chunk_slices(len(active), n_most, settings.chunk_size):
+            chunk = active[sl]
+            version = weights.load_newest() if weights is not None else 0
+            caps = [min(settings.max_new_tokens or 10**9, _room(trajs[i], settings)) for i in chunk]
+            outputs = generator.generate([trajs[i].token_ids() for i in chunk],
+                                         [sample_seed(*seed_keys[i], turn=turn) for i in chunk],
+                                         greedy=settings.greedy, max_new_tokens=caps,
+                                         stop_strings=[stops.get(i) for i in chunk])
+            for i, out in zip(chunk, outputs):
+                t = trajs[i]
+                t.messages.append(Message("assistant", out.text, list(out.completion_ids), list(out.logprobs)))
+                t.turns += 1
+                t.finish_reason = out.finish_reason
+                t.truncated = t.truncated or out.finish_reason == "length"
+                t.generation_version = version if t.turns == 1 else min(t.generation_version, version)
+        timing["generate_s"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        for task, idx in _by_task(trajs, active).items():
+            ret, error = envs.step(task, [_log(trajs[i]) for i in idx], [trajs[i].metadata for i in idx])
+            for j, i in enumerate(idx):
+                t = trajs[i]
+                if ret is None:  # the environment failed on this call: its samples end with reward 0
+                    t.error, t.error_detail, t.done = error, envs.last_error, True
+                    t.reward, t.reward_components = 0.0, None
+                    continue
+                _apply_step(t, ret, j)
+                if t.done:
+                    continue
+                if turn == settings.max_turns - 1:
+                    t.done = True  # out of turns: no observation is appended
+                    continue
+                new = ret.observations[j]
+                ids = chat.observation_ids(_log(t), new, t.messages[-1].token_ids)
+                room = _room(t, settings)
+                if len(ids) >= room:  # the observation (and a next turn) does not fit: cut it, end the sample
+                    ids, t.done, t.truncated = ids[:max(room, 0)], True, True
+                # Several observation messages (one per tool call) share one token run: it goes to the first.
+                t.messages += [Message(m["role"], m["content"], ids if k == 0 else []) for k, m in enumerate(new)]
+                stops[i] = ret.next_stop_strings[j]
+        timing["env_step_s"] += time.perf_counter() - t0
+    for t in trajs:
+        t.done = True
+    return timing
+
+
+def _log(t: Trajectory) -> list[dict]:
+    """The conversation as the environment sees it: role / content dicts."""
+    return [{"role": m.role, "content": m.content} for m in t.messages]
+
+
+def _by_task(trajs: list[Trajectory], idx: list[int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i in idx:
+        out.setdefault(trajs[i].task_name, []).append(i)
+    return out
+
+
+# Metadata keys that describe one turn: read into the trajectory, not passed on to the next turn.
+_PER_TURN_KEYS = (*MESSAGE_FLAGS, "reward_components", "reward_error", "reward_error_detail")
+
+
+def _apply_step(t: Trajectory, ret, j: int) -> None:
+    """Fold sample j of an environment's (checked) return into its trajectory."""
+    rewards = ret.rewards
+    if isinstance(rewards, dict):  # named components (NeMo-RL's multi-reward environments)
+        comps = {k: float(v[j]) for k, v in rewards.items()}
+        t.reward += sum(comps.values())
+        t.reward_components = {k: (t.reward_components or {}).get(k, 0.0) + v for k, v in comps.items()}
+    else:
+        t.reward += float(rewards[j])
+    meta = ret.metadata[j]
+    if isinstance(meta, dict):
+        if meta.get("reward_components") is not None:  # a reward function's components beside its scalar reward
+            comps = meta["reward_components"]
+            t.reward_components = {k: (t.reward_components or {}).get(k, 0.0) + float(v) for k, v in comps.items()}
+        if meta.get("reward_error"):
+            t.error, t.error_detail = meta["reward_error"], meta.get("reward_error_detail")
+        t.mask_sample = t.mask_sample or bool(meta.get("mask_sample", False))
+        t.messages[-1].flags = [f for f in MESSAGE_FLAGS if meta.get(f)]
+        meta = {k: v for k, v in meta.items() if k not in _PER_TURN_KEYS}
+    t.metadata = meta
+    t.done = bool(ret.terminateds[j])
+
+
+# --------------------------------------------------------------------------------------------------
+# A prompt batch across ranks
+# --------------------------------------------------------------------------------------------------
+def generate_rollout(prompts: list[dict], num_generations: int, generator, envs, chat, settings: TurnSettings, *,
+                     base_seed: int, step: int, gen_batch: int, stream: str, rank: int, world_size: int,
+                     weights=None, group=None) -> Rollout:
+    """Every sample of a prompt batch played to its end and scored; the same `Rollout` on every rank.
+
+    Sample i (of P x G) is seeded with ``sample_seed(base_seed, step, gen_batch * P * G + i, stream, turn)``.
+    Each rank plays its contiguous share between ``generator.wake_up()`` and ``generator.sleep()`` (vLLM's
+    step order; no-ops for hf), runs its environments' ``global_post_process_and_metrics``, then the
+    trajectories are gathered over ``group`` (None: the default group). An exception on any rank becomes a
+    `RolloutError` on every rank, so no rank is left waiting in a collective.
+    """
+    trajs = new_trajectories(prompts, num_generations)
+    n = len(trajs)
+    keys = [(base_seed, step, gen_batch * n + i, stream) for i in range(n)]
+    mine = rank_slice(n, rank, world_size)
+    local, error, timing, metrics = trajs[mine], None, {}, {}
+    try:
+        generator.wake_up()  # colocated vLLM: KV cache back (weights came with the last refit)
+        try:
+            timing = run_conversations(local, keys[mine], generator, envs, chat, settings, weights)
+        finally:
+            generator.sleep()  # vLLM's order: free the device for training
+        local, metrics = envs.post_process(local)
+    except Exception as err:  # reported to every rank below; the caller decides whether to go on
+        logger.warning("rank %d: rollout of step %d failed:\n%s", rank, step, traceback.format_exc())
+        error = f"rank {rank}: {type(err).__name__}: {err}"
+    parts = all_gather_objects([(local, error, timing, metrics)], group)
+    errors = [p[1] for p in parts if p[1] is not None]
+    if errors:
+        raise RolloutError("; ".join(errors))
+    gathered = [t for p in parts for t in p[0]]
+    slowest = {k: max(p[2].get(k, 0.0) for p in parts) for k in ("generate_s", "env_step_s")}
+    merged: dict[str, float] = {}
+    for p in parts:
+        for k, v in p[3].items():
+            merged.setdefault(k, []).append(v)
+    return Rollout(gathered, slowest, {k: sum(v) / len(v) for k, v in merged.items()})

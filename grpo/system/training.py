@@ -1,0 +1,253 @@
+"""The training forward: token logprobs of a batch on an engine, and the optimizer step over micro-batches;
+with the two step phases that run them on the whole step's batch (`step_logprobs`, `train_step`).
+
+Data parallelism: every rank holds the same global rollout batch and trains on its own shard, with a
+loss normalised by GLOBAL counts, so the per-rank losses sum to the full-batch loss. DeepSpeed
+averages gradients over ranks and divides by gradient_accumulation_steps; `train_on_batch` undoes
+both, so one process on the full batch and N processes on shards apply the same update.
+
+Every forward of a ZeRO-3 engine is a collective: all ranks call `compute_logprobs`, `train_on_batch`,
+`step_logprobs` and `train_step` together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from grpo.batch import TrainBatch, build_batch, get, to_device, with_fields
+from grpo.logprobs import aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
+from grpo.loss import clipped_pg_loss
+from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
+from grpo.system.dist import all_gather_objects, all_reduce, comm_device, rank_slice
+from grpo.system.engines import release_params
+from grpo.system.health import skip_nonfinite_loss
+from grpo.system.rollout import single_turn
+from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths, shares_prompts
+
+
+# --------------------------------------------------------------------------------------------------
+# Logprobs and training on an engine
+# --------------------------------------------------------------------------------------------------
+def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
+                     top_k: int | None = None, top_p: float = 1.0, return_unfiltered: bool = False,
+                     prompt_lens_b: torch.Tensor | None = None):
+    """Aligned token logprobs [B, T] with grad: 0 at position 0 and on padding, and at t
+
+        log softmax_K(logits[t - 1] / temperature)[input_ids[t]]   (right-padded batches)
+
+    with K the sampler's top-k / top-p keep set (`grpo.logprobs.token_logprobs`; the defaults filter
+    nothing). A token outside K gets 0, as NeMo-RL's ``mask_out_neg_inf_logprobs`` does (see
+    `grpo.logprobs.mask_out_of_filter`). ``return_unfiltered=True`` returns ``(filtered, unfiltered)``,
+    the second with the temperature only, from the same pass over the logits.
+
+    ``prompt_lens_b``: the rows' prompt lengths (`grpo.system.shared_prefix.prompt_lengths`); given, a prompt that
+    several rows share goes through the model once (`grpo.system.shared_prefix`: same values up to rounding). Not
+    under ZeRO-3, where every forward is a collective and ranks would have to agree on sharing.
+    """
+    device = engine.device
+    ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
+
+    def logprobs(logits_nlv, ids_nl):
+        return aligned_logprobs_from_logits(logits_nlv, ids_nl, temperature, chunk_size, top_k=top_k, top_p=top_p,
+                                            return_unfiltered=True)
+
+    checkpointed = torch.is_grad_enabled() and getattr(engine.module, "is_gradient_checkpointing", False)
+    can_share = prompt_lens_b is not None and not checkpointed and engine.zero_optimization_stage() != 3
+    plan = plan_shared_prefix(ids_bt, mask_bt, prompt_lens_b) if can_share else None
+    shared = plan.logprobs(engine, logprobs) if plan is not None else None
+    if shared is not None:
+        lp_bt, full_bt = shared
+    else:
+        lp_bt, full_bt = logprobs(engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits, ids_bt)
+    lp_bt, _ = mask_out_of_filter(lp_bt, mask_bt)
+    if return_unfiltered:
+        return lp_bt, torch.where(mask_bt > 0, full_bt, 0.0)
+    return lp_bt
+
+
+@torch.no_grad()
+def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float, micro_batch_size: int,
+                     chunk_size=None, *, top_k: int | None = None, top_p: float = 1.0,
+                     prompt_lens_b: torch.Tensor | None = None) -> torch.Tensor:
+    """`forward_logprobs` without grad, micro-batch by micro-batch; returns [B, T] fp32 on the CPU.
+
+    ``top_k`` / ``top_p``: the sampler's filter (policy.generation.top_k / top_p) for the previous-policy
+    logprobs; leave them off for the reference policy (NeMo-RL: its top-k set is not the policy's).
+    Ranks may hold different numbers of rows: every rank runs as many forwards as the busiest one
+    (the extra ones on a dummy row), since each ZeRO-3 forward is a collective.
+    """
+    was_training = engine.module.training
+    engine.eval()
+    B = input_ids_bt.shape[0]
+    n_local = math.ceil(B / micro_batch_size)
+    n_all = int(all_reduce(torch.tensor([n_local], device=comm_device()), op="max").item())
+    out = []
+    for i in range(n_all):
+        if i < n_local:
+            sl = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
+            out.append(forward_logprobs(engine, input_ids_bt[sl], attention_mask_bt[sl], temperature, chunk_size,
+                                        top_k=top_k, top_p=top_p,
+                                        prompt_lens_b=None if prompt_lens_b is None else prompt_lens_b[sl],
+                                        ).float().cpu())
+        else:
+            dummy = torch.zeros((1, 2), dtype=torch.long)
+            forward_logprobs(engine, dummy, torch.ones_like(dummy), temperature, chunk_size, top_k=top_k, top_p=top_p)
+    release_params(engine)
+    engine.train(was_training)
+    return torch.cat(out) if out else torch.zeros(input_ids_bt.shape, dtype=torch.float32)
+
+
+def _to_python(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.detach().cpu().tolist()
+    return v
+
+
+LossClosure = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure, *, temperature: float = 1.0,
+                   chunk_size=None, top_k: int | None = None, top_p: float = 1.0, share_prompts: bool = False) -> dict:
+    """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
+
+    A micro-batch is a `grpo.batch.TrainBatch` (or a dict with its field names): its ``input_ids_bt`` and
+    ``attention_mask_bt`` go through the model; the closure gets it with its tensors on the engine's device.
+    ``logprobs_bt`` are `forward_logprobs` with ``temperature`` and the sampler's ``top_k`` / ``top_p``
+    filter (policy.generation.*). With a filter on, the micro-batch also holds ``unfiltered_logprobs_bt``
+    (temperature only, with grad, from the same forward): NeMo-RL's ``curr_logprobs_unfiltered``, for the
+    KL term (`grpo.loss.clipped_pg_loss`'s ``unfiltered_logprobs``). ``share_prompts``: rows that share a
+    prompt run it once (`grpo.system.shared_prefix`; prompts end where ``token_mask_bt`` starts).
+
+    ``loss_closure(logprobs_bt, mb) -> (loss, metrics)`` must normalise by GLOBAL counts (all
+    micro-batches of all ranks), so the losses sum to the full-batch loss L. DeepSpeed applies
+    (1 / world) * sum_ranks (1 / GAS) * sum_mb grad(loss_mb); backward on world * loss_mb without
+    the 1/GAS scaling makes that sum_ranks sum_mb grad(loss_mb) = grad(L).
+
+    Returns ``loss`` = L (summed over micro-batches and ranks), the closure's metrics aggregated over
+    micro-batches and ranks by `grpo.metrics.aggregate_rollout_metrics` (mean; min / max by name),
+    ``grad_norm`` = |grad(L)| before clipping, and ``lr``, the learning rate this step used.
+    """
+    gas = engine.gradient_accumulation_steps()
+    if len(micro_batches) != gas:
+        raise ValueError(
+            f"train_on_batch got {len(micro_batches)} micro-batches but DeepSpeed steps every "
+            f"gradient_accumulation_steps={gas}: each rank needs policy.train_global_batch_size / world_size "
+            "rows split into micro-batches of policy.train_micro_batch_size"
+        )
+    world = engine.dp_world_size
+    lr = engine.get_lr()[0]
+    engine.train()
+    loss_sum, mb_metrics = 0.0, []
+    for mb in micro_batches:
+        mb = to_device(mb, engine.device)
+        ids_bt, mask_bt = get(mb, "input_ids_bt"), get(mb, "attention_mask_bt")
+        prompt_lens_b = prompt_lengths(get(mb, "token_mask_bt"), mask_bt) if share_prompts else None
+        if needs_filter(top_k, top_p):
+            logprobs_bt, unfiltered_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size,
+                                                          top_k=top_k, top_p=top_p, return_unfiltered=True,
+                                                          prompt_lens_b=prompt_lens_b)
+            mb = with_fields(mb, unfiltered_logprobs_bt=unfiltered_bt)
+        else:
+            logprobs_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size,
+                                           prompt_lens_b=prompt_lens_b)
+        loss, metrics = loss_closure(logprobs_bt, mb)
+        engine.backward(loss * world, scale_wrt_gas=False)
+        engine.step()
+        loss_sum += float(loss.detach())
+        mb_metrics.append({k: _to_python(v) for k, v in metrics.items()})
+    total = all_reduce(torch.tensor([loss_sum], dtype=torch.float64, device=comm_device()))
+    grad_norm = engine.get_global_grad_norm()
+    return {**aggregate_rollout_metrics(all_gather_objects(mb_metrics)), "loss": float(total.item()),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+
+# --------------------------------------------------------------------------------------------------
+# The step phases that run them (under the loops' "logprobs" and "train" banners)
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class LogprobEngines:
+    """The engines `step_logprobs` scores with; None where the run skips them (`grpo.config.resolve_skip_flags`,
+    no distillation)."""
+
+    prev: object | None
+    reference: object | None
+    teacher: object | None = None
+
+
+def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, temperature: float,
+                    micro_batch_size: int, chunk_size: int | None = None, share_prompts: bool = False,
+                    **top) -> torch.Tensor:
+    """Logprobs ``[B, T]`` of the whole batch: each rank scores its share, then all ranks gather. ``top``:
+    the sampler's ``top_k`` / ``top_p`` (`grpo.system.training.compute_logprobs`); ``share_prompts``: a prompt that
+    several rows share goes through the model once (`grpo.system.shared_prefix`)."""
+    B, T = batch.input_ids_bt.shape
+    sl = rank_slice(B, rank, world_size)
+    attn = batch.attention_mask_bt[sl]
+    t_local = max(int(attn.sum(dim=1).max().item()), 1) if len(attn) else 1
+    prompt_lens_b = prompt_lengths(batch.token_mask_bt[sl], attn) if share_prompts else None
+    lp = compute_logprobs(engine, batch.input_ids_bt[sl, :t_local], attn[:, :t_local], temperature,
+                          micro_batch_size, chunk_size, prompt_lens_b=prompt_lens_b, **top)
+    lp = torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1]))
+    return torch.cat(all_gather_objects([lp]), dim=0)
+
+
+def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, world_size: int) -> TrainBatch:
+    """Previous-policy, reference and teacher logprobs ``[B, T]`` under the current weights (a collective).
+
+    The previous policy's are scored under the sampling distribution (temperature, top-k, top-p: what the
+    generation logprobs are), the reference's and teacher's with the temperature only, as NeMo-RL."""
+    p, gen = cfg.policy, cfg.policy.generation
+
+    def score(engine, sampled: bool = False):
+        if engine is None:
+            return None
+        top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
+        return gather_logprobs(engine, batch, rank, world_size, gen.temperature, p.logprob_batch_size,
+                               p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module), **top)
+
+    return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
+                         teacher_logprobs_bt=score(engines.teacher))
+
+
+def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int, loss_fn=clipped_pg_loss) -> list[dict]:
+    """One optimizer step per ``policy.train_global_batch_size`` samples of the batch; returns each step's
+    metrics (`grpo.system.training.train_on_batch`).
+
+    Each rank trains its shard in micro-batches; ``loss_fn`` (`grpo.loss.clipped_pg_loss`'s signature) is
+    normalised by the global valid-token / valid-sequence counts of the optimizer step
+    (`grpo.metrics.global_valid_counts`), so the update does not depend on micro-batching or world size.
+    Without previous-policy logprobs (``force_on_policy_ratio``) the training forward's own, detached,
+    stand in. A micro-batch with a non-finite loss makes its optimizer step a no-op
+    (`grpo.system.health.skip_nonfinite_loss`).
+    """
+    p, gen = cfg.policy, cfg.policy.generation
+    results = []
+    for start in range(0, len(batch), p.train_global_batch_size):
+        mine = batch.select(slice(start, start + p.train_global_batch_size)).shard(rank, world_size)
+        n_tokens, n_seqs = global_valid_counts(mine.token_mask_bt, mine.sample_mask_b)
+
+        def loss_closure(logprobs_bt, mb: TrainBatch, n_tokens=n_tokens, n_seqs=n_seqs):
+            prev = mb.prev_logprobs_bt if mb.prev_logprobs_bt is not None else logprobs_bt.detach()
+            return loss_fn(logprobs_bt, prev, mb.advantages_bt, mb.token_mask_bt, mb.sample_mask_b, cfg.loss_fn,
+                           ref_logprobs=mb.ref_logprobs_bt, generation_logprobs=mb.generation_logprobs_bt,
+                           global_valid_tokens=n_tokens, global_valid_seqs=n_seqs,
+                           unfiltered_logprobs=mb.unfiltered_logprobs_bt)
+
+        results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size),
+                                      skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
+                                      top_k=gen.top_k, top_p=gen.top_p,
+                                      share_prompts=shares_prompts(p.shared_prompt_forward, policy.module)))
+    return results
+
+
+def mult_prob_error(engine, outputs: list, pad_id: int, temperature: float = 1.0) -> float:
+    """token_mult_prob_error of plain generation outputs against ``engine``: the mean over generated tokens of
+    exp|generation logprob − engine logprob| (1.0: the two agree). A check of a generation backend."""
+    b = build_batch(single_turn(outputs), pad_id)
+    ref_bt = compute_logprobs(engine, b.input_ids_bt, b.attention_mask_bt, temperature, micro_batch_size=len(b))
+    mask_bt = b.token_mask_bt
+    return float((torch.exp((b.generation_logprobs_bt - ref_bt).abs()) * mask_bt).sum() / mask_bt.sum())

@@ -1,0 +1,161 @@
+"""The CPU tools demo: two-digit multiplication with a calculator tool, for the char-level toy model.
+
+The toy model cannot multiply ``37*58`` (a 0.4M-parameter model trained for seconds), but it can copy:
+with the ``compact`` call format a whole tool-using answer is a few dozen characters::
+
+    37*58=<calc>37*58</calc><r>2146</r>2146<eos>
+    ^prompt ^assistant turn 1  ^tool      ^assistant turn 2 (the final answer)
+
+- `calc`: the tool (a safe arithmetic evaluator: no ``eval``);
+- `calculator_rows` (`rows`: ``data.calculator_max_operand``): the procedural rows ``{"question": "37*58=", "answer": "2146", ...}``;
+- `make_calculator_demo_model`: the demo's starting policy (``toy:calc_demo``), supervised on noisy transcripts: it calls the
+  tool in about half its samples, and copies operands and results imperfectly, so GRPO has something to
+  learn (calling more, copying better);
+- the ablation is the same environment with ``disable_tools=True`` (see `grpo.tasks.tools`).
+
+The environment: ``ToolEnvironment(["grpo.tasks.calculator:calc"], "grpo.tasks.arithmetic:arithmetic_reward",
+tool_call_format="compact")``. The plain-text conversation the demo model was trained on is the
+concatenation of the prompt, the assistant turns and the tool messages' content, with nothing in between.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+
+from grpo.tasks.rows import Row, split_seed
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+MAX_EXPRESSION_CHARS = 200
+MAX_MAGNITUDE = 10**30
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _evaluate(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10**6):
+            raise ValueError("the power is too large (exponent at most 64, base at most 10^6)")
+        value = _BINOPS[type(node.op)](left, right)
+        if abs(value) > MAX_MAGNITUDE:
+            raise ValueError(f"the result is larger than 10^{len(str(MAX_MAGNITUDE)) - 1}")
+        return value
+    raise ValueError(f"unsupported expression {ast.unparse(node)!r}: use numbers, + - * / // % ** and ( )")
+
+
+def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. "37*58"
+
+    >>> calc("37*58"), calc("(1+2)/4"), calc("12/4")
+    ('2146', '0.75', '3')
+    """
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as err:
+        raise ValueError(f"cannot parse {expression!r}: {err.msg}") from None
+    value = _evaluate(tree.body)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value) if isinstance(value, int) else f"{value:.12g}"
+
+
+def calculator_rows(n: int, seed: int, split: str, min_operand: int = 10, max_operand: int = 99) -> list[dict]:
+    """``n`` rows ``"a*b="`` -> ``"a*b"`` with a, b uniform in [min_operand, max_operand].
+
+    >>> calculator_rows(1, seed=0, split="train")
+    [{'question': '59*63=', 'answer': '3717', 'source': 'calculator/train:0', 'meta': {}}]
+    """
+    rng = random.Random(split_seed(seed, split))
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
+        rows.append({"question": f"{a}*{b}=", "answer": str(a * b), "source": f"calculator/{split}:{i}", "meta": {}})
+    return rows
+
+
+def rows(name: str, data_cfg, n: int, seed: int, split: str) -> list[Row]:
+    """The task's rows for ``data.dataset_name=calculator`` (`grpo.tasks.catalogue`)."""
+    return calculator_rows(n, seed, split, max_operand=data_cfg.calculator_max_operand)
+
+
+def perturb(number: int, rng: random.Random) -> int:
+    """``number`` with one digit changed (the leading digit never becomes 0).
+
+    >>> perturb(2146, random.Random(0)) != 2146
+    True
+    """
+    digits = list(str(number))
+    i = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0" and len(digits) > 1)]
+    digits[i] = rng.choice(choices)
+    return int("".join(digits))
+
+
+def demo_transcript(a: int, b: int, rng: random.Random, p_tool: float, p_call_ok: float,
+                    p_copy_ok: float) -> list[tuple[str, bool]]:
+    """One noisy supervised transcript as ``[(text, trained), ...]`` after the prompt ``"a*b="``.
+
+    With probability ``p_tool`` the tool path: the call copies the operands (exactly with probability
+    ``p_call_ok``, else one digit is off), the tool's result follows (not trained), then the answer copies
+    the result (exactly with probability ``p_copy_ok``). Otherwise a direct answer: the product with one
+    digit off (the toy cannot multiply, so a direct answer is never trained to be right).
+
+    >>> demo_transcript(37, 58, random.Random(1), 1.0, 1.0, 1.0)
+    [('<calc>37*58</calc>', True), ('<r>2146</r>', False), ('2146', True)]
+    """
+    if rng.random() >= p_tool:
+        return [(str(perturb(a * b, rng)), True)]
+    x, y = a, b
+    if rng.random() >= p_call_ok:
+        x, y = (perturb(a, rng), b) if rng.random() < 0.5 else (a, perturb(b, rng))
+    result = x * y
+    answer = result if rng.random() < p_copy_ok else perturb(result, rng)
+    return [(f"<calc>{x}*{y}</calc>", True), (f"<r>{result}</r>", False), (str(answer), True)]
+
+
+def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: float = 1.0, p_copy_ok: float = 1.0,
+                               steps: int = 400, batch_size: int = 32, seed: int = 0, log_every: int = 0) -> str:
+    """Build the tools demo's starting policy (the ``small`` toy) into ``out_dir``; returns ``out_dir``.
+
+    Supervised on `demo_transcript` rows (loss on the assistant text and the final ``<eos>`` only). The
+    defaults train on clean tool transcripts in half the rows and wrong direct answers in the other half:
+    sampled at temperature 1 the model calls the tool in about half its samples and, having learnt to
+    copy only approximately in 400 steps, gets about three quarters of those right; direct answers are
+    ~never right. Measured (scripts/measure_tools_demo.py, 128 val rows x 4 samples, one thread): tool
+    calls in 51% of the samples, reward 0.37 with the tool and 0.002 with tools disabled; 30 steps of a bare
+    group-normalised policy gradient take it to 0.81 with the tool (calls in 99.6%) and leave the ablation
+    at 0.00. The build takes ~40 CPU-seconds with one thread. Deterministic for a given seed and thread
+    count.
+    """
+    from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer, supervise
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, size="small", seed=seed)
+    rng = random.Random(seed)
+
+    def encode_row() -> tuple[list[int], list[int]]:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        ids = tok(f"{a}*{b}=")["input_ids"]
+        labels = [-100] * len(ids)
+        for text, trained in demo_transcript(a, b, rng, p_tool, p_call_ok, p_copy_ok):
+            piece = tok(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            labels += piece if trained else [-100] * len(piece)
+        return ids + [tok.eos_token_id], labels + [tok.eos_token_id]
+
+    supervise(model, tok.pad_token_id, encode_row, steps, batch_size, log_every=log_every,
+              name="calculator demo model")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_char_tokenizer(tok, out_dir)
+    return out_dir

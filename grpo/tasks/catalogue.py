@@ -1,0 +1,109 @@
+"""The built-in tasks by name: the one list that data loading (`grpo.system.data.load_rows`), config
+validation (`grpo.config.EnvSpec.name`), the environment factory (`grpo.tasks.factory`) and the toy model
+builder (`resolve_model_name`) read.
+
+A built-in task is one module, ``grpo.tasks.<task>``, holding what the task is: its rows (a function
+``rows(name, data_cfg, n, seed, split)`` that reads the task's own ``data.*`` fields), its environment (the
+reward function of a single-turn task, or the `grpo.tasks.interface.Environment` class of a multi-turn one,
+built with ``env.kwargs``) and its demo model (the toy starting policy of its CPU demo). Its `Task` entry here
+names those pieces as ``"module:name"``, so reading the catalogue imports none of them: the config is
+checked before torch (or math-verify, or reasoning-gym) loads, and a scorer's module is first imported in
+the worker processes that run it. A new built-in task is a module and one entry in `TASKS`.
+
+    >>> sorted(name for name, task in TASKS.items() if task.rows)
+    ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym']
+    >>> ENV_NAMES
+    ('math', 'reasoning_gym', 'arithmetic', 'guess_number', 'function', 'tools', 'class')
+    >>> dataset_task("reasoning_gym:basic_arithmetic") is TASKS["reasoning_gym"], dataset_task("gsm8k.jsonl")
+    (True, None)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from grpo.tasks.toy import build_into, save_tiny_model
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a built-in task's module provides, each as ``"module:name"`` (None: the task has no such piece)."""
+
+    rows: str | None = None  # rows(name, data_cfg, n, seed, split) -> list[Row], for data.dataset_name=<task>
+    dataset_prefix: bool = False  # the rows are for data.dataset_name=<task>:<rest> (and env.name needs that)
+    reward_fn: str | None = None  # env.name=<task>: a single-turn environment scored by this reward function
+    reward_in_workers: bool = True  # False: a fast, pure reward scored in the trainer process
+    environment: str | None = None  # env.name=<task>: a multi-turn environment class, built with env.kwargs
+    toy_model: tuple[str, str] | None = None  # ("<name>", builder(out_dir)): policy.model_name="toy:<name>"
+
+
+TASKS: dict[str, Task] = {
+    "math": Task(reward_fn="grpo.tasks.math:math_reward"),
+    "reasoning_gym": Task(rows="grpo.tasks.reasoning_gym:rows", dataset_prefix=True,
+                          reward_fn="grpo.tasks.reasoning_gym:reasoning_gym_reward"),
+    "arithmetic": Task(rows="grpo.tasks.arithmetic:rows", reward_fn="grpo.tasks.arithmetic:arithmetic_reward",
+                       reward_in_workers=False, toy_model=("demo", "grpo.tasks.arithmetic:make_demo_model")),
+    "guess_number": Task(rows="grpo.tasks.guess_number:rows", environment="grpo.tasks.guess_number:GuessNumberEnvironment",
+                         toy_model=("guess_number", "grpo.tasks.guess_number:make_guess_number_model")),
+    # Run with env.name=tools (the calculator tool, the arithmetic reward): configs/cpu_demo_tools.yaml.
+    "calculator": Task(rows="grpo.tasks.calculator:rows",
+                       toy_model=("calc_demo", "grpo.tasks.calculator:make_calculator_demo_model")),
+}
+
+# env.name: the built-in tasks that have an environment, then the environments a config spells out:
+# a reward function (env.reward_fn), tool calls (grpo.tasks.tools) and a user class (env.env_class).
+ENV_NAMES = tuple(name for name, task in TASKS.items() if task.reward_fn or task.environment) + (
+    "function", "tools", "class")
+
+
+def load(spec: str) -> Any:
+    """``"package.module:name"`` -> the object (the catalogue's own pieces: a bad spec is a bug here)."""
+    module_name, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def dataset_task(name: str) -> Task | None:
+    """The built-in task whose rows ``data.dataset_name=name`` means, or None (a file, a directory, a hub name)."""
+    task = TASKS.get(name.split(":", 1)[0] if ":" in name else name)
+    if task is None or task.rows is None or task.dataset_prefix != (":" in name):
+        return None
+    return task
+
+
+def in_process_reward(spec: str) -> bool:
+    """Whether the reward function ``spec`` is a built-in one that runs in the trainer process."""
+    return any(task.reward_fn == spec and not task.reward_in_workers for task in TASKS.values())
+
+
+# "toy:<name>" in policy.model_name -> builder(out_dir): the tasks' demo models and two untrained sizes.
+TOY_MODELS: dict[str, Callable[[str], str]] = {
+    **{task.toy_model[0]: (lambda out, spec=task.toy_model[1]: load(spec)(out))
+       for task in TASKS.values() if task.toy_model},
+    "tiny": lambda out: save_tiny_model(out, size="tiny"),
+    "small": lambda out: save_tiny_model(out, size="small"),
+}
+
+
+def resolve_model_name(name: str, rank: int = 0) -> str:
+    """``"toy:<name>"`` -> a local directory built on first use (rank 0 builds, the others wait).
+
+    Anything else is returned unchanged (a local path or a hub name for `from_pretrained`).
+    """
+    if not name.startswith("toy:"):
+        return name
+    key = name[len("toy:"):]
+    if key not in TOY_MODELS:
+        raise ValueError(f"policy.model_name={name!r}: expected one of {['toy:' + k for k in TOY_MODELS]}")
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
+    out = os.path.join(root, f"{key}_model")
+    if rank == 0 and not os.path.exists(os.path.join(out, "config.json")):
+        print(f"building {name} into {out} (local, no download) ...", flush=True)
+        build_into(out, TOY_MODELS[key])
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return out

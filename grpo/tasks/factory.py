@@ -1,0 +1,97 @@
+"""Environments from the config: `build_environment` for one ``env`` section, `build_environments` for a run.
+
+By ``env.name``:
+
+- a built-in task of `grpo.tasks.catalogue`: its reward function as a `grpo.tasks.reward.RewardEnvironment`
+  (``arithmetic`` in the trainer process; ``math``, ``reasoning_gym`` in worker processes), or its multi-turn
+  environment class built with ``env.kwargs`` (``guess_number``);
+- ``function``: ``env.reward_fn`` as a `RewardEnvironment` in worker processes;
+- ``tools``: tool calls (`grpo.tasks.tools.ToolEnvironment`), the final answer scored by ``env.reward_fn``;
+- ``class``: a user environment, ``env.env_class: package.module:ClassName`` built with ``env.kwargs``.
+
+Several environments in one run: ``env.tasks: {task_name: {name: ..., ...}}``; each data row's
+``task_name`` (``data.task_key``) picks one, rows without it use the top-level environment, whose task name
+is ``env.task_name`` (default: ``env.name``). ``env.val_tasks`` gives validation its own environments.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from grpo.tasks.catalogue import TASKS, load
+from grpo.tasks.function import EnvError
+from grpo.tasks.interface import Environment
+from grpo.tasks.pool import check_reward_fn
+from grpo.tasks.reward import RewardEnvironment
+from grpo.tasks.router import Environments
+
+
+def _import_object(spec: str, key: str):
+    """``"package.module:Name"`` -> the object, or EnvError naming ``key``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise EnvError(f"{key}={spec!r}: expected 'package.module:Name'")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as err:
+        raise EnvError(f"{key}={spec!r}: cannot import {module_name!r} ({type(err).__name__}: {err})") from err
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EnvError(f"{key}={spec!r}: module {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_environment(spec, data_cfg=None, key: str = "env") -> Environment:
+    """The environment of one `grpo.config.EnvSpec` (``key``: its dotted name, for errors); built-in tasks
+    are looked up in `grpo.tasks.catalogue`."""
+    if spec.name == "class":
+        cls = _import_object(spec.env_class, f"{key}.env_class")
+        try:
+            env = cls(**spec.kwargs)
+        except Exception as err:
+            raise EnvError(f"{key}.env_class={spec.env_class!r} with {key}.kwargs={spec.kwargs!r}: "
+                           f"{type(err).__name__}: {err}") from err
+        if not callable(getattr(env, "step", None)):
+            raise EnvError(f"{key}.env_class={spec.env_class!r}: {type(env).__name__} has no step(message_logs, "
+                           "metadata) method (see grpo.tasks.interface.Environment)")
+        return env
+    if spec.name == "tools":
+        from grpo.tasks.tools import ToolEnvironment
+
+        return ToolEnvironment(spec.tools, spec.reward_fn, spec.tool_call_format, spec.tool_timeout_s,
+                               spec.max_tool_result_chars, spec.max_tool_calls_per_turn, spec.num_workers,
+                               spec.timeout_s, spec.disable_tools)
+    if spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
+        check_reward_fn(spec.reward_fn, spec.timeout_s)
+        return RewardEnvironment(spec.reward_fn, in_process=False, num_workers=spec.num_workers,
+                                 timeout_s=spec.timeout_s)
+    task = TASKS[spec.name]
+    if task.dataset_prefix and data_cfg is not None and not data_cfg.dataset_name.startswith(f"{spec.name}:"):
+        raise EnvError(
+            f"env.name={spec.name!r} needs data.dataset_name='{spec.name}:<task>' (got {data_cfg.dataset_name!r})"
+        )
+    if task.environment is not None:
+        return load(task.environment)(**spec.kwargs)
+    fn_spec, in_workers = task.reward_fn, task.reward_in_workers
+    return RewardEnvironment(fn_spec, in_process=not in_workers, num_workers=spec.num_workers,
+                             timeout_s=spec.timeout_s)
+
+
+def task_specs(env_cfg, split: str = "train") -> dict[str, Any]:
+    """Task name -> `EnvSpec`: the top-level environment (as ``env.task_name`` or ``env.name``) and
+    ``env.tasks``; for ``split="val"``, ``env.val_tasks`` replaces the tasks it names."""
+    specs = {env_cfg.task_name or env_cfg.name: env_cfg, **env_cfg.tasks}
+    if split == "val":
+        specs.update(env_cfg.val_tasks or {})
+    return specs
+
+
+def build_environments(env_cfg, data_cfg=None, split: str = "train") -> Environments:
+    """Every environment of the run (see `task_specs`), wrapped in `Environments`."""
+    envs = {}
+    for task, spec in task_specs(env_cfg, split).items():
+        section = "val_tasks" if spec is (env_cfg.val_tasks or {}).get(task) else "tasks"
+        envs[task] = build_environment(spec, data_cfg, "env" if spec is env_cfg else f"env.{section}.{task}")
+    return Environments(envs, env_cfg.step_timeout_s)

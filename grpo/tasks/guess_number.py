@@ -1,0 +1,163 @@
+"""Guess the number: the built-in multi-turn task, where the answer depends on what the environment says.
+
+The policy guesses a hidden integer in [0, high] (a row's answer, never shown); after each wrong guess the
+environment answers ``+`` (the secret is higher) or ``-`` (lower); a right guess ends the episode with reward
+1, and ``grpo.max_rollout_turns`` wrong ones with reward 0. A guess that is not one integer in range is
+answered ``?`` and costs its turn. With 4 turns and secrets in 0..9, bisection always wins, while a policy
+that ignores the answers covers at most 4 of the 10 secrets: reward 0.4 at best (0.34 guessing uniformly at
+random). So reward above 0.4 is only reachable by reading the observations.
+
+In plain text (the char-level toy), a 3-turn conversation reads ``<bos>guess 0-9:4<eos>+7<eos>-5<eos>``:
+prompt, then guess / answer / guess / ... (the last answer, ``=``, ends it and is not appended).
+
+    >>> env = GuessNumberEnvironment()
+    >>> ret = env.step([[{"role": "user", "content": "guess 0-9:"}, {"role": "assistant", "content": "4"}]],
+    ...                [{"answer": "7", "meta": {"high": 9}}])
+    >>> ret.observations, ret.rewards.tolist(), ret.terminateds.tolist()
+    ([{'role': 'user', 'content': '+'}], [0.0], [False])
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from grpo.tasks.interface import Environment, EnvironmentReturn
+from grpo.tasks.rows import Row, split_seed
+
+_INTEGER = re.compile(r"^\s*(-?\d+)\s*$")
+
+
+def prompt_text(high: int) -> str:
+    return f"guess 0-{high}:"
+
+
+def feedback(guess: int | None, secret: int, high: int) -> str:
+    """The environment's answer: "=" right, "+" the secret is higher, "-" lower, "?" not a guess in range.
+
+        >>> [feedback(g, 5, 9) for g in (5, 2, 8, None, 12)]
+        ['=', '+', '-', '?', '?']
+    """
+    if guess is None or not 0 <= guess <= high:
+        return "?"
+    return "=" if guess == secret else ("+" if secret > guess else "-")
+
+
+def parse_guess(text: str) -> int | None:
+    """The guess in an assistant message: the whole message must be one integer.
+
+        >>> parse_guess("7"), parse_guess(" 12 "), parse_guess("7 or 8")
+        (7, 12, None)
+    """
+    m = _INTEGER.match(text)
+    return int(m.group(1)) if m else None
+
+
+class GuessNumberEnvironment(Environment):
+    """One turn of the game for each sample (see the module docstring). Metadata: the row's
+    ``{"answer", "meta": {"high"}}``; rewards 1 for the right guess."""
+
+    def step(self, message_logs, metadata):
+        import torch
+
+        obs, rewards, done = [], [], []
+        for log, md in zip(message_logs, metadata):
+            secret, high = int(md["answer"]), int((md.get("meta") or {}).get("high", 9))
+            answer = feedback(parse_guess(log[-1]["content"]), secret, high)
+            obs.append({"role": "user", "content": answer})
+            rewards.append(1.0 if answer == "=" else 0.0)
+            done.append(answer == "=")
+        n = len(message_logs)
+        return EnvironmentReturn(observations=obs, metadata=list(metadata), next_stop_strings=[None] * n,
+                                 rewards=torch.tensor(rewards), terminateds=torch.tensor(done), answers=[None] * n)
+
+
+def guess_number_rows(n: int, high: int, seed: int, split: str) -> list[dict]:
+    """``n`` rows: the same prompt, a secret uniform in [0, high] as the answer (train and val streams differ)."""
+    rng = random.Random(split_seed(seed, split))
+    return [{"question": prompt_text(high), "answer": str(rng.randint(0, high)), "source": f"guess_number/{split}:{i}",
+             "meta": {"high": high}} for i in range(n)]
+
+
+def rows(name: str, data_cfg, n: int, seed: int, split: str) -> list[Row]:
+    """The task's rows for ``data.dataset_name=guess_number`` (``data.guess_number_high``: the largest secret)."""
+    return guess_number_rows(n, data_cfg.guess_number_high, seed, split)
+
+
+# --------------------------------------------------------------------------------------------------
+# The demo's starting policy (toy:guess_number)
+# --------------------------------------------------------------------------------------------------
+def noisy_game(secret: int, high: int, turns: int, rng: random.Random, p_bisect: float, p_blind: float) -> list[int]:
+    """The guesses of a player that, each turn, bisects the range the answers so far allow with probability
+    ``p_bisect``, guesses blindly (uniform in [0, high]) with probability ``p_blind``, and otherwise guesses
+    uniformly inside the allowed range; it stops at the right guess.
+
+        >>> noisy_game(6, 9, 4, random.Random(0), p_bisect=1.0, p_blind=0.0)
+        [4, 7, 5, 6]
+    """
+    lo, hi, guesses = 0, high, []
+    for _ in range(turns):
+        u = rng.random()
+        if u < p_bisect:
+            g = (lo + hi) // 2
+        elif u < p_bisect + p_blind:
+            g = rng.randint(0, high)
+        else:
+            g = rng.randint(lo, hi)
+        guesses.append(g)
+        if g == secret:
+            break
+        if g < secret:
+            lo = max(lo, g + 1)
+        else:
+            hi = min(hi, g - 1)
+    return guesses
+
+
+def make_guess_number_model(out_dir: str, high: int = 9, turns: int = 4, p_bisect: float = 0.15,
+                            p_blind: float = 0.5, steps: int = 500, seed: int = 0) -> str:
+    """Build the multi-turn demo's starting policy: the ``small`` toy model supervised on noisy games
+    (`noisy_game`), tokenised exactly as a rollout tokenises them in plain text, loss on the guesses only.
+
+    It learns the format and a mix of blind and informed guessing, so it wins some games and GRPO has
+    something to sharpen: reading the answers is what raises the reward above the blind 0.4.
+    """
+    import torch
+
+    from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, size="small", seed=seed)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = tok(prompt_text(high))["input_ids"]
+
+    def transcript():
+        secret = rng.randint(0, high)
+        ids, labels = list(prompt), [-100] * len(prompt)
+        for k, g in enumerate(noisy_game(secret, high, turns, rng, p_bisect, p_blind)):
+            guess = enc(str(g)) + [tok.eos_token_id]
+            ids, labels = ids + guess, labels + guess
+            answer = feedback(g, secret, high)
+            if answer != "=" and k < turns - 1:
+                ids, labels = ids + enc(answer), labels + [-100] * len(enc(answer))
+        return ids, labels
+
+    model.train()
+    for _ in range(steps):
+        rows = [transcript() for _ in range(64)]
+        width = max(len(i) for i, _ in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, (i, lab) in enumerate(rows):
+            ids[r, :len(i)], labels[r, :len(i)], attn[r, :len(i)] = torch.tensor(i), torch.tensor(lab), 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_char_tokenizer(tok, out_dir)
+    return out_dir

@@ -1,0 +1,136 @@
+"""The environment interface: NeMo-RL's, so a NeMo-RL environment ports by changing its imports.
+
+A rollout is a conversation. After every assistant turn the rollout loop calls the sample's environment
+with the conversation so far and the sample's metadata; the environment answers with one observation
+message per sample, a reward for the turn, whether the episode ended, and new metadata::
+
+    class GuessTheNumber(Environment):
+        def step(self, message_logs, metadata):
+            guesses = [log[-1]["content"] for log in message_logs]     # the assistant's last message
+            ...
+            return EnvironmentReturn(observations=[{"role": "user", "content": "higher"}, ...],
+                                     metadata=[...], next_stop_strings=[None, ...],
+                                     rewards=torch.tensor([0.0, ...]), terminateds=torch.tensor([False, ...]),
+                                     answers=[None, ...])
+
+``message_logs[b]`` is sample b's conversation as ``[{"role": ..., "content": ...}, ...]``, ending with the
+assistant message just generated. ``metadata[b]`` is whatever the environment returned for b last turn
+(first turn: the dataset row's ``{"question", "answer", "meta", "task_name"}``). Rewards of all turns add
+up to the sample's reward. A single-turn task is an environment that terminates every sample at once.
+
+Per-sample flags an environment may put in ``metadata[b]`` (a dict):
+
+- ``mask_sample: True``: the sample keeps its place in its group's baseline but leaves the loss
+  (NeMo-RL's ``_apply_mask_sample_filter``); counted in ``train/mask_sample_count``;
+- ``invalid_tool_call: True`` / ``malformed_thinking: True``: flag the assistant message just answered,
+  so ``grpo.invalid_tool_call_advantage`` / ``grpo.malformed_thinking_advantage`` overwrite the advantage
+  of its tokens.
+
+``rewards`` may also be a dict of ``[B]`` tensors (named reward components, GDPO); the scalar reward is
+then their sum.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+if TYPE_CHECKING:  # torch is imported where it is used: reward worker processes import this package
+    import torch
+
+MetadataT = TypeVar("MetadataT")
+MessageLog = list[dict[str, Any]]
+
+# Flags an environment's metadata may carry for the assistant message it just answered.
+MESSAGE_FLAGS = ("invalid_tool_call", "malformed_thinking")
+
+
+class EnvironmentReturn(NamedTuple, Generic[MetadataT]):
+    """What `Environment.step` returns; every field has one entry per sample of the call.
+
+    observations:       one message per sample, ``{"role": "environment" | "tool" | "user", "content": str}``,
+                        or a list of messages (e.g. one ``tool`` message per call; a grpo-ds extension);
+                        ignored for samples that terminate
+    metadata:           the sample's metadata for its next turn (and the flags above)
+    next_stop_strings:  per sample, the stop strings of its next turn (None: the config's)
+    rewards:            ``[B]`` reward of this turn (or a dict of named ``[B]`` components)
+    terminateds:        ``[B]`` bool: the episode ended this turn
+    answers:            per sample, the answer the environment extracted (for logs), or None
+    """
+
+    observations: list[dict[str, str] | list[dict[str, str]]]
+    metadata: list[MetadataT]
+    next_stop_strings: list[list[str] | None] | list[None]
+    rewards: torch.Tensor | dict[str, torch.Tensor]
+    terminateds: torch.Tensor
+    answers: list[str | None] | None
+
+
+class Environment(abc.ABC, Generic[MetadataT]):
+    """Base class of environments (NeMo-RL's ``EnvironmentInterface``); only `step` is required."""
+
+    @abc.abstractmethod
+    def step(self, message_logs: list[MessageLog], metadata: list[MetadataT]) -> EnvironmentReturn[MetadataT]:
+        """One turn for a batch of samples; see the module docstring."""
+
+    def global_post_process_and_metrics(self, trajectories: list) -> tuple[list, dict]:
+        """After a whole rollout batch: adjust its trajectories (`grpo.system.rollout.Trajectory`) and return
+        metrics (logged as ``train/env/<task>/<name>``). Default: unchanged, no metrics."""
+        return trajectories, {}
+
+    def shutdown(self) -> None:
+        """Release workers, sandboxes, connections. Called once at the end of the run."""
+
+
+# NeMo-RL's name, for environments ported from it.
+EnvironmentInterface = Environment
+
+
+def check_return(ret: Any, n: int) -> EnvironmentReturn:
+    """Validate an environment's return for a call with ``n`` samples; raises ValueError naming the field.
+
+    Normalises what NeMo-RL allows: ``next_stop_strings`` / ``answers`` may be None (all None); rewards and
+    terminateds may be lists. Each observation becomes a list of messages; rewards become float32,
+    terminateds bool; non-finite rewards are rejected.
+
+        >>> r = check_return(EnvironmentReturn([{"role": "user", "content": "hi"}], [{}], None, [1.0], [True], None), 1)
+        >>> r.observations, r.rewards, r.terminateds, r.next_stop_strings
+        ([[{'role': 'user', 'content': 'hi'}]], tensor([1.]), tensor([True]), [None])
+    """
+    import torch
+
+    if not isinstance(ret, tuple) or len(ret) != 6:
+        raise ValueError(f"step returned {type(ret).__name__}, expected an EnvironmentReturn (6 fields)")
+    observations, metadata, stops, rewards, terminateds, answers = ret
+    stops = [None] * n if stops is None else list(stops)
+    answers = [None] * n if answers is None else list(answers)
+    for name, value in (("observations", observations), ("metadata", metadata), ("next_stop_strings", stops),
+                        ("answers", answers)):
+        if len(value) != n:
+            raise ValueError(f"EnvironmentReturn.{name} has {len(value)} entries for {n} samples")
+    observations = [list(obs) if isinstance(obs, (list, tuple)) else [obs] for obs in observations]
+    for i, messages in enumerate(observations):
+        for obs in messages:
+            if not isinstance(obs, dict) or not isinstance(obs.get("content", None), str) or "role" not in obs:
+                raise ValueError(f"EnvironmentReturn.observations[{i}]={obs!r}: expected {{'role': ..., 'content': "
+                                 "str}} or a list of them")
+    for i, s in enumerate(stops):
+        if s is not None and (not isinstance(s, (list, tuple)) or not all(isinstance(x, str) for x in s)):
+            raise ValueError(f"EnvironmentReturn.next_stop_strings[{i}]={s!r}: expected a list of strings or None")
+
+    def as_rewards(value, what: str) -> torch.Tensor:
+        t = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        if t.numel() != n:
+            raise ValueError(f"EnvironmentReturn.{what} has {t.numel()} values for {n} samples")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"EnvironmentReturn.{what} holds non-finite values (as float32): {t.tolist()}")
+        return t
+
+    if isinstance(rewards, dict):
+        rewards = {str(k): as_rewards(v, f"rewards[{k!r}]") for k, v in rewards.items()}
+    else:
+        rewards = as_rewards(rewards, "rewards")
+    term = torch.as_tensor(terminateds).reshape(-1).bool()
+    if term.numel() != n:
+        raise ValueError(f"EnvironmentReturn.terminateds has {term.numel()} values for {n} samples")
+    return EnvironmentReturn(list(observations), list(metadata), stops, rewards, term, answers)

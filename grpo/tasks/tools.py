@@ -1,0 +1,200 @@
+"""Tool calling: an environment that runs the tool calls of each assistant message and scores final answers.
+
+    env = ToolEnvironment(["grpo.tasks.calculator:calc"], verifier="grpo.tasks.arithmetic:arithmetic_reward",
+                          tool_call_format="compact")
+    env.schemas        # -> apply_chat_template(messages, tools=env.schemas, ...)
+    env.stop_strings   # the stop strings of every turn: the format's closing tag(s)
+    ret = env.step(message_logs, metadata)
+
+Per sample, `ToolEnvironment.step` parses the last (assistant) message:
+
+- tool calls (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, ``compact``:
+  ``<calc>12*34</calc>``; see `grpo.tasks.tool_calls`): they run in order, each in a worker process with
+  ``timeout_s``; the observation is one ``{"role": "tool", "name": ..., "content": ...}`` message per call;
+  reward 0, not terminated. Malformed JSON, no name, non-object arguments, an unknown tool, arguments that do
+  not fit the tool's schema, more than ``max_calls_per_turn`` calls, an exception, a timeout or a result that
+  cannot be turned into text each answer that call with ``error: <what went wrong>`` and flag the message
+  ``invalid_tool_call`` (so ``grpo.invalid_tool_call_advantage`` applies); results are cut to
+  ``max_result_chars``.
+- no tool call: the final answer. The reward is the verifier's (``fn(question, completion, answer, meta)``
+  on that message, e.g. ``grpo.tasks.math:math_reward``); terminated. A verifier that raises or hangs costs
+  only its sample (reward 0, counted in ``verifier_error_rate``).
+
+Metrics since the last `global_post_process_and_metrics` call (logged as ``train/env/<task>/<name>``):
+``tool_calls_per_sample``, ``samples_with_tool_calls``, ``tool_calls_per_sample/<tool>``, ``tool_error_rate``,
+``tool_errors/<kind>`` (per call, by kind), ``tool_s`` (seconds spent running tools), ``verifier_error_rate``.
+
+``disable_tools=True`` is the ablation: same parsing, stop strings and turns, but every call is answered
+with an error, so the model can only answer on its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+from grpo.tasks.catalogue import in_process_reward
+from grpo.tasks.function import resolve_reward_fn
+from grpo.tasks.interface import Environment, EnvironmentReturn, MessageLog
+from grpo.tasks.pool import WorkerPool
+from grpo.tasks.reward import RewardEnvironment
+from grpo.tasks.tool_calls import (FORMATS, ParsedCall, check_arguments, check_format, format_result,
+                                  function_spec, load_tools, parse_tool_calls, resolve_tools, run_tool_call,
+                                  stop_strings, tool_schemas, truncate)
+
+__all__ = ["ERROR_KINDS", "FORMATS", "ToolEnvironment", "check_arguments", "parse_tool_calls", "resolve_tools",
+           "stop_strings", "tool_schemas"]
+
+# Every way a call can fail, as counted in tool_errors/<kind>.
+ERROR_KINDS = ("bad_json", "missing_name", "arguments_not_object", "unknown_tool", "bad_arguments",
+               "too_many_calls", "disabled", "exception", "timeout", "bad_result", "worker_error")
+
+
+class ToolEnvironment(Environment):
+    """Tools (``"module:function"`` specs or module-level functions) + a verifier of final answers.
+
+    ``num_workers`` tool worker processes run the calls (started on first use or by `start`); the
+    verifier runs in the trainer process when it is a built-in in-process scorer (``arithmetic``) and in
+    ``num_workers`` worker processes otherwise.
+    """
+
+    bounds_own_time = True  # tool calls and the verifier have timeouts: `Environments` calls step directly
+
+    def __init__(self, tools: Sequence[str | Callable], verifier: str, tool_call_format: str = "hermes",
+                 timeout_s: float = 20.0, max_result_chars: int = 1000, max_calls_per_turn: int = 4,
+                 num_workers: int = 2, verifier_timeout_s: float = 10.0, disable_tools: bool = False):
+        self.format = check_format(tool_call_format)
+        self.tools = resolve_tools(tools)
+        self.schemas = tool_schemas(self.tools)
+        self._schema_by_name = {s["function"]["name"]: s for s in self.schemas}
+        self.stop_strings = stop_strings(self.format, list(self.tools))
+        self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
+        self.max_calls_per_turn, self.disable_tools = max_calls_per_turn, disable_tools
+        specs = [t if isinstance(t, str) else function_spec(t) for t in tools]
+        self._pool = WorkerPool(specs, num_workers, timeout_s, load=load_tools, call=run_tool_call, what="tool",
+                                timeout_key="env.tool_timeout_s")
+        resolve_reward_fn(verifier)  # a bad name fails here, not in every worker
+        in_process = in_process_reward(verifier)
+        self._verifier = RewardEnvironment(verifier, in_process=in_process, num_workers=num_workers,
+                                           timeout_s=verifier_timeout_s)
+        self._counts: Counter = Counter()
+        self._tool_s = 0.0
+
+    # -- one turn ----------------------------------------------------------------------------------
+    def step(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
+        n = len(message_logs)
+        texts = [log[-1]["content"] for log in message_logs]
+        parsed = [parse_tool_calls(text, self.format, self._schema_by_name) for text in texts]
+        replies = self._answer_calls(parsed)
+        finals = [b for b in range(n) if not parsed[b]]
+        final_rewards = self._verify([metadata[b] for b in finals], [texts[b] for b in finals])
+
+        observations, meta_out = [], []
+        rewards, terminateds = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+        self._counts["samples"] += sum("tool_calls" not in md for md in metadata)
+        for b in range(n):
+            calls_so_far = metadata[b].get("tool_calls", 0)
+            self._counts["samples_with_calls"] += bool(parsed[b]) and calls_so_far == 0
+            observations.append([
+                {"role": "tool", "name": call.name or "", "content": format_result(
+                    self.format, text if kind == "ok" else f"error: {text}")}
+                for call, (kind, text) in zip(parsed[b], replies[b])
+            ])
+            invalid = any(kind != "ok" for kind, _ in replies[b])
+            meta_out.append({**metadata[b], "tool_calls": calls_so_far + len(parsed[b]), "invalid_tool_call": invalid})
+        for b, reward in zip(finals, final_rewards):
+            rewards[b], terminateds[b] = reward, True
+        return EnvironmentReturn(
+            observations=observations, metadata=meta_out,
+            next_stop_strings=[None if terminateds[b] else list(self.stop_strings) for b in range(n)],
+            rewards=rewards, terminateds=terminateds, answers=[texts[b] if terminateds[b] else None for b in range(n)],
+        )
+
+    def _precheck(self, call: ParsedCall, k: int) -> tuple[str, str] | None:
+        """The error reply to call number ``k`` of a message if it must not run, else None."""
+        if call.problem is not None:
+            return call.problem, call.detail
+        if k >= self.max_calls_per_turn:
+            return "too_many_calls", f"not run: at most {self.max_calls_per_turn} tool calls per message"
+        if self.disable_tools:  # short: the ablation must leave the answer as much room as a real result does
+            return "disabled", "disabled"
+        if call.name not in self.tools:
+            names = ", ".join(self.tools) or "none"
+            return "unknown_tool", f"unknown tool {call.name!r} (the tools: {names})"
+        problem = check_arguments(self._schema_by_name[call.name], call.arguments)
+        return None if problem is None else ("bad_arguments", problem)
+
+    def _answer_calls(self, parsed: list[list[ParsedCall]]) -> list[list[tuple[str, str]]]:
+        """``(kind, text)`` for every call of every sample. The j-th runnable calls of all samples run as
+        one batch on the pool, so a sample's calls run in order while samples run in parallel."""
+        replies: list[list] = [[None] * len(calls) for calls in parsed]
+        runnable: list[list[int]] = [[] for _ in parsed]
+        for b, calls in enumerate(parsed):
+            for k, call in enumerate(calls):
+                self._counts["calls"] += 1
+                if call.name in self.tools:
+                    self._counts[f"calls/{call.name}"] += 1
+                replies[b][k] = self._precheck(call, k)
+                if replies[b][k] is None:
+                    runnable[b].append(k)
+        start = time.perf_counter()
+        for j in range(max((len(r) for r in runnable), default=0)):
+            batch = [(b, r[j]) for b, r in enumerate(runnable) if j < len(r)]
+            tasks = [{"name": parsed[b][k].name, "arguments": parsed[b][k].arguments,
+                      "max_chars": self.max_result_chars} for b, k in batch]
+            for (b, k), (kind, payload) in zip(batch, self._pool.run(tasks)):
+                if kind == "ok":
+                    replies[b][k] = payload
+                elif kind == "timeout":
+                    replies[b][k] = ("timeout", f"the call did not finish within {self.timeout_s:g}s")
+                else:  # the worker died, or the arguments could not be sent to it
+                    last_line = str(payload).strip().splitlines()[-1:] or [""]
+                    replies[b][k] = ("worker_error", f"the tool's process failed ({truncate(last_line[0], 200)})")
+        self._tool_s += time.perf_counter() - start
+        for kind, _ in (reply for sample in replies for reply in sample):
+            if kind != "ok":
+                self._counts[f"errors/{kind}"] += 1
+        return replies
+
+    def _verify(self, metadata: list[dict], texts: list[str]) -> list[float]:
+        if not texts:
+            return []
+        result = self._verifier.score([
+            {"question": md.get("question", ""), "completion": text, "answer": md.get("answer", ""),
+             "meta": md.get("meta") or {}} for md, text in zip(metadata, texts)
+        ])
+        self._counts["final_answers"] += len(texts)
+        self._counts["verifier_errors"] += result.num_errors + result.num_timeouts
+        return result.rewards
+
+    # -- metrics and lifecycle ---------------------------------------------------------------------
+    def global_post_process_and_metrics(self, trajectories: list) -> tuple[list, dict]:
+        """Trajectories unchanged; the tool metrics accumulated since the last call (then reset)."""
+        c, tool_s = self._counts, self._tool_s
+        self._counts, self._tool_s = Counter(), 0.0
+        if not c["samples"] and not c["calls"] and not c["final_answers"]:
+            return trajectories, {}
+        samples, calls = max(c["samples"], 1), max(c["calls"], 1)
+        num_errors = sum(c[f"errors/{kind}"] for kind in ERROR_KINDS)
+        metrics = {
+            "tool_calls_per_sample": c["calls"] / samples,
+            "samples_with_tool_calls": c["samples_with_calls"] / samples,
+            **{f"tool_calls_per_sample/{name}": c[f"calls/{name}"] / samples for name in self.tools},
+            "tool_error_rate": num_errors / calls,
+            **{f"tool_errors/{kind}": c[f"errors/{kind}"] / calls for kind in ERROR_KINDS},
+            "tool_s": tool_s,
+            "verifier_error_rate": c["verifier_errors"] / max(c["final_answers"], 1),
+        }
+        return trajectories, metrics
+
+    def start(self) -> None:
+        """Start the tool (and verifier) workers now and wait until they are ready (optional)."""
+        self._pool.start(wait=True)
+        self._verifier.start()
+
+    def shutdown(self) -> None:
+        self._pool.close()
+        self._verifier.shutdown()
