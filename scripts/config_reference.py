@@ -4,7 +4,7 @@
     python scripts/config_reference.py            # print it
     python scripts/config_reference.py --write    # replace the reference in README.md
 
-tests/test_fork.py fails when README's copy differs from what this prints.
+tests/e2e/test_fork.py fails when README's copy differs from what this prints.
 """
 
 from __future__ import annotations

@@ -71,13 +71,13 @@ PYTEST_CHECKS = {  # check -> pytest node ids (prefixes) that make it
     "memory_metrics": ["tests/gpu/test_gpu_memory.py"],
     "nccl_collectives_tp_lockstep": ["tests/gpu/test_gpu_collectives.py"],
     "bf16_vs_fp32": ["tests/gpu/test_gpu_engines.py::test_bf16_and_fp32_agree"],
-    "vllm": ["tests/test_generation_vllm.py", "tests/test_generation_vllm_qwen2.py"],
+    "vllm": ["tests/integration/test_generation_vllm.py", "tests/integration/test_generation_vllm_qwen2.py"],
 }
 ZERO3 = "ds_configs/zero3.json"
 
 
 # --------------------------------------------------------------------------------------------------
-# What runs print and write, and checks on metrics rows: pure functions (tests/test_gpu_check.py)
+# What runs print and write, and checks on metrics rows: pure functions (tests/e2e/test_gpu_check.py)
 # --------------------------------------------------------------------------------------------------
 def parse_startup(text: str) -> dict:
     """The facts of train_grpo.py's startup line ("grpo-ds: N rank(s), ..., reference X, ..., DeepSpeed PATH
@@ -296,8 +296,8 @@ def main(argv=None) -> int:
     pytest_names = [n for n in PYTEST_CHECKS if n != "vllm" or has_vllm]
     if args.cpu:
         for name in pytest_names:
-            say(name, "SKIP", "--cpu: needs CUDA (its CPU twin is in the default suite: tests/test_gpu_check.py, "
-                              "tests/test_offload.py, tests/test_device_rules.py)")
+            say(name, "SKIP", "--cpu: needs CUDA (its CPU twin is in the default suite: tests/e2e/test_gpu_check.py, "
+                              "tests/integration/test_offload.py, tests/integration/test_device_rules.py)")
     else:
         nodes = [n for name in pytest_names for n in PYTEST_CHECKS[name]]
         junit = out / "pytest_gpu.xml"

@@ -1,6 +1,6 @@
 """GPU only: grpo's collectives on a real NCCL process group (one rank): the step's counts and flags, the run's
 object gathers, and the vLLM tensor-parallel group, a gloo subgroup of the NCCL world whose host-side lockstep
-all-reduce crashed on NCCL before (issue 21; its CPU twin runs under tests/device_rules.py)."""
+all-reduce crashed on NCCL before (issue 21; its CPU twin runs under tests/helpers/device_rules.py)."""
 
 from __future__ import annotations
 

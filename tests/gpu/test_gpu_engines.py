@@ -15,8 +15,8 @@ from grpo.system import engines, offload, weights
 from grpo.system.training import train_on_batch
 from grpo.config import MasterConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dist_train_step import batch_loss, make_batch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers.dist_train_step import batch_loss, make_batch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 ZERO3 = "ds_configs/zero3.json"
@@ -62,7 +62,7 @@ def train_steps(engine, steps: range) -> list[dict]:
 
 def check_zero3_bf16_accumulates_in_fp32(model_dir: str) -> None:
     """ZeRO-3 in bf16: DeepSpeed sums micro-batch gradients in an fp32 buffer on the engine's device, and two
-    steps are finite. Also run on the CPU (tests/test_gpu_check.py), so this file cannot rot unseen."""
+    steps are finite. Also run on the CPU (tests/e2e/test_gpu_check.py), so this file cannot rot unseen."""
     engine = engines.build_policy_engine(make_cfg(model_dir, "bfloat16", ZERO3), 1, total_optimizer_steps=2)
     assert engine.zero_optimization_stage() == 3
     assert engine.get_data_types() == (torch.bfloat16, torch.float32)
@@ -74,7 +74,7 @@ def check_zero3_bf16_accumulates_in_fp32(model_dir: str) -> None:
 def check_zero3_refit_gather_equals_the_export(model_dir: str, out_dir: str) -> None:
     """After a bf16 ZeRO-3 step, what the vLLM refit pushes (`grpo.system.weights.iter_gathered_params`, bucketed
     layer gathers) equals the consolidated HF export (the checkpoint a user loads) bit for bit, every exported
-    tensor pushed. Also run on the CPU (tests/test_gpu_check.py)."""
+    tensor pushed. Also run on the CPU (tests/e2e/test_gpu_check.py)."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 

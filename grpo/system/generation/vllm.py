@@ -492,7 +492,7 @@ class VllmGeneration:
 
         Gloo, not the default group's backend: what the group exchanges is host data (`lockstep_max`'s
         count, `generate_in_group`'s prompt lists), and NCCL, the default group's backend on GPUs, takes
-        device tensors only (a CPU tensor there fails at the first rollout; tests/test_device_rules.py)."""
+        device tensors only (a CPU tensor there fails at the first rollout; tests/integration/test_device_rules.py)."""
         groups = [list(range(i, i + self.tp)) for i in range(0, self.world_size, self.tp)]
         group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
         return group

@@ -1,0 +1,110 @@
+"""Two optimizer steps of the ZeRO-3 policy engine on a fixed global batch; run by tests/integration/test_engines.py.
+
+    python tests/helpers/dist_train_step.py MODEL_DIR OUT.pt EXPORT_DIR                     # 1 process
+    torchrun --nproc_per_node 2 tests/helpers/dist_train_step.py MODEL_DIR OUT.pt EXPORT_DIR  # 2 processes, half each
+
+Each rank trains on its contiguous shard with a loss normalised by the GLOBAL token count. Rank 0
+saves the updated weights, what `train_on_batch` returned and logprobs; the weights are also
+exported as HF safetensors. `make_batch` / `batch_loss` are also
+the test's single-process plain-PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
+# eps = 1 makes the first Adam updates ~ lr * g / (|g| + 1): sensitive to the gradient's scale, which
+# a wrong DP / gradient-accumulation compensation would change (with eps = 1e-8 Adam hides it).
+RUN = {"lr": 0.05, "eps": 1.0, "weight_decay": 0.01, "warmup_steps": 2, "max_grad_norm": 1e6}
+
+
+def make_batch(step: int, vocab: int) -> dict:
+    """A right-padded batch: prompt of 3-5 tokens, completion of 2-7 tokens, one advantage per row."""
+    g = torch.Generator().manual_seed(1000 + step)
+    T = 12
+    ids = torch.zeros((GLOBAL_BATCH, T), dtype=torch.long)
+    attn = torch.zeros((GLOBAL_BATCH, T), dtype=torch.long)
+    token_mask = torch.zeros((GLOBAL_BATCH, T))
+    for b in range(GLOBAL_BATCH):
+        p = int(torch.randint(3, 6, (1,), generator=g))
+        c = int(torch.randint(2, 8, (1,), generator=g))
+        ids[b, : p + c] = torch.randint(3, vocab, (p + c,), generator=g)
+        attn[b, : p + c] = 1
+        token_mask[b, p: p + c] = 1.0
+    adv = torch.randn(GLOBAL_BATCH, generator=g)
+    return {"input_ids_bt": ids, "attention_mask_bt": attn, "token_mask_bt": token_mask, "advantages": adv}
+
+
+def batch_loss(logprobs_bt: torch.Tensor, mb: dict, global_tokens: float) -> torch.Tensor:
+    """Σ mask · (−A·lp + 0.5·lp²) / global_tokens: a policy-gradient term plus a non-linear one."""
+    m = mb["token_mask_bt"]
+    per_token = -mb["advantages"][:, None] * logprobs_bt + 0.5 * logprobs_bt**2
+    return (per_token * m).sum() / global_tokens
+
+
+def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[dict, list[dict], torch.Tensor]:
+    """STEPS calls of `train_on_batch` on this rank's shard, then logprobs of `make_batch(STEPS)` with
+    ranks holding unequal shares (5 rows: 3 + 2 with 2 ranks, so unequal forward counts) and an HF
+    export. Returns (full weights, results, logprobs [5, T]). Needs the process group."""
+    from grpo.system import engines, weights
+    from grpo.system.training import compute_logprobs, train_on_batch
+    from grpo.config import MasterConfig
+    from grpo.batch import micro_batches, select_rows
+    from grpo.system.dist import all_gather_objects, rank_slice
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cfg = MasterConfig.model_validate({
+        "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": GLOBAL_BATCH,
+                   "train_micro_batch_size": MICRO_BATCH, "max_grad_norm": RUN["max_grad_norm"],
+                   "optimizer": {"lr": RUN["lr"], "eps": RUN["eps"], "weight_decay": RUN["weight_decay"]},
+                   "scheduler": {"name": "cosine", "warmup_steps": RUN["warmup_steps"]}},
+        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4},
+    })
+    engine = engines.build_policy_engine(cfg, world, total_optimizer_steps=STEPS)
+    vocab = engine.module.config.vocab_size
+    per_rank = GLOBAL_BATCH // world
+    results = []
+    for step in range(STEPS):
+        batch = make_batch(step, vocab)
+        global_tokens = float(batch["token_mask_bt"].sum())
+        mine = select_rows(batch, slice(rank * per_rank, (rank + 1) * per_rank))
+        results.append(train_on_batch(
+            engine, micro_batches(mine, MICRO_BATCH),
+            lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb["token_mask_bt"].sum()}),
+        ))
+    full = {name: t.clone() for bucket in weights.iter_gathered_params(engine) for name, t in bucket}
+    rows = select_rows(make_batch(STEPS, vocab), slice(0, 5))
+    mine = select_rows(rows, rank_slice(5, rank, world))
+    lp = compute_logprobs(engine, mine["input_ids_bt"], mine["attention_mask_bt"], 1.0, micro_batch_size=2)
+    logprobs = torch.cat(all_gather_objects([lp]))
+    if export_dir is not None:
+        from grpo.tasks.toy import build_char_tokenizer
+
+        weights.export_hf(engine, export_dir, build_char_tokenizer())
+    return full, results, logprobs
+
+
+def main(model_dir: str, out_path: str, export_dir: str) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
+    from grpo.system import engines
+    from grpo.system.dist import init_distributed
+
+    rank, _, world, _ = init_distributed()
+    weights, results, logprobs = train_and_collect(model_dir, export_dir)
+    if rank == 0:
+        torch.save({"weights": weights, "results": results, "logprobs": logprobs, "world": world}, out_path)
+    engines.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    from grpo.system.engines import exit_process
+
+    exit_process(0)

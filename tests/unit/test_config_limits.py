@@ -1,0 +1,149 @@
+"""Configs that would hang or flood the error path fail fast with a short message (YAML alias bombs, huge
+values), configs that would train on nothing fail at load (one sample per prompt under a group baseline), and
+a ``toy:`` model that does not exist is named at load, before any directory is locked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from grpo.config_load import MAX_CONFIG_BYTES, MAX_YAML_VALUES, ConfigError, apply_overrides, load_config
+from grpo.registry import _ESTIMATORS, _NEEDS_GROUP, needs_group, register_estimator
+from tests.helpers.e2e import REPO, child_env
+
+# policy.bogus holds 9^9 values through nested aliases: a few hundred bytes of YAML.
+ALIAS_BOMB = "policy:\n  bogus:\n    a0: &a0 [1,1,1,1,1,1,1,1,1]\n" + "".join(
+    f"    a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9))
+OVERRIDE_BOMB = "policy.bogus=[&a [1,1,1,1,1,1,1,1,1], " + ", ".join(
+    f"&{c} [{','.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")) + "]"
+ONE_SAMPLE = ["grpo.num_generations_per_prompt=1", "policy.train_micro_batch_size=8",
+              "policy.train_global_batch_size=8"]  # cpu_demo: 8 prompts per step
+
+
+def error_of(fn, *args) -> str:
+    with pytest.raises(ConfigError) as err:
+        fn(*args)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "big"])
+def test_a_config_path_that_never_ends_or_is_huge_is_refused_without_reading_it_whole(tmp_path, source):
+    """``--config /dev/zero`` read 10 GB in 30 s, and a 300 MB YAML hung the parser."""
+    path = source if source.startswith("/dev/") else tmp_path / "big.yaml"
+    if source == "big":
+        path.write_text("a: 1\n" * (MAX_CONFIG_BYTES // 5 + 10))
+    message = error_of(load_config, path)
+    assert f"larger than {MAX_CONFIG_BYTES >> 20} MiB" in message and len(message) < 300
+
+
+def test_a_yaml_alias_bomb_in_a_file_is_refused_at_once(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(ALIAS_BOMB)
+    t0 = time.monotonic()
+    message = error_of(load_config, cfg)
+    assert time.monotonic() - t0 < 10
+    assert message.startswith(f"{cfg}, line ") and f"more than {MAX_YAML_VALUES:,} values" in message
+    assert len(message) < 500
+
+
+def test_a_yaml_alias_bomb_on_the_command_line_is_refused_at_once():
+    t0 = time.monotonic()
+    message = error_of(apply_overrides, {}, [OVERRIDE_BOMB])
+    assert time.monotonic() - t0 < 10
+    assert message.startswith("override policy.bogus") and "values" in message and len(message) < 500
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("&a [1, *a]", "refers to a collection that contains it"),
+    ("[" * 3000, "nested too deep"),
+    ("[" * 80 + "]" * 80, "nested more than 64 deep"),
+])
+def test_recursive_and_deeply_nested_values_are_refused(value, expected):
+    assert expected in error_of(apply_overrides, {}, [f"policy.bogus={value}"])
+
+
+def test_shared_aliases_within_the_bound_still_load(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("defaults: " + str(REPO / "configs" / "cpu_demo.yaml") + "\n"
+                   "x: &stop [7, 11]\ngrpo:\n  seed: 3\n")
+    with pytest.raises(ConfigError, match=r"x: unknown key \(value \[7, 11\]\)"):
+        load_config(cfg)
+
+
+def test_a_large_bad_value_gives_a_short_message():
+    big = str([[1] * 5] * 2000)  # 10k values: under the YAML bound, one validation error per inner list
+    t0 = time.monotonic()
+    message = error_of(load_config, None, [f"grpo.adv_estimator.reward_weights={big}", "policy.bogus=" + big])
+    assert time.monotonic() - t0 < 30
+    assert len(message) < 5000 and "more errors" in message
+    assert "policy.bogus: unknown key (value [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], " in message and "...]" in message
+
+
+def test_the_entry_point_reports_an_alias_bomb_in_one_short_line(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(ALIAS_BOMB)
+    p = subprocess.run([sys.executable, "train_grpo.py", "--config", str(cfg)], cwd=REPO, env=child_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.startswith(f"error: {cfg}, line ") and len(p.stderr) < 500 and "Traceback" not in p.stderr
+
+
+# ---- one sample per prompt ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("estimator", [[], ["grpo.adv_estimator.name=gdpo"],
+                                       ["grpo.adv_estimator.name=reinforce_plus_plus"]])
+def test_one_generation_per_prompt_is_refused_under_a_group_baseline(estimator):
+    message = error_of(load_config, REPO / "configs" / "cpu_demo.yaml",
+                       [*ONE_SAMPLE, *estimator])
+    assert "grpo.num_generations_per_prompt=1:" in message and "every" in message and ">= 2" in message
+
+
+def test_one_generation_per_prompt_is_fine_without_a_group_baseline():
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml",
+                      [*ONE_SAMPLE, "grpo.adv_estimator.name=reinforce_plus_plus",
+                       "grpo.adv_estimator.minus_baseline=false"])
+    assert cfg.grpo.num_generations_per_prompt == 1
+
+
+def test_a_forks_estimator_declares_whether_it_needs_a_group():
+    overrides = ONE_SAMPLE
+    try:
+        register_estimator("fork_grouped")(lambda **kw: None)
+        register_estimator("fork_global", needs_group=False)(lambda **kw: None)
+        assert needs_group("fork_grouped") and not needs_group("fork_global")
+        with pytest.raises(ConfigError, match="'fork_grouped' advantage estimator"):
+            load_config(REPO / "configs" / "cpu_demo.yaml", overrides + ["grpo.adv_estimator.name=fork_grouped"])
+        load_config(REPO / "configs" / "cpu_demo.yaml", overrides + ["grpo.adv_estimator.name=fork_global"])
+    finally:
+        for name in ("fork_grouped", "fork_global"):
+            _ESTIMATORS.pop(name, None)
+            _NEEDS_GROUP.pop(name, None)
+
+
+# ---- toy models ---------------------------------------------------------------------------------------------
+def test_an_unknown_toy_model_is_a_config_error_listing_the_toy_models():
+    message = error_of(load_config, REPO / "configs" / "cpu_demo.yaml", ["policy.model_name=toy:nonexistent"])
+    assert "policy.model_name='toy:nonexistent': no such toy model" in message and "'toy:demo'" in message
+    message = error_of(load_config, REPO / "configs" / "cpu_demo.yaml", [
+        "on_policy_distillation.enabled=true", "on_policy_distillation.teacher_model_name=toy:nope"])
+    assert "on_policy_distillation.teacher_model_name='toy:nope': no such toy model" in message
+
+
+def test_the_entry_point_names_an_unknown_toy_model_before_locking_anything(tmp_path):
+    p = subprocess.run([sys.executable, "train_grpo.py", "policy.model_name=toy:nonexistent",
+                        f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"],
+                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "no such toy model" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_syntax_error_in_a_huge_value_gives_a_short_message(tmp_path):
+    value = "[1, " + "2" * 200_000 + "}"
+    message = error_of(apply_overrides, {}, [f"policy.x={value}"])
+    assert message.startswith("override policy.x='[1, 2222") and "invalid YAML" in message and len(message) < 1000
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"policy:\n  x: {value}\n")
+    message = error_of(load_config, cfg)
+    assert message.startswith(f"{cfg}, line 2, column ") and "\n    ...2222" in message and len(message) < 1000

@@ -1,0 +1,58 @@
+"""Every config knob acts: each field of every config model is read by code outside grpo/config.py.
+
+A field that is accepted and then read by nothing is the worst kind of config bug (a user sets it, nothing
+changes, nothing says so). The check is static: the field's name must appear as an attribute access
+(``.name``) or a string key (``"name"``, for getattr / dumped dicts) in the loops, grpo/ (config.py itself
+and the loader excluded) or scripts/. Fields that only the schema reads are listed below, each with why it is
+not a dead knob.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from grpo.config_load import config_fields
+
+REPO = Path(__file__).resolve().parents[2]
+
+READ_ONLY_BY_THE_SCHEMA = {
+    "grpo.skip_reference_policy_logprobs_calculation":
+        "resolved by grpo.config.resolve_skip_flags (validated against beta / KL in reward), whose result the "
+        "loops use (grpo/system/training.py LogprobEngines)",
+    "grpo.skip_previous_policy_logprobs_calculation": "the same: resolve_skip_flags",
+    "cluster.gpus_per_node": "checked against the launcher by grpo.config.cluster_mismatch, called by grpo/run.py",
+    "cluster.num_nodes": "the same: cluster_mismatch",
+    "grpo.async_grpo.recompute_kv_cache_after_weight_updates":
+        "NeMo-RL's name; holds by construction (a weight update lands between generation chunks, which start "
+        "with a fresh KV cache); validated: needs in_flight_weight_updates",
+    "checkpointing.model_save_format":
+        "NeMo-RL's name; a one-value Literal (safetensors, what grpo.system.weights.export_hf writes), so a recipe "
+        "that asks for torch_save fails at load instead of being ignored",
+}
+
+
+def _sources() -> dict[Path, str]:
+    files = [*REPO.glob("train_*.py"), *(REPO / "grpo").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
+    skip = {REPO / "grpo" / "config.py", REPO / "grpo" / "config_load.py"}
+    return {p: p.read_text() for p in files if p not in skip}
+
+
+def test_every_config_field_is_read_outside_the_schema():
+    sources = _sources()
+    unread = []
+    for key, *_ in config_fields():
+        leaf = re.escape(key.rsplit(".", 1)[-1])
+        pattern = re.compile(rf"\.{leaf}\b|[\"']{leaf}[\"']")
+        if key not in READ_ONLY_BY_THE_SCHEMA and not any(pattern.search(s) for s in sources.values()):
+            unread.append(key)
+    assert unread == [], f"config fields nothing reads (wire them up, or allow-list with a reason): {unread}"
+
+
+def test_the_allow_list_holds_only_real_fields_that_are_still_unread():
+    keys = {key for key, *_ in config_fields()}
+    assert set(READ_ONLY_BY_THE_SCHEMA) <= keys, set(READ_ONLY_BY_THE_SCHEMA) - keys
+    sources = _sources()
+    for key in READ_ONLY_BY_THE_SCHEMA:
+        leaf = re.escape(key.rsplit(".", 1)[-1])
+        assert not any(re.search(rf"\.{leaf}\b", s) for s in sources.values()), f"{key} is read now: unlist it"
