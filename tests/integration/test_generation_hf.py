@@ -1,4 +1,4 @@
-"""grpo/generation (hf backend): per-sample seeded sampling, processed logprobs, stops, refit.
+"""grpo/system/generation (hf backend): per-sample seeded sampling, processed logprobs, stops, refit.
 
 A tiny random Llama whose lm_head is scaled up (peaked distributions: greedy paths are far from
 ties, so float rounding between batch shapes never flips a token).
