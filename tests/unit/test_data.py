@@ -14,14 +14,13 @@ import torch
 import grpo.system.data
 from grpo.config import DataConfig
 from grpo.system.data import (
-    DataError,
     check_record,
     PromptDataset,
     PromptFormatter,
     build_dataloader,
     load_rows,
 )
-from grpo.tasks.rows import split_seed
+from grpo.tasks.rows import DataError, split_seed
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 
 RECORDS = [

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from grpo.config import DataConfig
-from grpo.system.data import DataError, load_rows
+from grpo.system.data import load_rows
+from grpo.tasks.rows import DataError
 
 GOOD = [{"input": f"{i}+1=", "output": str(i + 1)} for i in range(4)]
 
