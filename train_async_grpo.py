@@ -9,7 +9,7 @@ Two loops run at once. The generation thread (`grpo.producer.RolloutProducer`) t
 plays G conversations per prompt with its OWN copy of the weights, scores them, and puts the prompt
 groups, tagged with the weight version that generated them, into an in-process replay deque for training
 step i + 1. The trainer (this loop) takes exactly the groups meant for its step and does what the
-synchronous step does from phase 3 on: previous-policy and reference logprobs are recomputed under the
+synchronous step does from the rewards phase on: previous-policy and reference logprobs are recomputed under the
 CURRENT weights, and the loss corrects for the staler generation weights with importance sampling
 (w = exp(prev - gen), required by the config). After each step it publishes its weights (version = steps
 done) to a CPU staging copy, which the thread loads at a safe point.
