@@ -72,6 +72,7 @@ def test_a_rollout_dump_the_file_system_refuses_is_counted_and_warned_and_the_ru
 
 
 # ---- fault 7: a rerun in the same log directory must not delete the earlier run's metrics ----------------------
+@pytest.mark.slow  # its default-suite twin: test_claim_metrics_truncates_only_this_runs_resume_and_keeps_another_runs_file
 def test_a_fresh_run_in_a_used_log_directory_keeps_the_earlier_metrics_under_another_name(tmp_path):
     args = cmd(tmp_path, "grpo.max_num_steps=1", "checkpointing.enabled=false")
     run(args)

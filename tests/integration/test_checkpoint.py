@@ -311,6 +311,7 @@ def test_resuming_two_ranks_checkpoint_on_one_rank_names_the_world_size_before_d
     assert not engine.loaded
 
 
+@pytest.mark.slow  # its default-suite twin: two ranks' checkpoint resumed on one rank
 def test_resuming_one_ranks_checkpoint_on_two_ranks_fails_alike_on_every_rank_before_deepspeed_loads(tmp_path):
     path = save(manager(tmp_path), 1)
     assert json.loads((path / MANIFEST).read_text())["world_size"] == 1

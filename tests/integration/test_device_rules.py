@@ -141,7 +141,8 @@ MULTITURN = ["grpo.max_rollout_turns=3", "env.name=class", "env.env_class=tests.
 
 @pytest.mark.parametrize("script, extra", [
     ("train_grpo.py", ["checkpointing.save_period=1"]),
-    ("train_async_grpo.py", ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]),
+    pytest.param("train_async_grpo.py", ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"],
+                 marks=pytest.mark.slow),  # the default suite runs the sync twin
 ], ids=["sync", "async"])
 def test_two_rank_multiturn_runs_follow_nccl_rules(tmp_path, script, extra):
     """Every collective grpo calls in a 2-rank multi-turn run (ZeRO-3 engines, refits of the generation copy,
