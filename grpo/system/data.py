@@ -8,7 +8,8 @@ A row is a plain, picklable dict::
 ``source`` says where the row came from: ``"<file>:<n>"`` (n = 1-based line of a .jsonl file, 0-based
 row index of any other file), ``"<hub name>/<split>:<i>"``, ``"arithmetic/<split>:<i>"`` or
 ``"reasoning_gym:<task>/<split>:<i>"``. ``meta`` holds what a scorer needs besides the answer: the
-reasoning-gym entry, or the other columns of a file row.
+reasoning-gym entry, or the other columns of a file row. `PromptDataset` formats and tokenises rows into
+`grpo.tasks.rows.PromptRow`s, what the loader batches and the rollout reads.
 
 `load_rows` returns a list that also carries a `LoadReport` (``rows.report.num_skipped``: malformed
 rows skipped under ``data.on_bad_row=skip``).
@@ -37,7 +38,7 @@ from torch.utils.data import Dataset
 
 from grpo.config import DataConfig
 from grpo.tasks.catalogue import dataset_task, load
-from grpo.tasks.rows import DataError, Row
+from grpo.tasks.rows import ROW_KEYS, DataError, PromptRow, Row
 
 logger = logging.getLogger(__name__)
 FILE_EXTENSIONS = (".jsonl", ".json", ".parquet", ".arrow")
@@ -402,9 +403,9 @@ def question_text(question: str | list[dict]) -> str:
 
 
 class PromptDataset(Dataset):
-    """Formatted prompts; items are ``{"index", "question", "answer", "source", "meta", "task_name",
-    "prompt_messages", "prompt_ids"}`` with ``index`` the row's position in ``rows`` and
-    ``prompt_messages`` as `PromptFormatter.prompt_messages` gives them.
+    """Formatted prompts; items are `grpo.tasks.rows.PromptRow`s, with ``index`` the row's position in ``rows``,
+    ``prompt_messages`` as `PromptFormatter.prompt_messages` gives them, and a row's keys other than
+    ``question``, ``answer``, ``source`` and ``meta`` in ``extra``.
 
     A row's task (its environment) is ``meta[task_key]`` when the row has it, else ``default_task``;
     ``tasks`` (when given) are the known ones, and a row naming another fails with its source. Prompts
@@ -417,7 +418,7 @@ class PromptDataset(Dataset):
     def __init__(self, rows: list[Row], formatter: PromptFormatter, max_input_seq_length: int | None = None,
                  default_task: str = "default", task_key: str = "task_name", tasks: list[str] | None = None,
                  max_total_sequence_length: int | None = None, on_bad_row: str = "error"):
-        self.items: list[dict] = []
+        self.items: list[PromptRow] = []
         self.num_filtered = self.num_too_long = 0
         for index, row in enumerate(rows):
             task = str((row.get("meta") or {}).get(task_key, default_task))
@@ -438,8 +439,10 @@ class PromptDataset(Dataset):
                                     "filter such prompts, or set data.on_bad_row=skip to skip and count them")
                 self.num_too_long += 1
                 continue
-            self.items.append({"index": index, **row, "question": question_text(row["question"]), "task_name": task,
-                               "prompt_messages": messages, "prompt_ids": ids})
+            self.items.append(PromptRow(
+                index=index, question=question_text(row["question"]), answer=row["answer"], task_name=task,
+                prompt_messages=messages, prompt_ids=ids, source=row.get("source", ""), meta=row.get("meta") or {},
+                extra={k: v for k, v in row.items() if k not in ROW_KEYS}))
         if not self.items:
             raise DataError(
                 f"all {len(rows)} prompts are longer than data.max_input_seq_length={max_input_seq_length} tokens "
@@ -449,15 +452,15 @@ class PromptDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, i: int) -> PromptRow:
         return self.items[i]
 
 
 # --------------------------------------------------------------------------------------------------
 # Loader
 # --------------------------------------------------------------------------------------------------
-def collate_rows(batch: list[dict]) -> list[dict]:
-    """Batches are plain lists of item dicts (the loop pads what it needs itself)."""
+def collate_rows(batch: list[PromptRow]) -> list[PromptRow]:
+    """Batches are plain lists of items (the loop pads what it needs itself)."""
     return list(batch)
 
 
@@ -518,7 +521,7 @@ class PromptStream:
                 f"the checkpoint ({type(err).__name__}{': ' + str(err)[:200] if str(err) else ''}). Restore the "
                 "data it trained on, or start a new run (another checkpointing.checkpoint_dir)") from None
 
-    def next(self) -> list[dict] | None:
+    def next(self) -> list[PromptRow] | None:
         for _ in range(2):
             try:
                 return next(self._it)

@@ -28,6 +28,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 
 from grpo.tasks.interface import MESSAGE_FLAGS
+from grpo.tasks.rows import PromptRow
 from grpo.system.dist import all_gather_objects, rank_slice
 from grpo.system.generation.base import chunk_slices
 
@@ -142,19 +143,17 @@ def sample_seed(base_seed: int, step: int, sample_index: int, stream: str = "tra
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def new_trajectories(prompts: list[dict], num_generations: int) -> list[Trajectory]:
-    """``num_generations`` fresh trajectories per prompt row, consecutively, group ids 0..P-1.
-
-    A row carries ``prompt_messages``: ``{"role", "content", "token_ids"}`` dicts (see `grpo.system.data.PromptDataset`).
-    """
+def new_trajectories(prompts: list[PromptRow], num_generations: int) -> list[Trajectory]:
+    """``num_generations`` fresh trajectories per prompt row (`grpo.tasks.rows.PromptRow`), consecutively, group
+    ids 0..P-1. The environments' metadata of a sample is ``{"question", "answer", "meta", "task_name"}``."""
     out = []
     for group_id, row in enumerate(prompts):
         for _ in range(num_generations):
-            messages = [Message(m["role"], m["content"], list(m["token_ids"])) for m in row["prompt_messages"]]
-            metadata = {"question": row["question"], "answer": row["answer"], "meta": row.get("meta") or {},
-                        "task_name": row["task_name"]}
-            out.append(Trajectory(group_id=group_id, prompt_index=int(row["index"]), task_name=row["task_name"],
-                                  question=row["question"], answer=row["answer"], messages=messages,
+            messages = [Message(m["role"], m["content"], list(m["token_ids"])) for m in row.prompt_messages]
+            metadata = {"question": row.question, "answer": row.answer, "meta": row.meta or {},
+                        "task_name": row.task_name}
+            out.append(Trajectory(group_id=group_id, prompt_index=int(row.index), task_name=row.task_name,
+                                  question=row.question, answer=row.answer, messages=messages,
                                   metadata=metadata, num_prompt_messages=len(messages)))
     return out
 
@@ -297,9 +296,9 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # A prompt batch across ranks
 # --------------------------------------------------------------------------------------------------
-def generate_rollout(prompts: list[dict], num_generations: int, generator, envs, chat, settings: TurnSettings, *,
-                     base_seed: int, step: int, gen_batch: int, stream: str, rank: int, world_size: int,
-                     weights=None, group=None) -> Rollout:
+def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, envs, chat,
+                     settings: TurnSettings, *, base_seed: int, step: int, gen_batch: int, stream: str, rank: int,
+                     world_size: int, weights=None, group=None) -> Rollout:
     """Every sample of a prompt batch played to its end and scored; the same `Rollout` on every rank.
 
     Sample i (of P x G) is seeded with ``sample_seed(base_seed, step, gen_batch * P * G + i, stream, turn)``.

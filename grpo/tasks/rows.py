@@ -1,8 +1,11 @@
-"""Rows: what every prompt source yields, and how a built-in task draws its procedural rows.
+"""Rows: what every prompt source yields, how a built-in task draws its procedural rows, and the `PromptRow`
+the data hands to the rollout.
 
-A row is a plain, picklable dict::
+A row, as a source yields it (files, the hub, a task's ``rows``), is a plain, picklable dict::
 
     {"question": "3+4=", "answer": "7", "source": "arithmetic/train:0", "meta": {}}
+
+Formatted and tokenised (`grpo.system.data.PromptDataset`), it becomes a `PromptRow`: what the rollout reads.
 
 A built-in task draws train and val rows from different seeds (`split_seed`), so the two never share a
 stream. Rows that cannot be used raise `DataError`, naming where they came from and what is wrong.
@@ -10,9 +13,38 @@ stream. Rows that cannot be used raise `DataError`, naming where they came from 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 Row = dict[str, Any]
+
+ROW_KEYS = ("question", "answer", "source", "meta")
+
+
+@dataclass
+class PromptRow:
+    """One prompt as the rollout gets it (an item of `grpo.system.data.PromptDataset`).
+
+    ``index``: the row's position among the loaded rows; ``question``: its text (a conversation's last user
+    message); ``task_name``: the environment that scores it; ``prompt_messages``: the formatted prompt as
+    ``{"role", "content", "token_ids"}`` messages, ``prompt_ids`` their ids end to end; ``source``: where the row
+    came from (``"train.jsonl:3"``, ``"arithmetic/train:0"``); ``meta``: what a scorer needs besides the answer;
+    ``extra``: any other keys of the source row, as they were.
+
+        >>> PromptRow(0, "3+4=", "7", "arithmetic", [{"role": "user", "content": "3+4=", "token_ids": [5, 6]}],
+        ...           [5, 6]).meta
+        {}
+    """
+
+    index: int
+    question: str
+    answer: str
+    task_name: str
+    prompt_messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    source: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class DataError(ValueError):

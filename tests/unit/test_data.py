@@ -20,7 +20,7 @@ from grpo.system.data import (
     build_dataloader,
     load_rows,
 )
-from grpo.tasks.rows import DataError, split_seed
+from grpo.tasks.rows import DataError, PromptRow, split_seed
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 
 RECORDS = [
@@ -307,14 +307,14 @@ def test_default_chat_template_uses_the_tokenizers_own():
 
 
 def test_prompt_dataset_filters_long_prompts(tok):
-    rows = [{"question": q, "answer": "a", "source": f"s:{i}", "meta": {"k": i}}
+    rows = [{"question": q, "answer": "a", "source": f"s:{i}", "meta": {"k": i}, "level": i}
             for i, q in enumerate(["1+2=", "10+20=", "3+4=", "100+200="])]
     ds = PromptDataset(rows, PromptFormatter(tok, DataConfig()), max_input_seq_length=5)  # <bos> + 4 chars
     assert ds.num_filtered == 2 and len(ds) == 2
     ids = [tok.bos_token_id] + char_ids(tok, "3+4=")
-    assert ds[1] == {"index": 2, "question": "3+4=", "answer": "a", "source": "s:2", "meta": {"k": 2},
-                     "task_name": "default", "prompt_ids": ids,
-                     "prompt_messages": [{"role": "user", "content": "3+4=", "token_ids": ids}]}
+    assert ds[1] == PromptRow(index=2, question="3+4=", answer="a", task_name="default",
+                              prompt_messages=[{"role": "user", "content": "3+4=", "token_ids": ids}], prompt_ids=ids,
+                              source="s:2", meta={"k": 2}, extra={"level": 2})  # a row's other keys survive
     assert len(PromptDataset(rows, PromptFormatter(tok, DataConfig()), None)) == 4
     with pytest.raises(DataError, match="all 4 prompts are longer"):
         PromptDataset(rows, PromptFormatter(tok, DataConfig()), max_input_seq_length=2)
@@ -404,7 +404,7 @@ def test_prompt_dataset_reads_the_task_column_and_rejects_tasks_without_an_envir
             {"question": "1+3=", "answer": "4", "source": "f.jsonl:2", "meta": {}}]
     ds = PromptDataset(rows, PromptFormatter(tok, DataConfig()), default_task="arithmetic",
                        tasks=["arithmetic", "math"])
-    assert [item["task_name"] for item in ds] == ["math", "arithmetic"]
+    assert [item.task_name for item in ds] == ["math", "arithmetic"]
     with pytest.raises(DataError, match=r"f.jsonl:1: task_name='math' has no environment"):
         PromptDataset(rows, PromptFormatter(tok, DataConfig()), default_task="arithmetic", tasks=["arithmetic"])
 

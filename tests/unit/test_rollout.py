@@ -3,6 +3,7 @@ seeds, and a prompt batch across ranks. Fake generators and environments; the re
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from grpo.system.generation.base import GenerationOutput
 from grpo.system.rollout import (
     RolloutError, TurnSettings, generate_rollout, new_trajectories, rank_slice, run_conversations, sample_seed,
 )
+from grpo.tasks.rows import PromptRow
 from grpo.tasks.toy import build_char_tokenizer
 
 TOK = build_char_tokenizer()
@@ -69,9 +71,9 @@ class Echo(Environment):
 
 
 def rows(questions):
-    return [{"index": i, "question": q, "answer": "3", "meta": {}, "task_name": "echo",
-             "prompt_messages": [{"role": "user", "content": q, "token_ids": TOK(q)["input_ids"]}]}
-            for i, q in enumerate(questions)]
+    return [PromptRow(index=i, question=q, answer="3", task_name="echo",
+                      prompt_messages=[{"role": "user", "content": q, "token_ids": TOK(q)["input_ids"]}],
+                      prompt_ids=TOK(q)["input_ids"]) for i, q in enumerate(questions)]
 
 
 def play(env, questions=("ab", "cd"), generations=2, settings=None, weights=None, generator=None):
@@ -140,7 +142,7 @@ class Malformed(Echo):
 @pytest.mark.parametrize("env, error", [(Raises(), "env_error"), (Hangs(), "env_timeout"),
                                         (Malformed(), "env_error")])
 def test_an_environment_that_raises_hangs_or_returns_garbage_costs_only_its_samples(env, error):
-    trajs = new_trajectories(rows(["ab"]) + [{**rows(["cd"])[0], "index": 1, "task_name": "good"}], 2)
+    trajs = new_trajectories(rows(["ab"]) + [dataclasses.replace(rows(["cd"])[0], index=1, task_name="good")], 2)
     envs = Environments({"echo": env, "good": Echo(turns=1)}, step_timeout_s=0.5)
     t0 = time.perf_counter()
     run_conversations(trajs, [(1, 1, i, "t") for i in range(4)], FakeGenerator(), envs, ChatFormat(TOK),
