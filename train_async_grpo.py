@@ -31,12 +31,12 @@ from grpo.run import dump_rollouts, finish, resume_note, run_script, save, setup
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 
 
-def main(argv=None) -> str | int | None:
-    """Train; return None, or what stopped the run: an error message (the script exits 1 with it) or a
-    signal's exit status."""
+def main(argv=None) -> int | None:
+    """Train; return None, or a stop signal's exit status. A run that cannot start or that fails raises
+    `grpo.run.RunError` (the script prints its ``error:`` line and exits 1)."""
     run = setup(argv, DEFAULT_CONFIG, asynchronous=True, description=__doc__)
-    if run is None or isinstance(run, str):
-        return run
+    if run is None:  # --export-hf: done
+        return None
     import torch
 
     from grpo.system import weights
@@ -164,7 +164,7 @@ def main(argv=None) -> str | int | None:
     if stop or failure:
         run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
     return finish(run, out_of_data=closed is not None and closed.kind is StopKind.OUT_OF_DATA,
-                  loader_state=trained_mark["loader"], failure=failure and f"error: {failure}",
+                  loader_state=trained_mark["loader"], failure=failure,
                   extra={"replay_buffer": buffer.state_dict()}, metrics=metrics)
 
 

@@ -29,12 +29,12 @@ from grpo.run import (
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
 
 
-def main(argv=None) -> str | int | None:
-    """Train; return None, or what stopped the run: an error message (the script exits 1 with it) or a
-    signal's exit status."""
+def main(argv=None) -> int | None:
+    """Train; return None, or a stop signal's exit status. A run that cannot start or that fails raises
+    `grpo.run.RunError` (the script prints its ``error:`` line and exits 1)."""
     run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__)
-    if run is None or isinstance(run, str):
-        return run
+    if run is None:  # --export-hf: done
+        return None
     from grpo.batch import build_batch
     from grpo.system.checkpoint import rng_state
     from grpo.system.data import PromptStream
@@ -152,7 +152,7 @@ def main(argv=None) -> str | int | None:
     if stop or failure:
         run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
     return finish(run, out_of_data=out_of_data, loader_state=mark["loader"] if abandoned else run.loader.state_dict(),
-                  failure=failure and f"error: {failure}", metrics=last_metrics, rng=rng if abandoned else None)
+                  failure=failure, metrics=last_metrics, rng=rng if abandoned else None)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """What both training scripts share around their loops: command line, config, setup, resume, validation,
 checkpoints and teardown. The loops themselves stay in `train_grpo.py` and `train_async_grpo.py`.
 
-    run = setup(argv, DEFAULT_CONFIG, asynchronous=False)   # a Run, or None / an error message to return
+    run = setup(argv, DEFAULT_CONFIG, asynchronous=False)   # a Run, or None (--export-hf done)
     ... the loop, calling validate(run, ...) and save(run, ...) ...
-    return finish(run, stop_reason)
+    return finish(run, failure=...)                          # None or a signal's exit status
+
+A run that cannot start or that fails raises `RunError`; `run_script` (the scripts' ``__main__``) catches
+it once, prints its ``error:`` line and exits 1.
 """
 
 from __future__ import annotations
@@ -12,14 +15,38 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from grpo.config import MasterConfig, cluster_mismatch, resolve_skip_flags
 from grpo.config_load import ConfigError, config_help, load_config
 
+if TYPE_CHECKING:  # for the types only: a config error must exit before torch (and all that follows) is imported
+    import torch
+    from deepspeed import DeepSpeedEngine
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from transformers import PreTrainedTokenizerBase
+
+    from grpo.system.chat import ChatFormat
+    from grpo.system.checkpoint import CheckpointManager, GRPOSaveState, SaveDeadline
+    from grpo.system.data import PromptDataset
+    from grpo.system.dumps import RolloutDumper
+    from grpo.system.generation.base import GenerationBackend
+    from grpo.system.health import StepChecks
+    from grpo.system.rundir import RunLock
+    from grpo.system.signals import StopRequest
+    from grpo.system.tracking import MetricsLogger
+    from grpo.system.training import LogprobEngines
+    from grpo.tasks.router import Environments
+    from grpo.tasks.rows import PromptRow
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class RunError(Exception):
+    """A run that cannot start, or that failed: its message is written for people. Raised on every rank
+    together (after the collectives that make them agree); `run_script` prints ``error: <message>`` and exits 1."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,49 +115,59 @@ class Run:
     backend (None for the async loop, which builds its own); ``val_envs`` are validation's environments
     (``envs`` themselves unless ``env.val_tasks`` is set or the loop is asynchronous: its generation thread
     owns ``envs``); ``resume`` holds what the newest checkpoint restored for the loop to use
-    (``loader_state``, ``extra``), or None."""
+    (``loader_state``, ``extra``), or None; ``exit_status`` is a stop signal's (set by `stop_requested`);
+    ``closables`` are closed in order by `finish`."""
 
     cfg: MasterConfig
     args: argparse.Namespace
     rank: int
     world_size: int
-    device: Any
-    tokenizer: Any
-    chat: Any
-    train_ds: Any
-    val_ds: Any
-    loader: Any
-    envs: Any
-    val_envs: Any
-    policy: Any
-    logprob_engines: Any
-    ckpt: Any
-    logger: Any
-    state: Any
+    device: torch.device
+    tokenizer: PreTrainedTokenizerBase
+    chat: ChatFormat
+    train_ds: PromptDataset
+    val_ds: PromptDataset
+    loader: StatefulDataLoader
+    envs: Environments
+    val_envs: Environments
+    policy: DeepSpeedEngine
+    logprob_engines: LogprobEngines
+    ckpt: CheckpointManager
+    logger: MetricsLogger
+    state: GRPOSaveState
     total_steps: int
-    deadline: Any
-    checks: Any = None
-    stop: Any = None
-    dumper: Any = None
-    run_id: str | None = None
-    generator: Any = None
-    resume: Any = None
+    deadline: SaveDeadline
+    checks: StepChecks
+    stop: StopRequest
+    dumper: RolloutDumper
+    run_id: str | None
+    generator: GenerationBackend | None
+    resume: Resume | None
+    closables: list[Closable]
     exit_status: int | None = None
-    closables: list = field(default_factory=list)
+
+
+class Closable(Protocol):
+    """What `finish` closes at the end of a run (loggers, environments, generation backends, locks, the signal
+    handlers)."""
+
+    def close(self) -> None: ...
 
 
 @dataclass
 class Resume:
+    """What the newest checkpoint restored for the loop: its ``path``, the data loader's position and ``extra``
+    (the async replay buffer)."""
+
     path: Path
     loader_state: dict | None
     extra: dict
 
 
-def setup(argv, default_config: str, *, asynchronous: bool, description: str | None = None) -> Run | str | None:
+def setup(argv, default_config: str, *, asynchronous: bool, description: str | None = None) -> Run | None:
     """Parse, validate, start the process group, build data, environments, engines, the generation backend
-    (synchronous loop) and the logger, and resume from the newest checkpoint. Returns the `Run`, or what
-    ``main`` should return right away: None after ``--export-hf``, or the error message of a run that cannot
-    start (the script exits 1 with it)."""
+    (synchronous loop) and the logger, and resume from the newest checkpoint. Returns the `Run`, or None after
+    ``--export-hf`` (``main`` returns at once); raises `RunError` (on every rank) for a run that cannot start."""
     args, cfg = load_run_config(argv, default_config, asynchronous, description)
     started_at = time.monotonic()  # checkpointing.checkpoint_must_save_by counts from here
 
@@ -160,13 +197,10 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
 
     rank, _, world_size, device = init_distributed()
     if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
-        return mismatch
+        raise RunError(mismatch.removeprefix("error: "))
     locks, run_id = [], None
     if args.export_hf is None:  # one run per directory: lock, refuse a foreign run's checkpoints
-        claimed = claim_dirs(cfg, rank)
-        if isinstance(claimed, str):
-            return claimed
-        locks, run_id = claimed
+        locks, run_id = claim_dirs(cfg, rank)
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
     skip_prev, skip_ref = resolve_skip_flags(cfg)
@@ -178,7 +212,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     loader = build_dataloader(train_ds, batch_size=per_batch, shuffle=cfg.data.shuffle, seed=g.seed,
                               num_workers=cfg.data.num_workers)
     if len(loader) == 0:
-        return f"error: {len(train_ds)} training prompts < {per_batch} prompts per step"
+        raise RunError(f"{len(train_ds)} training prompts < {per_batch} prompts per step")
     total_steps = min(g.max_num_steps, g.max_num_epochs * len(loader))
     samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
     opt_steps = total_steps * samples_per_step // cfg.policy.train_global_batch_size
@@ -191,12 +225,12 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     ckpt = CheckpointManager(cfg.checkpointing, rank)
 
     if (gap := overflow_check_gap(policy)) is not None:
-        return f"error: {gap}"
+        raise RunError(gap)
     state, resume = GRPOSaveState(), None
     try:
         latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
         if args.export_hf is not None and latest is None:
-            return f"error: --export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}"
+            raise RunError(f"--export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
         if latest is not None:
             ckpt.clean_partial()
             state, loader_state, extra = ckpt.load(latest, policy)
@@ -206,7 +240,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                               run_id=recorded_run_id(cfg.checkpointing.checkpoint_dir))
             return None
     except (CheckpointError, ExportError) as err:
-        return f"error: {err}"
+        raise RunError(str(err)) from err
     metrics_note = None  # every step once in metrics.jsonl; another run's file is renamed aside, never cut
     if rank == 0:
         metrics_note = claim_metrics(cfg.logger.log_dir, run_id, state.current_step, resumed=resume is not None,
@@ -230,30 +264,29 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                  f"up to {g.max_rollout_turns} turn(s) per rollout, a shared prompt runs {share} in the logprob "
                  "and training forwards")
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val")
-    run = Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
-              chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
-              policy=policy,
-              logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher), ckpt=ckpt,
-              logger=logger, state=state, total_steps=total_steps,
-              deadline=SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at), resume=resume)
-    run.checks = StepChecks(cfg, policy.module.config.vocab_size)
-    run.dumper = RolloutDumper(cfg.logger.log_dir, cfg.logger.dump_rollouts_every, cfg.logger.dump_rollouts_max_samples,
-                               rank, enabled=cfg.logger.dump_rollouts)
-    run.run_id = run_id
-    run.closables += [logger, envs] + ([val_envs] if val_envs is not envs else []) + [_Release(locks)]
+    deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
+    checks = StepChecks(cfg, policy.module.config.vocab_size)
+    dumper = RolloutDumper(cfg.logger.log_dir, cfg.logger.dump_rollouts_every, cfg.logger.dump_rollouts_max_samples,
+                           rank, enabled=cfg.logger.dump_rollouts)
+    closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [_Release(locks)]
+    generator = None
     if not asynchronous:
-        run.generator = build_generation_backend(cfg, tokenizer, policy, device)
-        run.generator.refit(policy)
-        run.closables.append(run.generator)
-    run.stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
-    run.closables.append(run.stop)
-    return run
+        generator = build_generation_backend(cfg, tokenizer, policy, device)
+        generator.refit(policy)
+        closables.append(generator)
+    stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
+    closables.append(stop)
+    return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
+               chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
+               policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
+               ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
+               stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables)
 
 
 class _Release:
     """Closes (releases) the run directories' locks at the very end."""
 
-    def __init__(self, locks: list):
+    def __init__(self, locks: list[RunLock]):
         self.locks = locks
 
     def close(self) -> None:
@@ -261,9 +294,9 @@ class _Release:
             lock.release()
 
 
-def claim_dirs(cfg, rank: int):
+def claim_dirs(cfg: MasterConfig, rank: int) -> tuple[list[RunLock], str | None]:
     """Rank 0 locks the checkpoint and log directories and checks the run fingerprint (`grpo.system.rundir`);
-    every rank gets ``(locks, run_id)`` (locks only on rank 0) or the error message. A collective."""
+    every rank gets ``(locks, run_id)`` (locks only on rank 0), or every rank raises `RunError`. A collective."""
     from grpo.system.dist import all_gather_objects
     from grpo.system.rundir import RunDirError, claim_run_dirs
 
@@ -274,10 +307,12 @@ def claim_dirs(cfg, rank: int):
             claimed = claim_run_dirs(c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir,
                                      cfg.model_dump(mode="json"), resume=c.resume, allow_change=c.allow_config_change)
         except RunDirError as err:
-            error = f"error: {err}"
+            error = str(err)
     error = all_gather_objects([error])[0]
     run_id = all_gather_objects([claimed[1]])[0]
-    return error if error is not None else (claimed[0], run_id)
+    if error is not None:
+        raise RunError(error)
+    return claimed[0], run_id
 
 
 def load_tokenizer(policy_cfg):
@@ -330,8 +365,8 @@ def turn_settings(cfg, greedy: bool = False):
                         chunk_size=p.generation_batch_size, greedy=greedy, max_new_tokens=p.generation.max_new_tokens)
 
 
-def run_rollout(run: Run, generator, envs, prompts: list[dict], step: int, gen_batch: int, *, stream: str = "train",
-            num_generations: int | None = None, weights=None, group=None):
+def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, gen_batch: int, *,
+                stream: str = "train", num_generations: int | None = None, weights=None, group=None):
     """`grpo.system.rollout.generate_rollout` of a prompt batch with the run's settings (a collective)."""
     from grpo.system.rollout import generate_rollout
 
@@ -486,14 +521,17 @@ def known_error_message(err: BaseException) -> str | None:
 
 
 def run_script(main) -> None:
-    """The scripts' ``__main__``: run ``main`` and leave the process with what it returned (None or an exit
-    status; a message is printed and exits 1), without interpreter finalization (`grpo.system.engines.exit_process`).
-    An exception of a known kind (`known_error_message`) prints one ``error:`` line and exits 1, its traceback
-    only with ``GRPO_DEBUG=1``; any other exception prints its traceback, then the ``error:`` line."""
+    """The scripts' ``__main__``: run ``main`` and leave the process with what it returned (None or a signal's
+    exit status), without interpreter finalization (`grpo.system.engines.exit_process`). A `RunError` (a run
+    that cannot start or that failed) prints ``error: <message>`` and exits 1. Any other exception of a known
+    kind (`known_error_message`) prints one ``error:`` line and exits 1, its traceback only with
+    ``GRPO_DEBUG=1``; any other exception prints its traceback, then the ``error:`` line."""
     import traceback
 
     try:
         stopped = main()
+    except RunError as err:  # the run said what went wrong; every rank raised it together
+        stopped = f"error: {err}"
     except KeyboardInterrupt:  # Ctrl-C before the loop's handler is installed (setup): nothing to save yet
         print("\ninterrupted during setup (nothing trained yet)", file=sys.stderr)
         stopped = 130
@@ -510,14 +548,15 @@ def run_script(main) -> None:
 
 
 def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None, failure: str | None = None,
-           extra: dict | None = None, metrics: dict | None = None, rng: dict | None = None) -> str | int | None:
+           extra: dict | None = None, metrics: dict | None = None, rng: dict | None = None) -> int | None:
     """End of a run: a last checkpoint of the last finished step when it is not saved yet and the data ran
     out, a signal stopped the run (e.g. abandoning a step before training), or a failure left the state good
     (not after non-finite steps: the last checkpoint holds the last good weights); the consolidated export
     (``hf_final``; not after a failure, a signal or a time-limit stop), the closing line, and every resource
     released. ``loader_state``, ``metrics`` (the step's, for checkpoint ranking) and ``rng`` (the RNG state at
     the end of that step, `grpo.system.checkpoint.rng_state`; None: as it is now) describe that last finished step.
-    Returns what ``main`` returns: ``failure`` (exit 1), a signal's exit status, or None."""
+    Returns what ``main`` returns, a signal's exit status or None; with a ``failure`` (what went wrong, written
+    for people) raises `RunError` with it once all of that is done (the script exits 1)."""
     from grpo.system import engines, weights
     from grpo.system.checkpoint import set_rng_state
 
@@ -538,4 +577,6 @@ def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None
     for closable in run.closables:
         closable.close()
     engines.shutdown()
-    return failure if failure is not None else run.exit_status
+    if failure is not None:
+        raise RunError(failure)
+    return run.exit_status
