@@ -308,3 +308,73 @@ def mask_by_seq_logprob_error(
         **_min_mean_max(err_b[keep_after], "seq_logprob_error_after"),
     }
     return sample_mask * keep_after.to(sample_mask.dtype), metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# Entropy of the policy's distribution (for loss terms that ask for it: `grpo.loss.LossInputs`)
+# --------------------------------------------------------------------------------------------------
+class _ChunkedEntropy(torch.autograd.Function):
+    """H[n] = −Σ_v p[n, v] log p[n, v],  p = softmax(logits[n] / τ), row chunk by row chunk.
+
+        ∂H[n]/∂logits[n, v] = −p_v (log p_v + H[n]) / τ
+
+    Saves the (already existing) logits and two numbers per row; the backward recomputes the chunk's
+    softmax, so the working memory is one chunk, not [N, V] (as `_ChunkedTokenLogprobs`)."""
+
+    @staticmethod
+    def forward(ctx, logits_nv, temperature: float, chunk_rows: int):
+        cdtype = _compute_dtype(logits_nv.dtype)
+        num_rows = logits_nv.shape[0]
+        h_n = torch.empty(num_rows, dtype=cdtype, device=logits_nv.device)
+        lse_n = torch.empty(num_rows, dtype=cdtype, device=logits_nv.device)
+        for start in range(0, num_rows, chunk_rows):
+            stop = min(start + chunk_rows, num_rows)
+            x = logits_nv[start:stop].to(cdtype) / temperature
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            logp = x.sub_(lse)
+            p = torch.exp(logp)
+            h_n[start:stop] = -torch.where(p > 0, p * logp, 0.0).sum(-1)  # 0·log 0 = 0 (masked-out logits)
+            lse_n[start:stop] = lse.squeeze(-1)
+            del x, logp, p
+        ctx.save_for_backward(logits_nv, lse_n, h_n)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return h_n
+
+    @staticmethod
+    def backward(ctx, grad_h_n):
+        logits_nv, lse_n, h_n = ctx.saved_tensors
+        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        grad_nv = torch.empty_like(logits_nv)
+        for start in range(0, logits_nv.shape[0], chunk_rows):
+            stop = min(start + chunk_rows, logits_nv.shape[0])
+            logp = logits_nv[start:stop].to(lse_n.dtype) / temperature - lse_n[start:stop, None]
+            p = torch.exp(logp)
+            chunk = torch.where(p > 0, p * (logp + h_n[start:stop, None]), 0.0)
+            grad_nv[start:stop] = chunk.mul_(-grad_h_n[start:stop, None].to(chunk.dtype) / temperature)
+            del logp, p, chunk
+        return grad_nv, None, None
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per row: ``[..., V]`` -> ``[...]``, differentiable, without a
+    second ``[..., V]`` tensor (``chunk_size`` rows at a time; default as `token_logprobs`). fp32 (fp64 for
+    fp64 logits).
+
+        >>> token_entropy(torch.zeros(1, 4))     # uniform over 4: log 4
+        tensor([1.3863])
+    """
+    if temperature <= 0:
+        raise ValueError(f"token_entropy: temperature={temperature}: expected > 0")
+    vocab = logits.shape[-1]
+    rows = chunk_size if chunk_size is not None else max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
+    return _ChunkedEntropy.apply(logits.reshape(-1, vocab), float(temperature), int(rows)).reshape(logits.shape[:-1])
+
+
+def aligned_entropy_from_logits(logits_btv: torch.Tensor, attention_mask_bt: torch.Tensor, temperature: float = 1.0,
+                                chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Per-token entropy ``[B, T]`` aligned like the logprobs: position t holds the entropy of the distribution
+    token t was drawn from (`token_entropy` of ``logits[:, t − 1] / temperature``); 0 at position 0 and
+    where ``attention_mask_bt`` is 0 (the last position's logits score nothing and are dropped)."""
+    h_bt = token_entropy(logits_btv, temperature, chunk_size)
+    h_bt = torch.cat([torch.zeros_like(h_bt[:, :1]), h_bt[:, :-1]], dim=1)
+    return torch.where(attention_mask_bt > 0, h_bt, 0.0)

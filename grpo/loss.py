@@ -8,7 +8,8 @@ whatever they hold (even inf / NaN): the inputs are zeroed there first.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 
@@ -325,3 +326,87 @@ def _ratio_metrics(lp, prev, ratio, adv, keep, mask, cfg: ClippedPGLossConfig) -
         out["probs_ratio_min"] = masked_r.min().item() if masked_r.numel() else float("inf")
         out["probs_ratio_max"] = masked_r.max().item() if masked_r.numel() else float("-inf")
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss function the training step calls: one micro-batch in, (loss, metrics) out
+# --------------------------------------------------------------------------------------------------
+# What a loss function may ask the training forward for, beyond the logprobs (its ``needs`` attribute).
+LOSS_NEEDS = ("entropy", "logits")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What `grpo.system.training.train_step` hands a loss function for one micro-batch.
+
+    ``logprobs_bt``: the policy's token logprobs ``[B, T]`` with grad (the sampler's distribution:
+    temperature, top-k / top-p); ``batch``: the micro-batch (`grpo.batch.TrainBatch`, tensors on the
+    engine's device: ``advantages_bt``, ``token_mask_bt``, ``sample_mask_b``, ``prev_logprobs_bt``,
+    ``ref_logprobs_bt``, ``generation_logprobs_bt``, ``unfiltered_logprobs_bt``, ...); ``cfg``: the run's
+    config (`grpo.config.MasterConfig`, or a fork's subclass: its own sections are here);
+    ``global_valid_tokens`` / ``global_valid_seqs``: the normalisers of the whole optimizer step
+    (`grpo.metrics.global_valid_counts`), so micro-batch losses add up to the step's loss.
+
+    Only when the loss function asks for them (``loss_fn.needs``, see `loss_needs`; the default asks for
+    nothing and the forward computes nothing more):
+      ``entropy_bt`` ``[B, T]``, with grad: entropy of softmax(logits / temperature) of the distribution
+        that produced token t (`grpo.logprobs.aligned_entropy_from_logits`; full vocabulary, no top-k /
+        top-p), 0 at position 0 and on padding, computed chunk by chunk like the logprobs;
+      ``logits_btv`` ``[B, T, V]``: the model's raw logits (position t predicts token t + 1; not divided by
+        the temperature), the tensor the forward made anyway.
+    """
+
+    logprobs_bt: torch.Tensor
+    batch: Any
+    cfg: Any
+    global_valid_tokens: Normalizer = None
+    global_valid_seqs: Normalizer = None
+    entropy_bt: Optional[torch.Tensor] = None
+    logits_btv: Optional[torch.Tensor] = None
+
+    def aggregate(self, values_bt: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """``values_bt`` aggregated like the policy term (`aggregate_loss` with ``loss_fn.token_level_loss`` and
+        the step's global normalisers): add ``coef * inputs.aggregate(term_bt)`` to the loss and the
+        micro-batch losses still sum to the step's. ``local=True``: with this micro-batch's own normalisers,
+        for a metric (the step averages micro-batch metrics)."""
+        return aggregate_loss(values_bt, self.batch.token_mask_bt, self.batch.sample_mask_b,
+                              self.cfg.loss_fn.token_level_loss, None if local else self.global_valid_tokens,
+                              None if local else self.global_valid_seqs)
+
+
+def clipped_pg_loss_fn(inputs: LossInputs) -> tuple[torch.Tensor, dict]:
+    """The training step's default loss: `clipped_pg_loss` of the micro-batch with ``cfg.loss_fn`` and the
+    step's global normalisers. Without previous-policy logprobs (``force_on_policy_ratio``) the training
+    forward's own, detached, stand in. A fork adds a term around it::
+
+        def loss_with_entropy_bonus(x: LossInputs):
+            loss, metrics = clipped_pg_loss_fn(x)
+            bonus = x.cfg.my_algo.entropy_coef * x.aggregate(x.entropy_bt)
+            return loss - bonus, {**metrics, "entropy": x.aggregate(x.entropy_bt.detach(), local=True).item()}
+        loss_with_entropy_bonus.needs = ("entropy",)
+    """
+    mb = inputs.batch
+    prev = mb.prev_logprobs_bt if mb.prev_logprobs_bt is not None else inputs.logprobs_bt.detach()
+    return clipped_pg_loss(inputs.logprobs_bt, prev, mb.advantages_bt, mb.token_mask_bt, mb.sample_mask_b,
+                           inputs.cfg.loss_fn, ref_logprobs=mb.ref_logprobs_bt,
+                           generation_logprobs=mb.generation_logprobs_bt,
+                           global_valid_tokens=inputs.global_valid_tokens, global_valid_seqs=inputs.global_valid_seqs,
+                           unfiltered_logprobs=mb.unfiltered_logprobs_bt)
+
+
+def loss_needs(loss_fn) -> tuple[str, ...]:
+    """What ``loss_fn`` asks the forward for: its ``needs`` attribute (a tuple of `LOSS_NEEDS`; none: ``()``).
+
+        >>> loss_needs(clipped_pg_loss_fn)
+        ()
+    """
+    if loss_fn is clipped_pg_loss:
+        raise TypeError("loss_fn=clipped_pg_loss: a loss function takes one grpo.loss.LossInputs; pass "
+                        "grpo.loss.clipped_pg_loss_fn (clipped_pg_loss on a LossInputs)")
+    needs = getattr(loss_fn, "needs", ())
+    needs = (needs,) if isinstance(needs, str) else tuple(needs)
+    unknown = [n for n in needs if n not in LOSS_NEEDS]
+    if unknown:
+        raise ValueError(f"{getattr(loss_fn, '__name__', loss_fn)}.needs={needs!r}: {unknown} unknown; "
+                         f"expected names from {list(LOSS_NEEDS)}")
+    return needs

@@ -121,12 +121,13 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
 
         sample_mask = sample_mask · 1[seq_logprob_error ≤ grpo.seq_logprob_error_threshold]
         A   = estimator(group_ids, rewards, valid = 1, token_mask, sample_mask,
-                        kl = KL(prev || ref) if use_kl_in_reward)
+                        kl = KL(prev || ref) if use_kl_in_reward, master_cfg = cfg)
         A  += −kl_coef · (student − teacher)                         (on-policy distillation; student = prev)
         A[message] = invalid_tool_call_advantage / malformed_thinking_advantage   (flagged messages)
         A   = clamp(A, advantage_clip_low, advantage_clip_high)
 
-    Every sample counts in its group's baseline (valid = 1), masked ones included.
+    Every sample counts in its group's baseline (valid = 1), masked ones included. The estimator gets the
+    run's whole config as ``master_cfg`` (a fork's estimator reads its own section there).
     """
     g, loss_cfg = cfg.grpo, cfg.loss_fn
     metrics: dict = {}
@@ -143,7 +144,7 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
         g.adv_estimator.name, group_ids=batch.group_ids_b, rewards=batch.rewards_b,
         valid_mask=torch.ones_like(batch.rewards_b), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
         reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty,
-        sample_mask=sample_mask_b)
+        sample_mask=sample_mask_b, master_cfg=cfg)
     if batch.teacher_logprobs_bt is not None:
         student_bt = batch.prev_logprobs_bt if batch.prev_logprobs_bt is not None else batch.generation_logprobs_bt
         adv_bt = adv_bt + distillation_advantages(student_bt, batch.teacher_logprobs_bt, batch.token_mask_bt,

@@ -101,8 +101,8 @@ def skip_nonfinite_loss(loss_closure: Callable) -> Callable:
     rank (the gradients are all-reduced). The loss of that micro-batch then reads NaN.
     """
 
-    def closure(logprobs_bt: torch.Tensor, mb: dict):
-        loss, metrics = loss_closure(logprobs_bt, mb)
+    def closure(logprobs_bt: torch.Tensor, mb: dict, **extras):
+        loss, metrics = loss_closure(logprobs_bt, mb, **extras)
         if not bool(torch.isfinite(loss.detach()).all()):
             loss = loss + logprobs_bt.sum() * float("nan")
         return loss, metrics

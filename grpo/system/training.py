@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from grpo.batch import TrainBatch, build_batch, get, to_device, with_fields
-from grpo.logprobs import aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
-from grpo.loss import clipped_pg_loss
+from grpo.logprobs import aligned_entropy_from_logits, aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
+from grpo.loss import LossInputs, clipped_pg_loss_fn, loss_needs
 from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
 from grpo.system.dist import all_gather_objects, all_reduce, comm_device, rank_slice
 from grpo.system.engines import release_params
@@ -48,6 +48,17 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
     several rows share goes through the model once (`grpo.system.shared_prefix`: same values up to rounding). Not
     under ZeRO-3, where every forward is a collective and ranks would have to agree on sharing.
     """
+    lp_bt, full_bt, _ = _forward(engine, input_ids_bt, attention_mask_bt, temperature, chunk_size, top_k=top_k,
+                                 top_p=top_p, prompt_lens_b=prompt_lens_b)
+    return (lp_bt, full_bt) if return_unfiltered else lp_bt
+
+
+def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
+             top_k: int | None = None, top_p: float = 1.0, prompt_lens_b: torch.Tensor | None = None,
+             needs: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """`forward_logprobs`' ``(filtered, unfiltered, extras)``; ``extras`` holds what ``needs`` asks for
+    (`grpo.loss.LOSS_NEEDS`): ``entropy_bt`` (`grpo.logprobs.aligned_entropy_from_logits`, masked like the
+    logprobs) and ``logits_btv`` (the raw logits). A forward that needs them runs whole (no shared prompt)."""
     device = engine.device
     ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
 
@@ -56,17 +67,22 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
                                             return_unfiltered=True)
 
     checkpointed = torch.is_grad_enabled() and getattr(engine.module, "is_gradient_checkpointing", False)
-    can_share = prompt_lens_b is not None and not checkpointed and engine.zero_optimization_stage() != 3
+    can_share = (prompt_lens_b is not None and not checkpointed and engine.zero_optimization_stage() != 3
+                 and not needs)
     plan = plan_shared_prefix(ids_bt, mask_bt, prompt_lens_b) if can_share else None
     shared = plan.logprobs(engine, logprobs) if plan is not None else None
+    extras = {}
     if shared is not None:
         lp_bt, full_bt = shared
     else:
-        lp_bt, full_bt = logprobs(engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits, ids_bt)
+        logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits
+        lp_bt, full_bt = logprobs(logits_btv, ids_bt)
+        if "entropy" in needs:
+            extras["entropy_bt"] = aligned_entropy_from_logits(logits_btv, mask_bt, temperature, chunk_size)
+        if "logits" in needs:
+            extras["logits_btv"] = logits_btv
     lp_bt, _ = mask_out_of_filter(lp_bt, mask_bt)
-    if return_unfiltered:
-        return lp_bt, torch.where(mask_bt > 0, full_bt, 0.0)
-    return lp_bt
+    return lp_bt, torch.where(mask_bt > 0, full_bt, 0.0), extras
 
 
 @torch.no_grad()
@@ -107,11 +123,12 @@ def _to_python(v):
     return v
 
 
-LossClosure = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+LossClosure = Callable[..., tuple[torch.Tensor, dict]]
 
 
 def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure, *, temperature: float = 1.0,
-                   chunk_size=None, top_k: int | None = None, top_p: float = 1.0, share_prompts: bool = False) -> dict:
+                   chunk_size=None, top_k: int | None = None, top_p: float = 1.0, share_prompts: bool = False,
+                   needs: tuple[str, ...] = ()) -> dict:
     """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
 
     A micro-batch is a `grpo.batch.TrainBatch` (or a dict with its field names): its ``input_ids_bt`` and
@@ -120,7 +137,9 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     filter (policy.generation.*). With a filter on, the micro-batch also holds ``unfiltered_logprobs_bt``
     (temperature only, with grad, from the same forward): NeMo-RL's ``curr_logprobs_unfiltered``, for the
     KL term (`grpo.loss.clipped_pg_loss`'s ``unfiltered_logprobs``). ``share_prompts``: rows that share a
-    prompt run it once (`grpo.system.shared_prefix`; prompts end where ``token_mask_bt`` starts).
+    prompt run it once (`grpo.system.shared_prefix`; prompts end where ``token_mask_bt`` starts). ``needs``: what
+    the closure also gets from the same forward, as keywords (`grpo.loss.LOSS_NEEDS`: ``entropy_bt=``,
+    ``logits_btv=``); none by default.
 
     ``loss_closure(logprobs_bt, mb) -> (loss, metrics)`` must normalise by GLOBAL counts (all
     micro-batches of all ranks), so the losses sum to the full-batch loss L. DeepSpeed applies
@@ -146,15 +165,11 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
         mb = to_device(mb, engine.device)
         ids_bt, mask_bt = get(mb, "input_ids_bt"), get(mb, "attention_mask_bt")
         prompt_lens_b = prompt_lengths(get(mb, "token_mask_bt"), mask_bt) if share_prompts else None
+        logprobs_bt, unfiltered_bt, extras = _forward(engine, ids_bt, mask_bt, temperature, chunk_size, top_k=top_k,
+                                                      top_p=top_p, prompt_lens_b=prompt_lens_b, needs=needs)
         if needs_filter(top_k, top_p):
-            logprobs_bt, unfiltered_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size,
-                                                          top_k=top_k, top_p=top_p, return_unfiltered=True,
-                                                          prompt_lens_b=prompt_lens_b)
             mb = with_fields(mb, unfiltered_logprobs_bt=unfiltered_bt)
-        else:
-            logprobs_bt = forward_logprobs(engine, ids_bt, mask_bt, temperature, chunk_size,
-                                           prompt_lens_b=prompt_lens_b)
-        loss, metrics = loss_closure(logprobs_bt, mb)
+        loss, metrics = loss_closure(logprobs_bt, mb, **extras)
         engine.backward(loss * world, scale_wrt_gas=False)
         engine.step()
         loss_sum += float(loss.detach())
@@ -213,34 +228,36 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
                          teacher_logprobs_bt=score(engines.teacher))
 
 
-def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int, loss_fn=clipped_pg_loss) -> list[dict]:
+def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,
+               loss_fn: Callable[[LossInputs], tuple[torch.Tensor, dict]] = clipped_pg_loss_fn) -> list[dict]:
     """One optimizer step per ``policy.train_global_batch_size`` samples of the batch; returns each step's
     metrics (`grpo.system.training.train_on_batch`).
 
-    Each rank trains its shard in micro-batches; ``loss_fn`` (`grpo.loss.clipped_pg_loss`'s signature) is
-    normalised by the global valid-token / valid-sequence counts of the optimizer step
-    (`grpo.metrics.global_valid_counts`), so the update does not depend on micro-batching or world size.
-    Without previous-policy logprobs (``force_on_policy_ratio``) the training forward's own, detached,
-    stand in. A micro-batch with a non-finite loss makes its optimizer step a no-op
+    Each rank trains its shard in micro-batches; ``loss_fn(inputs) -> (loss, metrics)`` gets a
+    `grpo.loss.LossInputs` per micro-batch (the logprobs with grad, the micro-batch, ``cfg``, and the global
+    valid-token / valid-sequence counts of the optimizer step, `grpo.metrics.global_valid_counts`) and must
+    normalise by those counts, so the update does not depend on micro-batching or world size. The default,
+    `grpo.loss.clipped_pg_loss_fn`, is `grpo.loss.clipped_pg_loss`. A ``loss_fn.needs`` of ``("entropy",)`` /
+    ``("logits",)`` (`grpo.loss.loss_needs`) adds ``inputs.entropy_bt`` / ``inputs.logits_btv`` from the same
+    forward. A micro-batch with a non-finite loss makes its optimizer step a no-op
     (`grpo.system.health.skip_nonfinite_loss`).
     """
     p, gen = cfg.policy, cfg.policy.generation
+    needs = loss_needs(loss_fn)
     results = []
     for start in range(0, len(batch), p.train_global_batch_size):
         mine = batch.select(slice(start, start + p.train_global_batch_size)).shard(rank, world_size)
         n_tokens, n_seqs = global_valid_counts(mine.token_mask_bt, mine.sample_mask_b)
 
-        def loss_closure(logprobs_bt, mb: TrainBatch, n_tokens=n_tokens, n_seqs=n_seqs):
-            prev = mb.prev_logprobs_bt if mb.prev_logprobs_bt is not None else logprobs_bt.detach()
-            return loss_fn(logprobs_bt, prev, mb.advantages_bt, mb.token_mask_bt, mb.sample_mask_b, cfg.loss_fn,
-                           ref_logprobs=mb.ref_logprobs_bt, generation_logprobs=mb.generation_logprobs_bt,
-                           global_valid_tokens=n_tokens, global_valid_seqs=n_seqs,
-                           unfiltered_logprobs=mb.unfiltered_logprobs_bt)
+        def loss_closure(logprobs_bt, mb: TrainBatch, n_tokens=n_tokens, n_seqs=n_seqs, **extras):
+            return loss_fn(LossInputs(logprobs_bt, mb, cfg, global_valid_tokens=n_tokens, global_valid_seqs=n_seqs,
+                                      **extras))
 
         results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size),
                                       skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
                                       top_k=gen.top_k, top_p=gen.top_p,
-                                      share_prompts=shares_prompts(p.shared_prompt_forward, policy.module)))
+                                      share_prompts=shares_prompts(p.shared_prompt_forward, policy.module),
+                                      needs=needs))
     return results
 
 

@@ -267,3 +267,49 @@ def test_aligned_logprobs_filtered_and_mask_out_of_filter():
     assert torch.isfinite(clean).all() and (clean[mask == 0] == 0).all()
     assert int(n_out) == int((torch.isinf(lp) & (mask > 0)).sum()) > 0
     torch.testing.assert_close(clean[torch.isfinite(lp) & (mask > 0)], lp[torch.isfinite(lp) & (mask > 0)])
+
+
+# --------------------------------------------------------------------------------------------------
+# token_entropy / aligned_entropy_from_logits
+# --------------------------------------------------------------------------------------------------
+def _reference_entropy(logits, temperature):
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3, 100])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_entropy_matches_the_definition_and_its_gradient(chunk_size, temperature):
+    from grpo.logprobs import token_entropy
+
+    x = torch.randn(2, 5, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    h = token_entropy(x, temperature, chunk_size)
+    ref = _reference_entropy(x, temperature)
+    assert h.shape == (2, 5) and torch.allclose(h, ref, atol=1e-12)
+    w = torch.randn(2, 5, dtype=torch.float64)
+    (g,) = torch.autograd.grad((h * w).sum(), x)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
+    assert torch.allclose(g, g_ref, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: token_entropy(t, temperature, chunk_size), (x[:1, :2],))
+
+
+def test_token_entropy_of_masked_out_logits_is_finite():
+    from grpo.logprobs import token_entropy
+
+    x = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]], requires_grad=True)
+    h = token_entropy(x)
+    h.sum().backward()
+    assert torch.allclose(h, torch.tensor([math.log(2)])) and torch.isfinite(x.grad).all()
+    assert torch.allclose(token_entropy(torch.zeros(1, 4)), torch.tensor([math.log(4)]))
+    assert token_entropy(torch.zeros(3, 8, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_aligned_entropy_is_shifted_and_masked_like_the_logprobs():
+    from grpo.logprobs import aligned_entropy_from_logits
+
+    x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    h = aligned_entropy_from_logits(x, mask, 0.5)
+    ref = _reference_entropy(x, 0.5)
+    assert torch.equal(h[:, 0], torch.zeros(2)) and h[0, 3] == 0
+    assert torch.allclose(h[0, 1:3], ref[0, :2]) and torch.allclose(h[1, 1:], ref[1, :3])

@@ -438,3 +438,66 @@ def test_half_precision_inputs_compute_in_fp32():
     loss.backward()
     assert lp.grad.dtype == torch.bfloat16
     torch.testing.assert_close(lp.grad.float(), torch.tensor([[-0.5, -0.5]]))
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss function the training step calls: LossInputs, clipped_pg_loss_fn, needs
+# --------------------------------------------------------------------------------------------------
+def _loss_inputs(with_prev=True, **extra):
+    from types import SimpleNamespace  # stands in for the micro-batch (a grpo.batch.TrainBatch)
+
+    from grpo.config_load import build_config
+    from grpo.loss import LossInputs
+
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(3, 5, generator=g, dtype=torch.float64).requires_grad_(True)
+    tm = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 1, 1, 1, 1]], dtype=torch.float64)
+    mb = SimpleNamespace(prev_logprobs_bt=(lp.detach() - 0.1) if with_prev else None,
+                         advantages_bt=torch.randn(3, 5, generator=g, dtype=torch.float64), token_mask_bt=tm,
+                         sample_mask_b=torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64),
+                         ref_logprobs_bt=lp.detach() - 0.2, generation_logprobs_bt=lp.detach() - 0.05,
+                         unfiltered_logprobs_bt=None)
+    cfg = build_config({"loss_fn": {"reference_policy_kl_penalty": 0.1}})
+    return LossInputs(lp, mb, cfg, global_valid_tokens=11, global_valid_seqs=4, **extra)
+
+
+@pytest.mark.parametrize("with_prev", [True, False])
+def test_clipped_pg_loss_fn_is_clipped_pg_loss_on_the_micro_batch(with_prev):
+    from grpo.loss import clipped_pg_loss_fn
+
+    x = _loss_inputs(with_prev)
+    mb = x.batch
+    prev = mb.prev_logprobs_bt if with_prev else x.logprobs_bt.detach()
+    loss, metrics = clipped_pg_loss_fn(x)
+    expected, expected_metrics = clipped_pg_loss(x.logprobs_bt, prev, mb.advantages_bt, mb.token_mask_bt,
+                                                 mb.sample_mask_b, x.cfg.loss_fn, ref_logprobs=mb.ref_logprobs_bt,
+                                                 generation_logprobs=mb.generation_logprobs_bt,
+                                                 global_valid_tokens=11, global_valid_seqs=4)
+    assert torch.equal(loss, expected) and metrics == expected_metrics
+
+
+def test_loss_inputs_aggregate_like_the_policy_term():
+    x = _loss_inputs()
+    v = torch.rand(3, 5, dtype=torch.float64)
+    mb = x.batch
+    assert torch.equal(x.aggregate(v), aggregate_loss(v, mb.token_mask_bt, mb.sample_mask_b, True, 11, 4))
+    assert torch.equal(x.aggregate(v, local=True), aggregate_loss(v, mb.token_mask_bt, mb.sample_mask_b, True))
+
+
+def test_loss_needs_reads_the_attribute_and_names_a_bad_one():
+    from grpo.loss import clipped_pg_loss_fn, loss_needs
+
+    def with_entropy(x):
+        return clipped_pg_loss_fn(x)
+
+    assert loss_needs(clipped_pg_loss_fn) == ()
+    with_entropy.needs = "entropy"
+    assert loss_needs(with_entropy) == ("entropy",)
+    with_entropy.needs = ("entropy", "logits")
+    assert loss_needs(with_entropy) == ("entropy", "logits")
+    with_entropy.needs = ("entropie",)
+    with pytest.raises(ValueError, match=r"with_entropy\.needs=\('entropie',\): \['entropie'\] unknown; expected "
+                                         r"names from \['entropy', 'logits'\]"):
+        loss_needs(with_entropy)
+    with pytest.raises(TypeError, match="pass grpo.loss.clipped_pg_loss_fn"):
+        loss_needs(clipped_pg_loss)
