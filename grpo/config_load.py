@@ -1,6 +1,12 @@
 """Loading a run config: YAML recipes with ``defaults:`` inheritance, dotted overrides, readable errors.
 
     cfg = load_config("configs/cpu_demo.yaml", ["grpo.num_prompts_per_step=8", "policy.generation.top_k=null"])
+    cfg = load_config("my.yaml", ["my_algo.entropy_coef=0.01"], config_cls=MyConfig)   # a fork's config
+
+A fork adds sections and fields by subclassing `grpo.config.MasterConfig` and passing the class
+(``setup(..., config_cls=MyConfig)`` in its copy of the script); its keys are validated, shown by
+``--help-config`` and recorded in the run fingerprint like the built-in ones. Every section of such a class
+must refuse unknown keys (``class MyAlgo(BaseModel, extra="forbid")``), so that a misspelt key fails too.
 
 A recipe may inherit from others (``defaults: base.yaml`` or a list, relative to the recipe; later ones
 win); overrides are ``dotted.key=value`` with the value parsed as YAML. Every failure is a `ConfigError`
@@ -211,7 +217,7 @@ MAX_ERROR_LINES = 20
 MAX_ERROR_LINE_CHARS = 1000
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, config_cls: type = MasterConfig) -> str:
     """``invalid config:`` and one line per error (the first `MAX_ERROR_LINES`), each naming the dotted key and a
     bounded repr of the value: a huge value never makes a huge message."""
     errors = err.errors(include_url=False)
@@ -220,7 +226,7 @@ def _format_validation_error(err: ValidationError) -> str:
         key = ".".join(str(x) for x in e["loc"])
         value = _short_repr(e.get("input"))
         if e["type"] == "extra_forbidden":
-            line = f"{key}: unknown key (value {value}); check the spelling against grpo/config.py"
+            line = f"{key}: unknown key (value {value}); check the spelling against {_declared_in(config_cls)}"
         elif e["type"] == "value_error":
             # Our own checks already name the dotted key(s).
             msg = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
@@ -233,15 +239,49 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def build_config(raw: dict) -> MasterConfig:
-    """Validate a raw config dict; checks that need more than one section's fields (the estimator name
+def _declared_in(config_cls: type) -> str:
+    """Where the fields of ``config_cls`` are declared, for the unknown-key message."""
+    if config_cls is MasterConfig:
+        return "grpo/config.py"
+    return f"{config_cls.__module__}.{config_cls.__qualname__} and grpo/config.py"
+
+
+def check_config_cls(config_cls: type) -> type:
+    """``config_cls`` itself when it is `grpo.config.MasterConfig` or a subclass whose every section (nested
+    ones too) refuses unknown keys; a TypeError naming the section model otherwise (a fork's mistake, found
+    before any config is read)."""
+    if not (isinstance(config_cls, type) and issubclass(config_cls, MasterConfig)):
+        raise TypeError(f"config_cls={config_cls!r}: expected grpo.config.MasterConfig or a subclass of it")
+    seen: set[type] = set()
+
+    def walk(model: type, key: str) -> None:
+        if model in seen:
+            return
+        seen.add(model)
+        if model.model_config.get("extra") != "forbid":
+            raise TypeError(f"config_cls={config_cls.__qualname__}: the section {key or '(top level)'} "
+                            f"({model.__qualname__}) accepts unknown keys; declare it with extra='forbid' "
+                            f"(class {model.__name__}(BaseModel, extra=\"forbid\")) so a misspelt key fails")
+        for name, f in model.model_fields.items():
+            sub = _section_model(f.annotation)
+            if sub is not None:
+                walk(sub, f"{key}.{name}" if key else name)
+
+    walk(config_cls, "")
+    return config_cls
+
+
+def build_config(raw: dict, config_cls: type[MasterConfig] = MasterConfig) -> MasterConfig:
+    """Validate a raw config dict against ``config_cls`` (`grpo.config.MasterConfig`, or a fork's subclass with
+    more sections: `check_config_cls`); checks that need more than one section's fields (the estimator name
     against `grpo.registry`) run here too."""
     from grpo.registry import estimator_names, needs_group
 
+    check_config_cls(config_cls)
     try:
-        cfg = MasterConfig.model_validate(raw)
+        cfg = config_cls.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(_format_validation_error(err, config_cls)) from None
     name = cfg.grpo.adv_estimator.name
     if name not in estimator_names():
         raise ConfigError(f"invalid config:\n  grpo.adv_estimator.name={name!r}: expected one of {estimator_names()} "
@@ -257,10 +297,12 @@ def build_config(raw: dict) -> MasterConfig:
     return cfg
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> MasterConfig:
-    """Load a run config: YAML recipe (``None``: all defaults) + dotted overrides -> validated MasterConfig."""
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None,
+                config_cls: type[MasterConfig] = MasterConfig) -> MasterConfig:
+    """Load a run config: YAML recipe (``None``: all defaults) + dotted overrides -> validated ``config_cls``
+    (`grpo.config.MasterConfig` or a fork's subclass of it)."""
     raw = load_yaml(path) if path is not None else {}
-    return build_config(apply_overrides(raw, list(overrides or [])))
+    return build_config(apply_overrides(raw, list(overrides or [])), config_cls)
 
 
 
@@ -309,14 +351,15 @@ def config_fields(model=MasterConfig, prefix: str = "") -> list[tuple[str, str, 
     return rows
 
 
-def config_help(section: str | None = None) -> str:
-    """The config reference as text: every field under ``section`` (a dotted prefix; None: all) with its
-    type, default and description. An unknown section is a `ConfigError` listing the sections."""
-    rows = config_fields()
+def config_help(section: str | None = None, config_cls: type[MasterConfig] = MasterConfig) -> str:
+    """The config reference as text: every field of ``config_cls`` under ``section`` (a dotted prefix; None:
+    all) with its type, default and description. An unknown section is a `ConfigError` listing the sections."""
+    all_rows = config_fields(config_cls)
+    rows = all_rows
     if section:
         rows = [r for r in rows if r[0] == section or r[0].startswith(section.rstrip(".") + ".")]
         if not rows:
-            sections = sorted({r[0].split(".")[0] for r in config_fields()})
+            sections = sorted({r[0].split(".")[0] for r in all_rows})
             raise ConfigError(f"--help-config {section!r}: no such section or field (sections: {sections})")
     lines = []
     for key, type_name, default, description in rows:

@@ -71,16 +71,19 @@ def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Name
 
 
 def load_run_config(argv=None, default_config: str = "", asynchronous: bool = False,
-                    description: str | None = None) -> tuple[argparse.Namespace, MasterConfig]:
+                    description: str | None = None, config_cls: type[MasterConfig] = MasterConfig,
+                    ) -> tuple[argparse.Namespace, MasterConfig]:
     """Parse the command line and validate the config; exits 2 naming the problem before torch is imported.
 
     ``asynchronous``: the caller is train_async_grpo.py, which runs exactly the configs with
-    ``grpo.async_grpo.enabled=true`` (train_grpo.py runs the others).
+    ``grpo.async_grpo.enabled=true`` (train_grpo.py runs the others). ``config_cls``: the config model,
+    `grpo.config.MasterConfig` or a fork's subclass with its own sections (`grpo.config_load.build_config`);
+    ``--help-config`` lists its fields.
     """
     args, overrides = parse_args(argv, description)
     if args.help_config is not None:
         try:
-            print(config_help(args.help_config or None))
+            print(config_help(args.help_config or None, config_cls))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -90,7 +93,7 @@ def load_run_config(argv=None, default_config: str = "", asynchronous: bool = Fa
               f"({os.path.relpath(default_config)})", flush=True)
         args.config = default_config
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, config_cls)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -164,11 +167,14 @@ class Resume:
     extra: dict
 
 
-def setup(argv, default_config: str, *, asynchronous: bool, description: str | None = None) -> Run | None:
+def setup(argv, default_config: str, *, asynchronous: bool, description: str | None = None,
+          config_cls: type[MasterConfig] = MasterConfig) -> Run | None:
     """Parse, validate, start the process group, build data, environments, engines, the generation backend
     (synchronous loop) and the logger, and resume from the newest checkpoint. Returns the `Run`, or None after
-    ``--export-hf`` (``main`` returns at once); raises `RunError` (on every rank) for a run that cannot start."""
-    args, cfg = load_run_config(argv, default_config, asynchronous, description)
+    ``--export-hf`` (``main`` returns at once); raises `RunError` (on every rank) for a run that cannot start.
+    ``config_cls``: a fork's subclass of `grpo.config.MasterConfig` (new sections and fields, validated, shown by
+    ``--help-config`` and recorded in the run fingerprint like the others); ``run.cfg`` is an instance of it."""
+    args, cfg = load_run_config(argv, default_config, asynchronous, description, config_cls)
     started_at = time.monotonic()  # checkpointing.checkpoint_must_save_by counts from here
 
     import warnings
