@@ -51,7 +51,8 @@ def main(argv=None) -> int | None:
         due_save, due_validation, early_stop_reason, initial_sample_mask, record_step, shape_rewards, step_advantages,
         step_metrics,
     )
-    from grpo.system.tracking import measured
+    from grpo.loss import clipped_pg_loss_fn
+    from grpo.system.tracking import timed
     from grpo.system.training import step_logprobs, train_step
 
     cfg, g, a, state = run.cfg, run.cfg.grpo, run.cfg.grpo.async_grpo, run.state
@@ -113,15 +114,16 @@ def main(argv=None) -> int | None:
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
 
         # ---- 6. previous-policy, reference (and teacher) logprobs, under the CURRENT weights -------
-        batch = measured(timing, "logprobs", step_logprobs, cfg, batch, run.logprob_engines, run.rank,
-                         run.world_size)
+        with timed(timing, "logprobs"):
+            batch = step_logprobs(cfg, batch, run.logprob_engines, run.rank, run.world_size)
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)
         metrics.update({f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()})
 
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
-        results = measured(timing, "train", train_step, cfg, run.policy, batch, run.rank, run.world_size)
+        with timed(timing, "train"):
+            results = train_step(cfg, run.policy, batch, run.rank, run.world_size, loss_fn=clipped_pg_loss_fn)
         train_end = time.time()
 
         # ---- 9. publish the new weights (version = step) to the generation thread; log, validate, save

@@ -46,7 +46,8 @@ def main(argv=None) -> int | None:
         due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask, record_step,
         shape_rewards, step_advantages, step_metrics,
     )
-    from grpo.system.tracking import measured
+    from grpo.loss import clipped_pg_loss_fn
+    from grpo.system.tracking import timed
     from grpo.system.training import step_logprobs, train_step
 
     cfg, g, state = run.cfg, run.cfg.grpo, run.state
@@ -76,7 +77,8 @@ def main(argv=None) -> int | None:
             if rows is None:
                 break
             try:
-                r = measured(timing, "rollout", run_rollout, run, run.generator, run.envs, rows, step, gen_batch)
+                with timed(timing, "rollout"):
+                    r = run_rollout(run, run.generator, run.envs, rows, step, gen_batch)
             except RolloutError as err:  # the state of the last finished step is good: finish() saves it
                 failure, abandoned = f"the rollout of step {step} failed: {err}{resume_note(run)}", step
                 break
@@ -106,8 +108,8 @@ def main(argv=None) -> int | None:
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
 
         # ---- 6. previous-policy, reference (and teacher) logprobs; each rank scores its share ----
-        batch = measured(timing, "logprobs", step_logprobs, cfg, batch, run.logprob_engines, run.rank,
-                         run.world_size)
+        with timed(timing, "logprobs"):
+            batch = step_logprobs(cfg, batch, run.logprob_engines, run.rank, run.world_size)
         if stop_requested(run):  # the last safe point before the weights change
             abandoned = step
             break
@@ -117,7 +119,8 @@ def main(argv=None) -> int | None:
         metrics.update({f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()})
 
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
-        results = measured(timing, "train", train_step, cfg, run.policy, batch, run.rank, run.world_size)
+        with timed(timing, "train"):
+            results = train_step(cfg, run.policy, batch, run.rank, run.world_size, loss_fn=clipped_pg_loss_fn)
 
         # ---- 9. refit the generation engine, log, validate, checkpoint (a stop signal skips validation) --
         timing["timing/refit_s"] = run.generator.refit(run.policy)

@@ -137,15 +137,19 @@ def phase_memory(phase: str, out: dict) -> Iterator[None]:
             out[f"memory/{phase}_used_gb"] = device["used_gb"]
 
 
-def measured(metrics: dict, phase: str, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, adding its seconds to ``timing/<phase>_s`` in ``metrics`` and recording, on
-    CUDA, the phase's peak memory (``memory/<phase>_peak_gb``, ``memory/<phase>_used_gb``:
-    `phase_memory`)."""
+@contextmanager
+def timed(metrics: dict, phase: str) -> Iterator[None]:
+    """Time the block: adds its seconds to ``timing/<phase>_s`` in ``metrics`` and records, on CUDA, the
+    phase's peak memory (``memory/<phase>_peak_gb``, ``memory/<phase>_used_gb``: `phase_memory`). The loops
+    write each phase's call first and its measurement around it::
+
+        with timed(timing, "train"):
+            results = train_step(cfg, run.policy, batch, run.rank, run.world_size, loss_fn=clipped_pg_loss_fn)
+    """
     t0 = time.perf_counter()
     with phase_memory(phase, metrics):
-        out = fn(*args, **kwargs)
+        yield
     metrics[f"timing/{phase}_s"] = metrics.get(f"timing/{phase}_s", 0.0) + time.perf_counter() - t0
-    return out
 
 
 class MetricsLogger:

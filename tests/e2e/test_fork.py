@@ -1,5 +1,7 @@
 """Fork points: a copy of train_grpo.py that registers its own advantage estimator runs it through the unchanged
-config system; the config reference (--help-config) covers every field."""
+config system; a copy that adds a config section, an estimator reading it and an entropy bonus in the loss
+(`tests.helpers.fork_algo`) trains without an edit of grpo/; the config reference (--help-config) covers every
+field."""
 
 import sys
 from pathlib import Path
@@ -33,6 +35,58 @@ def test_a_forked_script_registers_an_estimator_and_trains_with_it(tmp_path):
     # The unchanged script does not know the name, and says which ones it knows, before loading anything.
     p = run([sys.executable, "train_grpo.py", "--config", TINY, "grpo.adv_estimator.name=quarter"], check=False)
     assert p.returncode == 2 and "grpo.adv_estimator.name='quarter'" in p.stderr and "reinforce_plus_plus" in p.stderr
+
+
+# The two lines a fork changes in its copy of train_grpo.py, and the import of what it adds (outside grpo/).
+FORK_EDITS = {"description=__doc__)": "description=__doc__, config_cls=MyConfig)",
+              "loss_fn=clipped_pg_loss_fn)": "loss_fn=entropy_bonus_loss)"}
+FORK_IMPORT = "from tests.helpers.fork_algo import MyConfig, entropy_bonus_loss  # the fork's additions\n\n"
+
+
+def fork_script(tmp_path: Path) -> Path:
+    """The user's copy of train_grpo.py: the real script with `FORK_EDITS` and `FORK_IMPORT`."""
+    source = (REPO / "train_grpo.py").read_text()
+    for old, new in FORK_EDITS.items():
+        assert source.count(old) == 1, f"train_grpo.py no longer reads {old!r} once: update the fork test and README"
+        source = source.replace(old, new)
+    head, sep, rest = source.partition("DEFAULT_CONFIG = ")
+    fork = tmp_path / "my_train.py"
+    fork.write_text(head + FORK_IMPORT + sep + rest.replace("os.path.dirname(os.path.abspath(__file__))",
+                                                            repr(str(REPO))))
+    return fork
+
+
+def test_a_fork_adds_a_config_section_an_estimator_and_an_entropy_bonus(tmp_path):
+    fork = fork_script(tmp_path)
+    recipe = tmp_path / "my.yaml"  # the fork's keys in a YAML recipe beside the built-in ones
+    recipe.write_text(f"defaults: {TINY}\n"
+                      "grpo: {max_num_steps: 2, adv_estimator: {name: my_estimator}}\n"
+                      "checkpointing: {enabled: false}\n"
+                      "my_algo: {entropy_coef: 0.5, baseline: none}\n")
+    # The new keys are validated like the others: a misspelt one fails before any model loads, naming it.
+    p = run([sys.executable, str(fork), "--config", str(recipe), "my_algo.entropy_coeff=0.1"], check=False, timeout=60)
+    assert p.returncode == 2 and "my_algo.entropy_coeff: unknown key" in p.stderr, p.stderr
+    p = run([sys.executable, str(fork), "--help-config", "my_algo"], timeout=60)
+    assert "my_algo.entropy_coef  (float, default 0.0)" in p.stdout and "my_algo.baseline" in p.stdout
+
+    runs = {}
+    for coef in ("0.5", "0"):
+        out = tmp_path / f"coef_{coef}"
+        run([sys.executable, str(fork), "--config", str(recipe), *paths(out, f"my_algo.entropy_coef={coef}")])
+        runs[coef] = train_rows(out)
+    bonus, plain = runs["0.5"], runs["0"]
+    assert sorted(bonus) == sorted(plain) == [1, 2]
+    first, first0 = bonus[1], plain[1]
+    # The estimator read my_algo.baseline=none: every sample's advantage is its reward (no group baseline).
+    hist = first["train/advantages/histogram"]
+    assert min(hist) >= 0 and abs(sum(hist) / len(hist) - first["train/shaped_reward_mean"]) < 1e-6
+    # The entropy metric is logged; step 1 starts from the same weights and rollouts in both runs, so the
+    # entropies agree and the loss differs by the bonus alone: coef x the step's token-mean entropy.
+    assert first["train/entropy"] > 0 and abs(first["train/entropy"] - first0["train/entropy"]) < 1e-6
+    assert first["train/reward_mean"] == first0["train/reward_mean"]
+    drop = first0["train/loss"] - first["train/loss"]
+    assert 0.5 * 0.5 * first["train/entropy"] < drop < 2 * 0.5 * first["train/entropy"], (drop, first["train/entropy"])
+    assert bonus[2]["train/loss"] != plain[2]["train/loss"]
 
 
 def test_help_config_prints_every_field_with_a_description():

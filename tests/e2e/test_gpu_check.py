@@ -103,8 +103,8 @@ def test_peak_memory_report_takes_the_most_over_steps():
 # --------------------------------------------------------------------------------------------------
 # scripts/train_with_phase_memory.py
 # --------------------------------------------------------------------------------------------------
-def test_measured_phases_put_their_time_and_peak_memory_in_the_step_metrics(monkeypatch):
-    from grpo.system.tracking import measured
+def test_timed_phases_put_their_time_and_peak_memory_in_the_step_metrics(monkeypatch):
+    from grpo.system.tracking import timed
 
     peak = {"bytes": 0}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -114,7 +114,8 @@ def test_measured_phases_put_their_time_and_peak_memory_in_the_step_metrics(monk
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
     metrics: dict = {}
     for phase, gib in (("rollout", 3), ("logprobs", 1), ("train", 2)):
-        assert measured(metrics, phase, lambda g=gib: peak.update(bytes=g * 2**30) or g) == gib
+        with timed(metrics, phase):
+            peak.update(bytes=gib * 2**30)
     assert {k: v for k, v in metrics.items() if k.startswith("memory/")} == {
         "memory/rollout_peak_gb": 3.0, "memory/rollout_used_gb": 10.0, "memory/logprobs_peak_gb": 1.0,
         "memory/logprobs_used_gb": 10.0, "memory/train_peak_gb": 2.0, "memory/train_used_gb": 10.0}
