@@ -102,13 +102,13 @@ def main(argv=None) -> int | None:
             closed = err
             break
         train_start = time.time()
-        info = entries[0]["group"]["info"]
-        trajectories = trajectories_from_groups([e["group"] for e in entries])
+        info = entries[0].group.info  # what the prompt batch's groups share
+        trajectories = trajectories_from_groups([e.group for e in entries])
         batch, penalty_metrics = shape_rewards(cfg, build_batch(trajectories, run.tokenizer.pad_token_id),
                                                run.tokenizer)
-        metrics = {f"train/{k}": v for k, v in {**rollout_counts(trajectories), **info["metrics"],
+        metrics = {f"train/{k}": v for k, v in {**rollout_counts(trajectories), **info.metrics,
                                                  **penalty_metrics}.items()}
-        timing = {f"timing/{k}": v for k, v in info["timing"].items()}
+        timing = {f"timing/{k}": v for k, v in info.timing.items()}
 
         # ---- 5. overlong filtering and environment masks (masked samples stay in the baseline) ----
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
@@ -129,13 +129,13 @@ def main(argv=None) -> int | None:
         # ---- 9. publish the new weights (version = step) to the generation thread; log, validate, save
         timing["timing/refit_s"] = stage.publish(weights.iter_gathered_params(run.policy, refit_bucket), version=step)
         record_step(state, batch, step)
-        trained_mark = info["loader_mark"]
+        trained_mark = info.loader_mark
         state.current_epoch = trained_mark["epoch"]
         timing["timing/step_s"] = time.perf_counter() - t_step
         metrics.update({
             **step_metrics(batch, results, timing["timing/step_s"]), **timing, **producer.step_metrics(
                 step, entries, wait_s), "async/train_start_time": train_start, "async/train_end_time": train_end,
-            "train/epoch": state.current_epoch, "train/prompt_indices": [e["group"]["prompt_index"] for e in entries],
+            "train/epoch": state.current_epoch, "train/prompt_indices": [e.group.prompt_index for e in entries],
         })
         failure = run.checks.after_step(trajectories, batch.raw_rewards_b, results, metrics)
         run.logger.log(metrics, step)

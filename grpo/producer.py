@@ -20,7 +20,9 @@ from __future__ import annotations
 import threading
 import time
 
-from grpo.system.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage, groups_from_trajectories
+from grpo.system.replay import (
+    GroupInfo, ReplayBuffer, ReplayClosed, ReplayEntry, StopKind, WeightStage, groups_from_trajectories,
+)
 
 
 class RolloutProducer:
@@ -52,15 +54,15 @@ class RolloutProducer:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
-    def step_metrics(self, step: int, entries: list[dict], wait_s: float) -> dict:
+    def step_metrics(self, step: int, entries: list[ReplayEntry], wait_s: float) -> dict:
         """The ``async/*`` metrics of a trainer step that took ``entries`` (replay entries) after waiting
         ``wait_s``: trajectory ages (age = step - 1 - generation version), the deque, failures, and
         ``generation_busy_frac``, the share of wall time since the last call that the thread spent
         generating and scoring."""
         from grpo.system.replay import trajectory_age
 
-        ages = [trajectory_age(step, e["generation_version"]) for e in entries]
-        info = entries[0]["group"]["info"]
+        ages = [trajectory_age(step, e.generation_version) for e in entries]
+        info = entries[0].group.info
         busy, wall = self.busy_s, time.perf_counter()
         busy_frac = min(1.0, (busy - self._busy_mark[0]) / max(wall - self._busy_mark[1], 1e-9))
         self._busy_mark = (busy, wall)
@@ -69,7 +71,7 @@ class RolloutProducer:
             "async/trajectory_age_max": max(ages), "async/buffer_size": len(self.buffer),
             "async/trainer_wait_s": wait_s, "async/generation_busy_frac": busy_frac,
             "async/evicted_groups": self.buffer.num_evicted, "async/generation_failures": self.total_failures,
-            "async/gen_start_time": info["gen_start_time"], "async/gen_end_time": info["gen_end_time"],
+            "async/gen_start_time": info.gen_start_time, "async/gen_end_time": info.gen_end_time,
         }
 
     def load_newest(self) -> int:
@@ -134,11 +136,11 @@ class RolloutProducer:
                 continue
             self.failures = 0
             self.busy_s += time.perf_counter() - t0
-            info = {"loader_mark": mark, "metrics": r.metrics, "timing": r.timing, "gen_start_time": wall0,
-                    "gen_end_time": time.time()}
+            info = GroupInfo(loader_mark=mark, metrics=r.metrics, timing=r.timing, gen_start_time=wall0,
+                             gen_end_time=time.time())
             groups = groups_from_trajectories(r.trajectories, info)
             try:
-                self.buffer.put(groups, [g["version"] for g in groups], target_version=self.target)
+                self.buffer.put(groups, [g.version for g in groups], target_version=self.target)
             except ReplayClosed:  # the trainer stopped (end of run, early stop)
                 return
             self.target += 1

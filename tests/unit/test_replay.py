@@ -10,18 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo.system.replay import (
-    ReplayBuffer, ReplayClosed, StopKind, WeightStage, groups_from_trajectories, trajectories_from_groups,
-    trajectory_age,
+    GroupInfo, ReplayBuffer, ReplayClosed, ReplayEntry, ReplayGroup, StopKind, WeightStage, groups_from_trajectories,
+    trajectories_from_groups, trajectory_age,
 )
 from grpo.system.rollout import Message, Trajectory
 
 
 def put_batch(buf, target, versions, tag=""):
-    buf.put([{"id": f"{tag}{target}/{i}"} for i in range(len(versions))], versions, target)
+    buf.put([f"{tag}{target}/{i}" for i in range(len(versions))], versions, target)  # the buffer never looks inside
 
 
 def ids(entries):
-    return [e["group"]["id"] for e in entries]
+    return [e.group for e in entries]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,10 +40,10 @@ def test_take_returns_the_steps_groups_fifo_and_leaves_the_rest():
     put_batch(buf, 3, [1, 1])
     entries, wait_s = buf.take(step=1, n=2)
     assert ids(entries) == ["1/0", "1/1"] and wait_s < 0.5
-    assert [e["target_version"] for e in entries] == [1, 1]
+    assert [e.target_version for e in entries] == [1, 1]
     entries, _ = buf.take(step=2, n=2)  # only the first two of the three meant for step 2
     assert ids(entries) == ["2/0", "2/1"]
-    assert [e["group"]["id"] for e in buf.entries()] == ["2/2", "3/0", "3/1"]
+    assert ids(buf.entries()) == ["2/2", "3/0", "3/1"]
 
 
 def test_take_evicts_groups_meant_for_earlier_steps_and_groups_over_the_age_bound():
@@ -129,10 +129,10 @@ def traj(group_id, version, reward=0.0, components=None):
 
 def test_state_dict_round_trips_through_a_weights_only_load():
     buf = ReplayBuffer(max_age_steps=2)
-    info = {"loader_mark": {"epoch": 0, "loader": {"gen": torch.arange(4), "n": 3}}, "metrics": {"x": 1.0}}
+    info = GroupInfo(loader_mark={"epoch": 0, "loader": {"gen": torch.arange(4), "n": 3}}, metrics={"x": 1.0})
     trajs = [traj(0, 0, 1.0, {"a": 1.0}), traj(0, 1)]
     groups = groups_from_trajectories(trajs, info)
-    buf.put(groups, [g["version"] for g in groups], target_version=2)
+    buf.put(groups, [g.version for g in groups], target_version=2)
     buf.take(step=1, n=0)
     f = io.BytesIO()
     torch.save(buf.state_dict(), f)
@@ -141,9 +141,29 @@ def test_state_dict_round_trips_through_a_weights_only_load():
     other = ReplayBuffer(max_age_steps=2)
     other.load_state_dict(state)
     (e,), _ = other.take(step=2, n=1)
-    assert e["generation_version"] == 0 and e["group"]["prompt_index"] == 10
-    assert trajectories_from_groups([e["group"]]) == trajs
-    assert torch.equal(e["group"]["info"]["loader_mark"]["loader"]["gen"], torch.arange(4))
+    assert e.generation_version == 0 and e.group.prompt_index == 10
+    assert trajectories_from_groups([e.group]) == trajs
+    assert torch.equal(e.group.info.loader_mark["loader"]["gen"], torch.arange(4))
+
+
+def test_a_replay_buffer_saved_before_the_dataclasses_loads_and_saves_in_the_same_form():
+    """Checkpoints hold plain dicts (what the buffer held before it held dataclasses): they load, and groups of
+    one prompt batch share one info again, saved once."""
+    info = {"loader_mark": {"epoch": 1, "loader": {"n": 3}}, "metrics": {"x": 1.0}, "timing": {"generate_s": 2.0},
+            "gen_start_time": 5.0, "gen_end_time": 6.0}
+    old = {"entries": [{"generation_version": 1, "target_version": 3,
+                        "group": {"prompt_index": i, "trajectories": [traj(0, 1).to_dict()], "version": 1,
+                                  "info": info}} for i in (7, 8)], "num_evicted": 2, "max_age_steps": 1}
+    f = io.BytesIO()
+    torch.save(old, f)
+    f.seek(0)
+    buf = ReplayBuffer(max_age_steps=1)
+    buf.load_state_dict(torch.load(f, weights_only=True))
+    a, b = buf.entries()
+    assert isinstance(a, ReplayEntry) and isinstance(a.group, ReplayGroup) and a.group.info is b.group.info
+    assert a.group.info.loader_mark == {"epoch": 1, "loader": {"n": 3}} and buf.num_evicted == 2
+    state = buf.state_dict()
+    assert state == old and state["entries"][0]["group"]["info"] is state["entries"][1]["group"]["info"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -159,13 +179,13 @@ def test_taken_groups_are_never_too_old_and_never_taken_twice(max_age, plan):
         n_put += size
     seen = []
     for step in range(1, 8):
-        here = [e for e in buf.entries() if e["target_version"] == step]
-        available = [e for e in here if trajectory_age(step, e["generation_version"]) <= max_age]
+        here = [e for e in buf.entries() if e.target_version == step]
+        available = [e for e in here if trajectory_age(step, e.generation_version) <= max_age]
         if len(available) < len(here):  # the step is short: an error, the stale ones are evicted
             with pytest.raises(RuntimeError, match=f"meant for step {step}"):
                 buf.take(step, n=len(available), timeout=0)
         entries, _ = buf.take(step, n=len(available), timeout=0)
-        assert all(e["target_version"] == step and trajectory_age(step, e["generation_version"]) <= max_age
+        assert all(e.target_version == step and trajectory_age(step, e.generation_version) <= max_age
                    for e in entries)
         seen += ids(entries)
     assert len(seen) == len(set(seen))
@@ -178,8 +198,8 @@ def test_taken_groups_are_never_too_old_and_never_taken_twice(max_age, plan):
 def test_groups_round_trip_and_renumber_group_ids_by_position():
     trajs = [traj(g, v, float(i % 2)) for i, (g, v) in enumerate([(0, 0), (0, 0), (1, 1), (1, 1), (2, 1), (2, 2)])]
     groups = groups_from_trajectories(trajs)
-    assert [g["prompt_index"] for g in groups] == [10, 11, 12]
-    assert [g["version"] for g in groups] == [0, 1, 1]  # a group is as old as its oldest sample
+    assert [g.prompt_index for g in groups] == [10, 11, 12]
+    assert [g.version for g in groups] == [0, 1, 1]  # a group is as old as its oldest sample
     back = trajectories_from_groups([groups[2], groups[0]])
     assert [t.group_id for t in back] == [0, 0, 1, 1] and [t.prompt_index for t in back] == [12, 12, 10, 10]
     assert [t.reward for t in back] == [0.0, 1.0, 0.0, 1.0]
