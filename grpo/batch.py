@@ -127,52 +127,39 @@ def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
 
 
 # --------------------------------------------------------------------------------------------------
-# Row operations: a TrainBatch, or a dict of [B, ...] tensors and length-B lists named like its fields
-# (per-token tensors end in "_bt"; "input_ids_bt" and "attention_mask_bt" are the model's inputs)
+# Row operations on a TrainBatch: its per-row fields are its tensors and lists (its tuples and Nones are per
+# batch); per-token tensors end in "_bt"
 # --------------------------------------------------------------------------------------------------
-Rows = Union[TrainBatch, dict]
-
-
-def get(rows: Rows, name: str):
-    """A field of a TrainBatch, or a key of a dict."""
-    return getattr(rows, name) if dataclasses.is_dataclass(rows) else rows[name]
-
-
-def trim_padding(rows: Rows) -> Rows:
+def trim_padding(batch: TrainBatch) -> TrainBatch:
     """Drop trailing columns that are padding in every row (after sharding / filtering)."""
-    mask_bt = get(rows, "attention_mask_bt")
+    mask_bt = batch.attention_mask_bt
     T = max(int(mask_bt.sum(dim=1).max().item()), 1) if mask_bt.shape[0] else 1
-    return _rebuild(rows, {k: v[:, :T] for k, v in _row_fields(rows).items() if k.endswith("_bt")})
+    return batch.replace(**{k: v[:, :T] for k, v in _row_fields(batch).items() if k.endswith("_bt")})
 
 
-def micro_batches(rows: Rows, size: int) -> list[Rows]:
+def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
     """Consecutive micro-batches of ``size`` rows, each trimmed to its own longest row."""
-    n = batch_size(rows)
-    return [trim_padding(select_rows(rows, slice(i, min(i + size, n)))) for i in range(0, n, size)]
+    n = batch_size(batch)
+    return [trim_padding(select_rows(batch, slice(i, min(i + size, n)))) for i in range(0, n, size)]
 
 
-def with_fields(rows: Rows, **values) -> Rows:
-    """A copy with these fields set (a TrainBatch's, or a dict's keys)."""
-    return _rebuild(rows, values)
+def with_fields(batch: TrainBatch, **values) -> TrainBatch:
+    """A copy with these fields set."""
+    return batch.replace(**values)
 
 
-def to_device(rows: Rows, device) -> Rows:
+def to_device(batch: TrainBatch, device) -> TrainBatch:
     """Every tensor moved to ``device``."""
-    return _rebuild(rows, {k: v.to(device) for k, v in _row_fields(rows).items() if isinstance(v, torch.Tensor)})
+    return batch.replace(**{k: v.to(device) for k, v in _row_fields(batch).items() if isinstance(v, torch.Tensor)})
 
 
-def _row_fields(batch: Rows) -> dict:
-    """The per-row values of a batch: tensors and lists (a TrainBatch's tuples and Nones are per batch)."""
-    items = ({f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)} if dataclasses.is_dataclass(batch)
-             else dict(batch))
+def _row_fields(batch: TrainBatch) -> dict:
+    """The per-row values of a batch: its tensors and lists (its tuples and Nones are per batch)."""
+    items = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     return {k: v for k, v in items.items() if isinstance(v, (torch.Tensor, list))}
 
 
-def _rebuild(batch: Rows, values: dict) -> Rows:
-    return dataclasses.replace(batch, **values) if dataclasses.is_dataclass(batch) else {**batch, **values}
-
-
-def batch_size(batch: Rows) -> int:
+def batch_size(batch: TrainBatch) -> int:
     """The common leading length of the batch's per-row values (ValueError if they disagree)."""
     sizes = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in _row_fields(batch).items()}
     if len(set(sizes.values())) > 1:
@@ -180,20 +167,16 @@ def batch_size(batch: Rows) -> int:
     return next(iter(sizes.values()), 0)
 
 
-def select_rows(batch: Rows, index: Union[torch.Tensor, Sequence[int], slice]) -> Rows:
-    """Rows ``index`` (a slice, int indices in that order, or a bool mask ``[B]``) of every per-row value.
-
-        >>> select_rows({"x": torch.tensor([5, 6, 7]), "names": ["a", "b", "c"]}, [2, 0])
-        {'x': tensor([7, 5]), 'names': ['c', 'a']}
-    """
+def select_rows(batch: TrainBatch, index: Union[torch.Tensor, Sequence[int], slice]) -> TrainBatch:
+    """Rows ``index`` (a slice, int indices in that order, or a bool mask ``[B]``) of every per-row value."""
     fields = _row_fields(batch)
     if isinstance(index, slice):  # tensors and lists alike; tensor slices are views
-        return _rebuild(batch, {k: v[index] for k, v in fields.items()})
+        return batch.replace(**{k: v[index] for k, v in fields.items()})
     if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
         index = index.nonzero().flatten()
     index = torch.as_tensor(index, dtype=torch.long)
     idx = index.tolist()
-    return _rebuild(batch, {k: (v[index.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in idx])
+    return batch.replace(**{k: (v[index.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in idx])
                             for k, v in fields.items()})
 
 
@@ -205,17 +188,18 @@ def _pad_to(t: torch.Tensor, shape: Sequence[int], value: float) -> torch.Tensor
     return out
 
 
-def concat_batches(batches: Sequence[Rows], pad_values: Optional[dict[str, float]] = None) -> Rows:
-    """Concatenate batches of the same kind along the rows.
+def concat_batches(batches: Sequence[TrainBatch], pad_values: Optional[dict[str, float]] = None) -> TrainBatch:
+    """Concatenate batches along the rows.
 
     Tensors whose trailing dims differ (``[B, T]`` with different T) are right-padded to the largest size
-    with ``pad_values.get(name, 0)``. Per-batch values (a TrainBatch's tuples) come from the first batch.
+    with ``pad_values.get(name, 0)``. Per-batch values (tuples) come from the first batch; a field that is None
+    in some batches and set in others cannot be concatenated (ValueError).
     """
     if not batches:
         raise ValueError("concat_batches: no batches")
     keys = list(_row_fields(batches[0]))
     if any(list(_row_fields(b)) != keys for b in batches):
-        raise ValueError(f"concat_batches: batches have different keys: {[sorted(_row_fields(b)) for b in batches]}")
+        raise ValueError(f"concat_batches: batches have different fields: {[sorted(_row_fields(b)) for b in batches]}")
     pad_values = pad_values or {}
     out = {}
     for k in keys:
@@ -225,4 +209,4 @@ def concat_batches(batches: Sequence[Rows], pad_values: Optional[dict[str, float
             out[k] = torch.cat([_pad_to(v, shape, pad_values.get(k, 0)) for v in values])
         else:
             out[k] = [x for v in values for x in v]
-    return _rebuild(batches[0], out)
+    return batches[0].replace(**out)

@@ -1,19 +1,17 @@
 """Sample selection: DAPO dynamic sampling and overlong filtering.
 
-A *batch* here is a `grpo.batch.TrainBatch` (or a dict of ``[B, ...]`` tensors and length-B lists):
-rows are selected and concatenated with `grpo.batch.select_rows` / `concat_batches`.
+A *batch* here is a `grpo.batch.TrainBatch`: rows are selected and concatenated with `grpo.batch.select_rows` /
+`concat_batches`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 
 from grpo.advantages import baseline_and_std_per_prompt, group_index
-from grpo.batch import Rows as Batch
-from grpo.batch import batch_size, concat_batches, select_rows
+from grpo.batch import TrainBatch, batch_size, concat_batches, select_rows
 
 
 def overlong_filter_mask(truncated_b: torch.Tensor, sample_mask_b: torch.Tensor) -> torch.Tensor:
@@ -59,7 +57,7 @@ class DynamicSamplingCache:
     ``add`` keeps the groups (rows sharing a prompt id *within that call*) where any ``std_b > 0``
     (``std`` ``[B]``, or ``[B, K]`` per GDPO component: a group is kept when any component varies)
     and appends them to the cache. Once the cache holds ``num_prompts · num_generations`` rows it
-    returns exactly that many (whole groups, in arrival order) with a ``group_ids`` LongTensor
+    returns exactly that many (whole groups, in arrival order) with ``group_ids_b``
     (0..num_prompts−1, unique across the generation batches that fed it), discards the rest (as
     NeMo-RL does), and starts over for the next step. As NeMo-RL, it gives up (RuntimeError) when the
     batch is still not full after ``max_gen_batches + 1`` generation batches: NeMo-RL counts the batch
@@ -73,7 +71,7 @@ class DynamicSamplingCache:
     Metrics of each call: dynamic_sampling_num_gen_batches (batches fed so far this step),
     dynamic_sampling_num_discarded_zero_std_samples (rows dropped for zero std so far this step),
     dynamic_sampling_num_discarded_valid_samples (overflow rows dropped when the batch completed),
-    dynamic_sampling_num_cached_samples. ``pad_values``: per-key right-padding values when generation
+    dynamic_sampling_num_cached_samples. ``pad_values``: per-field right-padding values when generation
     batches have different lengths (see :func:`concat_batches`; default 0).
     """
 
@@ -87,12 +85,13 @@ class DynamicSamplingCache:
 
     def reset(self) -> None:
         """Forget the cached groups and counters (start of a step)."""
-        self.cached: list[Batch] = []
+        self.cached: list[TrainBatch] = []
         self.num_cached = 0
         self.num_gen_batches = 0
         self.num_zero_std = 0
 
-    def add(self, batch: Batch, prompt_ids: torch.Tensor, std_b: torch.Tensor) -> tuple[Optional[Batch], dict]:
+    def add(self, batch: TrainBatch, prompt_ids: torch.Tensor, std_b: torch.Tensor
+            ) -> tuple[Optional[TrainBatch], dict]:
         """Feed one generation batch; return (training batch or None, metrics). ``std_b``: ``[B]`` or
         ``[B, K]`` (see the class doc)."""
         size = batch_size(batch)
@@ -121,8 +120,7 @@ class DynamicSamplingCache:
             offset = self.num_cached // self.num_generations
             local = {g: j for j, g in enumerate(kept_groups)}
             group_ids = torch.tensor([offset + local[int(gid[i])] for i in rows], dtype=torch.long)
-            kept = (dataclasses.replace(kept, group_ids_b=group_ids) if dataclasses.is_dataclass(kept)
-                    else {**kept, "group_ids": group_ids})
+            kept = kept.replace(group_ids_b=group_ids)
             self.cached.append(kept)
             self.num_cached += len(rows)
 

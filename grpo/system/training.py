@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.batch import TrainBatch, build_batch, get, to_device, with_fields
+from grpo.batch import TrainBatch, build_batch, to_device, with_fields
 from grpo.logprobs import aligned_entropy_from_logits, aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
 from grpo.loss import LossInputs, clipped_pg_loss_fn, loss_needs
 from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
@@ -126,12 +126,12 @@ def _to_python(v):
 LossClosure = Callable[..., tuple[torch.Tensor, dict]]
 
 
-def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure, *, temperature: float = 1.0,
+def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossClosure, *, temperature: float = 1.0,
                    chunk_size=None, top_k: int | None = None, top_p: float = 1.0, share_prompts: bool = False,
                    needs: tuple[str, ...] = ()) -> dict:
     """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
 
-    A micro-batch is a `grpo.batch.TrainBatch` (or a dict with its field names): its ``input_ids_bt`` and
+    A micro-batch is a `grpo.batch.TrainBatch`: its ``input_ids_bt`` and
     ``attention_mask_bt`` go through the model; the closure gets it with its tensors on the engine's device.
     ``logprobs_bt`` are `forward_logprobs` with ``temperature`` and the sampler's ``top_k`` / ``top_p``
     filter (policy.generation.*). With a filter on, the micro-batch also holds ``unfiltered_logprobs_bt``
@@ -163,8 +163,8 @@ def train_on_batch(engine, micro_batches: list[dict], loss_closure: LossClosure,
     loss_sum, mb_metrics = 0.0, []
     for mb in micro_batches:
         mb = to_device(mb, engine.device)
-        ids_bt, mask_bt = get(mb, "input_ids_bt"), get(mb, "attention_mask_bt")
-        prompt_lens_b = prompt_lengths(get(mb, "token_mask_bt"), mask_bt) if share_prompts else None
+        ids_bt, mask_bt = mb.input_ids_bt, mb.attention_mask_bt
+        prompt_lens_b = prompt_lengths(mb.token_mask_bt, mask_bt) if share_prompts else None
         logprobs_bt, unfiltered_bt, extras = _forward(engine, ids_bt, mask_bt, temperature, chunk_size, top_k=top_k,
                                                       top_p=top_p, prompt_lens_b=prompt_lens_b, needs=needs)
         if needs_filter(top_k, top_p):

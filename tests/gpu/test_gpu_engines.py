@@ -54,8 +54,8 @@ def train_steps(engine, steps: range) -> list[dict]:
     out = []
     for step in steps:
         batch = make_batch(step, engine.module.config.vocab_size)
-        tokens = float(batch["token_mask_bt"].sum())
-        mbs = [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
+        tokens = float(batch.token_mask_bt.sum())
+        mbs = [batch.select(slice(i, i + 2)) for i in range(0, 8, 2)]
         out.append(train_on_batch(engine, mbs, lambda lp, mb: (batch_loss(lp.float(), mb, tokens), {})))
     return out
 

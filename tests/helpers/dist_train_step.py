@@ -23,8 +23,11 @@ GLOBAL_BATCH, MICRO_BATCH, STEPS = 8, 2, 2
 RUN = {"lr": 0.05, "eps": 1.0, "weight_decay": 0.01, "warmup_steps": 2, "max_grad_norm": 1e6}
 
 
-def make_batch(step: int, vocab: int) -> dict:
-    """A right-padded batch: prompt of 3-5 tokens, completion of 2-7 tokens, one advantage per row."""
+def make_batch(step: int, vocab: int):
+    """A right-padded `grpo.batch.TrainBatch`: prompt of 3-5 tokens, completion of 2-7 tokens, one advantage per
+    row (on each of its tokens)."""
+    from tests.helpers.batches import train_batch
+
     g = torch.Generator().manual_seed(1000 + step)
     T = 12
     ids = torch.zeros((GLOBAL_BATCH, T), dtype=torch.long)
@@ -37,13 +40,14 @@ def make_batch(step: int, vocab: int) -> dict:
         attn[b, : p + c] = 1
         token_mask[b, p: p + c] = 1.0
     adv = torch.randn(GLOBAL_BATCH, generator=g)
-    return {"input_ids_bt": ids, "attention_mask_bt": attn, "token_mask_bt": token_mask, "advantages": adv}
+    return train_batch(input_ids_bt=ids, attention_mask_bt=attn, token_mask_bt=token_mask,
+                       advantages_bt=adv[:, None].repeat(1, T))
 
 
-def batch_loss(logprobs_bt: torch.Tensor, mb: dict, global_tokens: float) -> torch.Tensor:
+def batch_loss(logprobs_bt: torch.Tensor, mb, global_tokens: float) -> torch.Tensor:
     """Σ mask · (−A·lp + 0.5·lp²) / global_tokens: a policy-gradient term plus a non-linear one."""
-    m = mb["token_mask_bt"]
-    per_token = -mb["advantages"][:, None] * logprobs_bt + 0.5 * logprobs_bt**2
+    m = mb.token_mask_bt
+    per_token = -mb.advantages_bt * logprobs_bt + 0.5 * logprobs_bt**2
     return (per_token * m).sum() / global_tokens
 
 
@@ -71,16 +75,16 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     results = []
     for step in range(STEPS):
         batch = make_batch(step, vocab)
-        global_tokens = float(batch["token_mask_bt"].sum())
+        global_tokens = float(batch.token_mask_bt.sum())
         mine = select_rows(batch, slice(rank * per_rank, (rank + 1) * per_rank))
         results.append(train_on_batch(
             engine, micro_batches(mine, MICRO_BATCH),
-            lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb["token_mask_bt"].sum()}),
+            lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb.token_mask_bt.sum()}),
         ))
     full = {name: t.clone() for bucket in weights.iter_gathered_params(engine) for name, t in bucket}
     rows = select_rows(make_batch(STEPS, vocab), slice(0, 5))
     mine = select_rows(rows, rank_slice(5, rank, world))
-    lp = compute_logprobs(engine, mine["input_ids_bt"], mine["attention_mask_bt"], 1.0, micro_batch_size=2)
+    lp = compute_logprobs(engine, mine.input_ids_bt, mine.attention_mask_bt, 1.0, micro_batch_size=2)
     logprobs = torch.cat(all_gather_objects([lp]))
     if export_dir is not None:
         from grpo.tasks.toy import build_char_tokenizer

@@ -23,6 +23,7 @@ from grpo.system.checkpoint import (
     MANIFEST, CheckpointError, CheckpointManager, GRPOSaveState, build_manifest, safe_load, use_safe_loading,
 )
 from grpo.config import CheckpointingConfig
+from tests.helpers.batches import train_batch
 
 
 class FakeEngine:
@@ -439,7 +440,7 @@ def deepspeed_checkpoint(tmp_path_factory):
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 1}})
     trained = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(4))
-    train_on_batch(trained, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+    train_on_batch(trained, [train_batch(input_ids_bt=ids, attention_mask_bt=torch.ones_like(ids))],
                            lambda lp, mb: (-lp.sum() / 12, {}))
     ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp / "ckpt")))
     path = ckpt.save(1, trained, GRPOSaveState(current_step=1), {"position": 1},

@@ -27,6 +27,7 @@ from grpo.config import MasterConfig
 from grpo.tasks.toy import build_char_tokenizer, save_tiny_model
 
 from tests.helpers import dist_train_step
+from tests.helpers.batches import train_batch
 
 REPO = Path(__file__).resolve().parents[2]
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -274,12 +275,12 @@ def test_train_on_batch_with_top_k_top_p_gives_the_plain_gradient(model_dir, pla
     seen = {}
 
     def closure(lp, mb):
-        seen["keys"] = set(mb)
-        return ((lp ** 2).sum() + 0.5 * (mb["unfiltered_logprobs_bt"] ** 2).sum()) / 14, {}
+        seen["unfiltered"] = mb.unfiltered_logprobs_bt is not None
+        return ((lp ** 2).sum() + 0.5 * (mb.unfiltered_logprobs_bt ** 2).sum()) / 14, {}
 
-    out = train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}], closure,
+    out = train_on_batch(engine, [train_batch(input_ids_bt=ids, attention_mask_bt=mask)], closure,
                                  temperature=0.7, top_k=20, top_p=0.9)
-    assert "unfiltered_logprobs_bt" in seen["keys"]
+    assert seen["unfiltered"]
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lp, full = _filtered_reference(plain, ids, mask, 0.7, 20, 0.9)
     ((lp ** 2).sum() + 0.5 * (full ** 2).sum()).div(14).backward()
@@ -388,7 +389,7 @@ def test_logprobs_gather_export_interleave_with_training(model_dir, dist_group, 
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
-    mbs = [{"input_ids_bt": ids, "attention_mask_bt": mask}]
+    mbs = [train_batch(input_ids_bt=ids, attention_mask_bt=mask)]
     closure = lambda lp, mb: (-lp.sum() / 12, {})
     for _ in range(2):
         train_on_batch(engine, mbs, closure)
@@ -407,7 +408,7 @@ def _one_step(cfg):
     ids = torch.randint(3, 80, (2, 9), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    out = train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
+    out = train_on_batch(engine, [train_batch(input_ids_bt=ids, attention_mask_bt=mask)],
                                  lambda lp, mb: ((lp**2).sum() / 14, {}))
     return out, {n: t.clone() for b in weights.iter_gathered_params(engine) for n, t in b}
 
@@ -441,7 +442,7 @@ def test_bf16_smoke(model_dir, plain_model, dist_group):
     mask = torch.ones_like(ids)
     got = compute_logprobs(engine, ids, mask, 1.0, micro_batch_size=2)
     torch.testing.assert_close(got, _reference_logprobs(plain_model, ids, mask, 1.0), atol=0.1, rtol=0.02)
-    out = train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": mask}],
+    out = train_on_batch(engine, [train_batch(input_ids_bt=ids, attention_mask_bt=mask)],
                                  lambda lp, mb: (-lp.sum() / 14, {}))
     assert torch.isfinite(torch.tensor([out["loss"], out["grad_norm"]])).all()
 
@@ -459,7 +460,7 @@ def test_deepspeed_takes_fp32_gradient_accumulation_for_a_bf16_zero3_engine(mode
 # --------------------------------------------------------------------------------------------------
 def _two_steps(engine, offload_between: bool):
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(5))
-    mbs = [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}]
+    mbs = [train_batch(input_ids_bt=ids, attention_mask_bt=torch.ones_like(ids))]
     closure = lambda lp, mb: (-(lp**2).sum() / 12, {})
     moved = []
     results = [train_on_batch(engine, mbs, closure)]
@@ -493,7 +494,7 @@ def test_offload_works_with_torch_adamw_and_training_goes_on_unchanged(model_dir
 def test_optimizer_state_tensors_are_the_master_weights_and_adam_moments(model_dir, dist_group):
     engine = engines.build_policy_engine(make_cfg(model_dir, train_global_batch_size=2), 1, total_optimizer_steps=1)
     ids = torch.randint(3, 80, (2, 5), generator=torch.Generator().manual_seed(6))
-    train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+    train_on_batch(engine, [train_batch(input_ids_bt=ids, attention_mask_bt=torch.ones_like(ids))],
                            lambda lp, mb: (-lp.sum() / 8, {}))  # Adam creates its moments at the first step
     zero = engine.optimizer
     tensors = offload.optimizer_state_tensors(engine)
@@ -514,7 +515,7 @@ def test_offload_is_a_no_op_under_zero_cpu_offload(model_dir, dist_group):
 
 
 def test_train_on_batch_checks_micro_batch_count(policy_engine):
-    mb = {"input_ids_bt": torch.ones((2, 3), dtype=torch.long), "attention_mask_bt": torch.ones((2, 3), dtype=torch.long)}
+    mb = train_batch(input_ids_bt=torch.ones((2, 3), dtype=torch.long))
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
         train_on_batch(policy_engine, [mb], lambda lp, m: (lp.sum(), {}))
 
@@ -535,11 +536,11 @@ def _plain_pytorch_reference(model_dir):
     results = []
     for step in range(dist_train_step.STEPS):
         batch = dist_train_step.make_batch(step, model.config.vocab_size)
-        ids, mask = batch["input_ids_bt"], batch["attention_mask_bt"]
+        ids, mask = batch.input_ids_bt, batch.attention_mask_bt
         logits = model(input_ids=ids, attention_mask=mask).logits
         lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         lp = torch.nn.functional.pad(lp, (1, 0)) * mask
-        loss = dist_train_step.batch_loss(lp, batch, float(batch["token_mask_bt"].sum()))
+        loss = dist_train_step.batch_loss(lp, batch, float(batch.token_mask_bt.sum()))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run["max_grad_norm"])
         lr = opt.param_groups[0]["lr"]
@@ -548,7 +549,7 @@ def _plain_pytorch_reference(model_dir):
         opt.zero_grad()
         results.append({"loss": loss.item(), "grad_norm": norm.item(), "lr": lr})
     rows = dist_train_step.make_batch(dist_train_step.STEPS, model.config.vocab_size)
-    logprobs = _reference_logprobs(model, rows["input_ids_bt"][:5], rows["attention_mask_bt"][:5], 1.0)
+    logprobs = _reference_logprobs(model, rows.input_ids_bt[:5], rows.attention_mask_bt[:5], 1.0)
     return {n: p.detach() for n, p in model.named_parameters()}, results, logprobs
 
 

@@ -20,6 +20,7 @@ from grpo.system.generation.base import cut_completion, length_caps
 from grpo.system.generation.hf import HFGeneration
 from grpo.system.generation.sampling import SeededSampler, filter_logits
 from grpo.tasks.toy import build_char_tokenizer, build_tiny_model
+from tests.helpers.batches import train_batch
 
 PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok"]
 
@@ -306,7 +307,7 @@ def test_refit_copies_the_engine_weights_after_a_step(tok, tmp_path):
         torch.testing.assert_close(dict(gen.model.named_parameters())[n], p, atol=0, rtol=0)
 
     ids = torch.tensor(encode(tok, ["1+2=3", "4+4=8"]))
-    train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+    train_on_batch(engine, [train_batch(input_ids_bt=ids, attention_mask_bt=torch.ones_like(ids))],
                            lambda lp, mb: (-lp.sum() / lp.numel(), {}))
     after = gathered()
     assert max((after[n] - p).abs().max().item() for n, p in initial.named_parameters()) > 1e-3
@@ -337,7 +338,7 @@ def test_generation_on_the_shared_training_module_leaves_it_training_and_samples
     cfg = _engine_cfg(model_dir, "ds_configs/zero1.json")
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=2)
     ids = torch.tensor(encode(tok, ["1+2=3", "4+4=8"]))
-    train_on_batch(engine, [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}],
+    train_on_batch(engine, [train_batch(input_ids_bt=ids, attention_mask_bt=torch.ones_like(ids))],
                            lambda lp, mb: (-lp.sum() / lp.numel(), {}))
     engine.train()
     own_config = engine.module.generation_config

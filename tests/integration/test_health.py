@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpo.system.health import CollapseWatch, ErrorBudget, NonFiniteGuard, nonfinite, overflow_check_gap, skip_nonfinite_loss
+from tests.helpers.batches import train_batch
 
 NAN, INF = float("nan"), float("inf")
 
@@ -73,7 +74,7 @@ def engines_pair(tmp_path_factory, request):
 
 def _batch():
     ids = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(4))
-    return [{"input_ids_bt": ids, "attention_mask_bt": torch.ones_like(ids)}]
+    return [train_batch(input_ids_bt=ids, attention_mask_bt=torch.ones_like(ids))]
 
 
 def _weights(engine) -> dict:

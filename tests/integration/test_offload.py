@@ -11,6 +11,7 @@ from grpo.system import engines, offload, weights
 from grpo.system.dist import init_distributed
 from grpo.system.training import train_on_batch
 from grpo.tasks.toy import save_tiny_model
+from tests.helpers.batches import train_batch
 from tests.integration.test_engines import make_cfg
 
 
@@ -28,7 +29,7 @@ IDS = torch.randint(3, 80, (2, 7), generator=torch.Generator().manual_seed(5))
 
 
 def step(engine) -> dict:
-    mbs = [{"input_ids_bt": IDS, "attention_mask_bt": torch.ones_like(IDS)}]
+    mbs = [train_batch(input_ids_bt=IDS, attention_mask_bt=torch.ones_like(IDS))]
     return train_on_batch(engine, mbs, lambda lp, mb: (-(lp.float() ** 2).sum() / 12, {}))
 
 

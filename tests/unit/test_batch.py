@@ -6,6 +6,7 @@ import torch
 from grpo.batch import batch_size, build_batch, concat_batches, micro_batches, select_rows
 from grpo.system.dist import rank_slice
 from grpo.system.rollout import Message, Trajectory
+from tests.helpers.batches import train_batch
 
 
 def traj(group_id, prompt, completion, reward=0.0, **kw):
@@ -15,26 +16,26 @@ def traj(group_id, prompt, completion, reward=0.0, **kw):
 
 
 def test_concat_batches_pads_trailing_dims():
-    a = {"ids": torch.ones(1, 2, dtype=torch.long), "mask": torch.ones(1, 2), "s": ["x"]}
-    b = {"ids": torch.full((2, 3), 2), "mask": torch.ones(2, 3), "s": ["y", "z"]}
-    out = concat_batches([a, b], pad_values={"ids": -1})
-    assert out["ids"].tolist() == [[1, 1, -1], [2, 2, 2], [2, 2, 2]]
-    assert out["mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
-    assert out["s"] == ["x", "y", "z"]
-    with pytest.raises(ValueError, match="different keys"):
-        concat_batches([a, {"ids": a["ids"]}])
+    a = train_batch(input_ids_bt=torch.ones(1, 2, dtype=torch.long), task_names=["x"])
+    b = train_batch(input_ids_bt=torch.full((2, 3), 2), task_names=["y", "z"])
+    out = concat_batches([a, b], pad_values={"input_ids_bt": -1})
+    assert out.input_ids_bt.tolist() == [[1, 1, -1], [2, 2, 2], [2, 2, 2]]
+    assert out.attention_mask_bt.tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
+    assert out.task_names == ["x", "y", "z"]
+    with pytest.raises(ValueError, match="different fields"):  # a field set in one batch and None in another
+        concat_batches([a, b.replace(advantages_bt=torch.zeros(2, 3))])
 
 
 def test_select_rows_and_batch_size():
-    batch = {"x": torch.tensor([10, 11, 12]), "l": ["a", "b", "c"]}
+    batch = train_batch(raw_rewards_b=torch.tensor([10.0, 11.0, 12.0]), task_names=["a", "b", "c"])
     assert batch_size(batch) == 3
     out = select_rows(batch, [2, 0])
-    assert out["x"].tolist() == [12, 10] and out["l"] == ["c", "a"]
+    assert out.raw_rewards_b.tolist() == [12, 10] and out.task_names == ["c", "a"]
     out = select_rows(batch, torch.tensor([False, True, True]))
-    assert out["x"].tolist() == [11, 12] and out["l"] == ["b", "c"]
-    assert select_rows(batch, [])["x"].shape == (0,)
+    assert out.raw_rewards_b.tolist() == [11, 12] and out.task_names == ["b", "c"]
+    assert select_rows(batch, []).raw_rewards_b.shape == (0,)
     with pytest.raises(ValueError, match="leading sizes"):
-        batch_size({"x": torch.zeros(2), "y": [1]})
+        batch_size(batch.replace(task_names=["a"]))
 
 
 def test_build_batch_right_pads_and_carries_per_sample_fields():
@@ -58,9 +59,7 @@ def test_sharding_and_micro_batches_trim_to_their_own_longest_row():
     mbs = b.micro_batches(2)
     assert [len(m) for m in mbs] == [2, 2, 1] and [m.input_ids_bt.shape[1] for m in mbs] == [3, 5, 6]
     assert mbs[1].message_spans == b.message_spans[2:4] and mbs[2].task_names == ["t"]
-    # The same functions on a dict named like a TrainBatch (the engines' tests use those).
-    d = {"input_ids_bt": b.input_ids_bt, "attention_mask_bt": b.attention_mask_bt}
-    assert [m["input_ids_bt"].shape[1] for m in micro_batches(d, 2)] == [3, 5, 6]
+    assert [m.input_ids_bt.shape[1] for m in micro_batches(b, 2)] == [3, 5, 6]
 
 
 def test_select_and_concat_work_on_train_batches():

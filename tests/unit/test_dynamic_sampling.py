@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from grpo.dynamic_sampling import DynamicSamplingCache, overlong_filter_mask
+from tests.helpers.batches import train_batch
 
 
 def gen_batch(tag: str, rewards, num_generations=2, T=3):
@@ -15,11 +16,8 @@ def gen_batch(tag: str, rewards, num_generations=2, T=3):
     for p in range(n // num_generations):
         rows = prompt_ids == p
         std[rows] = rewards[rows].std()
-    batch = {
-        "rewards": rewards,
-        "tokens": torch.arange(n * T).reshape(n, T),
-        "name": [f"{tag}{p}" for p in prompt_ids.tolist()],
-    }
+    batch = train_batch(rewards_b=rewards, input_ids_bt=torch.arange(n * T).reshape(n, T),
+                        task_names=[f"{tag}{p}" for p in prompt_ids.tolist()])
     return batch, prompt_ids, std
 
 
@@ -32,10 +30,10 @@ def test_fills_across_batches_in_arrival_order_and_discards_overflow():
                  "dynamic_sampling_num_discarded_valid_samples": 0, "dynamic_sampling_num_cached_samples": 4}
     # batch b: b0 zero std, b1 and b2 std>0 -> 8 cached, 6 needed: b2 is discarded
     out, m = cache.add(*gen_batch("b", [0, 0, 0, 1, 1, 0]))
-    assert out["name"] == ["a0", "a0", "a2", "a2", "b1", "b1"]
-    assert out["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]
-    torch.testing.assert_close(out["rewards"], torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0]))
-    assert out["tokens"][4].tolist() == [6, 7, 8]  # row 2 of batch b (first row of b1)
+    assert out.task_names == ["a0", "a0", "a2", "a2", "b1", "b1"]
+    assert out.group_ids_b.tolist() == [0, 0, 1, 1, 2, 2]
+    torch.testing.assert_close(out.rewards_b, torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0]))
+    assert out.input_ids_bt[4].tolist() == [6, 7, 8]  # row 2 of batch b (first row of b1)
     assert m["dynamic_sampling_num_gen_batches"] == 2
     assert m["dynamic_sampling_num_discarded_zero_std_samples"] == 4
     assert m["dynamic_sampling_num_discarded_valid_samples"] == 2
@@ -46,28 +44,31 @@ def test_fills_across_batches_in_arrival_order_and_discards_overflow():
 def test_exact_fill_in_one_batch():
     cache = DynamicSamplingCache(2, 2, 1)
     out, m = cache.add(*gen_batch("a", [1, 0, 0, 1]))
-    assert out["name"] == ["a0", "a0", "a1", "a1"]
+    assert out.task_names == ["a0", "a0", "a1", "a1"]
     assert m["dynamic_sampling_num_discarded_valid_samples"] == 0
 
 
 def test_pad_values_for_batches_of_different_lengths():
-    cache = DynamicSamplingCache(2, 2, 2, pad_values={"ids": 7})
-    assert cache.add({"ids": torch.ones(2, 2, dtype=torch.long)}, torch.tensor([0, 0]), torch.ones(2))[0] is None
-    out, _ = cache.add({"ids": torch.zeros(2, 3, dtype=torch.long)}, torch.tensor([0, 0]), torch.ones(2))
-    assert out["ids"].tolist() == [[1, 1, 7], [1, 1, 7], [0, 0, 0], [0, 0, 0]]
+    cache = DynamicSamplingCache(2, 2, 2, pad_values={"input_ids_bt": 7})
+    first = train_batch(input_ids_bt=torch.ones(2, 2, dtype=torch.long))
+    assert cache.add(first, torch.tensor([0, 0]), torch.ones(2))[0] is None
+    out, _ = cache.add(train_batch(input_ids_bt=torch.zeros(2, 3, dtype=torch.long)), torch.tensor([0, 0]),
+                       torch.ones(2))
+    assert out.input_ids_bt.tolist() == [[1, 1, 7], [1, 1, 7], [0, 0, 0], [0, 0, 0]]
+    assert out.attention_mask_bt.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1]]  # others pad with 0
 
 
 def test_groups_interleaved_rows_stay_whole():
     cache = DynamicSamplingCache(2, 2, 2)
-    batch = {"r": torch.tensor([1.0, 5.0, 0.0, 5.0])}
+    batch = train_batch(rewards_b=torch.tensor([1.0, 5.0, 0.0, 5.0]))
     prompt_ids = torch.tensor([7, 3, 7, 3])  # group 7 = rows 0, 2 (mixed); group 3 = rows 1, 3 (equal)
     std = torch.tensor([0.7, 0.0, 0.7, 0.0])
     out, _ = cache.add(batch, prompt_ids, std)
     assert out is None and cache.num_cached == 2
-    out, _ = cache.add({"r": torch.tensor([2.0, 3.0, 4.0, 4.0])}, torch.tensor([0, 0, 1, 1]),
+    out, _ = cache.add(train_batch(rewards_b=torch.tensor([2.0, 3.0, 4.0, 4.0])), torch.tensor([0, 0, 1, 1]),
                        torch.tensor([0.7, 0.7, 0.0, 0.0]))
-    torch.testing.assert_close(out["r"], torch.tensor([1.0, 0.0, 2.0, 3.0]))
-    assert out["group_ids"].tolist() == [0, 0, 1, 1]
+    torch.testing.assert_close(out.rewards_b, torch.tensor([1.0, 0.0, 2.0, 3.0]))
+    assert out.group_ids_b.tolist() == [0, 0, 1, 1]
 
 
 def test_raises_after_max_gen_batches():
@@ -131,9 +132,9 @@ def test_gdpo_group_kept_when_any_component_varies():
     ids = torch.tensor([0, 0, 1, 1, 2, 2])
     # group 0: totals equal (1 and 1) but the components differ; group 1: nothing varies; group 2: correctness varies
     comps = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.5], [1.0, 0.5], [1.0, 0.5], [0.0, 0.5]])
-    out, m = cache.add({"r": comps.sum(1)}, ids, group_reward_std(ids, comps))
-    assert out["group_ids"].tolist() == [0, 0, 1, 1]
-    torch.testing.assert_close(out["r"], torch.tensor([1.0, 1.0, 1.5, 0.5]))
+    out, m = cache.add(train_batch(rewards_b=comps.sum(1)), ids, group_reward_std(ids, comps))
+    assert out.group_ids_b.tolist() == [0, 0, 1, 1]
+    torch.testing.assert_close(out.rewards_b, torch.tensor([1.0, 1.0, 1.5, 0.5]))
     assert m["dynamic_sampling_num_discarded_zero_std_samples"] == 2
 
 
@@ -151,13 +152,13 @@ def test_dapo_filters_on_the_unshaped_reward_the_issue_example():
     task_b = scale_rewards(torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), RewardScalingConfig())
     shaped_b = shape_overlong_rewards(task_b, lengths, None, shaping)
     torch.testing.assert_close(shaped_b[:4], torch.tensor([0.0, -0.418, -0.906, -1.0]), atol=1e-3, rtol=0)
-    batch = {"rewards": shaped_b, "task_rewards": task_b}
+    batch = train_batch(rewards_b=shaped_b, task_rewards_b=task_b)
 
     cache = DynamicSamplingCache(2, 4, max_gen_batches=3)
     out, m = cache.add(batch, ids, group_reward_std(ids, task_b))
     assert out is None and cache.num_cached == 4  # group 0 dropped, group 1 (one correct answer) kept
     assert m["dynamic_sampling_num_discarded_zero_std_samples"] == 4
-    torch.testing.assert_close(cache.cached[0]["task_rewards"], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(cache.cached[0].task_rewards_b, torch.tensor([1.0, 0.0, 0.0, 0.0]))
     # the std of the shaped rewards (what the loop took) would have kept the zero-accuracy group
     assert (group_reward_std(ids, shaped_b)[:4] > 0).all()
     # GDPO: the unshaped components decide, not the overlong column shaping adds
@@ -165,8 +166,8 @@ def test_dapo_filters_on_the_unshaped_reward_the_issue_example():
     task_bk, shaped_bk = process_reward_components(comps, {}, lengths, None, RewardScalingConfig(), shaping)
     assert shaped_bk.shape == (8, 3) and (group_reward_std(ids, shaped_bk)[:4] > 0).any()
     gdpo_cache = DynamicSamplingCache(2, 4, max_gen_batches=3)
-    out, _ = gdpo_cache.add({"c": shaped_bk}, ids, group_reward_std(ids, task_bk))
-    assert out is None and gdpo_cache.num_cached == 4 and gdpo_cache.cached[0]["group_ids"].tolist() == [0] * 4
+    out, _ = gdpo_cache.add(train_batch(reward_components_bk=shaped_bk), ids, group_reward_std(ids, task_bk))
+    assert out is None and gdpo_cache.num_cached == 4 and gdpo_cache.cached[0].group_ids_b.tolist() == [0] * 4
 
 
 def test_wrong_group_size_raises():
