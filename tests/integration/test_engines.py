@@ -289,6 +289,36 @@ def test_train_on_batch_with_top_k_top_p_gives_the_plain_gradient(model_dir, pla
     assert out["loss"] == pytest.approx(float(((lp ** 2).sum() + 0.5 * (full ** 2).sum()).detach() / 14), rel=1e-5)
 
 
+def test_train_on_batch_hands_entropy_and_logits_to_a_loss_that_needs_them(model_dir, dist_group):
+    """``needs=("entropy", "logits")``: the closure gets the aligned, masked entropy (with grad, the
+    temperature's) and the raw logits from the same forward; the gradient is the plain-PyTorch one."""
+    from transformers import AutoModelForCausalLM
+
+    engine = engines.build_policy_engine(make_cfg(model_dir, train_global_batch_size=2), 1, total_optimizer_steps=1)
+    ids = torch.randint(3, 80, (2, 9), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    seen = {}
+
+    def closure(lp, mb, entropy_bt, logits_btv):
+        seen.update(entropy=entropy_bt.detach().cpu(), logits=logits_btv.detach().cpu())
+        return (entropy_bt.sum() - 0.1 * (lp ** 2).sum()) / 14, {}
+
+    out = train_on_batch(engine, [train_batch(input_ids_bt=ids, attention_mask_bt=mask)], closure, temperature=0.7,
+                         needs=("entropy", "logits"))
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    logits = plain(input_ids=ids, attention_mask=mask).logits
+    logp = torch.log_softmax(logits / 0.7, dim=-1)
+    h = torch.cat([torch.zeros(2, 1), -(logp.exp() * logp).sum(-1)[:, :-1]], dim=1) * mask
+    lp = torch.cat([torch.zeros(2, 1), logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1) * mask
+    torch.testing.assert_close(seen["logits"], logits.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(seen["entropy"], h.detach(), atol=1e-5, rtol=0)
+    assert seen["entropy"][1, 6:].eq(0).all() and seen["entropy"][:, 0].eq(0).all()
+    ((h.sum() - 0.1 * (lp ** 2).sum()) / 14).backward()
+    grad_norm = torch.sqrt(sum((p.grad ** 2).sum() for p in plain.parameters() if p.grad is not None))
+    assert out["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-4)
+
+
 @pytest.mark.parametrize("placement", ["zero3", "plain"])
 def test_reference_engine_matches_and_is_frozen(model_dir, plain_model, dist_group, placement):
     ref = engines.build_reference_engine(make_cfg(model_dir, reference_placement=placement), 1)
