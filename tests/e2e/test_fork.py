@@ -89,6 +89,15 @@ def test_a_fork_adds_a_config_section_an_estimator_and_an_entropy_bonus(tmp_path
     assert bonus[2]["train/loss"] != plain[2]["train/loss"]
 
 
+def test_both_scripts_have_the_lines_a_fork_changes():
+    """The async script forks the same way: one setup call and one train call to edit."""
+    for script in ("train_grpo.py", "train_async_grpo.py"):
+        source = (REPO / script).read_text()
+        for old in FORK_EDITS:
+            assert source.count(old) == 1, f"{script} no longer reads {old!r} once: update the fork test and README"
+        assert "with timed(timing, \"train\"):" in source
+
+
 def test_help_config_prints_every_field_with_a_description():
     from grpo.config_load import config_fields
 
