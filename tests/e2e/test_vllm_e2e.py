@@ -50,6 +50,7 @@ def test_one_rank(one_rank):
     assert len(one_rank) == STEPS
 
 
+@pytest.mark.slow  # 45 s; its default-suite twins: test_one_rank here, the two-rank vLLM lockstep under NCCL rules
 def test_two_ranks_sample_what_one_rank_samples(tmp_path, one_rank):
     two = check_train_rows(train(tmp_path, nproc=2))
     # Per-sample seeds: step 1 (same starting weights) draws the same completions whatever the world size.

@@ -8,7 +8,20 @@ from pydantic import BaseModel, Field
 from grpo.config import MasterConfig
 from grpo.config_load import ConfigError, build_config, check_config_cls, config_help, load_config
 from grpo.system.rundir import fingerprint_diff, run_fingerprint
+from grpo.registry import _ESTIMATORS, _NEEDS_GROUP, register_estimator
+from tests.helpers import fork_algo
 from tests.helpers.fork_algo import MyConfig
+
+# Importing the fork registers its estimator, at collection, for every test of the session (the unforked config's
+# error names the registered estimators): the tests here register it only while they run.
+_ESTIMATORS.pop("my_estimator", None), _NEEDS_GROUP.pop("my_estimator", None)
+
+
+@pytest.fixture(autouse=True)
+def fork_estimator():
+    register_estimator("my_estimator")(fork_algo.my_estimator)
+    yield
+    _ESTIMATORS.pop("my_estimator", None), _NEEDS_GROUP.pop("my_estimator", None)
 
 
 def test_a_fork_section_is_validated_like_the_built_in_ones():
