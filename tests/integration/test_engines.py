@@ -622,7 +622,7 @@ def test_two_processes_on_halves_equal_full_batch(model_dir, reference_run, tmp_
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(REPO)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "tests" / "dist_train_step.py"), model_dir, str(out), str(export)]
+           str(REPO / "tests" / "helpers" / "dist_train_step.py"), model_dir, str(out), str(export)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = torch.load(out)
