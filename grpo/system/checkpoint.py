@@ -26,7 +26,6 @@ strings and the few plain DeepSpeed types of `_deepspeed_safe_globals` is refuse
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -253,7 +252,9 @@ def _atomic_write_json(path: Path, obj: dict) -> None:
 
 def _write_failed(err: BaseException) -> bool:
     """An error that means the disk would not take the bytes (full, over quota, torch's stream errors)."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    from grpo.system.write_errors import NO_ROOM_ERRNOS
+
+    if isinstance(err, OSError) and err.errno in NO_ROOM_ERRNOS:
         return True
     text = str(err)
     return isinstance(err, RuntimeError) and any(s in text for s in (

@@ -14,7 +14,6 @@ go on being saved.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -230,12 +229,12 @@ class MetricsLogger:
     def record_write_failure(self, kind: str, what: str, err: OSError, warn: bool = True, then: str = "") -> None:
         """Count a failed write (``kind``: "metrics" or "dump", shown as ``logger/<kind>_write_failures`` in the
         next rows) and, with ``warn``, say what failed, why (`grpo.system.write_errors`) and ``then`` what happens."""
-        from grpo.system.write_errors import write_failure_hint
+        from grpo.system.write_errors import NO_ROOM_ERRNOS, write_failure_hint
 
         self.write_failures[kind] += 1
         if warn and self.enabled:
             why = (f"{err.strerror}: {write_failure_hint(err, self.log_dir)}"
-                   if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else str(err))
+                   if err.errno in NO_ROOM_ERRNOS else str(err))
             self.write(f"warning: could not write {what} ({type(err).__name__}: {why})" + (f"; {then}" if then else ""))
 
     def log_rollouts(self, key: str, records: list[dict], step: int) -> None:

@@ -34,6 +34,9 @@ def free_gib(path: str | os.PathLike) -> float | None:
     except OSError:
         return None
 
+# The errors that mean the bytes did not fit: a full disk, a quota, a file-size limit.
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
 
 def write_failure_hint(err: BaseException, path: str | os.PathLike) -> str:
     """What to do about ``err``, a write under ``path`` that failed because the bytes did not fit, as a
@@ -74,7 +77,7 @@ def describe_os_error(err: OSError) -> str:
         ['cannot write /x/y', 'a file is in the way (not a directory)']
     """
     name = err.filename if err.filename is not None else "a file"
-    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if err.errno in NO_ROOM_ERRNOS:
         where = err.filename if err.filename is not None else "."
         return f"cannot write {name}: {err.strerror}: {write_failure_hint(err, where)}"
     if err.errno in _DIRECTORY_ERRORS:
