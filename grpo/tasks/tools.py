@@ -11,18 +11,27 @@ Per sample, `ToolEnvironment.step` parses the last (assistant) message:
 - tool calls (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, ``compact``:
   ``<calc>12*34</calc>``; see `grpo.tasks.tool_calls`): they run in order, each in a worker process with
   ``timeout_s``; the observation is one ``{"role": "tool", "name": ..., "content": ...}`` message per call;
-  reward 0, not terminated. Malformed JSON, no name, non-object arguments, an unknown tool, arguments that do
-  not fit the tool's schema, more than ``max_calls_per_turn`` calls, an exception, a timeout or a result that
-  cannot be turned into text each answer that call with ``error: <what went wrong>`` and flag the message
-  ``invalid_tool_call`` (so ``grpo.invalid_tool_call_advantage`` applies); results are cut to
-  ``max_result_chars``.
+  reward 0, not terminated. A call that fails answers with ``error: <what went wrong>``; results are cut to
+  ``max_result_chars``. Two kinds of failure, as NeMo-RL tells them apart:
+
+  - an invalid call (`INVALID_CALL_KINDS`: malformed JSON, no name, non-object arguments, an unknown tool,
+    arguments that do not fit the tool's schema, more than ``max_calls_per_turn`` calls): the model wrote a
+    call that cannot run. The message is flagged ``invalid_tool_call`` (so ``grpo.invalid_tool_call_advantage``
+    applies). NeMo-RL flags a turn whose tool call its parser could not read (`nemo_rl/environments/
+    nemo_gym.py`, ``_detect_invalid_tool_call_and_malformed_thinking``);
+  - a tool error (`TOOL_ERROR_KINDS`: the tool raised, timed out, returned what cannot be turned into text,
+    its process died, or tools are disabled): a well-formed call to a real tool that failed at run time. Not
+    an invalid call: the model gets the error text back and the message is not flagged (metadata
+    ``tool_error: True`` says so), as NeMo-Gym returns a raising tool's error as the call's output.
 - no tool call: the final answer. The reward is the verifier's (``fn(question, completion, answer, meta)``
   on that message, e.g. ``grpo.tasks.math:math_reward``); terminated. A verifier that raises or hangs costs
   only its sample (reward 0, counted in ``verifier_error_rate``).
 
 Metrics since the last `global_post_process_and_metrics` call (logged as ``train/env/<task>/<name>``):
-``tool_calls_per_sample``, ``samples_with_tool_calls``, ``tool_calls_per_sample/<tool>``, ``tool_error_rate``,
-``tool_errors/<kind>`` (per call, by kind), ``tool_s`` (seconds spent running tools), ``verifier_error_rate``.
+``tool_calls_per_sample``, ``samples_with_tool_calls``, ``tool_calls_per_sample/<tool>``, ``invalid_call_rate``
+and ``num_invalid_calls`` (invalid calls), ``tool_error_rate`` and ``num_tool_errors`` (tool errors),
+``tool_errors/<kind>`` (per call, by kind, both families), ``tool_s`` (seconds spent running tools),
+``verifier_error_rate``. Rates are per call.
 
 ``disable_tools=True`` is the ablation: same parsing, stop strings and turns, but every call is answered
 with an error, so the model can only answer on its own.
@@ -45,12 +54,15 @@ from grpo.tasks.tool_calls import (FORMATS, ParsedCall, check_arguments, check_f
                                   function_spec, load_tools, parse_tool_calls, resolve_tools, run_tool_call,
                                   stop_strings, tool_schemas, truncate)
 
-__all__ = ["ERROR_KINDS", "FORMATS", "ToolEnvironment", "check_arguments", "parse_tool_calls", "resolve_tools",
+__all__ = ["ERROR_KINDS", "FORMATS", "INVALID_CALL_KINDS", "TOOL_ERROR_KINDS", "ToolEnvironment", "check_arguments", "parse_tool_calls", "resolve_tools",
            "stop_strings", "tool_schemas"]
 
-# Every way a call can fail, as counted in tool_errors/<kind>.
-ERROR_KINDS = ("bad_json", "missing_name", "arguments_not_object", "unknown_tool", "bad_arguments",
-               "too_many_calls", "disabled", "exception", "timeout", "bad_result", "worker_error")
+# Every way a call can fail, as counted in tool_errors/<kind>: the model's call cannot run (invalid, flags the
+# message invalid_tool_call), or a well-formed call to a real tool failed at run time (a tool error).
+INVALID_CALL_KINDS = ("bad_json", "missing_name", "arguments_not_object", "unknown_tool", "bad_arguments",
+                      "too_many_calls")
+TOOL_ERROR_KINDS = ("disabled", "exception", "timeout", "bad_result", "worker_error")
+ERROR_KINDS = INVALID_CALL_KINDS + TOOL_ERROR_KINDS
 
 
 class ToolEnvironment(Environment):
@@ -103,8 +115,10 @@ class ToolEnvironment(Environment):
                     self.format, text if kind == "ok" else f"error: {text}")}
                 for call, (kind, text) in zip(parsed[b], replies[b])
             ])
-            invalid = any(kind != "ok" for kind, _ in replies[b])
-            meta_out.append({**metadata[b], "tool_calls": calls_so_far + len(parsed[b]), "invalid_tool_call": invalid})
+            kinds = {kind for kind, _ in replies[b]}
+            meta_out.append({**metadata[b], "tool_calls": calls_so_far + len(parsed[b]),
+                             "invalid_tool_call": not kinds.isdisjoint(INVALID_CALL_KINDS),
+                             "tool_error": not kinds.isdisjoint(TOOL_ERROR_KINDS)})
         for b, reward in zip(finals, final_rewards):
             rewards[b], terminateds[b] = reward, True
         return EnvironmentReturn(
@@ -178,12 +192,16 @@ class ToolEnvironment(Environment):
         if not c["samples"] and not c["calls"] and not c["final_answers"]:
             return trajectories, {}
         samples, calls = max(c["samples"], 1), max(c["calls"], 1)
-        num_errors = sum(c[f"errors/{kind}"] for kind in ERROR_KINDS)
+        num_invalid = sum(c[f"errors/{kind}"] for kind in INVALID_CALL_KINDS)
+        num_tool_errors = sum(c[f"errors/{kind}"] for kind in TOOL_ERROR_KINDS)
         metrics = {
             "tool_calls_per_sample": c["calls"] / samples,
             "samples_with_tool_calls": c["samples_with_calls"] / samples,
             **{f"tool_calls_per_sample/{name}": c[f"calls/{name}"] / samples for name in self.tools},
-            "tool_error_rate": num_errors / calls,
+            "invalid_call_rate": num_invalid / calls,
+            "num_invalid_calls": num_invalid,
+            "tool_error_rate": num_tool_errors / calls,
+            "num_tool_errors": num_tool_errors,
             **{f"tool_errors/{kind}": c[f"errors/{kind}"] / calls for kind in ERROR_KINDS},
             "tool_s": tool_s,
             "verifier_error_rate": c["verifier_errors"] / max(c["final_answers"], 1),

@@ -20,7 +20,7 @@ from grpo.tasks.function import EnvError
 from grpo.tasks.interface import check_return
 from grpo.tasks.tool_calls import (ParsedCall, check_arguments, function_spec, parse_tool_calls, resolve_tools,
                                   stop_strings, tool_schemas)
-from grpo.tasks.tools import ERROR_KINDS, ToolEnvironment
+from grpo.tasks.tools import ERROR_KINDS, INVALID_CALL_KINDS, TOOL_ERROR_KINDS, ToolEnvironment
 
 FNS = "tests.helpers.tool_fns_for_tests"  # the repo is on sys.path (conftest.py); spawned workers inherit it
 ARITH = "grpo.tasks.arithmetic:arithmetic_reward"
@@ -175,7 +175,7 @@ def test_tool_turn_runs_calls_in_order_and_final_answer_is_verified(env):
     assert ret.rewards.tolist() == [0.0, 1.0, 0.0] and ret.terminateds.tolist() == [False, True, True]
     assert ret.next_stop_strings == [["</tool_call>"], None, None]
     assert ret.answers == [None, "408", "407"]
-    assert ret.metadata[0] == {**row(), "tool_calls": 2, "invalid_tool_call": False}
+    assert ret.metadata[0] == {**row(), "tool_calls": 2, "invalid_tool_call": False, "tool_error": False}
     assert ret.metadata[1]["invalid_tool_call"] is False
 
     # The next turn of sample 0: its metadata carries on, a final answer ends it.
@@ -185,12 +185,15 @@ def test_tool_turn_runs_calls_in_order_and_final_answer_is_verified(env):
     assert metrics["tool_calls_per_sample"] == pytest.approx(2 / 3)
     assert metrics["samples_with_tool_calls"] == pytest.approx(1 / 3)
     assert metrics["tool_calls_per_sample/add"] == pytest.approx(1 / 3)
-    assert metrics["tool_error_rate"] == 0.0 and metrics["tool_s"] > 0
+    assert metrics["tool_error_rate"] == 0.0 and metrics["invalid_call_rate"] == 0.0 and metrics["tool_s"] > 0
     assert set(metrics) >= {f"tool_errors/{k}" for k in ERROR_KINDS}
     assert env.global_post_process_and_metrics([]) == ([], {})  # reset after each call
 
 
-def test_every_failure_gives_a_readable_error_and_flags_the_message(env):
+def test_every_failure_gives_a_readable_error_and_only_invalid_calls_flag_the_message(env):
+    """An invalid call (bad JSON, unknown tool, bad arguments, one call too many) flags the message
+    invalid_tool_call; a well-formed call whose tool raises or returns what cannot be text is a tool error
+    (NeMo-RL: its detector flags only calls the model wrote wrong; a tool's run-time error is the call's output)."""
     env.global_post_process_and_metrics([])
     texts = [
         hermes("add", {"a": 1, "b": "2"}),                      # wrong argument type
@@ -203,7 +206,8 @@ def test_every_failure_gives_a_readable_error_and_flags_the_message(env):
     ]
     ret = step(env, *texts)
     flags = [md["invalid_tool_call"] for md in ret.metadata]
-    assert flags == [True, True, True, True, True, False, True]
+    assert flags == [True, True, False, False, True, False, True]
+    assert [md["tool_error"] for md in ret.metadata] == [False, False, True, True, False, False, False]
     assert contents(ret, 0) == ['error: argument "b" must be integer, got "2"']
     assert contents(ret, 1) == ["error: unknown tool 'nope' (the tools: add, fail, nap, shout, odd_result)"]
     assert contents(ret, 2) == ["error: RuntimeError: boom"]
@@ -216,7 +220,15 @@ def test_every_failure_gives_a_readable_error_and_flags_the_message(env):
     calls = 1 + 1 + 1 + 1 + 1 + 2 + 4
     for kind in ("bad_arguments", "unknown_tool", "exception", "bad_result", "bad_json", "too_many_calls"):
         assert metrics[f"tool_errors/{kind}"] == pytest.approx(1 / calls), kind
-    assert metrics["tool_error_rate"] == pytest.approx(6 / calls)
+    assert metrics["invalid_call_rate"] == pytest.approx(4 / calls) and metrics["num_invalid_calls"] == 4
+    assert metrics["tool_error_rate"] == pytest.approx(2 / calls) and metrics["num_tool_errors"] == 2
+
+
+def test_error_kinds_split_into_invalid_calls_and_tool_errors():
+    assert set(INVALID_CALL_KINDS) | set(TOOL_ERROR_KINDS) == set(ERROR_KINDS)
+    assert not set(INVALID_CALL_KINDS) & set(TOOL_ERROR_KINDS)
+    assert {"exception", "timeout"} <= set(TOOL_ERROR_KINDS)
+    assert {"bad_json", "unknown_tool", "bad_arguments"} <= set(INVALID_CALL_KINDS)
 
 
 def test_a_timeout_costs_only_its_call(env):
@@ -225,8 +237,10 @@ def test_a_timeout_costs_only_its_call(env):
     assert time.monotonic() - start < 15
     assert contents(ret, 0) == ["error: the call did not finish within 2s", "2"]
     assert contents(ret, 1) == ["slept 0.1"]
-    assert [md["invalid_tool_call"] for md in ret.metadata] == [True, False]
-    assert env.global_post_process_and_metrics([])[1]["tool_errors/timeout"] > 0
+    assert [md["invalid_tool_call"] for md in ret.metadata] == [False, False]  # a timeout is a tool error
+    assert [md["tool_error"] for md in ret.metadata] == [True, False]
+    metrics = env.global_post_process_and_metrics([])[1]
+    assert metrics["tool_errors/timeout"] > 0 and metrics["num_tool_errors"] == 1
     assert step(env, hermes("add", {"a": 5, "b": 5})).observations[0][0]["content"] == "10"  # the pool recovered
 
 
@@ -236,7 +250,8 @@ def test_disabled_tools_answer_every_call_with_an_error():
     try:
         ret = step(env, "<calc>12*34</calc>", "408")
         assert contents(ret, 0) == ["<r>error: disabled</r>"]
-        assert ret.metadata[0]["invalid_tool_call"] and ret.next_stop_strings[0] == ["</calc>"]
+        assert ret.metadata[0]["tool_error"] and not ret.metadata[0]["invalid_tool_call"]  # the call was fine
+        assert ret.next_stop_strings[0] == ["</calc>"]
         assert ret.rewards.tolist() == [0.0, 1.0]
         assert env._pool._workers == []  # nothing ran
     finally:
