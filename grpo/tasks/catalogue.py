@@ -11,9 +11,9 @@ checked before torch (or math-verify, or reasoning-gym) loads, and a scorer's mo
 the worker processes that run it. A new built-in task is a module and one entry in `TASKS`.
 
     >>> sorted(name for name, task in TASKS.items() if task.rows)
-    ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym']
+    ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym', 'sliding_puzzle']
     >>> ENV_NAMES
-    ('math', 'reasoning_gym', 'arithmetic', 'guess_number', 'function', 'tools', 'class')
+    ('math', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'function', 'tools', 'class')
     >>> dataset_task("reasoning_gym:basic_arithmetic") is TASKS["reasoning_gym"], dataset_task("gsm8k.jsonl")
     (True, None)
 """
@@ -48,6 +48,9 @@ TASKS: dict[str, Task] = {
                        reward_in_workers=False, toy_model=("demo", "grpo.tasks.arithmetic:make_demo_model")),
     "guess_number": Task(rows="grpo.tasks.guess_number:rows", environment="grpo.tasks.guess_number:GuessNumberEnvironment",
                          toy_model=("guess_number", "grpo.tasks.guess_number:make_guess_number_model")),
+    # NeMo-RL's sliding puzzle: data.dataset_name="sliding_puzzle:size=<n>,shuffle_moves=<k>", env.kwargs.max_moves.
+    "sliding_puzzle": Task(rows="grpo.tasks.sliding_puzzle:rows", dataset_prefix=True,
+                           environment="grpo.tasks.sliding_puzzle:SlidingPuzzleEnvironment"),
     # Run with env.name=tools (the calculator tool, the arithmetic reward): configs/cpu_demo_tools.yaml.
     "calculator": Task(rows="grpo.tasks.calculator:rows",
                        toy_model=("calc_demo", "grpo.tasks.calculator:make_calculator_demo_model")),
