@@ -65,7 +65,9 @@ class Trajectory:
     ``truncated``: a turn hit its length cap or the conversation ran out of room; ``generation_version``:
     the oldest weight version that generated one of its turns (async GRPO); ``mask_sample``: the
     environment asked to keep it out of the loss; ``error``: "reward_error" / "reward_timeout" /
-    "env_error" / "env_timeout" when scoring failed (reward 0), ``error_detail`` its traceback.
+    "env_error" / "env_timeout" when scoring failed (reward 0), ``error_detail`` its traceback;
+    ``terminated``: the environment ended it (``terminateds``); ``max_turns_reached``: ``max_rollout_turns`` ended
+    it while the environment had not (NeMo-RL's rollout metrics count both: `grpo.rollout_metrics`).
     """
 
     group_id: int
@@ -86,6 +88,8 @@ class Trajectory:
     error_detail: str | None = None
     done: bool = False
     num_prompt_messages: int = 0
+    terminated: bool = False
+    max_turns_reached: bool = False
 
     @property
     def observation_tokens(self) -> int:
@@ -238,7 +242,7 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
                 if t.done:
                     continue
                 if turn == settings.max_turns - 1:
-                    t.done = True  # out of turns: no observation is appended
+                    t.done = t.max_turns_reached = True  # out of turns: no observation is appended
                     continue
                 new = ret.observations[j]
                 ids = chat.observation_ids(_log(t), new, t.messages[-1].token_ids)
@@ -290,7 +294,7 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
         t.messages[-1].flags = [f for f in MESSAGE_FLAGS if meta.get(f)]
         meta = {k: v for k, v in meta.items() if k not in _PER_TURN_KEYS}
     t.metadata = meta
-    t.done = bool(ret.terminateds[j])
+    t.done = t.terminated = bool(ret.terminateds[j])
 
 
 # --------------------------------------------------------------------------------------------------
