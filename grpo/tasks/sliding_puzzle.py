@@ -266,11 +266,13 @@ class SlidingPuzzleEnvironment(Environment):
         return EnvironmentReturn(observations=obs, metadata=next_md, next_stop_strings=[list(STOP_STRINGS)] * n,
                                  rewards=torch.tensor(rewards), terminateds=torch.tensor(done), answers=[None] * n)
 
-    def global_post_process_and_metrics(self, trajectories):
-        """``success_rate``: the share of samples that solved their board (NeMo-RL's
-        ``sliding_puzzle_success_rate``), logged as ``env/<task>/success_rate``."""
-        solved = [t.reward == 1.0 for t in trajectories]
-        return trajectories, {"success_rate": sum(solved) / len(solved) if solved else 0.0}
+    def global_post_process_and_metrics(self, batch):
+        """``success_rate``: the share of samples whose total reward is 1, i.e. that solved their board
+        (NeMo-RL's ``sliding_puzzle_success_rate``), logged as ``env/<task>/success_rate``. ``batch``: NeMo-RL's
+        rollout batch (``total_reward``), or a list of `grpo.system.rollout.Trajectory` (``reward``)."""
+        rewards = batch["total_reward"].tolist() if isinstance(batch, dict) else [t.reward for t in batch]
+        solved = [r == 1.0 for r in rewards]
+        return batch, {"success_rate": sum(solved) / len(solved) if solved else 0.0}
 
 
 # --------------------------------------------------------------------------------------------------
