@@ -300,7 +300,8 @@ class GRPOConfig(_Section):
     seq_logprob_error_threshold: Optional[float] = Field(
         None, description="Mask sequences whose mean exp|gen - prev| exceeds this (e.g. 1.5); null: metrics only.")
     invalid_tool_call_advantage: Optional[float] = Field(None, description=(
-        "Advantage written over the tokens of an assistant message flagged invalid_tool_call (null: off)."))
+        "Advantage written over the tokens of an assistant message flagged invalid_tool_call (null: off); "
+        "it wins over malformed_thinking_advantage."))
     malformed_thinking_advantage: Optional[float] = Field(None, description=(
         "Advantage written over the tokens of an assistant message with malformed think tags (null: off)."))
     adv_estimator: AdvEstimatorConfig = Field(
@@ -646,27 +647,30 @@ class CheckpointingConfig(_Section):
 
 class RewardPenaltyTokenIdsConfig(_Section):
     unwanted: Optional[list[int]] = Field(
-        None, description="Token ids whose presence zeroes the reward (penalize_unwanted_tokens).")
+        None, description="Token ids whose presence in a generated turn zeroes the reward (penalize_unwanted_tokens).")
     think_open: Optional[int] = Field(None, description="Token id of the think open tag (also checked on ids).")
     think_close: Optional[int] = Field(None, description="Token id of the think close tag.")
 
 
 class RewardPenaltyConfig(_Section):
-    """Reward-zeroing detectors; each sets the reward to 0 and raises a per-sample flag."""
+    """Reward-zeroing detectors; each sets the sample's reward to 0 and raises a per-sample flag. NeMo-RL's
+    four check each generated assistant message (turn) of the sample: any flagged turn zeroes it."""
 
     penalize_duplicated_reasoning: bool = Field(
-        False, description="Zero the reward of completions that repeat a line or sentence.")
+        False, description="Zero the reward where a turn's reasoning (its think block), stripped, equals its answer.")
     penalize_empty_final_answer: bool = Field(
-        False, description="Zero the reward of completions with no final answer after the reasoning.")
+        False, description="Zero the reward where the final answer (the last text after thinking) is missing or blank.")
     penalize_unwanted_tokens: bool = Field(
-        False, description="Zero the reward of completions holding a token of token_ids.unwanted.")
+        False, description="Zero the reward where a generated turn holds a token of token_ids.unwanted.")
     penalize_malformed_think_tag: bool = Field(
-        False, description="Zero the reward of completions whose think tags are not one open ... close pair.")
+        False, description="Zero the reward where a turn's think tags are not none or one open ... close pair.")
+    penalize_repeated_lines: bool = Field(
+        False, description="Zero the reward of completions that repeat a line or sentence (grpo-ds's own).")
     think_open_tag: str = Field("<think>", description="Think open tag.")
     think_close_tag: str = Field("</think>", description="Think close tag.")
-    duplicate_min_chars: int = Field(
-        20, gt=0, description="Duplicated reasoning: segments of at least this many characters...")
-    duplicate_min_repeats: int = Field(3, ge=2, description="... repeated at least this many times.")
+    repeated_line_min_chars: int = Field(
+        20, gt=0, description="Repeated lines: lines or sentences of at least this many characters...")
+    repeated_line_min_repeats: int = Field(3, ge=2, description="... repeated at least this many times.")
     token_ids: Optional[RewardPenaltyTokenIdsConfig] = Field(None, description="Token ids of the detectors.")
 
     @model_validator(mode="after")

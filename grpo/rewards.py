@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -121,15 +121,99 @@ def process_reward_components(
 
 
 # --------------------------------------------------------------------------------------------------
-# Penalty detectors: one completion in, one bool out
+# Penalty detectors. A sample is the list of its generated assistant messages (turns); NeMo-RL checks
+# each assistant message (`nemo_rl/experience/rollouts.py`, ``apply_reward_penalties``), so do these.
 # --------------------------------------------------------------------------------------------------
+class Turn(NamedTuple):
+    """One generated assistant message of a sample: its text, its token ids, and ``starts_in_think``: the
+    text just before it (the prompt, or an observation and the next generation prompt) left a think block
+    open (:func:`prompt_starts_in_think`)."""
+
+    text: str
+    token_ids: Sequence[int] | torch.Tensor = ()
+    starts_in_think: bool = False
+
+
+def split_turn(text: str, open_tag: str, close_tag: str, starts_in_think: bool = False
+               ) -> tuple[Optional[str], Optional[str]]:
+    """(reasoning, content) of one assistant message, as a reasoning parser splits it (vLLM's, behind
+    NeMo-Gym's ``reasoning`` and ``message`` output items).
+
+    content = the text after the first close tag; reasoning = the text before it (after the open tag).
+    Without a close tag: all reasoning when a think block was opened (in the message or before it,
+    ``starts_in_think``: the thinking never ended), else all content. None where the part is absent
+    (nothing at all: NeMo-Gym makes no item of it); whitespace is kept.
+
+        >>> split_turn("<think>a</think> 4", "<think>", "</think>")
+        ('a', ' 4')
+        >>> split_turn("a</think>", "<think>", "</think>", starts_in_think=True)
+        ('a', None)
+        >>> split_turn("4", "<think>", "</think>"), split_turn("<think>a", "<think>", "</think>")
+        ((None, '4'), ('a', None))
+    """
+    if close_tag in text:
+        head, _, content = text.partition(close_tag)
+        reasoning = head.partition(open_tag)[2] if open_tag in head else head
+    elif starts_in_think or open_tag in text:
+        reasoning, content = (text.partition(open_tag)[2] if open_tag in text else text), ""
+    else:
+        reasoning, content = "", text
+    return reasoning or None, content or None
+
+
+def has_duplicated_reasoning(turns: Sequence[Turn], open_tag: str, close_tag: str) -> bool:
+    """True when some turn's reasoning, stripped, equals its content, stripped (both non-empty): the model
+    copied its thinking into its answer verbatim.
+
+    NeMo-RL's ``penalize_duplicated_reasoning`` (`nemo_rl/experience/rollouts.py`, ``apply_reward_penalties``,
+    penalty 1): a ``reasoning`` output item's summary text equal, after strip, to the next item's content
+    text, in any turn.
+
+        >>> has_duplicated_reasoning([Turn("<think> It is 42</think>It is 42\\n")], "<think>", "</think>")
+        True
+        >>> has_duplicated_reasoning([Turn("<think>Let me think</think>42")], "<think>", "</think>")
+        False
+    """
+    for turn in turns:
+        reasoning, content = split_turn(turn.text, open_tag, close_tag, turn.starts_in_think)
+        if reasoning is not None and content is not None and reasoning.strip() and reasoning.strip() == content.strip():
+            return True
+    return False
+
+
+def final_answer(turns: Sequence[Turn], open_tag: str, close_tag: str) -> Optional[str]:
+    """The content of the last turn that has content (:func:`split_turn`), stripped; None when no turn has.
+
+    NeMo-RL's final answer (``apply_reward_penalties``, penalty 2) is the text of the last output item that
+    carries content, found walking back: a turn that only thought (or whose thinking never ended) has no
+    content item and is passed over.
+    """
+    for turn in reversed(turns):
+        content = split_turn(turn.text, open_tag, close_tag, turn.starts_in_think)[1]
+        if content is not None:
+            return content.strip()
+    return None
+
+
+def has_empty_final_answer(turns: Sequence[Turn], open_tag: str, close_tag: str) -> bool:
+    """True when :func:`final_answer` is missing or blank (NeMo-RL's ``penalize_empty_final_answer``).
+
+        >>> has_empty_final_answer([Turn("<think>a</think> 4"), Turn("<think>b</think>")], "<think>", "</think>")
+        False
+        >>> has_empty_final_answer([Turn("<think>a</think>\\n\\n")], "<think>", "</think>")
+        True
+    """
+    return not final_answer(turns, open_tag, close_tag)
+
+
 _SEGMENT_SPLIT = re.compile(r"\n+|(?<=[.!?])\s+")
 
 
-def has_duplicated_reasoning(text: str, min_chars: int, min_repeats: int) -> bool:
-    """True when some line or sentence (stripped, >= min_chars characters) occurs >= min_repeats times.
+def has_repeated_lines(text: str, min_chars: int, min_repeats: int) -> bool:
+    """True when some line or sentence (stripped, >= min_chars characters) occurs >= min_repeats times
+    (grpo-ds's own ``penalize_repeated_lines``: a model stuck in a loop).
 
-        >>> has_duplicated_reasoning("Let me check this again.\\n" * 3, min_chars=10, min_repeats=3)
+        >>> has_repeated_lines("Let me check this again.\\n" * 3, min_chars=10, min_repeats=3)
         True
     """
     segments = (s.strip() for s in _SEGMENT_SPLIT.split(text))
@@ -150,11 +234,12 @@ def _well_formed(events: list, starts_in_think: bool) -> bool:
 
 
 def has_malformed_think_tags(text: str, open_tag: str, close_tag: str, starts_in_think: bool = False) -> bool:
-    """True unless the completion has no think tags or exactly one ``open … close`` pair.
+    """True unless one assistant message has no think tags or exactly one ``open … close`` pair.
 
-    Catches unbalanced, nested, close-before-open and repeated blocks. ``starts_in_think``: the
-    prompt already ends with the open tag (chat templates that open the thinking block), so the
-    completion must hold exactly one close tag and no open tag.
+    Catches unbalanced, nested, close-before-open and repeated blocks. ``starts_in_think``: the text
+    before the message already ends with the open tag (chat templates that open the thinking block), so
+    the message must hold exactly one close tag and no open tag. Per message: a conversation that thinks
+    once in each of its turns is well formed (NeMo-RL checks each (user, assistant) pair).
     """
     return not _well_formed(_tag_events(text, open_tag, close_tag), starts_in_think)
 
@@ -167,24 +252,8 @@ def has_malformed_think_token_ids(
     return not _well_formed(events, starts_in_think)
 
 
-def has_empty_final_answer(text: str, open_tag: str, close_tag: str, starts_in_think: bool = False) -> bool:
-    """True when there is no non-whitespace final answer.
-
-    Final answer = the text after the last close tag; without a close tag it is the whole completion,
-    unless a thinking block was opened (in the completion or, ``starts_in_think``, in the prompt) and
-    never closed: then it is empty.
-    """
-    if close_tag in text:
-        answer = text.rsplit(close_tag, 1)[1]
-    elif starts_in_think or open_tag in text:
-        answer = ""
-    else:
-        answer = text
-    return answer.strip() == ""
-
-
 def has_unwanted_tokens(token_ids: Sequence[int] | torch.Tensor, unwanted: Sequence[int]) -> bool:
-    """True when any completion token id is in ``unwanted``."""
+    """True when any token id is in ``unwanted``."""
     ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
     return not set(unwanted).isdisjoint(ids)
 
@@ -205,16 +274,6 @@ def prompt_starts_in_think(prompt_text: str, open_tag: str, close_tag: str) -> b
     return bool(events) and events[-1] == "open"
 
 
-def _starts_in_think(starts_in_think_b: Optional[Sequence[bool] | torch.Tensor], batch: int) -> list[bool]:
-    if starts_in_think_b is None:
-        return [False] * batch
-    flags = [bool(x) for x in (starts_in_think_b.tolist() if isinstance(starts_in_think_b, torch.Tensor)
-                               else starts_in_think_b)]
-    if len(flags) != batch:
-        raise ValueError(f"starts_in_think_b has {len(flags)} entries for {batch} completions")
-    return flags
-
-
 def _think_ids(cfg: RewardPenaltyConfig, tokenizer_think_ids: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
     ids_cfg = cfg.token_ids
     if tokenizer_think_ids is None and ids_cfg is not None and None not in (ids_cfg.think_open, ids_cfg.think_close):
@@ -223,83 +282,101 @@ def _think_ids(cfg: RewardPenaltyConfig, tokenizer_think_ids: Optional[tuple[int
 
 
 def malformed_thinking_flags(
-    texts: Sequence[str],
-    token_ids: Sequence[Sequence[int] | torch.Tensor],
+    turns: Sequence[Turn],
     cfg: RewardPenaltyConfig,
-    starts_in_think_b: Optional[Sequence[bool] | torch.Tensor] = None,
     tokenizer_think_ids: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
-    """BoolTensor[B]: completion b has malformed think tags (:func:`has_malformed_think_tags` on the text
-    with ``cfg.think_open_tag`` / ``think_close_tag``, and :func:`has_malformed_think_token_ids` when
+    """BoolTensor[N]: assistant message n has malformed think tags (:func:`has_malformed_think_tags` on its
+    text with ``cfg.think_open_tag`` / ``think_close_tag``, and :func:`has_malformed_think_token_ids` when
     think ids are known: ``tokenizer_think_ids`` or ``cfg.token_ids.think_open`` / ``think_close``).
 
-    ``starts_in_think_b[b]``: the prompt of sample b opened the thinking block
-    (:func:`prompt_starts_in_think`); default all False. Reads no ``penalize_*`` switch and changes no
-    reward: usable on its own for ``grpo.malformed_thinking_advantage``.
+    One entry per message: the messages of one sample for ``penalize_malformed_think_tag`` (any flagged
+    zeroes it), or every message to flag for ``grpo.malformed_thinking_advantage``. Reads no ``penalize_*``
+    switch and changes no reward.
 
         >>> cfg = RewardPenaltyConfig()
-        >>> malformed_thinking_flags(["why</think> 4", "why</think> 4"], [[], []], cfg, [True, False])
+        >>> malformed_thinking_flags([Turn("why</think> 4", starts_in_think=True), Turn("why</think> 4")], cfg)
         tensor([False,  True])
     """
-    if len(texts) != len(token_ids):
-        raise ValueError(f"malformed_thinking_flags: {len(texts)} texts but {len(token_ids)} token_ids")
-    starts = _starts_in_think(starts_in_think_b, len(texts))
     think_ids = _think_ids(cfg, tokenizer_think_ids)
     flags = []
-    for text, ids, start in zip(texts, token_ids, starts):
-        bad = has_malformed_think_tags(text, cfg.think_open_tag, cfg.think_close_tag, start)
+    for turn in turns:
+        bad = has_malformed_think_tags(turn.text, cfg.think_open_tag, cfg.think_close_tag, turn.starts_in_think)
         if think_ids is not None:
-            ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
-            bad = bad or has_malformed_think_token_ids(ids, *think_ids, start)
+            ids = turn.token_ids.tolist() if isinstance(turn.token_ids, torch.Tensor) else turn.token_ids
+            bad = bad or has_malformed_think_token_ids(ids, *think_ids, turn.starts_in_think)
         flags.append(bad)
     return torch.tensor(flags, dtype=torch.bool)
 
 
+# Detector -> (its reward_penalties switch, its rate's metric name: NeMo-RL's where NeMo-RL has the detector,
+# `nemo_rl/experience/rollouts.py`, _PENALTY_METRICS).
+PENALTY_METRICS = {
+    "duplicated_reasoning": ("penalize_duplicated_reasoning", "reasoning_equal_to_final_answer_rate"),
+    "empty_final_answer": ("penalize_empty_final_answer", "empty_final_answer_rate"),
+    "unwanted_tokens": ("penalize_unwanted_tokens", "unwanted_token_rate"),
+    "malformed_think_tag": ("penalize_malformed_think_tag", "malformed_think_tag_rate"),
+    "repeated_lines": ("penalize_repeated_lines", "repeated_lines_rate"),
+}
+
+
 def apply_reward_penalties(
     rewards: torch.Tensor,
-    texts: Sequence[str],
-    token_ids: Sequence[Sequence[int] | torch.Tensor],
+    turns: Sequence[Sequence[Turn]],
     cfg: RewardPenaltyConfig,
     tokenizer_think_ids: Optional[tuple[int, int]] = None,
-    starts_in_think_b: Optional[Sequence[bool] | torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
-    """Set the reward to 0 where any enabled detector fires.
+    """Set the reward to 0 where any enabled detector fires (NeMo-RL's ``apply_reward_penalties``).
 
-    ``texts[b]`` / ``token_ids[b]``: the completion of sample b (no prompt, no padding).
-    Detectors (``reward_penalties.penalize_*``): duplicated_reasoning (think tags count as line
-    breaks), empty_final_answer, unwanted_tokens (``token_ids.unwanted``), malformed_think_tag
-    (:func:`malformed_thinking_flags`). ``starts_in_think_b[b]``: the prompt of sample b opened the
-    thinking block (:func:`prompt_starts_in_think` of its prompt text), for the think-tag detectors;
-    default all False.
+    ``turns[b]``: the generated assistant messages of sample b (:class:`Turn`: text and token ids without
+    prompt or padding, and whether a think block was open before it). Detectors
+    (``reward_penalties.penalize_*``), each over the sample's turns:
 
-    Returns (rewards', flags, metrics): ``flags[name]`` is a BoolTensor[B] per enabled detector;
-    metrics ``reward_penalty/<name>`` is the fraction flagged and ``reward_penalty/any`` the
-    fraction zeroed. GDPO's components: :func:`penalize_components` with these flags.
+    - duplicated_reasoning: a turn's reasoning equals its content (:func:`has_duplicated_reasoning`);
+    - empty_final_answer: the last content is missing or blank (:func:`has_empty_final_answer`);
+    - unwanted_tokens: a turn holds a token of ``token_ids.unwanted``;
+    - malformed_think_tag: a turn's think tags are malformed (:func:`malformed_thinking_flags`);
+    - repeated_lines (grpo-ds's own): a line or sentence repeats in the sample's text, think tags counting
+      as line breaks (:func:`has_repeated_lines`).
+
+    Returns (rewards', flags, metrics): ``flags[name]`` is a BoolTensor[B] per enabled detector; metrics
+    hold each enabled detector's rate over samples under NeMo-RL's name (``PENALTY_METRICS``) and
+    ``reward_penalty_rate``, the fraction zeroed (none without an enabled detector). GDPO's components:
+    :func:`penalize_components` with these flags.
+
+        >>> cfg = RewardPenaltyConfig(penalize_malformed_think_tag=True)
+        >>> two_turns = [Turn("<think>a</think>x"), Turn("<think>b</think>y")]
+        >>> apply_reward_penalties(torch.tensor([1.0, 1.0]), [two_turns, [Turn("<think>a</think>x</think>")]], cfg)[0]
+        tensor([1., 0.])
     """
     batch = rewards.shape[0]
-    if len(texts) != batch or len(token_ids) != batch:
-        raise ValueError(f"apply_reward_penalties: {batch} rewards but {len(texts)} texts, {len(token_ids)} token_ids")
-    starts = _starts_in_think(starts_in_think_b, batch)
+    if len(turns) != batch:
+        raise ValueError(f"apply_reward_penalties: {batch} rewards but turns of {len(turns)} samples")
     open_tag, close_tag = cfg.think_open_tag, cfg.think_close_tag
 
     def per_sample(detect) -> torch.Tensor:
-        return torch.tensor([detect(t, i, s) for t, i, s in zip(texts, token_ids, starts, strict=True)],
-                            dtype=torch.bool)
+        return torch.tensor([bool(detect(sample)) for sample in turns], dtype=torch.bool)
 
     flags: dict[str, torch.Tensor] = {}
     if cfg.penalize_duplicated_reasoning:
-        flags["duplicated_reasoning"] = per_sample(lambda t, i, s: has_duplicated_reasoning(
-            t.replace(open_tag, "\n").replace(close_tag, "\n"), cfg.duplicate_min_chars, cfg.duplicate_min_repeats))
+        flags["duplicated_reasoning"] = per_sample(lambda ts: has_duplicated_reasoning(ts, open_tag, close_tag))
     if cfg.penalize_empty_final_answer:
-        flags["empty_final_answer"] = per_sample(lambda t, i, s: has_empty_final_answer(t, open_tag, close_tag, s))
+        flags["empty_final_answer"] = per_sample(lambda ts: has_empty_final_answer(ts, open_tag, close_tag))
     if cfg.penalize_unwanted_tokens:
-        flags["unwanted_tokens"] = per_sample(lambda t, i, s: has_unwanted_tokens(i, cfg.token_ids.unwanted))
+        flags["unwanted_tokens"] = per_sample(lambda ts: any(has_unwanted_tokens(t.token_ids, cfg.token_ids.unwanted)
+                                                             for t in ts))
     if cfg.penalize_malformed_think_tag:
-        flags["malformed_think_tag"] = malformed_thinking_flags(texts, token_ids, cfg, starts, tokenizer_think_ids)
+        flags["malformed_think_tag"] = per_sample(
+            lambda ts: bool(malformed_thinking_flags(ts, cfg, tokenizer_think_ids).any()))
+    if cfg.penalize_repeated_lines:
+        flags["repeated_lines"] = per_sample(lambda ts: has_repeated_lines(
+            "\n".join(t.text for t in ts).replace(open_tag, "\n").replace(close_tag, "\n"),
+            cfg.repeated_line_min_chars, cfg.repeated_line_min_repeats))
     any_b = penalized(flags, batch)
-    metrics = {f"reward_penalty/{name}": flag_b.float().mean().item() if batch else 0.0
+    metrics = {PENALTY_METRICS[name][1]: flag_b.float().mean().item() if batch else 0.0
                for name, flag_b in flags.items()}
-    metrics["reward_penalty/any"] = any_b.float().mean().item() if batch else 0.0
+    if flags:
+        metrics["reward_penalty_rate"] = any_b.float().mean().item() if batch else 0.0
     any_b = any_b.to(rewards.device)
     return torch.where(any_b, torch.zeros_like(rewards), rewards), flags, metrics
 

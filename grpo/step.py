@@ -26,8 +26,8 @@ from grpo.logprobs import mask_by_seq_logprob_error
 from grpo.loss import calculate_kl
 from grpo.metrics import aggregate_rollout_metrics
 from grpo.rewards import (
-    apply_reward_penalties, malformed_thinking_flags, process_reward_components, prompt_starts_in_think, scale_rewards,
-    shape_overlong_rewards,
+    Turn, apply_reward_penalties, malformed_thinking_flags, process_reward_components, prompt_starts_in_think,
+    scale_rewards, shape_overlong_rewards,
 )
 from grpo.dynamic_sampling import group_reward_std, overlong_filter_mask
 
@@ -39,19 +39,17 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
         task_rewards = scale(penalise(raw_rewards))      what dynamic sampling filters on (DAPO, NeMo-RL)
         rewards      = shape(task_rewards)               what the advantages read
 
-    Components (GDPO) go through the same steps (`grpo.rewards.process_reward_components`). The think-tag
-    detectors know when the text before a turn opened the thinking block (a chat template's generation
-    prompt). With ``grpo.malformed_thinking_advantage`` set, every generated message with malformed think
-    tags is flagged ``malformed_thinking`` (no reward is changed by that; the penalty
+    Components (GDPO) go through the same steps (`grpo.rewards.process_reward_components`). The detectors
+    read each generated assistant message (turn) on its own, as NeMo-RL does, and know when the text before a
+    turn opened the thinking block (a chat template's generation prompt). With
+    ``grpo.malformed_thinking_advantage`` set, every generated message with malformed think tags is flagged
+    ``malformed_thinking`` (no reward is changed by that; the penalty
     ``reward_penalties.penalize_malformed_think_tag`` zeroes the sample's reward on its own).
     """
     g, rp = cfg.grpo, cfg.reward_penalties
     trajectories = batch.trajectories
-    texts = [t.completion_text() for t in trajectories]
-    ids = [t.completion_ids() for t in trajectories]
-    opened = [_turns_open_thinking(t, tokenizer, rp) for t in trajectories]
-    task_b, flags, metrics = apply_reward_penalties(batch.raw_rewards_b, texts, ids, rp,
-                                                    starts_in_think_b=[o[0] if o else False for o in opened])
+    turns = [sample_turns(t, tokenizer, rp) for t in trajectories]
+    task_b, flags, metrics = apply_reward_penalties(batch.raw_rewards_b, turns, rp)
     task_b = scale_rewards(task_b, g.reward_scaling)
     rewards_b = shape_overlong_rewards(task_b, batch.response_lengths_b, batch.truncated_b, g.reward_shaping)
     changes = {"task_rewards_b": task_b, "rewards_b": rewards_b}
@@ -63,14 +61,19 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
                        component_names=batch.component_names + extra)
     if g.malformed_thinking_advantage is not None:
         spans = []
-        for traj, sample_spans, starts in zip(trajectories, batch.message_spans, opened):
-            generated = [m for m in traj.messages if m.trained]
-            bad = malformed_thinking_flags([m.content for m in generated], [m.token_ids for m in generated], rp,
-                                           starts).tolist()
+        for sample_spans, sample in zip(batch.message_spans, turns):
+            bad = malformed_thinking_flags(sample, rp).tolist()
             spans.append([(s, e, tuple(sorted({*f, "malformed_thinking"})) if b else f)
                           for (s, e, f), b in zip(sample_spans, bad)])
         changes["message_spans"] = spans
     return batch.replace(**changes), metrics
+
+
+def sample_turns(traj, tokenizer, rp) -> list[Turn]:
+    """The generated assistant messages of ``traj`` as `grpo.rewards.Turn`s (text, token ids, and whether the
+    text just before the message left a think block open), in order."""
+    opened = _turns_open_thinking(traj, tokenizer, rp)
+    return [Turn(m.content, m.token_ids, o) for m, o in zip((m for m in traj.messages if m.trained), opened)]
 
 
 def _turns_open_thinking(traj, tokenizer, rp) -> list[bool]:
@@ -123,7 +126,8 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
         A   = estimator(group_ids, rewards, valid = 1, token_mask, sample_mask,
                         kl = KL(prev || ref) if use_kl_in_reward, master_cfg = cfg)
         A  += −kl_coef · (student − teacher)                         (on-policy distillation; student = prev)
-        A[message] = invalid_tool_call_advantage / malformed_thinking_advantage   (flagged messages)
+        A[message] = malformed_thinking_advantage, then invalid_tool_call_advantage   (flagged messages;
+                                                                          invalid wins, as in NeMo-RL)
         A   = clamp(A, advantage_clip_low, advantage_clip_high)
 
     Every sample counts in its group's baseline (valid = 1), masked ones included. The estimator gets the
@@ -137,7 +141,7 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
             batch.generation_logprobs_bt, batch.prev_logprobs_bt, batch.token_mask_bt, sample_mask_b,
             batch.rewards_b, g.seq_logprob_error_threshold)
     kl_bt = None
-    if loss_cfg.use_kl_in_reward:
+    if loss_cfg.use_kl_in_reward and batch.ref_logprobs_bt is not None:  # skipped at beta = 0: the term is 0
         kl_bt = calculate_kl(batch.prev_logprobs_bt, batch.ref_logprobs_bt, loss_cfg.reference_policy_kl_type,
                              loss_cfg.kl_input_clamp_value, loss_cfg.kl_output_clamp_value)
     adv_bt = compute_advantages(
@@ -149,11 +153,41 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
         student_bt = batch.prev_logprobs_bt if batch.prev_logprobs_bt is not None else batch.generation_logprobs_bt
         adv_bt = adv_bt + distillation_advantages(student_bt, batch.teacher_logprobs_bt, batch.token_mask_bt,
                                                   cfg.on_policy_distillation.kl_coef)
-    adv_bt = apply_message_advantage_penalties(adv_bt, batch.message_spans, "invalid_tool_call",
-                                               g.invalid_tool_call_advantage)
     adv_bt = apply_message_advantage_penalties(adv_bt, batch.message_spans, "malformed_thinking",
                                                g.malformed_thinking_advantage)
+    adv_bt = apply_message_advantage_penalties(adv_bt, batch.message_spans, "invalid_tool_call",
+                                               g.invalid_tool_call_advantage)
+    metrics.update(message_penalty_metrics(batch.message_spans, g.invalid_tool_call_advantage,
+                                           g.malformed_thinking_advantage))
     return clip_advantages(adv_bt, g.advantage_clip_low, g.advantage_clip_high), sample_mask_b, metrics
+
+
+def message_penalty_metrics(message_spans, invalid_tool_call_advantage, malformed_thinking_advantage) -> dict:
+    """NeMo-RL's metrics of the message-level advantage penalties (`nemo_rl/algorithms/grpo.py`,
+    ``_apply_message_level_advantage_penalties``); none when both are off.
+
+    Over the step's generated assistant messages: ``num_invalid_tool_calls`` counts those overwritten with
+    ``invalid_tool_call_advantage``, ``num_malformed_thinking`` those overwritten with
+    ``malformed_thinking_advantage`` (a message flagged both counts as invalid: invalid wins), each ``_rate``
+    is its count over ``num_assistant_messages``. A penalty that is off counts nothing.
+
+        >>> message_penalty_metrics([[(0, 2, ("invalid_tool_call", "malformed_thinking")), (2, 4, ())]], -1.0, -1.0)
+        {'invalid_tool_call_rate': 0.5, 'malformed_thinking_rate': 0.0, 'num_invalid_tool_calls': 1, \
+'num_malformed_thinking': 0, 'num_assistant_messages': 2}
+    """
+    if invalid_tool_call_advantage is None and malformed_thinking_advantage is None:
+        return {}
+    invalid = malformed = messages = 0
+    for spans in message_spans:
+        for _, _, flags in spans:
+            names = {flags} if isinstance(flags, str) else set(flags or ())
+            messages += 1
+            if invalid_tool_call_advantage is not None and "invalid_tool_call" in names:
+                invalid += 1
+            elif malformed_thinking_advantage is not None and "malformed_thinking" in names:
+                malformed += 1
+    return {"invalid_tool_call_rate": invalid / max(messages, 1),
+            "malformed_thinking_rate": malformed / max(messages, 1), "num_invalid_tool_calls": invalid, "num_malformed_thinking": malformed, "num_assistant_messages": messages}
 
 
 # ---- bookkeeping -----------------------------------------------------------------------------------
@@ -167,9 +201,14 @@ def record_step(state, batch: TrainBatch, step: int) -> None:
 
 
 def due_validation(cfg, step: int, total_steps: int) -> bool:
-    """Validate on ``grpo.val_period`` and, with ``grpo.val_at_end``, after the last step."""
+    """Validate on ``grpo.val_period`` from step ``grpo.val_start_at`` on (-1: from the first) and, with
+    ``grpo.val_at_end``, after the last step; NeMo-RL's ``should_run_validation`` (nemo_rl/algorithms/grpo.py):
+
+        (val_period > 0 and step >= val_start_at and step % val_period == 0) or (val_at_end and last step)
+    """
     g = cfg.grpo
-    return (g.val_period > 0 and step % g.val_period == 0) or (step == total_steps and g.val_at_end)
+    periodic = g.val_period > 0 and step >= g.val_start_at and step % g.val_period == 0
+    return periodic or (step == total_steps and g.val_at_end)
 
 
 def due_save(cfg, step: int, total_steps: int) -> bool:

@@ -54,8 +54,8 @@ from grpo.tasks.tool_calls import (FORMATS, ParsedCall, check_arguments, check_f
                                   function_spec, load_tools, parse_tool_calls, resolve_tools, run_tool_call,
                                   stop_strings, tool_schemas, truncate)
 
-__all__ = ["ERROR_KINDS", "FORMATS", "INVALID_CALL_KINDS", "TOOL_ERROR_KINDS", "ToolEnvironment", "check_arguments", "parse_tool_calls", "resolve_tools",
-           "stop_strings", "tool_schemas"]
+__all__ = ["ERROR_KINDS", "FORMATS", "INVALID_CALL_KINDS", "TOOL_ERROR_KINDS", "ToolEnvironment", "check_arguments",
+           "parse_tool_calls", "resolve_tools", "stop_strings", "tool_schemas"]
 
 # Every way a call can fail, as counted in tool_errors/<kind>: the model's call cannot run (invalid, flags the
 # message invalid_tool_call), or a well-formed call to a real tool failed at run time (a tool error).

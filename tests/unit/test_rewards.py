@@ -5,15 +5,26 @@ import torch
 
 from grpo.config import RewardPenaltyConfig, RewardPenaltyTokenIdsConfig, RewardScalingConfig, RewardShapingConfig
 from grpo.rewards import (
+    Turn,
     apply_reward_penalties,
+    final_answer,
     has_duplicated_reasoning,
     has_empty_final_answer,
     has_malformed_think_tags,
     has_malformed_think_token_ids,
+    has_repeated_lines,
     has_unwanted_tokens,
     scale_rewards,
     shape_overlong_rewards,
+    split_turn,
 )
+
+T = ("<think>", "</think>")
+
+
+def one_turn(*texts_and_ids) -> list[list[Turn]]:
+    """Single-turn samples: ``one_turn("text", ("text", [ids]), ...)``."""
+    return [[Turn(*x) if isinstance(x, tuple) else Turn(x)] for x in texts_and_ids]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,13 +82,58 @@ def test_shaping_disabled_is_identity():
 # ----------------------------------------------------------------------------------------------
 # Detectors
 # ----------------------------------------------------------------------------------------------
-def test_duplicated_reasoning():
+def test_repeated_lines():
     line = "Let me compute the sum again."
-    assert has_duplicated_reasoning(f"{line} {line} {line}", min_chars=20, min_repeats=3)
-    assert has_duplicated_reasoning(f"{line}\n\n{line}\n  {line}  \nDone.", min_chars=20, min_repeats=3)
-    assert not has_duplicated_reasoning(f"{line} {line}", min_chars=20, min_repeats=3)
-    assert not has_duplicated_reasoning("ok. ok. ok. ok.", min_chars=20, min_repeats=3)  # too short to count
-    assert not has_duplicated_reasoning("First step one.\nSecond step two.\nThird step three.", 5, 2)
+    assert has_repeated_lines(f"{line} {line} {line}", min_chars=20, min_repeats=3)
+    assert has_repeated_lines(f"{line}\n\n{line}\n  {line}  \nDone.", min_chars=20, min_repeats=3)
+    assert not has_repeated_lines(f"{line} {line}", min_chars=20, min_repeats=3)
+    assert not has_repeated_lines("ok. ok. ok. ok.", min_chars=20, min_repeats=3)  # too short to count
+    assert not has_repeated_lines("First step one.\nSecond step two.\nThird step three.", 5, 2)
+
+
+@pytest.mark.parametrize(
+    "text, starts_in_think, reasoning, content",
+    [
+        ("<think>a</think> 4", False, "a", " 4"),
+        ("a</think>4", True, "a", "4"),  # the open tag was in the prompt
+        ("<think>a</think>", False, "a", None),  # nothing after the block: no content item
+        ("<think>a</think>\n\n", False, "a", "\n\n"),  # whitespace is content (blank)
+        ("<think>never closed", False, "never closed", None),
+        ("never closed", True, "never closed", None),
+        ("4", False, None, "4"),
+        ("", False, None, None),
+        ("<think>a</think>b</think>c", False, "a", "b</think>c"),  # content: after the first close tag
+    ],
+)
+def test_split_turn_like_a_reasoning_parser(text, starts_in_think, reasoning, content):
+    assert split_turn(text, *T, starts_in_think) == (reasoning, content)
+
+
+# NeMo-RL's cases (tests/unit/experience/test_reward_penalties.py, TestPenalizeDuplicatedReasoning), a reasoning
+# item followed by a message item being one turn here.
+@pytest.mark.parametrize(
+    "turns, duplicated",
+    [
+        (["<think>The answer is 42</think>The answer is 42"], True),  # test_exact_match_penalized
+        (["<think>Let me think about this</think>The answer is 42"], False),  # test_different_text_not_penalized
+        (["<think>  hello world  </think>hello world"], True),  # test_whitespace_stripped_before_compare
+        (["<think></think>"], False),  # test_empty_reasoning_not_penalized
+        (["<think>  </think>   "], False),  # blank on both sides
+        (["The answer is 42"], False),  # test_no_reasoning_item_not_penalized
+        (["<think>I need to call a tool</think>"], False),  # reasoning only (NeMo-RL: then a function_call)
+        # test_multi_turn_first_pair_matches: any turn
+        (["<think>duplicated</think>duplicated", "<think>different thinking</think>final answer"], True),
+        (["<think>a</think>b", "<think>c</think> c "], True),
+        (["<think>The answer is 42", "The answer is 42"], False),  # never closed: no content in that turn
+    ],
+)
+def test_duplicated_reasoning_is_reasoning_equal_to_the_answer(turns, duplicated):
+    assert has_duplicated_reasoning([Turn(t) for t in turns], *T) is duplicated
+
+
+def test_duplicated_reasoning_after_a_template_opened_block():
+    assert has_duplicated_reasoning([Turn("It is 4.\n</think>\n\nIt is 4.", starts_in_think=True)], *T)
+    assert not has_duplicated_reasoning([Turn("It is 2+2.\n</think>\n\nIt is 4.", starts_in_think=True)], *T)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +176,27 @@ def test_malformed_think_token_ids():
     ],
 )
 def test_empty_final_answer(text, starts_in_think, empty):
-    assert has_empty_final_answer(text, "<think>", "</think>", starts_in_think) is empty
+    assert has_empty_final_answer([Turn(text, (), starts_in_think)], *T) is empty
+
+
+# NeMo-RL's cases (TestPenalizeEmptyFinalAnswer): the final answer is the last content, walking back over
+# turns that produced none.
+@pytest.mark.parametrize(
+    "turns, answer",
+    [
+        (["<think>thinking</think>"], None),  # no content at all
+        (["<think>thinking</think>   "], ""),  # test_whitespace_only_penalized
+        (["<think>thinking</think>The answer is 42"], "The answer is 42"),
+        (["<think>a</think>answer", "<think>b</think>"], "answer"),  # test_message_before_tool_call_uses_last_message
+        (["<think>a</think>answer", "<think>b</think>\n"], ""),  # the last content is blank
+        (["<think>a</think>answer", "<think>cut off while thinking"], "answer"),
+        ([], None),  # test_empty_output_items_penalized
+    ],
+)
+def test_final_answer_is_the_last_content(turns, answer):
+    turns = [Turn(t) for t in turns]
+    assert final_answer(turns, *T) == answer
+    assert has_empty_final_answer(turns, *T) is (not answer)
 
 
 def test_unwanted_tokens():
@@ -135,52 +211,84 @@ def test_unwanted_tokens():
 def test_apply_reward_penalties_zeroes_and_flags():
     cfg = RewardPenaltyConfig(
         penalize_duplicated_reasoning=True, penalize_empty_final_answer=True, penalize_unwanted_tokens=True,
-        penalize_malformed_think_tag=True, duplicate_min_chars=10, duplicate_min_repeats=2,
-        token_ids=RewardPenaltyTokenIdsConfig(unwanted=[666]),
+        penalize_malformed_think_tag=True, penalize_repeated_lines=True, repeated_line_min_chars=10,
+        repeated_line_min_repeats=2, token_ids=RewardPenaltyTokenIdsConfig(unwanted=[666]),
     )
-    texts = [
-        "<think>fine</think> 4",  # clean
-        "<think>x</think>",  # empty answer
-        "<think>a</think><think>b</think> 4",  # malformed
-        "<think>I should check.\nI should check.</think> 4",  # duplicated
-        "<think>fine</think> 4",  # unwanted id
-    ]
-    ids = [[1, 2], [1], [1], [1], [1, 666]]
-    rewards = torch.tensor([1.0, 1.0, 1.0, 0.5, 2.0])
-    out, flags, metrics = apply_reward_penalties(rewards, texts, ids, cfg)
-    torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]))
-    assert flags["empty_final_answer"].tolist() == [False, True, False, False, False]
-    assert flags["malformed_think_tag"].tolist() == [False, False, True, False, False]
-    assert flags["duplicated_reasoning"].tolist() == [False, False, False, True, False]
-    assert flags["unwanted_tokens"].tolist() == [False, False, False, False, True]
-    assert metrics["reward_penalty/any"] == pytest.approx(0.8)
-    assert metrics["reward_penalty/unwanted_tokens"] == pytest.approx(0.2)
-    assert torch.equal(rewards, torch.tensor([1.0, 1.0, 1.0, 0.5, 2.0]))  # input untouched
+    turns = one_turn(
+        ("<think>fine</think> 4", [1, 2]),  # clean
+        ("<think>x</think>", [1]),  # empty answer
+        ("<think>a</think><think>b</think> 4", [1]),  # malformed (in one turn)
+        ("<think>I should check.\nI should check.</think> 4", [1]),  # repeated lines
+        ("<think>fine</think> 4", [1, 666]),  # unwanted id
+        ("<think>It is 4</think>It is 4", [1]),  # reasoning equal to the answer
+    )
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.5, 2.0, 1.0])
+    out, flags, metrics = apply_reward_penalties(rewards, turns, cfg)
+    torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    assert flags["empty_final_answer"].tolist() == [False, True, False, False, False, False]
+    assert flags["malformed_think_tag"].tolist() == [False, False, True, False, False, False]
+    assert flags["repeated_lines"].tolist() == [False, False, False, True, False, False]
+    assert flags["unwanted_tokens"].tolist() == [False, False, False, False, True, False]
+    assert flags["duplicated_reasoning"].tolist() == [False, False, False, False, False, True]
+    # each enabled detector's rate under NeMo-RL's metric name (rollouts.py, _PENALTY_METRICS)
+    assert metrics == pytest.approx({
+        "reasoning_equal_to_final_answer_rate": 1 / 6, "empty_final_answer_rate": 1 / 6, "unwanted_token_rate": 1 / 6,
+        "malformed_think_tag_rate": 1 / 6, "repeated_lines_rate": 1 / 6, "reward_penalty_rate": 5 / 6})
+    assert torch.equal(rewards, torch.tensor([1.0, 1.0, 1.0, 0.5, 2.0, 1.0]))  # input untouched
 
 
 def test_apply_reward_penalties_only_enabled_detectors():
     cfg = RewardPenaltyConfig(penalize_empty_final_answer=True)
-    out, flags, _ = apply_reward_penalties(torch.tensor([1.0, 1.0]), ["<think>a</think><think>", ""], [[], []], cfg)
-    assert set(flags) == {"empty_final_answer"}
-    torch.testing.assert_close(out, torch.tensor([1.0, 0.0]))  # malformed but that detector is off
+    out, flags, metrics = apply_reward_penalties(torch.tensor([1.0, 1.0]), one_turn("<think>a</think><think>", ""),
+                                                 cfg)
+    assert set(flags) == {"empty_final_answer"} and set(metrics) == {"empty_final_answer_rate", "reward_penalty_rate"}
+    torch.testing.assert_close(out, torch.tensor([1.0, 0.0]))  # the first is malformed, but that detector is off
+    assert apply_reward_penalties(torch.tensor([1.0]), one_turn(""), RewardPenaltyConfig())[2] == {}
+
+
+def test_think_tags_are_checked_per_turn():
+    """Issue 20: thinking once in each of two turns is well formed (it was malformed on the turns joined)."""
+    cfg = RewardPenaltyConfig(penalize_malformed_think_tag=True)
+    samples = [
+        [Turn("<think>a</think>x"), Turn("<think>b</think>y")],  # well formed, twice
+        [Turn("<think>a</think>x"), Turn("<think>b</think>y</think>")],  # the second turn closes twice
+        [Turn("<think>a</think>x<think>b</think>y")],  # two blocks in one turn
+        [Turn("a</think>x", starts_in_think=True), Turn("b</think>y", starts_in_think=True)],  # template-opened
+        [Turn("a</think>x", starts_in_think=True), Turn("b</think>y")],  # the second turn's prompt opened nothing
+    ]
+    out, flags, _ = apply_reward_penalties(torch.ones(5), samples, cfg)
+    assert flags["malformed_think_tag"].tolist() == [False, True, True, False, True]
+    torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0]))
+
+
+def test_unwanted_tokens_in_any_turn():
+    """NeMo-RL's cases (TestPenalizeUnwantedTokens): anywhere in a generated message, the last token included."""
+    cfg = RewardPenaltyConfig(penalize_unwanted_tokens=True, token_ids=RewardPenaltyTokenIdsConfig(unwanted=[2, 99]))
+    samples = [[Turn("a", [300, 2, 400])], [Turn("a", [300, 400, 2])], [Turn("a", [300, 400])],
+               [Turn("a", [300]), Turn("b", [99])]]
+    out, flags, _ = apply_reward_penalties(torch.ones(4), samples, cfg)
+    assert flags["unwanted_tokens"].tolist() == [True, True, False, True]
 
 
 def test_apply_reward_penalties_think_token_ids():
     cfg = RewardPenaltyConfig(penalize_malformed_think_tag=True,
                               token_ids=RewardPenaltyTokenIdsConfig(think_open=12, think_close=13))
     # Text is fine but the ids show two think blocks (e.g. tags decoded away as special tokens).
-    out, flags, _ = apply_reward_penalties(torch.tensor([1.0, 1.0]), ["answer", "answer"],
-                                           [[12, 5, 13, 12, 13], [12, 5, 13]], cfg)
+    out, flags, _ = apply_reward_penalties(torch.tensor([1.0, 1.0]), one_turn(("answer", [12, 5, 13, 12, 13]),
+                                                                              ("answer", [12, 5, 13])), cfg)
     assert flags["malformed_think_tag"].tolist() == [True, False]
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))
-    out2, _, _ = apply_reward_penalties(torch.tensor([1.0]), ["x"], [[5, 13]], RewardPenaltyConfig(
+    # per turn on ids too: one block in each of two turns is fine
+    out, _, _ = apply_reward_penalties(torch.tensor([1.0]), [[Turn("x", [12, 5, 13]), Turn("y", [12, 6, 13])]], cfg)
+    assert out.tolist() == [1.0]
+    out2, _, _ = apply_reward_penalties(torch.tensor([1.0]), one_turn(("x", [5, 13])), RewardPenaltyConfig(
         penalize_malformed_think_tag=True), tokenizer_think_ids=(12, 13))
     torch.testing.assert_close(out2, torch.tensor([0.0]))
 
 
 def test_apply_reward_penalties_length_mismatch():
-    with pytest.raises(ValueError, match="texts"):
-        apply_reward_penalties(torch.tensor([1.0, 1.0]), ["a"], [[1]], RewardPenaltyConfig())
+    with pytest.raises(ValueError, match="turns of 1 samples"):
+        apply_reward_penalties(torch.tensor([1.0, 1.0]), one_turn("a"), RewardPenaltyConfig())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,15 +322,14 @@ def test_correct_answers_after_a_template_opened_think_block_are_not_penalised()
              "<think>2 plus 2</think>\n\n4"]  # a template that does not open the block
     starts_b = [prompt_starts_in_think(p, cfg.think_open_tag, cfg.think_close_tag) for p in prompts]
     assert starts_b == [True, True, False]
-    out, flags, _ = apply_reward_penalties(torch.ones(3), texts, [[], [], []], cfg, starts_in_think_b=starts_b)
+    turns = [[Turn(text, (), start)] for text, start in zip(texts, starts_b)]
+    out, flags, _ = apply_reward_penalties(torch.ones(3), turns, cfg)
     torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 1.0]))
     assert flags["malformed_think_tag"].tolist() == [False, True, False]
     assert flags["empty_final_answer"].tolist() == [False, True, False]
-    # without the per-sample flags the first correct answer would be zeroed as malformed
-    out_blind, _, _ = apply_reward_penalties(torch.ones(3), texts, [[], [], []], cfg)
+    # without the per-turn flags the first correct answer would be zeroed as malformed
+    out_blind, _, _ = apply_reward_penalties(torch.ones(3), one_turn(*texts), cfg)
     assert out_blind[0] == 0.0
-    with pytest.raises(ValueError, match="starts_in_think_b"):
-        apply_reward_penalties(torch.ones(3), texts, [[], [], []], cfg, starts_in_think_b=[True])
 
 
 def test_malformed_thinking_flags_stand_alone():
@@ -233,13 +340,13 @@ def test_malformed_thinking_flags_stand_alone():
     cfg = RewardPenaltyConfig()  # no penalty switched on
     texts = ["why</think> 4", "why</think> 4", "<think>a</think><think>b</think> 4", "4"]
     ids = [[5, 13, 9], [5, 13, 9], [12, 5, 13, 12, 13], [9]]
-    flags = malformed_thinking_flags(texts, ids, cfg, [True, False, False, False])
+    flags = malformed_thinking_flags([Turn(*x) for x in zip(texts, ids, [True, False, False, False])], cfg)
     assert flags.dtype == torch.bool and flags.tolist() == [False, True, True, False]
     # token ids catch tags the text does not show (decoded away as special tokens)
-    flags = malformed_thinking_flags(["4", "why</think> 4"], [[12, 5, 13, 12, 13], [5, 13, 9]], cfg, [False, True],
+    flags = malformed_thinking_flags([Turn("4", [12, 5, 13, 12, 13]), Turn("why</think> 4", [5, 13, 9], True)], cfg,
                                      tokenizer_think_ids=(12, 13))
     assert flags.tolist() == [True, False]
-    assert malformed_thinking_flags(["4"], [[9]], cfg).tolist() == [False]  # default: no block opened
+    assert malformed_thinking_flags([Turn("4", [9])], cfg).tolist() == [False]  # default: no block opened
 
 
 # ----------------------------------------------------------------------------------------------

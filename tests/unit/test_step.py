@@ -92,6 +92,27 @@ def test_phase_7_composes_estimator_distillation_message_penalties_and_clipping_
     assert mask.tolist() == [1.0, 1.0]
 
 
+def test_a_message_flagged_invalid_and_malformed_gets_the_invalid_advantage_and_counts_as_invalid():
+    """NeMo-RL (_apply_message_level_advantage_penalties): ``if is_invalid: ... elif is_malformed_thinking``."""
+    cfg = build_config({"grpo": {"invalid_tool_call_advantage": -3.0, "malformed_thinking_advantage": -2.0}})
+    both = ["invalid_tool_call", "malformed_thinking"]
+    t0 = traj(0, 1.0, [([10, 11], [20]), ([12, 2], [])], flags=[both, ["malformed_thinking"]])
+    t1 = traj(0, 0.0, [([13, 14, 2], [])])
+    adv, _, metrics = compose_advantages(cfg, build_batch([t0, t1], pad_id=0))
+    assert adv[0, 2:4].tolist() == [-3.0, -3.0] and adv[0, 5:7].tolist() == [-2.0, -2.0]
+    assert metrics["num_assistant_messages"] == 3
+    assert metrics["num_invalid_tool_calls"] == 1 and metrics["num_malformed_thinking"] == 1
+    assert metrics["invalid_tool_call_rate"] == pytest.approx(1 / 3)
+    assert metrics["malformed_thinking_rate"] == pytest.approx(1 / 3)
+    # With the invalid-call penalty off, the same message takes the malformed value and counts as malformed.
+    cfg = build_config({"grpo": {"malformed_thinking_advantage": -2.0}})
+    adv, _, metrics = compose_advantages(cfg, build_batch([t0, t1], pad_id=0))
+    assert adv[0, 2:4].tolist() == [-2.0, -2.0]
+    assert metrics["num_invalid_tool_calls"] == 0 and metrics["num_malformed_thinking"] == 2
+    # Both off: no penalty metrics (NeMo-RL logs them only when a penalty is configured).
+    assert "invalid_tool_call_rate" not in compose_advantages(build_config({}), build_batch([t0, t1], pad_id=0))[2]
+
+
 @pytest.mark.parametrize("flag, value", [("invalid_tool_call", -1.0), ("malformed_thinking", -0.25)])
 def test_each_message_penalty_changes_exactly_the_tokens_of_its_flagged_messages(flag, value):
     key = {"invalid_tool_call": "invalid_tool_call_advantage", "malformed_thinking": "malformed_thinking_advantage"}
@@ -126,11 +147,11 @@ def test_shape_rewards_penalises_scales_and_marks_malformed_thinking():
     assert b.rewards_b.tolist() == [1.0, -1.0]  # zeroed by the penalty, then scaled from [0, 1] to [-1, 1]
     assert b.task_rewards_b.tolist() == [1.0, -1.0]  # no shaping configured
     assert b.message_spans == build_batch([good, bad], pad_id=0).message_spans  # the penalty flags no message
-    assert metrics["reward_penalty/malformed_think_tag"] == 0.5
+    assert metrics == {"malformed_think_tag_rate": 0.5, "reward_penalty_rate": 0.5}  # NeMo-RL's name
     # grpo.malformed_thinking_advantage flags the message, on its own, and changes no reward.
     cfg = build_config({"grpo": {"malformed_thinking_advantage": -1.0}})
     b, metrics = shape_rewards(cfg, build_batch([good, bad], pad_id=0), build_char_tokenizer())
-    assert b.rewards_b.tolist() == [1.0, 1.0] and "reward_penalty/malformed_think_tag" not in metrics
+    assert b.rewards_b.tolist() == [1.0, 1.0] and metrics == {}
     assert b.message_spans[1][0][2] == ("malformed_thinking",) and b.message_spans[0][0][2] == ()
 
 
@@ -143,6 +164,27 @@ def test_a_prompt_that_opens_the_think_block_makes_a_closing_tag_well_formed():
         t.messages[1].content = "hmm</think> 4"
     b, _ = shape_rewards(cfg, build_batch([opened, closed], pad_id=0), tok)
     assert [spans[0][2] for spans in b.message_spans] == [(), ("malformed_thinking",)]
+
+
+def test_thinking_once_in_each_of_two_turns_keeps_its_reward_and_a_malformed_turn_is_caught():
+    """Issue 20: the think-tag checks ran on all turns' text joined, so '<think>a</think>x<think>b</think>y' in
+    two turns was malformed. NeMo-RL checks each (user, assistant) pair; so does shape_rewards, per turn."""
+    cfg = build_config({"reward_penalties": {"penalize_malformed_think_tag": True, "penalize_empty_final_answer": True,
+                                             "penalize_duplicated_reasoning": True},
+                        "grpo": {"malformed_thinking_advantage": -1.0}})
+    samples = []
+    for second in ("<think>b</think>y", "<think>b</think>y</think>", "<think>b</think>"):
+        t = traj(0, 1.0, [([10, 11], [20]), ([12, 2], [])])
+        t.messages[1].content, t.messages[3].content = "<think>a</think>x", second
+        samples.append(t)
+    b, metrics = shape_rewards(cfg, build_batch(samples, pad_id=0), build_char_tokenizer())
+    # 0: well formed; 1: its second turn has a stray close tag; 2: its last turn only thinks, so the final
+    # answer is the first turn's 'x' (NeMo-RL walks back to the last content): not empty.
+    assert b.rewards_b.tolist() == [1.0, 0.0, 1.0]
+    assert [[f for _, _, f in spans] for spans in b.message_spans] == [[(), ()], [(), ("malformed_thinking",)],
+                                                                       [(), ()]]
+    assert metrics["malformed_think_tag_rate"] == pytest.approx(1 / 3)
+    assert metrics["empty_final_answer_rate"] == 0.0 and metrics["reasoning_equal_to_final_answer_rate"] == 0.0
 
 
 def test_dynamic_sampling_drops_a_group_of_wrong_answers_whose_overlong_penalties_differ():
