@@ -1,8 +1,8 @@
 """Conversations as tokens: the initial prompt messages, and the tokens an observation appends.
 
 Token in, token out. A conversation's tokens only ever grow at the end: the prompt's tokens, then each
-assistant turn exactly as generated (never decoded and re-encoded), then each observation's tokens as
-the chat template renders it after the conversation so far, and so on. So the context of turn k is
+assistant turn exactly as generated (never decoded and re-encoded), then each observation's tokens (raw, or
+as the chat template renders it after the conversation so far: below), and so on. So the context of turn k is
 exactly the context of turn k - 1 plus the new tokens, and the trainer scores the very tokens the
 generator saw.
 
@@ -11,10 +11,19 @@ Two modes, from ``policy.tokenizer.chat_template``:
 - plain text (None): the prompt is one ``user`` message tokenised with the tokenizer's special tokens
   (``<bos>``); an observation is its content tokenised without special tokens (NeMo-RL's behaviour);
 - chat template ("default" = the tokenizer's own, or a Jinja string): each prompt message is the text the
-  template adds for it; an observation's tokens are what the template adds after the assistant message
-  just generated: the template's end-of-turn text the generation did not produce itself (e.g. the
-  ``"\\n"`` after Qwen's ``<|im_end|>``, or the whole ``<|im_end|>\\n`` of a turn cut by length or by a stop
-  string), the observation message(s) and the generation prompt of the next assistant turn.
+  template adds for it.
+
+An observation becomes tokens in one of two ways (``env.observation_format``, per environment):
+
+- ``raw`` (`raw_observation_ids`): its content tokenised without special tokens, nothing added: NeMo-RL's
+  ``run_multi_turn_rollout`` ("Tokenize the raw content from the environment"). The environment writes its
+  own turn markup, and the next assistant turn is generated right after the content;
+- ``chat_template`` (`observation_ids`): what the template adds after the assistant message just generated:
+  the template's end-of-turn text the generation did not produce itself (e.g. the ``"\\n"`` after Qwen's
+  ``<|im_end|>``, or the whole ``<|im_end|>\\n`` of a turn cut by length or by a stop string), the observation
+  message(s) and the generation prompt of the next assistant turn. A role the template renders nothing for
+  (Qwen2.5 drops ``environment``, the role NeMo-RL's environments answer with) is a `ChatFormatError`: the
+  observation would vanish from the conversation without a word.
 
         >>> from grpo.tasks.toy import build_char_tokenizer, SIMPLE_CHAT_TEMPLATE
         >>> chat = ChatFormat(build_char_tokenizer(), SIMPLE_CHAT_TEMPLATE)
@@ -48,6 +57,7 @@ class ChatFormat:
         if chat_template == "default" and not getattr(tokenizer, "chat_template", None):
             raise ChatFormatError("policy.tokenizer.chat_template='default' but the tokenizer has no chat template")
         self._tail = None if chat_template is None else self._assistant_tail()
+        self._renders_role: dict[str, bool] = {}
 
     @property
     def plain(self) -> bool:
@@ -95,16 +105,44 @@ class ChatFormat:
             raise ChatFormatError("the chat template does not render assistant messages' content")
         return text[text.index(_SENTINEL) + len(_SENTINEL):]
 
+    def raw_observation_ids(self, new: list[dict[str, Any]]) -> list[int]:
+        """NeMo-RL's observation tokens: the messages' content, joined, tokenised without special tokens; no
+        template, no generation prompt (the next assistant turn starts right after it).
+
+            >>> from grpo.tasks.toy import build_char_tokenizer
+            >>> tok = build_char_tokenizer()
+            >>> ChatFormat(tok).raw_observation_ids([{"role": "environment", "content": "ok"}]) == tok.encode(
+            ...     "ok", add_special_tokens=False)
+            True
+        """
+        return self.encode("".join(m["content"] for m in new))
+
+    def check_roles(self, new: list[dict[str, Any]]) -> None:
+        """ChatFormatError when the template renders nothing of a message of one of ``new``'s roles (checked
+        once per role, with a marker as the content, after a neutral user / assistant exchange)."""
+        if self.plain:
+            return
+        for role in dict.fromkeys(m["role"] for m in new):
+            if role not in self._renders_role:
+                text = self.render(_BASE + [{"role": role, "content": _SENTINEL}], add_generation_prompt=True)
+                self._renders_role[role] = _SENTINEL in text
+            if not self._renders_role[role]:
+                raise ChatFormatError(
+                    f"the chat template renders nothing for a message of role {role!r}: its observations would "
+                    "vanish from the conversation")
+
     def observation_text(self, history: list[dict[str, Any]], new: list[dict[str, Any]], ended_with: str) -> str:
         """The text that follows the generated tokens of ``history[-1]`` (the assistant turn just generated)
         when ``new`` messages are appended, up to the next assistant turn's generation prompt.
 
         ``ended_with``: the text of the special token that ended the generation ("" when it stopped on a
         stop string or by length). When the template's end-of-turn text starts with it (Qwen's
-        ``<|im_end|>``), it is not written again.
+        ``<|im_end|>``), it is not written again. A role the template drops raises `ChatFormatError`
+        (`check_roles`).
         """
         if self.plain:
             return "".join(m["content"] for m in new)
+        self.check_roles(new)
         full = self.render(history + new, add_generation_prompt=True)
         prev = self.render(history, add_generation_prompt=False)
         if full.startswith(prev):

@@ -9,7 +9,9 @@ first turn, so every rollout takes this one code path. NeMo-RL's ``run_multi_tur
     prompt messages -> [assistant turn -> environment step -> observation]* -> reward, done
 
 Token in, token out: an assistant message holds exactly the generated token ids and their generation
-logprobs; observations are tokenised by `grpo.system.chat.ChatFormat`, appended at the end. A sample ends when
+logprobs; observations are tokenised by `grpo.system.chat.ChatFormat`, appended at the end: their content alone
+(NeMo-RL's way) or rendered by the chat template, as the environment's ``observation_format`` says
+(`grpo.tasks.router.Environments.observation_format`). A sample ends when
 its environment says so, when it has used ``max_rollout_turns`` turns, or when the next turn would not fit
 ``policy.max_total_sequence_length`` (then it counts as truncated).
 
@@ -28,6 +30,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 
 from grpo.tasks.interface import MESSAGE_FLAGS
+from grpo.system.chat import ChatFormatError
 from grpo.tasks.rows import PromptRow
 from grpo.system.dist import all_gather_objects, rank_slice
 from grpo.system.generation.base import chunk_slices
@@ -67,7 +70,8 @@ class Trajectory:
     environment asked to keep it out of the loss; ``error``: "reward_error" / "reward_timeout" /
     "env_error" / "env_timeout" when scoring failed (reward 0), ``error_detail`` its traceback;
     ``terminated``: the environment ended it (``terminateds``); ``max_turns_reached``: ``max_rollout_turns`` ended
-    it while the environment had not (NeMo-RL's rollout metrics count both: `grpo.rollout_metrics`).
+    it while the environment had not (NeMo-RL's rollout metrics count both: `grpo.rollout_metrics`);
+    ``stop_strings``: the data row's stop strings for the first turn (`row_stop_strings`), or None.
     """
 
     group_id: int
@@ -90,6 +94,7 @@ class Trajectory:
     num_prompt_messages: int = 0
     terminated: bool = False
     max_turns_reached: bool = False
+    stop_strings: list[str] | None = None
 
     @property
     def observation_tokens(self) -> int:
@@ -147,18 +152,38 @@ def sample_seed(base_seed: int, step: int, sample_index: int, stream: str = "tra
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
+def row_stop_strings(row: PromptRow) -> list[str] | None:
+    """A data row's ``stop_strings`` (NeMo-RL's ``DatumSpec.stop_strings``, read by its rollout for the first
+    turn): a top-level key of the row, or a column of a file row (which lands in ``meta``); None without one.
+
+        >>> row = PromptRow(0, "q", "a", "t", [], [], meta={"stop_strings": ["</action>"]})
+        >>> row_stop_strings(row), row_stop_strings(PromptRow(0, "q", "a", "t", [], []))
+        (['</action>'], None)
+    """
+    value = row.extra.get("stop_strings", (row.meta or {}).get("stop_strings"))
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+        raise ValueError(f"{row.source or f'row {row.index}'}: stop_strings={value!r}: expected a list of strings "
+                         "or null")
+    return list(value)
+
+
 def new_trajectories(prompts: list[PromptRow], num_generations: int) -> list[Trajectory]:
     """``num_generations`` fresh trajectories per prompt row (`grpo.tasks.rows.PromptRow`), consecutively, group
-    ids 0..P-1. The environments' metadata of a sample is ``{"question", "answer", "meta", "task_name"}``."""
+    ids 0..P-1. The environments' metadata of a sample is ``{"question", "answer", "meta", "task_name"}``; its
+    first turn's stop strings are the row's (`row_stop_strings`)."""
     out = []
     for group_id, row in enumerate(prompts):
+        stop_strings = row_stop_strings(row)
         for _ in range(num_generations):
             messages = [Message(m["role"], m["content"], list(m["token_ids"])) for m in row.prompt_messages]
             metadata = {"question": row.question, "answer": row.answer, "meta": row.meta or {},
                         "task_name": row.task_name}
             out.append(Trajectory(group_id=group_id, prompt_index=int(row.index), task_name=row.task_name,
                                   question=row.question, answer=row.answer, messages=messages,
-                                  metadata=metadata, num_prompt_messages=len(messages)))
+                                  metadata=metadata, num_prompt_messages=len(messages),
+                                  stop_strings=None if stop_strings is None else list(stop_strings)))
     return out
 
 
@@ -198,9 +223,12 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
     sample i at turn k: ``sample_seed(*seed_keys[i], turn=k)``), then one `envs.step` per task for the
     samples of that task. ``weights``: the async loop's weight source; ``weights.load_newest()`` runs before
     each chunk (a safe point for new weights) and returns the version the chunk is generated with.
+
+    The first turn stops at the data row's stop strings and its environment's (`first_stop_strings`), a
+    later one at what the environment returned for it (``next_stop_strings``; None: the config's).
     """
     timing = {"generate_s": 0.0, "env_step_s": 0.0}
-    stops = {i: envs.first_stop_strings(t.task_name) for i, t in enumerate(trajs)}
+    stops = {i: first_stop_strings(t, envs) for i, t in enumerate(trajs)}
     for turn in range(settings.max_turns):
         active = [i for i, t in enumerate(trajs) if not t.done]
         for i in active:  # no room for even one new token: the conversation is over
@@ -245,7 +273,7 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
                     t.done = t.max_turns_reached = True  # out of turns: no observation is appended
                     continue
                 new = ret.observations[j]
-                ids = chat.observation_ids(_log(t), new, t.messages[-1].token_ids)
+                ids = _observation_ids(t, new, envs, chat)
                 room = _room(t, settings)
                 if len(ids) >= room:  # the observation (and a next turn) does not fit: cut it, end the sample
                     ids, t.done, t.truncated = ids[:max(room, 0)], True, True
@@ -256,6 +284,36 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
     for t in trajs:
         t.done = True
     return timing
+
+
+def first_stop_strings(t: Trajectory, envs) -> list[str] | None:
+    """The data row's stop strings and the environment's first-turn ones (`grpo.tasks.router.Environments.
+    first_stop_strings`), in that order without repeats; None when neither has any.
+
+        >>> class Envs:
+        ...     def first_stop_strings(self, task): return ["</tool_call>"]
+        >>> t = Trajectory(0, 0, "t", "q", "a", [], {}, stop_strings=["</action>"])
+        >>> first_stop_strings(t, Envs())
+        ['</action>', '</tool_call>']
+    """
+    both = [*(t.stop_strings or []), *(envs.first_stop_strings(t.task_name) or [])]
+    return list(dict.fromkeys(both)) or None
+
+
+def _observation_ids(t: Trajectory, new: list[dict], envs, chat) -> list[int]:
+    """The tokens of sample t's observation ``new``: its raw content (NeMo-RL's) or the chat template's
+    rendering, per the environment's observation format; a role the template drops stops the run, named."""
+    fmt = envs.observation_format(t.task_name) if hasattr(envs, "observation_format") else "chat_template"
+    if fmt == "raw":
+        return chat.raw_observation_ids(new)
+    try:
+        return chat.observation_ids(_log(t), new, t.messages[-1].token_ids)
+    except ChatFormatError as err:
+        env = getattr(envs, "envs", {}).get(t.task_name)
+        raise ChatFormatError(
+            f"environment {t.task_name!r} ({type(env).__name__}) with observation_format=chat_template: {err}. Set "
+            "observation_format: raw in its env section (NeMo-RL's way: the content as tokens, the environment "
+            "writes its own turn markup), or use a chat template that renders that role") from err
 
 
 def _log(t: Trajectory) -> list[dict]:
@@ -284,7 +342,9 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
     else:
         t.reward += float(rewards[j])
     meta = ret.metadata[j]
-    if isinstance(meta, dict):
+    if meta is None:  # NeMo-RL's rollout keeps a sample's metadata when its environment returns None
+        meta = t.metadata
+    elif isinstance(meta, dict):
         if meta.get("reward_components") is not None:  # a reward function's components beside its scalar reward
             comps = meta["reward_components"]
             t.reward_components = {k: (t.reward_components or {}).get(k, 0.0) + float(v) for k, v in comps.items()}

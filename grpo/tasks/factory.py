@@ -12,10 +12,14 @@ By ``env.name``:
 Several environments in one run: ``env.tasks: {task_name: {name: ..., ...}}``; each data row's
 ``task_name`` (``data.task_key``) picks one, rows without it use the top-level environment, whose task name
 is ``env.task_name`` (default: ``env.name``). ``env.val_tasks`` gives validation its own environments.
+
+Each environment's ``observation_format`` (`observation_format`): ``auto`` is NeMo-RL's raw content for
+``class`` environments and the chat template for the built-ins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -79,6 +83,23 @@ def build_environment(spec, data_cfg=None, key: str = "env") -> Environment:
                              timeout_s=spec.timeout_s)
 
 
+def observation_format(spec) -> str:
+    """"raw" or "chat_template": ``spec.observation_format``, where ``auto`` is raw for ``env.name: class``
+    (environments written to NeMo-RL's interface, whose rollout tokenises an observation's content alone) and
+    chat_template for the built-ins (tools, guess_number, the reward functions).
+
+        >>> from grpo.config import EnvSpec
+        >>> observation_format(EnvSpec(name="class", env_class="m:C")), observation_format(EnvSpec(name="tools",
+        ...     tools=["m:f"], reward_fn="m:g")), observation_format(EnvSpec(name="class", env_class="m:C",
+        ...     observation_format="chat_template"))
+        ('raw', 'chat_template', 'chat_template')
+    """
+    fmt = getattr(spec, "observation_format", "auto")
+    if fmt != "auto":
+        return fmt
+    return "raw" if spec.name == "class" else "chat_template"
+
+
 def task_specs(env_cfg, split: str = "train") -> dict[str, Any]:
     """Task name -> `EnvSpec`: the top-level environment (as ``env.task_name`` or ``env.name``) and
     ``env.tasks``; for ``split="val"``, ``env.val_tasks`` replaces the tasks it names."""
@@ -89,9 +110,21 @@ def task_specs(env_cfg, split: str = "train") -> dict[str, Any]:
 
 
 def build_environments(env_cfg, data_cfg=None, split: str = "train") -> Environments:
-    """Every environment of the run (see `task_specs`), wrapped in `Environments`."""
-    envs = {}
-    for task, spec in task_specs(env_cfg, split).items():
-        section = "val_tasks" if spec is (env_cfg.val_tasks or {}).get(task) else "tasks"
-        envs[task] = build_environment(spec, data_cfg, "env" if spec is env_cfg else f"env.{section}.{task}")
-    return Environments(envs, env_cfg.step_timeout_s)
+    """Every environment of the run (see `task_specs`), wrapped in `Environments` with its observation format;
+    the reward environments are known to give scalar rewards (`Environments` rejects a mix of kinds)."""
+    envs, formats, kinds = {}, {}, {}
+    specs = task_specs(env_cfg, split)
+    try:
+        for task, spec in specs.items():
+            section = "val_tasks" if spec is (env_cfg.val_tasks or {}).get(task) else "tasks"
+            envs[task] = build_environment(spec, data_cfg, "env" if spec is env_cfg else f"env.{section}.{task}")
+            formats[task] = observation_format(spec)
+            kinds[task] = "scalar" if isinstance(envs[task], RewardEnvironment) else None
+        return Environments(envs, env_cfg.step_timeout_s, formats, kinds)
+    except BaseException:
+        for env in envs.values():  # workers the environments built so far have started
+            shutdown = getattr(env, "shutdown", None)
+            if shutdown is not None:
+                with contextlib.suppress(Exception):
+                    shutdown()
+        raise

@@ -15,8 +15,23 @@ message per sample, a reward for the turn, whether the episode ended, and new me
 
 ``message_logs[b]`` is sample b's conversation as ``[{"role": ..., "content": ...}, ...]``, ending with the
 assistant message just generated. ``metadata[b]`` is whatever the environment returned for b last turn
-(first turn: the dataset row's ``{"question", "answer", "meta", "task_name"}``). Rewards of all turns add
-up to the sample's reward. A single-turn task is an environment that terminates every sample at once.
+(first turn: the dataset row's ``{"question", "answer", "meta", "task_name"}``); a sample whose returned
+metadata is None keeps its previous metadata (NeMo-RL's rollout). Rewards of all turns add up to the sample's
+reward. A single-turn task is an environment that terminates every sample at once.
+
+How an observation becomes tokens is ``env.observation_format`` (`grpo.system.chat`): for ``env.name: class``
+environments, NeMo-RL's way by default: the content alone, as tokens (NeMo-RL's environments answer with
+role ``environment`` and write their own turn markup: with Qwen's template, an observation that should read as
+a user turn carries the ``<|im_start|>user`` ... ``<|im_end|>`` and the next ``<|im_start|>assistant`` header
+itself); the built-ins render theirs with the chat template.
+
+A data row's ``stop_strings`` column (a list of strings; NeMo-RL's ``DatumSpec.stop_strings``) stops the
+sample's first turn, beside the environment's own ``stop_strings`` attribute; ``next_stop_strings`` set the next.
+
+The rewards of the run's environments are all ``[B]`` tensors or all dicts of them: an environment of each
+kind in one run stops it (NeMo-RL asserts the same), naming both: at load when both kinds are known then (the
+built-in reward environments are scalar; a class may say ``reward_kind = "dict"`` or ``"scalar"``), else at
+the first step that returns the second kind.
 
 Per-sample flags an environment may put in ``metadata[b]`` (a dict):
 
@@ -51,7 +66,7 @@ class EnvironmentReturn(NamedTuple, Generic[MetadataT]):
     observations:       one message per sample, ``{"role": "environment" | "tool" | "user", "content": str}``,
                         or a list of messages (e.g. one ``tool`` message per call; a grpo-ds extension);
                         ignored for samples that terminate
-    metadata:           the sample's metadata for its next turn (and the flags above)
+    metadata:           the sample's metadata for its next turn (and the flags above); None: keep the last
     next_stop_strings:  per sample, the stop strings of its next turn (None: the config's)
     rewards:            ``[B]`` reward of this turn (or a dict of named ``[B]`` components)
     terminateds:        ``[B]`` bool: the episode ended this turn
@@ -73,10 +88,13 @@ class Environment(abc.ABC, Generic[MetadataT]):
     def step(self, message_logs: list[MessageLog], metadata: list[MetadataT]) -> EnvironmentReturn[MetadataT]:
         """One turn for a batch of samples; see the module docstring."""
 
-    def global_post_process_and_metrics(self, trajectories: list) -> tuple[list, dict]:
-        """After a whole rollout batch: adjust its trajectories (`grpo.system.rollout.Trajectory`) and return
-        metrics (logged as ``train/env/<task>/<name>``). Default: unchanged, no metrics."""
-        return trajectories, {}
+    def global_post_process_and_metrics(self, batch: dict) -> tuple[dict, dict]:
+        """After a whole rollout batch: metrics of this environment's samples (logged as
+        ``train/env/<task>/<name>``), from ``batch``, a dict with NeMo-RL's rollout keys
+        (`grpo.tasks.router.rollout_batch` lists them). Returns ``(batch, metrics)``; of the returned batch only
+        ``batch["trajectories"]`` (grpo-ds's `grpo.system.rollout.Trajectory` objects, one per sample) is read
+        back: an environment may replace them there. Default: unchanged, no metrics."""
+        return batch, {}
 
     def shutdown(self) -> None:
         """Release workers, sandboxes, connections. Called once at the end of the run."""

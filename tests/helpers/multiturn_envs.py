@@ -48,7 +48,7 @@ class FailsOnBoom(Environment):
         return EnvironmentReturn([{"role": "user", "content": ""}] * n, list(metadata), [None] * n,
                                  torch.tensor(rewards), torch.ones(n, dtype=torch.bool), [None] * n)
 
-    def global_post_process_and_metrics(self, trajectories):
-        if any(t.question == "boom" for t in trajectories):
+    def global_post_process_and_metrics(self, batch):  # NeMo-RL's batch (grpo.tasks.router.rollout_batch)
+        if any(md["question"] == "boom" for md in batch["extra_env_info"]):
             raise RuntimeError("boom in this prompt batch")
-        return trajectories, {}
+        return batch, {}
