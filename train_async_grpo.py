@@ -42,7 +42,7 @@ def main(argv=None) -> int | None:
     from grpo.system import weights
     from grpo.batch import build_batch
     from grpo.system.data import PromptStream
-    from grpo.metrics import rollout_counts
+    from grpo.metrics import nemo_rl_names, rollout_counts
     from grpo.producer import RolloutProducer, weight_copy
     from grpo.system.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
@@ -137,6 +137,7 @@ def main(argv=None) -> int | None:
                 step, entries, wait_s), "async/train_start_time": train_start, "async/train_end_time": train_end,
             "train/epoch": state.current_epoch, "train/prompt_indices": [e.group.prompt_index for e in entries],
         })
+        metrics = nemo_rl_names(metrics)  # the keys NeMo-RL logs (grpo.metrics.NEMO_RL_NAMES)
         failure = run.checks.after_step(trajectories, batch.raw_rewards_b, results, metrics)
         run.logger.log(metrics, step)
         run.logger.progress(step, metrics)

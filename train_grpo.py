@@ -38,7 +38,7 @@ def main(argv=None) -> int | None:
     from grpo.batch import build_batch
     from grpo.system.checkpoint import rng_state
     from grpo.system.data import PromptStream
-    from grpo.metrics import rollout_counts
+    from grpo.metrics import nemo_rl_names, rollout_counts
     from grpo.system.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
     from grpo.dynamic_sampling import DynamicSamplingCache
@@ -129,6 +129,7 @@ def main(argv=None) -> int | None:
         timing["timing/step_s"] = time.perf_counter() - t_step
         metrics.update({**step_metrics(batch, results, timing["timing/step_s"]), **timing,
                         **getattr(run.generator, "memory", {}), "train/epoch": state.current_epoch})
+        metrics = nemo_rl_names(metrics)  # the keys NeMo-RL logs (grpo.metrics.NEMO_RL_NAMES)
         failure = run.checks.after_step(batch.trajectories, batch.raw_rewards_b, results, metrics)
         run.logger.log(metrics, step)
         run.logger.progress(step, metrics)

@@ -112,8 +112,8 @@ def main() -> None:
 
     with open(Path(log_dir) / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    train = sorted((r for r in rows if "timing/step_s" in r), key=lambda r: r["step"])
-    step_s = [r["timing/step_s"] for r in train]
+    train = sorted((r for r in rows if "timing/train/total_step_time" in r), key=lambda r: r["step"])
+    step_s = [r["timing/train/total_step_time"] for r in train]
     tokens = [r["train/num_completion_tokens"] for r in train]
     timed = list(range(1, len(train))) or [0]
     out = {
@@ -128,7 +128,8 @@ def main() -> None:
         "peak_rss_mb": round(peak_rss_mb, 1),
         "time_to_first_step_s": round(train[0]["time"] - t_start, 2),
         "phase_s_median": {k: statistics.median(r[k] for r in train[1:] or train)
-                           for k in ("timing/generate_s", "timing/logprobs_s", "timing/train_s", "timing/refit_s")
+                           for k in ("timing/train/generate_s", "timing/train/policy_and_reference_logprobs",
+                                     "timing/train/policy_training", "timing/train/prepare_for_generation/total")
                            if k in train[0]},
         "threads": args.threads,
         "command": " ".join(cmd[1:]),

@@ -264,6 +264,9 @@ class GRPOConfig(_Section):
         True, description="Baseline of a sample = mean reward of the other samples of its prompt.")
     val_period: int = Field(
         10, ge=0, description="Validate every this many steps (0: never, except val_at_start / val_at_end).")
+    val_start_at: int = Field(-1, ge=-1, description=(
+        "First step eligible for periodic validation (steps >= this that are multiples of val_period); -1: no "
+        "delay. val_at_start and val_at_end do not wait for it."))
     val_batch_size: Optional[int] = Field(256, gt=0, description="Validation prompts per rollout call.")
     val_at_start: bool = Field(False, description="Validate before the first step (its metric can stop the run early).")
     val_at_end: bool = Field(False, description="Validate after the last step.")
@@ -272,11 +275,13 @@ class GRPOConfig(_Section):
     val_num_generations_per_prompt: int = Field(
         1, gt=0, description="Samples per validation prompt; k > 1 also reports pass@k.")
     stop_at_validation_metric: Optional[str] = Field(None, description=(
-        "Stop once this validation metric reaches the threshold: reward_mean (alias accuracy), pass@k (alias "
-        "pass_k), ..."))
+        "Stop once this validation metric reaches the threshold: accuracy, pass_k (with "
+        "val_num_generations_per_prompt > 1), avg_length, ... (NeMo-RL's names; the old reward_mean, pass@k are "
+        "read as accuracy, pass_k)."))
     stop_at_validation_threshold: Optional[float] = Field(None, description="Threshold of stop_at_validation_metric.")
-    skip_reference_policy_logprobs_calculation: Optional[bool] = Field(
-        None, description="Skip the reference model (null: skipped when nothing reads its logprobs).")
+    skip_reference_policy_logprobs_calculation: Optional[bool] = Field(False, description=(
+        "Skip the reference model and its logprobs; needs loss_fn.reference_policy_kl_penalty=0. As in NeMo-RL, "
+        "a penalty of 0 skips them whatever this says (null: the same as false)."))
     skip_previous_policy_logprobs_calculation: Optional[bool] = Field(None, description=(
         "Skip the separate previous-policy logprob pass (the training forward's own, detached, stand in; exact "
         "when one optimizer step uses the whole rollout); null: skipped whenever that holds and nothing reads "
@@ -383,6 +388,12 @@ class GenerationConfig(_Section):
         1.0, gt=0, le=1, description="Nucleus sampling (the trainer's logprobs apply the same filter).")
     top_k: Optional[int] = Field(
         None, gt=0, description="Top-k sampling (null: off; the trainer's logprobs apply the same filter).")
+    val_temperature: Optional[float] = Field(
+        None, gt=0, description="Validation's sampling temperature (null: temperature, the training value).")
+    val_top_p: Optional[float] = Field(
+        None, gt=0, le=1, description="Validation's nucleus sampling (null: top_p, the training value).")
+    val_top_k: Optional[int] = Field(
+        None, gt=0, description="Validation's top-k sampling (null: top_k, the training value).")
     stop_token_ids: Optional[list[int]] = Field(
         None, description="Extra token ids that end a turn (besides the tokenizer's and the model's EOS).")
     stop_strings: Optional[list[str]] = Field(
@@ -390,6 +401,13 @@ class GenerationConfig(_Section):
     refit_bucket_numel: int = Field(2**28, gt=0, description=(
         "Elements per weight-refit push: ZeRO-3 gathers whole decoder layers until a bucket holds this many."))
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
+
+    def for_validation(self) -> "GenerationConfig":
+        """This config with validation's sampling (NeMo-RL's val_temperature / val_top_p / val_top_k) in place of
+        temperature / top_p / top_k; itself when none is set."""
+        update = {name: getattr(self, f"val_{name}") for name in ("temperature", "top_p", "top_k")
+                  if getattr(self, f"val_{name}") is not None}
+        return self.model_copy(update=update) if update else self
 
 
 class PolicyConfig(_Section):
@@ -610,9 +628,10 @@ class CheckpointingConfig(_Section):
     enabled: bool = Field(True, description="Save checkpoints (and hf_final at the end).")
     checkpoint_dir: str = Field(
         "results/grpo", description="Where checkpoints go; one run per directory (a lock and a run fingerprint).")
-    metric_name: Optional[str] = Field("val_reward", description=(
-        "Keep the top keep_top_k checkpoints by this (val_reward, or a logged val/... or train/... key); "
-        "null: the last k."))
+    metric_name: Optional[str] = Field("val:accuracy", description=(
+        "Keep the top keep_top_k checkpoints by this metric, in NeMo-RL's form: 'val:<name>' (a validation "
+        "metric: accuracy, pass_k, avg_length, ...) or 'train:<name>' (a train/ metric of the saved step, e.g. "
+        "train:loss); the old val_reward, val/..., train/... are read as that. null: the last k."))
     higher_is_better: bool = Field(True, description="Ranking direction of metric_name.")
     keep_top_k: Optional[int] = Field(3, gt=0, description="Checkpoints kept (the newest always stays); null: all.")
     save_period: int = Field(10, gt=0, description="Save every this many steps (and after the last one).")
@@ -637,6 +656,8 @@ class CheckpointingConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "CheckpointingConfig":
+        if self.metric_name is not None and checkpoint_metric_form(self.metric_name) != self.metric_name:
+            self.metric_name = checkpoint_metric_form(self.metric_name)  # validated again: then in NeMo-RL's form
         if self.checkpoint_must_save_by is not None and not self.enabled:
             raise ValueError(
                 f"checkpointing.checkpoint_must_save_by={self.checkpoint_must_save_by!r}: saving before the "
@@ -774,10 +795,10 @@ class MasterConfig(_Section):
                 raise ValueError("grpo.skip_previous_policy_logprobs_calculation=true but the run needs "
                                  f"previous-policy logprobs ({why}): set it to null or false")
         if g.skip_reference_policy_logprobs_calculation and needs_reference(self):
-            raise ValueError(
-                "grpo.skip_reference_policy_logprobs_calculation=true but the run needs reference logprobs "
-                f"(loss_fn.reference_policy_kl_penalty={loss.reference_policy_kl_penalty}, "
-                f"loss_fn.use_kl_in_reward={loss.use_kl_in_reward}): set the penalty to 0 or skip=false"
+            raise ValueError(  # NeMo-RL asserts the same (nemo_rl/algorithms/grpo.py, setup)
+                "grpo.skip_reference_policy_logprobs_calculation=true requires "
+                f"loss_fn.reference_policy_kl_penalty == 0 (got {loss.reference_policy_kl_penalty}): the KL "
+                "penalty reads the reference logprobs; set the penalty to 0 or the flag to false"
             )
         if loss.use_kl_in_reward and g.adv_estimator.name != "reinforce_plus_plus":
             raise ValueError(
@@ -799,27 +820,18 @@ class MasterConfig(_Section):
         if g.val_period > 0 and g.val_batch_size is None:
             raise ValueError("grpo.val_batch_size=None: expected a positive integer when grpo.val_period > 0")
         if g.stop_at_validation_metric is not None:
-            produced = validation_metric_names(g.val_num_generations_per_prompt)
-            name = VALIDATION_METRIC_ALIASES.get(g.stop_at_validation_metric, g.stop_at_validation_metric)
-            name = f"pass@{g.val_num_generations_per_prompt}" if name == "pass@k" else name
-            if name not in produced:
-                raise ValueError(
-                    f"grpo.stop_at_validation_metric={g.stop_at_validation_metric!r}: validation reports "
-                    f"{produced} (NeMo-RL's names accuracy and pass_k are accepted as reward_mean and pass@k; "
-                    f"pass@k follows grpo.val_num_generations_per_prompt={g.val_num_generations_per_prompt})")
-            g.stop_at_validation_metric = name
+            g.stop_at_validation_metric = validation_metric_name(
+                g.stop_at_validation_metric, g.val_num_generations_per_prompt, "grpo.stop_at_validation_metric")
         if g.batch_multiplier != 1.0 and not g.use_dynamic_sampling:
             raise ValueError(f"grpo.batch_multiplier={g.batch_multiplier} only acts with "
                              "grpo.use_dynamic_sampling=true (NeMo-RL asserts the same): set it to 1 or turn dynamic "
                              "sampling on")
-        if self.checkpointing.keep_top_k is not None and self.checkpointing.metric_name not in (
-            None,
-            "val_reward",
-        ) and not self.checkpointing.metric_name.startswith(("val/", "train/")):
-            raise ValueError(
-                f"checkpointing.metric_name={self.checkpointing.metric_name!r}: expected 'val_reward', a logged "
-                "'val/...' or 'train/...' key, or null (keep the last k)"
-            )
+        name = self.checkpointing.metric_name
+        if name is not None and name.startswith("val:"):  # the form is CheckpointingConfig's; the name is known here
+            val_name = "val:" + validation_metric_name(name[len("val:"):], g.val_num_generations_per_prompt,
+                                                       "checkpointing.metric_name", name)
+            if val_name != name:
+                self.checkpointing.metric_name = val_name
         task = TASKS.get(self.env.name)
         if task is not None and task.dataset_prefix and not self.data.dataset_name.startswith(f"{self.env.name}:"):
             raise ValueError(
@@ -835,23 +847,73 @@ class MasterConfig(_Section):
         return self
 
 
-# What validation reports (grpo.run.validate), and NeMo-RL's names for two of them.
-VALIDATION_METRIC_ALIASES = {"accuracy": "reward_mean", "pass_k": "pass@k"}
+# grpo-ds's former names of the validation metrics -> NeMo-RL's, which validation reports (``pass@<k>`` too:
+# `validation_metric_name`). `grpo.metrics.NEMO_RL_NAMES` builds its ``val/`` rows from this table.
+VALIDATION_METRIC_ALIASES = {"reward_mean": "accuracy", "pass@k": "pass_k", "response_length_mean": "avg_length",
+                             "truncated_frac": "truncation_rate", "turns_mean": "avg_turns_per_sample"}
 
 
 def validation_metric_names(k: int) -> list[str]:
-    """The metrics validation reports with ``grpo.val_num_generations_per_prompt = k``.
+    """The metrics validation reports (`grpo.run.validate`, logged as ``validation/<name>``) with
+    ``grpo.val_num_generations_per_prompt = k``; as in NeMo-RL, pass_k only when k > 1.
 
-        >>> validation_metric_names(4)[:2]
-        ['reward_mean', 'pass@4']
+        >>> validation_metric_names(4)
+        ['accuracy', 'avg_length', 'truncation_rate', 'avg_turns_per_sample', 'num_samples', 'pass_k']
     """
-    return ["reward_mean", f"pass@{k}", "response_length_mean", "truncated_frac", "turns_mean", "num_samples",
-            "generate_s", "env_step_s", "validation_s"]
+    return ["accuracy", "avg_length", "truncation_rate", "avg_turns_per_sample", "num_samples"] + (
+        ["pass_k"] if k > 1 else [])
+
+
+def validation_metric_name(name: str, k: int, key: str, given: str | None = None) -> str:
+    """A validation metric's NeMo-RL name from ``name`` (NeMo-RL's, ``validation/<name>``, or a former name:
+    `VALIDATION_METRIC_ALIASES`, ``pass@<k>``); ValueError naming ``key`` and its value (``given``, default
+    ``name``) when validation does not report it.
+
+        >>> validation_metric_name("pass@4", 4, "grpo.stop_at_validation_metric"), validation_metric_name("reward_mean", 1, "k")
+        ('pass_k', 'accuracy')
+    """
+    bare = name.removeprefix("validation/").removeprefix("val/")
+    bare = VALIDATION_METRIC_ALIASES.get(bare, "pass_k" if bare == f"pass@{k}" else bare)
+    produced = validation_metric_names(k)
+    if bare not in produced:
+        note = (f"; pass_k needs grpo.val_num_generations_per_prompt > 1 (it is {k})"
+                if bare == "pass_k" or bare.startswith("pass@") else "")
+        raise ValueError(f"{key}={given or name!r}: validation reports {produced} (NeMo-RL's names; the former "
+                         f"{sorted(VALIDATION_METRIC_ALIASES)} are read as those){note}")
+    return bare
+
+
+def checkpoint_metric_form(name: str) -> str:
+    """``checkpointing.metric_name`` in NeMo-RL's form, ``val:<name>`` or ``train:<name>``; ValueError when it
+    is neither nor a former form. MasterConfig then checks a ``val:`` name against what validation reports
+    (`validation_metric_name`, which reads former names as NeMo-RL's); a ``train:`` name is checked at the first
+    save, against the step's metrics (`grpo.metrics.checkpoint_metric`).
+
+    Former forms: ``val_reward`` -> ``val:accuracy``; ``val/<name>`` (and ``validation/<name>``) ->
+    ``val:<name>``; ``train/<name>`` -> ``train:<name>``.
+
+        >>> checkpoint_metric_form("val_reward"), checkpoint_metric_form("val/pass@4"), checkpoint_metric_form("train/loss")
+        ('val:accuracy', 'val:pass@4', 'train:loss')
+    """
+    key, given = "checkpointing.metric_name", name
+    if name == "val_reward":
+        name = "val:accuracy"
+    for old, new in (("val/", "val:"), ("validation/", "val:"), ("train/", "train:")):
+        if name.startswith(old):
+            name = new + name[len(old):]
+    prefix, _, metric = name.partition(":")
+    if prefix not in ("val", "train") or not metric:
+        raise ValueError(
+            f"{key}={given!r}: expected NeMo-RL's form 'val:<name>' (a validation metric: "
+            f"{', '.join(validation_metric_names(1))}, pass_k) or 'train:<name>' (a train/ metric, e.g. "
+            "train:loss), or null (keep the last k)")
+    return name
 
 
 def needs_reference(cfg: MasterConfig) -> bool:
-    """The reference policy is needed when the loss or the reward uses KL to it."""
-    return cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.loss_fn.use_kl_in_reward
+    """The reference policy is needed when the KL penalty weighs it (NeMo-RL loads it only then; a reward KL
+    with a penalty of 0 is 0)."""
+    return cfg.loss_fn.reference_policy_kl_penalty > 0
 
 
 def prev_logprobs_needed_before_training(cfg: MasterConfig) -> str | None:
@@ -869,17 +931,16 @@ def prev_logprobs_needed_before_training(cfg: MasterConfig) -> str | None:
 def resolve_skip_flags(cfg: MasterConfig) -> tuple[bool, bool]:
     """Return ``(skip_prev_logprobs, skip_reference_logprobs)`` for this run.
 
-    - Reference logprobs are skipped when nothing reads them (beta = 0 and there is no KL in the reward), or
-      when ``grpo.skip_reference_policy_logprobs_calculation`` says so (validated against that).
+    - Reference logprobs are skipped, as in NeMo-RL, when ``grpo.skip_reference_policy_logprobs_calculation``
+      says so (which needs beta = 0, checked at load) and whenever beta = 0 (NeMo-RL then turns the flag on:
+      nothing weighs them; a reward KL is multiplied by beta too).
     - Previous-policy logprobs are skipped when the training forward's own, detached, are the same numbers:
       under ``force_on_policy_ratio``, or when one optimizer step uses the whole rollout (the weights that
       score them are the weights being trained); unless sequence logprob-error masking, the reward KL or
       distillation needs them before training (`prev_logprobs_needed_before_training`).
       ``grpo.skip_previous_policy_logprobs_calculation`` overrides the choice (true is validated at load).
     """
-    skip_ref = cfg.grpo.skip_reference_policy_logprobs_calculation
-    if skip_ref is None:
-        skip_ref = not needs_reference(cfg)
+    skip_ref = bool(cfg.grpo.skip_reference_policy_logprobs_calculation) or not needs_reference(cfg)
     g, p = cfg.grpo, cfg.policy
     one_update = p.train_global_batch_size == g.num_prompts_per_step * g.num_generations_per_prompt
     skip_prev = g.skip_previous_policy_logprobs_calculation

@@ -1,4 +1,5 @@
-"""Metric aggregation, validation early stop, and the global loss normalisers."""
+"""Metric aggregation, NeMo-RL's metric names (`NEMO_RL_NAMES`), validation early stop, checkpoint ranking
+metrics, and the global loss normalisers."""
 
 from __future__ import annotations
 
@@ -79,6 +80,137 @@ def aggregate_rollout_metrics(metric_dicts: Sequence[dict]) -> dict:
     return out
 
 
+# ---- NeMo-RL's metric names -------------------------------------------------------------------------
+def _validation_names() -> dict[str, str]:
+    from grpo.config import VALIDATION_METRIC_ALIASES
+
+    return {f"val/{old}": f"validation/{new}" for old, new in VALIDATION_METRIC_ALIASES.items()}
+
+
+NEMO_RL_NAMES: dict[str, str] = {
+    # grpo-ds's former key -> NeMo-RL's key, as the rows of metrics.jsonl, wandb and tensorboard have it.
+    # Rollout: nemo_rl/experience/rollouts.py, run_multi_turn_rollout's rollout_metrics (logged under "train/" by
+    # grpo_train in nemo_rl/algorithms/grpo.py); computed as such by grpo.rollout_metrics.rollout_summary.
+    "train/reward_mean": "train/mean_total_reward",
+    "train/turns_mean": "train/avg_turns_per_sample",
+    "train/turns_max": "train/max_turns_per_sample",
+    "train/assistant_tokens_mean": "train/mean_gen_tokens_per_sample",
+    "train/response_length_mean": "train/mean_gen_tokens_per_sample",
+    "train/response_length_max": "train/max_gen_tokens_per_sample",
+    "train/env_tokens_mean": "train/mean_env_tokens_per_sample",
+    "train/truncated_frac": "train/truncation_rate",
+    # Train: grpo_train's `metrics` dict (grpo.py, "reward" = the rewards the advantages read, after
+    # penalties, scaling and shaping; "kl_penalty" = the loss's KL, before its weight; num_mask_sample_filtered).
+    "train/shaped_reward_mean": "train/reward",
+    "train/kl": "train/kl_penalty",
+    "train/mask_sample_count": "train/num_mask_sample_filtered",
+    # Sequence logprob error: compute_and_apply_seq_logprob_error_masking's return (grpo.py).
+    "train/num_masked_seqs": "train/num_masked_seqs_by_logprob_error",
+    **{f"train/seq_logprob_error{after}_{stat}": f"train/{stat}_seq_mult_prob_error{'_after_mask' if after else ''}"
+       for after in ("", "_after") for stat in ("min", "mean", "max")},
+    # Timing: grpo_train's Timer labels, logged under "timing/train/" ("generation" is the whole multi-turn
+    # rollout, environment steps included; the refit is what prepare_for_generation/total holds there). Our other
+    # timings (generate_s, env_step_s: the rollout's two parts) keep their names under "timing/train/".
+    "timing/step_s": "timing/train/total_step_time",
+    "timing/rollout_s": "timing/train/generation",
+    "timing/logprobs_s": "timing/train/policy_and_reference_logprobs",
+    "timing/train_s": "timing/train/policy_training",
+    "timing/refit_s": "timing/train/prepare_for_generation/total",
+    # Validation: validate() in grpo.py (accuracy, avg_length, pass_k, under "validation/"; its Timer under
+    # "timing/validation/"); grpo.config.VALIDATION_METRIC_ALIASES has the metric part of these rows.
+    **_validation_names(),
+    "val/num_samples": "validation/num_samples",
+    "val/generate_s": "timing/validation/generate_s",
+    "val/env_step_s": "timing/validation/env_step_s",
+    "val/validation_s": "timing/validation/total_validation_time",
+}
+
+
+def nemo_rl_name(key: str) -> str:
+    """NeMo-RL's name of a metric key: `NEMO_RL_NAMES`, then ``val/pass@<k>`` -> ``validation/pass_k``, any other
+    ``val/<x>`` -> ``validation/<x>`` and ``timing/<x>`` -> ``timing/train/<x>``; other keys (and NeMo-RL's
+    own names) as they are.
+
+        >>> [nemo_rl_name(k) for k in ("train/reward_mean", "val/pass@4", "timing/generate_s", "train/loss")]
+        ['train/mean_total_reward', 'validation/pass_k', 'timing/train/generate_s', 'train/loss']
+    """
+    if key in NEMO_RL_NAMES:
+        return NEMO_RL_NAMES[key]
+    if key.startswith("val/pass@"):
+        return "validation/pass_k"
+    if key.startswith("val/"):
+        return "validation/" + key[len("val/"):]
+    if key.startswith("timing/") and not key.startswith(("timing/train/", "timing/validation/", "timing/setup/")):
+        return "timing/train/" + key[len("timing/"):]
+    return key
+
+
+def nemo_rl_names(metrics: dict) -> dict:
+    """``metrics`` with NeMo-RL's keys (`nemo_rl_name`), in order. Where a key already has the name another
+    would take, the value already under NeMo-RL's name stays (e.g. the rollout's ``train/mean_gen_tokens_per_sample``
+    over ``train/response_length_mean``); between two former names, the first.
+
+        >>> nemo_rl_names({"train/kl_penalty": 0.1, "train/kl": 0.1, "train/reward_mean": 0.5, "val/reward_mean": 1})
+        {'train/kl_penalty': 0.1, 'train/mean_total_reward': 0.5, 'validation/accuracy': 1}
+    """
+    out: dict = {}
+    for key, value in metrics.items():
+        name = nemo_rl_name(key)
+        if name == key:
+            out[key] = value
+        elif name not in metrics and name not in out:
+            out[name] = value
+    return out
+
+
+def former_names(name: str) -> list[str]:
+    """The former keys that `nemo_rl_name` maps to ``name`` (to read a metrics.jsonl written before the rename).
+
+        >>> former_names("train/mean_gen_tokens_per_sample")
+        ['train/assistant_tokens_mean', 'train/response_length_mean']
+    """
+    return [old for old, new in NEMO_RL_NAMES.items() if new == name]
+
+
+def checkpoint_metric_keys(metric_name: str) -> list[str]:
+    """Where a checkpoint's ``train_state.json`` may hold ``checkpointing.metric_name`` (NeMo-RL's ``val:<name>``
+    / ``train:<name>``): under that name (`save_metrics` puts it there), then under the keys a checkpoint saved
+    before NeMo-RL's names would have.
+
+        >>> checkpoint_metric_keys("val:accuracy")
+        ['val:accuracy', 'validation/accuracy', 'val/reward_mean']
+    """
+    prefix, _, name = metric_name.partition(":")
+    logged = f"validation/{name}" if prefix == "val" else f"train/{name}"
+    return [metric_name, logged, *former_names(logged)]
+
+
+def checkpoint_metric(metric_name: str, train_metrics: dict, val_metrics: Optional[dict]) -> Optional[float]:
+    """The value ``checkpointing.metric_name`` ranks a checkpoint by, as NeMo-RL's grpo_train takes it:
+    ``val:<name>`` from the validation metrics of this step (NeMo-RL's names, unprefixed), ``train:<name>`` from
+    the step's metrics (keys ``train/<name>``; a former name is read as NeMo-RL's). None when that side has no
+    metrics this step (no validation: the checkpoint ranks lowest). KeyError naming the metrics there are when
+    ``name`` is not among them.
+
+        >>> checkpoint_metric("train:loss", {"train/loss": 0.5}, None), checkpoint_metric("val:accuracy", {}, None)
+        (0.5, None)
+    """
+    prefix, _, name = metric_name.partition(":")
+    if prefix == "val":
+        source = dict(val_metrics or {})
+    else:
+        source = {k[len("train/"):]: v for k, v in train_metrics.items() if k.startswith("train/")}
+        name = nemo_rl_name(f"train/{name}")[len("train/"):]
+    if not source:
+        return None
+    if name not in source:
+        available = sorted(k for k, v in source.items() if isinstance(_as_python(v), (int, float)))
+        side = "validation" if prefix == "val" else "train"
+        raise KeyError(f"checkpointing.metric_name={metric_name!r}: the {side} metrics have no {name!r}; available: "
+                       + ", ".join(f"{prefix}:{k}" for k in available))
+    return float(_as_python(source[name]))
+
+
 def validation_early_stop(
     val_metrics: dict, metric_name: Optional[str], threshold: Optional[float]
 ) -> tuple[bool, Optional[float], str]:
@@ -136,21 +268,21 @@ def pass_at_k(rewards_b: torch.Tensor, group_ids_b: torch.Tensor) -> float:
 
 
 def rollout_counts(trajectories: Sequence) -> dict:
-    """What a rollout's trajectories (`grpo.system.rollout.Trajectory`) count: scoring failures (reward_errors,
-    reward_timeouts, reward_error_rate, env_errors), turns (turns_mean, turns_max), tokens per sample
-    (assistant_tokens_mean, env_tokens_mean), mask_sample_count, and the reward mean of each task
-    (``reward_mean/<task>``, when the run has several)."""
+    """What a rollout's trajectories (`grpo.system.rollout.Trajectory`) count: NeMo-RL's rollout metrics
+    (`grpo.rollout_metrics.rollout_summary`: turns, termination rates, tokens and rewards per sample), scoring
+    failures (reward_errors, reward_timeouts, reward_error_rate, env_errors), the samples the environments
+    masked (num_mask_sample_filtered, NeMo-RL's name), and the reward mean of each task (``reward_mean/<task>``,
+    when the run has several)."""
+    from grpo.rollout_metrics import rollout_summary
+
     n = max(len(trajectories), 1)
     errors = [t.error for t in trajectories]
     out = {
+        **rollout_summary(trajectories),
         "reward_errors": sum(e == "reward_error" for e in errors),
         "reward_timeouts": sum(e == "reward_timeout" for e in errors),
         "env_errors": sum(e in ("env_error", "env_timeout") for e in errors),
-        "turns_mean": sum(t.turns for t in trajectories) / n,
-        "turns_max": max((t.turns for t in trajectories), default=0),
-        "assistant_tokens_mean": sum(t.num_generated_tokens for t in trajectories) / n,
-        "env_tokens_mean": sum(t.observation_tokens for t in trajectories) / n,
-        "mask_sample_count": sum(t.mask_sample for t in trajectories),
+        "num_mask_sample_filtered": sum(t.mask_sample for t in trajectories),
     }
     out["reward_error_rate"] = (out["reward_errors"] + out["reward_timeouts"]) / n
     tasks = sorted({t.task_name for t in trajectories})

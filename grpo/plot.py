@@ -8,7 +8,9 @@ label = the directory's name or ``--labels``) and within a panel each metric its
 the panel); with one run each metric has its colour.
 ``--metrics`` replaces the default panels: one panel per comma-separated item, holding every key that
 matches it (a key, or a glob such as ``timing/*``); join items with ``+`` to share a panel
-(``train/reward_mean+val/reward_mean``). Exit status 2, with a message, when a directory has no
+(``train/mean_total_reward+validation/accuracy``). Keys are NeMo-RL's (`grpo.metrics.NEMO_RL_NAMES`): a
+metrics.jsonl written before grpo-ds took them is read with its keys renamed, and a former key in ``--metrics``
+(``train/reward_mean``) selects the metric's NeMo-RL name. Exit status 2, with a message, when a directory has no
 metrics.jsonl or nothing is plottable.
 """
 
@@ -22,14 +24,15 @@ import sys
 from pathlib import Path
 
 DEFAULT_PANELS = (
-    ("reward", ("train/reward_mean", "val/reward_mean")),
-    ("KL", ("train/kl",)),
+    ("reward", ("train/mean_total_reward", "validation/accuracy")),
+    ("KL", ("train/kl_penalty",)),
     ("entropy", ("train/approx_entropy",)),
-    ("response length (tokens)", ("train/response_length_mean", "val/response_length_mean")),
+    ("response length (tokens)", ("train/mean_gen_tokens_per_sample", "validation/avg_length")),
     ("clip fraction", ("train/clip_fraction_high", "train/clip_fraction_low")),
     ("token_mult_prob_error", ("train/token_mult_prob_error",)),
-    ("time per step by phase (s)", ("timing/generate_s", "timing/logprobs_s", "timing/train_s", "timing/refit_s",
-                                    "timing/step_s")),
+    ("time per step by phase (s)", ("timing/train/generation", "timing/train/policy_and_reference_logprobs",
+                                    "timing/train/policy_training", "timing/train/prepare_for_generation/total",
+                                    "timing/train/total_step_time")),
 )
 LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
 
@@ -54,18 +57,23 @@ def to_float(value) -> float | None:
 
 
 def merge_rows(rows: list[dict]) -> dict[str, dict[int, float]]:
-    """Rows of metrics.jsonl -> {key: {step: value}}, numbers only (``to_float``); a key logged twice at
-    a step (a resumed run repeats steps) keeps its last value; rows without an integer step are skipped.
+    """Rows of metrics.jsonl -> {key: {step: value}} under NeMo-RL's keys (`grpo.metrics.nemo_rl_names`: an
+    older file's keys are renamed), numbers only (``to_float``); a key logged twice at a step (a resumed run
+    repeats steps) keeps its last value; rows without an integer step are skipped.
 
         >>> merge_rows([{"step": 1, "a": 1.0}, {"step": 1, "b": "nan", "c": [1]}, {"step": 1, "a": 2, "time": 9}])
         {'a': {1: 2.0}, 'b': {1: nan}}
+        >>> merge_rows([{"step": 2, "val/reward_mean": 0.5}])
+        {'validation/accuracy': {2: 0.5}}
     """
+    from grpo.metrics import nemo_rl_names
+
     series: dict[str, dict[int, float]] = {}
     for row in rows:
         step = row.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             continue
-        for key, value in row.items():
+        for key, value in nemo_rl_names(row).items():
             v = to_float(value)
             if key in ("step", "time") or v is None:
                 continue
@@ -107,14 +115,18 @@ def finite_points(points: dict[int, float]) -> tuple[list[int], list[float]]:
 def choose_panels(patterns: list[str] | None, runs: dict[str, dict]) -> list[tuple[str, list[str]]]:
     """(title, keys) of the panels to draw, keeping only keys with a finite value in some run and
     dropping empty panels. ``patterns`` None: ``DEFAULT_PANELS``; else one panel per pattern, ``+``
-    joining several patterns into one, each a key or an fnmatch glob.
+    joining several patterns into one, each a key or an fnmatch glob; a pattern that matches nothing is tried
+    again as its NeMo-RL name (`grpo.metrics.nemo_rl_name`: ``train/kl`` -> ``train/kl_penalty``).
 
-        >>> runs = {"a": {"train/kl": {1: 0.1}, "timing/train_s": {1: 2.0}, "timing/refit_s": {1: 1.0}}}
+        >>> runs = {"a": {"train/kl_penalty": {1: 0.1}, "timing/train/policy_training": {1: 2.0},
+        ...               "timing/train/generation": {1: 1.0}}}
         >>> choose_panels(None, runs)
-        [('KL', ['train/kl']), ('time per step by phase (s)', ['timing/train_s', 'timing/refit_s'])]
+        [('KL', ['train/kl_penalty']), ('time per step by phase (s)', ['timing/train/generation', 'timing/train/policy_training'])]
         >>> choose_panels(["timing/*", "train/kl+val/kl"], runs)
-        [('timing/*', ['timing/refit_s', 'timing/train_s']), ('train/kl+val/kl', ['train/kl'])]
+        [('timing/*', ['timing/train/generation', 'timing/train/policy_training']), ('train/kl+val/kl', ['train/kl_penalty'])]
     """
+    from grpo.metrics import nemo_rl_name
+
     plottable = sorted({k for series in runs.values() for k, pts in series.items() if finite_points(pts)[0]})
     if patterns is None:
         panels = [(title, [k for k in keys if k in plottable]) for title, keys in DEFAULT_PANELS]
@@ -123,7 +135,8 @@ def choose_panels(patterns: list[str] | None, runs: dict[str, dict]) -> list[tup
         for item in patterns:
             keys = []
             for pattern in item.split("+"):
-                keys += [k for k in fnmatch.filter(plottable, pattern) if k not in keys]
+                found = fnmatch.filter(plottable, pattern) or fnmatch.filter(plottable, nemo_rl_name(pattern))
+                keys += [k for k in found if k not in keys]
             if not keys:
                 print(f"warning: --metrics {item!r} matches no plottable metric; skipped", file=sys.stderr)
             panels.append((item, keys))

@@ -1,4 +1,4 @@
-"""NeMo-RL's reward and advantage summary metrics, as pure functions of one step's rollout.
+"""NeMo-RL's rollout, reward and advantage summary metrics, as pure functions of one step's rollout.
 
 Each function returns a flat dict keyed *without* the ``train/`` prefix (the loop adds it): floats, and
 plain lists for histograms (``MetricsLogger`` writes lists to metrics.jsonl; wandb / tensorboard get
@@ -11,7 +11,9 @@ the numbers only). Names follow NeMo-RL's ``_log_mixed_rewards_and_advantages_in
     advantages/histogram                         one value per unmasked sample: its mean token advantage
     reward/<component>/mean                      per named reward component
 
-Per-task reward means (``reward_mean/<task>``) are `grpo.metrics.rollout_counts`'.
+`rollout_summary` has NeMo-RL's rollout metrics (``nemo_rl/experience/rollouts.py``: `run_multi_turn_rollout`'s
+``rollout_metrics``, and `_aggregate_multi_turn_rollout_metrics` for the percentiles, per-turn lengths and
+rewards). Per-task reward means (``reward_mean/<task>``) and scoring failures are `grpo.metrics.rollout_counts`'.
 """
 
 from __future__ import annotations
@@ -19,6 +21,76 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import torch
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """NeMo-RL's ``pct`` (``nemo_rl/experience/metric_utils.py``): the value at index ⌊n·p/100⌋ of the sorted
+    values (the last one at most), 0 for none.
+
+        >>> percentile([5, 1, 4, 2, 3], 95), percentile([5, 1, 4, 2, 3], 50), percentile([], 99)
+        (5.0, 3.0, 0.0)
+    """
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[min(int(len(ordered) * p / 100), len(ordered) - 1)])
+
+
+def rollout_summary(trajectories: Sequence) -> dict:
+    """NeMo-RL's rollout metrics of a rollout's trajectories (`grpo.system.rollout.Trajectory`), over its n samples:
+
+        total_turns                  Σ turns                       avg_turns_per_sample / max_turns_per_sample
+        turns_per_sample/p95, /p99   `percentile` of the turns
+        natural_termination_rate     #{the environment ended it (terminated)} / n
+        max_turns_reached_rate       #{grpo.max_rollout_turns ended it, the environment had not} / n
+        truncation_rate              #{truncated: a turn hit its token cap, or the conversation ran out of room} / n
+        mean_total_tokens_per_sample Σ (generated + environment tokens) / n   (the prompt not counted)
+        mean_gen_tokens_per_sample / max_gen_tokens_per_sample / mean_env_tokens_per_sample
+        max_gen_tokens_per_turn/max, /mean, /p95   over the samples' longest single turn
+        mean_total_reward / max_total_reward / min_total_reward   the environments' reward (before penalties,
+                                                                  scaling and shaping; NeMo-RL's total_reward)
+
+    A sample that ended on an error, or on the length limit before its environment said so, counts in neither
+    rate. Empty input gives ``{}``.
+
+        >>> from types import SimpleNamespace as T
+        >>> turn = lambda n: T(token_ids=[0] * n, trained=True)
+        >>> a = T(turns=1, terminated=True, max_turns_reached=False, truncated=False, num_generated_tokens=4,
+        ...       observation_tokens=0, reward=1.0, messages=[turn(4)])
+        >>> b = T(turns=3, terminated=False, max_turns_reached=True, truncated=False, num_generated_tokens=6,
+        ...       observation_tokens=2, reward=0.0, messages=[turn(1), turn(5)])
+        >>> m = rollout_summary([a, b])
+        >>> m["total_turns"], m["natural_termination_rate"], m["max_turns_reached_rate"], m["mean_total_tokens_per_sample"]
+        (4, 0.5, 0.5, 6.0)
+    """
+    n = len(trajectories)
+    if n == 0:
+        return {}
+    turns = [t.turns for t in trajectories]
+    gen = [t.num_generated_tokens for t in trajectories]
+    env = [t.observation_tokens for t in trajectories]
+    longest_turn = [max((len(m.token_ids) for m in t.messages if m.trained), default=0) for t in trajectories]
+    rewards = [float(t.reward) for t in trajectories]
+    return {
+        "total_turns": sum(turns),
+        "avg_turns_per_sample": sum(turns) / n,
+        "max_turns_per_sample": max(turns),
+        "turns_per_sample/p95": percentile(turns, 95),
+        "turns_per_sample/p99": percentile(turns, 99),
+        "natural_termination_rate": sum(bool(t.terminated) for t in trajectories) / n,
+        "truncation_rate": sum(bool(t.truncated) for t in trajectories) / n,
+        "max_turns_reached_rate": sum(bool(t.max_turns_reached) for t in trajectories) / n,
+        "mean_total_tokens_per_sample": (sum(gen) + sum(env)) / n,
+        "mean_gen_tokens_per_sample": sum(gen) / n,
+        "max_gen_tokens_per_sample": float(max(gen)),
+        "mean_env_tokens_per_sample": sum(env) / n,
+        "max_gen_tokens_per_turn/max": float(max(longest_turn)),
+        "max_gen_tokens_per_turn/mean": sum(longest_turn) / n,
+        "max_gen_tokens_per_turn/p95": percentile(longest_turn, 95),
+        "mean_total_reward": sum(rewards) / n,
+        "max_total_reward": max(rewards),
+        "min_total_reward": min(rewards),
+    }
 
 
 def sample_token_means(values_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:

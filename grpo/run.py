@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -386,9 +387,14 @@ def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, 
 # Validation, checkpoints, stopping
 # --------------------------------------------------------------------------------------------------
 def validate(run: Run, generator, envs, step: int) -> dict:
-    """Score up to ``grpo.max_val_samples`` prompts x ``grpo.val_num_generations_per_prompt`` samples, log
-    ``val/*``, print a few conversations and dump them (``logger.dump_rollouts``); returns the metrics
-    (`grpo.config.validation_metric_names` and the timings env_step_s, validation_s).
+    """Score up to ``grpo.max_val_samples`` prompts x ``grpo.val_num_generations_per_prompt`` samples with
+    validation's sampling (`validation_sampling`), log NeMo-RL's ``validation/*`` and ``timing/validation/*``,
+    print a few conversations and dump them (``logger.dump_rollouts``); returns the metrics under NeMo-RL's names
+    (`grpo.config.validation_metric_names`), as NeMo-RL's ``validate`` (nemo_rl/algorithms/grpo.py):
+
+        accuracy    mean reward over all samples         pass_k   share of prompts with a sample rewarded > 0
+        avg_length  mean generated tokens per sample              (only when k > 1, as in NeMo-RL)
+        truncation_rate, avg_turns_per_sample, num_samples  (the rollout's, `grpo.rollout_metrics.rollout_summary`)
 
     Seeds depend only on the sample's index (not the step), so successive validations differ only by the
     weights. A collective: every rank calls it.
@@ -403,26 +409,49 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     rows = [run.val_ds[i] for i in range(n)]
     trajs, group_ids, timing, t0 = [], [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
     bs = g.val_batch_size or n
-    for start in range(0, n, bs):
-        r = run_rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val", num_generations=k)
-        trajs += r.trajectories
-        group_ids += [start + t.group_id for t in r.trajectories]
-        timing = {key: v + r.timing[key] for key, v in timing.items()}
+    with validation_sampling(generator, run.cfg.policy.generation):
+        for start in range(0, n, bs):
+            r = run_rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val",
+                            num_generations=k)
+            trajs += r.trajectories
+            group_ids += [start + t.group_id for t in r.trajectories]
+            timing = {key: v + r.timing[key] for key, v in timing.items()}
     rewards_b = torch.tensor([t.reward for t in trajs])
+    count = max(len(trajs), 1)
     metrics = {
-        "reward_mean": rewards_b.mean().item(),
-        f"pass@{k}": pass_at_k(rewards_b, torch.tensor(group_ids)),
-        "response_length_mean": sum(t.num_generated_tokens for t in trajs) / max(len(trajs), 1),
-        "truncated_frac": sum(t.truncated for t in trajs) / max(len(trajs), 1),
-        "turns_mean": sum(t.turns for t in trajs) / max(len(trajs), 1),
+        "accuracy": rewards_b.mean().item(),
+        "avg_length": sum(t.num_generated_tokens for t in trajs) / count,
+        "truncation_rate": sum(t.truncated for t in trajs) / count,
+        "avg_turns_per_sample": sum(t.turns for t in trajs) / count,
         "num_samples": float(len(trajs)),
-        **timing,
-        "validation_s": time.perf_counter() - t0,
     }
-    run.logger.log({f"val/{key}": v for key, v in metrics.items()}, step)
+    if k > 1:
+        metrics["pass_k"] = pass_at_k(rewards_b, torch.tensor(group_ids))
+    timing["total_validation_time"] = time.perf_counter() - t0
+    run.logger.log({**{f"validation/{key}": v for key, v in metrics.items()},
+                    **{f"timing/validation/{key}": v for key, v in timing.items()}}, step)
     run.logger.print_samples(trajs, run.cfg.logger.num_val_samples_to_print)
     dump_rollouts(run, "val", step, trajs)
     return metrics
+
+
+@contextmanager
+def validation_sampling(generator, gen_cfg):
+    """Inside the block ``generator`` samples with NeMo-RL's validation-only parameters,
+    ``policy.generation.val_temperature`` / ``val_top_p`` / ``val_top_k`` (null: the training value;
+    `grpo.config.GenerationConfig.for_validation`). Both backends read their sampling parameters from their
+    generation config on every call (``HFGeneration.gen``, ``VllmGeneration.gen_cfg``)."""
+    val = gen_cfg.for_validation()
+    attr = next((a for a in ("gen", "gen_cfg") if hasattr(generator, a)), None)
+    if val is gen_cfg or attr is None:
+        yield
+        return
+    before = getattr(generator, attr)
+    setattr(generator, attr, val)
+    try:
+        yield
+    finally:
+        setattr(generator, attr, before)
 
 
 def dump_rollouts(run: Run, split: str, step: int, trajectories: list, batch=None) -> None:
@@ -450,11 +479,21 @@ def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_st
     ``checkpointing.save_consolidated``."""
     from grpo.system import weights
 
-    state = run.state
+    from grpo.metrics import checkpoint_metric
+
+    state, name = run.state, run.cfg.checkpointing.metric_name
     state.metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     if val_metrics is not None:
-        state.metrics.update({f"val/{k}": float(v) for k, v in val_metrics.items() if isinstance(v, (int, float))})
-        state.val_reward = float(val_metrics["reward_mean"])
+        state.metrics.update({f"validation/{k}": float(v) for k, v in val_metrics.items()
+                              if isinstance(v, (int, float))})
+        state.val_reward = float(val_metrics["accuracy"])
+    if name is not None:  # NeMo-RL's checkpointing.metric_name, saved under its own name ("val:accuracy")
+        try:
+            value = checkpoint_metric(name, metrics, val_metrics)
+        except KeyError as err:  # a train: name no metric has (validation names are checked at load)
+            raise RunError(err.args[0]) from None
+        if value is not None:
+            state.metrics[name] = value
     export = (lambda d: weights.export_hf(run.policy, d, run.tokenizer)) if run.cfg.checkpointing.save_consolidated \
         else None
     run.ckpt.save(step, run.policy, state, loader_state, extra=extra, export_fn=export)
@@ -578,7 +617,7 @@ def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None
     if failure is None and run.exit_status is None and not run.deadline.reached and cfg.checkpointing.enabled:
         weights.export_hf(run.policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), run.tokenizer,
                           run_id=run.run_id)
-    run.logger.write(f"done: {state.current_step} steps" + (f", last val/reward_mean {state.val_reward:.4g}"
+    run.logger.write(f"done: {state.current_step} steps" + (f", last validation/accuracy {state.val_reward:.4g}"
                                                              if state.val_reward > -99999999.0 else ""))
     for closable in run.closables:
         closable.close()

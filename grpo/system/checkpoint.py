@@ -406,11 +406,16 @@ class CheckpointManager:
             st = json.loads((path / "train_state.json").read_text())
         except (OSError, ValueError):
             return None
-        name = self.cfg.metric_name
-        if name == "val_reward":
+        from grpo.metrics import checkpoint_metric_keys
+
+        name, metrics = self.cfg.metric_name, st.get("metrics", {})
+        for key in checkpoint_metric_keys(name):  # NeMo-RL's "val:accuracy", then where older checkpoints had it
+            if isinstance(metrics.get(key), (int, float)):
+                return metrics[key]
+        if name == "val:accuracy":  # a checkpoint saved before the metrics were kept: its val_reward
             v = st.get("val_reward")
             return None if v is None or v <= -99999999.0 else v
-        return st.get("metrics", {}).get(name)
+        return None
 
     def _prune(self, keep: Path) -> None:
         """Keep the top k by metric (missing metric ranks lowest), or the last k without a metric."""

@@ -1,7 +1,8 @@
 """Metrics sinks: ``metrics.jsonl`` always; wandb and tensorboard when enabled; a console progress bar.
 
 Every row of ``<logger.log_dir>/metrics.jsonl`` is one JSON object with ``step`` and flat keys
-(``train/reward_mean``, ``val/reward_mean``, ``timing/step_s``, ...). Only rank 0 writes. A value that went
+in NeMo-RL's names (``train/mean_total_reward``, ``validation/accuracy``, ``timing/train/total_step_time``, ...;
+`grpo.metrics.NEMO_RL_NAMES`). Only rank 0 writes. A value that went
 non-finite is written as the string "nan", "inf" or "-inf" (`read_metrics` reads them back as floats).
 On resume, `truncate_metrics` drops the rows past the checkpoint's step.
 
@@ -251,8 +252,8 @@ class MetricsLogger:
         if self._bar is None:
             return
         post = {}
-        for key, short in (("train/reward_mean", "reward"), ("train/kl", "kl"), ("train/tokens_per_s", "tok/s"),
-                           ("val/reward_mean", "val")):
+        for key, short in (("train/mean_total_reward", "reward"), ("train/kl_penalty", "kl"),
+                           ("train/tokens_per_s", "tok/s"), ("validation/accuracy", "val")):
             v = metrics.get(key)
             if v is not None:
                 post[short] = f"{_scalar(v):.3g}"

@@ -117,7 +117,7 @@ def test_a_signal_during_a_rollout_abandons_the_step_saves_the_last_one_and_the_
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2, 3]
     assert rows[3]["train/loss"] == pytest.approx(uninterrupted[3]["train/loss"], rel=1e-5, abs=1e-7)
-    assert rows[3]["train/reward_mean"] == uninterrupted[3]["train/reward_mean"]
+    assert rows[3]["train/mean_total_reward"] == uninterrupted[3]["train/mean_total_reward"]
 
 
 # ---- one `error:` line, no traceback, for errors written for people -------------------------------------------

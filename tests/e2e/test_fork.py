@@ -79,11 +79,11 @@ def test_a_fork_adds_a_config_section_an_estimator_and_an_entropy_bonus(tmp_path
     first, first0 = bonus[1], plain[1]
     # The estimator read my_algo.baseline=none: every sample's advantage is its reward (no group baseline).
     hist = first["train/advantages/histogram"]
-    assert min(hist) >= 0 and abs(sum(hist) / len(hist) - first["train/shaped_reward_mean"]) < 1e-6
+    assert min(hist) >= 0 and abs(sum(hist) / len(hist) - first["train/reward"]) < 1e-6
     # The entropy metric is logged; step 1 starts from the same weights and rollouts in both runs, so the
     # entropies agree and the loss differs by the bonus alone: coef x the step's token-mean entropy.
     assert first["train/entropy"] > 0 and abs(first["train/entropy"] - first0["train/entropy"]) < 1e-6
-    assert first["train/reward_mean"] == first0["train/reward_mean"]
+    assert first["train/mean_total_reward"] == first0["train/mean_total_reward"]
     drop = first0["train/loss"] - first["train/loss"]
     assert 0.5 * 0.5 * first["train/entropy"] < drop < 2 * 0.5 * first["train/entropy"], (drop, first["train/entropy"])
     assert bonus[2]["train/loss"] != plain[2]["train/loss"]

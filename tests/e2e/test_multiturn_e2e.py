@@ -26,7 +26,7 @@ def train(tmp: Path, *extra: str, script: str = "train_grpo.py", nproc: int = 1,
 
 def check_multiturn(rows: dict, on_policy: bool = True) -> None:
     for r in rows.values():
-        assert r["train/turns_mean"] > 1 and r["train/env_tokens_mean"] > 0, r
+        assert r["train/avg_turns_per_sample"] > 1 and r["train/mean_env_tokens_per_sample"] > 0, r
         if on_policy:  # every turn's tokens scored as they were generated
             assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, r["train/token_mult_prob_error"]
 
@@ -36,14 +36,14 @@ def test_a_user_environment_class_trains_multi_turn_in_the_synchronous_loop(tmp_
                  "env.kwargs={mask_every: 3}", "logger.dump_rollouts=true")
     assert sorted(rows) == [1, 2]
     check_multiturn(rows)
-    assert any(r["train/mask_sample_count"] > 0 for r in rows.values())
+    assert any(r["train/num_mask_sample_filtered"] > 0 for r in rows.values())
     from grpo.system.dumps import list_dumps, read_dump
 
     dump = read_dump(list_dumps(tmp_path / "logs", "train")[2])
     assert {tuple(m["role"] for m in r["messages"]) for r in dump} == {("user", "assistant", "user", "assistant")}
     assert {r["mask_reason"] for r in dump if r["masked"]} == {"mask_sample"}
     # The dump holds the step's samples: its rewards average to the step's reward.
-    assert sum(r["reward"] for r in dump) / len(dump) == pytest.approx(rows[2]["train/reward_mean"])
+    assert sum(r["reward"] for r in dump) / len(dump) == pytest.approx(rows[2]["train/mean_total_reward"])
 
 
 def test_a_user_environment_class_trains_multi_turn_in_the_async_loop(tmp_path):
@@ -69,11 +69,11 @@ def test_a_multi_turn_run_resumes_to_the_same_numbers_and_two_ranks_match_one(tm
     b = train(part, "grpo.max_num_steps=4", "checkpointing.save_period=2")
     for step in (3, 4):
         assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
-        assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
+        assert a[step]["train/mean_total_reward"] == b[step]["train/mean_total_reward"]
     c = train(two, "grpo.max_num_steps=2", "checkpointing.enabled=false", nproc=2)
     for step in (1, 2):
         assert abs(a[step]["train/loss"] - c[step]["train/loss"]) < 1e-5, (step, a[step], c[step])
-        assert a[step]["train/turns_mean"] == c[step]["train/turns_mean"]
+        assert a[step]["train/avg_turns_per_sample"] == c[step]["train/avg_turns_per_sample"]
 
 
 @pytest.mark.slow
@@ -85,5 +85,5 @@ def test_the_multi_turn_demo_learns_to_read_the_environment(tmp_path):
     config = str(REPO / "configs" / "cpu_demo_multiturn.yaml")
     run([sys.executable, "train_grpo.py", "--config", config, *paths(tmp_path), "logger.progress_bar=false"],
         timeout=2400)
-    curve = [r["val/reward_mean"] for r in metrics(tmp_path) if "val/reward_mean" in r]
+    curve = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]
     assert curve[-1] >= curve[0] + 0.15 and curve[-1] > 0.45, curve

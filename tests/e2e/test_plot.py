@@ -24,8 +24,9 @@ def write_metrics(log_dir, rows) -> None:
 
 
 def synthetic_rows(offset: float = 0.0) -> list:
-    """Train rows for steps 1-6 and validation rows, as MetricsLogger writes them, plus what real files
-    hold: a resumed run repeating steps 5-6, nulls, "nan" strings, histogram lists, a half-written line."""
+    """Train rows for steps 1-6 and validation rows, as MetricsLogger wrote them before grpo-ds took NeMo-RL's
+    metric names (read under those), plus what real files hold: a resumed run repeating steps 5-6 (in NeMo-RL's
+    names), nulls, "nan" strings, histogram lists, a half-written line."""
     rows = []
     for step in range(1, 7):
         rows.append({"step": step, "time": 1e9 + step, "train/reward_mean": offset + step / 10,
@@ -36,7 +37,7 @@ def synthetic_rows(offset: float = 0.0) -> list:
                      "timing/step_s": 1.9})
         if step % 3 == 0:
             rows.append({"step": step, "time": 1e9 + step, "val/reward_mean": offset + step / 8})
-    rows.append({"step": 5, "time": 2e9, "train/reward_mean": -1.0})  # resumed: replaces step 5's value
+    rows.append({"step": 5, "time": 2e9, "train/mean_total_reward": -1.0})  # resumed: replaces step 5's value
     rows.append('{"step": 6, "train/rew')  # killed mid-write
     return rows
 
@@ -55,9 +56,12 @@ def has_color(image, rgb) -> bool:
 def test_last_value_of_a_step_wins_and_only_numbers_are_kept(tmp_path):
     write_metrics(tmp_path, synthetic_rows())
     series = read_run(tmp_path)
-    assert series["train/reward_mean"][5] == -1.0 and series["train/reward_mean"][6] == pytest.approx(0.6)
-    assert series["train/kl"][5] == pytest.approx(0.05)  # the resumed row does not erase other keys
-    assert series["val/reward_mean"] == {3: 3 / 8, 6: 6 / 8}
+    reward = series["train/mean_total_reward"]  # NeMo-RL's name of train/reward_mean
+    assert reward[5] == -1.0 and reward[6] == pytest.approx(0.6)
+    assert series["train/kl_penalty"][5] == pytest.approx(0.05)  # the resumed row does not erase other keys
+    assert series["validation/accuracy"] == {3: 3 / 8, 6: 6 / 8}
+    assert series["timing/train/total_step_time"][1] == pytest.approx(1.9)
+    assert not any(k.startswith("val/") or k in ("train/reward_mean", "timing/step_s") for k in series)
     assert math.isnan(series["train/token_mult_prob_error"][2])
     assert "train/clip_fraction_low" not in series and "advantages/histogram" not in series and "time" not in series
     assert merge_rows([{"step": True, "a": 1}, {"a": 2}]) == {}
@@ -86,12 +90,18 @@ def test_two_runs_overlaid_with_their_own_colours(tmp_path, capsys):
 
 
 def test_metrics_pick_panels_by_key_glob_and_plus():
-    runs = {"a": {"timing/train_s": {1: 1.0}, "timing/refit_s": {1: 0.5}, "train/reward_mean": {1: 0.1},
-                  "val/reward_mean": {0: 0.2}, "train/kl": {1: float("nan")}}}
-    assert choose_panels(["timing/*", "train/reward_mean+val/reward_mean", "train/kl"], runs) == [
-        ("timing/*", ["timing/refit_s", "timing/train_s"]),
-        ("train/reward_mean+val/reward_mean", ["train/reward_mean", "val/reward_mean"]),
-    ]  # train/kl has no finite value: no panel
+    runs = {"a": {"timing/train/policy_training": {1: 1.0}, "timing/train/generation": {1: 0.5},
+                  "train/mean_total_reward": {1: 0.1}, "validation/accuracy": {0: 0.2},
+                  "train/kl_penalty": {1: float("nan")}}}
+    assert choose_panels(["timing/*", "train/mean_total_reward+validation/accuracy", "train/kl_penalty"], runs) == [
+        ("timing/*", ["timing/train/generation", "timing/train/policy_training"]),
+        ("train/mean_total_reward+validation/accuracy", ["train/mean_total_reward", "validation/accuracy"]),
+    ]  # train/kl_penalty has no finite value: no panel
+    # a former name selects the metric's NeMo-RL name
+    assert choose_panels(["train/reward_mean+val/reward_mean", "timing/train_s"], runs) == [
+        ("train/reward_mean+val/reward_mean", ["train/mean_total_reward", "validation/accuracy"]),
+        ("timing/train_s", ["timing/train/policy_training"]),
+    ]
     assert [t for t, _ in choose_panels(None, runs)] == ["reward", "time per step by phase (s)"]
 
 
@@ -126,7 +136,7 @@ def test_plots_of_one_and_two_cpu_demo_runs(tmp_path):
         run([sys.executable, "train_grpo.py", "--config", TINY, f"logger.log_dir={tmp_path}/seed{seed}",
              "checkpointing.enabled=false", "grpo.val_at_end=true", f"grpo.seed={seed}"], timeout=600)
     rows = [json.loads(line) for line in open(tmp_path / "seed1" / "metrics.jsonl")]
-    assert {r["step"] for r in rows} == {1, 2, 3} and any("val/reward_mean" in r for r in rows)
+    assert {r["step"] for r in rows} == {1, 2, 3} and any("validation/accuracy" in r for r in rows)
     for dirs, name in (([tmp_path / "seed1"], "one.png"), ([tmp_path / "seed1", tmp_path / "seed2"], "two.png")):
         p = _cli(*map(str, dirs), "--out", str(tmp_path / name))
         assert p.returncode == 0, p.stderr

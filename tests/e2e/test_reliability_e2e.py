@@ -178,4 +178,4 @@ def test_kill_9_at_random_points_then_rerun_ends_like_an_uninterrupted_run(tmp_p
     assert [r["step"] for r in metrics(killed) if "train/loss" in r] == list(range(1, 9))
     for step in (7, 8):
         assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
-        assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
+        assert a[step]["train/mean_total_reward"] == b[step]["train/mean_total_reward"]

@@ -28,7 +28,7 @@ def train(tmp: Path, *extra: str, script: str = "train_grpo.py") -> dict:
 def check(rows: dict, on_policy: bool = True) -> None:
     assert sorted(rows) == [1, 2]
     assert sum(r["train/env/tools/tool_calls_per_sample"] for r in rows.values()) > 0
-    assert all(r["train/turns_mean"] > 1 for r in rows.values())
+    assert all(r["train/avg_turns_per_sample"] > 1 for r in rows.values())
     if on_policy:
         assert all(abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3 for r in rows.values())
 
@@ -55,6 +55,6 @@ def test_the_tools_demo_learns_and_its_ablation_does_not(tmp_path):
     for name, extra in (("tools", []), ("ablation", ["env.disable_tools=true"])):
         run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path / name),
              "logger.progress_bar=false", *extra], timeout=1800)
-        curves[name] = [r["val/reward_mean"] for r in metrics(tmp_path / name) if "val/reward_mean" in r]
+        curves[name] = [r["validation/accuracy"] for r in metrics(tmp_path / name) if "validation/accuracy" in r]
     assert curves["tools"][-1] >= curves["tools"][0] + 0.15, curves
     assert curves["ablation"][-1] <= curves["ablation"][0] + 0.05, curves

@@ -65,8 +65,8 @@ def one_rank(tmp_path_factory):
 def test_async_run_logs_async_metrics(one_rank):
     rows = train_rows(one_rank)
     assert sorted(rows) == [1, 2, 3]
-    for key in ("train/loss", "train/reward_mean", "train/kl", "train/token_mult_prob_error", "train/tokens_per_s",
-                "timing/step_s", "timing/generate_s", "timing/train_s", "timing/refit_s", "async/trajectory_age_max",
+    for key in ("train/loss", "train/mean_total_reward", "train/kl_penalty", "train/token_mult_prob_error", "train/tokens_per_s",
+                "timing/train/total_step_time", "timing/train/generate_s", "timing/train/policy_training", "timing/train/prepare_for_generation/total", "async/trajectory_age_max",
                 "async/buffer_size", "async/trainer_wait_s", "async/generation_busy_frac", "async/evicted_groups",
                 "async/generation_failures", "train/prompt_indices"):
         assert key in rows[3], (key, sorted(rows[3]))
@@ -79,7 +79,7 @@ def test_async_run_logs_async_metrics(one_rank):
     assert abs(rows[1]["train/token_mult_prob_error"] - 1.0) < 1e-3
     assert trained_prompts(one_rank) == loader_batches(64, 3)
     with open(one_rank / "logs" / "metrics.jsonl") as f:
-        val = [json.loads(line) for line in f if '"val/reward_mean"' in line]
+        val = [json.loads(line) for line in f if '"validation/accuracy"' in line]
     assert val and val[-1]["step"] == 3
 
 
@@ -88,7 +88,7 @@ def test_step_one_equals_the_synchronous_step_one(one_rank, tmp_path):
     run([sys.executable, "train_grpo.py", "--config", TINY, *paths(tmp_path), "grpo.max_num_steps=1",
          "checkpointing.enabled=false", "loss_fn.use_importance_sampling_correction=true"])
     a, s = train_rows(one_rank)[1], train_rows(tmp_path)[1]
-    assert a["train/reward_mean"] == s["train/reward_mean"]
+    assert a["train/mean_total_reward"] == s["train/mean_total_reward"]
     assert a["train/num_completion_tokens"] == s["train/num_completion_tokens"]
     assert abs(a["train/loss"] - s["train/loss"]) < 1e-5, (a["train/loss"], s["train/loss"])
 
@@ -172,7 +172,7 @@ def test_resume_trains_the_same_prompts_as_an_uninterrupted_run(stopped_at_step_
         # step 3 trained the restored groups themselves, not a regeneration
         step3 = [e["group"] for e in buffered if e["target_version"] == 3]
         rewards = [t["reward"] for grp in step3 for t in grp["trajectories"]]
-        assert train_rows(part)[3]["train/reward_mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-7)
+        assert train_rows(part)[3]["train/mean_total_reward"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-7)
     else:
         assert "0 replay groups restored" in out
     assert trained_prompts(part) == uninterrupted == loader_batches(64, 4)
@@ -225,7 +225,7 @@ def test_two_ranks_train_the_same_groups_as_one(one_rank, tmp_path):
          "policy.generation_batch_size=4"], threads=1)
     one, two = train_rows(one_rank), train_rows(tmp_path)
     assert trained_prompts(tmp_path) == trained_prompts(one_rank)
-    assert two[1]["train/reward_mean"] == one[1]["train/reward_mean"]  # step 1: same weights, same seeds
+    assert two[1]["train/mean_total_reward"] == one[1]["train/mean_total_reward"]  # step 1: same weights, same seeds
     assert abs(two[1]["train/loss"] - one[1]["train/loss"]) < 1e-5
     assert all(max(r["async/trajectory_age_hist"]) <= 1 for r in two.values())
 
@@ -239,6 +239,6 @@ def test_async_cpu_demo_raises_validation_reward(tmp_path):
          *paths(tmp_path), "grpo.max_num_steps=60", "grpo.val_period=20", "checkpointing.enabled=false"],
         timeout=3600)
     with open(tmp_path / "logs" / "metrics.jsonl") as f:
-        val = {r["step"]: r["val/reward_mean"] for r in map(json.loads, f) if "val/reward_mean" in r}
+        val = {r["step"]: r["validation/accuracy"] for r in map(json.loads, f) if "validation/accuracy" in r}
     print("validation reward by step:", val)
     assert val[60] > val[0] + 0.1, val

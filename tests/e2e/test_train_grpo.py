@@ -65,13 +65,13 @@ def test_single_process_run_logs_required_metrics(tmp_path):
     python_train(tmp_path, "grpo.val_at_end=true")
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2, 3]
-    for key in ("train/reward_mean", "train/loss", "train/kl", "train/token_mult_prob_error", "timing/step_s",
-                "timing/generate_s", "timing/train_s", "train/tokens_per_s", "train/response_length_mean",
+    for key in ("train/mean_total_reward", "train/loss", "train/kl_penalty", "train/token_mult_prob_error", "timing/train/total_step_time",
+                "timing/train/generate_s", "timing/train/policy_training", "train/tokens_per_s", "train/mean_gen_tokens_per_sample",
                 "train/approx_entropy"):
         assert key in rows[3], (key, sorted(rows[3]))
     # generation and training agree: same weights, fp32 -> mult prob error ~1
     assert abs(rows[1]["train/token_mult_prob_error"] - 1.0) < 1e-3
-    val = [r for r in metrics(tmp_path) if "val/reward_mean" in r]
+    val = [r for r in metrics(tmp_path) if "validation/accuracy" in r]
     assert val and val[-1]["step"] == 3
     assert (tmp_path / "ckpt" / "latest_checkpoint_status.json").exists()
 
@@ -94,7 +94,7 @@ def test_resume_gives_the_same_steps_as_an_uninterrupted_run(tmp_path):
     a, b = train_rows(full), train_rows(part)
     for step in (3, 4):
         assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
-        assert abs(a[step]["train/reward_mean"] - b[step]["train/reward_mean"]) < 1e-9
+        assert abs(a[step]["train/mean_total_reward"] - b[step]["train/mean_total_reward"]) < 1e-9
 
 
 def test_checkpoint_must_save_by_saves_and_stops_then_the_same_command_resumes(tmp_path):
@@ -143,8 +143,8 @@ def test_reward_rises_on_learnable_task(tmp_path):
                  "policy.logprob_batch_size=64", "policy.generation_batch_size=128", "checkpointing.enabled=false",
                  timeout=600)
     rows = train_rows(tmp_path)
-    first = sum(rows[s]["train/reward_mean"] for s in (1, 2, 3)) / 3
-    last = sum(rows[s]["train/reward_mean"] for s in (10, 11, 12)) / 3
+    first = sum(rows[s]["train/mean_total_reward"] for s in (1, 2, 3)) / 3
+    last = sum(rows[s]["train/mean_total_reward"] for s in (10, 11, 12)) / 3
     assert last > first + 0.1, (first, last)
 
 
@@ -159,7 +159,7 @@ def test_one_and_two_processes_give_the_same_loss(tmp_path):
     a, b = train_rows(one), train_rows(two)
     for step in (1, 2):
         assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
-        assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
+        assert a[step]["train/mean_total_reward"] == b[step]["train/mean_total_reward"]
 
 
 @pytest.mark.slow  # the one-rank stop-and-resume above stays in the default suite
@@ -256,12 +256,12 @@ def test_export_hf_without_a_checkpoint_exits_1_naming_the_directory(tmp_path):
 
 
 def test_early_stop_on_validation_metric_and_hf_export(tmp_path):
-    p = python_train(tmp_path, "grpo.max_num_steps=6", "grpo.val_period=2", "grpo.stop_at_validation_metric=reward_mean",
+    p = python_train(tmp_path, "grpo.max_num_steps=6", "grpo.val_period=2", "grpo.stop_at_validation_metric=accuracy",
                      "grpo.stop_at_validation_threshold=0.0", "grpo.val_num_generations_per_prompt=2")
     assert "stopping" in p.stdout + p.stderr
     assert sorted(train_rows(tmp_path)) == [1, 2]
-    val = [r for r in metrics(tmp_path) if "val/pass@2" in r]
-    assert val and 0.0 <= val[-1]["val/pass@2"] <= 1.0 and val[-1]["val/pass@2"] >= val[-1]["val/reward_mean"]
+    val = [r for r in metrics(tmp_path) if "validation/pass_k" in r]
+    assert val and 0.0 <= val[-1]["validation/pass_k"] <= 1.0 and val[-1]["validation/pass_k"] >= val[-1]["validation/accuracy"]
     from transformers import AutoModelForCausalLM
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
     # On request: the latest checkpoint exported again holds the same weights.
@@ -276,7 +276,7 @@ def test_cpu_demo_raises_validation_reward_by_015(tmp_path):
     """The README's demo as shipped (configs/cpu_demo.yaml, 100 steps, ~2 min on 2 cores)."""
     run([sys.executable, "train_grpo.py", "--config", "configs/cpu_demo.yaml", *paths(tmp_path),
          "logger.progress_bar=false"], timeout=1800)
-    val = [r["val/reward_mean"] for r in metrics(tmp_path) if "val/reward_mean" in r]
+    val = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]
     assert val[-1] >= val[0] + 0.15, val
 
 
@@ -294,11 +294,11 @@ def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps
     assert "a shared prompt runs once" in p.stdout + p.stderr
     a, b = train_rows(skip), train_rows(separate)
     for step in (1, 2, 3):
-        assert a[step]["train/reward_mean"] == b[step]["train/reward_mean"]
+        assert a[step]["train/mean_total_reward"] == b[step]["train/mean_total_reward"]
         # Step 1 (same weights) agrees to float rounding. That rounding (the shared prompts' gradients are summed
         # in another order) then grows through Adam, whose first steps are about lr * sign(g): a parameter whose
         # gradient is rounding noise moves by a whole lr. A real difference (a wrong position, a token scored
         # twice) shows at step 1, of the order of the values themselves.
-        for key in ("train/loss", "train/kl", "train/token_mult_prob_error", "train/grad_norm"):
+        for key in ("train/loss", "train/kl_penalty", "train/token_mult_prob_error", "train/grad_norm"):
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6 if step == 1 else 1e-2, abs=1e-7), \
                 (step, key, a[step][key], b[step][key])

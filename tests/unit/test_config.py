@@ -123,15 +123,78 @@ def test_kl_in_reward_with_force_on_policy_is_allowed_when_its_inputs_exist():
     (["loss_fn.force_on_policy_ratio=true", "policy.train_global_batch_size=512",
       "grpo.seq_logprob_error_threshold=2"], (False, False)),
     (["loss_fn.reference_policy_kl_penalty=0", "loss_fn.use_kl_in_reward=true",
-      "grpo.adv_estimator.name=reinforce_plus_plus"], (True, False)),   # a 0-weighted reward KL reads none
+      "grpo.adv_estimator.name=reinforce_plus_plus"], (True, True)),   # a 0-weighted reward KL: no reference
+    # NeMo-RL (grpo.py setup): a penalty of 0 turns the flag on, whatever the config says
+    (["loss_fn.reference_policy_kl_penalty=0", "grpo.skip_reference_policy_logprobs_calculation=false"],
+     (True, True)),
+    (["loss_fn.reference_policy_kl_penalty=0", "grpo.skip_reference_policy_logprobs_calculation=true"],
+     (True, True)),
+    (["grpo.skip_reference_policy_logprobs_calculation=null"], (True, False)),   # null: false
 ])
 def test_skip_flag_resolution(overrides, flags):
     assert resolve_skip_flags(build_config(apply_overrides({}, overrides))) == flags
 
 
-def test_skipping_a_reference_the_loss_needs_is_rejected():
-    assert "grpo.skip_reference_policy_logprobs_calculation=true" in bad(
-        "grpo.skip_reference_policy_logprobs_calculation=true")
+def test_skipping_the_reference_needs_a_kl_penalty_of_0_as_in_nemo_rl():
+    msg = bad("grpo.skip_reference_policy_logprobs_calculation=true")  # the default penalty is 0.01
+    assert "grpo.skip_reference_policy_logprobs_calculation=true requires loss_fn.reference_policy_kl_penalty == 0" in msg
+    assert "(got 0.01)" in msg
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("val:accuracy", "val:accuracy"), ("val:avg_length", "val:avg_length"), ("train:loss", "train:loss"),
+    ("train:mean_total_reward", "train:mean_total_reward"),
+    # grpo-ds's former forms are read as NeMo-RL's
+    ("val_reward", "val:accuracy"), ("val/reward_mean", "val:accuracy"), ("val/pass@4", "val:pass_k"),
+    ("validation/accuracy", "val:accuracy"), ("val:reward_mean", "val:accuracy"), ("train/loss", "train:loss"),
+])
+def test_checkpoint_metric_name_takes_nemo_rl_form_and_reads_the_former_ones(value, expected):
+    cfg = build_config(apply_overrides({}, [f"checkpointing.metric_name={value}",
+                                            "grpo.val_num_generations_per_prompt=4"]))
+    assert cfg.checkpointing.metric_name == expected
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("accuracy", ["checkpointing.metric_name='accuracy'", "expected NeMo-RL's form 'val:<name>'",
+                  "'train:<name>'"]),
+    ("loss", ["checkpointing.metric_name='loss'", "'train:<name>' (a train/ metric, e.g. train:loss)"]),
+    ("val_accuracy", ["checkpointing.metric_name='val_accuracy'", "expected NeMo-RL's form"]),
+    ("val:reward", ["checkpointing.metric_name='val:reward'", "validation reports ['accuracy', 'avg_length'"]),
+    ("val:pass_k", ["checkpointing.metric_name='val:pass_k'", "pass_k needs grpo.val_num_generations_per_prompt > 1"]),
+])
+def test_checkpoint_metric_name_errors_name_key_value_and_the_form(value, expected):
+    msg = bad(f"checkpointing.metric_name={value}")
+    for part in expected:
+        assert part in msg, msg
+
+
+def test_checkpoint_metric_name_default_is_nemo_rl_recipe_one():
+    assert MasterConfig().checkpointing.metric_name == "val:accuracy"
+
+
+@pytest.mark.parametrize("value, k, expected", [
+    ("accuracy", 1, "accuracy"), ("reward_mean", 1, "accuracy"), ("pass_k", 4, "pass_k"), ("pass@k", 4, "pass_k"),
+    ("pass@4", 4, "pass_k"), ("validation/avg_length", 1, "avg_length"), ("response_length_mean", 1, "avg_length"),
+])
+def test_stop_at_validation_metric_takes_nemo_rl_names(value, k, expected):
+    cfg = build_config(apply_overrides({}, [f"grpo.stop_at_validation_metric={value}",
+                                            "grpo.stop_at_validation_threshold=0.5",
+                                            f"grpo.val_num_generations_per_prompt={k}"]))
+    assert cfg.grpo.stop_at_validation_metric == expected
+
+
+def test_stop_at_pass_k_without_groups_says_why():
+    msg = bad("grpo.stop_at_validation_metric=pass_k", "grpo.stop_at_validation_threshold=0.5")
+    assert "grpo.stop_at_validation_metric='pass_k'" in msg and "needs grpo.val_num_generations_per_prompt > 1" in msg
+
+
+def test_val_start_at_and_val_sampling_fields():
+    cfg = MasterConfig()
+    assert cfg.grpo.val_start_at == -1
+    g = cfg.policy.generation
+    assert (g.val_temperature, g.val_top_p, g.val_top_k) == (None, None, None)
+    assert "grpo.val_start_at" in bad("grpo.val_start_at=-2")
+    assert "policy.generation.val_top_p" in bad("policy.generation.val_top_p=1.5")
 
 
 def test_config_module_imports_nothing_heavy():

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 READ_ONLY_BY_THE_SCHEMA = {
     "grpo.skip_reference_policy_logprobs_calculation":
-        "resolved by grpo.config.resolve_skip_flags (validated against beta / KL in reward), whose result the "
+        "resolved by grpo.config.resolve_skip_flags (true needs beta = 0, as in NeMo-RL), whose result the "
         "loops use (grpo/system/training.py LogprobEngines)",
     "grpo.skip_previous_policy_logprobs_calculation": "the same: resolve_skip_flags",
     "cluster.gpus_per_node": "checked against the launcher by grpo.config.cluster_mismatch, called by grpo/run.py",
