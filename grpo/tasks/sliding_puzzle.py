@@ -268,10 +268,9 @@ class SlidingPuzzleEnvironment(Environment):
 
     def global_post_process_and_metrics(self, batch):
         """``success_rate``: the share of samples whose total reward is 1, i.e. that solved their board
-        (NeMo-RL's ``sliding_puzzle_success_rate``), logged as ``env/<task>/success_rate``. ``batch``: NeMo-RL's
-        rollout batch (``total_reward``), or a list of `grpo.system.rollout.Trajectory` (``reward``)."""
-        rewards = batch["total_reward"].tolist() if isinstance(batch, dict) else [t.reward for t in batch]
-        solved = [r == 1.0 for r in rewards]
+        (NeMo-RL's ``sliding_puzzle_success_rate``), logged as ``env/<task>/success_rate``; ``batch``: NeMo-RL's
+        rollout batch (`grpo.tasks.router.rollout_batch`)."""
+        solved = [r == 1.0 for r in batch["total_reward"].tolist()]
         return batch, {"success_rate": sum(solved) / len(solved) if solved else 0.0}
 
 
