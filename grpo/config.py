@@ -513,6 +513,14 @@ class EnvSpec(_Section):
         None, description="package.module:ClassName of a grpo.tasks.interface.Environment (NeMo-RL's interface).")
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the environment's constructor (class, guess_number).")
+    observation_format: Literal["auto", "raw", "chat_template"] = Field("auto", description=(
+        "How the environment's observations become tokens. raw: the content as tokens, nothing added (NeMo-RL's "
+        "rollout: the environment writes its own turn markup; the next assistant turn starts right after it); "
+        "chat_template: the chat template's rendering of the observation messages and the next generation prompt "
+        "(a role the template renders nothing for, e.g. Qwen2.5 and 'environment', stops the run at its first "
+        "observation); auto: raw for env.name=class (environments written for NeMo-RL), chat_template for the "
+        "built-ins (tools, guess_number). Without a chat template (policy.tokenizer.chat_template=null) both are "
+        "the raw content."))
     num_workers: int = Field(2, gt=0, description="Reward worker processes (math, reasoning_gym, function).")
     timeout_s: float = Field(
         10.0, gt=0, description="Seconds a reward may take before its sample scores 0 (counted as a timeout).")
