@@ -34,7 +34,12 @@ def check(rows: dict, on_policy: bool = True) -> None:
 
 
 def test_the_tool_environment_trains_in_the_synchronous_loop(tmp_path):
-    check(train(tmp_path, "grpo.invalid_tool_call_advantage=-1"))
+    rows = train(tmp_path, "grpo.invalid_tool_call_advantage=-1", "reward_penalties.penalize_empty_final_answer=true")
+    check(rows)
+    for r in rows.values():  # NeMo-RL's penalty metrics, and the tool env's two kinds of failed call
+        assert 0 <= r["train/invalid_tool_call_rate"] <= 1 and r["train/num_assistant_messages"] >= 16
+        assert 0 <= r["train/empty_final_answer_rate"] <= 1
+        assert {"train/env/tools/invalid_call_rate", "train/env/tools/tool_error_rate"} <= set(r)
 
 
 def test_the_tool_environment_trains_in_the_async_loop(tmp_path):
