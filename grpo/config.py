@@ -273,7 +273,7 @@ class GRPOConfig(_Section):
     max_val_samples: Optional[int] = Field(
         256, gt=0, description="Validation prompts (each with val_num_generations_per_prompt samples).")
     val_num_generations_per_prompt: int = Field(
-        1, gt=0, description="Samples per validation prompt; k > 1 also reports pass@k.")
+        1, gt=0, description="Samples per validation prompt; k > 1 also reports pass_k (pass@k).")
     stop_at_validation_metric: Optional[str] = Field(None, description=(
         "Stop once this validation metric reaches the threshold: accuracy, pass_k (with "
         "val_num_generations_per_prompt > 1), avg_length, ... (NeMo-RL's names; the old reward_mean, pass@k are "
