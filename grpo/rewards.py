@@ -275,10 +275,20 @@ def prompt_starts_in_think(prompt_text: str, open_tag: str, close_tag: str) -> b
 
 
 def _think_ids(cfg: RewardPenaltyConfig, tokenizer_think_ids: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    """The configured ``token_ids.think_open`` / ``think_close`` when both are set (NeMo-RL: explicit ids win),
+    else the tokenizer's (:func:`single_token_think_ids`)."""
     ids_cfg = cfg.token_ids
-    if tokenizer_think_ids is None and ids_cfg is not None and None not in (ids_cfg.think_open, ids_cfg.think_close):
+    if ids_cfg is not None and None not in (ids_cfg.think_open, ids_cfg.think_close):
         return ids_cfg.think_open, ids_cfg.think_close
     return tokenizer_think_ids
+
+
+def single_token_think_ids(tokenizer, open_tag: str, close_tag: str) -> Optional[tuple[int, int]]:
+    """(open id, close id) when each think tag encodes to exactly one token (Qwen3's ``<think>``), else None:
+    NeMo-RL's inference of the think ids (`nemo_rl/experience/rollouts.py`, ``resolve_reward_penalty_config``),
+    which then checks the tags on the token ids too."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (open_tag, close_tag)]
+    return (int(ids[0][0]), int(ids[1][0])) if all(len(i) == 1 for i in ids) else None
 
 
 def malformed_thinking_flags(

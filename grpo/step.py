@@ -27,7 +27,7 @@ from grpo.loss import calculate_kl
 from grpo.metrics import aggregate_rollout_metrics
 from grpo.rewards import (
     Turn, apply_reward_penalties, malformed_thinking_flags, process_reward_components, prompt_starts_in_think,
-    scale_rewards, shape_overlong_rewards,
+    scale_rewards, shape_overlong_rewards, single_token_think_ids,
 )
 from grpo.dynamic_sampling import group_reward_std, overlong_filter_mask
 
@@ -41,7 +41,8 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
 
     Components (GDPO) go through the same steps (`grpo.rewards.process_reward_components`). The detectors
     read each generated assistant message (turn) on its own, as NeMo-RL does, and know when the text before a
-    turn opened the thinking block (a chat template's generation prompt). With
+    turn opened the thinking block (a chat template's generation prompt); where each think tag is one token of
+    the tokenizer, the tags are checked on the token ids too (NeMo-RL infers those ids the same way). With
     ``grpo.malformed_thinking_advantage`` set, every generated message with malformed think tags is flagged
     ``malformed_thinking`` (no reward is changed by that; the penalty
     ``reward_penalties.penalize_malformed_think_tag`` zeroes the sample's reward on its own).
@@ -49,7 +50,8 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
     g, rp = cfg.grpo, cfg.reward_penalties
     trajectories = batch.trajectories
     turns = [sample_turns(t, tokenizer, rp) for t in trajectories]
-    task_b, flags, metrics = apply_reward_penalties(batch.raw_rewards_b, turns, rp)
+    think_ids = single_token_think_ids(tokenizer, rp.think_open_tag, rp.think_close_tag)
+    task_b, flags, metrics = apply_reward_penalties(batch.raw_rewards_b, turns, rp, tokenizer_think_ids=think_ids)
     task_b = scale_rewards(task_b, g.reward_scaling)
     rewards_b = shape_overlong_rewards(task_b, batch.response_lengths_b, batch.truncated_b, g.reward_shaping)
     changes = {"task_rewards_b": task_b, "rewards_b": rewards_b}
@@ -62,7 +64,7 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
     if g.malformed_thinking_advantage is not None:
         spans = []
         for sample_spans, sample in zip(batch.message_spans, turns):
-            bad = malformed_thinking_flags(sample, rp).tolist()
+            bad = malformed_thinking_flags(sample, rp, tokenizer_think_ids=think_ids).tolist()
             spans.append([(s, e, tuple(sorted({*f, "malformed_thinking"})) if b else f)
                           for (s, e, f), b in zip(sample_spans, bad)])
         changes["message_spans"] = spans

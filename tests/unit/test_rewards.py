@@ -286,6 +286,26 @@ def test_apply_reward_penalties_think_token_ids():
     torch.testing.assert_close(out2, torch.tensor([0.0]))
 
 
+def test_think_ids_come_from_a_tokenizer_with_one_token_per_tag_and_configured_ids_win():
+    """NeMo-RL's resolve_reward_penalty_config: ids inferred only when each tag is one token; explicit ids win."""
+    from grpo.rewards import malformed_thinking_flags, single_token_think_ids
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def encode(self, text, add_special_tokens=False):
+            assert not add_special_tokens
+            return self.vocab[text]
+
+    assert single_token_think_ids(Tok({"<think>": [12], "</think>": [13]}), *T) == (12, 13)
+    assert single_token_think_ids(Tok({"<think>": [12, 98], "</think>": [13]}), *T) is None
+    turn = [Turn("x", [50, 5, 51, 50, 51])]  # two blocks in ids 50/51
+    cfg = RewardPenaltyConfig(token_ids=RewardPenaltyTokenIdsConfig(think_open=50, think_close=51))
+    assert malformed_thinking_flags(turn, cfg, tokenizer_think_ids=(12, 13)).tolist() == [True]
+    assert malformed_thinking_flags(turn, RewardPenaltyConfig(), tokenizer_think_ids=(12, 13)).tolist() == [False]
+
+
 def test_apply_reward_penalties_length_mismatch():
     with pytest.raises(ValueError, match="turns of 1 samples"):
         apply_reward_penalties(torch.tensor([1.0, 1.0]), one_turn("a"), RewardPenaltyConfig())
