@@ -185,12 +185,13 @@ class ToolEnvironment(Environment):
         return result.rewards
 
     # -- metrics and lifecycle ---------------------------------------------------------------------
-    def global_post_process_and_metrics(self, trajectories: list) -> tuple[list, dict]:
-        """Trajectories unchanged; the tool metrics accumulated since the last call (then reset)."""
+    def global_post_process_and_metrics(self, batch: dict) -> tuple[dict, dict]:
+        """NeMo-RL's rollout batch unchanged (`grpo.tasks.router.rollout_batch`); the tool metrics accumulated
+        since the last call (then reset)."""
         c, tool_s = self._counts, self._tool_s
         self._counts, self._tool_s = Counter(), 0.0
         if not c["samples"] and not c["calls"] and not c["final_answers"]:
-            return trajectories, {}
+            return batch, {}
         samples, calls = max(c["samples"], 1), max(c["calls"], 1)
         num_invalid = sum(c[f"errors/{kind}"] for kind in INVALID_CALL_KINDS)
         num_tool_errors = sum(c[f"errors/{kind}"] for kind in TOOL_ERROR_KINDS)
@@ -206,7 +207,7 @@ class ToolEnvironment(Environment):
             "tool_s": tool_s,
             "verifier_error_rate": c["verifier_errors"] / max(c["final_answers"], 1),
         }
-        return trajectories, metrics
+        return batch, metrics
 
     def start(self) -> None:
         """Start the tool (and verifier) workers now and wait until they are ready (optional)."""
