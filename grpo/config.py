@@ -357,7 +357,27 @@ class SchedulerConfig(_Section):
     name: Literal["cosine", "constant", "linear"] = Field(
         "constant", description="After warmup: cosine decay to min_lr_ratio * lr, constant, or linear decay.")
     warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    warmup_start_factor: Optional[float] = Field(None, ge=0, le=1, description=(
+        "Warmup from this fraction of lr: step t < warmup_steps uses s + (1 - s) * t / warmup_steps (torch LinearLR, "
+        "Megatron's lr_warmup_init / lr); null: (t + 1) / warmup_steps."))
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="The learning rate decays to min_lr_ratio * lr.")
+    decay_steps: Optional[int] = Field(None, gt=0, description=(
+        "Optimizer step at which the decay reaches min_lr_ratio * lr and stays (Megatron's lr_decay_iters, a "
+        "CosineAnnealingLR's milestone + T_max); null: the run's last step."))
+
+    @model_validator(mode="after")
+    def _check(self) -> "SchedulerConfig":
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"policy.scheduler.decay_steps={self.decay_steps}: expected > "
+                             f"policy.scheduler.warmup_steps={self.warmup_steps}")
+        return self
+
+
+# What grpo.system.generation.vllm_params.llm_kwargs passes to vllm.LLM itself (vllm_kwargs may not repeat them).
+VLLM_KWARGS_SET_BY_GRPO = frozenset({
+    "model", "tokenizer", "dtype", "trust_remote_code", "seed", "tensor_parallel_size", "max_model_len",
+    "enforce_eager", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory_bytes", "enable_sleep_mode",
+    "logprobs_mode", "generation_config", "distributed_executor_backend"})
 
 
 class VllmConfig(_Section):
@@ -377,6 +397,18 @@ class VllmConfig(_Section):
         "wrong output after wake)."))
     offload_optimizer_during_generation: bool = Field(
         False, description="GPU: move DeepSpeed's optimizer states to the host while vLLM generates.")
+    vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "More keyword arguments of vllm.LLM (NeMo-RL's policy.generation.vllm_kwargs), e.g. compilation_config; "
+        "one that grpo-ds sets itself is an error."))
+
+    @field_validator("vllm_kwargs")
+    @classmethod
+    def _own_keys(cls, v):
+        taken = sorted(set(v) & VLLM_KWARGS_SET_BY_GRPO)
+        if taken:
+            raise ValueError(f"policy.generation.vllm_cfg.vllm_kwargs: {taken} are set by grpo-ds "
+                             "(grpo/system/generation/vllm_params.py); set them through their policy.* fields")
+        return v
 
 
 class GenerationConfig(_Section):
@@ -483,6 +515,11 @@ class DataConfig(_Section):
     system_prompt: Optional[str] = Field(None, description="System prompt.")
     max_input_seq_length: Optional[int] = Field(
         None, gt=0, description="Prompts longer than this (tokens) are filtered out and counted.")
+    split_validation_size: float = Field(0, ge=0, description=(
+        "Hold out this share (< 1) or number (>= 1) of the training rows for validation when no validation source "
+        "is set (NeMo-RL's split_validation_size); 0: off."))
+    split_validation_seed: Optional[int] = Field(None, description="Seed of that split (null: grpo.seed).")
+    val_repeat: int = Field(1, gt=0, description="Each validation row appears this many times (NeMo-RL's repeat).")
     shuffle: bool = Field(True, description="Shuffle the training prompts (seeded; resumes exactly).")
     on_bad_row: Literal["error", "skip"] = Field("error", description=(
         "error: a malformed row stops the run naming file and row; skip: it is skipped and counted."))

@@ -64,6 +64,9 @@ def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Name
                         "are replaced, nothing else is deleted)")
     p.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
                    help="print every config field (key, type, default, description), or those of SECTION, and exit")
+    p.add_argument("--check-config", action="store_true",
+                   help="print the config as grpo-ds runs it (YAML; for a NeMo-RL recipe also the table of translated "
+                        "and ignored keys) and exit: 0 if it is valid, 2 naming the problem (torch is not imported)")
     args, overrides = p.parse_known_args(argv)
     bad = [o for o in overrides if "=" not in o]
     if bad:
@@ -93,11 +96,28 @@ def load_run_config(argv=None, default_config: str = "", asynchronous: bool = Fa
         print(f"No --config given: running the built-in {'async ' if asynchronous else ''}CPU demo "
               f"({os.path.relpath(default_config)})", flush=True)
         args.config = default_config
+    from grpo.nemo_rl_recipe import dump_config, format_table, is_nemo_rl_recipe, load_recipe
+
+    table = None
     try:
-        cfg = load_config(args.config, overrides, config_cls)
+        if is_nemo_rl_recipe(args.config):  # NeMo-RL's format, recognised by its shape: translated key by key
+            cfg, table = load_recipe(args.config, overrides, config_cls)
+        else:
+            cfg = load_config(args.config, overrides, config_cls)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if args.check_config:
+        print(dump_config(cfg), end="")
+        if table is not None:
+            print(f"\n# NeMo-RL recipe {args.config}: {len(table)} keys translated or ignored "
+                  "(every other key is honored as is)\n" + format_table(table))
+        if cfg.grpo.async_grpo.enabled != asynchronous:
+            print(f"# note: run it with {'train_async_grpo.py' if cfg.grpo.async_grpo.enabled else 'train_grpo.py'}")
+        sys.exit(0)
+    if table is not None and os.environ.get("RANK", "0") == "0":
+        print(f"NeMo-RL recipe {args.config}: translated to grpo-ds (python {sys.argv[0]} --config ... --check-config "
+              "prints the whole config)\n" + format_table(table), flush=True)
     if cfg.grpo.async_grpo.enabled != asynchronous and args.export_hf is None:
         wrong = ("train_async_grpo.py needs grpo.async_grpo.enabled=true (train_grpo.py is the synchronous loop)"
                  if asynchronous else

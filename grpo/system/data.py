@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,31 @@ class Rows(list):
 # --------------------------------------------------------------------------------------------------
 # Rows
 # --------------------------------------------------------------------------------------------------
+_MISSING = object()
+
+
+def field_value(record: dict, key: str) -> Any:
+    """``record[key]``, or for a dotted key absent as such the value at that path (dict keys, list indices);
+    a missing value is `_MISSING`.
+
+    >>> field_value({"reward_model": {"ground_truth": "7"}}, "reward_model.ground_truth")
+    '7'
+    >>> field_value({"prompt": [{"role": "user", "content": "1+1?"}]}, "prompt.0.content")
+    '1+1?'
+    """
+    if key in record or "." not in key:
+        return record.get(key, _MISSING)
+    value: Any = record
+    for part in key.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return _MISSING
+    return value
+
+
 def check_record(record: Any, input_key: str, output_key: str) -> str | None:
     """The problem with a file record as text, or None when it makes a valid row.
 
@@ -79,11 +106,11 @@ def check_record(record: Any, input_key: str, output_key: str) -> str | None:
     """
     if not isinstance(record, dict):
         return f"expected an object with keys {input_key!r} and {output_key!r}, got {type(record).__name__}"
-    if input_key not in record:
+    question, answer = field_value(record, input_key), field_value(record, output_key)
+    if question is _MISSING:
         return f"missing input key {input_key!r} (keys: {sorted(record)})"
-    if output_key not in record:
+    if answer is _MISSING:
         return f"missing output key {output_key!r} (keys: {sorted(record)})"
-    question, answer = record[input_key], record[output_key]
     if isinstance(question, list):  # a conversation so far
         bad = next((m for m in question if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                                                 and isinstance(m.get("content"), str))), None)
@@ -102,8 +129,11 @@ def check_record(record: Any, input_key: str, output_key: str) -> str | None:
 
 def record_to_row(record: dict, input_key: str, output_key: str, source: str) -> Row:
     """A checked record as a row; the other columns go into meta."""
-    meta = {k: v for k, v in record.items() if k not in (input_key, output_key)}
-    return {"question": record[input_key], "answer": str(record[output_key]), "source": source, "meta": meta}
+    used = (input_key.split(".")[0] if input_key not in record else input_key,
+            output_key.split(".")[0] if output_key not in record else output_key)
+    meta = {k: v for k, v in record.items() if k not in used}
+    return {"question": field_value(record, input_key), "answer": str(field_value(record, output_key)),
+            "source": source, "meta": meta}
 
 
 @dataclass
@@ -279,9 +309,42 @@ def load_rows(cfg: DataConfig, split: str, seed: int) -> Rows:
     The source is ``data.train_data_path`` / ``val_data_path`` when set, else ``data.dataset_name``:
     "arithmetic", "reasoning_gym:<task>", a local file or directory (``train.jsonl`` / ``val.jsonl``...),
     a `save_to_disk` directory, or a hub name. Procedural sources draw train and val from different seeds.
+    ``data.split_validation_size`` > 0 without ``val_data_path`` holds validation out of the training rows
+    (`_split_rows`); ``data.val_repeat`` repeats each validation row.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r}: expected 'train' or 'val'")
+    if cfg.split_validation_size > 0 and cfg.val_data_path is None:
+        return _split_rows(cfg, split, seed)
+    rows = _load_rows(cfg, split, seed)
+    if split == "val" and cfg.val_repeat > 1:
+        rows = Rows([r for r in rows for _ in range(cfg.val_repeat)], rows.report)
+        rows.report.num_rows = len(rows)
+    return rows
+
+
+def _split_rows(cfg: DataConfig, split: str, seed: int) -> Rows:
+    """``data.split_validation_size`` of the training rows (a share < 1, rounded up, or a count), drawn with
+    ``data.split_validation_seed`` (else ``seed``), as the validation rows; the training rows are the others."""
+    rows = _load_rows(cfg, "train", seed)
+    size = cfg.split_validation_size
+    n_val = int(size) if size >= 1 else math.ceil(size * len(rows))
+    if not 0 < n_val < len(rows):
+        raise DataError(f"data.split_validation_size={size}: {n_val} of the {len(rows)} training rows would be held "
+                        "out for validation; expected at least one row on each side")
+    order = list(range(len(rows)))
+    random.Random(seed if cfg.split_validation_seed is None else cfg.split_validation_seed).shuffle(order)
+    held_out = set(order[:n_val])
+    if split == "val":
+        picked = [rows[i] for i in sorted(held_out) for _ in range(cfg.val_repeat)]
+    else:
+        picked = [r for i, r in enumerate(rows) if i not in held_out]
+    report = LoadReport(source=rows.report.source, num_rows=len(picked), num_skipped=rows.report.num_skipped,
+                        skipped=rows.report.skipped)
+    return Rows(picked, report)
+
+
+def _load_rows(cfg: DataConfig, split: str, seed: int) -> Rows:
     explicit_path = cfg.train_data_path if split == "train" else cfg.val_data_path
     name = explicit_path or cfg.dataset_name
     report = LoadReport(source=name)

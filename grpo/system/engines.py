@@ -74,24 +74,31 @@ def exit_process(status: int | str | None = 0) -> NoReturn:
 # --------------------------------------------------------------------------------------------------
 # Learning-rate schedule
 # --------------------------------------------------------------------------------------------------
-def lr_lambda(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
+def lr_lambda(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
+              warmup_start_factor: float | None = None, decay_steps: int | None = None) -> float:
     """Multiplier of the base lr at optimizer step ``step`` (0-based).
 
-    Warmup: (step + 1) / warmup_steps while step < warmup_steps (the first step is not wasted at 0).
-    Then, with p = clamp((step - warmup_steps) / max(1, total_steps - warmup_steps), 0, 1) and
-    m = min_lr_ratio: cosine m + (1 - m) * (1 + cos(pi * p)) / 2; linear m + (1 - m) * (1 - p);
-    constant 1.
+    Warmup while step < warmup_steps: (step + 1) / warmup_steps (the first step is not wasted at 0), or with
+    s = warmup_start_factor, s + (1 - s) * step / warmup_steps (torch's LinearLR; Megatron's warmup from
+    lr_warmup_init). Then, with D = decay_steps or total_steps, p = clamp((step - warmup_steps) /
+    max(1, D - warmup_steps), 0, 1) and m = min_lr_ratio: cosine m + (1 - m) * (1 + cos(pi * p)) / 2; linear
+    m + (1 - m) * (1 - p); constant 1.
 
         >>> lr_lambda(0, name="cosine", warmup_steps=2, total_steps=6)
         0.5
         >>> lr_lambda(4, name="cosine", warmup_steps=2, total_steps=6)
         0.5
+        >>> lr_lambda(0, name="constant", warmup_steps=50, total_steps=100, warmup_start_factor=0.1)
+        0.1
     """
     if step < warmup_steps:
+        if warmup_start_factor is not None:
+            return warmup_start_factor + (1.0 - warmup_start_factor) * step / warmup_steps
         return (step + 1) / warmup_steps
     if name == "constant":
         return 1.0
-    p = min(max((step - warmup_steps) / max(1, total_steps - warmup_steps), 0.0), 1.0)
+    end = decay_steps if decay_steps is not None else total_steps
+    p = min(max((step - warmup_steps) / max(1, end - warmup_steps), 0.0), 1.0)
     if name == "cosine":
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
     if name == "linear":
@@ -155,7 +162,8 @@ def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **adamw)
     schedule = partial(lr_lambda, name=s.name, warmup_steps=s.warmup_steps, total_steps=total_optimizer_steps,
-                       min_lr_ratio=s.min_lr_ratio)
+                       min_lr_ratio=s.min_lr_ratio, warmup_start_factor=s.warmup_start_factor,
+                       decay_steps=s.decay_steps)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                       lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     if no_zero_fp32 and engine.dp_world_size == 1:

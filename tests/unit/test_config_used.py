@@ -34,7 +34,8 @@ READ_ONLY_BY_THE_SCHEMA = {
 
 def _sources() -> dict[Path, str]:
     files = [*REPO.glob("train_*.py"), *(REPO / "grpo").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
-    skip = {REPO / "grpo" / "config.py", REPO / "grpo" / "config_load.py"}
+    # The loader and the NeMo-RL recipe translator name the fields to write them, not to act on them.
+    skip = {REPO / "grpo" / n for n in ("config.py", "config_load.py", "nemo_rl_recipe.py", "nemo_rl_rules.py")}
     return {p: p.read_text() for p in files if p not in skip}
 
 

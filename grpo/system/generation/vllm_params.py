@@ -30,7 +30,8 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     - max_model_len: ``vllm_cfg.max_model_len`` or policy.max_total_sequence_length;
     - ``distributed_executor_backend="external_launcher"`` when world_size > 1 (one engine per rank in
       the trainer's process group); sleep mode only where the platform has it (GPUs);
-    - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from.
+    - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from;
+    - then ``vllm_cfg.vllm_kwargs`` (keys the above does not set).
     """
     p, v = cfg.policy, cfg.policy.generation.vllm_cfg
     kv_bytes = v.kv_cache_memory_bytes
@@ -55,7 +56,7 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     )
     if world_size > 1:
         kw["distributed_executor_backend"] = "external_launcher"
-    return kw
+    return {**kw, **v.vllm_kwargs}  # the config refuses a key set above (VllmConfig.vllm_kwargs)
 
 
 def stop_token_ids(tokenizer, model_eos, gen_cfg) -> list[int]:

@@ -1,0 +1,257 @@
+"""NeMo-RL's own GRPO recipes as they are: recognised by their shape, loaded with NeMo-RL's ``defaults:`` and
+``${...}`` interpolation, translated key by key into a grpo-ds config.
+
+    cfg, table = load_recipe("examples/configs/grpo_math_1B.yaml", ["policy.model_name=Qwen/Qwen2.5-0.5B"])
+    print(format_table(table))          # "translated: ..." and "ignored: <dotted key>: <why>" lines
+
+Loading follows ``nemo_rl/utils/config.py``: ``defaults:`` (a path or a list, relative to the file that names
+it, depth first, later ones win) merged with OmegaConf (a section marked ``_override_: true`` replaces its
+parent's instead of merging), then the command-line overrides in NeMo-RL's key names (hydra's forms:
+``key=value`` for a key the recipe has, ``+key=value`` to add one, ``++key=value`` either way), and only then
+interpolation with NeMo-RL's resolvers ``mul``, ``add``, ``div``, ``max``: ``${policy.max_total_sequence_length}``
+follows an override of it.
+
+Then every key gets one fate (`grpo.nemo_rl_rules`): honored (same name, same meaning: copied), translated
+(another grpo-ds key that means the same), ignored (it configures a backend grpo-ds does not have: listed in the
+table with the reason), or refused (it changes the algorithm and grpo-ds cannot do it: a `ConfigError` naming the
+key and why). A key no rule knows is refused too. The result is validated by `grpo.config.MasterConfig` like any
+native config; native configs never come here (`is_nemo_rl_recipe`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from grpo.config import MasterConfig
+from grpo.config_load import ConfigError, build_config, load_yaml
+
+# Where NeMo-RL's structure differs from grpo-ds's (each would be an unknown key in a native config).
+FREE_TEXT_KEYS = ("prompt_template", "system_prompt", "chat_template", "stop_strings")
+
+
+def looks_like_nemo_rl(raw: dict) -> str | None:
+    """The first NeMo-RL-only marker in a merged recipe dict, or None for a native grpo-ds config.
+
+    Markers (none can appear in a valid native config): ``policy.dtensor_cfg`` / ``megatron_cfg``,
+    ``policy.optimizer.kwargs``, a scheduler list, ``data.train`` / ``data.validation`` / ``data.default``,
+    an ``env.<name>:`` section (a mapping under a key that is not an env field), ``${...}`` outside free text.
+
+        >>> looks_like_nemo_rl({"policy": {"optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-6}}}})
+        'policy.optimizer.kwargs'
+        >>> looks_like_nemo_rl({"policy": {"optimizer": {"lr": 1e-6}}}) is None
+        True
+    """
+    from grpo.config import EnvConfig
+
+    policy = raw.get("policy") if isinstance(raw.get("policy"), dict) else {}
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    env = raw.get("env") if isinstance(raw.get("env"), dict) else {}
+    for key in ("dtensor_cfg", "megatron_cfg"):
+        if key in policy:
+            return f"policy.{key}"
+    if isinstance(policy.get("optimizer"), dict) and "kwargs" in policy["optimizer"]:
+        return "policy.optimizer.kwargs"
+    if isinstance(policy.get("scheduler"), list):
+        return "policy.scheduler (a list)"
+    for key in ("train", "validation", "default"):
+        if key in data:
+            return f"data.{key}"
+    for key, value in env.items():
+        if isinstance(value, dict) and key not in EnvConfig.model_fields:
+            return f"env.{key}"
+    return _interpolation(raw, "")
+
+
+def _interpolation(node, key: str) -> str | None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in FREE_TEXT_KEYS:
+                continue
+            found = _interpolation(v, f"{key}.{k}" if key else str(k))
+            if found:
+                return found
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found = _interpolation(v, f"{key}[{i}]")
+            if found:
+                return found
+    elif isinstance(node, str) and "${" in node and "}" in node:
+        return f"{key}: {node}"
+    return None
+
+
+def is_nemo_rl_recipe(path: str | os.PathLike | None) -> bool:
+    """Whether the recipe at ``path`` (its ``defaults:`` chain merged) is NeMo-RL's format. A file that does not
+    load is not (the native loader then reports why)."""
+    if path is None:
+        return False
+    try:
+        return looks_like_nemo_rl(load_yaml(path)) is not None
+    except (ConfigError, RecursionError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------------
+# NeMo-RL's loading: defaults, overrides, interpolation
+# --------------------------------------------------------------------------------------------------
+def register_resolvers() -> None:
+    """NeMo-RL's OmegaConf resolvers (``nemo_rl.utils.config.register_omegaconf_resolvers``)."""
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    warnings.filterwarnings("ignore", message="register_new_resolver", category=UserWarning)  # omegaconf 2.4
+    for name, fn in (("add", lambda a, b: a + b), ("mul", lambda a, b: a * b), ("div", lambda a, b: a / b),
+                     ("max", lambda a, b: max(a, b))):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def _merge(base, over):
+    """NeMo-RL's ``merge_with_override``: OmegaConf.merge, except that a section holding ``_override_: true``
+    replaces the base's section; ``???`` (mandatory) values of ``over`` leave the base's value."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for key in list(over.keys()):
+        if OmegaConf.is_missing(over, key):
+            continue
+        if isinstance(over[key], DictConfig) and over[key].get("_override_", False):
+            over[key].pop("_override_")
+            if key in base:
+                base.pop(key)
+    return OmegaConf.merge(base, over)
+
+
+def load_unresolved(path: str | os.PathLike, _seen: tuple = ()):
+    """The recipe at ``path`` with its ``defaults:`` merged (NeMo-RL's ``load_config_with_inheritance``), not
+    yet interpolated. Its YAML is read through grpo-ds's bounded reader (size, depth and alias limits)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"defaults: recipe inheritance loops through {path}")
+    raw = _read_one(path)
+    cfg = OmegaConf.create(raw)
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    if "defaults" not in cfg:
+        return cfg
+    parents = cfg.pop("defaults")
+    parents = [parents] if isinstance(parents, str) else [str(p) for p in parents]
+    base = OmegaConf.create({})
+    for parent in parents:
+        parent_path = Path(parent) if parent.startswith("/") else path.parent / parent
+        base = _merge(base, load_unresolved(parent_path, _seen + (path,)))
+    return _merge(base, cfg)
+
+
+def _read_one(path: Path) -> dict:
+    """One recipe file (no defaults merged), through grpo.config_load's checks (missing, empty, not UTF-8, ...)."""
+    from grpo.config_load import MAX_CONFIG_BYTES, _bounded_yaml, _utf8, _yaml_error
+
+    if not path.exists():
+        raise ConfigError(f"--config {path}: file not found")
+    with open(path, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, which no recipe is")
+    text = _utf8(data, str(path))
+    try:
+        _bounded_yaml(text, str(path))  # the limits; then OmegaConf's YAML reading (1e-8 is a float there)
+        raw = _omegaconf_yaml(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(_yaml_error(str(path), err, text)) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def _omegaconf_yaml(text: str):
+    """YAML as OmegaConf (so NeMo-RL) reads it: ``1e-8`` is a float, duplicate keys are an error."""
+    try:  # a private helper of OmegaConf: _yaml since 2.4, _utils before
+        from omegaconf._yaml import get_yaml_loader
+    except ImportError:
+        from omegaconf._utils import get_yaml_loader
+
+    return yaml.load(text, Loader=get_yaml_loader())
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """Hydra-style overrides in NeMo-RL's key names on the merged, unresolved recipe (so interpolations follow
+    them): ``key=value`` changes a key the recipe has (hydra's struct mode: a misspelt key fails), ``+key=value``
+    adds a new one, ``++key=value`` sets either way. Values are YAML (``8``, ``null``, ``[1,2]``, ``{a: 1}``,
+    ``${policy.model_name}``); a mapping merges into the section it replaces, as in hydra."""
+    from omegaconf import OmegaConf
+
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected key=value, +key=value or ++key=value")
+        force, add = key.startswith("++"), key.startswith("+") and not key.startswith("++")
+        key = key.lstrip("+").strip()
+        try:
+            value = _omegaconf_yaml(text) if text != "" else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {key}={text!r}: invalid YAML ({err})") from None
+        exists = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False) is not _ABSENT
+        if add and exists:
+            raise ConfigError(f"override +{key}: the recipe already has {key} (hydra: drop the + to change it, or "
+                              f"use ++{key}=...)")
+        if not (force or add or exists):
+            raise ConfigError(f"override {key}: the recipe has no such key (hydra's struct mode); check the "
+                              f"spelling, or add it with +{key}={text}")
+        try:
+            OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+        except Exception as err:  # an override through a value that is not a section
+            raise ConfigError(f"override {key}: {err}") from None
+    return cfg
+
+
+_ABSENT = object()
+
+
+def resolve(cfg) -> dict:
+    """Interpolate (``${a.b}``, ``${.sibling}``, ``${mul:x,y}``) into a plain dict; a failure names the key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_resolvers()
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        msg = str(err).splitlines()[0]
+        hint = " (set it in the environment, as NeMo-RL needs it too)" if "Environment variable" in msg else ""
+        raise ConfigError(f"{key}: cannot interpolate ({type(err).__name__}: {msg}){hint}") from None
+
+
+def load_nemo_rl(path: str | os.PathLike, overrides: list[str] | None = None) -> dict:
+    """The recipe at ``path`` as NeMo-RL reads it: defaults merged, overrides applied, interpolated."""
+    return resolve(apply_overrides(load_unresolved(path), list(overrides or [])))
+
+
+# --------------------------------------------------------------------------------------------------
+# Translation
+# --------------------------------------------------------------------------------------------------
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None,
+                config_cls: type[MasterConfig] = MasterConfig) -> tuple[MasterConfig, list[tuple[str, str, str]]]:
+    """A NeMo-RL recipe (+ overrides in NeMo-RL's key names) as a validated grpo-ds config, and the table of
+    what was translated and ignored: ``[(kind, dotted key, why)]`` with kind "translated" or "ignored"."""
+    from grpo.nemo_rl_rules import translate
+
+    raw, table = translate(load_nemo_rl(path, overrides), base_dir=Path(path).resolve().parent)
+    return build_config(raw, config_cls), table
+
+
+def format_table(table: list[tuple[str, str, str]]) -> str:
+    """One line per entry: ``ignored: <dotted key>: <why>`` / ``translated: <dotted key>: <what it became>``."""
+    order = {"translated": 0, "ignored": 1}
+    return "\n".join(f"{kind}: {key}: {why}" for kind, key, why in sorted(table, key=lambda r: order[r[0]]))
+
+
+def dump_config(cfg: MasterConfig) -> str:
+    """The grpo-ds config as YAML (what ``--check-config`` prints; it loads back as a native config)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False, width=120)

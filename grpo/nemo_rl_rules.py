@@ -1,0 +1,831 @@
+"""What each key of a NeMo-RL GRPO recipe becomes in grpo-ds (`translate`), section by section.
+
+Every leaf key of the resolved recipe gets exactly one fate, and a key that nothing claims is an error:
+
+- honored: the same dotted key exists in `grpo.config.MasterConfig` and means the same: copied as is;
+- translated: it becomes other grpo-ds keys (``policy.optimizer.kwargs.lr`` -> ``policy.optimizer.lr``, the
+  scheduler list -> ``policy.scheduler``, ``data.train`` -> ``data.*``, ``env.math`` -> ``env``); a table row says
+  what it became;
+- ignored: it only configures a backend grpo-ds does not have (Megatron parallelism, DTensor internals, Ray ports,
+  TRT-LLM, ...); a table row says why;
+- refused: it changes the algorithm (or the data) and grpo-ds cannot do it; the `ConfigError` names the key and
+  why. Every refusal of a recipe is reported at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from grpo.config import MasterConfig
+from grpo.config_load import ConfigError, _section_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROMPTS_DIR = REPO_ROOT / "configs" / "prompts"  # our own wording of NeMo-RL's examples/prompts/*.txt names
+
+ADAMW = ("torch.optim.AdamW", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam")
+ISSUE_22 = "issue 22: LoRA not yet; it changes what is trained"
+ISSUE_23 = "issue 23: non-colocated generation not yet; generation stays colocated (same results, other speed)"
+ISSUE_24 = "issue 24: not yet; changes speed and memory only, not results"
+DEEPSPEED = "grpo-ds trains with DeepSpeed ZeRO (ZeRO-3 shards weights, gradients and optimizer states over the ranks)"
+
+
+def _flatten(node, prefix: str = "") -> dict[str, Any]:
+    """Leaves by dotted key; an empty mapping, a list and null are leaves."""
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: node}
+
+
+def native_field(key: str):
+    """The `MasterConfig` field at dotted ``key``: its FieldInfo, "section" for a section, or None."""
+    model, parts = MasterConfig, key.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        sub = _section_model(field.annotation)
+        if i == len(parts) - 1:
+            return "section" if sub is not None else field
+        model = sub
+    return None
+
+
+_ABSENT = object()
+
+
+class Walk:
+    """The resolved recipe, what has been decided about its keys, and the grpo-ds dict being built."""
+
+    def __init__(self, nrl: dict, base_dir: Path):
+        self.nrl, self.base_dir = nrl, base_dir
+        self.leaves = _flatten(nrl)
+        self.used: set[str] = set()
+        self.out: dict = {}
+        self.table: list[tuple[str, str, str]] = []
+        self.errors: list[str] = []
+
+    # -- reading ------------------------------------------------------------------------------------
+    def has(self, key: str) -> bool:
+        return any(k == key or k.startswith(key + ".") for k in self.leaves)
+
+    def get(self, key: str, default=None):
+        node: Any = self.nrl
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def take(self, key: str, default=None):
+        """The value at ``key`` (a leaf or a section), marking it and everything under it decided."""
+        self.used.update(k for k in self.leaves if k == key or k.startswith(key + "."))
+        return self.get(key, default)
+
+    def open_keys(self, prefix: str) -> list[str]:
+        return [k for k in self.leaves if (k == prefix or k.startswith(prefix + ".")) and k not in self.used]
+
+    # -- deciding -----------------------------------------------------------------------------------
+    def set(self, key: str, value) -> None:
+        node = self.out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+
+    def honor(self, key: str) -> None:
+        if self.has(key):
+            self.set(key, self.take(key))
+
+    def translate(self, key: str, targets: dict[str, Any], note: str = "") -> None:
+        """``key`` becomes ``targets`` (dotted grpo-ds key -> value); a table row says so."""
+        self.take(key)
+        for target, value in targets.items():
+            self.set(target, value)
+        what = ", ".join(f"{t}={value!r}" for t, value in targets.items())
+        self.table.append(("translated", key, f"-> {what}{'; ' + note if note else ''}" if what else note))
+
+    def ignore(self, key: str, why: str) -> None:
+        """Ignore what is still open under ``key`` (one table row), if anything is."""
+        if self.open_keys(key):
+            self.take(key)
+            self.table.append(("ignored", key, why))
+
+    def refuse(self, key: str, why: str, value=_ABSENT) -> None:
+        taken = self.take(key)
+        self.errors.append(f"{key}={_short(taken if value is _ABSENT else value)}: {why}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _enabled(section) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The translation
+# --------------------------------------------------------------------------------------------------
+def translate(nrl: dict, base_dir: Path | str = ".") -> tuple[dict, list[tuple[str, str, str]]]:
+    """A resolved NeMo-RL recipe -> (raw grpo-ds config dict, table rows). Raises `ConfigError` listing every
+    refused key."""
+    w = Walk(nrl, Path(base_dir))
+    _policy(w)
+    _generation(w)
+    _data_and_env(w)
+    _loss(w)
+    _grpo(w)
+    _checkpointing(w)
+    _logger_cluster_rest(w)
+    for key in [k for k in w.leaves if k not in w.used]:  # same name, same meaning
+        field, value = native_field(key), w.leaves[key]
+        if field == "section" and value in (None, {}):  # `async_grpo: null`: the defaults
+            w.take(key)
+        elif field is not None and field != "section":
+            w.honor(key)
+    for key in [k for k in w.leaves if k not in w.used]:
+        w.refuse(key, "no translation: grpo-ds does not know this NeMo-RL key, so it cannot promise to honor it "
+                      "(remove it with an override, or file an issue)")
+    if w.errors:
+        raise ConfigError("NeMo-RL recipe: keys grpo-ds cannot honor:\n  " + "\n  ".join(w.errors))
+    return w.out, w.table
+
+
+# -- policy -------------------------------------------------------------------------------------------
+def _policy(w: Walk) -> None:
+    model = w.get("policy.model_name")
+    if w.has("policy.tokenizer.name"):
+        name = w.get("policy.tokenizer.name")
+        w.take("policy.tokenizer.name")
+        if name not in (None, model):
+            w.set("policy.tokenizer.name", name)
+    _chat_template(w)
+    kwargs = w.get("policy.tokenizer.chat_template_kwargs")
+    if kwargs:
+        w.refuse("policy.tokenizer.chat_template_kwargs", "changes the prompt the model sees (e.g. enable_thinking); "
+                 "grpo-ds's chat template takes no kwargs: put the choice into a chat template of your own")
+    else:
+        w.take("policy.tokenizer.chat_template_kwargs")
+    w.ignore("policy.tokenizer.use_fastokens", "a faster tokenizer implementation (same tokens); grpo-ds uses "
+             "transformers' tokenizer")
+    overrides = _flatten(w.get("policy.hf_config_overrides") or {})
+    for k, value in overrides.items():
+        key = f"policy.hf_config_overrides.{k}"
+        if k.rsplit(".", 1)[-1] == "router_aux_loss_coef" and value == 0:
+            w.ignore(key, "grpo-ds's loss never adds the MoE router's auxiliary loss (the same as coefficient 0)")
+        elif k:
+            w.refuse(key, "changes the model's config (architecture, rope scaling, ...); grpo-ds loads the "
+                     "checkpoint's config as is (edit its config.json)")
+    w.take("policy.hf_config_overrides")
+    w.ignore("policy.activation_checkpointing_enabled", "NeMo-RL reads no such key (a stale key of this recipe; "
+             "dtensor_cfg / megatron_cfg.activation_checkpointing are the ones read)")
+    w.ignore("policy.offload_optimizer_for_logprob", "memory placement for non-colocated generation only")
+    w.ignore("policy.make_sequence_length_divisible_by", "padding for tensor/context parallelism, which grpo-ds "
+             "does not have")
+    w.ignore("policy.dynamic_batching", ISSUE_24)
+    w.ignore("policy.sequence_packing", ISSUE_24)
+    if _enabled(w.get("policy.draft")):
+        w.refuse("policy.draft.enabled", "trains a speculative-decoding draft model beside the policy (an extra loss "
+                 "and weights); grpo-ds has none")
+    w.ignore("policy.draft", "draft.enabled=false: no draft model (as in NeMo-RL)")
+
+    quant = [k for k in ("policy.quant_cfg", "policy.generation.quant_cfg") if w.get(k)]
+    if quant:
+        w.refuse(quant[0], "quantization (NVIDIA ModelOpt: fake-quantized training and/or quantized rollouts) "
+                 "changes the model that is trained and sampled; grpo-ds trains and generates in policy.precision")
+    for k in ("quant_cfg", "quant_calib_data", "quant_calib_size", "quant_batch_size", "quant_sequence_length",
+              "disable_modelopt_layer_spec", "generation.quant_cfg", "generation.real_quant",
+              "generation.real_quant_ignore"):
+        w.take(f"policy.{k}")
+    if _enabled(w.get("policy.router_replay")):
+        w.refuse("policy.router_replay.enabled", "rollout routing replay (R3): training reuses the MoE routing of "
+                 "generation, which changes the trained logprobs; grpo-ds routes afresh")
+    w.ignore("policy.router_replay", "router_replay.enabled=false: MoE routing is recomputed, as grpo-ds does")
+    w.ignore("policy.refit_buffer_size_gb", "weight-refit transfer buffer; grpo-ds refits in buckets of "
+             "policy.generation.refit_bucket_numel")
+    megatron = _enabled(w.get("policy.megatron_cfg"))
+    dtensor = w.get("policy.dtensor_cfg")
+    if megatron:
+        _megatron(w)
+        w.ignore("policy.dtensor_cfg", "megatron_cfg.enabled=true: NeMo-RL does not use dtensor_cfg either")
+        w.ignore("policy.optimizer", "megatron_cfg.enabled=true: NeMo-RL trains with megatron_cfg.optimizer "
+                 "(translated instead)")
+        w.ignore("policy.scheduler", "megatron_cfg.enabled=true: NeMo-RL trains with megatron_cfg.scheduler "
+                 "(translated instead)")
+        return
+    w.ignore("policy.megatron_cfg", "megatron_cfg.enabled=false: NeMo-RL does not use it either")
+    if isinstance(dtensor, dict):
+        lora = dtensor.get("lora_cfg")
+        if _enabled(lora):
+            w.refuse("policy.dtensor_cfg.lora_cfg.enabled", ISSUE_22)
+        w.ignore("policy.dtensor_cfg.lora_cfg", "lora_cfg.enabled=false: full fine-tuning, as grpo-ds does")
+        if w.has("policy.dtensor_cfg.activation_checkpointing"):
+            w.translate("policy.dtensor_cfg.activation_checkpointing",
+                        {"policy.activation_checkpointing": bool(dtensor.get("activation_checkpointing"))})
+        if dtensor.get("cpu_offload"):
+            w.translate("policy.dtensor_cfg.cpu_offload", {"policy.deepspeed_config": "ds_configs/zero3_offload.json"},
+                        "ZeRO-3 with parameters and optimizer states on the host")
+        w.take("policy.dtensor_cfg.cpu_offload")
+        if (dtensor.get("tensor_parallel_size") or 1) > 1:
+            w.ignore("policy.dtensor_cfg.tensor_parallel_size", f"training tensor parallelism; {DEEPSPEED} instead "
+                     "(the same math)")
+        w.ignore("policy.dtensor_cfg", f"DTensor (FSDP2) internals: parallel sizes, plans, automodel kwargs; {DEEPSPEED}")
+    _torch_optimizer(w)
+    _torch_scheduler(w)
+
+
+def _chat_template(w: Walk) -> None:
+    key = "policy.tokenizer.chat_template"
+    if not w.has(key):  # NeMo-RL: no chat_template key = the tokenizer's own
+        w.table.append(("translated", key, "-> policy.tokenizer.chat_template='default'; absent in the recipe: "
+                        "NeMo-RL applies the tokenizer's own chat template"))
+        w.set(key, "default")
+        return
+    value = w.get(key)
+    if value is None:
+        w.translate(key, {key: None}, "NeMo-RL's passthrough template: the prompt text as is (plain text here)")
+    elif isinstance(value, str) and value.lower() == "default":
+        w.translate(key, {key: "default"})
+    elif isinstance(value, str) and value.endswith(".jinja"):
+        path = _find_file(w, value)
+        if path is None:
+            w.refuse(key, f"the template file {value} is not found (looked in the working directory and above the "
+                     "recipe)")
+        else:
+            w.translate(key, {key: path.read_text(encoding="utf-8")}, f"the contents of {path}")
+    else:
+        w.honor(key)
+
+
+def _torch_optimizer(w: Walk) -> None:
+    opt = w.get("policy.optimizer")
+    if not isinstance(opt, dict):
+        w.refuse("policy.optimizer", "no optimizer while megatron_cfg.enabled=false: NeMo-RL's DTensor path needs "
+                 "policy.optimizer (name and kwargs)")
+        return
+    name = opt.get("name")
+    kw = dict(opt.get("kwargs") or {})
+    fused = name == "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+    if fused and kw.get("adam_w_mode", True) is False and kw.get("weight_decay"):
+        name = "FusedAdam with adam_w_mode=false"
+    if name not in ADAMW and not (name == "torch.optim.Adam" and not kw.get("weight_decay")):
+        w.refuse("policy.optimizer.name", "grpo-ds's optimizer is AdamW (torch.optim.AdamW, Transformer Engine's "
+                 "FusedAdam; also torch.optim.Adam without weight decay, which is the same update)")
+        w.take("policy.optimizer")
+        return
+    w.take("policy.optimizer.name")
+    kw.pop("adam_w_mode", None)
+    for k in ("master_weights", "store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "master_weight_dtype"):
+        if k in kw:
+            kw.pop(k)
+            w.ignore(f"policy.optimizer.kwargs.{k}", "Transformer Engine FusedAdam's state precision and master "
+                     "weights; grpo-ds's torch AdamW keeps fp32 states (the same update up to rounding)")
+    targets = {}
+    for src, dst in (("lr", "lr"), ("weight_decay", "weight_decay"), ("betas", "betas"), ("eps", "eps")):
+        if src in kw:
+            targets[f"policy.optimizer.{dst}"] = kw.pop(src)
+    for speed in ("foreach", "fused", "capturable", "differentiable"):
+        if speed in kw:
+            kw.pop(speed)
+            w.ignore(f"policy.optimizer.kwargs.{speed}", "an implementation choice of torch's AdamW (same update)")
+    if kw.pop("amsgrad", False):
+        w.refuse("policy.optimizer.kwargs.amsgrad", "AMSGrad changes the update; grpo-ds's AdamW runs without it")
+    for k in kw:
+        w.refuse(f"policy.optimizer.kwargs.{k}", "an AdamW argument grpo-ds does not pass")
+    w.translate("policy.optimizer", {**targets}, f"{name.rsplit('.', 1)[-1]} is AdamW")
+
+
+def _torch_scheduler(w: Walk) -> None:
+    """NeMo-RL's scheduler list (torch schedulers chained by SequentialLR at ``milestones``) -> policy.scheduler."""
+    key = "policy.scheduler"
+    sched = w.get(key)
+    if sched is None:
+        w.translate(key, {"policy.scheduler.name": "constant"}, "no scheduler: constant learning rate")
+        return
+    items = [s for s in sched if isinstance(s, dict) and "name" in s] if isinstance(sched, list) else None
+    milestones = next((s["milestones"] for s in sched if isinstance(s, dict) and "milestones" in s), []) \
+        if isinstance(sched, list) else []
+    shape = " + ".join(str(s.get("name", "?")).rsplit(".", 1)[-1] for s in items or []) or repr(sched)
+    bad = f"scheduler {shape} (milestones {milestones}): grpo-ds's policy.scheduler expresses LinearLR warmup " \
+          "(end_factor 1) + ConstantLR(factor 1) or CosineAnnealingLR, chained at the end of the warmup"
+    if not items or len(items) > 2 or len(milestones) != len(items) - 1:
+        w.refuse(key, bad)
+        return
+    names = [s["name"].rsplit(".", 1)[-1] for s in items]
+    kws = [dict(s.get("kwargs") or {}) for s in items]
+    out: dict[str, Any] = {"policy.scheduler.name": "constant", "policy.scheduler.warmup_steps": 0}
+    rest_names, rest_kws = names, kws
+    if names[0] == "LinearLR":
+        start, end = kws[0].get("start_factor", 1 / 3), kws[0].get("end_factor", 1.0)
+        total = int(kws[0].get("total_iters", 5))
+        if end != 1.0 or (milestones and milestones[0] != total):
+            w.refuse(key, bad)
+            return
+        out.update({"policy.scheduler.warmup_steps": total, "policy.scheduler.warmup_start_factor": float(start)})
+        rest_names, rest_kws = names[1:], kws[1:]
+    if rest_names:
+        name, kw = rest_names[0], rest_kws[0]
+        if name == "ConstantLR" and kw.get("factor", 1 / 3) == 1.0:
+            pass
+        elif name == "CosineAnnealingLR" and "T_max" in kw:
+            lr = float(w.get("policy.optimizer.kwargs.lr", 0) or 0)
+            eta_min = float(kw.get("eta_min", 0.0))
+            out.update({"policy.scheduler.name": "cosine", "policy.scheduler.decay_steps":
+                        out["policy.scheduler.warmup_steps"] + int(kw["T_max"]),
+                        "policy.scheduler.min_lr_ratio": eta_min / lr if lr else 0.0})
+        else:
+            w.refuse(key, bad)
+            return
+    w.translate(key, out, shape)
+
+
+def _megatron(w: Walk) -> None:
+    """megatron_cfg.enabled=true: NeMo-RL trains with megatron_cfg.optimizer and .scheduler; translate those."""
+    m = "policy.megatron_cfg"
+    w.translate(f"{m}.enabled", {}, f"Megatron-Core training -> {DEEPSPEED}")
+    if _enabled(w.get(f"{m}.peft")):
+        w.refuse(f"{m}.peft.enabled", ISSUE_22)
+    w.ignore(f"{m}.peft", "peft.enabled=false: full fine-tuning, as grpo-ds does")
+    if w.has(f"{m}.activation_checkpointing"):
+        w.translate(f"{m}.activation_checkpointing",
+                    {"policy.activation_checkpointing": bool(w.get(f"{m}.activation_checkpointing"))})
+    if (w.get(f"{m}.mtp_num_layers") or 0) > 0 and (w.get(f"{m}.mtp_loss_scaling_factor") or 0) > 0:
+        w.refuse(f"{m}.mtp_loss_scaling_factor", "adds a multi-token-prediction loss to the policy's; grpo-ds has none")
+    o = w.get(f"{m}.optimizer") or {}
+    if o.get("optimizer", "adam") != "adam":
+        w.refuse(f"{m}.optimizer.optimizer", "grpo-ds's optimizer is AdamW (Megatron's adam, decoupled weight decay)")
+        return
+    lr = float(o.get("lr", 0))
+    opt = {"policy.optimizer.lr": lr}
+    if "weight_decay" in o:
+        opt["policy.optimizer.weight_decay"] = float(o["weight_decay"])
+    opt["policy.optimizer.betas"] = [float(o.get("adam_beta1", 0.9)), float(o.get("adam_beta2", 0.999))]
+    if "adam_eps" in o:
+        opt["policy.optimizer.eps"] = float(o["adam_eps"])
+    if o.get("clip_grad") is not None:
+        opt["policy.max_grad_norm"] = float(o["clip_grad"]) or None
+    for k in ("optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "min_lr"):
+        w.take(f"{m}.optimizer.{k}")
+    w.translate(f"{m}.optimizer", opt, "Megatron's adam (decoupled weight decay) is AdamW")
+    w.ignore(f"{m}.optimizer", "Megatron optimizer internals (precision flags, distributed optimizer, host offload, "
+             "SGD momentum): the same AdamW update")
+    s = w.get(f"{m}.scheduler") or {}
+    style = s.get("lr_decay_style", "constant")
+    wd0, wd1 = s.get("start_weight_decay", o.get("weight_decay")), s.get("end_weight_decay", o.get("weight_decay"))
+    if s.get("weight_decay_incr_style", "constant") != "constant" or wd0 != wd1:
+        w.refuse(f"{m}.scheduler.weight_decay_incr_style", "a weight-decay schedule; grpo-ds's weight decay is "
+                 "constant (start_weight_decay = end_weight_decay with style constant)")
+    if style not in ("constant", "cosine", "linear"):
+        w.refuse(f"{m}.scheduler.lr_decay_style", "grpo-ds's schedules after warmup are constant, cosine and linear")
+        return
+    if s.get("lr_warmup_fraction") is not None:
+        w.refuse(f"{m}.scheduler.lr_warmup_fraction", "warmup as a fraction of the run; give lr_warmup_iters")
+    warmup = int(s.get("lr_warmup_iters") or 0)
+    sched: dict[str, Any] = {"policy.scheduler.name": style, "policy.scheduler.warmup_steps": warmup}
+    if warmup:
+        sched["policy.scheduler.warmup_start_factor"] = float(s.get("lr_warmup_init", 0.0)) / lr if lr else 0.0
+    if style != "constant":
+        sched["policy.scheduler.min_lr_ratio"] = float(o.get("min_lr", 0.0)) / lr if lr else 0.0
+        if s.get("lr_decay_iters") is not None:
+            sched["policy.scheduler.decay_steps"] = int(s["lr_decay_iters"])
+    for k in ("lr_decay_style", "lr_warmup_iters", "lr_warmup_init", "lr_decay_iters", "start_weight_decay",
+              "end_weight_decay", "weight_decay_incr_style", "lr_warmup_fraction"):
+        w.take(f"{m}.scheduler.{k}")
+    w.translate(f"{m}.scheduler", sched, "Megatron's OptimizerParamScheduler")
+    w.ignore(f"{m}.scheduler", "Megatron scheduler internals")
+    if _enabled(w.get(f"{m}.fp8_cfg")):
+        w.ignore(f"{m}.fp8_cfg", "FP8 training kernels: grpo-ds trains in policy.precision (numerics differ a little, "
+                 "the algorithm is the same)")
+    w.ignore(m, "Megatron parallelism (tensor, pipeline, expert, context), fusions, kernels, MoE router settings, "
+             "checkpoint format: " + DEEPSPEED)
+
+
+# -- generation ---------------------------------------------------------------------------------------
+def _generation(w: Walk) -> None:
+    g = "policy.generation"
+    backend = w.get(f"{g}.backend")
+    if backend in ("megatron", "sglang", "trtllm"):
+        w.translate(f"{g}.backend", {f"{g}.backend": "vllm"}, f"{backend} is another inference engine for the "
+                    "same sampling; grpo-ds generates with vLLM (or hf)")
+    if _enabled(w.get("grpo.async_grpo")) and (backend or "vllm") != "hf":
+        w.translate(f"{g}.backend", {f"{g}.backend": "hf"}, "grpo.async_grpo.enabled=true: grpo-ds's async loop "
+                    "(train_async_grpo.py) generates with the hf backend on its own copy of the weights")
+    for k in ("val_temperature", "val_top_p", "val_top_k"):
+        key = f"{g}.{k}"
+        if w.has(key) and native_field(key) is None:  # TODO(names helper): fields not there yet
+            if w.get(key) == w.get(f"{g}.{k[4:]}"):
+                w.take(key)
+            else:
+                w.refuse(key, "validation's own sampling is not in this grpo-ds yet")
+    w.ignore(f"{g}.port_range_low", "ports of vLLM's HTTP servers (Ray); grpo-ds runs vLLM in process")
+    w.ignore(f"{g}.port_range_high", "ports of vLLM's HTTP servers (Ray); grpo-ds runs vLLM in process")
+    for k in ("refit_transport", "real_quant_export_cpu_offload", "refit_cfg"):
+        w.ignore(f"{g}.{k}", "weight-refit transport (IPC, NCCL, NIXL, ZMQ); grpo-ds pushes the weights in process")
+    w.ignore(f"{g}.mcore_generation_config", "Megatron-Core inference engine settings (generation.backend=megatron)")
+    w.ignore(f"{g}.sglang_cfg", "SGLang engine settings")
+    w.ignore(f"{g}.trtllm_cfg", "TRT-LLM engine settings")
+    w.ignore(f"{g}.trtllm_kwargs", "TRT-LLM engine settings")
+    w.ignore(f"{g}.dynamo_cfg", "NVIDIA Dynamo serving settings (frontend, router, workers)")
+    w.ignore(f"{g}.use_async_rollouts", "rollouts through vLLM's async engine (speed); grpo-ds batches them")
+    v = f"{g}.vllm_cfg"
+    mode = w.get(f"{v}.logprobs_mode", "processed_logprobs")
+    if mode != "processed_logprobs":
+        w.refuse(f"{v}.logprobs_mode", "grpo-ds's vLLM returns processed_logprobs (the distribution sampled from), "
+                 "which its importance weights and token_mult_prob_error assume")
+    w.take(f"{v}.logprobs_mode")
+    precision = w.get(f"{v}.precision")
+    if precision is not None and precision == w.get("policy.precision"):
+        w.take(f"{v}.precision")  # vLLM runs in policy.precision here too
+    elif precision is not None:
+        w.ignore(f"{v}.precision", f"vLLM in {precision} (e.g. FP8 rollouts): grpo-ds's vLLM runs in "
+                 "policy.precision; importance sampling sees the difference either way")
+    if w.get(f"{v}.kv_cache_dtype", "auto") == "auto":
+        w.take(f"{v}.kv_cache_dtype")
+    else:
+        w.ignore(f"{v}.kv_cache_dtype", "KV-cache quantisation: grpo-ds's vLLM keeps the KV cache in the model dtype")
+    if (w.get(f"{v}.pipeline_parallel_size") or 1) > 1 or (w.get(f"{v}.expert_parallel_size") or 1) > 1:
+        w.ignore(f"{v}.pipeline_parallel_size", "vLLM pipeline/expert parallelism: grpo-ds's engines use tensor "
+                 "parallelism only (same samples)")
+    for k in ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "enforce_eager"):
+        w.honor(f"{v}.{k}")
+    w.ignore(v, "vLLM engine internals without an algorithmic effect (async engine, tqdm, DeepGEMM, bf16 layers, "
+             "metrics logger, refit server ports)")
+    kw = dict(w.get(f"{g}.vllm_kwargs") or {})
+    if kw:
+        own = {f"{v}.{k}": kw.pop(k) for k in list(kw) if k in VLLM_FIELDS}  # vllm_cfg has a field for it
+        w.translate(f"{g}.vllm_kwargs", {**own, **({f"{v}.vllm_kwargs": kw} if kw else {})})
+    w.take(f"{g}.vllm_kwargs")
+    colocated = w.get(f"{g}.colocated.enabled", True)
+    if colocated is False:
+        w.ignore(f"{g}.colocated", ISSUE_23)
+    else:
+        w.take(f"{g}.colocated.enabled")
+        w.ignore(f"{g}.colocated", "dedicated generation resources, used only when colocated.enabled=false")
+
+
+VLLM_FIELDS = ("kv_cache_memory_bytes", "enforce_eager", "gpu_memory_utilization", "max_model_len",
+               "enable_prefix_caching")
+
+
+# -- data and environments -------------------------------------------------------------------------------
+# NeMo-RL's dataset names -> (hub name, split, input key, output key, hub config); nemo_rl/data/datasets.
+DATASETS = {
+    "OpenMathInstruct-2": ("nvidia/OpenMathInstruct-2", "train_1M", "problem", "expected_answer", None),
+    "DAPOMath17K": ("BytedTsinghua-SIA/DAPO-Math-17k", "train", "prompt.0.content", "reward_model.ground_truth", None),
+    "DAPOMathAIME2024": ("BytedTsinghua-SIA/AIME-2024", "train", "prompt.0.content", "reward_model.ground_truth", None),
+    "DeepScaler": ("agentica-org/DeepScaleR-Preview-Dataset", "train", "problem", "answer", None),
+    "AIME2024": ("HuggingFaceH4/aime_2024", "train", "problem", "answer", None),
+    "AIME2026": ("MathArena/aime_2026", "train", "problem", "answer", None),
+    "gsm8k": ("openai/gsm8k", "train", "question", "answer", "main"),
+    "GSM8K": ("openai/gsm8k", "train", "question", "answer", "main"),
+}
+# Which datasets take which keys (NeMo-RL passes every key to the class, which ignores those it has no use for).
+SPLITTABLE = {"OpenMathInstruct-2", "ResponseDataset"}
+SPEC_KEYS = {"dataset_name", "data_path", "input_key", "output_key", "split", "subset", "split_validation_size",
+             "seed", "prompt_file", "system_prompt_file", "processor", "env_name", "repeat", "extract_answer"}
+ENV_REFUSED = {
+    "reward_model": "a reward-model environment (a second model scores the samples); grpo-ds has none",
+    "nemo_gym": "NeMo-Gym environments (agent servers over HTTP); grpo-ds runs its own environments in process",
+    "code": "the code-execution environment; grpo-ds's tool sandbox is not that environment",
+    "code_jaccard": "the code Jaccard-similarity reward; grpo-ds has none",
+    "vlm": "vision-language rewards; grpo-ds trains text models",
+    "math_multi_reward": "several math rewards per sample; grpo-ds's math environment gives one",
+}
+
+
+def _specs(w: Walk, key: str) -> list[dict] | None:
+    value = w.get(key)
+    if value is None:
+        w.take(key)
+        return None
+    if isinstance(value, dict):
+        return [value]
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+        return value
+    w.refuse(key, "several datasets; grpo-ds's data config reads one training and one validation source")
+    w.take("data")
+    return None
+
+
+def _source(w: Walk, key: str, spec: dict, default: dict) -> dict | None:
+    """One NeMo-RL dataset spec (``data.train`` merged over ``data.default``) -> where grpo-ds reads it."""
+    full = {**{k: v for k, v in default.items() if v is not None}, **{k: v for k, v in spec.items() if v is not None}}
+    name = full.get("dataset_name")
+    for k in full:
+        if k not in SPEC_KEYS:
+            w.refuse(f"{key}.{k}", f"a dataset key grpo-ds does not translate (dataset {name})")
+    src: dict[str, Any] = {"name": name, "split_validation_size": 0, "seed": full.get("seed"), "repeat": 1}
+    if name == "ResponseDataset":
+        if not full.get("data_path"):
+            w.refuse(f"{key}.data_path", "ResponseDataset needs data_path (a local file or a hub name)")
+            return None
+        path = str(full["data_path"])
+        src.update(path=path, split=full.get("split"), subset=full.get("subset"),
+                   input_key=full.get("input_key", "input"), output_key=full.get("output_key", "output"))
+    elif name in DATASETS:
+        hub, split, ikey, okey, subset = DATASETS[name]
+        if name == "OpenMathInstruct-2":
+            split, okey = full.get("split", split), full.get("output_key", okey)
+            src["split_validation_size"] = 0.05  # the class's default
+        if name.lower() == "gsm8k":
+            split, subset = full.get("split", split), full.get("subset") or subset
+            if full.get("extract_answer", True) is False:
+                w.refuse(f"{key}.extract_answer", "the gold answer as the whole solution; grpo-ds's math "
+                         "environment scores against the text after ####")
+        src.update(path=hub, split=split, subset=subset, input_key=ikey, output_key=okey)
+    elif isinstance(name, str) and _builtin_task(name):
+        src.update(path=name, split=None, subset=None, input_key="input", output_key="output", builtin=True)
+    else:
+        w.refuse(f"{key}.dataset_name", f"grpo-ds has no translation of NeMo-RL's dataset {name!r} (known: "
+                 f"{sorted([*DATASETS, 'ResponseDataset'])}, or a grpo-ds built-in task)", value=name)
+        return None
+    if "split_validation_size" in full:
+        if name in SPLITTABLE:
+            src["split_validation_size"] = full["split_validation_size"] or 0
+        else:
+            w.table.append(("ignored", f"{key}.split_validation_size",
+                            f"NeMo-RL's {name} takes no split_validation_size (it warns and ignores it)"))
+    if "repeat" in full:
+        src["repeat"] = int(full["repeat"])
+    src["prompt_file"] = full.get("prompt_file")
+    src["system_prompt_file"] = full.get("system_prompt_file")
+    processor = full.get("processor", "math_hf_data_processor")
+    if processor not in ("math_hf_data_processor", "default", "math_data_processor"):
+        w.refuse(f"{key}.processor", "a NeMo-RL data processor grpo-ds does not have (grpo-ds formats prompts as "
+                 "math_hf_data_processor does: prompt file, system prompt, chat template)")
+    src["env_name"] = full.get("env_name")
+    return src
+
+
+def _builtin_task(name: str) -> bool:
+    from grpo.tasks.catalogue import dataset_task
+
+    return dataset_task(name) is not None
+
+
+def _find_file(w: Walk, path: str) -> Path | None:
+    """``path`` as NeMo-RL finds it (relative to the working directory), else relative to a directory above the
+    recipe (a NeMo-RL checkout's examples/...); None if neither has it."""
+    candidates = [Path(path)] + [parent / path for parent in [w.base_dir, *w.base_dir.parents]]
+    return next((p.resolve() for p in candidates if p.is_file()), None)
+
+
+def _prompt_file(w: Walk, key: str, path: str | None) -> str | None:
+    if path is None:
+        return None
+    found = _find_file(w, path)
+    if found is not None:
+        return str(found)
+    ours = PROMPTS_DIR / Path(path).name
+    if ours.is_file():
+        w.table.append(("translated", key, f"{path} is not here -> {os.path.relpath(ours, REPO_ROOT)} (grpo-ds's own "
+                        "wording of the same instruction)"))
+        return str(ours)
+    w.refuse(key, f"the prompt file {path} is not found (working directory, above the recipe, configs/prompts/)")
+    return None
+
+
+def _data_and_env(w: Walk) -> None:
+    if w.get("data.use_multiple_dataloader"):
+        w.refuse("data.use_multiple_dataloader", "one data loader per dataset with its own batch shares; grpo-ds "
+                 "reads one training source")
+    w.take("data.use_multiple_dataloader")
+    default = w.get("data.default") or {}
+    w.take("data.default")
+    train_specs = _specs(w, "data.train")
+    val_specs = _specs(w, "data.validation")
+    if not train_specs:
+        if w.get("env.sliding_puzzle_game") is not None:
+            w.refuse("env.sliding_puzzle_game", "NeMo-RL's sliding-puzzle recipe (run_grpo_sliding_puzzle.py) builds "
+                     "its prompts in the environment; use grpo-ds's built-in task in a native config "
+                     "(data.dataset_name=sliding_puzzle:<size>, env.name=sliding_puzzle)")
+        elif not w.errors and w.get("data.train") is None:
+            w.refuse("data.train", "no training data")
+        w.take("env")
+        w.take("data")
+        return
+    train = _source(w, "data.train", train_specs[0], default)
+    val = _source(w, "data.validation", val_specs[0], default) if val_specs else None
+    w.take("data.train")
+    w.take("data.validation")
+    if train is None or (val_specs and val is None):
+        _nemo_gym_env(w)
+        w.take("env")
+        return
+    d: dict[str, Any] = {}
+    if train.get("builtin"):
+        d["dataset_name"] = train["path"]
+    elif _local(train["path"]):
+        d["train_data_path"] = str(Path(train["path"]).expanduser().resolve())
+    else:
+        d["dataset_name"] = train["path"]
+    if train["split"]:
+        d["train_split"] = train["split"]
+    if train["subset"]:
+        d["dataset_config"] = train["subset"]
+    d["input_key"], d["output_key"] = train["input_key"], train["output_key"]
+    if val is not None:
+        if train["split_validation_size"] > 0 and train["name"] in SPLITTABLE and "split_validation_size" in (
+                {**default, **train_specs[0]}):
+            w.refuse("data.train.split_validation_size", "a validation split of the training data and a validation "
+                     "dataset together; grpo-ds validates on one source (set one of them)")
+        if (val["input_key"], val["output_key"]) != (train["input_key"], train["output_key"]) and not val.get("builtin"):
+            w.refuse("data.validation.dataset_name", f"validation rows keyed {val['input_key']}/{val['output_key']}, "
+                     f"training rows {train['input_key']}/{train['output_key']}: grpo-ds's data config has one pair")
+        if (val["subset"] or train["subset"]) and val["subset"] != train["subset"]:
+            w.refuse("data.validation.subset", "a hub config other than the training data's; grpo-ds has one "
+                     "data.dataset_config")
+        if val["path"] == train["path"] and not _local(val["path"]):
+            d["val_split"] = val["split"]
+        elif val.get("builtin"):
+            if not train.get("builtin") or val["path"] != train["path"]:
+                w.refuse("data.validation.dataset_name", "a built-in task validates on its own training task only")
+        else:
+            d["val_data_path"] = str(Path(val["path"]).expanduser().resolve()) if _local(val["path"]) else val["path"]
+            if val["split"]:
+                d["val_split"] = val["split"]
+        if val["repeat"] > 1:
+            d["val_repeat"] = val["repeat"]
+        for k in ("prompt_file", "system_prompt_file"):
+            if val[k] != train[k]:
+                w.refuse(f"data.validation.{k}", f"another {k} than the training data's; grpo-ds's data config has one")
+    elif train["split_validation_size"] > 0:
+        d["split_validation_size"] = float(train["split_validation_size"])
+        if train["seed"] is not None:
+            d["split_validation_seed"] = int(train["seed"])
+    elif not train.get("builtin"):
+        w.table.append(("translated", "data.validation", "-> grpo.val_period=0, val_at_start=false, val_at_end=false; "
+                        "no validation data (null, and no split_validation_size): NeMo-RL does not validate either"))
+        for k, value in (("val_period", 0), ("val_at_start", False), ("val_at_end", False)):
+            w.set(f"grpo.{k}", value)
+    d["prompt_file"] = _prompt_file(w, "data.default.prompt_file", train["prompt_file"])
+    d["system_prompt_file"] = _prompt_file(w, "data.default.system_prompt_file", train["system_prompt_file"])
+    w.table.append(("translated", "data.train", f"{train['name']} -> " + ", ".join(
+        f"data.{k}={v!r}" for k, v in d.items() if v is not None and k not in ("prompt_file", "system_prompt_file"))))
+    if val is not None:
+        where = {k: d[k] for k in ("val_data_path", "val_split", "val_repeat") if k in d}
+        w.table.append(("translated", "data.validation", f"{val['name']} -> " + ", ".join(
+            f"data.{k}={v!r}" for k, v in where.items())))
+    for k, v in d.items():
+        if v is not None:
+            w.set(f"data.{k}", v)
+    _env(w, train.get("env_name") or ("arithmetic" if train.get("builtin") else "math"), train)
+
+
+def _nemo_gym_env(w: Walk) -> None:
+    if w.get("env.should_use_nemo_gym"):
+        w.refuse("env.should_use_nemo_gym", ENV_REFUSED["nemo_gym"])
+    w.ignore("env.should_log_nemo_gym_responses", "NeMo-Gym logging")
+    w.ignore("env.should_mask_flagged_samples", "NeMo-Gym's flagged samples")
+
+
+def _local(path: str) -> bool:
+    return path.endswith((".jsonl", ".json", ".parquet", ".arrow")) or path.startswith((".", "/", "~")) or \
+        os.path.exists(path)
+
+
+def _env(w: Walk, env_name: str, train: dict) -> None:
+    _nemo_gym_env(w)
+    env = {k: v for k, v in (w.get("env") or {}).items() if isinstance(v, dict) or v is None}
+    for name in list(env):
+        if name in ENV_REFUSED and env[name] is not None and (name == env_name or name in ("reward_model", "nemo_gym")):
+            w.refuse(f"env.{name}", ENV_REFUSED[name])
+    if env_name in ENV_REFUSED:
+        if f"env.{env_name}" not in " ".join(w.errors):
+            w.refuse("data.default.env_name", ENV_REFUSED[env_name])
+        w.take("env")
+        return
+    section = env.get(env_name) or {}
+    if train.get("builtin"):
+        w.set("env.name", train["path"].split(":")[0])
+    elif env_name in ("math", "math_default", "dapo"):
+        w.set("env.name", "math")
+    else:
+        w.refuse("data.default.env_name", f"NeMo-RL's environment {env_name!r} has no grpo-ds translation")
+        return
+    if not isinstance(section, dict):
+        section = {}
+    impl = section.get("math_verify_impl", "hf_math_verify")
+    if impl not in (None, "hf_math_verify"):
+        w.refuse(f"env.{env_name}.math_verify_impl", f"{impl} is another verifier (DAPO's string match of the answer "
+                 "line); grpo-ds scores with math-verify (hf_math_verify): override "
+                 f"env.{env_name}.math_verify_impl=hf_math_verify to accept that")
+    w.take(f"env.{env_name}.math_verify_impl")
+    if "num_workers" in section:
+        w.translate(f"env.{env_name}.num_workers", {"env.num_workers": int(section["num_workers"])})
+    for k in section:
+        if f"env.{env_name}.{k}" not in w.used:
+            w.refuse(f"env.{env_name}.{k}", "a math-environment key grpo-ds does not translate")
+    w.take(f"env.{env_name}")
+    w.table.append(("translated", f"env.{env_name}", "-> env.name=" + repr(w.out["env"]["name"]) +
+                    (" (math-verify, as NeMo-RL's hf_math_verify)" if w.out["env"]["name"] == "math" else "")))
+    for name in env:
+        if f"env.{name}" not in " ".join(w.errors):
+            w.ignore(f"env.{name}", f"not the data's env_name ({env_name}): unused, as in NeMo-RL")
+    w.take("env")
+
+
+# -- loss, grpo, checkpointing, the rest ---------------------------------------------------------------
+def _loss(w: Walk) -> None:
+    if w.get("loss_fn.use_cispo"):
+        w.refuse("loss_fn.use_cispo", "CISPO (clipped importance-sampling weights with a stop-gradient) is another "
+                 "policy loss; grpo-ds's is the clipped PPO/GRPO loss")
+    w.take("loss_fn.use_cispo")
+    if (w.get("loss_fn.positive_example_nll_weight") or 0) > 0:
+        w.refuse("loss_fn.positive_example_nll_weight", "VAPO's NLL loss on correct samples is not in grpo-ds's loss")
+    w.take("loss_fn.positive_example_nll_weight")
+
+
+def _grpo(w: Walk) -> None:
+    from grpo.config import AsyncGRPOConfig
+
+    a = w.get("grpo.async_grpo")
+    if _enabled(a) and a.get("recompute_kv_cache_after_weight_updates") and not a.get("in_flight_weight_updates"):
+        w.ignore("grpo.async_grpo.recompute_kv_cache_after_weight_updates", "without in-flight weight updates "
+                 "grpo-ds's generation starts on a fresh KV cache after every refit: holds by construction")
+    if isinstance(a, dict) and not a.get("enabled"):
+        defaults = AsyncGRPOConfig().model_dump()
+        w.take("grpo.async_grpo.enabled")
+        if all(defaults.get(k, _ABSENT) == v for k, v in a.items() if k != "enabled"):
+            w.take("grpo.async_grpo")
+        else:
+            w.ignore("grpo.async_grpo", "async_grpo.enabled=false: the asynchronous loop's settings are unused (as "
+                     "in NeMo-RL)")
+    period = w.get("grpo.val_period")
+    if isinstance(period, int) and period < 0:
+        w.translate("grpo.val_period", {"grpo.val_period": 0}, "NeMo-RL validates periodically only for val_period > 0")
+    rl = w.get("async_rl")
+    if isinstance(rl, dict):
+        sampler = rl.get("sampler") or {}
+        if sampler.get("name") == "in_order" and not sampler.get("max_lookahead_versions"):
+            w.ignore("async_rl", "NeMo-RL's single-controller trainer in its synchronous mode (in-order sampler, no "
+                     "lookahead): the same on-policy steps as train_grpo.py")
+        else:
+            w.refuse("async_rl", "NeMo-RL's single-controller streaming trainer (run_grpo_single_controller.py, "
+                     "off-policy samplers); grpo-ds's async loop is grpo.async_grpo (max_trajectory_age_steps)")
+    elif rl is None:
+        w.take("async_rl")
+
+
+def _checkpointing(w: Walk) -> None:
+    key = "checkpointing.metric_name"
+    name = w.get(key)
+    if isinstance(name, str) and name.startswith(("val:", "train:")):
+        if _accepts_metric_name(name):
+            w.honor(key)
+        else:  # TODO(names helper): pass "val:accuracy" through once CheckpointingConfig accepts NeMo-RL's form
+            from grpo.config import VALIDATION_METRIC_ALIASES
+
+            split, _, metric = name.partition(":")
+            if split == "val":
+                metric = VALIDATION_METRIC_ALIASES.get(metric, metric)
+            w.translate(key, {key: f"{split}/{metric}"})
+    if w.get("checkpointing.model_save_format") in (None, "safetensors"):
+        w.take("checkpointing.model_save_format")
+    else:
+        w.ignore("checkpointing.model_save_format", "grpo-ds exports safetensors (the weights, not the algorithm)")
+    if w.get("checkpointing.save_optimizer", True):
+        w.take("checkpointing.save_optimizer")
+    else:
+        w.ignore("checkpointing.save_optimizer", "grpo-ds's checkpoints always hold the optimizer state (an exact "
+                 "resume needs it)")
+
+
+def _accepts_metric_name(name: str) -> bool:
+    from pydantic import ValidationError
+
+    try:
+        MasterConfig.model_validate({"checkpointing": {"metric_name": name, "keep_top_k": 1}})
+        return True
+    except ValidationError:
+        return False
+
+
+def _logger_cluster_rest(w: Walk) -> None:
+    for k, why in (("mlflow_enabled", "MLflow"), ("swanlab_enabled", "SwanLab"), ("mlflow", "MLflow"),
+                   ("swanlab", "SwanLab")):
+        w.ignore(f"logger.{k}", f"{why} logging; grpo-ds logs to metrics.jsonl, tensorboard and wandb")
+    w.ignore("logger.tensorboard", "tensorboard writer options; grpo-ds's tensorboard logging takes none")
+    w.ignore("logger.gpu_monitoring", "GPU monitor intervals; grpo-ds adds GPU memory to every metrics row "
+             "(logger.monitor_gpus)")
+    w.ignore("logger.wandb.log_nemo_gym_full_result_tables", "NeMo-Gym result tables")
+    for k in list((w.get("cluster") or {})):
+        if k not in ("gpus_per_node", "num_nodes"):
+            w.ignore(f"cluster.{k}", "Ray cluster ports and topology; the launcher (deepspeed / torchrun) starts grpo-ds")
+    w.ignore("data_plane", "the TransferQueue data plane moves batches between Ray actors; grpo-ds's loop runs in "
+             "process")
+    opd = w.get("on_policy_distillation")
+    if _enabled(opd):
+        w.refuse("on_policy_distillation", "NeMo-RL's multi-teacher on-policy distillation (teachers served by "
+                 "non-colocated worker groups, NeMo-Gym); grpo-ds's on_policy_distillation has another shape: "
+                 "set it in a native config")
+    elif opd is not None:
+        w.ignore("on_policy_distillation", "enabled=false: no distillation")
+    w.take("on_policy_distillation")
