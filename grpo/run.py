@@ -422,6 +422,7 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     import torch
 
     from grpo.metrics import pass_at_k
+    from grpo.step import penalize
 
     g = run.cfg.grpo
     n = min(len(run.val_ds), g.max_val_samples or len(run.val_ds))
@@ -436,14 +437,17 @@ def validate(run: Run, generator, envs, step: int) -> dict:
             trajs += r.trajectories
             group_ids += [start + t.group_id for t in r.trajectories]
             timing = {key: v + r.timing[key] for key, v in timing.items()}
-    rewards_b = torch.tensor([t.reward for t in trajs])
+    # NeMo-RL's validate scores with its reward_penalties too: accuracy counts a zeroed sample as wrong.
+    rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor([float(t.reward) for t in trajs]), trajs,
+                                                   run.cfg.reward_penalties, run.tokenizer)
     count = max(len(trajs), 1)
     metrics = {
-        "accuracy": rewards_b.mean().item(),
+        "accuracy": rewards_b.mean().item() if trajs else 0.0,
         "avg_length": sum(t.num_generated_tokens for t in trajs) / count,
         "truncation_rate": sum(t.truncated for t in trajs) / count,
         "avg_turns_per_sample": sum(t.turns for t in trajs) / count,
         "num_samples": float(len(trajs)),
+        **penalty_metrics,
     }
     if k > 1:
         metrics["pass_k"] = pass_at_k(rewards_b, torch.tensor(group_ids))

@@ -48,10 +48,7 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
     ``reward_penalties.penalize_malformed_think_tag`` zeroes the sample's reward on its own).
     """
     g, rp = cfg.grpo, cfg.reward_penalties
-    trajectories = batch.trajectories
-    turns = [sample_turns(t, tokenizer, rp) for t in trajectories]
-    think_ids = single_token_think_ids(tokenizer, rp.think_open_tag, rp.think_close_tag)
-    task_b, flags, metrics = apply_reward_penalties(batch.raw_rewards_b, turns, rp, tokenizer_think_ids=think_ids)
+    task_b, flags, metrics, turns, think_ids = penalize(batch.raw_rewards_b, batch.trajectories, rp, tokenizer)
     task_b = scale_rewards(task_b, g.reward_scaling)
     rewards_b = shape_overlong_rewards(task_b, batch.response_lengths_b, batch.truncated_b, g.reward_shaping)
     changes = {"task_rewards_b": task_b, "rewards_b": rewards_b}
@@ -69,6 +66,16 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
                           for (s, e, f), b in zip(sample_spans, bad)])
         changes["message_spans"] = spans
     return batch.replace(**changes), metrics
+
+
+def penalize(rewards_b: torch.Tensor, trajectories, rp, tokenizer):
+    """``reward_penalties`` on the trajectories' generated messages (`grpo.rewards.apply_reward_penalties`):
+    returns (rewards_b', flags, metrics, turns, think_ids). Training (`shape_rewards`) and validation
+    (`grpo.run.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it."""
+    turns = [sample_turns(t, tokenizer, rp) for t in trajectories]
+    think_ids = single_token_think_ids(tokenizer, rp.think_open_tag, rp.think_close_tag)
+    out_b, flags, metrics = apply_reward_penalties(rewards_b, turns, rp, tokenizer_think_ids=think_ids)
+    return out_b, flags, metrics, turns, think_ids
 
 
 def sample_turns(traj, tokenizer, rp) -> list[Turn]:

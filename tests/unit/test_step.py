@@ -202,3 +202,25 @@ def test_dynamic_sampling_drops_a_group_of_wrong_answers_whose_overlong_penaltie
     torch.testing.assert_close(b.rewards_b[:4], torch.tensor([0.0, -0.418, -0.906, -1.0]), atol=1e-3, rtol=0)
     kept, _ = DynamicSamplingCache(1, 4, 2).add(b, b.group_ids_b, group_std_for_dynamic_sampling(b))
     assert kept is not None and kept.raw_rewards_b.tolist() == [1.0, 0.0, 0.0, 0.0]  # only the mixed group
+
+
+def test_validation_accuracy_counts_a_penalised_sample_as_wrong(monkeypatch):
+    """NeMo-RL's validate passes its reward_penalties to the rollout, so validation/accuracy is that of the
+    penalised rewards (a malformed-thinking answer scores 0 there as in training)."""
+    from types import SimpleNamespace
+
+    import grpo.run as run_mod
+
+    cfg = build_config({"reward_penalties": {"penalize_malformed_think_tag": True},
+                        "grpo": {"val_batch_size": 2, "max_val_samples": 2}})
+    good, bad = traj(0, 1.0, [([10, 2], [])]), traj(1, 1.0, [([11, 2], [])])
+    good.messages[1].content, bad.messages[1].content = "<think>a</think>x", "<think>a</think>x</think>"
+    monkeypatch.setattr(run_mod, "run_rollout", lambda *a, **k: SimpleNamespace(
+        trajectories=[good, bad], timing={"generate_s": 0.0, "env_step_s": 0.0}))
+    monkeypatch.setattr(run_mod, "dump_rollouts", lambda *a, **k: None)
+    logged = {}
+    logger = SimpleNamespace(log=lambda row, step: logged.update(row), print_samples=lambda *a: None)
+    run = SimpleNamespace(cfg=cfg, val_ds=[object(), object()], logger=logger, tokenizer=build_char_tokenizer())
+    metrics = run_mod.validate(run, object(), None, step=3)
+    assert metrics["accuracy"] == 0.5 and metrics["malformed_think_tag_rate"] == 0.5
+    assert logged["validation/accuracy"] == 0.5
