@@ -17,8 +17,8 @@ Record schema (the loop builds each record with exactly these keys; ``write`` ch
                               (message-level penalty flags raised on it), "num_tokens": int}
     question           str    the prompt's question (None if the task has none)
     answer             any    the reference answer (None if the task has none)
-    reward             float  the environment's reward: what train/reward_mean and val/reward_mean
-                              average (penalties, scaling and shaping show in the advantage)
+    reward             float  the environment's reward: what train/mean_total_reward averages (reward
+                              penalties, which validation/accuracy applies, scaling and shaping show in the advantage)
     reward_components  dict   {name: float} as the environment returned them, or None
     advantage          float  mean advantage over the sample's trained tokens; None for validation
     masked             bool   the sample is excluded from the loss

@@ -38,6 +38,10 @@ RESUME_MUTABLE = (
     "grpo.val_period",          # when to validate: validation does not change the weights
     "grpo.val_at_start",        # only ever used at step 0
     "grpo.val_at_end",
+    "grpo.val_start_at",        # the same: the first step periodic validation may run
+    "policy.generation.val_temperature",     # validation's own sampling: validation never changes the weights
+    "policy.generation.val_top_p",
+    "policy.generation.val_top_k",
     "logger.",                  # where and how metrics are shown (log_dir, wandb, tensorboard, progress bar)
     "checkpointing.save_period",             # how often to save
     "checkpointing.keep_top_k",              # how many to keep

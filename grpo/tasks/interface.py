@@ -36,7 +36,7 @@ the first step that returns the second kind.
 Per-sample flags an environment may put in ``metadata[b]`` (a dict):
 
 - ``mask_sample: True``: the sample keeps its place in its group's baseline but leaves the loss
-  (NeMo-RL's ``_apply_mask_sample_filter``); counted in ``train/mask_sample_count``;
+  (NeMo-RL's ``_apply_mask_sample_filter``); counted in ``train/num_mask_sample_filtered``;
 - ``invalid_tool_call: True`` / ``malformed_thinking: True``: flag the assistant message just answered,
   so ``grpo.invalid_tool_call_advantage`` / ``grpo.malformed_thinking_advantage`` overwrite the advantage
   of its tokens.
