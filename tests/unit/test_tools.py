@@ -325,16 +325,6 @@ def test_calculator_env_end_to_end_in_compact_format():
 # --------------------------------------------------------------------------------------------------
 # A real Qwen2.5 tokenizer: what the model sees and emits
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def qwen25():
-    from tests.helpers.qwen_tokenizer import qwen25_tokenizer
-
-    try:
-        return qwen25_tokenizer()
-    except ImportError as err:
-        pytest.skip(f"no offline Qwen2.5 tokenizer: {err}")
-
-
 def test_qwen25_tokenizer_ids(qwen25):
     assert qwen25("hello world")["input_ids"] == [14990, 1879]
     assert (qwen25.eos_token_id, qwen25.pad_token_id, qwen25.bos_token_id) == (151645, 151643, None)
