@@ -205,8 +205,11 @@ def apply_overrides(cfg, overrides: list[str]):
                               f"spelling, or add it with +{key}={text}")
         try:
             OmegaConf.update(cfg, key, value, merge=True, force_add=True)
-        except Exception as err:  # an override through a value that is not a section
-            raise ConfigError(f"override {key}: {err}") from None
+        except Exception:  # a list over a mapping (or the reverse) replaces it
+            try:
+                OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+            except Exception as err:  # an override through a value that is not a section
+                raise ConfigError(f"override {key}: {str(err).splitlines()[0]}") from None
     return cfg
 
 

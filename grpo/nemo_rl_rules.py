@@ -299,7 +299,8 @@ def _torch_optimizer(w: Walk) -> None:
         w.refuse("policy.optimizer.kwargs.amsgrad", "AMSGrad changes the update; grpo-ds's AdamW runs without it")
     for k in kw:
         w.refuse(f"policy.optimizer.kwargs.{k}", "an AdamW argument grpo-ds does not pass")
-    w.translate("policy.optimizer", {**targets}, f"{name.rsplit('.', 1)[-1]} is AdamW")
+    short = name.rsplit(".", 1)[-1]
+    w.translate("policy.optimizer", {**targets}, f"{short}{' (the same update as AdamW)' if short != 'AdamW' else ''}")
 
 
 def _torch_scheduler(w: Walk) -> None:
@@ -664,11 +665,13 @@ def _data_and_env(w: Walk) -> None:
         w.table.append(("translated", "data.validation", "-> grpo.val_period=0, val_at_start=false, val_at_end=false; "
                         "no validation data (null, and no split_validation_size): NeMo-RL does not validate either"))
         for k, value in (("val_period", 0), ("val_at_start", False), ("val_at_end", False)):
+            w.take(f"grpo.{k}")
             w.set(f"grpo.{k}", value)
     d["prompt_file"] = _prompt_file(w, "data.default.prompt_file", train["prompt_file"])
     d["system_prompt_file"] = _prompt_file(w, "data.default.system_prompt_file", train["system_prompt_file"])
     w.table.append(("translated", "data.train", f"{train['name']} -> " + ", ".join(
-        f"data.{k}={v!r}" for k, v in d.items() if v is not None and k not in ("prompt_file", "system_prompt_file"))))
+        f"data.{k}={v!r}" for k, v in d.items()
+        if v is not None and k not in ("prompt_file", "system_prompt_file") and not k.startswith("val_"))))
     if val is not None:
         where = {k: d[k] for k in ("val_data_path", "val_split", "val_repeat") if k in d}
         w.table.append(("translated", "data.validation", f"{val['name']} -> " + ", ".join(

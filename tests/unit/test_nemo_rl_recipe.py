@@ -1,0 +1,349 @@
+"""NeMo-RL recipes as they are (grpo.nemo_rl_recipe, grpo.nemo_rl_rules): recognition, NeMo-RL's defaults and
+interpolation, hydra-style overrides, the translation table, refusals, --check-config. The recipes are ours,
+written in NeMo-RL's format under tests/fixtures/nemo_rl/."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo.config_load import ConfigError, load_config
+from grpo.nemo_rl_recipe import is_nemo_rl_recipe, load_nemo_rl, load_recipe, looks_like_nemo_rl
+from grpo.nemo_rl_rules import ISSUE_22, ISSUE_23, ISSUE_24
+
+REPO = Path(__file__).resolve().parents[2]
+FIX = REPO / "tests" / "fixtures" / "nemo_rl"
+BASE = FIX / "base_math.yaml"
+CHILD = FIX / "recipes" / "llm" / "grpo-fixture-child.yaml"
+GRANDCHILD = FIX / "recipes" / "llm" / "more" / "grpo-fixture-grandchild.yaml"
+DAPO = FIX / "recipes" / "llm" / "grpo-fixture-dapo-megatron.yaml"
+
+
+def table_of(rows, kind):
+    return {key: why for k, key, why in rows if k == kind}
+
+
+# --------------------------------------------------------------------------------------------------
+# Recognition: NeMo-RL's shape, never a native config
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw, marker", [
+    ({"policy": {"dtensor_cfg": {"enabled": True}}}, "policy.dtensor_cfg"),
+    ({"policy": {"megatron_cfg": {"enabled": False}}}, "policy.megatron_cfg"),
+    ({"policy": {"optimizer": {"name": "torch.optim.AdamW", "kwargs": {}}}}, "policy.optimizer.kwargs"),
+    ({"policy": {"scheduler": [{"milestones": [1]}]}}, "policy.scheduler (a list)"),
+    ({"data": {"train": {"dataset_name": "DeepScaler"}}}, "data.train"),
+    ({"data": {"default": {"env_name": "math"}}}, "data.default"),
+    ({"env": {"math": {"num_workers": 8}}}, "env.math"),
+    ({"policy": {"logprob_batch_size": "${policy.train_micro_batch_size}"}}, "policy.logprob_batch_size"),
+])
+def test_nemo_rl_markers(raw, marker):
+    assert looks_like_nemo_rl(raw).startswith(marker)
+
+
+def test_native_configs_are_not_recipes_and_load_as_before():
+    natives = [REPO / "tests" / "configs" / "tiny.yaml", *sorted((REPO / "configs").glob("*.yaml"))]
+    for path in natives:
+        assert not is_nemo_rl_recipe(path), path
+    # ${...} in free text (a prompt template) is no marker; env.tasks (a native env field) neither.
+    assert looks_like_nemo_rl({"data": {"prompt_template": "cost ${x} {}"}, "env": {"tasks": {"a": {}}}}) is None
+    # A native config keeps extra="forbid": a NeMo-RL-only key it does not carry is still an unknown key.
+    with pytest.raises(ConfigError, match="policy.offload_optimizer_for_logprob: unknown key"):
+        load_config(REPO / "tests" / "configs" / "tiny.yaml", ["policy.offload_optimizer_for_logprob=false"])
+
+
+def test_all_fixtures_are_recipes():
+    for path in (BASE, CHILD, GRANDCHILD, DAPO):
+        assert is_nemo_rl_recipe(path), path
+
+
+# --------------------------------------------------------------------------------------------------
+# NeMo-RL's loading: defaults chain, _override_, interpolation, overrides before interpolation
+# --------------------------------------------------------------------------------------------------
+def test_defaults_chain_two_levels_relative_paths_and_override_marker():
+    nrl = load_nemo_rl(GRANDCHILD)
+    assert nrl["grpo"]["num_generations_per_prompt"] == 8          # grandchild
+    assert nrl["grpo"]["num_prompts_per_step"] == 4                # child
+    assert nrl["grpo"]["max_num_steps"] == 100                     # base
+    assert nrl["policy"]["generation"]["temperature"] == 0.9       # child, merged into base's section
+    assert nrl["policy"]["generation"]["top_p"] == 0.95            # grandchild
+    assert nrl["cluster"] == {"gpus_per_node": 2}                  # _override_: replaced, not merged
+    cfg, rows = load_recipe(GRANDCHILD)
+    assert cfg.cluster.num_nodes is None and "cluster.master_port_range_low" not in table_of(rows, "ignored")
+
+
+def test_interpolation_with_nemo_rl_resolvers_and_relative_keys():
+    nrl = load_nemo_rl(CHILD)
+    p = nrl["policy"]
+    assert p["dynamic_batching"]["train_mb_tokens"] == 24 * 8           # ${mul:...}
+    assert p["make_sequence_length_divisible_by"] == 1                 # ${max:...}
+    assert p["generation"]["val_temperature"] == 0.9                    # ${.temperature} follows the child's value
+    assert p["generation"]["max_new_tokens"] == 24 and p["logprob_batch_size"] == 8
+    dapo = load_nemo_rl(DAPO)
+    assert dapo["policy"]["generation"]["max_new_tokens"] == 16        # ${mul:32, 0.5}
+    assert dapo["grpo"]["reward_shaping"]["max_response_length"] == 16
+
+
+def test_overrides_apply_before_interpolation():
+    cfg, _ = load_recipe(CHILD, ["policy.max_total_sequence_length=48", "policy.train_micro_batch_size=4",
+                                 "policy.generation.temperature=0.7"])
+    assert cfg.policy.generation.max_new_tokens == 48
+    assert cfg.policy.generation.vllm_cfg.max_model_len == 48
+    assert cfg.data.max_input_seq_length == 48
+    assert cfg.policy.logprob_batch_size == 4
+    assert cfg.grpo.reward_shaping.max_response_length == 48
+    assert cfg.policy.generation.val_temperature == 0.7
+
+
+def test_hydra_override_forms():
+    with pytest.raises(ConfigError, match=r"policy.max_total_seq_length: the recipe has no such key.*\+policy"):
+        load_recipe(BASE, ["policy.max_total_seq_length=8"])
+    with pytest.raises(ConfigError, match=r"\+grpo.seed: the recipe already has grpo.seed"):
+        load_recipe(BASE, ["+grpo.seed=3"])
+    cfg, _ = load_recipe(BASE, ["++grpo.seed=3", "+policy.tokenizer.chat_template=null"])
+    assert cfg.grpo.seed == 3 and cfg.data.split_validation_seed == 3  # ${grpo.seed} follows
+    assert cfg.policy.tokenizer.chat_template is None
+    cfg, _ = load_recipe(BASE, ["data.train={dataset_name: ResponseDataset, data_path: x.jsonl}"])
+    assert cfg.data.train_data_path.endswith("x.jsonl") and cfg.data.split_validation_size == 0.05  # merged
+
+
+def test_missing_mandatory_value_and_bad_interpolation_name_the_key(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(BASE.read_text().replace("model_name: toy:demo", "model_name: ???"))
+    with pytest.raises(ConfigError, match="policy.model_name"):
+        load_recipe(recipe)
+    # As in NeMo-RL, ??? in a child keeps the parent's value (a child may leave it to the parent or an override).
+    recipe.write_text(f"defaults: {BASE}\npolicy:\n  model_name: ???\n")
+    assert load_recipe(recipe)[0].policy.model_name == "toy:demo"
+    recipe.write_text(f"defaults: {BASE}\ngrpo:\n  seed: ${{policy.nope}}\n")
+    with pytest.raises(ConfigError, match="grpo.seed: cannot interpolate"):
+        load_recipe(recipe)
+
+
+# --------------------------------------------------------------------------------------------------
+# Translated keys
+# --------------------------------------------------------------------------------------------------
+def test_dtensor_path_optimizer_scheduler_and_data():
+    cfg, rows = load_recipe(BASE)
+    o, s = cfg.policy.optimizer, cfg.policy.scheduler
+    assert (o.name, o.lr, o.weight_decay, tuple(o.betas), o.eps) == ("adamw", 1e-3, 0.0, (0.9, 0.99), 1e-8)
+    assert (s.name, s.warmup_steps, s.warmup_start_factor, s.decay_steps) == ("constant", 4, 0.25, None)
+    assert cfg.policy.tokenizer.name is None and cfg.policy.tokenizer.chat_template == "default"
+    d = cfg.data
+    assert (d.dataset_name, d.train_split, d.input_key, d.output_key) == (
+        "nvidia/OpenMathInstruct-2", "train_1M", "problem", "expected_answer")
+    assert (d.split_validation_size, d.split_validation_seed) == (0.05, 7)
+    assert d.prompt_file == str(REPO / "configs" / "prompts" / "cot.txt")  # our wording: the path is not here
+    assert (cfg.env.name, cfg.env.num_workers) == ("math", 2)
+    assert cfg.grpo.val_start_at == -1 and cfg.cluster.gpus_per_node == 8
+    translated = table_of(rows, "translated")
+    assert "LinearLR + ConstantLR" in translated["policy.scheduler"]
+    assert "configs/prompts/cot.txt" in translated["data.default.prompt_file"]
+
+
+def test_scheduler_matches_torch_sequential_lr():
+    import torch
+
+    from grpo.system.engines import lr_lambda
+
+    def torch_lrs(schedulers, milestones, n, lr=1.0):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        made = [getattr(torch.optim.lr_scheduler, name)(opt, **kw) for name, kw in schedulers]
+        seq = torch.optim.lr_scheduler.SequentialLR(opt, made, milestones=milestones)
+        out = []
+        for _ in range(n):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            seq.step()
+        return out
+
+    const = [("LinearLR", dict(start_factor=0.25, end_factor=1.0, total_iters=4)),
+             ("ConstantLR", dict(factor=1.0, total_iters=10**9))]
+    cfg, _ = load_recipe(BASE)
+    s = cfg.policy.scheduler
+    ours = [lr_lambda(t, name=s.name, warmup_steps=s.warmup_steps, total_steps=50,
+                      warmup_start_factor=s.warmup_start_factor, decay_steps=s.decay_steps) for t in range(12)]
+    assert ours == pytest.approx(torch_lrs(const, [4], 12))
+
+    cosine = [("LinearLR", dict(start_factor=0.1, end_factor=1.0, total_iters=3)),
+              ("CosineAnnealingLR", dict(T_max=10, eta_min=1e-4))]
+    cfg, rows = load_recipe(BASE, [
+        "policy.scheduler=[{name: torch.optim.lr_scheduler.LinearLR, kwargs: {start_factor: 0.1, total_iters: 3}},"
+        " {name: torch.optim.lr_scheduler.CosineAnnealingLR, kwargs: {T_max: 10, eta_min: 1.0e-4}}, {milestones: [3]}]"])
+    s = cfg.policy.scheduler
+    assert (s.name, s.warmup_steps, s.decay_steps, s.min_lr_ratio) == ("cosine", 3, 13, pytest.approx(0.1))
+    ours = [lr_lambda(t, name=s.name, warmup_steps=s.warmup_steps, total_steps=50, min_lr_ratio=s.min_lr_ratio,
+                      warmup_start_factor=s.warmup_start_factor, decay_steps=s.decay_steps) for t in range(14)]
+    expected = torch_lrs(cosine, [3], 14, lr=1e-3)  # the recipe's lr: eta_min / lr is the floor
+    assert [x * 1e-3 for x in ours] == pytest.approx(expected, rel=1e-6)
+
+
+def test_megatron_path_translates_megatron_optimizer_and_scheduler_and_dapo_data():
+    cfg, rows = load_recipe(DAPO)
+    o, s = cfg.policy.optimizer, cfg.policy.scheduler
+    assert (o.lr, o.weight_decay, tuple(o.betas), o.eps) == (2e-6, 0.01, (0.9, 0.98), 1e-8)
+    assert (s.name, s.warmup_steps, s.decay_steps) == ("cosine", 10, 100)
+    assert s.warmup_start_factor == pytest.approx(0.1) and s.min_lr_ratio == pytest.approx(0.1)
+    assert cfg.policy.activation_checkpointing is True
+    d = cfg.data
+    assert (d.dataset_name, d.input_key, d.output_key) == (
+        "BytedTsinghua-SIA/DAPO-Math-17k", "prompt.0.content", "reward_model.ground_truth")
+    assert (d.val_data_path, d.val_split, d.prompt_file, d.split_validation_size) == (
+        "BytedTsinghua-SIA/AIME-2024", "train", None, 0)
+    g = cfg.grpo
+    assert g.use_dynamic_sampling and g.batch_multiplier == 2 and cfg.loss_fn.ratio_clip_max == 0.28
+    assert g.reward_shaping.enabled and g.reward_shaping.max_response_length == 16
+    ignored = table_of(rows, "ignored")
+    assert "Megatron parallelism" in ignored["policy.megatron_cfg"]
+    assert "megatron_cfg.enabled=true" in ignored["policy.optimizer"]
+    assert "DAPOMath17K takes no split_validation_size" in ignored["data.train.split_validation_size"]
+
+
+def test_vllm_cfg_kwargs_backend_and_async():
+    cfg, rows = load_recipe(BASE, ["policy.generation.vllm_kwargs={compilation_config: {backend: eager}, "
+                                   "kv_cache_memory_bytes: 1048576}", "policy.generation.backend=sglang"])
+    v = cfg.policy.generation.vllm_cfg
+    assert v.vllm_kwargs == {"compilation_config": {"backend": "eager"}} and v.kv_cache_memory_bytes == 1048576
+    assert (v.enforce_eager, v.gpu_memory_utilization, v.max_model_len) == (True, 0.5, 32)
+    assert cfg.policy.generation.backend == "vllm"
+    assert "sglang" in table_of(rows, "translated")["policy.generation.backend"]
+    cfg, rows = load_recipe(BASE, ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"])
+    assert cfg.grpo.async_grpo.enabled and cfg.policy.generation.backend == "hf"
+    assert "hf backend" in table_of(rows, "translated")["policy.generation.backend"]
+
+
+def test_checkpoint_metric_name_and_validation_sampling():
+    cfg, _ = load_recipe(BASE)
+    assert cfg.checkpointing.metric_name in ("val:accuracy", "val/reward_mean")  # passed through once accepted
+    cfg, _ = load_recipe(BASE, ["policy.generation.val_top_p=0.5"])
+    assert cfg.policy.generation.val_top_p == 0.5 and cfg.policy.generation.top_p == 1.0
+
+
+def test_no_validation_data_turns_periodic_validation_off():
+    cfg, rows = load_recipe(BASE, ["data.train.split_validation_size=0"])
+    assert (cfg.grpo.val_period, cfg.grpo.val_at_start, cfg.grpo.val_at_end) == (0, False, False)
+    assert "no validation data" in table_of(rows, "translated")["data.validation"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Ignored keys, each with its reason; refused keys, each naming the key and why
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, key, reason", [
+    ([], "policy.sequence_packing", ISSUE_24),
+    ([], "policy.dynamic_batching", ISSUE_24),
+    (["policy.generation.colocated.enabled=false"], "policy.generation.colocated", ISSUE_23),
+    ([], "policy.megatron_cfg", "megatron_cfg.enabled=false"),
+    ([], "policy.dtensor_cfg", "DTensor (FSDP2) internals"),
+    ([], "policy.dtensor_cfg.lora_cfg", "full fine-tuning"),
+    ([], "policy.generation.port_range_low", "ports"),
+    ([], "policy.generation.vllm_cfg", "vLLM engine internals"),
+    ([], "policy.tokenizer.use_fastokens", "tokenizer"),
+    ([], "logger.mlflow_enabled", "MLflow"),
+    ([], "cluster.master_port_range_low", "Ray cluster ports"),
+    ([], "data_plane", "TransferQueue"),
+    (["policy.dtensor_cfg.tensor_parallel_size=2"], "policy.dtensor_cfg.tensor_parallel_size", "the same math"),
+    (["++policy.generation.trtllm_cfg={x: 1}"], "policy.generation.trtllm_cfg", "TRT-LLM"),
+    (["checkpointing.save_optimizer=false"], "checkpointing.save_optimizer", "always hold the optimizer"),
+])
+def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
+    _, rows = load_recipe(BASE, overrides)
+    assert reason in table_of(rows, "ignored")[key]
+
+
+@pytest.mark.parametrize("overrides, key, reason", [
+    (["loss_fn.use_cispo=true"], "loss_fn.use_cispo", "CISPO"),
+    (["loss_fn.positive_example_nll_weight=0.1"], "loss_fn.positive_example_nll_weight", "NLL"),
+    (["policy.draft.enabled=true"], "policy.draft.enabled", "draft model"),
+    (["policy.dtensor_cfg.lora_cfg.enabled=true"], "policy.dtensor_cfg.lora_cfg.enabled", ISSUE_22),
+    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true"], "policy.megatron_cfg.peft.enabled",
+     ISSUE_22),
+    (["++env.reward_model={model_name: rm}"], "env.reward_model", "reward-model environment"),
+    (["++env.nemo_gym={x: 1}"], "env.nemo_gym", "NeMo-Gym"),
+    (["env.math.math_verify_impl=dapo_math_verify"], "env.math.math_verify_impl", "another verifier"),
+    (["data.default.env_name=code"], "data.default.env_name", "code-execution"),
+    (["data.train.dataset_name=NemoGymDataset"], "data.train.dataset_name", "NemoGymDataset"),
+    (["data.train=[{dataset_name: DeepScaler}, {dataset_name: DAPOMath17K}]"], "data.train", "several datasets"),
+    (["policy.optimizer.name=torch.optim.SGD"], "policy.optimizer.name", "AdamW"),
+    (["policy.scheduler=[{name: torch.optim.lr_scheduler.StepLR, kwargs: {step_size: 2}}]"], "policy.scheduler",
+     "StepLR"),
+    (["policy.generation.vllm_cfg.logprobs_mode=raw_logprobs"], "policy.generation.vllm_cfg.logprobs_mode",
+     "processed_logprobs"),
+    (["policy.hf_config_overrides={rope_scaling: {factor: 2.0}}"], "policy.hf_config_overrides.rope_scaling.factor",
+     "config"),
+    (["++policy.router_replay={enabled: true}"], "policy.router_replay.enabled", "routing replay"),
+    (["++policy.quant_cfg=NVFP4"], "policy.quant_cfg", "quantization"),
+    (["++policy.made_up_key=1"], "policy.made_up_key", "no translation"),
+    (["policy.tokenizer.chat_template_kwargs={enable_thinking: false}"], "policy.tokenizer.chat_template_kwargs",
+     "enable_thinking"),
+])
+def test_refused_keys_name_the_key_and_why(overrides, key, reason):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(BASE, overrides)
+    line = next((ln for ln in str(err.value).splitlines() if ln.strip().startswith(key + "=")), None)
+    assert line is not None and reason in line, str(err.value)
+
+
+def test_every_refusal_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_recipe(BASE, ["loss_fn.use_cispo=true", "policy.draft.enabled=true"])
+    assert "loss_fn.use_cispo" in str(err.value) and "policy.draft.enabled" in str(err.value)
+
+
+def test_grpo_ds_validation_still_applies_to_the_translation():
+    with pytest.raises(ConfigError, match="policy.train_global_batch_size=24"):
+        load_recipe(BASE, ["policy.train_global_batch_size=24"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Data: split_validation_size, val_repeat, nested keys (grpo.system.data)
+# --------------------------------------------------------------------------------------------------
+def test_split_validation_size_val_repeat_and_nested_keys(tmp_path):
+    import json
+
+    from grpo.config import DataConfig
+    from grpo.system.data import load_rows
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}],
+                                        "reward_model": {"ground_truth": str(i)}}) + "\n" for i in range(40)))
+    cfg = DataConfig(train_data_path=str(path), input_key="prompt.0.content", output_key="reward_model.ground_truth",
+                     split_validation_size=0.1, val_repeat=2)
+    train, val = load_rows(cfg, "train", seed=1), load_rows(cfg, "val", seed=1)
+    assert len(train) == 36 and len(val) == 8 and len({r["question"] for r in val}) == 4
+    assert {r["question"] for r in train}.isdisjoint(r["question"] for r in val)
+    assert {r["question"] for r in train} | {r["question"] for r in val} == {f"q{i}" for i in range(40)}
+    assert all(r["answer"] == r["question"][1:] for r in train)
+    assert [r["question"] for r in load_rows(cfg, "val", seed=1)] == [r["question"] for r in val]  # seeded
+    other = load_rows(cfg.model_copy(update={"split_validation_seed": 5}), "val", seed=1)
+    assert {r["question"] for r in other} != {r["question"] for r in val}
+
+
+# --------------------------------------------------------------------------------------------------
+# --check-config: prints the config (and the table), exit codes, no torch
+# --------------------------------------------------------------------------------------------------
+def _check(script, *args):
+    return subprocess.run([sys.executable, script, "--check-config", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_check_config_exit_codes_and_output():
+    p = _check("train_grpo.py", "--config", str(BASE))
+    assert p.returncode == 0, p.stderr
+    assert "policy:" in p.stdout and f"ignored: policy.sequence_packing: {ISSUE_24}" in p.stdout
+    assert "translated: policy.scheduler:" in p.stdout
+    p = _check("train_async_grpo.py", "--config", str(BASE), "loss_fn.use_cispo=true")
+    assert p.returncode == 2 and "loss_fn.use_cispo=True: CISPO" in p.stderr and "Traceback" not in p.stderr
+    p = _check("train_grpo.py", "--config", "tests/configs/tiny.yaml")
+    assert p.returncode == 0 and "model_name: toy:demo" in p.stdout and "ignored:" not in p.stdout
+
+
+def test_check_config_imports_no_torch():
+    code = ("import sys, train_grpo, grpo.run\n"
+            "try:\n    grpo.run.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
+            "except SystemExit as e:\n"
+            "    print('EXIT', e.code, 'torch' in sys.modules, 'deepspeed' in sys.modules, file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-c", code, "--config", str(BASE), "--check-config"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert "EXIT 0 False False" in p.stderr, p.stderr
