@@ -602,12 +602,15 @@ def _data_and_env(w: Walk) -> None:
     w.take("data.default")
     train_specs = _specs(w, "data.train")
     val_specs = _specs(w, "data.validation")
+    if w.get("env.sliding_puzzle_game") is not None:  # run_grpo_sliding_puzzle.py never reads data.train
+        w.refuse("env.sliding_puzzle_game", "NeMo-RL's sliding-puzzle recipe (run_grpo_sliding_puzzle.py) builds "
+                 "its prompts in the environment and reads no data section; use grpo-ds's built-in task in a native "
+                 "config (data.dataset_name=sliding_puzzle:<size>, env.name=sliding_puzzle)")
+        w.take("env")
+        w.take("data")
+        return
     if not train_specs:
-        if w.get("env.sliding_puzzle_game") is not None:
-            w.refuse("env.sliding_puzzle_game", "NeMo-RL's sliding-puzzle recipe (run_grpo_sliding_puzzle.py) builds "
-                     "its prompts in the environment; use grpo-ds's built-in task in a native config "
-                     "(data.dataset_name=sliding_puzzle:<size>, env.name=sliding_puzzle)")
-        elif not w.errors and w.get("data.train") is None:
+        if not w.errors and w.get("data.train") is None:
             w.refuse("data.train", "no training data")
         w.take("env")
         w.take("data")

@@ -275,6 +275,7 @@ def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
     (["++policy.router_replay={enabled: true}"], "policy.router_replay.enabled", "routing replay"),
     (["++policy.quant_cfg=NVFP4"], "policy.quant_cfg", "quantization"),
     (["++policy.made_up_key=1"], "policy.made_up_key", "no translation"),
+    (["++env.sliding_puzzle_game={cfg: {max_moves: 3}}"], "env.sliding_puzzle_game", "reads no data section"),
     (["policy.tokenizer.chat_template_kwargs={enable_thinking: false}"], "policy.tokenizer.chat_template_kwargs",
      "enable_thinking"),
 ])
