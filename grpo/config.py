@@ -93,11 +93,30 @@ class ClippedPGLossConfig(_Section):
         False, description="Weight the per-token KL by exp(logprob - generation_logprob) (on-policy KL estimate).")
     force_on_policy_ratio: bool = Field(False, description=(
         "r = exp(logprobs - stopgrad(logprobs)) == 1 with the PPO gradient; one optimizer update per rollout."))
+    use_cispo: bool = Field(False, description=(
+        "CISPO (MiniMax-M1, arXiv:2506.13585): per-token loss -A * stopgrad(clamp(r, 1 - ratio_clip_min, "
+        "1 + ratio_clip_max)) * logprob; needs token_level_loss=true and no dual clip, GSPO, forced or disabled "
+        "ratio."))
+    positive_example_nll_weight: float = Field(0.0, ge=0, allow_inf_nan=False, description=(
+        "VAPO (arXiv:2504.05118, Eq. 10): adds mu * NLL of the tokens of correct samples (reward > 0), "
+        "a mean over those tokens of the step; 0: off."))
 
     @model_validator(mode="after")
     def _check(self) -> "ClippedPGLossConfig":
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
             raise ValueError(f"loss_fn.ratio_clip_c={self.ratio_clip_c}: expected a value > 1 (usually 3) or null")
+        if self.use_cispo:  # NeMo-RL's ClippedPGLossFn rejects the same combinations
+            for key, bad, why in (
+                ("disable_ppo_ratio", self.disable_ppo_ratio, "CISPO weights by the ratio pi/pi_old"),
+                ("force_on_policy_ratio", self.force_on_policy_ratio, "a ratio forced to 1 leaves no weight to clip"),
+                ("sequence_level_importance_ratios", self.sequence_level_importance_ratios,
+                 "CISPO's weights are per token"),
+                ("ratio_clip_c", self.ratio_clip_c is not None, "dual clipping is a PPO clip; set it to null"),
+                ("token_level_loss", not self.token_level_loss, "CISPO is defined per token; set it to true"),
+            ):
+                if bad:
+                    raise ValueError(f"loss_fn.use_cispo=true cannot be combined with loss_fn.{key}="
+                                     f"{getattr(self, key)}: {why}")
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError(
                 "loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss=false"

@@ -1,4 +1,4 @@
-"""Clipped policy-gradient loss (GRPO / DAPO / GSPO / REINFORCE), KL estimators, loss aggregation.
+"""Clipped policy-gradient loss (GRPO / DAPO / GSPO / REINFORCE / CISPO, VAPO's NLL), KL estimators, aggregation.
 
 Semantics are NeMo-RL's ``ClippedPGLossFn``. Per-token tensors are ``[B, T]`` and already aligned
 (position t holds the logprob of token t); ``token_mask`` is 1 on trained tokens, ``sample_mask``
@@ -130,6 +130,29 @@ def clipped_objective(
     return loss
 
 
+def cispo_objective(ratio_clamped: torch.Tensor, advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """CISPO's per-token loss (MiniMax-M1, arXiv:2506.13585): L = −A · sg(clamp(r)) · lp.
+
+    The clamped ratio is a detached weight, so every token keeps the gradient −A · sg(clamp(r)) of its logprob
+    (PPO's clip zeroes it outside the range); the bounds are ``ratio_clip_min`` / ``ratio_clip_max``.
+    """
+    return -advantages * ratio_clamped.detach() * logprobs
+
+
+def positive_example_nll(
+    logprobs_bt: torch.Tensor, mask_bt: torch.Tensor, rewards_b: torch.Tensor, normalizer: Normalizer = None
+) -> torch.Tensor:
+    """VAPO's positive-example NLL (arXiv:2504.05118, Eq. 10): −Σ c_bt · lp_bt / normalizer,
+    c = mask · [reward_b > 0] (the correct samples' trained tokens), normalizer = Σ c unless given (the step's
+    count, so micro-batches add up); token level whatever ``token_level_loss`` says; 0 without a correct token.
+
+        >>> positive_example_nll(torch.tensor([[-1.0, -3.0], [-5.0, -7.0]]), torch.ones(2, 2), torch.tensor([1.0, 0.0]))
+        tensor(2.)
+    """
+    correct_bt = mask_bt * (rewards_b > 0).to(mask_bt.dtype)[:, None]
+    return masked_mean(-logprobs_bt, correct_bt, normalizer=normalizer)
+
+
 def importance_weights(
     prev_logprobs_bt: torch.Tensor,
     generation_logprobs_bt: torch.Tensor,
@@ -202,13 +225,22 @@ def clipped_pg_loss(
     global_valid_tokens: Normalizer = None,
     global_valid_seqs: Normalizer = None,
     unfiltered_logprobs: Optional[torch.Tensor] = None,
+    rewards: Optional[torch.Tensor] = None,
+    global_correct_tokens: Normalizer = None,
 ) -> tuple[torch.Tensor, dict]:
     """NeMo-RL's clipped policy-gradient loss with KL penalty and off-policy correction.
 
         r   = policy_ratio(...)                      L_t = clipped_objective(r, clamp(r), A)
+                                                     (use_cispo: L_t = cispo_objective(clamp(r), A, lp))
         w   = importance_weights(...) if use_importance_sampling_correction else 1
         KL  = calculate_kl(lp_u, ref)  [· exp(lp_u − gen) detached, if use_on_policy_kl_approximation]
-        loss = aggregate(w·L) + β·aggregate(KL),   β = reference_policy_kl_penalty (0 if use_kl_in_reward)
+        loss = aggregate(w·L) + β·aggregate(KL) + μ·positive_example_nll(lp, m, rewards, global_correct_tokens)
+        β = reference_policy_kl_penalty (0 if use_kl_in_reward),  μ = positive_example_nll_weight
+
+    CISPO (``use_cispo``) replaces PPO's clipped objective by −A · sg(clamp(r, 1 − ratio_clip_min,
+    1 + ratio_clip_max)) · lp, token level; the IS correction w and the KL term apply to it unchanged.
+    VAPO's NLL term (μ > 0) needs ``rewards`` ``[B]``: samples with reward > 0 are the correct ones, and its
+    normaliser is ``global_correct_tokens`` (the step's Σ m·[reward > 0]; default: this batch's).
 
     Under top-k / top-p sampling, ``logprobs`` and ``prev_logprobs`` are the filtered ones (the sampling
     distribution, like ``generation_logprobs``) and ``unfiltered_logprobs`` = lp_u are the current
@@ -234,6 +266,11 @@ def clipped_pg_loss(
       is_oob_ratio: see :func:`importance_weights`                    (only with a truncation type)
       approx_entropy: masked mean of −exp(lp − gen)·lp (of −lp without generation_logprobs)
       num_valid_samples: Σ sample_mask
+      positive_nll_loss: the NLL term before μ over this micro-batch's correct tokens (only with μ > 0; None
+        without a correct token)
+    Under CISPO clip_fraction_high / _low count every masked token whose weight is clamped (r > 1 + ratio_clip_max
+    / r < 1 − ratio_clip_min, either sign of A: its gradient is scaled, not zeroed), and probs_ratio_clamped is
+    the masked mean of the weight sg(clamp(r)).
     A micro-batch with no token in the mask (every sample masked) reports None for all but ``loss`` and
     ``num_valid_samples``: `grpo.metrics.aggregate_rollout_metrics` averages over the others.
     """
@@ -263,7 +300,10 @@ def clipped_pg_loss(
 
     # Policy term.
     ratio, ratio_clamped = policy_ratio(lp, prev, token_mask, cfg)
-    pg_bt = clipped_objective(ratio, ratio_clamped, adv, cfg.ratio_clip_c)
+    if cfg.use_cispo:
+        pg_bt = cispo_objective(ratio_clamped, adv, lp)
+    else:
+        pg_bt = clipped_objective(ratio, ratio_clamped, adv, cfg.ratio_clip_c)
     metrics: dict = {}
     if gen is not None:
         is_w, is_metrics = importance_weights(prev, gen, token_mask, sample_mask, cfg)
@@ -296,7 +336,18 @@ def clipped_pg_loss(
         with torch.no_grad():  # this micro-batch's own KL (local normalisers), for logging
             kl_value = aggregate_loss(kl_bt, token_mask, sample_mask, cfg.token_level_loss).item()
 
-    metrics.update(_ratio_metrics(lp, prev, ratio, adv, keep, mask, cfg))
+    # VAPO's NLL on the correct samples.
+    mu = cfg.positive_example_nll_weight
+    if mu > 0:
+        if rewards is None:
+            raise ValueError(f"loss_fn.positive_example_nll_weight={mu} needs the samples' rewards")
+        rewards = rewards.detach().to(device=lp.device)
+        loss = loss + mu * positive_example_nll(lp, mask, rewards, global_correct_tokens)
+        with torch.no_grad():
+            has_correct = bool((mask * (rewards > 0).to(dtype)[:, None]).any())
+            metrics["positive_nll_loss"] = positive_example_nll(lp, mask, rewards).item() if has_correct else None
+
+    metrics.update(_ratio_metrics(lp, prev, ratio, ratio_clamped, adv, keep, mask, cfg))
     with torch.no_grad():
         entropy_w = torch.ones_like(lp) if gen is None else torch.exp(lp - gen)
         metrics["approx_entropy"] = masked_mean(-entropy_w * lp, mask).item()
@@ -307,18 +358,21 @@ def clipped_pg_loss(
     return loss, metrics
 
 
-def _ratio_metrics(lp, prev, ratio, adv, keep, mask, cfg: ClippedPGLossConfig) -> dict:
+def _ratio_metrics(lp, prev, ratio, ratio_clamped, adv, keep, mask, cfg: ClippedPGLossConfig) -> dict:
     """Clip fractions and the probability ratio exp(lp − prev) over the masked tokens (see clipped_pg_loss)."""
     with torch.no_grad():
         uses_clip = not (cfg.force_on_policy_ratio or cfg.disable_ppo_ratio)
         r = ratio.detach() if uses_clip else torch.exp(lp.detach() - prev)
-        high = keep & (adv > 0) & (r > 1.0 + cfg.ratio_clip_max) if uses_clip else torch.zeros_like(keep)
-        low = keep & (adv < 0) & (r < 1.0 - cfg.ratio_clip_min) if uses_clip else torch.zeros_like(keep)
+        pos, neg = (keep, keep) if cfg.use_cispo else (adv > 0, adv < 0)  # CISPO clamps the weight whatever A is
+        high = keep & pos & (r > 1.0 + cfg.ratio_clip_max) if uses_clip else torch.zeros_like(keep)
+        low = keep & neg & (r < 1.0 - cfg.ratio_clip_min) if uses_clip else torch.zeros_like(keep)
         out = {
             "clip_fraction_high": masked_mean(high.to(mask.dtype), mask).item(),
             "clip_fraction_low": masked_mean(low.to(mask.dtype), mask).item(),
             "probs_ratio": masked_mean(r, mask).item(),
         }
+        if cfg.use_cispo:
+            out["probs_ratio_clamped"] = masked_mean(ratio_clamped.detach(), mask).item()
         if cfg.ratio_clip_c is not None:
             dual = keep & (adv < 0) & (r > cfg.ratio_clip_c) if uses_clip else torch.zeros_like(keep)
             out["dual_clip_fraction"] = masked_mean(dual.to(mask.dtype), mask).item()
@@ -342,10 +396,12 @@ class LossInputs:
     ``logprobs_bt``: the policy's token logprobs ``[B, T]`` with grad (the sampler's distribution:
     temperature, top-k / top-p); ``batch``: the micro-batch (`grpo.batch.TrainBatch`, tensors on the
     engine's device: ``advantages_bt``, ``token_mask_bt``, ``sample_mask_b``, ``prev_logprobs_bt``,
-    ``ref_logprobs_bt``, ``generation_logprobs_bt``, ``unfiltered_logprobs_bt``, ...); ``cfg``: the run's
-    config (`grpo.config.MasterConfig`, or a fork's subclass: its own sections are here);
+    ``ref_logprobs_bt``, ``generation_logprobs_bt``, ``unfiltered_logprobs_bt``, ``rewards_b``, ...); ``cfg``: the
+    run's config (`grpo.config.MasterConfig`, or a fork's subclass: its own sections are here);
     ``global_valid_tokens`` / ``global_valid_seqs``: the normalisers of the whole optimizer step
-    (`grpo.metrics.global_valid_counts`), so micro-batch losses add up to the step's loss.
+    (`grpo.metrics.global_valid_counts`), so micro-batch losses add up to the step's loss;
+    ``global_correct_tokens``: the step's valid tokens of samples with reward > 0 (VAPO's NLL normaliser; set
+    only when ``loss_fn.positive_example_nll_weight`` > 0, None otherwise).
 
     Only when the loss function asks for them (``loss_fn.needs``, see `loss_needs`; the default asks for
     nothing and the forward computes nothing more):
@@ -361,6 +417,7 @@ class LossInputs:
     cfg: Any
     global_valid_tokens: Normalizer = None
     global_valid_seqs: Normalizer = None
+    global_correct_tokens: Normalizer = None
     entropy_bt: Optional[torch.Tensor] = None
     logits_btv: Optional[torch.Tensor] = None
 
@@ -376,7 +433,8 @@ class LossInputs:
 
 def clipped_pg_loss_fn(inputs: LossInputs) -> tuple[torch.Tensor, dict]:
     """The training step's default loss: `clipped_pg_loss` of the micro-batch with ``cfg.loss_fn`` and the
-    step's global normalisers. Without previous-policy logprobs (``force_on_policy_ratio``) the training
+    step's global normalisers; VAPO's NLL reads ``batch.rewards_b`` (after penalties, scaling and shaping: what
+    NeMo-RL's loss gets as ``rewards``). Without previous-policy logprobs (``force_on_policy_ratio``) the training
     forward's own, detached, stand in. A fork adds a term around it::
 
         def loss_with_entropy_bonus(x: LossInputs):
@@ -391,7 +449,8 @@ def clipped_pg_loss_fn(inputs: LossInputs) -> tuple[torch.Tensor, dict]:
                            inputs.cfg.loss_fn, ref_logprobs=mb.ref_logprobs_bt,
                            generation_logprobs=mb.generation_logprobs_bt,
                            global_valid_tokens=inputs.global_valid_tokens, global_valid_seqs=inputs.global_valid_seqs,
-                           unfiltered_logprobs=mb.unfiltered_logprobs_bt)
+                           unfiltered_logprobs=mb.unfiltered_logprobs_bt, rewards=getattr(mb, "rewards_b", None),
+                           global_correct_tokens=inputs.global_correct_tokens)
 
 
 def loss_needs(loss_fn) -> tuple[str, ...]:

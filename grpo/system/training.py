@@ -248,10 +248,13 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,
     for start in range(0, len(batch), p.train_global_batch_size):
         mine = batch.select(slice(start, start + p.train_global_batch_size)).shard(rank, world_size)
         n_tokens, n_seqs = global_valid_counts(mine.token_mask_bt, mine.sample_mask_b)
+        n_correct = None  # VAPO's NLL normaliser: the step's valid tokens of samples with reward > 0
+        if cfg.loss_fn.positive_example_nll_weight > 0:
+            n_correct, _ = global_valid_counts(mine.token_mask_bt, mine.sample_mask_b * (mine.rewards_b > 0))
 
-        def loss_closure(logprobs_bt, mb: TrainBatch, n_tokens=n_tokens, n_seqs=n_seqs, **extras):
+        def loss_closure(logprobs_bt, mb: TrainBatch, n_tokens=n_tokens, n_seqs=n_seqs, n_correct=n_correct, **extras):
             return loss_fn(LossInputs(logprobs_bt, mb, cfg, global_valid_tokens=n_tokens, global_valid_seqs=n_seqs,
-                                      **extras))
+                                      global_correct_tokens=n_correct, **extras))
 
         results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size),
                                       skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
