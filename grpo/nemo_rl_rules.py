@@ -740,13 +740,15 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
 
 # -- loss, grpo, checkpointing, the rest ---------------------------------------------------------------
 def _loss(w: Walk) -> None:
-    if w.get("loss_fn.use_cispo"):
-        w.refuse("loss_fn.use_cispo", "CISPO (clipped importance-sampling weights with a stop-gradient) is another "
-                 "policy loss; grpo-ds's is the clipped PPO/GRPO loss")
-    w.take("loss_fn.use_cispo")
-    if (w.get("loss_fn.positive_example_nll_weight") or 0) > 0:
-        w.refuse("loss_fn.positive_example_nll_weight", "VAPO's NLL loss on correct samples is not in grpo-ds's loss")
-    w.take("loss_fn.positive_example_nll_weight")
+    w.honor("loss_fn.use_cispo")  # grpo.loss.cispo_objective; the config rejects what NeMo-RL's loss rejects
+    key = "loss_fn.positive_example_nll_weight"
+    mu = w.get(key)
+    if isinstance(mu, (int, float)) and not isinstance(mu, bool) and mu > 0:
+        w.translate(key, {key: mu}, "VAPO's NLL on the samples with reward > 0, normalised by the step's count of "
+                    "their tokens; NeMo-RL's GRPO loop never hands its loss the rewards (only ppo.py does), so "
+                    "there this weight has no effect: remove it to train as NeMo-RL's GRPO does")
+    else:
+        w.honor(key)
 
 
 def _grpo(w: Walk) -> None:

@@ -214,6 +214,29 @@ def test_vllm_cfg_kwargs_backend_and_async():
     assert "hf backend" in table_of(rows, "translated")["policy.generation.backend"]
 
 
+def test_cispo_and_vapo_nll_weight_are_honored():
+    """grpo.loss implements both (tests/unit/test_loss_cispo_vapo.py); CISPO's recipe bounds pass as they are."""
+    cfg, rows = load_recipe(BASE, ["loss_fn.use_cispo=true", "loss_fn.ratio_clip_min=1.0", "loss_fn.ratio_clip_max=5.0",
+                                   "loss_fn.use_importance_sampling_correction=true"])
+    lf = cfg.loss_fn
+    assert (lf.use_cispo, lf.ratio_clip_min, lf.ratio_clip_max, lf.positive_example_nll_weight) == (True, 1.0, 5.0, 0.0)
+    assert "loss_fn.use_cispo" not in table_of(rows, "translated")
+    cfg, rows = load_recipe(BASE, ["loss_fn.positive_example_nll_weight=0.1"])
+    assert cfg.loss_fn.positive_example_nll_weight == 0.1 and not cfg.loss_fn.use_cispo
+    assert "only ppo.py does" in table_of(rows, "translated")["loss_fn.positive_example_nll_weight"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("loss_fn.ratio_clip_c=3.0", "loss_fn.ratio_clip_c"),
+    ("++loss_fn.force_on_policy_ratio=true", "loss_fn.force_on_policy_ratio"),
+    ("loss_fn.token_level_loss=false", "loss_fn.token_level_loss"),
+    ("++loss_fn.disable_ppo_ratio=true", "loss_fn.disable_ppo_ratio"),
+])
+def test_cispo_combinations_nemo_rl_rejects_are_rejected(override, key):
+    with pytest.raises(ConfigError, match=f"use_cispo=true cannot be combined with {key}="):
+        load_recipe(BASE, ["loss_fn.use_cispo=true", override])
+
+
 def test_checkpoint_metric_name_and_validation_sampling():
     cfg, _ = load_recipe(BASE)
     assert cfg.checkpointing.metric_name in ("val:accuracy", "val/reward_mean")  # passed through once accepted
@@ -253,8 +276,6 @@ def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
 
 
 @pytest.mark.parametrize("overrides, key, reason", [
-    (["loss_fn.use_cispo=true"], "loss_fn.use_cispo", "CISPO"),
-    (["loss_fn.positive_example_nll_weight=0.1"], "loss_fn.positive_example_nll_weight", "NLL"),
     (["policy.draft.enabled=true"], "policy.draft.enabled", "draft model"),
     (["policy.dtensor_cfg.lora_cfg.enabled=true"], "policy.dtensor_cfg.lora_cfg.enabled", ISSUE_22),
     (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true"], "policy.megatron_cfg.peft.enabled",
@@ -288,8 +309,8 @@ def test_refused_keys_name_the_key_and_why(overrides, key, reason):
 
 def test_every_refusal_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        load_recipe(BASE, ["loss_fn.use_cispo=true", "policy.draft.enabled=true"])
-    assert "loss_fn.use_cispo" in str(err.value) and "policy.draft.enabled" in str(err.value)
+        load_recipe(BASE, ["++env.nemo_gym={x: 1}", "policy.draft.enabled=true"])
+    assert "env.nemo_gym" in str(err.value) and "policy.draft.enabled" in str(err.value)
 
 
 def test_grpo_ds_validation_still_applies_to_the_translation():
@@ -334,8 +355,9 @@ def test_check_config_exit_codes_and_output():
     assert p.returncode == 0, p.stderr
     assert "policy:" in p.stdout and f"ignored: policy.sequence_packing: {ISSUE_24}" in p.stdout
     assert "translated: policy.scheduler:" in p.stdout
-    p = _check("train_async_grpo.py", "--config", str(BASE), "loss_fn.use_cispo=true")
-    assert p.returncode == 2 and "loss_fn.use_cispo=True: CISPO" in p.stderr and "Traceback" not in p.stderr
+    p = _check("train_async_grpo.py", "--config", str(BASE), "policy.draft.enabled=true")
+    assert p.returncode == 2 and "policy.draft.enabled=True: trains a speculative" in p.stderr
+    assert "Traceback" not in p.stderr
     p = _check("train_grpo.py", "--config", "tests/configs/tiny.yaml")
     assert p.returncode == 0 and "model_name: toy:demo" in p.stdout and "ignored:" not in p.stdout
 
