@@ -358,10 +358,30 @@ class GRPOConfig(_Section):
 # --------------------------------------------------------------------------------------------------
 # policy
 # --------------------------------------------------------------------------------------------------
+# What grpo.system.chat.ChatFormat passes to apply_chat_template itself (chat_template_kwargs may not repeat them).
+CHAT_TEMPLATE_ARGS_SET_BY_GRPO = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
+
 class TokenizerConfig(_Section):
     name: Optional[str] = Field(None, description="Tokenizer to load (null: the model's own).")
     chat_template: Optional[str] = Field(None, description=(
         "null: plain-text prompts; default: the tokenizer's chat template; anything else: a Jinja template."))
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description=(
+        "Extra variables of the chat template, passed to every apply_chat_template (prompts, observations; "
+        "NeMo-RL's chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3; one the template does not read "
+        "changes nothing."))
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_kwargs(cls, v):
+        taken = sorted(set(v or ()) & CHAT_TEMPLATE_ARGS_SET_BY_GRPO)
+        if taken:
+            raise ValueError(f"policy.tokenizer.chat_template_kwargs: {taken} are set by grpo-ds "
+                             "(grpo/system/chat.py), not template variables")
+        return v
 
 
 class OptimizerConfig(_Section):
@@ -512,6 +532,36 @@ class PolicyConfig(_Section):
 # --------------------------------------------------------------------------------------------------
 # data, env
 # --------------------------------------------------------------------------------------------------
+class DataSource(_Section):
+    """One dataset of several (``data.train_sources`` / ``data.val_sources``). A field the source does not give
+    (null given is given) takes the ``data.*`` field of the same name, as NeMo-RL's ``data.default`` fills its
+    dataset specs; ``split`` takes data.train_split / val_split and ``num_samples`` data.num_train_samples /
+    num_val_samples by side."""
+
+    dataset_name: Optional[str] = Field(None, description=(
+        "What data.dataset_name takes (a built-in task, a local file or directory, a hub name); on the validation "
+        "side a local file or hub name is read as data.val_data_path is."))
+    dataset_config: Optional[str] = Field(None, description="Config name of a hub dataset.")
+    split: Optional[str] = Field(None, description="Split (hub) or file stem (directory) of this source.")
+    input_key: Optional[str] = Field(None, description="Column holding the prompt.")
+    output_key: Optional[str] = Field(None, description="Column holding the reference answer.")
+    prompt_file: Optional[str] = Field(None, description="This source's prompt template file.")
+    prompt_template: Optional[str] = Field(None, description="This source's prompt template.")
+    system_prompt_file: Optional[str] = Field(None, description="This source's system prompt file.")
+    system_prompt: Optional[str] = Field(None, description="This source's system prompt.")
+    task_name: Optional[str] = Field(None, description=(
+        "The task (environment, see env.tasks) that scores this source's rows; null: a row's data.task_key "
+        "column, else env's task."))
+    num_samples: Optional[int] = Field(None, gt=0, description="Rows of a procedural source (a built-in task).")
+    split_validation_size: Optional[float] = Field(None, ge=0, description=(
+        "Training sources: hold out this share (< 1) or number (>= 1) of the source's rows; they join the "
+        "validation rows, before data.val_sources (NeMo-RL's split_validation_size)."))
+    split_validation_seed: Optional[int] = Field(None, description="Seed of that split (null: grpo.seed).")
+    repeat: int = Field(1, gt=0, description=(
+        "Each of this source's rows appears this many times (validation: NeMo-RL's repeat; training: a weight in "
+        "the mix)."))
+
+
 class DataConfig(_Section):
     dataset_name: str = Field("arithmetic", description=(
         "arithmetic, guess_number, calculator, reasoning_gym:<task>, a local .jsonl/.json/.parquet/.arrow file "
@@ -535,8 +585,8 @@ class DataConfig(_Section):
     max_input_seq_length: Optional[int] = Field(
         None, gt=0, description="Prompts longer than this (tokens) are filtered out and counted.")
     split_validation_size: float = Field(0, ge=0, description=(
-        "Hold out this share (< 1) or number (>= 1) of the training rows for validation when no validation source "
-        "is set (NeMo-RL's split_validation_size); 0: off."))
+        "Hold out this share (< 1) or number (>= 1) of the training rows; they join the validation rows, before "
+        "data.val_data_path's (NeMo-RL's split_validation_size); 0: off."))
     split_validation_seed: Optional[int] = Field(None, description="Seed of that split (null: grpo.seed).")
     val_repeat: int = Field(1, gt=0, description="Each validation row appears this many times (NeMo-RL's repeat).")
     shuffle: bool = Field(True, description="Shuffle the training prompts (seeded; resumes exactly).")
@@ -554,6 +604,29 @@ class DataConfig(_Section):
     num_workers: int = Field(0, ge=0, description="Data loader worker processes (0: load in the trainer).")
     task_key: str = Field("task_name", description=(
         "Column naming each row's task (its environment, see env.tasks); rows without it use env's."))
+    train_sources: list[DataSource] = Field(default_factory=list, description=(
+        "Several training datasets, concatenated in order (then shuffled together), each a mapping of "
+        "dataset_name, dataset_config, split, input_key, output_key, prompt_file/prompt_template, "
+        "system_prompt_file/system_prompt, task_name (the environment scoring its rows), num_samples, "
+        "split_validation_size/split_validation_seed, repeat; a field left out takes data.<field> (NeMo-RL's "
+        "data.default). Empty: the single source of data.dataset_name / train_data_path."))
+    val_sources: list[DataSource] = Field(default_factory=list, description=(
+        "Several validation datasets (the same mappings; repeat left out takes data.val_repeat), after the rows "
+        "held out by split_validation_size; empty: data.val_data_path, else the held-out rows alone, else each "
+        "training source's own validation split."))
+
+    @model_validator(mode="after")
+    def _sources(self) -> "DataConfig":
+        for side, keys in (("train", ("train_data_path", "train_split")), ("val", ("val_data_path", "val_split"))):
+            given = [k for k in keys if getattr(self, k) is not None]
+            if getattr(self, f"{side}_sources") and given:
+                raise ValueError(f"data.{side}_sources and data.{'/'.join(given)} are both set: give each source's "
+                                 f"dataset_name / split in data.{side}_sources")
+        for i, src in enumerate(self.val_sources):
+            if src.split_validation_size:
+                raise ValueError(f"data.val_sources.{i}.split_validation_size: only training sources hold rows out "
+                                 "for validation")
+        return self
 
 
 class EnvSpec(_Section):

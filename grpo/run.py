@@ -358,7 +358,8 @@ def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = 
     ``tools``: JSON schemas the chat template shows the model."""
     from grpo.system.data import PromptDataset, PromptFormatter, load_rows
 
-    formatter = PromptFormatter(tokenizer, cfg.data, cfg.policy.tokenizer.chat_template, tools)
+    formatter = PromptFormatter(tokenizer, cfg.data, cfg.policy.tokenizer.chat_template, tools,
+                                cfg.policy.tokenizer.chat_template_kwargs)
     train_rows = load_rows(cfg.data, "train", seed=cfg.grpo.seed)
     val_rows = load_rows(cfg.data, "val", seed=cfg.grpo.seed)
     kw = dict(max_input_seq_length=cfg.data.max_input_seq_length, default_task=cfg.env.task_name or cfg.env.name,

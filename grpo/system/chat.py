@@ -11,7 +11,8 @@ Two modes, from ``policy.tokenizer.chat_template``:
 - plain text (None): the prompt is one ``user`` message tokenised with the tokenizer's special tokens
   (``<bos>``); an observation is its content tokenised without special tokens (NeMo-RL's behaviour);
 - chat template ("default" = the tokenizer's own, or a Jinja string): each prompt message is the text the
-  template adds for it.
+  template adds for it. ``policy.tokenizer.chat_template_kwargs`` are the template's extra variables (Qwen3's
+  ``enable_thinking``) in every rendering below.
 
 An observation becomes tokens in one of two ways (``env.observation_format``, per environment):
 
@@ -48,12 +49,18 @@ class ChatFormatError(ValueError):
 
 class ChatFormat:
     """Renders messages with ``chat_template`` (None: plain text; "default": the tokenizer's own; else a
-    Jinja string) and tokenises them. ``tools``: JSON schemas passed to the template (tool calling)."""
+    Jinja string) and tokenises them. ``tools``: JSON schemas passed to the template (tool calling).
+    ``chat_template_kwargs``: the template's extra variables (``policy.tokenizer.chat_template_kwargs``, e.g.
+    ``{"enable_thinking": False}``), passed to every rendering: the prompt, observations, the role checks (as
+    NeMo-RL binds them to ``tokenizer.apply_chat_template``); a variable the template does not read changes
+    nothing."""
 
-    def __init__(self, tokenizer, chat_template: str | None = None, tools: list[dict] | None = None):
+    def __init__(self, tokenizer, chat_template: str | None = None, tools: list[dict] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.tools = tools or None
+        self.template_kwargs = dict(chat_template_kwargs or {})
         if chat_template == "default" and not getattr(tokenizer, "chat_template", None):
             raise ChatFormatError("policy.tokenizer.chat_template='default' but the tokenizer has no chat template")
         self._tail = None if chat_template is None else self._assistant_tail()
@@ -65,7 +72,9 @@ class ChatFormat:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         """The template's text for ``messages`` (role / content dicts)."""
-        kwargs = {} if self.chat_template == "default" else {"chat_template": self.chat_template}
+        kwargs = dict(self.template_kwargs)
+        if self.chat_template != "default":
+            kwargs["chat_template"] = self.chat_template
         if self.tools:
             kwargs["tools"] = self.tools
         msgs = [{"role": m["role"], "content": m["content"]} for m in messages]

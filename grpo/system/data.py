@@ -392,12 +392,14 @@ class PromptFormatter:
 
     ``chat_template``: None (plain text: one user message ``system + "\n" + prompt``, tokenised with the
     tokenizer's special tokens), ``"default"`` (the tokenizer's own chat template) or a Jinja string;
-    tokens come from `grpo.system.chat.ChatFormat` (one run of ids per message). A question may also be a list of
+    tokens come from `grpo.system.chat.ChatFormat` (one run of ids per message; ``chat_template_kwargs``: the
+    template's extra variables). A question may also be a list of
     ``{"role", "content"}`` messages (a conversation so far; its assistant messages are context, never
     trained): it needs a chat template, and the prompt template is not applied to it.
     """
 
-    def __init__(self, tokenizer, cfg: DataConfig, chat_template: str | None = None, tools: list[dict] | None = None):
+    def __init__(self, tokenizer, cfg: DataConfig, chat_template: str | None = None, tools: list[dict] | None = None,
+                 chat_template_kwargs: dict | None = None):
         from grpo.system.chat import ChatFormat, ChatFormatError
 
         if cfg.prompt_file and cfg.prompt_template:
@@ -411,7 +413,7 @@ class PromptFormatter:
         )
         self.chat_template = chat_template
         try:
-            self.chat = ChatFormat(tokenizer, chat_template, tools)
+            self.chat = ChatFormat(tokenizer, chat_template, tools, chat_template_kwargs)
         except ChatFormatError as err:
             raise DataError(str(err)) from err
         self._check_template()
