@@ -63,9 +63,10 @@ class LoadReport:
 class Rows(list):
     """The list of rows `load_rows` returns; ``rows.report`` is its `LoadReport` (a plain list otherwise)."""
 
-    def __init__(self, rows: list[Row], report: LoadReport):
+    def __init__(self, rows: list[Row], report: LoadReport, spans: list[tuple[int, int, DataConfig]] | None = None):
         super().__init__(rows)
         self.report = report
+        self.spans = spans or []  # (start, stop, cfg): rows[start:stop] take cfg's prompt template and system prompt
 
 
 # --------------------------------------------------------------------------------------------------
@@ -306,42 +307,138 @@ def _local_rows(path: Path, split: str, cfg: DataConfig, report: LoadReport, exp
 def load_rows(cfg: DataConfig, split: str, seed: int) -> Rows:
     """Rows of ``split`` ("train" | "val"): a list, with ``rows.report.num_skipped`` counting skipped bad rows.
 
-    The source is ``data.train_data_path`` / ``val_data_path`` when set, else ``data.dataset_name``:
+    A source is ``data.train_data_path`` / ``val_data_path`` when set, else ``data.dataset_name``:
     "arithmetic", "reasoning_gym:<task>", a local file or directory (``train.jsonl`` / ``val.jsonl``...),
     a `save_to_disk` directory, or a hub name. Procedural sources draw train and val from different seeds.
-    ``data.split_validation_size`` > 0 without ``val_data_path`` holds validation out of the training rows
-    (`_split_rows`); ``data.val_repeat`` repeats each validation row.
+    ``data.train_sources`` / ``val_sources`` give several, concatenated in order (`Source`). A training
+    source's ``split_validation_size`` > 0 holds rows out of its training rows; the validation rows are the
+    held-out rows (each repeated ``data.val_repeat`` times), then the validation sources' (``val_data_path``
+    or ``val_sources``), as NeMo-RL's setup_response_data joins them; with neither, each training source's
+    own validation split.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r}: expected 'train' or 'val'")
-    if cfg.split_validation_size > 0 and cfg.val_data_path is None:
-        return _split_rows(cfg, split, seed)
-    rows = _load_rows(cfg, split, seed)
-    if split == "val" and cfg.val_repeat > 1:
-        rows = Rows([r for r in rows for _ in range(cfg.val_repeat)], rows.report)
-        rows.report.num_rows = len(rows)
-    return rows
+    train = training_sources(cfg)
+    parts: list[tuple[Source, list[Row], int, str]] = []  # (source, rows, repeat, the split they come from)
+    if split == "train":
+        for src in train:
+            rows = _read(src, "train", seed)
+            parts.append((src, _hold_out(src, rows, seed)[0] if src.split_size else rows, src.repeat, "train"))
+        return _concat(parts, cfg.task_key)
+    for src in train:
+        if src.split_size:
+            parts.append((src, _hold_out(src, _read(src, "train", seed), seed)[1], cfg.val_repeat, "train"))
+    parts += [(src, _read(src, "val", seed), src.repeat, "val") for src in validation_sources(cfg)]
+    if not parts:  # no validation source, nothing held out: each training source's own validation split
+        parts = [(src, _read(src, "val", seed), cfg.val_repeat, "val") for src in train]
+    return _concat(parts, cfg.task_key)
 
 
-def _split_rows(cfg: DataConfig, split: str, seed: int) -> Rows:
-    """``data.split_validation_size`` of the training rows (a share < 1, rounded up, or a count), drawn with
-    ``data.split_validation_seed`` (else ``seed``), as the validation rows; the training rows are the others."""
-    rows = _load_rows(cfg, "train", seed)
-    size = cfg.split_validation_size
+@dataclass
+class Source:
+    """One dataset as `load_rows` reads it: ``cfg`` is a `DataConfig` whose single-source fields (dataset_name,
+    val_data_path, splits, keys, sizes, prompts) name it; ``key`` is where its errors point."""
+
+    key: str
+    cfg: DataConfig
+    task_name: str | None = None  # tags its rows' meta[data.task_key] (None: the rows' own column, else env's)
+    repeat: int = 1
+    split_size: float = 0
+    split_seed: int | None = None
+    own_prompts: bool = False  # its prompt template / system prompt are not data.*'s
+
+
+PROMPT_KEYS = (("prompt_file", "prompt_template"), ("system_prompt_file", "system_prompt"))
+SOURCE_KEYS = ("dataset_name", "dataset_config", "input_key", "output_key") + tuple(k for p in PROMPT_KEYS for k in p)
+
+
+def _source(cfg: DataConfig, src, side: str, key: str) -> Source:
+    """A `grpo.config.DataSource` of ``side`` as a `Source`: what it gives over ``cfg``'s fields."""
+    given = src.model_fields_set
+    update: dict[str, Any] = {k: getattr(src, k) for k in SOURCE_KEYS if k in given}
+    for pair in PROMPT_KEYS:  # a source's prompt_file replaces data.prompt_template too (one template)
+        for k, other in (pair, pair[::-1]):
+            if k in given and other not in given:
+                update[other] = None
+    if "split" in given:
+        update[f"{side}_split"] = src.split
+    if "num_samples" in given:
+        update["num_train_samples" if side == "train" else "num_val_samples"] = src.num_samples
+    update.update(train_data_path=None, val_data_path=None, train_sources=[], val_sources=[])
+    name = update.get("dataset_name", cfg.dataset_name)
+    if side == "val" and dataset_task(name) is None:  # a file or hub name read as it is, not as a dataset's val split
+        update["val_data_path"] = name
+    split_size = src.split_validation_size if "split_validation_size" in given else cfg.split_validation_size
+    split_seed = src.split_validation_seed if "split_validation_seed" in given else cfg.split_validation_seed
+    repeat = src.repeat if "repeat" in given else (cfg.val_repeat if side == "val" else 1)
+    return Source(key, cfg.model_copy(update=update), src.task_name, repeat, split_size or 0, split_seed,
+                  own_prompts=any(k in given for pair in PROMPT_KEYS for k in pair))
+
+
+def training_sources(cfg: DataConfig) -> list[Source]:
+    """``data.train_sources``, or the one source of data.dataset_name / train_data_path."""
+    if not cfg.train_sources:
+        return [Source("data", cfg, split_size=cfg.split_validation_size, split_seed=cfg.split_validation_seed)]
+    return [_source(cfg, s, "train", f"data.train_sources.{i}") for i, s in enumerate(cfg.train_sources)]
+
+
+def validation_sources(cfg: DataConfig) -> list[Source]:
+    """``data.val_sources``, or data.val_data_path as one source, or none."""
+    if cfg.val_sources:
+        return [_source(cfg, s, "val", f"data.val_sources.{i}") for i, s in enumerate(cfg.val_sources)]
+    return [Source("data", cfg, repeat=cfg.val_repeat)] if cfg.val_data_path else []
+
+
+def _read(src: Source, split: str, seed: int) -> Rows:
+    if src.key == "data":
+        return _load_rows(src.cfg, split, seed)
+    try:
+        return _load_rows(src.cfg, split, seed)
+    except DataError as err:
+        raise DataError(f"{src.key}: {err}") from None
+
+
+def _hold_out(src: Source, rows: Rows, seed: int) -> tuple[list[Row], list[Row]]:
+    """(training rows, held-out rows): ``split_size`` of ``rows`` (a share < 1, rounded up, or a count), drawn
+    with the source's split seed (else ``seed``); both in their order in ``rows``."""
+    size = src.split_size
     n_val = int(size) if size >= 1 else math.ceil(size * len(rows))
     if not 0 < n_val < len(rows):
-        raise DataError(f"data.split_validation_size={size}: {n_val} of the {len(rows)} training rows would be held "
-                        "out for validation; expected at least one row on each side")
+        raise DataError(f"{src.key}.split_validation_size={size}: {n_val} of the {len(rows)} training rows would be "
+                        "held out for validation; expected at least one row on each side")
     order = list(range(len(rows)))
-    random.Random(seed if cfg.split_validation_seed is None else cfg.split_validation_seed).shuffle(order)
+    random.Random(seed if src.split_seed is None else src.split_seed).shuffle(order)
     held_out = set(order[:n_val])
-    if split == "val":
-        picked = [rows[i] for i in sorted(held_out) for _ in range(cfg.val_repeat)]
-    else:
-        picked = [r for i, r in enumerate(rows) if i not in held_out]
-    report = LoadReport(source=rows.report.source, num_rows=len(picked), num_skipped=rows.report.num_skipped,
-                        skipped=rows.report.skipped)
-    return Rows(picked, report)
+    return [r for i, r in enumerate(rows) if i not in held_out], [rows[i] for i in sorted(held_out)]
+
+
+def _concat(parts: list[tuple[Source, list[Row], int, str]], task_key: str) -> Rows:
+    """The parts' rows in order, each row ``repeat`` times in a row, tagged with its source's task; ``spans``
+    say which rows take a source's own prompts."""
+    out: list[Row] = []
+    spans: list[tuple[int, int, DataConfig]] = []
+    report = LoadReport(source=", ".join(dict.fromkeys(_name(src, split) for src, _, _, split in parts)))
+    for src, rows, repeat, split in parts:
+        start = len(out)
+        task = src.task_name
+        for row in rows:
+            if task is not None:
+                row = {**row, "meta": {**(row.get("meta") or {}), task_key: task}}
+            out.extend([row] * repeat)
+        if src.own_prompts:
+            spans.append((start, len(out), src.cfg))
+        if isinstance(rows, Rows):
+            report.num_skipped += rows.report.num_skipped
+            report.skipped += rows.report.skipped[:LoadReport.MAX_MESSAGES - len(report.skipped)]
+        if len(parts) > 1:
+            logger.info("%s: %d %s rows from %s%s", src.key, len(out) - start, split, _name(src, split),
+                        f" (task {task})" if task else "")
+    report.num_rows = len(out)
+    return Rows(out, report, spans)
+
+
+def _name(src: Source, split: str) -> str:
+    return (src.cfg.train_data_path if split == "train" else src.cfg.val_data_path) or src.cfg.dataset_name
 
 
 def _load_rows(cfg: DataConfig, split: str, seed: int) -> Rows:
@@ -402,21 +499,33 @@ class PromptFormatter:
                  chat_template_kwargs: dict | None = None):
         from grpo.system.chat import ChatFormat, ChatFormatError
 
-        if cfg.prompt_file and cfg.prompt_template:
-            raise DataError("data.prompt_file and data.prompt_template are both set: keep one")
-        if cfg.system_prompt_file and cfg.system_prompt:
-            raise DataError("data.system_prompt_file and data.system_prompt are both set: keep one")
         self.tokenizer = tokenizer
-        self.template = _read_text(cfg.prompt_file, "prompt_file") if cfg.prompt_file else cfg.prompt_template
-        self.system_prompt = (
-            _read_text(cfg.system_prompt_file, "system_prompt_file") if cfg.system_prompt_file else cfg.system_prompt
-        )
         self.chat_template = chat_template
         try:
             self.chat = ChatFormat(tokenizer, chat_template, tools, chat_template_kwargs)
         except ChatFormatError as err:
             raise DataError(str(err)) from err
+        self._set_prompts(cfg)
+
+    def _set_prompts(self, cfg: DataConfig) -> None:
+        if cfg.prompt_file and cfg.prompt_template:
+            raise DataError("data.prompt_file and data.prompt_template are both set: keep one")
+        if cfg.system_prompt_file and cfg.system_prompt:
+            raise DataError("data.system_prompt_file and data.system_prompt are both set: keep one")
+        self.template = _read_text(cfg.prompt_file, "prompt_file") if cfg.prompt_file else cfg.prompt_template
+        self.system_prompt = (
+            _read_text(cfg.system_prompt_file, "system_prompt_file") if cfg.system_prompt_file else cfg.system_prompt
+        )
         self._check_template()
+
+    def with_prompts(self, cfg: DataConfig) -> "PromptFormatter":
+        """This formatter (same tokenizer and chat template) with ``cfg``'s prompt template and system prompt: a
+        source of ``data.train_sources`` / ``val_sources`` with prompts of its own."""
+        import copy
+
+        other = copy.copy(self)
+        other._set_prompts(cfg)
+        return other
 
     def _check_template(self) -> None:
         marker = "\x00QUESTION\x00"
@@ -485,12 +594,15 @@ class PromptDataset(Dataset):
                  max_total_sequence_length: int | None = None, on_bad_row: str = "error"):
         self.items: list[PromptRow] = []
         self.num_filtered = self.num_too_long = 0
+        formatters = [formatter] * len(rows)  # a source with prompts of its own (`Rows.spans`) formats its rows
+        for start, stop, cfg in getattr(rows, "spans", []):
+            formatters[start:stop] = [formatter.with_prompts(cfg)] * (stop - start)
         for index, row in enumerate(rows):
             task = str((row.get("meta") or {}).get(task_key, default_task))
             if tasks is not None and task not in tasks:
                 raise DataError(f"{row.get('source', f'row {index}')}: {task_key}={task!r} has no environment "
                                 f"(known tasks: {sorted(tasks)}; add it to env.tasks)")
-            messages = formatter.prompt_messages(row["question"])
+            messages = formatters[index].prompt_messages(row["question"])
             ids = [t for m in messages for t in m["token_ids"]]
             if max_input_seq_length is not None and len(ids) > max_input_seq_length:
                 self.num_filtered += 1
