@@ -14,10 +14,11 @@ LOG = math.log
 
 
 # ----------------------------------------------------------------------------------------------
-# NeMo-RL 7ea279a, nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn.__call__ (l. 296-790), transcribed
-# for what these two options touch: the token-level ratio and its clamp (l. 493-508), CISPO's clip_loss (l. 545-546),
-# dual clip (l. 553-560), token-level IS weights with tis / icepop (l. 580-637), the token- / sequence-level
-# reduction (l. 647-663), VAPO's NLL (l. 719-735) and the metrics probs_ratio(_clamped), positive_nll_loss.
+# NeMo-RL 7ea279a, nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn.__call__ (l. 374-790), transcribed
+# for what these two options touch: the token-level ratio and its clamp (l. 526-541), CISPO's clip_loss (l. 545-546),
+# dual clip (l. 553-560), token-level IS weights with tis / icepop (l. 577-636), the token- / sequence-level
+# reduction (l. 673-693), VAPO's NLL (l. 719-735) and the metrics probs_ratio(_clamped), positive_nll_loss
+# (l. 736-786).
 # No KL term (beta = 0). nemo_rl.algorithms.utils.masked_mean: Σ values·mask / (normaliser + 1e-8).
 # ----------------------------------------------------------------------------------------------
 def _nrl_masked_mean(values, mask, dim=None, global_normalization_factor=None):
