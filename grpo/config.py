@@ -653,6 +653,14 @@ class EnvSpec(_Section):
     num_workers: int = Field(2, gt=0, description="Reward worker processes (math, reasoning_gym, function).")
     timeout_s: float = Field(
         10.0, gt=0, description="Seconds a reward may take before its sample scores 0 (counted as a timeout).")
+    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = Field("hf_math_verify", description=(
+        "env.name=math: the verifier (NeMo-RL's env.math.math_verify_impl). hf_math_verify: math-verify, symbolic "
+        "equivalence of the final answer; dapo_math_verify: DAPO's, the last 'Answer: ...' line in the "
+        "completion's last 300 characters must equal the gold answer as a string after DAPO's normalisation."))
+    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = Field("hf_math_verify", description=(
+        "env.name=math: the verifier (NeMo-RL's env.math.math_verify_impl). hf_math_verify: math-verify, symbolic "
+        "equivalence of the final answer; dapo_math_verify: DAPO's, the last 'Answer: ...' line in the "
+        "completion's last 300 characters must equal the gold answer as a string after DAPO's normalisation."))
     tools: list[str] = Field(default_factory=list, description=(
         "env.name=tools: package.module:function of each tool (typed, documented; grpo.system.sandbox:python runs "
         "code in a sandbox)."))
@@ -673,6 +681,12 @@ class EnvSpec(_Section):
         if self.name == "tools" and (not self.tools or not self.reward_fn):
             raise ValueError(f"env.name='tools' needs env.tools (got {self.tools!r}) and env.reward_fn, the verifier "
                              f"of the final answer (got {self.reward_fn!r})")
+        if self.math_verify_impl != "hf_math_verify" and self.name != "math":
+            raise ValueError(f"env.math_verify_impl={self.math_verify_impl!r} picks the verifier of env.name='math' "
+                             f"(got env.name={self.name!r}): remove it")
+        if self.math_verify_impl != "hf_math_verify" and self.name != "math":
+            raise ValueError(f"env.math_verify_impl={self.math_verify_impl!r} picks the verifier of env.name='math' "
+                             f"(got env.name={self.name!r}): remove it")
         if self.name == "class" and (not self.env_class or ":" not in self.env_class):
             raise ValueError(f"env.env_class={self.env_class!r}: expected 'package.module:ClassName' when "
                              "env.name='class'")

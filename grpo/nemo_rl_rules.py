@@ -718,11 +718,14 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
         return
     if not isinstance(section, dict):
         section = {}
-    impl = section.get("math_verify_impl", "hf_math_verify")
-    if impl not in (None, "hf_math_verify"):
-        w.refuse(f"env.{env_name}.math_verify_impl", f"{impl} is another verifier (DAPO's string match of the answer "
-                 "line); grpo-ds scores with math-verify (hf_math_verify): override "
-                 f"env.{env_name}.math_verify_impl=hf_math_verify to accept that")
+    impl = section.get("math_verify_impl", "hf_math_verify")  # read by NeMo-RL's HFVerifyWorker.verify
+    if impl == "dapo_math_verify" and w.out["env"]["name"] == "math":
+        w.translate(f"env.{env_name}.math_verify_impl", {"env.math_verify_impl": impl},
+                    "DAPO's verifier: the last 'Answer:' line, normalised, equals the gold (grpo.tasks.math)")
+    elif impl != "hf_math_verify":
+        w.refuse(f"env.{env_name}.math_verify_impl", "grpo-ds's math task has the verifiers hf_math_verify and "
+                 "dapo_math_verify (NeMo-RL's too: for any other value, null included, its verifier raises and "
+                 "every sample scores 0)")
     w.take(f"env.{env_name}.math_verify_impl")
     if "num_workers" in section:
         w.translate(f"env.{env_name}.num_workers", {"env.num_workers": int(section["num_workers"])})
@@ -731,7 +734,8 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
             w.refuse(f"env.{env_name}.{k}", "a math-environment key grpo-ds does not translate")
     w.take(f"env.{env_name}")
     w.table.append(("translated", f"env.{env_name}", "-> env.name=" + repr(w.out["env"]["name"]) +
-                    (" (math-verify, as NeMo-RL's hf_math_verify)" if w.out["env"]["name"] == "math" else "")))
+                    (f" ({'DAPO' if impl == 'dapo_math_verify' else 'math-verify'}, as NeMo-RL's {impl})"
+                     if w.out["env"]["name"] == "math" else "")))
     for name in env:
         if f"env.{name}" not in " ".join(w.errors):
             w.ignore(f"env.{name}", f"not the data's env_name ({env_name}): unused, as in NeMo-RL")
@@ -766,6 +770,20 @@ def _grpo(w: Walk) -> None:
         else:
             w.ignore("grpo.async_grpo", "async_grpo.enabled=false: the asynchronous loop's settings are unused (as "
                      "in NeMo-RL)")
+    # Stale keys of NeMo-Gym recipes (examples/nemo_gym): NeMo-RL's GRPOConfig (extra="allow") accepts them and no
+    # code at 7ea279a reads them; its message-level penalties are grpo.*_advantage alone (grpo.py:1945-1963).
+    for key, instead in (("penalize_invalid_tool_call", "invalid_tool_call_advantage"),
+                         ("invalid_tool_call_strategy", "invalid_tool_call_advantage"),
+                         ("penalize_malformed_thinking", "malformed_thinking_advantage")):
+        w.ignore(f"grpo.{key}", f"NeMo-RL reads no such key (a stale key of NeMo-Gym recipes: no code at 7ea279a "
+                 f"reads it); the penalty it names is grpo.{instead} alone, set or null")
+    # Stale keys of NeMo-Gym recipes (examples/nemo_gym): NeMo-RL's GRPOConfig (extra="allow") accepts them and no
+    # code at 7ea279a reads them; its message-level penalties are grpo.*_advantage alone (grpo.py:1945-1963).
+    for key, instead in (("penalize_invalid_tool_call", "invalid_tool_call_advantage"),
+                         ("invalid_tool_call_strategy", "invalid_tool_call_advantage"),
+                         ("penalize_malformed_thinking", "malformed_thinking_advantage")):
+        w.ignore(f"grpo.{key}", f"NeMo-RL reads no such key (a stale key of NeMo-Gym recipes: no code at 7ea279a "
+                 f"reads it); the penalty it names is grpo.{instead} alone, set or null")
     period = w.get("grpo.val_period")
     if isinstance(period, int) and period < 0:
         w.translate("grpo.val_period", {"grpo.val_period": 0}, "NeMo-RL validates periodically only for val_period > 0")

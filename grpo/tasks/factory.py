@@ -79,6 +79,8 @@ def build_environment(spec, data_cfg=None, key: str = "env") -> Environment:
     if task.environment is not None:
         return load(task.environment)(**spec.kwargs)
     fn_spec, in_workers = task.reward_fn, task.reward_in_workers
+    if spec.name == "math" and spec.math_verify_impl == "dapo_math_verify":  # NeMo-RL's math_verify_impl
+        fn_spec = "grpo.tasks.math:dapo_math_reward"
     return RewardEnvironment(fn_spec, in_process=not in_workers, num_workers=spec.num_workers,
                              timeout_s=spec.timeout_s)
 

@@ -282,7 +282,7 @@ def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
      ISSUE_22),
     (["++env.reward_model={model_name: rm}"], "env.reward_model", "reward-model environment"),
     (["++env.nemo_gym={x: 1}"], "env.nemo_gym", "NeMo-Gym"),
-    (["env.math.math_verify_impl=dapo_math_verify"], "env.math.math_verify_impl", "another verifier"),
+    (["env.math.math_verify_impl=sympy"], "env.math.math_verify_impl", "hf_math_verify and dapo_math_verify"),
     (["data.default.env_name=code"], "data.default.env_name", "code-execution"),
     (["data.train.dataset_name=NemoGymDataset"], "data.train.dataset_name", "NemoGymDataset"),
     (["data.train=[{dataset_name: DeepScaler}, {dataset_name: DAPOMath17K}]"], "data.train", "several datasets"),
@@ -370,3 +370,34 @@ def test_check_config_imports_no_torch():
     p = subprocess.run([sys.executable, "-c", code, "--config", str(BASE), "--check-config"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert "EXIT 0 False False" in p.stderr, p.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# env.<math|dapo>.math_verify_impl and the NeMo-Gym tool-call keys of grpo
+# --------------------------------------------------------------------------------------------------
+def test_math_verify_impl_dapo_is_translated_and_hf_is_the_default():
+    cfg, rows = load_recipe(BASE)
+    assert cfg.env.name == "math" and cfg.env.math_verify_impl == "hf_math_verify"
+    assert "as NeMo-RL's hf_math_verify" in table_of(rows, "translated")["env.math"]
+    cfg, rows = load_recipe(BASE, ["env.math.math_verify_impl=dapo_math_verify"])
+    assert cfg.env.name == "math" and cfg.env.math_verify_impl == "dapo_math_verify"
+    translated = table_of(rows, "translated")
+    assert "env.math_verify_impl='dapo_math_verify'" in translated["env.math.math_verify_impl"]
+    assert "as NeMo-RL's dapo_math_verify" in translated["env.math"]
+
+
+def test_math_verify_impl_null_is_refused():
+    # NeMo-RL passes null on to HFVerifyWorker.verify, which raises on it: every sample would score 0 there
+    with pytest.raises(ConfigError, match=r"env.math.math_verify_impl=None: .*null included"):
+        load_recipe(BASE, ["env.math.math_verify_impl=null"])
+
+
+@pytest.mark.parametrize("override, key, instead", [
+    ("++grpo.penalize_invalid_tool_call=true", "grpo.penalize_invalid_tool_call", "invalid_tool_call_advantage"),
+    ("++grpo.invalid_tool_call_strategy=mask", "grpo.invalid_tool_call_strategy", "invalid_tool_call_advantage"),
+    ("++grpo.penalize_malformed_thinking=true", "grpo.penalize_malformed_thinking", "malformed_thinking_advantage"),
+])
+def test_stale_nemo_gym_tool_call_keys_are_ignored(override, key, instead):
+    cfg, rows = load_recipe(BASE, [override])
+    assert "NeMo-RL reads no such key" in table_of(rows, "ignored")[key] and instead in table_of(rows, "ignored")[key]
+    assert cfg.grpo.invalid_tool_call_advantage is None and cfg.grpo.malformed_thinking_advantage is None
