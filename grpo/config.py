@@ -416,7 +416,7 @@ class SchedulerConfig(_Section):
 VLLM_KWARGS_SET_BY_GRPO = frozenset({
     "model", "tokenizer", "dtype", "trust_remote_code", "seed", "tensor_parallel_size", "max_model_len",
     "enforce_eager", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory_bytes", "enable_sleep_mode",
-    "logprobs_mode", "generation_config", "distributed_executor_backend"})
+    "logprobs_mode", "generation_config", "distributed_executor_backend", "hf_overrides"})
 
 
 class VllmConfig(_Section):
@@ -506,6 +506,12 @@ class PolicyConfig(_Section):
         False, description="Recompute activations in backward (saves memory, costs a forward).")
     trust_remote_code: bool = Field(
         False, description="Allow model code from the checkpoint (transformers' trust_remote_code).")
+    hf_config_overrides: dict[str, Any] = Field(default_factory=dict, description=(
+        "Changes to the checkpoint's model config for every copy of the policy (training, reference, generation, "
+        "vLLM's hf_overrides; NeMo-RL's hf_config_overrides), e.g. {rope_scaling: {rope_type: yarn, factor: 4, "
+        "original_max_position_embeddings: 32768}}. A dict into a sub-config (text_config) updates its keys, "
+        "any other value replaces the attribute; a key the config does not have is an error "
+        "(grpo/system/model_config.py)."))
     logprob_chunk_size: Optional[int] = Field(
         None, gt=0, description="Rows per chunk of the logprob computation (null: 2^24 / vocabulary size).")
     shared_prompt_forward: Literal["auto", True, False] = Field("auto", description=(
@@ -657,10 +663,6 @@ class EnvSpec(_Section):
         "env.name=math: the verifier (NeMo-RL's env.math.math_verify_impl). hf_math_verify: math-verify, symbolic "
         "equivalence of the final answer; dapo_math_verify: DAPO's, the last 'Answer: ...' line in the "
         "completion's last 300 characters must equal the gold answer as a string after DAPO's normalisation."))
-    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = Field("hf_math_verify", description=(
-        "env.name=math: the verifier (NeMo-RL's env.math.math_verify_impl). hf_math_verify: math-verify, symbolic "
-        "equivalence of the final answer; dapo_math_verify: DAPO's, the last 'Answer: ...' line in the "
-        "completion's last 300 characters must equal the gold answer as a string after DAPO's normalisation."))
     tools: list[str] = Field(default_factory=list, description=(
         "env.name=tools: package.module:function of each tool (typed, documented; grpo.system.sandbox:python runs "
         "code in a sandbox)."))
@@ -681,9 +683,6 @@ class EnvSpec(_Section):
         if self.name == "tools" and (not self.tools or not self.reward_fn):
             raise ValueError(f"env.name='tools' needs env.tools (got {self.tools!r}) and env.reward_fn, the verifier "
                              f"of the final answer (got {self.reward_fn!r})")
-        if self.math_verify_impl != "hf_math_verify" and self.name != "math":
-            raise ValueError(f"env.math_verify_impl={self.math_verify_impl!r} picks the verifier of env.name='math' "
-                             f"(got env.name={self.name!r}): remove it")
         if self.math_verify_impl != "hf_math_verify" and self.name != "math":
             raise ValueError(f"env.math_verify_impl={self.math_verify_impl!r} picks the verifier of env.name='math' "
                              f"(got env.name={self.name!r}): remove it")
