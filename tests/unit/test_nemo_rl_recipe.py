@@ -301,6 +301,23 @@ def test_refused_keys_name_the_key_and_why(overrides, key, reason):
     assert line is not None and reason in line, str(err.value)
 
 
+def test_chat_template_kwargs_and_hf_config_overrides_are_honored():
+    """Copied as they are: grpo.system.chat passes the kwargs to every rendering, grpo.system.model_config applies
+    the overrides to every copy of the policy (tests/unit/test_chat_template_kwargs.py, test_hf_config_overrides.py)."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1000000, "factor": 2.0, "original_max_position_embeddings": 131072}
+    cfg, _ = load_recipe(BASE, ["policy.tokenizer.chat_template_kwargs={enable_thinking: true}",
+                                "policy.hf_config_overrides={rope_scaling: {rope_type: yarn, rope_theta: 1000000, "
+                                "factor: 2.0, original_max_position_embeddings: 131072}, max_position_embeddings: 9}",
+                                "++policy.hf_config_overrides.text_config={router_aux_loss_coef: 0.0}"])
+    assert cfg.policy.tokenizer.chat_template_kwargs == {"enable_thinking": True}
+    assert cfg.policy.hf_config_overrides == {"rope_scaling": yarn, "max_position_embeddings": 9,
+                                              "text_config": {"router_aux_loss_coef": 0.0}}
+    cfg, _ = load_recipe(BASE, [])  # chat_template_kwargs: null, hf_config_overrides: {}
+    assert cfg.policy.tokenizer.chat_template_kwargs is None and cfg.policy.hf_config_overrides == {}
+    with pytest.raises(ConfigError, match="chat_template_kwargs: \\['add_generation_prompt'\\] are set by grpo-ds"):
+        load_recipe(BASE, ["policy.tokenizer.chat_template_kwargs={add_generation_prompt: false}"])
+
+
 def test_every_refusal_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
         load_recipe(BASE, ["++env.nemo_gym={x: 1}", "policy.draft.enabled=true"])
