@@ -416,7 +416,7 @@ class SchedulerConfig(_Section):
 VLLM_KWARGS_SET_BY_GRPO = frozenset({
     "model", "tokenizer", "dtype", "trust_remote_code", "seed", "tensor_parallel_size", "max_model_len",
     "enforce_eager", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory_bytes", "enable_sleep_mode",
-    "logprobs_mode", "generation_config", "distributed_executor_backend"})
+    "logprobs_mode", "generation_config", "distributed_executor_backend", "hf_overrides"})
 
 
 class VllmConfig(_Section):
@@ -506,6 +506,12 @@ class PolicyConfig(_Section):
         False, description="Recompute activations in backward (saves memory, costs a forward).")
     trust_remote_code: bool = Field(
         False, description="Allow model code from the checkpoint (transformers' trust_remote_code).")
+    hf_config_overrides: dict[str, Any] = Field(default_factory=dict, description=(
+        "Changes to the checkpoint's model config for every copy of the policy (training, reference, generation, "
+        "vLLM's hf_overrides; NeMo-RL's hf_config_overrides), e.g. {rope_scaling: {rope_type: yarn, factor: 4, "
+        "original_max_position_embeddings: 32768}}. A dict into a sub-config (text_config) updates its keys, "
+        "any other value replaces the attribute; a key the config does not have is an error "
+        "(grpo/system/model_config.py)."))
     logprob_chunk_size: Optional[int] = Field(
         None, gt=0, description="Rows per chunk of the logprob computation (null: 2^24 / vocabulary size).")
     shared_prompt_forward: Literal["auto", True, False] = Field("auto", description=(

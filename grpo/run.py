@@ -248,7 +248,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     teacher = None
     if cfg.on_policy_distillation.enabled:  # a frozen ZeRO-3 teacher sharing the policy's tokenizer
         name = resolve_model_name(cfg.on_policy_distillation.teacher_model_name, rank)
-        teacher = engines.build_reference_engine(cfg.policy.model_copy(update={"model_name": name}), world_size)
+        # The teacher is another checkpoint: its config as is (policy.hf_config_overrides is the policy's).
+        teacher = engines.build_reference_engine(
+            cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}), world_size)
     ckpt = CheckpointManager(cfg.checkpointing, rank)
 
     if (gap := overflow_check_gap(policy)) is not None:

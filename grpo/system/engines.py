@@ -110,18 +110,21 @@ def lr_lambda(step: int, *, name: str, warmup_steps: int, total_steps: int, min_
 # Engines
 # --------------------------------------------------------------------------------------------------
 def _load_model(policy, ds_config: dict):
-    """``from_pretrained``; under ZeRO-3 a live HfDeepSpeedConfig makes it load straight into
-    partitioned parameters (no rank ever holds the whole model). It is dropped right after, so later
-    plain models (the generation copy) are not partitioned."""
+    """``from_pretrained`` (the config with ``policy.hf_config_overrides``: `grpo.system.model_config`); under
+    ZeRO-3 a live HfDeepSpeedConfig makes it load straight into partitioned parameters (no rank ever holds the
+    whole model). It is dropped right after, so later plain models (the generation copy) are not partitioned."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from grpo.system.model_config import load_model_config
 
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     live = HfDeepSpeedConfig(ds_config) if zero3 else None
     try:
         return AutoModelForCausalLM.from_pretrained(
-            policy.model_name, dtype=DTYPES[policy.precision], trust_remote_code=policy.trust_remote_code
+            policy.model_name, config=load_model_config(policy), dtype=DTYPES[policy.precision],
+            trust_remote_code=policy.trust_remote_code
         )
     finally:
         del live
@@ -129,9 +132,9 @@ def _load_model(policy, ds_config: dict):
 
 
 def _hidden_size(policy) -> int | None:
-    from transformers import AutoConfig
+    from grpo.system.model_config import load_model_config
 
-    mc = AutoConfig.from_pretrained(policy.model_name, trust_remote_code=policy.trust_remote_code)
+    mc = load_model_config(policy)
     return getattr(mc.get_text_config(), "hidden_size", None)
 
 
@@ -258,16 +261,17 @@ def build_reference_engine(cfg, world_size: int, device: torch.device | None = N
     """The frozen reference (or, with its ``model_name``, a teacher): a `FrozenModel` or a ZeRO-3 inference
     engine (``policy.reference_deepspeed_config``, no optimizer), per `reference_placement`."""
     import deepspeed
-    from transformers import AutoConfig
+
+    from grpo.system.model_config import load_model_config
 
     policy = _policy(cfg)
     device = device or comm_device()
-    mc = AutoConfig.from_pretrained(policy.model_name, trust_remote_code=policy.trust_remote_code)
+    mc = load_model_config(policy)  # with policy.hf_config_overrides, as the policy's
     placement = reference_placement(policy, world_size, _num_params(mc), free_device_bytes(device))
     if placement == "plain":
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(policy.model_name, dtype=DTYPES[policy.precision],
+        model = AutoModelForCausalLM.from_pretrained(policy.model_name, config=mc, dtype=DTYPES[policy.precision],
                                                      trust_remote_code=policy.trust_remote_code)
         return FrozenModel(model, device)
     ds_config = build_ds_config(policy.reference_deepspeed_config, policy, world_size, for_training=False,

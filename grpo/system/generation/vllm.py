@@ -273,9 +273,9 @@ class VllmGeneration:
 
         model = resolve_model_name(cfg.policy.model_name, self.rank)
         tok_path = cfg.policy.tokenizer.name or model
-        from transformers import AutoConfig
+        from grpo.system.model_config import load_model_config, vllm_hf_overrides
 
-        model_cfg = AutoConfig.from_pretrained(model, trust_remote_code=cfg.policy.trust_remote_code)
+        model_cfg = load_model_config(cfg.policy, model)  # with policy.hf_config_overrides, as the trainer's
         self._model_eos = getattr(model_cfg, "eos_token_id", None)
         # Read by vLLM at import and engine construction: the engine runs in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -290,7 +290,8 @@ class VllmGeneration:
             if not self.sleep_mode:
                 logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropCpuSleepWarnings())
             kw = llm_kwargs(cfg, model=model, tokenizer=tok_path, rank=self.rank, world_size=self.world_size,
-                            on_cpu=not torch.cuda.is_available(), sleep_mode_available=self.sleep_mode)
+                            on_cpu=not torch.cuda.is_available(), sleep_mode_available=self.sleep_mode,
+                            hf_overrides=vllm_hf_overrides(model_cfg, cfg.policy.hf_config_overrides))
             check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
             self.llm = LLM(**kw)
         # vLLM's EngineCore (and its GPU worker after warm-up) calls gc.freeze() to keep a server's start-up heap

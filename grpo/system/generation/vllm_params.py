@@ -21,7 +21,7 @@ PARAMS_NOT_LOADED = "weights were not loaded from checkpoint"
 
 
 def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, on_cpu: bool,
-               sleep_mode_available: bool) -> dict:
+               sleep_mode_available: bool, hf_overrides: dict | None = None) -> dict:
     """Keyword arguments of ``vllm.LLM`` for this rank.
 
     - seed = grpo.seed + rank // tensor_parallel_size (the ranks of one TP group must agree; every
@@ -31,6 +31,8 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     - ``distributed_executor_backend="external_launcher"`` when world_size > 1 (one engine per rank in
       the trainer's process group); sleep mode only where the platform has it (GPUs);
     - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from;
+    - ``hf_overrides``: the model config's changes (``policy.hf_config_overrides`` as
+      `grpo.system.model_config.vllm_hf_overrides` resolves them), when there are any;
     - then ``vllm_cfg.vllm_kwargs`` (keys the above does not set).
     """
     p, v = cfg.policy, cfg.policy.generation.vllm_cfg
@@ -56,6 +58,8 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     )
     if world_size > 1:
         kw["distributed_executor_backend"] = "external_launcher"
+    if hf_overrides:
+        kw["hf_overrides"] = hf_overrides
     return {**kw, **v.vllm_kwargs}  # the config refuses a key set above (VllmConfig.vllm_kwargs)
 
 
