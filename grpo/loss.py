@@ -27,19 +27,26 @@ def calculate_kl(
     kl_type: str = "k3",
     input_clamp: Optional[float] = 20.0,
     output_clamp: Optional[float] = 10.0,
+    importance_weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Per-token estimate of KL(π || π_ref) (http://joschu.net/blog/kl-approx.html).
+    """Per-token estimate of KL(π || π_ref) (http://joschu.net/blog/kl-approx.html), as NeMo-RL's
+    ``calculate_kl`` (nemo_rl/algorithms/utils.py):
 
         logr = clamp(ref − logprobs, ±input_clamp)
         k1 = −logr      k2 = logr² / 2      k3 = exp(logr) − 1 − logr
-        result clamped to ±output_clamp (a None clamp is skipped)
+        result = clamp(w · k, ±output_clamp)   (a None clamp is skipped; w = importance_weights, default 1)
+
+    Where the input clamp bites, w is detached: the clamp stops the gradient through both the KL and w.
 
         >>> calculate_kl(torch.tensor([0.0]), torch.tensor([-1.0]))   # e^-1 - 1 + 1
         tensor([0.3679])
     """
     logr = ref_logprobs - logprobs
     if input_clamp is not None:
-        logr = logr.clamp(min=-input_clamp, max=input_clamp)
+        clamped = logr.clamp(min=-input_clamp, max=input_clamp)
+        if importance_weights is not None:
+            importance_weights = torch.where(logr == clamped, importance_weights, importance_weights.detach())
+        logr = clamped
     if kl_type == "k1":
         kl = -logr
     elif kl_type == "k2":
@@ -48,9 +55,33 @@ def calculate_kl(
         kl = torch.exp(logr) - 1 - logr
     else:
         raise ValueError(f"loss_fn.reference_policy_kl_type={kl_type!r}: expected one of ['k1', 'k2', 'k3']")
+    if importance_weights is not None:
+        kl = importance_weights * kl
     if output_clamp is not None:
         kl = kl.clamp(min=-output_clamp, max=output_clamp)
     return kl
+
+
+def kl_sampling_weights(lp_u: torch.Tensor, gen: Optional[torch.Tensor], on_policy_approximation: bool) -> torch.Tensor:
+    """The weight of the per-token KL, as NeMo-RL (loss_functions.py, "fix: KL backward in GRPO", #2506):
+
+        w = exp(lp_u − gen)          with use_on_policy_kl_approximation (the KL's samples come from π_gen)
+        w = exp(lp_u − sg(lp_u))     otherwise: 1 in value, ∇w = ∇lp_u
+
+    Not detached: the KL's samples are drawn from the policy being optimised, so its gradient keeps the
+    score-function term KL · ∇lp_u (https://arxiv.org/abs/2506.09477). Non-finite weights become 0.
+
+        >>> lp = torch.tensor([-1.0], requires_grad=True)
+        >>> w = kl_sampling_weights(lp, None, False); w.backward(); (w.item(), lp.grad.item())
+        (1.0, 1.0)
+    """
+    if on_policy_approximation:
+        if gen is None:
+            raise ValueError("loss_fn.use_on_policy_kl_approximation=true needs generation_logprobs")
+        w = torch.exp(lp_u - gen)
+    else:
+        w = torch.exp(lp_u - lp_u.detach())
+    return torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def masked_mean(
@@ -233,7 +264,7 @@ def clipped_pg_loss(
         r   = policy_ratio(...)                      L_t = clipped_objective(r, clamp(r), A)
                                                      (use_cispo: L_t = cispo_objective(clamp(r), A, lp))
         w   = importance_weights(...) if use_importance_sampling_correction else 1
-        KL  = calculate_kl(lp_u, ref)  [· exp(lp_u − gen) detached, if use_on_policy_kl_approximation]
+        KL  = calculate_kl(lp_u, ref, importance_weights=kl_sampling_weights(lp_u, gen, ...))
         loss = aggregate(w·L) + β·aggregate(KL) + μ·positive_example_nll(lp, m, rewards, global_correct_tokens)
         β = reference_policy_kl_penalty (0 if use_kl_in_reward),  μ = positive_example_nll_weight
 
@@ -327,11 +358,8 @@ def clipped_pg_loss(
             raise ValueError(f"loss_fn.reference_policy_kl_penalty={beta} needs ref_logprobs")
         lp_u = lp if unfiltered_logprobs is None else clean(unfiltered_logprobs)
         kl_bt = calculate_kl(lp_u, clean(ref_logprobs), cfg.reference_policy_kl_type,
-                             cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
-        if cfg.use_on_policy_kl_approximation:
-            if gen is None:
-                raise ValueError("loss_fn.use_on_policy_kl_approximation=true needs generation_logprobs")
-            kl_bt = torch.nan_to_num(torch.exp(lp_u - gen).detach(), nan=0.0, posinf=0.0, neginf=0.0) * kl_bt
+                             cfg.kl_input_clamp_value, cfg.kl_output_clamp_value,
+                             importance_weights=kl_sampling_weights(lp_u, gen, cfg.use_on_policy_kl_approximation))
         loss = loss + beta * agg(kl_bt)
         with torch.no_grad():  # this micro-batch's own KL (local normalisers), for logging
             kl_value = aggregate_loss(kl_bt, token_mask, sample_mask, cfg.token_level_loss).item()

@@ -139,7 +139,8 @@ def test_kl_penalty_token_level():
     loss, m, grad = _loss([[0.0, 0.0]], [[0.0, 0.0]], [[0.0, 0.0]], cfg, ref_logprobs=torch.tensor([[-1.0, -3.0]]))
     torch.testing.assert_close(loss, torch.tensor(0.5 * 2.0))  # k1 = lp - ref = [1, 3], mean 2
     assert m["kl_penalty"] == pytest.approx(2.0)
-    torch.testing.assert_close(grad, torch.tensor([[0.25, 0.25]]))
+    # NeMo-RL's KL gradient (#2506) keeps the score-function term: d(w·k1)/dlp = 1 + k1 with w = exp(lp - sg(lp)).
+    torch.testing.assert_close(grad, torch.tensor([[0.5 * (1 + 1) / 2, 0.5 * (1 + 3) / 2]]))
     # A global normaliser (this micro-batch is half the step) scales the loss, not the logged KL.
     loss_g, m_g, _ = _loss([[0.0, 0.0]], [[0.0, 0.0]], [[0.0, 0.0]], cfg, ref_logprobs=torch.tensor([[-1.0, -3.0]]),
                            global_valid_tokens=4)
@@ -155,6 +156,18 @@ def test_on_policy_kl_approximation_weights_kl():
     loss, _, _ = _loss([[0.0]], [[0.0]], [[0.0]], cfg, ref_logprobs=torch.tensor([[-1.0]]),
                        generation_logprobs=torch.tensor([[LOG(2.0)]]))
     torch.testing.assert_close(loss, torch.tensor(0.5 * 1.0))  # w = exp(0 - log 2) = .5, k1 = 1
+
+
+def test_kl_gradient_keeps_the_score_function_term_and_the_input_clamp_stops_it():
+    """NeMo-RL #2506: the KL's weight w (exp(lp - gen) on-policy, else exp(lp - sg(lp))) is not detached, so
+    d(w·k)/dlp = w·(k + dk/dlp); where the input clamp bites, w is detached and k is flat: no gradient."""
+    cfg = cfg_(reference_policy_kl_penalty=1.0, reference_policy_kl_type="k1", use_on_policy_kl_approximation=True)
+    loss, _, grad = _loss([[0.0]], [[0.0]], [[0.0]], cfg, ref_logprobs=torch.tensor([[-1.0]]),
+                          generation_logprobs=torch.tensor([[LOG(2.0)]]))
+    torch.testing.assert_close(grad, torch.tensor([[0.5 * (1.0 + 1.0)]]))  # w = .5, k1 = 1, dk1/dlp = 1
+    cfg = cfg_(reference_policy_kl_penalty=1.0, reference_policy_kl_type="k1", kl_output_clamp_value=None)
+    _, _, grad = _loss([[0.0]], [[0.0]], [[0.0]], cfg, ref_logprobs=torch.tensor([[-30.0]]))  # logr = -30 -> -20
+    torch.testing.assert_close(grad, torch.zeros(1, 1))
 
 
 def test_importance_sampling_truncations_by_hand():
@@ -227,7 +240,8 @@ def test_kl_term_uses_the_unfiltered_logprobs():
     kl_u = calculate_kl(lp_u.detach(), ref, "k1").mean()  # k1 = lp_u - ref = [0, log 2]
     torch.testing.assert_close(loss.detach(), 0.5 * kl_u)
     assert m["kl_penalty"] == pytest.approx(LOG(2.0) / 2)
-    torch.testing.assert_close(lp_u.grad, torch.tensor([[0.25, 0.25]]))  # d(0.5 * mean(lp_u - ref))
+    # d(0.5 * mean(w · (lp_u - ref))) with w = exp(lp_u - sg(lp_u)): 0.25 · (1 + k1), k1 = [0, log 2]
+    torch.testing.assert_close(lp_u.grad, torch.tensor([[0.25, 0.25 * (1 + math.log(2))]]))
     torch.testing.assert_close(lp.grad, torch.zeros(1, 2))  # A = 0: no policy gradient
     # without unfiltered logprobs the KL uses `logprobs` (no filter): unchanged behaviour
     loss2, _ = clipped_pg_loss(lp.detach(), lp.detach(), adv, tm, sm, cfg, ref_logprobs=ref)
@@ -308,9 +322,9 @@ def reference_loss(lp, prev, adv, tm, sm, cfg, ref, gen, gvt=None, gvs=None):
             if beta:
                 logr = min(max(ref[b][t] - lp[b][t], -20.0), 20.0)
                 k = {"k1": -logr, "k2": logr * logr / 2, "k3": math.exp(logr) - 1 - logr}[cfg.reference_policy_kl_type]
-                k = min(max(k, -10.0), 10.0)
-                if cfg.use_on_policy_kl_approximation:
+                if cfg.use_on_policy_kl_approximation:  # weighted before the output clamp (NeMo-RL)
                     k *= math.exp(lp[b][t] - gen[b][t])
+                k = min(max(k, -10.0), 10.0)
                 L += beta * k
             per_tok[b][t] = L
     if cfg.token_level_loss:
