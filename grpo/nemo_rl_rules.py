@@ -502,22 +502,23 @@ ENV_REFUSED = {
 
 
 def _specs(w: Walk, key: str) -> list[dict] | None:
+    """``data.train`` / ``data.validation`` as a list of dataset specs (one spec or NeMo-RL's list of them)."""
     value = w.get(key)
     if value is None:
         w.take(key)
         return None
-    if isinstance(value, dict):
-        return [value]
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
-        return value
-    w.refuse(key, "several datasets; grpo-ds's data config reads one training and one validation source")
-    w.take("data")
-    return None
+    specs = [value] if isinstance(value, dict) else value
+    if not isinstance(specs, list) or not specs or not all(isinstance(s, dict) for s in specs):
+        w.refuse(key, "expected a dataset spec or a list of them")
+        w.take("data")
+        return None
+    return specs
 
 
 def _source(w: Walk, key: str, spec: dict, default: dict) -> dict | None:
     """One NeMo-RL dataset spec (``data.train`` merged over ``data.default``) -> where grpo-ds reads it."""
-    full = {**{k: v for k, v in default.items() if v is not None}, **{k: v for k, v in spec.items() if v is not None}}
+    # NeMo-RL's update_single_dataset_config fills only the keys a spec does not have: a spec's null wins
+    full = {**{k: v for k, v in default.items() if v is not None}, **spec}
     name = full.get("dataset_name")
     for k in full:
         if k not in SPEC_KEYS:
@@ -553,7 +554,7 @@ def _source(w: Walk, key: str, spec: dict, default: dict) -> dict | None:
         else:
             w.table.append(("ignored", f"{key}.split_validation_size",
                             f"NeMo-RL's {name} takes no split_validation_size (it warns and ignores it)"))
-    if "repeat" in full:
+    if full.get("repeat") is not None:
         src["repeat"] = int(full["repeat"])
     src["prompt_file"] = full.get("prompt_file")
     src["system_prompt_file"] = full.get("system_prompt_file")
@@ -593,83 +594,118 @@ def _prompt_file(w: Walk, key: str, path: str | None) -> str | None:
     return None
 
 
-def _data_and_env(w: Walk) -> None:
+def _multiple_dataloader(w: Walk) -> None:
+    """NeMo-RL's use_multiple_dataloader (nemo_rl/algorithms/grpo.py:560-630, data/dataloader.py): one loader per
+    dataset, each batch drawn by a user function (data.custom_dataloader) from the loaders' iterators."""
     if w.get("data.use_multiple_dataloader"):
-        w.refuse("data.use_multiple_dataloader", "one data loader per dataset with its own batch shares; grpo-ds "
-                 "reads one training source")
+        w.refuse("data.use_multiple_dataloader", "one data loader per dataset, each step's prompts drawn by the Python "
+                 "function data.custom_dataloader (which may read training records, set_records) from endless "
+                 "iterators; grpo-ds draws each step from one seeded, resumable loader over the concatenated sources "
+                 "(data.train_sources; a source's repeat weights it in the mix)")
+    else:
+        w.ignore("data.num_prompts_per_dataloader", "used only with data.use_multiple_dataloader=true")
+        w.ignore("data.custom_dataloader", "used only with data.use_multiple_dataloader=true")
     w.take("data.use_multiple_dataloader")
+
+
+def _data_and_env(w: Walk) -> None:
+    _multiple_dataloader(w)
+    if w.get("env.sliding_puzzle_game") is not None:  # run_grpo_sliding_puzzle.py never reads data.train
+        _sliding_puzzle(w)
+        return
     default = w.get("data.default") or {}
     w.take("data.default")
     train_specs = _specs(w, "data.train")
-    val_specs = _specs(w, "data.validation")
-    if w.get("env.sliding_puzzle_game") is not None:  # run_grpo_sliding_puzzle.py never reads data.train
-        w.refuse("env.sliding_puzzle_game", "NeMo-RL's sliding-puzzle recipe (run_grpo_sliding_puzzle.py) builds "
-                 "its prompts in the environment and reads no data section; use grpo-ds's built-in task in a native "
-                 "config (data.dataset_name=sliding_puzzle:<size>, env.name=sliding_puzzle)")
-        w.take("env")
-        w.take("data")
-        return
+    val_specs = _specs(w, "data.validation") or []
     if not train_specs:
         if not w.errors and w.get("data.train") is None:
             w.refuse("data.train", "no training data")
         w.take("env")
         w.take("data")
         return
-    train = _source(w, "data.train", train_specs[0], default)
-    val = _source(w, "data.validation", val_specs[0], default) if val_specs else None
+
+    def key(side: str, i: int, specs: list) -> str:
+        return side if isinstance(w.get(side), dict) else f"{side}.{i}"
+
+    trains = [_source(w, key("data.train", i, train_specs), s, default) for i, s in enumerate(train_specs)]
+    vals = [_source(w, key("data.validation", i, val_specs), s, default) for i, s in enumerate(val_specs)]
     w.take("data.train")
     w.take("data.validation")
-    if train is None or (val_specs and val is None):
+    if None in trains or None in vals:
         _nemo_gym_env(w)
         w.take("env")
         return
-    d: dict[str, Any] = {}
-    if train.get("builtin"):
-        d["dataset_name"] = train["path"]
-    elif _local(train["path"]):
-        d["train_data_path"] = str(Path(train["path"]).expanduser().resolve())
+    envs = {s["env_name"] or ("arithmetic" if s.get("builtin") else "math") for s in trains + vals}
+    if len(envs) > 1:
+        w.refuse("data.default.env_name", f"the datasets name several NeMo-RL environments ({sorted(envs)}); grpo-ds "
+                 "routes rows by task (data.train_sources[].task_name, env.tasks), but this translation maps one "
+                 "environment section: write the run as a native config", value=sorted(envs))
+    problems = _single_form_problems(trains, vals)
+    if problems:
+        _several_sources(w, trains, vals, problems)
     else:
-        d["dataset_name"] = train["path"]
-    if train["split"]:
-        d["train_split"] = train["split"]
-    if train["subset"]:
-        d["dataset_config"] = train["subset"]
-    d["input_key"], d["output_key"] = train["input_key"], train["output_key"]
-    if val is not None:
-        if train["split_validation_size"] > 0 and train["name"] in SPLITTABLE and "split_validation_size" in (
-                {**default, **train_specs[0]}):
-            w.refuse("data.train.split_validation_size", "a validation split of the training data and a validation "
-                     "dataset together; grpo-ds validates on one source (set one of them)")
-        if (val["input_key"], val["output_key"]) != (train["input_key"], train["output_key"]) and not val.get("builtin"):
-            w.refuse("data.validation.dataset_name", f"validation rows keyed {val['input_key']}/{val['output_key']}, "
-                     f"training rows {train['input_key']}/{train['output_key']}: grpo-ds's data config has one pair")
-        if (val["subset"] or train["subset"]) and val["subset"] != train["subset"]:
-            w.refuse("data.validation.subset", "a hub config other than the training data's; grpo-ds has one "
-                     "data.dataset_config")
-        if val["path"] == train["path"] and not _local(val["path"]):
-            d["val_split"] = val["split"]
-        elif val.get("builtin"):
-            if not train.get("builtin") or val["path"] != train["path"]:
-                w.refuse("data.validation.dataset_name", "a built-in task validates on its own training task only")
-        else:
-            d["val_data_path"] = str(Path(val["path"]).expanduser().resolve()) if _local(val["path"]) else val["path"]
-            if val["split"]:
-                d["val_split"] = val["split"]
-        if val["repeat"] > 1:
-            d["val_repeat"] = val["repeat"]
-        for k in ("prompt_file", "system_prompt_file"):
-            if val[k] != train[k]:
-                w.refuse(f"data.validation.{k}", f"another {k} than the training data's; grpo-ds's data config has one")
-    elif train["split_validation_size"] > 0:
-        d["split_validation_size"] = float(train["split_validation_size"])
-        if train["seed"] is not None:
-            d["split_validation_seed"] = int(train["seed"])
-    elif not train.get("builtin"):
+        _single_source(w, trains[0], vals[0] if vals else None)
+    if not vals and not any(s["split_validation_size"] > 0 for s in trains) and not all(
+            s.get("builtin") for s in trains):
         w.table.append(("translated", "data.validation", "-> grpo.val_period=0, val_at_start=false, val_at_end=false; "
                         "no validation data (null, and no split_validation_size): NeMo-RL does not validate either"))
         for k, value in (("val_period", 0), ("val_at_start", False), ("val_at_end", False)):
             w.take(f"grpo.{k}")
             w.set(f"grpo.{k}", value)
+    train = trains[0]
+    _env(w, train.get("env_name") or ("arithmetic" if train.get("builtin") else "math"), train)
+
+
+def _single_form_problems(trains: list[dict], vals: list[dict]) -> list[str]:
+    """Why the datasets need data.train_sources / val_sources (empty: data.dataset_name & co. say it exactly)."""
+    if len(trains) > 1 or len(vals) > 1:
+        return [f"{len(trains)} training and {len(vals)} validation datasets"]
+    train, val = trains[0], (vals[0] if vals else None)
+    if val is None:
+        return []
+    problems = []
+    if train["split_validation_size"] > 0 and val["repeat"] > 1:
+        problems.append("held-out rows and a repeated validation dataset")
+    if (val["input_key"], val["output_key"]) != (train["input_key"], train["output_key"]) and not val.get("builtin"):
+        problems.append("other input/output keys")
+    if (val["subset"] or train["subset"]) and val["subset"] != train["subset"]:
+        problems.append("another hub config")
+    if val.get("builtin") and (not train.get("builtin") or val["path"] != train["path"]):
+        problems.append("a built-in task other than the training one")
+    if any(val[k] != train[k] for k in ("prompt_file", "system_prompt_file")):
+        problems.append("another prompt file")
+    return problems
+
+
+def _where(path: str) -> str:
+    return str(Path(path).expanduser().resolve()) if _local(path) else path
+
+
+def _single_source(w: Walk, train: dict, val: dict | None) -> None:
+    """One training and at most one validation dataset that data.dataset_name & co. say exactly."""
+    d: dict[str, Any] = {}
+    if train.get("builtin") or not _local(train["path"]):
+        d["dataset_name"] = train["path"]
+    else:
+        d["train_data_path"] = _where(train["path"])
+    if train["split"]:
+        d["train_split"] = train["split"]
+    if train["subset"]:
+        d["dataset_config"] = train["subset"]
+    d["input_key"], d["output_key"] = train["input_key"], train["output_key"]
+    if train["split_validation_size"] > 0:  # with a validation dataset too: the held-out rows join it (NeMo-RL)
+        d["split_validation_size"] = float(train["split_validation_size"])
+        if train["seed"] is not None:
+            d["split_validation_seed"] = int(train["seed"])
+    if val is not None:
+        if val["path"] == train["path"] and not _local(val["path"]):
+            d["val_split"] = val["split"]
+        elif not val.get("builtin"):
+            d["val_data_path"] = _where(val["path"])
+            if val["split"]:
+                d["val_split"] = val["split"]
+        if val["repeat"] > 1:
+            d["val_repeat"] = val["repeat"]
     d["prompt_file"] = _prompt_file(w, "data.default.prompt_file", train["prompt_file"])
     d["system_prompt_file"] = _prompt_file(w, "data.default.system_prompt_file", train["system_prompt_file"])
     w.table.append(("translated", "data.train", f"{train['name']} -> " + ", ".join(
@@ -682,7 +718,87 @@ def _data_and_env(w: Walk) -> None:
     for k, v in d.items():
         if v is not None:
             w.set(f"data.{k}", v)
-    _env(w, train.get("env_name") or ("arithmetic" if train.get("builtin") else "math"), train)
+
+
+def _several_sources(w: Walk, trains: list[dict], vals: list[dict], problems: list[str]) -> None:
+    """NeMo-RL's lists (nemo_rl/data/utils.py setup_response_data): training datasets concatenated into one loader,
+    validation = each training dataset's split_validation_size part, then the validation datasets; every spec
+    already merged over data.default, so each source gives every field (nothing falls back to data.*)."""
+    def source(s: dict, side: str, i: int) -> dict:
+        src: dict[str, Any] = {"dataset_name": s["path"] if s.get("builtin") else _where(s["path"]),
+                               "split": s["split"], "dataset_config": s["subset"],
+                               "input_key": s["input_key"], "output_key": s["output_key"]}
+        for k in ("prompt_file", "system_prompt_file"):
+            src[k] = _prompt_file(w, f"{side}.{i}.{k}" if len(trains if side == 'data.train' else vals) > 1 else
+                                  f"{side}.{k}", s[k])
+        if side == "data.train" and s["split_validation_size"] > 0:
+            src["split_validation_size"] = float(s["split_validation_size"])
+            if s["seed"] is not None:
+                src["split_validation_seed"] = int(s["seed"])
+        if s["repeat"] > 1:
+            src["repeat"] = s["repeat"]
+        return src
+
+    train_sources = [source(s, "data.train", i) for i, s in enumerate(trains)]
+    val_sources = [source(s, "data.validation", i) for i, s in enumerate(vals)]
+    w.set("data.train_sources", train_sources)
+    w.table.append(("translated", "data.train", f"{', '.join(s['name'] for s in trains)} -> data.train_sources "
+                    f"({'; '.join(problems)}): " + "; ".join(_brief(s) for s in train_sources)))
+    if val_sources:
+        w.set("data.val_sources", val_sources)
+        w.table.append(("translated", "data.validation", f"{', '.join(s['name'] for s in vals)} -> data.val_sources "
+                        "(after the training sources' split_validation_size rows, as NeMo-RL): " +
+                        "; ".join(_brief(s) for s in val_sources)))
+
+
+def _brief(src: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in src.items() if v is not None and k not in (
+        "prompt_file", "system_prompt_file", "input_key", "output_key"))
+
+
+# NeMo-RL's run_grpo_sliding_puzzle.py reads no data section: its dataset is endless (num_prompts_per_step x
+# num_generations_per_prompt x max_num_steps puzzles drawn on the fly). grpo-ds draws and tokenises its rows at
+# start (100k rows: ~7 s to draw, 1-3 ms each to render and tokenise under Qwen2.5's template, ~1.2 GB), so at
+# most this many; more epochs over them reach max_num_steps.
+SLIDING_PUZZLE_MAX_ROWS = 100_000
+
+
+def _sliding_puzzle(w: Walk) -> None:
+    """NeMo-RL's sliding-puzzle recipe (examples/run_grpo_sliding_puzzle.py) -> grpo-ds's built-in task."""
+    game = w.get("env.sliding_puzzle_game.cfg.game_config") or {}
+    size, shuffle = int(game.get("size", 3)), int(game.get("shuffle_moves", 10))
+    max_moves = int(w.get("env.sliding_puzzle_game.cfg.max_moves", 40))
+    w.translate("env.sliding_puzzle_game", {
+        "env.name": "sliding_puzzle", "env.task_name": "sliding_puzzle_game", "env.kwargs": {"max_moves": max_moves},
+        "env.observation_format": "raw", "data.dataset_name": f"sliding_puzzle:size={size},shuffle_moves={shuffle}"},
+        "observations appended raw, as NeMo-RL's rollout does")
+    w.ignore("env", "run_grpo_sliding_puzzle.py builds only the sliding-puzzle environment")
+    g = w.get("grpo") or {}
+    per_step = int(g.get("num_prompts_per_step", 32)) * (
+        int(g.get("batch_multiplier", 1)) if (g.get("use_dynamic_sampling") or False) else 1)
+    wanted = per_step * int(g.get("max_num_steps", 1000000))
+    rows = min(wanted, SLIDING_PUZZLE_MAX_ROWS)
+    epochs = max(int(g.get("max_num_epochs", 1)), math.ceil(wanted / rows))
+    note = (f"NeMo-RL's puzzles are endless; {rows} rows = num_prompts_per_step x max_num_steps" if rows == wanted else
+            f"NeMo-RL's puzzles are endless; num_prompts_per_step x max_num_steps = {wanted} rows capped at {rows} "
+            f"(all drawn and tokenised at start), grpo.max_num_epochs={epochs} so that max_num_steps is reached")
+    targets = {"data.num_train_samples": rows}
+    if epochs != int(g.get("max_num_epochs", 1)):
+        w.take("grpo.max_num_epochs")
+        targets["grpo.max_num_epochs"] = epochs
+    w.translate("grpo.max_num_steps", {"grpo.max_num_steps": int(g.get("max_num_steps", 1000000)), **targets}, note)
+    val = w.get("grpo.max_val_samples")
+    if val:
+        w.set("data.num_val_samples", int(val))
+        w.table.append(("translated", "grpo.max_val_samples", f"-> grpo.max_val_samples={int(val)}, "
+                        f"data.num_val_samples={int(val)} (NeMo-RL's val_length)"))
+        w.honor("grpo.max_val_samples")
+    w.ignore("data.add_system_prompt", "passed to apply_chat_template as a template variable that Qwen's and "
+             "Llama's templates do not read (Qwen2.5's adds its default system message there as here)")
+    for k in ("shuffle", "num_workers"):
+        w.honor(f"data.{k}")
+    w.ignore("data", "run_grpo_sliding_puzzle.py reads no dataset (data.train, data.validation, data.default, "
+             "prompts): its prompts come from the environment's puzzles")
 
 
 def _nemo_gym_env(w: Walk) -> None:

@@ -282,29 +282,40 @@ def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
      ISSUE_22),
     (["++env.reward_model={model_name: rm}"], "env.reward_model", "reward-model environment"),
     (["++env.nemo_gym={x: 1}"], "env.nemo_gym", "NeMo-Gym"),
-    (["env.math.math_verify_impl=dapo_math_verify"], "env.math.math_verify_impl", "another verifier"),
+    (["env.math.math_verify_impl=sympy"], "env.math.math_verify_impl", "hf_math_verify and dapo_math_verify"),
     (["data.default.env_name=code"], "data.default.env_name", "code-execution"),
     (["data.train.dataset_name=NemoGymDataset"], "data.train.dataset_name", "NemoGymDataset"),
-    (["data.train=[{dataset_name: DeepScaler}, {dataset_name: DAPOMath17K}]"], "data.train", "several datasets"),
     (["policy.optimizer.name=torch.optim.SGD"], "policy.optimizer.name", "AdamW"),
     (["policy.scheduler=[{name: torch.optim.lr_scheduler.StepLR, kwargs: {step_size: 2}}]"], "policy.scheduler",
      "StepLR"),
     (["policy.generation.vllm_cfg.logprobs_mode=raw_logprobs"], "policy.generation.vllm_cfg.logprobs_mode",
      "processed_logprobs"),
-    (["policy.hf_config_overrides={rope_scaling: {factor: 2.0}}"], "policy.hf_config_overrides.rope_scaling.factor",
-     "config"),
     (["++policy.router_replay={enabled: true}"], "policy.router_replay.enabled", "routing replay"),
     (["++policy.quant_cfg=NVFP4"], "policy.quant_cfg", "quantization"),
     (["++policy.made_up_key=1"], "policy.made_up_key", "no translation"),
-    (["++env.sliding_puzzle_game={cfg: {max_moves: 3}}"], "env.sliding_puzzle_game", "reads no data section"),
-    (["policy.tokenizer.chat_template_kwargs={enable_thinking: false}"], "policy.tokenizer.chat_template_kwargs",
-     "enable_thinking"),
 ])
 def test_refused_keys_name_the_key_and_why(overrides, key, reason):
     with pytest.raises(ConfigError) as err:
         load_recipe(BASE, overrides)
     line = next((ln for ln in str(err.value).splitlines() if ln.strip().startswith(key + "=")), None)
     assert line is not None and reason in line, str(err.value)
+
+
+def test_chat_template_kwargs_and_hf_config_overrides_are_honored():
+    """Copied as they are: grpo.system.chat passes the kwargs to every rendering, grpo.system.model_config applies
+    the overrides to every copy of the policy (tests/unit/test_chat_template_kwargs.py, test_hf_config_overrides.py)."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1000000, "factor": 2.0, "original_max_position_embeddings": 131072}
+    cfg, _ = load_recipe(BASE, ["policy.tokenizer.chat_template_kwargs={enable_thinking: true}",
+                                "policy.hf_config_overrides={rope_scaling: {rope_type: yarn, rope_theta: 1000000, "
+                                "factor: 2.0, original_max_position_embeddings: 131072}, max_position_embeddings: 9}",
+                                "++policy.hf_config_overrides.text_config={router_aux_loss_coef: 0.0}"])
+    assert cfg.policy.tokenizer.chat_template_kwargs == {"enable_thinking": True}
+    assert cfg.policy.hf_config_overrides == {"rope_scaling": yarn, "max_position_embeddings": 9,
+                                              "text_config": {"router_aux_loss_coef": 0.0}}
+    cfg, _ = load_recipe(BASE, [])  # chat_template_kwargs: null, hf_config_overrides: {}
+    assert cfg.policy.tokenizer.chat_template_kwargs is None and cfg.policy.hf_config_overrides == {}
+    with pytest.raises(ConfigError, match="chat_template_kwargs: \\['add_generation_prompt'\\] are set by grpo-ds"):
+        load_recipe(BASE, ["policy.tokenizer.chat_template_kwargs={add_generation_prompt: false}"])
 
 
 def test_every_refusal_is_reported_at_once():
@@ -370,3 +381,99 @@ def test_check_config_imports_no_torch():
     p = subprocess.run([sys.executable, "-c", code, "--config", str(BASE), "--check-config"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert "EXIT 0 False False" in p.stderr, p.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# env.<math|dapo>.math_verify_impl and the NeMo-Gym tool-call keys of grpo
+# --------------------------------------------------------------------------------------------------
+def test_math_verify_impl_dapo_is_translated_and_hf_is_the_default():
+    cfg, rows = load_recipe(BASE)
+    assert cfg.env.name == "math" and cfg.env.math_verify_impl == "hf_math_verify"
+    assert "as NeMo-RL's hf_math_verify" in table_of(rows, "translated")["env.math"]
+    cfg, rows = load_recipe(BASE, ["env.math.math_verify_impl=dapo_math_verify"])
+    assert cfg.env.name == "math" and cfg.env.math_verify_impl == "dapo_math_verify"
+    translated = table_of(rows, "translated")
+    assert "env.math_verify_impl='dapo_math_verify'" in translated["env.math.math_verify_impl"]
+    assert "as NeMo-RL's dapo_math_verify" in translated["env.math"]
+
+
+def test_math_verify_impl_null_is_refused():
+    # NeMo-RL passes null on to HFVerifyWorker.verify, which raises on it: every sample would score 0 there
+    with pytest.raises(ConfigError, match=r"env.math.math_verify_impl=None: .*null included"):
+        load_recipe(BASE, ["env.math.math_verify_impl=null"])
+
+
+@pytest.mark.parametrize("override, key, instead", [
+    ("++grpo.penalize_invalid_tool_call=true", "grpo.penalize_invalid_tool_call", "invalid_tool_call_advantage"),
+    ("++grpo.invalid_tool_call_strategy=mask", "grpo.invalid_tool_call_strategy", "invalid_tool_call_advantage"),
+    ("++grpo.penalize_malformed_thinking=true", "grpo.penalize_malformed_thinking", "malformed_thinking_advantage"),
+])
+def test_stale_nemo_gym_tool_call_keys_are_ignored(override, key, instead):
+    cfg, rows = load_recipe(BASE, [override])
+    assert "NeMo-RL reads no such key" in table_of(rows, "ignored")[key] and instead in table_of(rows, "ignored")[key]
+    assert cfg.grpo.invalid_tool_call_advantage is None and cfg.grpo.malformed_thinking_advantage is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Several datasets (NeMo-RL's lists, nemo_rl/data/utils.py setup_response_data), a split with a validation
+# dataset, use_multiple_dataloader, the sliding-puzzle recipe
+# --------------------------------------------------------------------------------------------------
+MULTI = FIX / "recipes" / "llm" / "grpo-fixture-multiple-datasets.yaml"
+
+
+def _write(path, records):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_dataset_lists_become_sources_and_validation_joins_the_held_out_rows(tmp_path):
+    from grpo.system.data import load_rows
+
+    a = _write(tmp_path / "a.jsonl", [{"q": f"{i}+1=", "a": str(i + 1)} for i in range(6)])
+    b = _write(tmp_path / "b.jsonl", [{"problem": f"{i}*2=", "solution": str(2 * i)} for i in range(4)])
+    v = _write(tmp_path / "v.jsonl", [{"q": f"{i}-1=", "a": str(i - 1)} for i in range(1, 3)])
+    cfg, rows = load_recipe(MULTI, [f"data.train.0.data_path={a}", f"data.train.1.data_path={b}",
+                                    f"data.validation.0.data_path={v}"])
+    t0, t1 = cfg.data.train_sources
+    assert (t0.dataset_name, t0.input_key, t0.split_validation_size, t0.split_validation_seed) == (a, "q", 2, 3)
+    assert t0.prompt_file.endswith("cot.txt") and t1.prompt_file is None  # data.default, then the spec's null
+    assert (t1.dataset_name, t1.input_key, t1.output_key, t1.split_validation_size) == (b, "problem", "solution", None)
+    (v0,) = cfg.data.val_sources
+    assert (v0.dataset_name, v0.repeat) == (v, 3) and cfg.env.name == "math"
+    assert "data.train_sources" in table_of(rows, "translated")["data.train"]
+    assert "used only with data.use_multiple_dataloader=true" in table_of(rows, "ignored")["data.custom_dataloader"]
+    train, val = load_rows(cfg.data, "train", 0), load_rows(cfg.data, "val", 0)
+    assert len(train) == 4 + 4 and [r["question"] for r in train[4:]] == [f"{i}*2=" for i in range(4)]
+    assert len(val) == 2 + 6 and [r["question"] for r in val[2:]] == ["1-1="] * 3 + ["2-1="] * 3
+
+
+def test_a_split_with_a_validation_dataset_keeps_both(tmp_path):
+    """NeMo-RL's setup_response_data: the split part joins the validation dataset (it used to be refused here)."""
+    v = _write(tmp_path / "v.jsonl", [{"problem": "1+1=", "expected_answer": "2"}])
+    cfg, _ = load_recipe(BASE, ["data.validation={dataset_name: ResponseDataset, data_path: " + v +
+                                ", input_key: problem, output_key: expected_answer}"])
+    d = cfg.data
+    assert (d.split_validation_size, d.val_data_path, d.train_sources) == (0.05, v, [])
+
+
+def test_use_multiple_dataloader_is_refused_with_the_reason():
+    with pytest.raises(ConfigError) as err:
+        load_recipe(BASE, ["data.use_multiple_dataloader=true"])
+    assert "data.use_multiple_dataloader=True: one data loader per dataset" in str(err.value)
+
+
+def test_the_sliding_puzzle_recipe_becomes_the_built_in_task():
+    cfg, rows = load_recipe(BASE, ["++env.sliding_puzzle_game={cfg: {game_config: {size: 3, shuffle_moves: 5}, "
+                                   "max_moves: 7}}", "grpo.max_num_steps=20000", "++data.add_system_prompt=false"])
+    assert (cfg.env.name, cfg.env.task_name, cfg.env.kwargs, cfg.env.observation_format) == (
+        "sliding_puzzle", "sliding_puzzle_game", {"max_moves": 7}, "raw")
+    d = cfg.data
+    assert (d.dataset_name, d.num_val_samples) == ("sliding_puzzle:size=3,shuffle_moves=5", 16)
+    assert (d.num_train_samples, cfg.grpo.max_num_epochs, cfg.grpo.max_num_steps) == (100_000, 2, 20000)  # 8 x 20000 capped
+    assert cfg.policy.tokenizer.chat_template == "default" and cfg.grpo.max_val_samples == 16
+    ignored = table_of(rows, "ignored")
+    assert "reads no dataset" in ignored["data"] and "data.add_system_prompt" in ignored
+    cfg, _ = load_recipe(BASE, ["++env.sliding_puzzle_game={cfg: {max_moves: 7}}"])
+    assert (cfg.data.num_train_samples, cfg.grpo.max_num_epochs) == (800, 1)  # 8 prompts x 100 steps
