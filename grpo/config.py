@@ -539,10 +539,10 @@ class PolicyConfig(_Section):
 # data, env
 # --------------------------------------------------------------------------------------------------
 class DataSource(_Section):
-    """One dataset of several (``data.train_sources`` / ``data.val_sources``). A field the source does not give
-    (null given is given) takes the ``data.*`` field of the same name, as NeMo-RL's ``data.default`` fills its
-    dataset specs; ``split`` takes data.train_split / val_split and ``num_samples`` data.num_train_samples /
-    num_val_samples by side."""
+    """One dataset of several (``data.train_sources`` / ``data.val_sources``). A field left null takes the
+    ``data.*`` field of the same name, as NeMo-RL's ``data.default`` fills its dataset specs; ``split`` takes
+    data.train_split / val_split, ``num_samples`` data.num_train_samples / num_val_samples and ``repeat``
+    data.val_repeat (validation) or 1 (training) by side."""
 
     dataset_name: Optional[str] = Field(None, description=(
         "What data.dataset_name takes (a built-in task, a local file or directory, a hub name); on the validation "
@@ -563,7 +563,7 @@ class DataSource(_Section):
         "Training sources: hold out this share (< 1) or number (>= 1) of the source's rows; they join the "
         "validation rows, before data.val_sources (NeMo-RL's split_validation_size)."))
     split_validation_seed: Optional[int] = Field(None, description="Seed of that split (null: grpo.seed).")
-    repeat: int = Field(1, gt=0, description=(
+    repeat: Optional[int] = Field(None, gt=0, description=(
         "Each of this source's rows appears this many times (validation: NeMo-RL's repeat; training: a weight in "
         "the mix)."))
 
@@ -614,10 +614,10 @@ class DataConfig(_Section):
         "Several training datasets, concatenated in order (then shuffled together), each a mapping of "
         "dataset_name, dataset_config, split, input_key, output_key, prompt_file/prompt_template, "
         "system_prompt_file/system_prompt, task_name (the environment scoring its rows), num_samples, "
-        "split_validation_size/split_validation_seed, repeat; a field left out takes data.<field> (NeMo-RL's "
+        "split_validation_size/split_validation_seed, repeat; a field left null takes data.<field> (NeMo-RL's "
         "data.default). Empty: the single source of data.dataset_name / train_data_path."))
     val_sources: list[DataSource] = Field(default_factory=list, description=(
-        "Several validation datasets (the same mappings; repeat left out takes data.val_repeat), after the rows "
+        "Several validation datasets (the same mappings; repeat null takes data.val_repeat), after the rows "
         "held out by split_validation_size; empty: data.val_data_path, else the held-out rows alone, else each "
         "training source's own validation split."))
 

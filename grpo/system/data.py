@@ -353,26 +353,25 @@ SOURCE_KEYS = ("dataset_name", "dataset_config", "input_key", "output_key") + tu
 
 
 def _source(cfg: DataConfig, src, side: str, key: str) -> Source:
-    """A `grpo.config.DataSource` of ``side`` as a `Source`: what it gives over ``cfg``'s fields."""
-    given = src.model_fields_set
-    update: dict[str, Any] = {k: getattr(src, k) for k in SOURCE_KEYS if k in given}
+    """A `grpo.config.DataSource` of ``side`` as a `Source`: its non-null fields over ``cfg``'s."""
+    update: dict[str, Any] = {k: getattr(src, k) for k in SOURCE_KEYS if getattr(src, k) is not None}
     for pair in PROMPT_KEYS:  # a source's prompt_file replaces data.prompt_template too (one template)
         for k, other in (pair, pair[::-1]):
-            if k in given and other not in given:
+            if k in update and other not in update:
                 update[other] = None
-    if "split" in given:
+    if src.split is not None:
         update[f"{side}_split"] = src.split
-    if "num_samples" in given:
+    if src.num_samples is not None:
         update["num_train_samples" if side == "train" else "num_val_samples"] = src.num_samples
     update.update(train_data_path=None, val_data_path=None, train_sources=[], val_sources=[])
     name = update.get("dataset_name", cfg.dataset_name)
     if side == "val" and dataset_task(name) is None:  # a file or hub name read as it is, not as a dataset's val split
         update["val_data_path"] = name
-    split_size = src.split_validation_size if "split_validation_size" in given else cfg.split_validation_size
-    split_seed = src.split_validation_seed if "split_validation_seed" in given else cfg.split_validation_seed
-    repeat = src.repeat if "repeat" in given else (cfg.val_repeat if side == "val" else 1)
-    return Source(key, cfg.model_copy(update=update), src.task_name, repeat, split_size or 0, split_seed,
-                  own_prompts=any(k in given for pair in PROMPT_KEYS for k in pair))
+    split_size = cfg.split_validation_size if src.split_validation_size is None else src.split_validation_size
+    split_seed = cfg.split_validation_seed if src.split_validation_seed is None else src.split_validation_seed
+    repeat = src.repeat or (cfg.val_repeat if side == "val" else 1)
+    return Source(key, cfg.model_copy(update=update), src.task_name, repeat, split_size, split_seed,
+                  own_prompts=any(getattr(src, k) is not None for pair in PROMPT_KEYS for k in pair))
 
 
 def training_sources(cfg: DataConfig) -> list[Source]:

@@ -61,14 +61,15 @@ def test_sources_concatenate_in_order_with_their_keys_tasks_and_prompts(tok, fil
         PromptDataset(rows, PromptFormatter(tok, cfg), default_task="arith", tasks=["arith"])
 
 
-def test_a_field_given_as_null_wins_over_data_and_an_absent_one_takes_it(tok, files):
+def test_a_null_field_takes_data_s_and_a_prompt_file_replaces_data_s_template(tok, files):
     a, b, _ = files
     cfg = DataConfig(input_key="q", output_key="a", prompt_template="Add: {}", system_prompt="sys",
-                     train_sources=[{"dataset_name": a}, {"dataset_name": a, "prompt_template": None}])
-    rows = load_rows(cfg, "train", seed=0)
-    ds = PromptDataset(rows, PromptFormatter(tok, cfg))
+                     train_sources=[{"dataset_name": a, "prompt_template": None}, {"dataset_name": a,
+                                                                                  "prompt_template": "{}"}])
+    ds = PromptDataset(load_rows(cfg, "train", seed=0), PromptFormatter(tok, cfg))
     assert ds[0].prompt_messages[0]["content"] == "sys\nAdd: 0+1=" and ds[6].prompt_messages[0]["content"] == "sys\n0+1="
-    # a source's prompt_file replaces data.prompt_template (one template per source)
+    # the config as dumped (every field, nulls included) reads the same
+    assert load_rows(DataConfig(**cfg.model_dump()), "train", 0) == load_rows(cfg, "train", 0)
     cfg = DataConfig(input_key="q", output_key="a", prompt_template="Add: {}",
                      train_sources=[{"dataset_name": a, "prompt_file": write_prompt(a)}])
     ds = PromptDataset(load_rows(cfg, "train", seed=0), PromptFormatter(tok, cfg))
