@@ -47,11 +47,18 @@ def baseline_and_std_per_prompt(
     A group with n ≤ 1 valid samples gets b_i = r_i, σ_i = 0; invalid samples (valid_mask 0) get
     b_i = r_i, σ_i = 0 and never enter their siblings' statistics.
 
-    Rewards are shifted by a member of their group before the sums, so a group of equal rewards gives
-    exactly b_i = r_i and σ_i = 0. Computed in float64, returned in ``rewards.dtype``.
+    An S_i whose rewards are all equal (max(S_i) == min(S_i), compared exactly) gets exactly b_i = that
+    reward and σ_i = 0: the only correct answer of a group whose other answers agree keeps A_i = r_i − b_i
+    under std normalisation instead of (r_i − b_i) / (rounding noise + eps), which was ~10⁵ for rewards
+    such as 0.1 / 0.7. NeMo-RL's ``calculate_baseline_and_std_per_prompt`` (utils.py:104-198, E[r²] − E[r]²
+    in float32) means the same but leaves such a rounding-noise σ for some values. Elsewhere the sums use
+    rewards shifted by a member of their group, in float64; returned in ``rewards.dtype``.
 
         >>> baseline_and_std_per_prompt(torch.tensor([0, 0, 0]), torch.tensor([1.0, 0.0, 2.0]), torch.ones(3))
         (tensor([1.0000, 1.5000, 0.5000]), tensor([1.4142, 0.7071, 0.7071]))
+        >>> baseline_and_std_per_prompt(torch.zeros(4, dtype=torch.long), torch.tensor([0.1, 0.7, 0.1, 0.1]),
+        ...                             torch.ones(4))[1]
+        tensor([0.3464, 0.0000, 0.3464, 0.3464])
     """
     gid, num_groups = group_index(prompt_ids)
     r = rewards.to(torch.float64)
@@ -76,10 +83,35 @@ def baseline_and_std_per_prompt(
     std = torch.where(m >= 2, var.sqrt(), 0.0)
     baseline = ref_g[gid] + mean_d
 
+    # A constant S_i: exactly its value and std 0 (the sums above can leave rounding noise there).
+    hi_b = _set_extreme(gid, r, valid, num_groups, leave_one_out)
+    lo_b = -_set_extreme(gid, -r, valid, num_groups, leave_one_out)
+    constant = hi_b == lo_b
+    baseline = torch.where(constant, hi_b, baseline)
+    std = torch.where(constant, 0.0, std)
+
     own = ~valid | (n <= 1)
     baseline = torch.where(own, r, baseline)
     std = torch.where(own, 0.0, std)
     return baseline.to(rewards.dtype), std.to(rewards.dtype)
+
+
+def _set_extreme(gid: torch.Tensor, r: torch.Tensor, valid: torch.Tensor, num_groups: int,
+                 leave_one_out: bool) -> torch.Tensor:
+    """Per sample, max of the valid rewards of its group (leave-one-out: without the sample itself; −inf
+    for an empty set). Exact: no arithmetic on the rewards."""
+    neg_inf = torch.tensor(float("-inf"), dtype=r.dtype, device=r.device)
+    x = torch.where(valid, r, neg_inf)
+    top_g = torch.full((num_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, gid, x, reduce="amax")
+    out = top_g[gid]
+    if not leave_one_out:
+        return out
+    is_top = valid & (x == out)
+    ties_g = torch.zeros(num_groups, dtype=torch.long, device=r.device).index_add_(0, gid, is_top.long())
+    second_g = torch.full((num_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, gid, torch.where(is_top, neg_inf, x), reduce="amax")
+    return torch.where(is_top & (ties_g[gid] == 1), second_g[gid], out)
 
 
 # --------------------------------------------------------------------------------------------------

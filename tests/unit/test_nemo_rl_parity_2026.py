@@ -1,0 +1,120 @@
+"""grpo-ds's math against NeMo-RL at 7ea279a (August 2026), on random inputs.
+
+NeMo-RL's functions are transcribed here (each with its file:line at 7ea279a), not imported: NeMo-RL is not a
+dependency. The transcriptions run in float64, so the two sides agree to rounding; where they differ on
+purpose, the test says why.
+"""
+
+import random
+
+import pytest
+import torch
+
+from grpo.advantages import baseline_and_std_per_prompt, compute_advantages, grpo_advantages
+from grpo.config import AdvEstimatorConfig
+
+
+# ----------------------------------------------------------------------------------------------
+# NeMo-RL, transcribed
+# ----------------------------------------------------------------------------------------------
+def nrl_baseline_and_std(prompts, rewards, valid_mask, leave_one_out):
+    """nemo_rl/algorithms/utils.py:104-198 calculate_baseline_and_std_per_prompt (std_rewards None)."""
+    baseline, std = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    for u in torch.unique(prompts, dim=0):
+        idx = torch.arange(len(prompts))[(prompts == u).all(1)]
+        m = (1 - torch.eye(len(idx), dtype=rewards.dtype)) if leave_one_out else torch.ones(
+            len(idx), len(idx), dtype=rewards.dtype)
+        if valid_mask[idx].sum() <= 1:
+            baseline[idx] = rewards[idx]
+            continue
+        num_valid = valid_mask[idx].sum() - int(leave_one_out)
+        pb = m @ (rewards[idx] * valid_mask[idx]) / num_valid
+        sq = m @ (rewards[idx] ** 2 * valid_mask[idx]) / num_valid
+        baseline[idx] = pb
+        std[idx] = ((sq - pb.square()) * (num_valid / (num_valid - 1))).sqrt().nan_to_num(0)
+    return baseline, std
+
+
+def nrl_grpo(prompts, rewards, leave_one_out, normalize_rewards):
+    """nemo_rl/algorithms/advantage_estimator.py:69-98 GRPOAdvantageEstimator.compute_advantage ([B] out)."""
+    base, std = nrl_baseline_and_std(prompts, rewards, torch.ones_like(rewards), leave_one_out)
+    adv = rewards - base
+    if normalize_rewards:
+        nz = std > 0
+        adv[nz] = adv[nz] / (std[nz] + 1e-6)
+    return adv
+
+
+def random_groups(rng, gen):
+    """(group ids [B], prompt token rows [B, 3], rewards [B] float64): 1-5 groups of 1-6 samples, rows shuffled,
+    rewards binary, from a few partial-credit values, or continuous."""
+    sizes = [rng.randint(1, 6)] * rng.randint(1, 5) if rng.random() < 0.7 else [rng.randint(1, 6) for _ in range(4)]
+    gid = torch.tensor([g for g, n in enumerate(sizes) for _ in range(n)])
+    gid = gid[torch.randperm(len(gid), generator=gen)]
+    kind = rng.choice(["binary", "few", "continuous"])
+    if kind == "binary":
+        r = (torch.rand(len(gid), generator=gen) < 0.5).double()
+    elif kind == "few":
+        r = torch.tensor([rng.choice([0.0, 0.1, 0.7, 1.0, 1 / 3]) for _ in gid], dtype=torch.float64)
+    else:
+        r = torch.randn(len(gid), generator=gen, dtype=torch.float64) * rng.choice([0.01, 1.0, 10.0])
+    rows = torch.randint(0, 1000, (len(sizes), 3), generator=gen)[gid]
+    return gid, rows, r
+
+
+# ----------------------------------------------------------------------------------------------
+# Baseline / std and the GRPO estimator
+# ----------------------------------------------------------------------------------------------
+def test_baseline_std_and_grpo_match_nemo_rl_on_random_groups():
+    """300 random batches: baseline and std of every valid sample, and the GRPO advantage, as NeMo-RL's.
+
+    Invalid samples (valid_mask 0) differ on purpose and are not compared: both trainers pass valid = 1 everywhere
+    (NeMo-RL: grpo.py:3056-3075 and advantage_estimator.py:84), and NeMo-RL's rows for them divide a sum over the
+    valid samples by (valid count − 1), not a mean; grpo-ds gives them b = r, σ = 0 (the math contract).
+    """
+    for seed in range(300):
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        gid, rows, r = random_groups(rng, gen)
+        loo, norm = rng.random() < 0.6, rng.random() < 0.7
+        valid = (torch.rand(len(r), generator=gen) < 0.75).double() if rng.random() < 0.5 else torch.ones_like(r)
+        b_n, s_n = nrl_baseline_and_std(rows, r, valid, loo)
+        b_g, s_g = baseline_and_std_per_prompt(gid, r, valid, leave_one_out=loo)
+        v = valid.bool()
+        torch.testing.assert_close(b_g[v], b_n[v], rtol=1e-9, atol=1e-9, msg=f"seed {seed}")
+        torch.testing.assert_close(s_g[v], s_n[v], rtol=1e-7, atol=1e-7, msg=f"seed {seed}")
+        cfg = AdvEstimatorConfig(name="grpo", use_leave_one_out_baseline=loo, normalize_rewards=norm)
+        adv = compute_advantages("grpo", group_ids=gid, rewards=r, valid_mask=torch.ones_like(r),
+                                 token_mask=torch.ones(len(r), 2), cfg=cfg)
+        expected = nrl_grpo(rows, r, loo, norm)
+        # where NeMo-RL's own float64 rounding leaves a noise std on a constant set (see the next test), skip
+        noise = (s_n > 0) & (s_n < 1e-6)
+        torch.testing.assert_close(adv[~noise, 0], expected[~noise], rtol=1e-6, atol=1e-6, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constant_leave_one_out_set_has_std_exactly_zero(dtype):
+    """The only correct answer of a group whose other answers agree: its leave-one-out set is constant, so σ = 0
+    and A = r − b, NeMo-RL's intent ("don't sharpen the ones with no variation", advantage_estimator.py:87-93).
+
+    E[r²] − E[r]² in floating point leaves a noise σ ~ 1e-9 for rewards like 0.1 / 0.7 (NeMo-RL, and grpo-ds's
+    shifted sums before: the shift was by the group's max, which is not in the sample's own set), and then
+    A = 0.6 / (1e-9 + 1e-6) ≈ 6e5. Every such pair of values and group size gives exactly 0 now.
+    """
+    values = [0.1, 0.2, 0.3, 0.7, 0.9, 1 / 3, -0.5, 0.05, 2.5, 1e-3]
+    nrl_blowups = 0
+    for w in values:
+        for v in values:
+            if v == w:
+                continue
+            for n in (2, 3, 4, 8, 16):
+                r = torch.tensor([w] + [v] * (n - 1), dtype=dtype)
+                b, s = baseline_and_std_per_prompt(torch.zeros(n, dtype=torch.long), r, torch.ones(n, dtype=dtype))
+                assert s[0] == 0 and b[0] == r[1], (w, v, n)
+                adv = grpo_advantages(torch.zeros(n, dtype=torch.long), r, torch.ones(n, dtype=dtype))
+                assert adv[0] == r[0] - r[1]
+                assert adv.abs().max() < 1e3
+                if n > 2:  # the others: S_i = {w, v, ...}, non-constant, NeMo-RL's values
+                    expected = nrl_grpo(torch.zeros(n, 1), r.double(), True, True)
+                    torch.testing.assert_close(adv[1:].double(), expected[1:], rtol=1e-4, atol=1e-4)
+                nrl_blowups += int(nrl_grpo(torch.zeros(n, 1), r, True, True).abs().max() > 1e3)
+    assert nrl_blowups > 0  # NeMo-RL's formula, in the same dtype, does blow up on some of these
