@@ -481,6 +481,40 @@ class GenerationConfig(_Section):
         return self.model_copy(update=update) if update else self
 
 
+class LoraConfig(_Section):
+    """LoRA adapters on the policy (NeMo-RL's ``policy.dtensor_cfg.lora_cfg``, same names and defaults), built with
+    peft (grpo/system/engines.py ``apply_lora``): only the adapters train and have optimizer states; the reference
+    is the policy with its adapters off (no second model); checkpoints hold the adapters."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of the whole policy.")
+    target_modules: list[str] = Field(default_factory=list, description=(
+        "Modules to adapt (with match_all_linear=false): a module's own name (q_proj) or a pattern with * over its "
+        "full dotted name (*.layers.0.*.q_proj)."))
+    exclude_modules: list[str] = Field(default_factory=list, description=(
+        "Modules never adapted, named as target_modules (applies with match_all_linear too)."))
+    match_all_linear: bool = Field(True, description=(
+        "Adapt every linear layer but the output head (peft's all-linear); target_modules must then be empty."))
+    dim: int = Field(8, gt=0, description="LoRA rank r.")
+    alpha: float = Field(32, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / dim.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability of the adapter path.")
+    dropout_position: Literal["pre", "post"] = Field("post", description=(
+        "pre: dropout on the adapter's input, dropout(x) -> A -> B (peft's); post: on its output, "
+        "dropout(B(A(x)) * alpha / dim) (NeMo-RL's default). The same when dropout is 0."))
+    lora_A_init: Literal["xavier", "uniform"] = Field("xavier", description=(
+        "Initialization of A (B starts at 0, so the adapted model starts as the base): xavier (normal) or "
+        "uniform (kaiming uniform, a=sqrt(5): peft's default)."))
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraConfig":
+        if self.enabled and not self.match_all_linear and not self.target_modules:
+            raise ValueError("policy.lora: match_all_linear=false with no target_modules adapts nothing: name the "
+                             "modules (e.g. [q_proj, v_proj]) or set match_all_linear=true")
+        if self.match_all_linear and self.target_modules:
+            raise ValueError(f"policy.lora: match_all_linear=true adapts every linear layer, target_modules="
+                             f"{self.target_modules} would be ignored: set match_all_linear=false to adapt only those")
+        return self
+
+
 class PolicyConfig(_Section):
     model_name: str = Field(
         "Qwen/Qwen2.5-1.5B", description="Local directory, hub name (needs network), or toy:<name> (built locally).")
@@ -533,6 +567,8 @@ class PolicyConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Learning-rate schedule.")
     generation: GenerationConfig = Field(
         default_factory=GenerationConfig, description="Generation (sampling, backend, stop rules).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description=(
+        "LoRA adapters (NeMo-RL's dtensor_cfg.lora_cfg); off by default."))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -139,7 +139,9 @@ def _hidden_size(policy) -> int | None:
 
 
 def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
-    """The trainable ZeRO engine: model, torch AdamW (policy.optimizer), warmup + schedule (lr_lambda).
+    """The trainable ZeRO engine: model, torch AdamW (policy.optimizer), warmup + schedule (lr_lambda). With
+    ``policy.lora.enabled`` the module is a peft model (`apply_lora`) whose adapters are the only trainable
+    parameters, and the only ones the optimizer holds.
 
     The DeepSpeed config is `grpo.system.ds_config.policy_ds_config_path` (``auto``: no ZeRO on one rank in fp32,
     ZeRO-1 on one rank in 16-bit, ZeRO-3 on several). torch AdamW in every configuration, offload while
@@ -156,14 +158,17 @@ def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     model = _load_model(policy, ds_config)
     if policy.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if policy.lora.enabled:  # before DeepSpeed: its optimizer and ZeRO partitions see the adapters only as trainable
+        model = apply_lora(model, policy.lora, seed=getattr(getattr(cfg, "grpo", None), "seed", 0))
+    trainable = [p for p in model.parameters() if p.requires_grad]
     o, s = policy.optimizer, policy.scheduler
     adamw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     no_zero_fp32 = ds_config.get("zero_optimization", {}).get("stage", 0) == 0 and policy.precision == "float32"
     if no_zero_fp32:  # DeepSpeed's own fp32 clipping records no norm: the optimizer clips
-        optimizer = CheckedAdamW(model.parameters(), max_grad_norm=ds_config.get("gradient_clipping", 0.0), **adamw)
+        optimizer = CheckedAdamW(trainable, max_grad_norm=ds_config.get("gradient_clipping", 0.0), **adamw)
         ds_config["gradient_clipping"] = 0.0
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+        optimizer = torch.optim.AdamW(trainable, **adamw)
     schedule = partial(lr_lambda, name=s.name, warmup_steps=s.warmup_steps, total_steps=total_optimizer_steps,
                        min_lr_ratio=s.min_lr_ratio, warmup_start_factor=s.warmup_start_factor,
                        decay_steps=s.decay_steps)
@@ -172,6 +177,114 @@ def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     if no_zero_fp32 and engine.dp_world_size == 1:
         engine.enable_backward_allreduce = False  # an all-reduce over one rank copies every gradient twice
     return engine
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA (policy.lora): peft adapters on the policy; the reference is the same module with them off
+# --------------------------------------------------------------------------------------------------
+def lora_targets(names: list[str]) -> list[str] | str | None:
+    """peft's ``target_modules`` / ``exclude_modules`` for NeMo-RL's module names: a list of a module's own names as
+    is (peft matches a name or a dotted suffix), or, when one has a ``*``, one regex over the full dotted name
+    (peft full-matches a string): ``*`` is any text, a plain name matches as the last component.
+
+        >>> lora_targets(["q_proj", "v_proj"])
+        ['q_proj', 'v_proj']
+        >>> print(lora_targets(["*.layers.0.*.q_proj", "v_proj"]))
+        (?:.*\\.layers\\.0\\..*\\.q_proj|(?:.*\\.)?v_proj)
+        >>> lora_targets([]) is None
+        True
+    """
+    import re
+
+    if not names:
+        return None
+    if not any("*" in n for n in names):
+        return list(names)
+    parts = [".*".join(re.escape(piece) for piece in n.split("*")) if "*" in n else r"(?:.*\.)?" + re.escape(n)
+             for n in names]
+    return "(?:" + "|".join(parts) + ")"
+
+
+def peft_lora_config(lora):
+    """peft's ``LoraConfig`` for ``policy.lora``: r = dim, lora_alpha = alpha (scaling alpha / r), lora_dropout,
+    target_modules = all-linear (match_all_linear: peft's, without the output head) or `lora_targets`,
+    exclude_modules. B starts at zero (init_lora_weights=True); `apply_lora` initializes A and moves dropout."""
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", r=lora.dim, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules="all-linear" if lora.match_all_linear else lora_targets(lora.target_modules),
+                      exclude_modules=lora_targets(lora.exclude_modules), bias="none", init_lora_weights=True)
+
+
+class _PostDropout:
+    """Forward hook on a ``lora_B``: dropout on the adapter's output (``dropout_position: post``), in training only.
+    peft scales B's output by alpha / r after it: dropout and a constant factor commute."""
+
+    def __init__(self, owner: torch.nn.Module, p: float):
+        self.owner, self.p = owner, p
+
+    def __call__(self, module, inputs, output):
+        return torch.nn.functional.dropout(output, self.p, training=self.owner.training)
+
+
+def apply_lora(model, lora, seed: int = 0, adapter: str = "default"):
+    """``model`` as a peft model with LoRA adapters (`peft_lora_config`); only the adapters require grad.
+
+    What peft cannot say is done here: A is initialized with ``lora.lora_A_init`` (xavier: xavier_normal_;
+    uniform: kaiming_uniform_(a=sqrt(5))) from a generator seeded with ``seed``, so every rank and every resume
+    starts from the same adapters; ``dropout_position: post`` moves the dropout from A's input to B's output
+    (`_PostDropout`). The adapters keep the model's dtype (DeepSpeed holds the fp32 master copy). Only linear
+    layers can be adapted (the merged export folds B @ A into their weights): another target is an error."""
+    import math
+
+    from peft import get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    model = get_peft_model(model, peft_lora_config(lora), adapter_name=adapter, autocast_adapter_dtype=False)
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    if not layers:
+        raise ValueError(f"policy.lora: no module of the model matches (target_modules={lora.target_modules}, "
+                         f"match_all_linear={lora.match_all_linear}, exclude_modules={lora.exclude_modules})")
+    odd = [name for name, m in layers if not isinstance(m, LoraLinear) or m.fan_in_fan_out]
+    if odd:
+        raise ValueError(f"policy.lora: only linear layers can be adapted (the export merges B @ A into their "
+                         f"weights); these are not: {odd[:5]}. Exclude them (policy.lora.exclude_modules)")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, m in layers:
+            a = m.lora_A[adapter].weight
+            init = torch.empty(a.shape, dtype=torch.float32)
+            if lora.lora_A_init == "xavier":
+                torch.nn.init.xavier_normal_(init, generator=g)
+            else:
+                torch.nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=g)
+            a.copy_(init)
+            if lora.dropout_position == "post" and lora.dropout > 0:
+                m.lora_dropout[adapter] = torch.nn.Identity()
+                m.lora_B[adapter].register_forward_hook(_PostDropout(m, lora.dropout))
+    return model
+
+
+def is_lora(module) -> bool:
+    """Whether ``module`` (an engine's) is a peft model."""
+    return hasattr(module, "peft_config") and hasattr(module, "disable_adapter")
+
+
+class AdaptersOff:
+    """The policy engine with its LoRA adapters off: the base model, the reference of a LoRA run (no second copy
+    of the weights). Every call runs under peft's ``disable_adapter``; everything else is the engine's (``module``,
+    ``device``, ``eval``, ``zero_optimization_stage``, ...). A ZeRO-3 forward stays a collective, as the engine's."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __call__(self, **inputs):
+        with self.engine.module.disable_adapter():
+            return self.engine(**inputs)
 
 
 class CheckedAdamW(torch.optim.AdamW):
