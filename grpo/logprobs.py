@@ -287,25 +287,27 @@ def mask_by_seq_logprob_error(
 
         new_sample_mask_b = sample_mask_b · 1[e_b ≤ threshold]        (threshold None: unchanged)
 
-    ``e_b`` uses the mask token_mask · sample_mask, as the loss's token_mult_prob_error does.
-    Metrics: num_masked_seqs; masked_correct_pct (100 · share of masked sequences with reward > 0);
-    seq_logprob_error_{min,mean,max} over the samples in the mask before masking, and
-    seq_logprob_error_after_{min,mean,max} over those kept (0 when there are none).
+    As NeMo-RL's ``compute_and_apply_seq_logprob_error_masking`` (nemo_rl/algorithms/grpo.py:2513-2631 at 7ea279a).
+    ``e_b`` uses the mask m = token_mask · sample_mask, as the loss's token_mult_prob_error does. Metrics:
+    num_masked_seqs; masked_correct_pct: the fraction (0-1) of the masked sequences whose reward is exactly 1;
+    seq_logprob_error_{min,mean,max} over the sequences with a token in m, and seq_logprob_error_after_{min,mean,max}
+    over those of them that are kept (0 when there are none; without a threshold, the same as before).
     """
     keep_before = sample_mask > 0
     err_b = seq_logprob_error(generation_logprobs, prev_logprobs, token_mask * sample_mask[:, None])
+    has_tokens = (token_mask * sample_mask[:, None]).sum(-1) > 0  # a sequence with no token has no error
     if threshold is None:
         keep_after = keep_before
     else:
         keep_after = keep_before & (err_b <= threshold)
     masked = keep_before & ~keep_after
     num_masked = int(masked.sum().item())
-    correct = int((masked & (rewards > 0)).sum().item())
+    correct = int((masked & (rewards == 1)).sum().item())
     metrics = {
         "num_masked_seqs": num_masked,
-        "masked_correct_pct": 100.0 * correct / num_masked if num_masked else 0.0,
-        **_min_mean_max(err_b[keep_before], "seq_logprob_error"),
-        **_min_mean_max(err_b[keep_after], "seq_logprob_error_after"),
+        "masked_correct_pct": correct / num_masked if num_masked else 0.0,
+        **_min_mean_max(err_b[has_tokens], "seq_logprob_error"),
+        **_min_mean_max(err_b[keep_after & has_tokens], "seq_logprob_error_after"),
     }
     return sample_mask * keep_after.to(sample_mask.dtype), metrics
 

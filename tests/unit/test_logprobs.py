@@ -136,7 +136,7 @@ def test_mask_by_seq_logprob_error_by_hand():
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
     new, m = mask_by_seq_logprob_error(gen, prev, tm, sm, rewards, threshold=2.0)
     torch.testing.assert_close(new, torch.tensor([1.0, 0.0, 1.0, 0.0]))
-    assert m["num_masked_seqs"] == 1 and m["masked_correct_pct"] == 100.0
+    assert m["num_masked_seqs"] == 1 and m["masked_correct_pct"] == 1.0  # a fraction, as NeMo-RL
     assert m["seq_logprob_error_max"] == pytest.approx(3.0) and m["seq_logprob_error_min"] == pytest.approx(1.0)
     assert m["seq_logprob_error_mean"] == pytest.approx(5.5 / 3)
     assert m["seq_logprob_error_after_max"] == pytest.approx(1.5)

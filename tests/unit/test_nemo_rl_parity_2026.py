@@ -197,3 +197,51 @@ def test_gdpo_and_reinforce_pp_match_nemo_rl_on_random_groups():
         m = mask.bool()
         torch.testing.assert_close(adv[m], expected[m], rtol=1e-6, atol=1e-6, msg=f"reinforce++ seed {seed}")
     assert gdpo_cases > 200
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence logprob-error masking
+# ----------------------------------------------------------------------------------------------
+def nrl_seq_logprob_error_masking(token_mask, sample_mask, prev, gen, rewards, threshold):
+    """nemo_rl/algorithms/grpo.py:2513-2631 compute_and_apply_seq_logprob_error_masking (tensors already aligned):
+    (new sample_mask, metrics)."""
+    mask = token_mask * sample_mask.unsqueeze(-1)
+    denom = mask.sum(dim=-1)
+    valid_seq = denom > 0
+    err = torch.zeros_like(denom)
+    num = (torch.exp((gen - prev).abs() * mask) * mask).sum(dim=-1)
+    err[valid_seq] = num[valid_seq] / denom[valid_seq].clamp(min=1)
+    stats = lambda x: (x.max().item(), x.mean().item(), x.min().item()) if x.numel() else (0.0, 0.0, 0.0)  # noqa: E731
+    before = stats(err[valid_seq])
+    after, num_masked, pct, new = before, 0, 0.0, sample_mask
+    if threshold is not None:
+        new = (err <= threshold).double() * sample_mask
+        diff = sample_mask - new
+        num_masked = int(diff.sum().item())
+        if num_masked:
+            pct = int((rewards[diff.bool()] == 1).sum().item()) / num_masked
+        after = stats(err[new.bool() & valid_seq])
+    return new, {"num_masked_seqs": num_masked, "masked_correct_pct": pct,
+                 "seq_logprob_error_max": before[0], "seq_logprob_error_mean": before[1],
+                 "seq_logprob_error_min": before[2], "seq_logprob_error_after_max": after[0],
+                 "seq_logprob_error_after_mean": after[1], "seq_logprob_error_after_min": after[2]}
+
+
+def test_seq_logprob_error_masking_matches_nemo_rl_on_random_batches():
+    """300 random batches (some samples already masked, some with no generated token): the new sample mask and
+    every metric as NeMo-RL's (grpo-ds's keys; `grpo.metrics.NEMO_RL_NAMES` maps them to NeMo-RL's)."""
+    from grpo.logprobs import mask_by_seq_logprob_error
+
+    for seed in range(300):
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        B, T = rng.randint(1, 6), rng.randint(1, 6)
+        token_mask = (torch.rand(B, T, generator=gen) < 0.7).double()
+        sample_mask = (torch.rand(B, generator=gen) < 0.8).double()
+        prev = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
+        glp = prev + torch.randn(B, T, generator=gen, dtype=torch.float64) * rng.choice([0.01, 0.3, 1.0])
+        rewards = torch.tensor([rng.choice([0.0, 1.0, 0.5]) for _ in range(B)], dtype=torch.float64)
+        threshold = rng.choice([None, 1.01, 1.2, 2.0])
+        new_n, m_n = nrl_seq_logprob_error_masking(token_mask, sample_mask, prev, glp, rewards, threshold)
+        new_g, m_g = mask_by_seq_logprob_error(glp, prev, token_mask, sample_mask, rewards, threshold)
+        torch.testing.assert_close(new_g, new_n, msg=f"seed {seed}")
+        assert m_g == pytest.approx(m_n, rel=1e-9, abs=1e-12), seed
