@@ -8,6 +8,7 @@ whatever they hold (even inf / NaN): the inputs are zeroed there first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -293,6 +294,8 @@ def clipped_pg_loss(
       probs_ratio (mean), probs_ratio_min, probs_ratio_max: r = exp(lp − prev) over masked tokens
         (inf / −inf with no masked token)
       token_mult_prob_error: masked mean of exp(|prev − gen|)         (only with generation_logprobs)
+      gen_kl_error, policy_kl_error, js_divergence_error: see `_engine_mismatch_metrics` (only with
+        generation_logprobs)
       sampling_importance_ratio: masked mean of the IS weights w     (only with generation_logprobs)
       is_oob_ratio: see :func:`importance_weights`                    (only with a truncation type)
       approx_entropy: masked mean of −exp(lp − gen)·lp (of −lp without generation_logprobs)
@@ -344,6 +347,7 @@ def clipped_pg_loss(
         else:
             metrics["sampling_importance_ratio"] = masked_mean(is_w, mask).item()
         metrics["token_mult_prob_error"] = masked_mean(torch.exp((prev - gen).abs()), mask).item()
+        metrics.update(_engine_mismatch_metrics(prev, gen, mask, cfg.reference_policy_kl_type))
         if cfg.use_importance_sampling_correction:
             pg_bt = is_w * pg_bt
     elif cfg.use_importance_sampling_correction:
@@ -384,6 +388,24 @@ def clipped_pg_loss(
         metrics = dict.fromkeys(metrics)
     metrics.update(loss=loss.item(), num_valid_samples=sample_mask.sum().item())
     return loss, metrics
+
+
+def _engine_mismatch_metrics(prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, kl_type: str) -> dict:
+    """How far the training engine's logprobs (prev) are from the sampler's (gen), over the masked tokens, as
+    NeMo-RL's ClippedPGLossFn logs them (nemo_rl/algorithms/loss/loss_functions.py:414-466 at 7ea279a):
+
+        gen_kl_error        = mean calculate_kl(gen, prev, kl_type, no clamps)     KL(P_gen || P_train), log r = prev − gen
+        policy_kl_error     = mean calculate_kl(prev, gen, kl_type, no clamps)     KL(P_train || P_gen)
+        js_divergence_error = mean ½·k3(M vs prev) + ½·k3(M vs gen),   log M = log(½·e^prev + ½·e^gen)
+    """
+    with torch.no_grad():
+        log_mix = torch.logaddexp(prev, gen) - math.log(2.0)
+        k3 = lambda x: torch.exp(x - log_mix) - (x - log_mix) - 1  # noqa: E731
+        return {
+            "gen_kl_error": masked_mean(calculate_kl(gen, prev, kl_type, None, None), mask).item(),
+            "policy_kl_error": masked_mean(calculate_kl(prev, gen, kl_type, None, None), mask).item(),
+            "js_divergence_error": masked_mean(0.5 * k3(prev) + 0.5 * k3(gen), mask).item(),
+        }
 
 
 def _ratio_metrics(lp, prev, ratio, ratio_clamped, adv, keep, mask, cfg: ClippedPGLossConfig) -> dict:

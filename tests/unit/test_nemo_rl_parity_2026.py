@@ -245,3 +245,149 @@ def test_seq_logprob_error_masking_matches_nemo_rl_on_random_batches():
         new_g, m_g = mask_by_seq_logprob_error(glp, prev, token_mask, sample_mask, rewards, threshold)
         torch.testing.assert_close(new_g, new_n, msg=f"seed {seed}")
         assert m_g == pytest.approx(m_n, rel=1e-9, abs=1e-12), seed
+
+
+# ----------------------------------------------------------------------------------------------
+# ClippedPGLossFn: loss value, gradient, and the engine-mismatch metrics
+# ----------------------------------------------------------------------------------------------
+def nrl_masked_mean(values, mask, dim=None, global_normalization_factor=None):
+    """nemo_rl/algorithms/utils.py:212-224 masked_mean."""
+    norm = torch.sum(mask, dim=dim) if global_normalization_factor is None else global_normalization_factor
+    return torch.sum(values * mask, dim=dim) / (norm + 1e-8)
+
+
+def nrl_calculate_kl(logprobs, ref, kl_type, input_clamp, output_clamp, weights=None):
+    """nemo_rl/algorithms/utils.py:42-101 calculate_kl."""
+    logr = ref - logprobs
+    if input_clamp is not None:
+        clamped = logr.clamp(-input_clamp, input_clamp)
+        if weights is not None:
+            weights = torch.where(logr == clamped, weights, weights.detach())
+        logr = clamped
+    kl = {"k1": -logr, "k2": logr.square() / 2, "k3": torch.exp(logr) - 1 - logr}[kl_type]
+    if weights is not None:
+        kl = weights * kl
+    return kl if output_clamp is None else kl.clamp(-output_clamp, output_clamp)
+
+
+def nrl_clipped_pg_loss(c, curr, prev, gen, ref, adv, token_mask, sample_mask, gvt, gvs):
+    """nemo_rl/algorithms/loss/loss_functions.py:374-789 ClippedPGLossFn.__call__ (no CISPO, no NLL; inputs already
+    shifted): (loss, {gen_kl_error, policy_kl_error, js_divergence_error})."""
+    mask = token_mask * sample_mask.unsqueeze(-1)
+    token_level = c["token_level_loss"]
+
+    def reduce(x, n_tok=gvt, n_seq=gvs):
+        if token_level:
+            return nrl_masked_mean(x, mask, global_normalization_factor=n_tok)
+        return nrl_masked_mean(nrl_masked_mean(x, token_mask, dim=-1), sample_mask, global_normalization_factor=n_seq)
+
+    if c["force_on_policy_ratio"]:
+        prev = curr.detach()
+    kl_type = c["reference_policy_kl_type"]
+    metrics = {  # :414-466
+        "gen_kl_error": nrl_masked_mean(nrl_calculate_kl(gen, prev, kl_type, None, None), mask).item(),
+        "policy_kl_error": nrl_masked_mean(nrl_calculate_kl(prev, gen, kl_type, None, None), mask).item(),
+    }
+    log_mix = torch.log(0.5 * torch.exp(prev) + 0.5 * torch.exp(gen))
+    js = 0.5 * (torch.exp(prev - log_mix) - (prev - log_mix) - 1) + 0.5 * (torch.exp(gen - log_mix) - (gen - log_mix) - 1)
+    metrics["js_divergence_error"] = nrl_masked_mean(js, mask).item()
+    beta = 0.0 if c["use_kl_in_reward"] else c["reference_policy_kl_penalty"]
+    kl = 0.0
+    if beta != 0:  # :468-510
+        w = torch.exp(curr - gen) if c["use_on_policy_kl_approximation"] else torch.exp(curr - curr.detach())
+        w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+        kl = reduce(beta * nrl_calculate_kl(curr, ref, kl_type, 20.0, 10.0, w))
+    if c["force_on_policy_ratio"]:  # :512-540
+        ratios = torch.exp(curr - curr.detach())
+        clamped = ratios
+    elif not c["disable_ppo_ratio"]:
+        log_ratios = curr - prev
+        if c["sequence_level_importance_ratios"]:
+            ratios = nrl_masked_mean(log_ratios, token_mask, dim=-1).unsqueeze(-1).exp().repeat(1, adv.shape[1])
+        else:
+            ratios = log_ratios.exp()
+        clamped = ratios.clamp(1.0 - c["ratio_clip_min"], 1.0 + c["ratio_clip_max"])
+    else:
+        ratios = clamped = curr
+    clip_loss = torch.max(-adv * ratios, -adv * clamped)
+    if c["ratio_clip_c"] is not None:
+        clip_loss = torch.where(adv < 0, torch.min(clip_loss, -adv * c["ratio_clip_c"]), clip_loss)
+    if c["sequence_level_importance_ratios"]:  # :556-654
+        iw = torch.nan_to_num(torch.exp(((prev - gen) * mask).sum(-1)).detach(), nan=0.0, posinf=0.0,
+                              neginf=0.0).unsqueeze(-1)
+    else:
+        iw = torch.nan_to_num(torch.exp(prev - gen), nan=0.0, posinf=0.0, neginf=0.0)
+    kind, hi, lo = (c["truncated_importance_sampling_type"], c["truncated_importance_sampling_ratio"],
+                    c["truncated_importance_sampling_ratio_min"])
+    if kind == "tis":
+        iw = iw.clamp(min=0.0 if lo is None else lo, max=hi)
+    elif kind == "icepop":
+        iw = torch.where((iw >= lo) & (iw <= hi), iw, torch.zeros_like(iw))
+    elif kind == "seq-mask-tis":
+        log_is = torch.nan_to_num(prev - gen, nan=0.0, posinf=0.0, neginf=0.0)
+        geo = torch.exp(nrl_masked_mean(log_is, token_mask, dim=-1)).detach()
+        iw = iw * ((geo >= lo) & (geo <= hi)).double().unsqueeze(-1)
+    if not c["use_importance_sampling_correction"]:
+        iw = torch.ones_like(prev)
+    return reduce(iw * clip_loss) + kl, metrics
+
+
+def random_loss_config(rng):
+    c = {"token_level_loss": rng.random() < 0.6}
+    c["sequence_level_importance_ratios"] = not c["token_level_loss"] and rng.random() < 0.4
+    c["disable_ppo_ratio"] = rng.random() < 0.15
+    c["force_on_policy_ratio"] = not c["disable_ppo_ratio"] and rng.random() < 0.15
+    c["ratio_clip_min"], c["ratio_clip_max"] = rng.choice([0.1, 0.2]), rng.choice([0.2, 0.28])
+    c["ratio_clip_c"] = rng.choice([None, 3.0, 1.5])
+    c["reference_policy_kl_penalty"] = rng.choice([0.0, 0.01, 0.5])
+    c["reference_policy_kl_type"] = rng.choice(["k1", "k2", "k3"])
+    c["use_kl_in_reward"] = rng.random() < 0.1
+    c["use_on_policy_kl_approximation"] = rng.random() < 0.3
+    c["use_importance_sampling_correction"] = rng.random() < 0.5
+    c["truncated_importance_sampling_type"] = c["truncated_importance_sampling_ratio"] = None
+    c["truncated_importance_sampling_ratio_min"] = None
+    if c["use_importance_sampling_correction"] and rng.random() < 0.7:
+        kind = rng.choice(["tis", "icepop"] + ([] if c["sequence_level_importance_ratios"] else ["seq-mask-tis"]))
+        c["truncated_importance_sampling_type"] = kind
+        c["truncated_importance_sampling_ratio"] = rng.choice([1.05, 2.0, 5.0])
+        if kind != "tis" or rng.random() < 0.5:
+            c["truncated_importance_sampling_ratio_min"] = rng.choice([0.5, 0.9, 0.97])
+    return c
+
+
+def test_clipped_pg_loss_matches_nemo_rl_on_random_configs():
+    """200 random configs and batches (global normalisers above the batch's own counts, [B] and [B, T]
+    advantages): the loss and its gradient as NeMo-RL's, and gen_kl_error / policy_kl_error / js_divergence_error.
+
+    The metrics that differ on purpose are not compared: under disable_ppo_ratio NeMo-RL's probs_ratio* are of its
+    "ratio", the logprob itself (grpo-ds: exp(lp − prev)); with sequence-level ratios NeMo-RL's
+    sampling_importance_ratio is Σ_i w_i · Σ_j s_j / global_valid_seqs (a [B, 1] × [B] broadcast), grpo-ds the
+    masked mean of w."""
+    from grpo.config import ClippedPGLossConfig
+    from grpo.loss import clipped_pg_loss
+
+    for seed in range(200):
+        rng, gen_ = random.Random(seed), torch.Generator().manual_seed(seed)
+        c = random_loss_config(rng)
+        B, T = rng.randint(1, 5), rng.randint(2, 7)
+        lp0 = -torch.rand(B, T, generator=gen_, dtype=torch.float64) * 3
+        prev = lp0 + torch.randn(B, T, generator=gen_, dtype=torch.float64) * rng.choice([0.05, 0.3, 1.0])
+        glp = prev + torch.randn(B, T, generator=gen_, dtype=torch.float64) * rng.choice([0.01, 0.1, 0.5])
+        ref = lp0 + torch.randn(B, T, generator=gen_, dtype=torch.float64) * rng.choice([0.1, 1.0, 25.0])
+        adv = torch.randn(B, T, generator=gen_, dtype=torch.float64) if rng.random() < 0.3 else \
+            torch.randn(B, 1, generator=gen_, dtype=torch.float64).expand(B, T)
+        tm = (torch.rand(B, T, generator=gen_) < 0.7).double()
+        sm = (torch.rand(B, generator=gen_) < 0.8).double()
+        gvt = torch.tensor(float((tm * sm[:, None]).sum() + rng.choice([0, 3])), dtype=torch.float64)
+        gvs = torch.tensor(float(sm.sum() + rng.choice([0, 2])), dtype=torch.float64)
+        lp_n, lp_g = lp0.clone().requires_grad_(True), lp0.clone().requires_grad_(True)
+        loss_n, m_n = nrl_clipped_pg_loss(c, lp_n, prev, glp, ref, adv, tm, sm, gvt, gvs)
+        loss_g, m_g = clipped_pg_loss(lp_g, prev, adv, tm, sm, ClippedPGLossConfig(**c), ref_logprobs=ref,
+                                      generation_logprobs=glp, global_valid_tokens=gvt, global_valid_seqs=gvs)
+        torch.testing.assert_close(loss_g, loss_n, rtol=1e-6, atol=1e-9, msg=f"seed {seed}: {c}")
+        (grad_n,), (grad_g,) = torch.autograd.grad(loss_n, lp_n), torch.autograd.grad(loss_g, lp_g)
+        keep = (tm * sm[:, None]).bool()
+        torch.testing.assert_close(grad_g[keep], grad_n[keep], rtol=1e-6, atol=1e-9, msg=f"seed {seed}: {c}")
+        if keep.any():
+            for key in ("gen_kl_error", "policy_kl_error", "js_divergence_error"):
+                assert m_g[key] == pytest.approx(m_n[key], rel=1e-6, abs=1e-9), (seed, key)
