@@ -3,7 +3,8 @@
 Layout of ``checkpointing.checkpoint_dir``::
 
     step_000004/                 one complete checkpoint (only ever appears by a rename)
-        ds/                      DeepSpeed checkpoint of the policy (weights, optimizer, scheduler)
+        ds/                      DeepSpeed checkpoint of the policy (weights, optimizer, scheduler; with LoRA
+                                 the adapters and their optimizer states only: the base is policy.model_name)
         train_state.json         GRPOSaveState: consumed_samples, current_step, current_epoch, ...
         dataloader.pt            StatefulDataLoader state
         rng_rank{r}.pt           python / torch RNG states of each rank
@@ -274,6 +275,28 @@ def _any_rank(flag: bool) -> bool:
     return any_rank(flag)
 
 
+def _is_lora(engine) -> bool:
+    from grpo.system.engines import is_lora
+
+    return is_lora(engine.module)
+
+
+def _check_adapters_loaded(ds_dir: Path, engine) -> None:
+    """A LoRA checkpoint loads without strict module keys (it lacks the frozen base): check instead that it held
+    every trainable parameter of the engine (another lora.dim or target_modules would load nothing silently)."""
+    files = sorted(ds_dir.glob("ds/mp_rank_*_model_states.pt")) or sorted(ds_dir.glob("ds/*model_states.pt"))
+    if not files:
+        return
+    saved = set(safe_load(files[0]).get("module") or {})
+    if not saved:  # ZeRO-3 keeps the weights in its optimizer partitions, which DeepSpeed checks itself
+        return
+    trainable = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    missing = sorted(trainable - saved)
+    if missing:
+        raise CheckpointError(f"{ds_dir} holds no {missing[:3]} ({len(missing)} adapter tensors): it was saved with "
+                              "other LoRA settings (policy.lora) or without LoRA; resume with the same policy.lora")
+
+
 def rng_state() -> dict:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
@@ -351,7 +374,9 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             _barrier()
-            engine.save_checkpoint(str(tmp / "ds"), tag="ds", save_latest=False)
+            # LoRA: the adapters and their optimizer states only; the frozen base comes from policy.model_name
+            engine.save_checkpoint(str(tmp / "ds"), tag="ds", save_latest=False,
+                                   exclude_frozen_parameters=_is_lora(engine))
             torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
             if export_fn is not None:
                 export_fn(str(tmp / "hf"))
@@ -460,7 +485,10 @@ class CheckpointManager:
         files = json.loads((path / MANIFEST).read_text())["files"]
         rng_file = path / f"rng_rank{self.rank}.pt"
         use_safe_loading(engine)
-        loaded, _ = engine.load_checkpoint(str(path / "ds"), tag="ds", load_module_strict=True)
+        lora = _is_lora(engine)  # the checkpoint holds the adapters; the base weights are policy.model_name's
+        loaded, _ = engine.load_checkpoint(str(path / "ds"), tag="ds", load_module_strict=not lora)
+        if lora:
+            _check_adapters_loaded(path / "ds", engine)
         if loaded is None:
             raise CheckpointError(f"{path / 'ds'}: DeepSpeed found no checkpoint to load")
         state = GRPOSaveState(**json.loads((path / "train_state.json").read_text()))

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from grpo.system.engines import DTYPES
+from grpo.system.engines import DTYPES, apply_lora
 from grpo.system.weights import iter_gathered_params
 from grpo.system.generation.base import GenerationOutput, cut_completion, length_caps, per_sample_stops
 from grpo.system.generation.sampling import SeededSampler
@@ -70,7 +70,9 @@ class HFGeneration:
 
     ``shared=True``: ``model`` is the training engine's own module (its weights are whole on every rank:
     ZeRO-1/2); it is generated from as is, in eval mode for the call, and `refit` has nothing to copy. No
-    second copy of the weights, no copying after each step (TRL does the same with its policy)."""
+    second copy of the weights, no copying after each step (TRL does the same with its policy). With LoRA
+    (``policy.lora``) both generate with the adapters on: the shared module is the peft model itself; the copy is
+    a peft model whose `refit` moves only the adapters after the first."""
 
     def __init__(self, policy_cfg, tokenizer, model_config, device, *, model=None,
                  refit_bucket_numel: int = 2**28, shared: bool = False):
@@ -86,6 +88,8 @@ class HFGeneration:
         if model is None:
             model = AutoModelForCausalLM.from_config(model_config, dtype=DTYPES[self.cfg.precision],
                                                      trust_remote_code=self.cfg.trust_remote_code)
+            if self.cfg.lora.enabled:  # the same adapters as the policy's: refit moves only them after the first
+                model = apply_lora(model, self.cfg.lora)
         self.model = model if shared else model.to(self.device).eval().requires_grad_(False)
         cfg_eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
         self.stop_token_ids = sorted(set(_as_list(tokenizer.eos_token_id) + _as_list(cfg_eos)
@@ -175,14 +179,16 @@ class HFGeneration:
 
     def refit(self, engine) -> float:
         """Copy the engine's weights into this copy, a bucket of whole layers at a time (collective); nothing
-        to do when the model is the engine's own (``shared``)."""
+        to do when the model is the engine's own (``shared``). With LoRA the copy is a peft model too: the first
+        refit copies everything, later ones only the adapters (the base weights never change)."""
         if self.shared:
             return 0.0
         t0 = time.perf_counter()
-        params = dict(self.model.named_parameters())
+        adapters_only = self._has_weights and self.cfg.lora.enabled
+        params = {name: p for name, p in self.model.named_parameters() if ".lora_" in name or not adapters_only}
         seen = set()
         with torch.no_grad():
-            for bucket in iter_gathered_params(engine, self.refit_bucket_numel):
+            for bucket in iter_gathered_params(engine, self.refit_bucket_numel, trainable_only=adapters_only):
                 for name, full in bucket:
                     if name not in params:
                         raise KeyError(f"refit: engine parameter {name!r} has no counterpart in the generation copy")
