@@ -11,6 +11,11 @@ The step order lives in `_wake` and `sleep` and nowhere else:
         3. wake_up(tags=["weights"]) -> 4. load the new weights -> 5. reset_prefix_cache()
         -> 6. wake_up(tags=["kv_cache"]) -> 7. generate
 
+With ``policy.lora`` the engine is built with vLLM's LoRA support and keeps the checkpoint's base weights for
+the whole run (the policy's base weights never change); step 4 loads the policy's adapters as a new adapter
+version instead (`AdapterSync`: a new adapter id, the old one removed), and every generation passes the newest
+version's ``LoRARequest``.
+
 `wake_up()` (before a generation without new weights, e.g. the step after a validation) runs the
 same `_wake` without step 4, unless sleep level 2 discarded the weights: then it reloads them from
 the policy engine. On the CPU vLLM has no sleep mode: sleep / wake_up are accepted no-ops there, and
@@ -29,11 +34,15 @@ the trainer's randomness and threads do not depend on the backend; the construct
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import os
 import random
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -41,8 +50,8 @@ import torch
 
 from grpo.system.generation.base import GenerationOutput, chunk_slices, length_caps, per_sample_stops  # noqa: F401
 from grpo.system.generation.vllm_params import (
-    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, kv_cache_shortfall, llm_kwargs, refit_problems,
-    sampling_kwargs, startup_memory_problem, stop_token_ids, to_output,
+    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, adapter_config_for_vllm, kv_cache_shortfall, llm_kwargs,
+    lora_enabled, lora_problems, refit_problems, sampling_kwargs, startup_memory_problem, stop_token_ids, to_output,
 )
 
 # Environment variables an in-process CPU engine sets that would leak into the trainer's children.
@@ -230,6 +239,92 @@ class _DropCpuSleepWarnings(logging.Filter):
         return "sleep mode is not supported" not in record.getMessage()
 
 
+class _DropLoraTokenizerWarning(logging.Filter):
+    """vLLM warns at the first LoRA request that per-adapter tokenizers are deprecated; ours have none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "tokenizers for different LoRAs" not in record.getMessage()
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA: adapter-only weight sync
+# --------------------------------------------------------------------------------------------------
+def scratch_root() -> str:
+    """Where adapter versions are written: ``/dev/shm`` (memory, no disk) when it is there and writable, else
+    the temporary directory."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def write_adapter(directory: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+    """peft's ``save_pretrained`` layout in ``directory``: ``adapter_model.safetensors`` (``tensors`` under
+    their ``get_peft_model_state_dict`` names, on the host) and ``adapter_config.json``
+    (`adapter_config_for_vllm`). What vLLM's ``LoRAModel.from_local_checkpoint`` reads."""
+    from safetensors.torch import save_file
+
+    if not tensors:
+        raise ValueError("write_adapter: no adapter tensors (is policy.lora on in the policy engine?)")
+    os.makedirs(directory, exist_ok=True)
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()},
+              os.path.join(directory, "adapter_model.safetensors"))
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config_for_vllm(peft_config), f, indent=1)
+
+
+class AdapterSync:
+    """The policy's LoRA adapters in a vLLM engine whose base weights never change.
+
+    Each `sync` is one weight version: the adapters are written under a new directory of a scratch directory
+    (`scratch_root`, one per rank), loaded under a new adapter id (1, 2, 3, ...: the version) with
+    ``llm.llm_engine.add_lora``, then the previous version is removed from vLLM (``remove_lora``) and its files
+    deleted. `request` is the newest version's ``LoRARequest``, which every generation passes. A new id per
+    version (never ``load_inplace`` under one id) also keys vLLM's prefix cache by version: KV computed with
+    older adapters is never reused.
+
+    File-based, not in memory: in vLLM 0.32-0.33 the only public way in (``LLMEngine.add_lora`` -> the worker's
+    ``LRUCacheWorkerLoRAManager._load_adapter``) reads ``lora_path`` (``PEFTHelper.from_local_dir``,
+    ``LoRAModel.from_local_checkpoint``, which also rejects modules the model cannot adapt); loading tensors
+    (``LoRAModel.from_lora_tensors``) would mean adding to the worker's private ``_adapter_manager`` ourselves.
+    The adapters are small (MBs) and ``/dev/shm`` is memory, so the write costs milliseconds.
+
+    ``make_request``: builds a ``LoRARequest`` from its keyword arguments (default: vLLM's).
+    """
+
+    def __init__(self, llm, rank: int = 0, root: str | None = None, make_request: Callable | None = None):
+        self.llm = llm
+        self.version = 0
+        self.request = None
+        self.dir = tempfile.mkdtemp(prefix=f"grpo-lora-r{rank}-", dir=root or scratch_root())
+        self._make_request = make_request
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)  # also at interpreter exit
+
+    def sync(self, tensors: dict[str, torch.Tensor], peft_config: dict):
+        """Load ``tensors`` (peft names) as the next version; returns its ``LoRARequest``."""
+        make = self._make_request
+        if make is None:
+            from vllm.lora.request import LoRARequest as make
+        version = self.version + 1
+        path = os.path.join(self.dir, f"v{version}")
+        write_adapter(path, tensors, peft_config)
+        request = make(lora_name=f"policy-v{version}", lora_int_id=version, lora_path=path)
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request):
+            shutil.rmtree(path, ignore_errors=True)
+            raise RuntimeError(f"vLLM did not load the policy's adapters (version {version}) from {path}")
+        old, self.request, self.version = self.request, request, version
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        loaded = engine.list_loras()
+        if set(loaded) != {version}:
+            raise RuntimeError(f"vLLM holds adapters {sorted(loaded)} after sync; expected only version {version}")
+        return request
+
+    def close(self) -> None:
+        """Delete the scratch directory (vLLM keeps what it loaded)."""
+        self._cleanup()
+
+
 # --------------------------------------------------------------------------------------------------
 # The backend
 # --------------------------------------------------------------------------------------------------
@@ -271,6 +366,12 @@ class VllmGeneration:
         self._optimizer_offloaded = False
         self._offloaded: list = []  # what the last optimizer offload moved (`grpo.system.offload.Moved`)
 
+        self.lora = lora_enabled(cfg)
+        problems = lora_problems(cfg)
+        if problems:
+            raise ValueError("policy.lora with policy.generation.backend=vllm: " + "; ".join(problems))
+        self.adapters: AdapterSync | None = None  # with policy.lora, after the engine starts
+
         model = resolve_model_name(cfg.policy.model_name, self.rank)
         tok_path = cfg.policy.tokenizer.name or model
         from grpo.system.model_config import load_model_config, vllm_hf_overrides
@@ -294,6 +395,9 @@ class VllmGeneration:
                             hf_overrides=vllm_hf_overrides(model_cfg, cfg.policy.hf_config_overrides))
             check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
             self.llm = LLM(**kw)
+        if self.lora:
+            self.adapters = AdapterSync(self.llm, self.rank)
+            logging.getLogger("vllm.v1.engine.input_processor").addFilter(_DropLoraTokenizerWarning())
         # vLLM's EngineCore (and its GPU worker after warm-up) calls gc.freeze() to keep a server's start-up heap
         # out of collections; in-process that freezes the trainer's heap too, whose garbage cycles would then
         # never be collected. Unfreeze: it only costs vLLM longer collection pauses.
@@ -324,7 +428,10 @@ class VllmGeneration:
             self.llm.wake_up(tags=["weights"])
             self._record("wake_weights")
         if engine is not None:
-            self._push_all(engine, per_parameter)
+            if self.adapters is not None:
+                self._sync_adapters(engine)
+            else:
+                self._push_all(engine, per_parameter)
             self._refitted, self._weights_discarded = True, False
             self._record("load_weights")
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -337,7 +444,9 @@ class VllmGeneration:
         self.memory["memory/after_wake_gb"] = memory_gb()
 
     def refit(self, engine, *, per_parameter: bool = False) -> float:
-        """Load ``engine``'s weights (a collective: every rank calls it); returns the seconds taken.
+        """Load ``engine``'s weights (a collective: every rank calls it); returns the seconds taken. With
+        ``policy.lora`` its adapters only, as a new adapter version (`AdapterSync`): vLLM's base weights are the
+        checkpoint's, loaded at start, and the policy's base weights never change.
 
         ``per_parameter=True`` pushes one parameter per call: for `bench/bench_refit.py` only; it
         splits fused modules, which vLLM then loads wrongly (see `push_weights`).
@@ -388,13 +497,16 @@ class VllmGeneration:
                                                    stop_ids=stop_ids, stop=st))
                   for c, s, st in zip(caps, seeds, stops)]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        lora_request = self.adapters.request if self.adapters is not None else None  # the newest version
         with preserved_host_state():
-            results = self.llm.generate(prompts, params, use_tqdm=False)
+            results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
         return [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
 
     def close(self) -> None:
         """Shut the engine down and free its memory (vLLM's model-parallel groups included; the
         trainer's process group stays)."""
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.close()
         llm = getattr(self, "llm", None)
         if llm is None:
             return
@@ -433,6 +545,14 @@ class VllmGeneration:
         problems = refit_problems(pushed, [name for name, _ in engine.module.named_parameters()], never_loaded)
         if problems:
             raise RuntimeError(f"vLLM refit from {type(engine.module).__name__}: " + "; ".join(problems))
+
+    def _sync_adapters(self, engine) -> None:
+        """The policy's adapters as the next version (`AdapterSync.sync`); gathering them is a collective under
+        ZeRO-3 (`grpo.system.weights.adapter_state_dict`)."""
+        from grpo.system.weights import adapter_state_dict, peft_config_dict
+
+        self._warm_up_engine(engine)
+        self.adapters.sync(adapter_state_dict(engine), peft_config_dict(engine))
 
     def _warm_up_engine(self, engine) -> None:
         """Before the first refit, one dummy forward of a ZeRO-3 engine (collective), so the gathered

@@ -19,6 +19,16 @@ RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
 PER_PUSH_NOISE = ("Failed to load weights", "Reloading and processing weights took")
 PARAMS_NOT_LOADED = "weights were not loaded from checkpoint"
 
+# The ranks a vLLM engine can be built for (vllm 0.32-0.33 config/lora.py ``MaxLoRARanks``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vllm.LLM arguments grpo-ds sets itself with policy.lora (`lora_llm_kwargs`).
+LORA_KWARGS = ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")
+# adapter_config.json keys that describe the adapter at inference (what vLLM's ``PEFTHelper`` reads); the
+# others (dropout, initialisation, peft's bookkeeping) only matter to training.
+ADAPTER_CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "exclude_modules", "bias", "modules_to_save",
+                       "use_rslora", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern",
+                       "layer_replication", "peft_type", "task_type", "base_model_name_or_path")
+
 
 def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, on_cpu: bool,
                sleep_mode_available: bool, hf_overrides: dict | None = None) -> dict:
@@ -33,6 +43,7 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     - ``logprobs_mode="processed_logprobs"``: logprobs of the distribution actually sampled from;
     - ``hf_overrides``: the model config's changes (``policy.hf_config_overrides`` as
       `grpo.system.model_config.vllm_hf_overrides` resolves them), when there are any;
+    - with ``policy.lora.enabled``: vLLM's LoRA support (`lora_llm_kwargs`);
     - then ``vllm_cfg.vllm_kwargs`` (keys the above does not set).
     """
     p, v = cfg.policy, cfg.policy.generation.vllm_cfg
@@ -60,7 +71,94 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
         kw["distributed_executor_backend"] = "external_launcher"
     if hf_overrides:
         kw["hf_overrides"] = hf_overrides
+    if lora_enabled(cfg):
+        kw.update(lora_llm_kwargs(cfg.policy.lora))
     return {**kw, **v.vllm_kwargs}  # the config refuses a key set above (VllmConfig.vllm_kwargs)
+
+
+def lora_enabled(cfg) -> bool:
+    """``policy.lora.enabled``."""
+    lora = getattr(cfg.policy, "lora", None)
+    return bool(lora is not None and lora.enabled)
+
+
+def vllm_lora_rank(dim: int) -> int:
+    """The smallest rank a vLLM engine can be built for that holds adapters of rank ``dim``.
+
+        >>> vllm_lora_rank(8), vllm_lora_rank(12), vllm_lora_rank(300)
+        (8, 16, 320)
+    """
+    for rank in VLLM_LORA_RANKS:
+        if rank >= dim:
+            return rank
+    raise ValueError(f"policy.lora.dim={dim}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+
+
+def lora_llm_kwargs(lora_cfg) -> dict:
+    """``vllm.LLM`` arguments for adapter-only weight sync (`grpo.system.generation.vllm.AdapterSync`):
+
+    - ``max_lora_rank``: `vllm_lora_rank` of ``policy.lora.dim`` (vLLM sizes its adapter buffers for it);
+    - ``max_loras=1``: every request of a batch uses the newest adapters, one slot;
+    - ``max_cpu_loras=2``: the new version loads while the old one is still registered, then the old one is
+      removed (a failed load leaves the old one serving).
+
+        >>> lora_llm_kwargs(type("L", (), {"dim": 8})())
+        {'enable_lora': True, 'max_lora_rank': 8, 'max_loras': 1, 'max_cpu_loras': 2}
+    """
+    return dict(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_cfg.dim), max_loras=1, max_cpu_loras=2)
+
+
+def lora_problems(cfg) -> list[str]:
+    """Why the vLLM backend cannot serve this run's LoRA policy, as messages (empty: it can, or no LoRA).
+
+    - ``policy.lora.dim`` above vLLM's largest rank (512);
+    - ``vllm_cfg.sleep_level=2``: it discards vLLM's weights while training, and with LoRA the base weights
+      are loaded once at start and never pushed again (nor are vLLM's adapter buffers, which live with them);
+    - ``vllm_cfg.vllm_kwargs`` setting what `lora_llm_kwargs` sets.
+    """
+    if not lora_enabled(cfg):
+        return []
+    v, dim = cfg.policy.generation.vllm_cfg, cfg.policy.lora.dim
+    problems = []
+    if dim > VLLM_LORA_RANKS[-1]:
+        problems.append(f"policy.lora.dim={dim}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+    if v.sleep_level == 2:
+        problems.append("policy.generation.vllm_cfg.sleep_level=2 discards vLLM's weights while training; with "
+                        "policy.lora the base weights are loaded once and never pushed again: use sleep_level=1")
+    taken = sorted(set(v.vllm_kwargs) & set(LORA_KWARGS))
+    if taken:
+        problems.append(f"policy.generation.vllm_cfg.vllm_kwargs: {taken} are set by grpo-ds with policy.lora "
+                        "(grpo/system/generation/vllm_params.py lora_llm_kwargs)")
+    return problems
+
+
+def adapter_config_for_vllm(peft_config: dict) -> dict:
+    """The ``adapter_config.json`` written next to the adapter weights for vLLM: the keys of
+    ``ADAPTER_CONFIG_KEYS`` from peft's config dict (``LoraConfig.to_dict()``), JSON-ready (sets become sorted
+    lists, enums their value). Dropout and initialisation are left out: they act in training only, and vLLM
+    rejects initialisations it does not know by name.
+
+        >>> adapter_config_for_vllm({"r": 8, "lora_alpha": 32, "target_modules": {"v_proj", "q_proj"},
+        ...                          "lora_dropout": 0.1, "init_lora_weights": "xavier"})
+        {'r': 8, 'lora_alpha': 32, 'target_modules': ['q_proj', 'v_proj']}
+    """
+    import enum
+
+    def plain(x):
+        if isinstance(x, enum.Enum):
+            return x.value
+        if isinstance(x, (set, frozenset)):
+            return sorted(plain(i) for i in x)
+        if isinstance(x, (list, tuple)):
+            return [plain(i) for i in x]
+        if isinstance(x, dict):
+            return {str(k): plain(i) for k, i in x.items()}
+        return x
+
+    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in peft_config]
+    if missing:
+        raise ValueError(f"adapter config without {missing}: expected peft's LoraConfig.to_dict()")
+    return {k: plain(peft_config[k]) for k in ADAPTER_CONFIG_KEYS if k in peft_config}
 
 
 def stop_token_ids(tokenizer, model_eos, gen_cfg) -> list[int]:
