@@ -26,7 +26,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_DIR = REPO_ROOT / "configs" / "prompts"  # our own wording of NeMo-RL's examples/prompts/*.txt names
 
 ADAMW = ("torch.optim.AdamW", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam")
-ISSUE_22 = "issue 22: LoRA not yet; it changes what is trained"
 ISSUE_23 = "issue 23: non-colocated generation not yet; generation stays colocated (same results, other speed)"
 ISSUE_24 = "issue 24: not yet; changes speed and memory only, not results"
 DEEPSPEED = "grpo-ds trains with DeepSpeed ZeRO (ZeRO-3 shards weights, gradients and optimizer states over the ranks)"
@@ -213,9 +212,8 @@ def _policy(w: Walk) -> None:
         return
     w.ignore("policy.megatron_cfg", "megatron_cfg.enabled=false: NeMo-RL does not use it either")
     if isinstance(dtensor, dict):
-        lora = dtensor.get("lora_cfg")
-        if _enabled(lora):
-            w.refuse("policy.dtensor_cfg.lora_cfg.enabled", ISSUE_22)
+        if _enabled(dtensor.get("lora_cfg")):
+            _lora(w, "policy.dtensor_cfg.lora_cfg")
         w.ignore("policy.dtensor_cfg.lora_cfg", "lora_cfg.enabled=false: full fine-tuning, as grpo-ds does")
         if w.has("policy.dtensor_cfg.activation_checkpointing"):
             w.translate("policy.dtensor_cfg.activation_checkpointing",
@@ -230,6 +228,68 @@ def _policy(w: Walk) -> None:
         w.ignore("policy.dtensor_cfg", f"DTensor (FSDP2) internals: parallel sizes, plans, automodel kwargs; {DEEPSPEED}")
     _torch_optimizer(w)
     _torch_scheduler(w)
+
+
+# Megatron's module names (megatron_cfg.peft.target_modules) as the Hugging Face models' (Llama / Qwen / Mistral)
+MEGATRON_LINEARS = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
+                    "linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}
+
+
+def _lora(w: Walk, key: str, megatron: bool = False) -> None:
+    """An enabled ``dtensor_cfg.lora_cfg`` (or ``megatron_cfg.peft``) -> ``policy.lora``, peft on DeepSpeed
+    (grpo/system/engines.py apply_lora). NeMo-RL's meanings (docs/guides/lora.md, models/policy/__init__.py:95-106,
+    models/automodel/setup.py:662-672): match_all_linear adapts every linear layer and overrides target_modules;
+    empty target_modules adapt every linear layer; alpha / dim scales the adapter; B starts at zero."""
+    cfg = w.get(key)
+    out: dict[str, Any] = {"enabled": True}
+    names = {"policy.lora.target_modules": "target_modules", "policy.lora.exclude_modules": "exclude_modules"}
+    mods = {field: list(cfg.get(field) or []) for field in names.values()}
+    if megatron:  # Megatron's layer names -> the HF model's; its LoRA has no match_all_linear (empty = all)
+        unknown = sorted({m.rsplit(".", 1)[-1] for ms in mods.values() for m in ms} - set(MEGATRON_LINEARS))
+        if unknown:
+            w.refuse(f"{key}.target_modules", f"Megatron module names {unknown} have no Hugging Face counterpart "
+                     f"grpo-ds knows (it maps {sorted(MEGATRON_LINEARS)})")
+            w.take(key)
+            return
+        mods = {f: [m.rsplit(".", 1)[0] + "." + hf if "." in m else hf for m in ms
+                    for hf in MEGATRON_LINEARS[m.rsplit(".", 1)[-1]]] for f, ms in mods.items()}
+        match_all = not mods["target_modules"]
+    else:
+        match_all = bool(cfg.get("match_all_linear", False)) or not mods["target_modules"]
+    note = []
+    if match_all and mods["target_modules"]:
+        note.append(f"target_modules={mods['target_modules']} ignored: match_all_linear=true overrides them (NeMo-RL)")
+        mods["target_modules"] = []
+    out.update(match_all_linear=match_all, **mods)
+    for src, dst in (("dim", "dim"), ("alpha", "alpha"), ("dropout", "dropout"),
+                     ("dropout_position", "dropout_position"),
+                     ("lora_A_init_method" if megatron else "lora_A_init", "lora_A_init")):
+        if src in cfg:
+            out[dst] = cfg[src]
+    if out.get("dropout_position", "post") not in ("pre", "post"):
+        w.refuse(f"{key}.dropout_position", "NeMo-RL's dropout positions are pre and post")
+    if out.get("lora_A_init", "xavier") not in ("xavier", "uniform"):
+        w.refuse(f"{key}.{'lora_A_init_method' if megatron else 'lora_A_init'}", "the A initializations NeMo-RL "
+                 "documents are xavier and uniform (grpo-ds implements those two)")
+    if megatron:
+        if cfg.get("lora_B_init_method", "zero") != "zero":
+            w.refuse(f"{key}.lora_B_init_method", "B starts at zero in grpo-ds (the adapted model starts as the base)")
+        w.take(f"{key}.lora_B_init_method")
+        if cfg.get("lora_dtype") not in (None, "None", "none", "null"):
+            w.refuse(f"{key}.lora_dtype", "grpo-ds's adapters take the model's dtype (policy.precision; DeepSpeed "
+                     "keeps fp32 master weights)")
+        w.ignore(f"{key}.lora_dtype", "null: the adapters follow the base layer's dtype, as grpo-ds's do")
+        w.ignore(f"{key}.a2a_experimental", "Megatron's all-to-all communication strategy; the same math")
+    else:
+        w.ignore(f"{key}.use_triton", "Triton LoRA kernels: a speed choice of NeMo-RL's DTensor v2 path (the same "
+                 "math); grpo-ds runs peft's layers")
+    known = {"enabled", "target_modules", "exclude_modules", "match_all_linear", "dim", "alpha", "dropout",
+             "dropout_position", "lora_A_init", "lora_A_init_method"}
+    for extra in w.open_keys(key):
+        if extra.split(".")[len(key.split("."))] not in known:
+            w.refuse(extra, "a LoRA setting grpo-ds does not know")
+    w.translate(key, {"policy.lora": out}, "; ".join(["peft LoRA on DeepSpeed; the reference is the policy with its "
+                                                      "adapters off"] + note))
 
 
 def _chat_template(w: Walk) -> None:
@@ -343,7 +403,7 @@ def _megatron(w: Walk) -> None:
     m = "policy.megatron_cfg"
     w.translate(f"{m}.enabled", {}, f"Megatron-Core training -> {DEEPSPEED}")
     if _enabled(w.get(f"{m}.peft")):
-        w.refuse(f"{m}.peft.enabled", ISSUE_22)
+        _lora(w, f"{m}.peft", megatron=True)
     w.ignore(f"{m}.peft", "peft.enabled=false: full fine-tuning, as grpo-ds does")
     if w.has(f"{m}.activation_checkpointing"):
         w.translate(f"{m}.activation_checkpointing",

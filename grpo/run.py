@@ -58,10 +58,14 @@ def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Name
     p.add_argument("--config", default=None, help="YAML run config (default: the built-in CPU demo)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("--export-hf", default=None, metavar="DIR",
-                   help="load the latest checkpoint, export consolidated HF safetensors to DIR, and exit")
+                   help="load the latest checkpoint, export consolidated HF safetensors to DIR (a LoRA run: the merged "
+                        "model), and exit")
+    p.add_argument("--export-adapter", default=None, metavar="DIR",
+                   help="(policy.lora runs) load the latest checkpoint, write the LoRA adapter to DIR in peft's layout "
+                        "(adapter_config.json + adapter_model.safetensors), and exit")
     p.add_argument("--export-hf-overwrite", action="store_true",
-                   help="let --export-hf write into a non-empty DIR that is not this run's export (same-named files "
-                        "are replaced, nothing else is deleted)")
+                   help="let --export-hf / --export-adapter write into a non-empty DIR that is not this run's export "
+                        "(same-named files are replaced, nothing else is deleted)")
     p.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
                    help="print every config field (key, type, default, description), or those of SECTION, and exit")
     p.add_argument("--check-config", action="store_true",
@@ -118,7 +122,7 @@ def load_run_config(argv=None, default_config: str = "", asynchronous: bool = Fa
     if table is not None and os.environ.get("RANK", "0") == "0":
         print(f"NeMo-RL recipe {args.config}: translated to grpo-ds (python {sys.argv[0]} --config ... --check-config "
               "prints the whole config)\n" + format_table(table), flush=True)
-    if cfg.grpo.async_grpo.enabled != asynchronous and args.export_hf is None:
+    if cfg.grpo.async_grpo.enabled != asynchronous and args.export_hf is None and args.export_adapter is None:
         wrong = ("train_async_grpo.py needs grpo.async_grpo.enabled=true (train_grpo.py is the synchronous loop)"
                  if asynchronous else
                  "grpo.async_grpo.enabled=true: run train_async_grpo.py (train_grpo.py is the synchronous loop)")
@@ -226,7 +230,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
         raise RunError(mismatch.removeprefix("error: "))
     locks, run_id = [], None
-    if args.export_hf is None:  # one run per directory: lock, refuse a foreign run's checkpoints
+    if args.export_hf is None and args.export_adapter is None:  # one run per directory: lock, refuse foreign runs
         locks, run_id = claim_dirs(cfg, rank)
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
@@ -244,7 +248,12 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
     opt_steps = total_steps * samples_per_step // cfg.policy.train_global_batch_size
     policy = engines.build_policy_engine(cfg, world_size, opt_steps)
-    reference = None if skip_ref else engines.build_reference_engine(cfg, world_size)
+    if skip_ref:
+        reference = None
+    elif cfg.policy.lora.enabled:  # the base model is the policy with its adapters off: no second copy
+        reference = engines.AdaptersOff(policy)
+    else:
+        reference = engines.build_reference_engine(cfg, world_size)
     teacher = None
     if cfg.on_policy_distillation.enabled:  # a frozen ZeRO-3 teacher sharing the policy's tokenizer
         name = resolve_model_name(cfg.on_policy_distillation.teacher_model_name, rank)
@@ -258,15 +267,21 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     state, resume = GRPOSaveState(), None
     try:
         latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
-        if args.export_hf is not None and latest is None:
-            raise RunError(f"--export-hf: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
+        exporting = args.export_hf is not None or args.export_adapter is not None
+        if exporting and latest is None:
+            flag = "--export-hf" if args.export_hf is not None else "--export-adapter"
+            raise RunError(f"{flag}: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
         if latest is not None:
             ckpt.clean_partial()
             state, loader_state, extra = ckpt.load(latest, policy)
             resume = Resume(latest, loader_state, extra)
-        if args.export_hf is not None:
-            weights.export_hf(policy, args.export_hf, tokenizer, overwrite=args.export_hf_overwrite,
-                              run_id=recorded_run_id(cfg.checkpointing.checkpoint_dir))
+        if exporting:
+            run_id = recorded_run_id(cfg.checkpointing.checkpoint_dir)
+            overwrite = args.export_hf_overwrite
+            if args.export_hf is not None:  # with LoRA: the merged model
+                weights.export_hf(policy, args.export_hf, tokenizer, overwrite=overwrite, run_id=run_id)
+            if args.export_adapter is not None:
+                weights.export_adapter(policy, args.export_adapter, overwrite=overwrite, run_id=run_id)
             return None
     except (CheckpointError, ExportError) as err:
         raise RunError(str(err)) from err

@@ -278,7 +278,7 @@ def _any_rank(flag: bool) -> bool:
 def _is_lora(engine) -> bool:
     from grpo.system.engines import is_lora
 
-    return is_lora(engine.module)
+    return is_lora(getattr(engine, "module", None))
 
 
 def _check_adapters_loaded(ds_dir: Path, engine) -> None:
@@ -375,8 +375,8 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
             _barrier()
             # LoRA: the adapters and their optimizer states only; the frozen base comes from policy.model_name
-            engine.save_checkpoint(str(tmp / "ds"), tag="ds", save_latest=False,
-                                   exclude_frozen_parameters=_is_lora(engine))
+            frozen_out = {"exclude_frozen_parameters": True} if _is_lora(engine) else {}
+            engine.save_checkpoint(str(tmp / "ds"), tag="ds", save_latest=False, **frozen_out)
             torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
             if export_fn is not None:
                 export_fn(str(tmp / "hf"))

@@ -12,7 +12,7 @@ import pytest
 
 from grpo.config_load import ConfigError, load_config
 from grpo.nemo_rl_recipe import is_nemo_rl_recipe, load_nemo_rl, load_recipe, looks_like_nemo_rl
-from grpo.nemo_rl_rules import ISSUE_22, ISSUE_23, ISSUE_24
+from grpo.nemo_rl_rules import ISSUE_23, ISSUE_24
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "nemo_rl"
@@ -277,9 +277,13 @@ def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
 
 @pytest.mark.parametrize("overrides, key, reason", [
     (["policy.draft.enabled=true"], "policy.draft.enabled", "draft model"),
-    (["policy.dtensor_cfg.lora_cfg.enabled=true"], "policy.dtensor_cfg.lora_cfg.enabled", ISSUE_22),
-    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true"], "policy.megatron_cfg.peft.enabled",
-     ISSUE_22),
+    (["policy.dtensor_cfg.lora_cfg.enabled=true", "++policy.dtensor_cfg.lora_cfg.lora_A_init=gaussian"],
+     "policy.dtensor_cfg.lora_cfg.lora_A_init", "xavier and uniform"),
+    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true",
+      "++policy.megatron_cfg.peft.target_modules=[linear_qkv,router]"], "policy.megatron_cfg.peft.target_modules",
+     "no Hugging Face counterpart"),
+    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true",
+      "++policy.megatron_cfg.peft.lora_dtype=float32"], "policy.megatron_cfg.peft.lora_dtype", "model's dtype"),
     (["++env.reward_model={model_name: rm}"], "env.reward_model", "reward-model environment"),
     (["++env.nemo_gym={x: 1}"], "env.nemo_gym", "NeMo-Gym"),
     (["env.math.math_verify_impl=sympy"], "env.math.math_verify_impl", "hf_math_verify and dapo_math_verify"),
@@ -477,3 +481,39 @@ def test_the_sliding_puzzle_recipe_becomes_the_built_in_task():
     assert "reads no dataset" in ignored["data"] and "data.add_system_prompt" in ignored
     cfg, _ = load_recipe(BASE, ["++env.sliding_puzzle_game={cfg: {max_moves: 7}}"])
     assert (cfg.data.num_train_samples, cfg.grpo.max_num_epochs) == (800, 1)  # 8 prompts x 100 steps
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA (issue 22): lora_cfg / megatron_cfg.peft -> policy.lora
+# --------------------------------------------------------------------------------------------------
+def test_lora_cfg_becomes_policy_lora_with_nemo_rl_s_names_and_use_triton_ignored():
+    cfg, rows = load_recipe(BASE, ["policy.dtensor_cfg.lora_cfg.enabled=true", "++policy.dtensor_cfg.lora_cfg.dim=16",
+                                   "++policy.dtensor_cfg.lora_cfg.alpha=64", "++policy.dtensor_cfg.lora_cfg.use_triton=true"])
+    lora = cfg.policy.lora
+    assert (lora.enabled, lora.match_all_linear, lora.dim, lora.alpha) == (True, True, 16, 64)
+    assert (lora.dropout, lora.dropout_position, lora.lora_A_init) == (0.0, "post", "xavier")
+    assert "adapters off" in table_of(rows, "translated")["policy.dtensor_cfg.lora_cfg"]
+    assert "Triton" in table_of(rows, "ignored")["policy.dtensor_cfg.lora_cfg.use_triton"]
+
+
+def test_lora_cfg_target_modules_need_match_all_linear_off_as_in_nemo_rl():
+    on = ["policy.dtensor_cfg.lora_cfg.enabled=true", "++policy.dtensor_cfg.lora_cfg.target_modules=[q_proj]"]
+    cfg, rows = load_recipe(BASE, on + ["++policy.dtensor_cfg.lora_cfg.match_all_linear=true"])
+    assert cfg.policy.lora.match_all_linear and cfg.policy.lora.target_modules == []
+    assert "overrides them" in table_of(rows, "translated")["policy.dtensor_cfg.lora_cfg"]
+    cfg, _ = load_recipe(BASE, on + ["++policy.dtensor_cfg.lora_cfg.match_all_linear=false",
+                                     "++policy.dtensor_cfg.lora_cfg.exclude_modules=[lm_head]"])
+    assert (cfg.policy.lora.match_all_linear, cfg.policy.lora.target_modules) == (False, ["q_proj"])
+    assert cfg.policy.lora.exclude_modules == ["lm_head"]
+
+
+def test_megatron_peft_maps_megatron_layer_names_to_the_hf_model_s():
+    on = ["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true"]
+    cfg, _ = load_recipe(BASE, on)
+    assert cfg.policy.lora.enabled and cfg.policy.lora.match_all_linear  # empty target_modules: every linear layer
+    cfg, _ = load_recipe(BASE, on + ["++policy.megatron_cfg.peft.target_modules=[linear_qkv,'*.layers.0.*.linear_fc2']",
+                                     "++policy.megatron_cfg.peft.lora_A_init_method=uniform",
+                                     "++policy.megatron_cfg.peft.dim=32"])
+    lora = cfg.policy.lora
+    assert lora.target_modules == ["q_proj", "k_proj", "v_proj", "*.layers.0.*.down_proj"]
+    assert (lora.match_all_linear, lora.lora_A_init, lora.dim) == (False, "uniform", 32)
