@@ -266,6 +266,20 @@ def test_vllm_cpu_generates_with_the_newest_adapters(small_model_dir):
             assert r["err_previous_adapters"] > 1.01, r  # ... of the newest adapters, not the previous ones
 
 
+@pytest.mark.slow  # ~50 s; fast twin: test_backend_syncs_adapters_and_generates_with_the_newest
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_train_grpo_with_lora_on_vllm(tmp_path):
+    """train_grpo.py, the CPU vLLM demo with policy.lora: the engine samples from the trained adapters each step."""
+    from tests.helpers.e2e import metrics, paths, run
+
+    run([sys.executable, "train_grpo.py", "--config", str(REPO / "configs" / "cpu_vllm_tiny.yaml"),
+         "grpo.max_num_steps=3", "policy.lora.enabled=true", *paths(tmp_path)], timeout=600)
+    train = {r["step"]: r for r in metrics(tmp_path) if "train/loss" in r}
+    assert sorted(train) == [1, 2, 3]
+    for step, r in train.items():
+        assert 1.0 <= r["train/token_mult_prob_error"] <= 1.001, (step, r["train/token_mult_prob_error"])
+
+
 def mult_prob_error(model, outputs, pad_id: int, temperature: float) -> tuple[float, int]:
     """clipped_pg_loss's token_mult_prob_error with prev = the trainer's `forward_logprobs` of ``model``, and the
     number of generated tokens."""
