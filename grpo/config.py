@@ -419,6 +419,11 @@ VLLM_KWARGS_SET_BY_GRPO = frozenset({
     "logprobs_mode", "generation_config", "distributed_executor_backend", "hf_overrides"})
 
 
+# With policy.lora: what vllm_params.lora_llm_kwargs passes to vllm.LLM, and vLLM's largest LoRA rank.
+VLLM_LORA_KWARGS = frozenset({"enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras"})
+VLLM_MAX_LORA_RANK = 512
+
+
 class VllmConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, description="GPUs per vLLM engine (a divisor of the world size).")
     gpu_memory_utilization: float = Field(
@@ -569,6 +574,25 @@ class PolicyConfig(_Section):
         default_factory=GenerationConfig, description="Generation (sampling, backend, stop rules).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description=(
         "LoRA adapters (NeMo-RL's dtensor_cfg.lora_cfg); off by default."))
+
+    @model_validator(mode="after")
+    def _lora_on_vllm(self) -> "PolicyConfig":
+        """LoRA with the vLLM backend (grpo/system/generation/vllm.py AdapterSync): vLLM keeps the checkpoint's base
+        weights for the run and loads the adapters (ranks up to 512, vLLM 0.32-0.33 config/lora.py)."""
+        if not (self.lora.enabled and self.generation.backend == "vllm"):
+            return self
+        v = self.generation.vllm_cfg
+        if self.lora.dim > VLLM_MAX_LORA_RANK:
+            raise ValueError(f"policy.lora.dim={self.lora.dim}: vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK} "
+                             "(policy.generation.backend=vllm); lower it or use backend=hf")
+        if v.sleep_level == 2:
+            raise ValueError("policy.generation.vllm_cfg.sleep_level=2 discards vLLM's weights while training; with "
+                             "policy.lora the base weights are loaded once and never pushed again: use sleep_level=1")
+        taken = sorted(set(v.vllm_kwargs) & VLLM_LORA_KWARGS)
+        if taken:
+            raise ValueError(f"policy.generation.vllm_cfg.vllm_kwargs: {taken} are set by grpo-ds with policy.lora "
+                             "(grpo/system/generation/vllm_params.py lora_llm_kwargs)")
+        return self
 
 
 # --------------------------------------------------------------------------------------------------

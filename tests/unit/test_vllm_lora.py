@@ -81,16 +81,22 @@ def test_engine_kwargs_with_lora(tiny_model_dir):
     assert not {"enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras"} & set(off)
 
 
-def test_lora_problems(tiny_model_dir):
-    from grpo.system.generation.vllm_params import lora_problems
+@pytest.mark.parametrize("change, message", [
+    ({"lora": {"dim": 600}}, "ranks up to 512"),
+    ({"generation": {"vllm_cfg": {"sleep_level": 2}}}, "use sleep_level=1"),
+    ({"generation": {"vllm_cfg": {"vllm_kwargs": {"max_loras": 4}}}}, "max_loras"),
+])
+def test_config_refuses_what_vllm_lora_cannot_do(tiny_model_dir, change, message):
+    from grpo.config import PolicyConfig
 
-    assert lora_problems(lora_cfg(tiny_model_dir)) == []
-    cfg = lora_cfg(tiny_model_dir, dim=600)
-    v = cfg.policy.generation.vllm_cfg
-    v.sleep_level, v.vllm_kwargs = 2, {"max_loras": 4}
-    problems = lora_problems(cfg)
-    assert len(problems) == 3
-    assert "512" in problems[0] and "sleep_level=2" in problems[1] and "max_loras" in problems[2]
+    base = {"model_name": tiny_model_dir, "lora": {"enabled": True}, "generation": {"backend": "vllm"}}
+    PolicyConfig.model_validate(base)
+    merged = {k: ({**base[k], **v} if k in base else v) for k, v in change.items()}
+    if "generation" in change:
+        merged["generation"] = {"backend": "vllm", **change["generation"]}
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig.model_validate({**base, **merged})
+    PolicyConfig.model_validate({**base, **merged, "generation": {**merged.get("generation", {}), "backend": "hf"}})
 
 
 def test_adapter_config_for_vllm_loads_in_peft(tiny_model_dir, tmp_path):
@@ -228,15 +234,6 @@ def test_backend_syncs_adapters_and_generates_with_the_newest(monkeypatch, tiny_
     finally:
         gen.close()
     assert not os.path.exists(scratch)
-
-
-def test_backend_refuses_sleep_level_2_with_lora(monkeypatch, tiny_model_dir, char_tokenizer):
-    from grpo.system.generation import vllm as backend
-
-    cfg = lora_cfg(tiny_model_dir)
-    cfg.policy.generation.vllm_cfg.sleep_level = 2
-    with pytest.raises(ValueError, match="sleep_level=1"):
-        backend.VllmGeneration(cfg, char_tokenizer, None, torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------------------------------

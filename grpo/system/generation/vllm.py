@@ -51,7 +51,7 @@ import torch
 from grpo.system.generation.base import GenerationOutput, chunk_slices, length_caps, per_sample_stops  # noqa: F401
 from grpo.system.generation.vllm_params import (
     PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, adapter_config_for_vllm, kv_cache_shortfall, llm_kwargs,
-    lora_enabled, lora_problems, refit_problems, sampling_kwargs, startup_memory_problem, stop_token_ids, to_output,
+    lora_enabled, refit_problems, sampling_kwargs, startup_memory_problem, stop_token_ids, to_output,
 )
 
 # Environment variables an in-process CPU engine sets that would leak into the trainer's children.
@@ -367,9 +367,6 @@ class VllmGeneration:
         self._offloaded: list = []  # what the last optimizer offload moved (`grpo.system.offload.Moved`)
 
         self.lora = lora_enabled(cfg)
-        problems = lora_problems(cfg)
-        if problems:
-            raise ValueError("policy.lora with policy.generation.backend=vllm: " + "; ".join(problems))
         self.adapters: AdapterSync | None = None  # with policy.lora, after the engine starts
 
         model = resolve_model_name(cfg.policy.model_name, self.rank)

@@ -19,10 +19,10 @@ RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
 PER_PUSH_NOISE = ("Failed to load weights", "Reloading and processing weights took")
 PARAMS_NOT_LOADED = "weights were not loaded from checkpoint"
 
-# The ranks a vLLM engine can be built for (vllm 0.32-0.33 config/lora.py ``MaxLoRARanks``).
+# The ranks a vLLM engine can be built for (vllm 0.32-0.33 config/lora.py ``MaxLoRARanks``); the config refuses
+# policy.lora with the vllm backend beyond the last one, sleep_level 2, and vllm_kwargs repeating `lora_llm_kwargs`
+# (grpo.config.PolicyConfig._lora_on_vllm).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# vllm.LLM arguments grpo-ds sets itself with policy.lora (`lora_llm_kwargs`).
-LORA_KWARGS = ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")
 # adapter_config.json keys that describe the adapter at inference (what vLLM's ``PEFTHelper`` reads); the
 # others (dropout, initialisation, peft's bookkeeping) only matter to training.
 ADAPTER_CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "exclude_modules", "bias", "modules_to_save",
@@ -106,30 +106,6 @@ def lora_llm_kwargs(lora_cfg) -> dict:
         {'enable_lora': True, 'max_lora_rank': 8, 'max_loras': 1, 'max_cpu_loras': 2}
     """
     return dict(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_cfg.dim), max_loras=1, max_cpu_loras=2)
-
-
-def lora_problems(cfg) -> list[str]:
-    """Why the vLLM backend cannot serve this run's LoRA policy, as messages (empty: it can, or no LoRA).
-
-    - ``policy.lora.dim`` above vLLM's largest rank (512);
-    - ``vllm_cfg.sleep_level=2``: it discards vLLM's weights while training, and with LoRA the base weights
-      are loaded once at start and never pushed again (nor are vLLM's adapter buffers, which live with them);
-    - ``vllm_cfg.vllm_kwargs`` setting what `lora_llm_kwargs` sets.
-    """
-    if not lora_enabled(cfg):
-        return []
-    v, dim = cfg.policy.generation.vllm_cfg, cfg.policy.lora.dim
-    problems = []
-    if dim > VLLM_LORA_RANKS[-1]:
-        problems.append(f"policy.lora.dim={dim}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
-    if v.sleep_level == 2:
-        problems.append("policy.generation.vllm_cfg.sleep_level=2 discards vLLM's weights while training; with "
-                        "policy.lora the base weights are loaded once and never pushed again: use sleep_level=1")
-    taken = sorted(set(v.vllm_kwargs) & set(LORA_KWARGS))
-    if taken:
-        problems.append(f"policy.generation.vllm_cfg.vllm_kwargs: {taken} are set by grpo-ds with policy.lora "
-                        "(grpo/system/generation/vllm_params.py lora_llm_kwargs)")
-    return problems
 
 
 def adapter_config_for_vllm(peft_config: dict) -> dict:
