@@ -1,0 +1,114 @@
+"""End to end with LoRA (policy.lora, issue 22): a NeMo-RL-format recipe with ``lora_cfg.enabled: true`` trains with
+the hf backend, its checkpoint holds the adapters, and both exports work from it (the merged model loads without
+peft, the adapter with ``PeftModel.from_pretrained``); slow: kill -9 and resume give the uninterrupted run's losses,
+and two ranks under ZeRO-3 train."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.e2e import REPO, TINY, child_env, launcher, free_port, metrics, paths, run, train_rows
+
+FIX = REPO / "tests" / "fixtures" / "nemo_rl"
+
+
+def _data(tmp: Path) -> Path:
+    path = tmp / "train.jsonl"
+    path.write_text("".join(json.dumps({"input": f"{a}+{b}=", "output": str(a + b)}) + "\n"
+                            for a in range(8) for b in range(8)))
+    return path
+
+
+def _recipe_cmd(tmp: Path, *extra: str) -> list[str]:
+    small = [  # the model, the data and the sizes, in NeMo-RL's key names; LoRA as a NeMo-RL user turns it on
+        "policy.model_name=toy:demo", "+policy.tokenizer.chat_template=null", "policy.precision=float32",
+        "policy.generation.backend=hf", "policy.max_total_sequence_length=16", "policy.train_global_batch_size=16",
+        "policy.train_micro_batch_size=8", "policy.generation_batch_size=16", "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=2", "grpo.max_val_samples=4", "grpo.val_batch_size=4",
+        "cluster.gpus_per_node=1", "env.math.num_workers=1", "data.default.prompt_file=null",
+        "data.train.dataset_name=ResponseDataset", f"+data.train.data_path={_data(tmp)}",
+        "policy.dtensor_cfg.lora_cfg.enabled=true", "++policy.dtensor_cfg.lora_cfg.alpha=16",
+        "++policy.dtensor_cfg.lora_cfg.use_triton=true", "checkpointing.save_period=2",
+        f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt",
+    ]
+    return [sys.executable, "train_grpo.py", "--config", str(FIX / "base_math.yaml"), *small, *extra]
+
+
+def test_nemo_rl_recipe_with_lora_trains_with_the_base_as_reference_and_checkpoints_the_adapters(tmp_path):
+    p = run(_recipe_cmd(tmp_path), timeout=300)
+    assert "translated: policy.dtensor_cfg.lora_cfg" in p.stdout and "reference AdaptersOff" in p.stdout, p.stdout[-3000:]
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2]
+    # B starts at zero: at step 1 the policy IS the base (the reference), KL 0; after a step it has moved off it
+    assert abs(rows[1]["train/kl_penalty"]) < 1e-6 and rows[2]["train/kl_penalty"] > 0, rows
+    ds = tmp_path / "ckpt" / "step_000002" / "ds"
+    assert sum(f.stat().st_size for f in ds.rglob("*.pt")) < 2_000_000  # adapters (toy:demo itself is ~ 10 MB)
+    hf_final = tmp_path / "ckpt" / "hf_final"  # the run's own export: the merged model
+    assert (hf_final / "model.safetensors").exists() and not (hf_final / "adapter_config.json").exists()
+
+
+@pytest.mark.slow
+def test_export_adapter_from_the_command_line_loads_with_peft_and_matches_the_merged_export(tmp_path):
+    """The fast twins: tests/unit/test_lora.py's export tests (the same functions, without the command line)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run(_recipe_cmd(tmp_path), timeout=300)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    run(_recipe_cmd(tmp_path, "--export-adapter", str(adapter), "--export-hf", str(merged)), timeout=300)
+    base = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)  # a plain model, no peft
+    assert not any("lora" in n for n, _ in base.named_parameters())
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(plain, str(adapter)).eval()
+    ids = torch.tensor([[1, 5, 9, 12, 4, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids=ids).logits, peft_model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def _tiny_lora(tmp: Path, *extra: str) -> list[str]:
+    return [sys.executable, "train_grpo.py", "--config", TINY,
+            *paths(tmp, "policy.lora.enabled=true", "policy.lora.dim=4", *extra)]
+
+
+@pytest.mark.slow
+def test_lora_kill_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
+    """kill -9 at random moments (steps, saves), rerun each time: the last steps' losses equal an uninterrupted LoRA
+    run's within 1e-5 (the fast twin: tests/unit/test_lora.py's checkpoint round trip)."""
+    import random
+
+    extra = ("grpo.max_num_steps=6", "checkpointing.save_period=1")
+    full = tmp_path / "full"
+    run(_tiny_lora(full, *extra))
+    rng = random.Random(int(os.environ.get("KILL_SEED", "0")))
+    killed = tmp_path / "killed"
+    for _ in range(int(os.environ.get("KILL_POINTS", "3"))):
+        proc = subprocess.Popen(_tiny_lora(killed, *extra), cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(3.0, 20.0))
+        proc.kill()
+        proc.wait()
+    run(_tiny_lora(killed, *extra), timeout=600)
+    a, b = train_rows(full), train_rows(killed)
+    assert [r["step"] for r in metrics(killed) if "train/loss" in r] == list(range(1, 7))
+    for step in (5, 6):
+        assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_under_zero3_trains_and_resumes(tmp_path):
+    """Two ranks (ZeRO-3, the several-rank default; the hf copy refitted with the adapters only), then a resume."""
+    cmd = [*launcher("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "train_grpo.py",
+           "--config", TINY, *paths(tmp_path, "policy.lora.enabled=true", "grpo.max_num_steps=2",
+                                    "checkpointing.save_period=1")]
+    run(cmd, timeout=600, threads=1)
+    run([*cmd[:5], str(free_port()), *cmd[6:-1], "grpo.max_num_steps=3"], timeout=600, threads=1)
+    assert sorted(train_rows(tmp_path)) == [1, 2, 3]
