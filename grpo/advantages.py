@@ -114,6 +114,24 @@ def _set_extreme(gid: torch.Tensor, r: torch.Tensor, valid: torch.Tensor, num_gr
     return torch.where(is_top & (ties_g[gid] == 1), second_g[gid], out)
 
 
+def prompt_group_ids(input_ids_bt: torch.Tensor, token_mask_bt: torch.Tensor) -> torch.Tensor:
+    """Group ids ``[B]`` by prompt content: samples whose tokens before their first generated token are equal
+    share a group, also when they come from different dataloader rows, as NeMo-RL keys every estimator's
+    baseline by the initial prompt's token row (``prompt_ids_for_adv``, nemo_rl/algorithms/grpo.py:3120-3131 and
+    3294 at 7ea279a). A dataset that repeats prompts (DAPO-Math-17k holds each about 100 times) puts some twice
+    in a step; their 2n samples then share one baseline and std.
+
+        >>> prompt_group_ids(torch.tensor([[5, 6, 1], [5, 6, 2], [7, 6, 3], [5, 6, 1]]), torch.tensor([[0, 0, 1]] * 4))
+        tensor([0, 0, 1, 0])
+    """
+    B, T = input_ids_bt.shape
+    generated = token_mask_bt > 0
+    first = torch.where(generated.any(1), generated.to(torch.long).argmax(1),
+                        torch.full((B,), T, dtype=torch.long, device=input_ids_bt.device))
+    in_prompt = torch.arange(T, device=input_ids_bt.device)[None, :] < first[:, None]
+    return group_index(torch.where(in_prompt, input_ids_bt, -1))[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Estimators
 # --------------------------------------------------------------------------------------------------

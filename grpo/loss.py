@@ -394,7 +394,7 @@ def _engine_mismatch_metrics(prev: torch.Tensor, gen: torch.Tensor, mask: torch.
     """How far the training engine's logprobs (prev) are from the sampler's (gen), over the masked tokens, as
     NeMo-RL's ClippedPGLossFn logs them (nemo_rl/algorithms/loss/loss_functions.py:414-466 at 7ea279a):
 
-        gen_kl_error        = mean calculate_kl(gen, prev, kl_type, no clamps)     KL(P_gen || P_train), log r = prev − gen
+        gen_kl_error        = mean calculate_kl(gen, prev, kl_type, no clamps)     KL(P_gen || P_train)
         policy_kl_error     = mean calculate_kl(prev, gen, kl_type, no clamps)     KL(P_train || P_gen)
         js_divergence_error = mean ½·k3(M vs prev) + ½·k3(M vs gen),   log M = log(½·e^prev + ½·e^gen)
     """

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from grpo.advantages import (
-    apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages,
+    apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages, prompt_group_ids,
 )
 from grpo.batch import TrainBatch
 from grpo.logprobs import mask_by_seq_logprob_error
@@ -132,8 +132,10 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     """(advantages ``[B, T]``, sample mask ``[B]``, metrics) of the step:
 
         sample_mask = sample_mask · 1[seq_logprob_error ≤ grpo.seq_logprob_error_threshold]
-        A   = estimator(group_ids, rewards, valid = 1, token_mask, sample_mask,
+        A   = estimator(groups, rewards, valid = 1, token_mask, sample_mask,
                         kl = KL(prev || ref) if use_kl_in_reward, master_cfg = cfg)
+              groups: by prompt tokens (`grpo.advantages.prompt_group_ids`, NeMo-RL's key): a prompt that came
+              twice in the step is one group of 2n
         A  += −kl_coef · (student − teacher)                         (on-policy distillation; student = prev)
         A[message] = malformed_thinking_advantage, then invalid_tool_call_advantage   (flagged messages;
                                                                           invalid wins, as in NeMo-RL)
@@ -153,8 +155,9 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     if loss_cfg.use_kl_in_reward and batch.ref_logprobs_bt is not None:  # skipped at beta = 0: the term is 0
         kl_bt = calculate_kl(batch.prev_logprobs_bt, batch.ref_logprobs_bt, loss_cfg.reference_policy_kl_type,
                              loss_cfg.kl_input_clamp_value, loss_cfg.kl_output_clamp_value)
+    prompt_groups_b = prompt_group_ids(batch.input_ids_bt, batch.token_mask_bt)  # a repeated prompt: one group
     adv_bt = compute_advantages(
-        g.adv_estimator.name, group_ids=batch.group_ids_b, rewards=batch.rewards_b,
+        g.adv_estimator.name, group_ids=prompt_groups_b, rewards=batch.rewards_b,
         valid_mask=torch.ones_like(batch.rewards_b), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
         reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty,
         sample_mask=sample_mask_b, master_cfg=cfg)

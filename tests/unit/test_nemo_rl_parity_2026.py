@@ -391,3 +391,41 @@ def test_clipped_pg_loss_matches_nemo_rl_on_random_configs():
         if keep.any():
             for key in ("gen_kl_error", "policy_kl_error", "js_divergence_error"):
                 assert m_g[key] == pytest.approx(m_n[key], rel=1e-6, abs=1e-9), (seed, key)
+
+
+# ----------------------------------------------------------------------------------------------
+# Groups by prompt content
+# ----------------------------------------------------------------------------------------------
+def test_a_prompt_that_comes_twice_in_a_step_is_one_group_as_nemo_rl():
+    """NeMo-RL keys the baseline by the initial prompt's tokens (grpo.py:3120-3131, prompt_ids_for_adv, passed to
+    the estimator at :3294), so two dataloader rows with the same prompt (DAPO-Math-17k repeats each prompt ~100
+    times) share one group of 2n. compose_advantages groups the same way: 100 random steps with repeated prompts."""
+    from grpo.advantages import prompt_group_ids
+    from grpo.batch import build_batch
+    from grpo.config_load import build_config
+    from grpo.step import compose_advantages
+    from grpo.system.rollout import Message, Trajectory
+
+    for seed in range(100):
+        rng = random.Random(seed)
+        loo, norm = rng.random() < 0.5, rng.random() < 0.7
+        cfg = build_config({"grpo": {"use_leave_one_out_baseline": loo, "normalize_rewards": norm}})
+        prompts = [[1, 5], [1, 5, 6], [2, 5]]
+        n = rng.randint(2, 4)
+        groups = [rng.choice(prompts) for _ in range(rng.randint(2, 5))]  # dataloader rows, prompts may repeat
+        trajs = []
+        for gid, prompt in enumerate(groups):
+            for _ in range(n):
+                ids = [rng.randint(7, 20) for _ in range(rng.randint(1, 3))]
+                messages = [Message("user", "p", list(prompt)), Message("assistant", "a", ids, [-0.5] * len(ids))]
+                trajs.append(Trajectory(gid, gid, "t", "q", "a", messages, {}, reward=rng.choice([0.0, 0.5, 1.0]),
+                                        turns=1, num_prompt_messages=1))
+        batch = build_batch(trajs, pad_id=0)
+        adv, _, _ = compose_advantages(cfg, batch)
+        rows = torch.full((len(trajs), 3), -1)
+        for i, t in enumerate(trajs):
+            rows[i, :len(t.messages[0].token_ids)] = torch.tensor(t.messages[0].token_ids)
+        expected = nrl_grpo(rows, batch.rewards_b.double(), loo, norm)
+        torch.testing.assert_close(adv[:, 0].double(), expected, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+        num_prompts = len(torch.unique(prompt_group_ids(batch.input_ids_bt, batch.token_mask_bt)))
+        assert num_prompts == len(set(map(tuple, groups)))
