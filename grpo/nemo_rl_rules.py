@@ -242,21 +242,18 @@ def _lora(w: Walk, key: str, megatron: bool = False) -> None:
     empty target_modules adapt every linear layer; alpha / dim scales the adapter; B starts at zero."""
     cfg = w.get(key)
     out: dict[str, Any] = {"enabled": True}
-    names = {"policy.lora.target_modules": "target_modules", "policy.lora.exclude_modules": "exclude_modules"}
-    mods = {field: list(cfg.get(field) or []) for field in names.values()}
+    mods = {field: list(cfg.get(field) or []) for field in ("target_modules", "exclude_modules")}
+    note = []
     if megatron:  # Megatron's layer names -> the HF model's; its LoRA has no match_all_linear (empty = all)
-        unknown = sorted({m.rsplit(".", 1)[-1] for ms in mods.values() for m in ms} - set(MEGATRON_LINEARS))
-        if unknown:
-            w.refuse(f"{key}.target_modules", f"Megatron module names {unknown} have no Hugging Face counterpart "
-                     f"grpo-ds knows (it maps {sorted(MEGATRON_LINEARS)})")
-            w.take(key)
-            return
+        kept = sorted({m for ms in mods.values() for m in ms if m.rsplit(".", 1)[-1] not in MEGATRON_LINEARS})
+        if kept:
+            note.append(f"{kept} kept as they are: matched against the Hugging Face model's module names")
         mods = {f: [m.rsplit(".", 1)[0] + "." + hf if "." in m else hf for m in ms
-                    for hf in MEGATRON_LINEARS[m.rsplit(".", 1)[-1]]] for f, ms in mods.items()}
+                    for hf in MEGATRON_LINEARS.get(m.rsplit(".", 1)[-1], [m.rsplit(".", 1)[-1]])]
+                for f, ms in mods.items()}
         match_all = not mods["target_modules"]
     else:
         match_all = bool(cfg.get("match_all_linear", False)) or not mods["target_modules"]
-    note = []
     if match_all and mods["target_modules"]:
         note.append(f"target_modules={mods['target_modules']} ignored: match_all_linear=true overrides them (NeMo-RL)")
         mods["target_modules"] = []

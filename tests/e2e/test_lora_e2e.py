@@ -106,9 +106,11 @@ def test_lora_kill_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_lora_on_two_ranks_under_zero3_trains_and_resumes(tmp_path):
     """Two ranks (ZeRO-3, the several-rank default; the hf copy refitted with the adapters only), then a resume."""
-    cmd = [*launcher("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "train_grpo.py",
-           "--config", TINY, *paths(tmp_path, "policy.lora.enabled=true", "grpo.max_num_steps=2",
-                                    "checkpointing.save_period=1")]
-    run(cmd, timeout=600, threads=1)
-    run([*cmd[:5], str(free_port()), *cmd[6:-1], "grpo.max_num_steps=3"], timeout=600, threads=1)
+    def cmd(steps: int) -> list[str]:
+        return [*launcher("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "train_grpo.py",
+                "--config", TINY, *paths(tmp_path, "policy.lora.enabled=true", f"grpo.max_num_steps={steps}",
+                                         "checkpointing.save_period=1")]
+
+    run(cmd(2), timeout=600, threads=1)
+    run(cmd(3), timeout=600, threads=1)
     assert sorted(train_rows(tmp_path)) == [1, 2, 3]

@@ -280,9 +280,6 @@ def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
     (["policy.dtensor_cfg.lora_cfg.enabled=true", "++policy.dtensor_cfg.lora_cfg.lora_A_init=gaussian"],
      "policy.dtensor_cfg.lora_cfg.lora_A_init", "xavier and uniform"),
     (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true",
-      "++policy.megatron_cfg.peft.target_modules=[linear_qkv,router]"], "policy.megatron_cfg.peft.target_modules",
-     "no Hugging Face counterpart"),
-    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true",
       "++policy.megatron_cfg.peft.lora_dtype=float32"], "policy.megatron_cfg.peft.lora_dtype", "model's dtype"),
     (["++env.reward_model={model_name: rm}"], "env.reward_model", "reward-model environment"),
     (["++env.nemo_gym={x: 1}"], "env.nemo_gym", "NeMo-Gym"),
@@ -517,3 +514,7 @@ def test_megatron_peft_maps_megatron_layer_names_to_the_hf_model_s():
     lora = cfg.policy.lora
     assert lora.target_modules == ["q_proj", "k_proj", "v_proj", "*.layers.0.*.down_proj"]
     assert (lora.match_all_linear, lora.lora_A_init, lora.dim) == (False, "uniform", 32)
+    # a name that is not one of Megatron's four linears is kept (a pattern over the HF model's names)
+    cfg, rows = load_recipe(BASE, on + ["++policy.megatron_cfg.peft.exclude_modules=['*out_proj*']"])
+    assert cfg.policy.lora.match_all_linear and cfg.policy.lora.exclude_modules == ["*out_proj*"]
+    assert "kept as they are" in table_of(rows, "translated")["policy.megatron_cfg.peft"]
