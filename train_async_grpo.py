@@ -127,7 +127,9 @@ def main(argv=None) -> int | None:
         train_end = time.time()
 
         # ---- 9. publish the new weights (version = step) to the generation thread; log, validate, save
-        timing["timing/refit_s"] = stage.publish(weights.iter_gathered_params(run.policy, refit_bucket), version=step)
+        # (LoRA: only the adapters change; the stage keeps the base weights published at the start)
+        timing["timing/refit_s"] = stage.publish(weights.iter_gathered_params(
+            run.policy, refit_bucket, trainable_only=cfg.policy.lora.enabled), version=step)
         record_step(state, batch, step)
         trained_mark = info.loader_mark
         state.current_epoch = trained_mark["epoch"]

@@ -168,5 +168,9 @@ def weight_copy(run, stage: WeightStage):
     p = run.cfg.policy
     model = AutoModelForCausalLM.from_config(run.policy.module.config, dtype=DTYPES[p.precision],
                                              trust_remote_code=p.trust_remote_code)
+    if p.lora.enabled:  # the policy's peft layout (the staged names); generates with the adapters on
+        from grpo.system.engines import apply_lora
+
+        model = apply_lora(model, p.lora)
     stage.load_into(model)
     return HFGeneration(p, run.tokenizer, run.policy.module.config, run.device, model=model)

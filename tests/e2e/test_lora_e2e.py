@@ -114,3 +114,14 @@ def test_lora_on_two_ranks_under_zero3_trains_and_resumes(tmp_path):
     run(cmd(2), timeout=600, threads=1)
     run(cmd(3), timeout=600, threads=1)
     assert sorted(train_rows(tmp_path)) == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_lora_trains_in_the_async_loop(tmp_path):
+    """train_async_grpo.py: the generation thread's copy is a peft model fed the adapters each step (fast twin: the
+    hf copy's adapter-only refit in tests/unit/test_lora.py)."""
+    run([sys.executable, "train_async_grpo.py", "--config", str(REPO / "configs" / "cpu_demo_async.yaml"),
+         *paths(tmp_path, "policy.lora.enabled=true", "grpo.max_num_steps=3", "grpo.val_period=0",
+                "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.progress_bar=false")], timeout=600)
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2, 3] and abs(rows[1]["train/token_mult_prob_error"] - 1.0) < 1e-4
