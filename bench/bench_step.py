@@ -4,6 +4,7 @@
     python bench/bench_step.py                      # bench model (25.2M), 6 steps
     python bench/bench_step.py --model tiny --steps 4
     python bench/bench_step.py --async              # train_async_grpo.py on the same workload
+    python bench/bench_step.py --lora               # LoRA adapters instead of full fine-tuning (LORA below)
 
 Builds the workload with bench/make_workload.py (tokenizer, models, data; no download) into
 --workload (default ./bench_workload), then runs the trainer as a subprocess with the workload's
@@ -81,6 +82,15 @@ def trainer_overrides(workload: Path, model: str, steps: int, log_dir: str) -> l
     ]
 
 
+# --lora: the adapters bench/trl_step.py --lora gives TRL (the same peft LoraConfig): rank 8, alpha 32, every linear
+# layer but the output head (peft's "all-linear"), no dropout, A with peft's default init (kaiming uniform). With
+# LoRA the reference is the base model with the adapters off, on both sides (no second copy).
+LORA = {"r": 8, "alpha": 32, "dropout": 0.0}
+LORA_OVERRIDES = ["policy.lora.enabled=true", "policy.lora.match_all_linear=true", f"policy.lora.dim={LORA['r']}",
+                  f"policy.lora.alpha={LORA['alpha']}", f"policy.lora.dropout={LORA['dropout']}",
+                  "policy.lora.lora_A_init=uniform"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default=str(REPO / "bench_workload"))
@@ -88,6 +98,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: 6 for bench, 4 for tiny")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--async", dest="async_", action="store_true", help="run train_async_grpo.py")
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters (LORA_OVERRIDES) instead of the model")
     ap.add_argument("overrides", nargs="*", help="more dotted overrides, e.g. policy.shared_prompt_forward=false")
     args = ap.parse_args()
 
@@ -97,7 +108,8 @@ def main() -> None:
     log_dir = tempfile.mkdtemp(prefix="grpo_bench_")
     script = "train_async_grpo.py" if args.async_ else "train_grpo.py"
     cmd = [sys.executable, script, "--config", "configs/cpu_demo.yaml",
-           *trainer_overrides(workload, args.model, steps, log_dir), *args.overrides]
+           *trainer_overrides(workload, args.model, steps, log_dir),
+           *(LORA_OVERRIDES if args.lora else []), *args.overrides]
     if args.async_:
         cmd += ["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1",
                 "loss_fn.use_importance_sampling_correction=true"]
@@ -119,6 +131,7 @@ def main() -> None:
     out = {
         "trainer": script,
         "model": args.model,
+        "lora": args.lora,
         "steps": len(train),
         "median_step_s": statistics.median(step_s[i] for i in timed),
         "min_step_s": min(step_s[i] for i in timed),

@@ -4,11 +4,14 @@
     python -m venv .venv-trl && .venv-trl/bin/pip install -r bench/requirements-trl.txt
     python bench/compare_trl.py --trl-python .venv-trl/bin/python --model bench --pairs 3
     python bench/compare_trl.py --trl-python .venv-trl/bin/python --model tiny --pairs 3
+    python bench/compare_trl.py --trl-python .venv-trl/bin/python --model bench --pairs 3 --lora
 
 Each run is a fresh process: grpo-ds (bench/bench_step.py, this interpreter), then TRL (bench/trl_step.py,
 --trl-python), then grpo-ds again, and so on. Every step after each run's first is pooled; the ratios are
 grpo-ds / TRL of the pooled medians and mins. A figure from another day is no comparison on a shared
 machine (they drift by 1.5x); a ratio measured like this is. Prints a line per pair, then one JSON line.
+--lora: both train the same LoRA adapters (bench_step.py's LORA: r 8, alpha 32, all-linear, dropout 0), each with
+the base model, adapters off, as the reference.
 """
 
 import argparse
@@ -38,11 +41,13 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="default: 6 for bench, 8 for tiny")
     ap.add_argument("--async", dest="async_", action="store_true", help="time train_async_grpo.py")
+    ap.add_argument("--lora", action="store_true", help="both sides train the same LoRA adapters")
     a = ap.parse_args()
     steps = str(a.steps or (6 if a.model == "bench" else 8))
     ours_cmd = [sys.executable, "bench/bench_step.py", "--workload", a.workload, "--model", a.model,
-                "--steps", steps] + (["--async"] if a.async_ else [])
-    trl_cmd = [a.trl_python, "bench/trl_step.py", "--workload", a.workload, "--model", a.model, "--steps", steps]
+                "--steps", steps] + (["--async"] if a.async_ else []) + (["--lora"] if a.lora else [])
+    trl_cmd = [a.trl_python, "bench/trl_step.py", "--workload", a.workload, "--model", a.model, "--steps", steps] + (
+        ["--lora"] if a.lora else [])
     ours, trl = [], []
     for i in range(a.pairs):
         ours.append(run(ours_cmd))
@@ -52,7 +57,7 @@ def main() -> None:
     o = [s for r in ours for s in r["steps"]]
     t = [s for r in trl for s in r["steps"]]
     print(json.dumps({
-        "model": a.model, "pairs": a.pairs, "steps_per_run": int(steps),
+        "model": a.model, "lora": a.lora, "pairs": a.pairs, "steps_per_run": int(steps),
         "ours_median_s": round(statistics.median(o), 4), "trl_median_s": round(statistics.median(t), 4),
         "ours_min_s": round(min(o), 4), "trl_min_s": round(min(t), 4),
         "ratio_median": round(statistics.median(o) / statistics.median(t), 3),

@@ -3,6 +3,7 @@
 
     python -m venv .venv-trl && .venv-trl/bin/pip install -r bench/requirements-trl.txt
     .venv-trl/bin/python bench/trl_step.py --workload bench_workload --model bench --steps 6
+    .venv-trl/bin/python bench/trl_step.py --workload bench_workload --model bench --steps 6 --lora
 
 The settings are the workload's (bench/WORKLOAD.md), in TRL's names: 8 prompts x 8 generations, one
 optimizer step per generation batch (no old-logprob pass), 32 new tokens at temperature 1, beta 0.04 with a
@@ -13,7 +14,9 @@ Step k's time runs from the end of step k-1 to the end of step k (step 1 from it
 whole step: generation, reward, reference forward, policy forward and backward, AdamW. Printed: ``step_s``
 (every step), ``completion_tokens_per_s`` (median over steps 2..N of kept completion tokens / step time),
 ``peak_rss_mb`` and ``time_to_first_step_s`` (from the kernel's process start to the end of step 1), the
-same keys bench_step.py prints, so compare_trl.py reads both alike.
+same keys bench_step.py prints, so compare_trl.py reads both alike. ``--lora``: ``peft_config`` = the LoraConfig
+of bench_step.py --lora (r 8, alpha 32, "all-linear", dropout 0); TRL then takes the reference logprobs from the
+policy with its adapters disabled (no second copy), as grpo-ds does.
 """
 
 import argparse
@@ -43,6 +46,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["tiny", "bench"], default="bench")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lora", action="store_true", help="train a peft LoraConfig (r 8, alpha 32, all-linear)")
     args = ap.parse_args()
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -86,15 +90,20 @@ def main() -> None:
         gradient_checkpointing=False, model_init_kwargs={"dtype": torch.float32}, save_strategy="no",
         eval_strategy="no", report_to="none", log_completions=False, disable_tqdm=True, logging_steps=10**9,
         dataloader_num_workers=0, seed=42, data_seed=42)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", bias="none",
+                                 task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=f"{args.workload}/models/{args.model}", reward_funcs=addition_reward,
                           args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                          callbacks=[StepTimes()])
+                          callbacks=[StepTimes()], peft_config=peft_config)
     trainer.train()
 
     step_s = [b - a for a, b in zip(step_ends, step_ends[1:])]
     tok_s = [n / s for n, s in zip(completion_tokens[1:], step_s[1:])]
     print(json.dumps({
-        "trainer": "trl", "model": args.model, "step_s": step_s,
+        "trainer": "trl", "model": args.model, "lora": args.lora, "step_s": step_s,
         "step_s_median": statistics.median(step_s[1:]) if len(step_s) > 1 else None,
         "completion_tokens_per_s": statistics.median(tok_s) if tok_s else None,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
