@@ -7,24 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.e2e import REPO, TINY, child_env, launcher, free_port, metrics, paths, run, train_rows
+from tests.helpers.e2e import (REPO, TINY, addition_jsonl, free_port, kill_at_random_points, launcher,
+                               metrics, paths, run, train_rows)
 
 FIX = REPO / "tests" / "fixtures" / "nemo_rl"
-
-
-def _data(tmp: Path) -> Path:
-    path = tmp / "train.jsonl"
-    path.write_text("".join(json.dumps({"input": f"{a}+{b}=", "output": str(a + b)}) + "\n"
-                            for a in range(8) for b in range(8)))
-    return path
 
 
 def _recipe_cmd(tmp: Path, *extra: str) -> list[str]:
@@ -34,7 +26,7 @@ def _recipe_cmd(tmp: Path, *extra: str) -> list[str]:
         "policy.train_micro_batch_size=8", "policy.generation_batch_size=16", "grpo.num_prompts_per_step=4",
         "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=2", "grpo.max_val_samples=4", "grpo.val_batch_size=4",
         "cluster.gpus_per_node=1", "env.math.num_workers=1", "data.default.prompt_file=null",
-        "data.train.dataset_name=ResponseDataset", f"+data.train.data_path={_data(tmp)}",
+        "data.train.dataset_name=ResponseDataset", f"+data.train.data_path={addition_jsonl(tmp)}",
         "policy.dtensor_cfg.lora_cfg.enabled=true", "++policy.dtensor_cfg.lora_cfg.alpha=16",
         "++policy.dtensor_cfg.lora_cfg.use_triton=true", "checkpointing.save_period=2",
         f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt",
@@ -83,19 +75,12 @@ def _tiny_lora(tmp: Path, *extra: str) -> list[str]:
 def test_lora_kill_9_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
     """kill -9 at random moments (steps, saves), rerun each time: the last steps' losses equal an uninterrupted LoRA
     run's within 1e-5 (the fast twin: tests/unit/test_lora.py's checkpoint round trip)."""
-    import random
-
     extra = ("grpo.max_num_steps=6", "checkpointing.save_period=1")
     full = tmp_path / "full"
     run(_tiny_lora(full, *extra))
-    rng = random.Random(int(os.environ.get("KILL_SEED", "0")))
     killed = tmp_path / "killed"
-    for _ in range(int(os.environ.get("KILL_POINTS", "3"))):
-        proc = subprocess.Popen(_tiny_lora(killed, *extra), cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(3.0, 20.0))
-        proc.kill()
-        proc.wait()
+    kill_at_random_points(_tiny_lora(killed, *extra), int(os.environ.get("KILL_POINTS", "3")), 20.0,
+                          int(os.environ.get("KILL_SEED", "0")))
     run(_tiny_lora(killed, *extra), timeout=600)
     a, b = train_rows(full), train_rows(killed)
     assert [r["step"] for r in metrics(killed) if "train/loss" in r] == list(range(1, 7))

@@ -1,22 +1,14 @@
 """NeMo-RL-format recipes train as they are: a grpo_math_1B-style recipe and a DAPO-style (Megatron-path) recipe each
 run 2 steps on the CPU with only the model, the data and the sizes overridden, in NeMo-RL's key names."""
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.e2e import REPO, run, train_rows
+from tests.helpers.e2e import REPO, addition_jsonl, run, train_rows
 
 FIX = REPO / "tests" / "fixtures" / "nemo_rl"
-
-
-def _data(tmp: Path) -> Path:
-    path = tmp / "train.jsonl"
-    path.write_text("".join(json.dumps({"input": f"{a}+{b}=", "output": str(a + b)}) + "\n"
-                            for a in range(8) for b in range(8)))
-    return path
 
 
 def _train(tmp: Path, recipe: Path, *extra: str):
@@ -34,14 +26,14 @@ def _train(tmp: Path, recipe: Path, *extra: str):
 
 
 def test_math_1b_style_recipe_trains_two_steps(tmp_path):
-    data = _data(tmp_path)
+    data = addition_jsonl(tmp_path)
     rows = _train(tmp_path, FIX / "base_math.yaml", "data.train.dataset_name=ResponseDataset",
                   f"+data.train.data_path={data}", "grpo.val_at_end=true")
     assert sorted(rows) == [1, 2] and all(0.0 <= r["train/mean_total_reward"] <= 1.0 for r in rows.values())
 
 
 def test_dapo_style_megatron_recipe_trains_two_steps(tmp_path):
-    data = _data(tmp_path)
+    data = addition_jsonl(tmp_path)
     rows = _train(tmp_path, FIX / "recipes" / "llm" / "grpo-fixture-dapo-megatron.yaml",
                   "data.train.dataset_name=ResponseDataset", f"+data.train.data_path={data}",
                   "data.train.split_validation_size=0", "data.validation.dataset_name=ResponseDataset",

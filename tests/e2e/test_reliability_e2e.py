@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.e2e import REPO, TINY, child_env, metrics, paths, run, train_rows
+from tests.helpers.e2e import REPO, TINY, child_env, kill_at_random_points, metrics, paths, run, train_rows
 
 
 def cmd(tmp: Path, *extra: str) -> list[str]:
@@ -160,19 +160,12 @@ def test_a_prompt_that_cannot_fit_is_named_at_load_or_skipped_and_counted(tmp_pa
 def test_kill_9_at_random_points_then_rerun_ends_like_an_uninterrupted_run(tmp_path):
     """kill -9 at KILL_POINTS (env, default 4) random moments across steps and saves, rerun each time: the final
     metrics equal an uninterrupted run's and metrics.jsonl holds every step once."""
-    import random
-
     extra = ("grpo.max_num_steps=8", "checkpointing.save_period=1")
     full = tmp_path / "full"
     run(cmd(full, *extra))
-    rng = random.Random(int(os.environ.get("KILL_SEED", "0")))
     killed = tmp_path / "killed"
-    for _ in range(int(os.environ.get("KILL_POINTS", "4"))):
-        proc = subprocess.Popen(cmd(killed, *extra), cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(3.0, 25.0))
-        proc.kill()
-        proc.wait()
+    kill_at_random_points(cmd(killed, *extra), int(os.environ.get("KILL_POINTS", "4")), 25.0,
+                          int(os.environ.get("KILL_SEED", "0")))
     run(cmd(killed, *extra), timeout=600)
     a, b = train_rows(full), train_rows(killed)
     assert [r["step"] for r in metrics(killed) if "train/loss" in r] == list(range(1, 9))

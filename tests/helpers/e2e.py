@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,3 +58,25 @@ def metrics(tmp: Path) -> list[dict]:
 def train_rows(tmp: Path) -> dict[int, dict]:
     """The train rows of metrics.jsonl by step."""
     return {r["step"]: r for r in metrics(tmp) if "train/loss" in r}
+
+
+def addition_jsonl(tmp: Path) -> Path:
+    """A local training file in NeMo-RL's ResponseDataset form: 64 rows ``{"input": "a+b=", "output": "a+b"}``."""
+    path = tmp / "train.jsonl"
+    path.write_text("".join(json.dumps({"input": f"{a}+{b}=", "output": str(a + b)}) + "\n"
+                            for a in range(8) for b in range(8)))
+    return path
+
+
+def kill_at_random_points(command: list[str], points: int, max_sleep: float, seed: int) -> None:
+    """Start ``command`` ``points`` times and kill -9 each after a random 3 to ``max_sleep`` seconds (steps,
+    saves, anything in between); the caller reruns it to the end and compares with an uninterrupted run."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(points):
+        proc = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(3.0, max_sleep))
+        proc.kill()
+        proc.wait()
