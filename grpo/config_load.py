@@ -169,8 +169,18 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
         return raw
     merged: dict = {}
     for parent in [parents] if isinstance(parents, str) else parents:
-        merged = _deep_merge(merged, load_yaml(path.parent / parent, _seen + (path,)))
+        merged = _deep_merge(merged, load_yaml(parent_recipe(path, parent), _seen + (path,)))
     return _deep_merge(merged, raw)
+
+
+def parent_recipe(path: Path, parent) -> Path:
+    """The file a recipe's ``defaults:`` entry names: absolute, or relative to the recipe (``path``); a missing
+    one is a `ConfigError` naming the recipe that refers to it."""
+    parent_path = path.parent / str(parent)  # an absolute entry replaces the recipe's folder
+    if not parent_path.exists():
+        raise ConfigError(f"{path}: defaults: {str(parent)!r}: file not found ({parent_path}; a relative path is "
+                          "relative to the recipe that names it)")
+    return parent_path
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

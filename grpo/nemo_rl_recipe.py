@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from grpo.config import MasterConfig
-from grpo.config_load import ConfigError, build_config, load_yaml
+from grpo.config_load import ConfigError, build_config, load_yaml, parent_recipe
 
 # Where NeMo-RL's structure differs from grpo-ds's (each would be an unknown key in a native config).
 FREE_TEXT_KEYS = ("prompt_template", "system_prompt", "chat_template", "stop_strings")
@@ -143,8 +143,7 @@ def load_unresolved(path: str | os.PathLike, _seen: tuple = ()):
     parents = [parents] if isinstance(parents, str) else [str(p) for p in parents]
     base = OmegaConf.create({})
     for parent in parents:
-        parent_path = Path(parent) if parent.startswith("/") else path.parent / parent
-        base = _merge(base, load_unresolved(parent_path, _seen + (path,)))
+        base = _merge(base, load_unresolved(parent_recipe(path, parent), _seen + (path,)))
     return _merge(base, cfg)
 
 

@@ -518,3 +518,13 @@ def test_megatron_peft_maps_megatron_layer_names_to_the_hf_model_s():
     cfg, rows = load_recipe(BASE, on + ["++policy.megatron_cfg.peft.exclude_modules=['*out_proj*']"])
     assert cfg.policy.lora.match_all_linear and cfg.policy.lora.exclude_modules == ["*out_proj*"]
     assert "kept as they are" in table_of(rows, "translated")["policy.megatron_cfg.peft"]
+
+
+@pytest.mark.parametrize("body", ["policy:\n  dtensor_cfg: {enabled: true}\n", "grpo: {seed: 3}\n"])
+def test_a_missing_defaults_parent_names_the_recipe_that_refers_to_it(tmp_path, body):
+    """NeMo-RL recipe or native config: the error names the file whose defaults: entry is missing, not as if
+    --config itself were."""
+    recipe = tmp_path / "child.yaml"
+    recipe.write_text("defaults: base_missing.yaml\n" + body)
+    with pytest.raises(ConfigError, match=r"child\.yaml: defaults: 'base_missing\.yaml': file not found"):
+        load_config(str(recipe), [])
