@@ -62,14 +62,21 @@ def test_multi_turn_with_the_vllm_backend(tmp_path):
     check_multiturn(rows)
 
 
-def test_a_multi_turn_run_resumes_to_the_same_numbers_and_two_ranks_match_one(tmp_path):
-    full, part, two = tmp_path / "full", tmp_path / "part", tmp_path / "two"
+def test_a_multi_turn_run_resumes_to_the_same_numbers(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
     a = train(full, "grpo.max_num_steps=4", "checkpointing.save_period=2")
     train(part, "grpo.max_num_steps=2", "checkpointing.save_period=2")
     b = train(part, "grpo.max_num_steps=4", "checkpointing.save_period=2")
     for step in (3, 4):
         assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
         assert a[step]["train/mean_total_reward"] == b[step]["train/mean_total_reward"]
+
+
+@pytest.mark.slow
+def test_two_ranks_of_a_multi_turn_run_match_one(tmp_path):
+    """-m slow (the default suite's twin: tests/integration/test_device_rules.py runs two-rank multi-turn steps)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    a = train(one, "grpo.max_num_steps=2", "checkpointing.enabled=false")
     c = train(two, "grpo.max_num_steps=2", "checkpointing.enabled=false", nproc=2)
     for step in (1, 2):
         assert abs(a[step]["train/loss"] - c[step]["train/loss"]) < 1e-5, (step, a[step], c[step])

@@ -32,6 +32,8 @@ def test_math_1b_style_recipe_trains_two_steps(tmp_path):
     assert sorted(rows) == [1, 2] and all(0.0 <= r["train/mean_total_reward"] <= 1.0 for r in rows.values())
 
 
+@pytest.mark.slow  # the default suite's twins: test_math_1b_style_recipe_trains_two_steps, and the Megatron-path
+# translation (optimizer, scheduler, DAPO data) in tests/unit/test_nemo_rl_recipe.py
 def test_dapo_style_megatron_recipe_trains_two_steps(tmp_path):
     data = addition_jsonl(tmp_path)
     rows = _train(tmp_path, FIX / "recipes" / "llm" / "grpo-fixture-dapo-megatron.yaml",
