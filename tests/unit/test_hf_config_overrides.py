@@ -4,8 +4,6 @@ how a key applies (grpo.system.model_config) and what it refuses."""
 
 from __future__ import annotations
 
-import sys
-import types
 
 import pytest
 import torch
@@ -13,6 +11,8 @@ from pydantic import ValidationError
 
 from grpo.config import MasterConfig, PolicyConfig
 from grpo.system.model_config import ModelConfigError, apply_overrides, load_model_config, vllm_hf_overrides
+
+from tests.helpers.fake_vllm import install_fake_vllm
 
 YARN = {"rope_type": "yarn", "rope_theta": 1000000, "factor": 2.0, "original_max_position_embeddings": 256,
         "truncate": True, "beta_fast": 32, "beta_slow": 1, "mscale": 1, "mscale_all_dim": 0}  # NeMo-RL's yarn recipe
@@ -103,10 +103,7 @@ class RecordingLLM:
 def vllm_backend(monkeypatch, cfg, tok):
     from grpo.system.generation import vllm as backend
 
-    platform = types.SimpleNamespace(is_cpu=lambda: True, is_sleep_mode_available=lambda: False)
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
-    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform))
-    monkeypatch.setattr(backend, "check_cpu_head_size", lambda *a: None)
+    install_fake_vllm(monkeypatch, RecordingLLM)
     return backend.VllmGeneration(cfg, tok, None, torch.device("cpu"))
 
 

@@ -4,10 +4,10 @@ engine): vLLM's EngineCore calls gc.freeze() at start-up, which in-process froze
 from __future__ import annotations
 
 import gc
-import sys
-import types
 
 import torch
+
+from tests.helpers.fake_vllm import install_fake_vllm
 
 
 class FreezingLLM:
@@ -26,10 +26,7 @@ def test_constructing_the_backend_leaves_the_heap_unfrozen(monkeypatch, tiny_mod
     from grpo.config import MasterConfig
     from grpo.system.generation import vllm as backend
 
-    platform = types.SimpleNamespace(is_cpu=lambda: True, is_sleep_mode_available=lambda: False)
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FreezingLLM))
-    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform))
-    monkeypatch.setattr(backend, "check_cpu_head_size", lambda *a: None)
+    install_fake_vllm(monkeypatch, FreezingLLM)
     cfg = MasterConfig.model_validate({"policy": {"model_name": tiny_model_dir, "generation": {"backend": "vllm"}}})
     try:
         gen = backend.VllmGeneration(cfg, char_tokenizer, None, torch.device("cpu"))

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.fake_vllm import install_fake_vllm
+
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["1+2=", "hello there", "a", "xyz 12", "What is 7*6?", "ok", "(3*4)-5=", "Z"]
 SEEDS = [11, 22, 33, 44, 55, 66, 77, 88]
@@ -207,15 +209,11 @@ def test_backend_syncs_adapters_and_generates_with_the_newest(monkeypatch, tiny_
     from grpo.system import weights
     from grpo.system.generation import vllm as backend
 
-    platform = types.SimpleNamespace(is_cpu=lambda: True, is_sleep_mode_available=lambda: False)
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
-        LLM=FakeLLM, SamplingParams=lambda **kw: kw))
-    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform))
+    install_fake_vllm(monkeypatch, FakeLLM, SamplingParams=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "vllm.inputs", types.SimpleNamespace(TokensPrompt=dict))
     monkeypatch.setitem(sys.modules, "vllm.lora.request", types.SimpleNamespace(LoRARequest=make_request))
     monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state",
                         types.SimpleNamespace(destroy_model_parallel=lambda: None))
-    monkeypatch.setattr(backend, "check_cpu_head_size", lambda *a: None)
     monkeypatch.setattr(backend, "push_buckets", lambda *a: pytest.fail("base weights pushed with policy.lora"))
     model = peft_model(tiny_model_dir)
     monkeypatch.setattr(weights, "adapter_state_dict", lambda engine: adapter_source(engine.module)[0])
