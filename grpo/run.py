@@ -440,6 +440,7 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     import torch
 
     from grpo.metrics import pass_at_k
+    from grpo.rollout_metrics import rollout_summary
     from grpo.step import penalize
 
     g = run.cfg.grpo
@@ -458,12 +459,12 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     # NeMo-RL's validate scores with its reward_penalties too: accuracy counts a zeroed sample as wrong.
     rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor([float(t.reward) for t in trajs]), trajs,
                                                    run.cfg.reward_penalties, run.tokenizer)
-    count = max(len(trajs), 1)
+    rollout = rollout_summary(trajs)  # {} without samples
     metrics = {
         "accuracy": rewards_b.mean().item() if trajs else 0.0,
-        "avg_length": sum(t.num_generated_tokens for t in trajs) / count,
-        "truncation_rate": sum(t.truncated for t in trajs) / count,
-        "avg_turns_per_sample": sum(t.turns for t in trajs) / count,
+        "avg_length": rollout.get("mean_gen_tokens_per_sample", 0.0),
+        "truncation_rate": rollout.get("truncation_rate", 0.0),
+        "avg_turns_per_sample": rollout.get("avg_turns_per_sample", 0.0),
         "num_samples": float(len(trajs)),
         **penalty_metrics,
     }
