@@ -35,7 +35,7 @@ def main(argv=None) -> int | None:
     """Train; return None, or a stop signal's exit status. A run that cannot start or that fails raises
     `grpo.run.RunError` (the script prints its ``error:`` line and exits 1)."""
     run = setup(argv, DEFAULT_CONFIG, asynchronous=True, description=__doc__)
-    if run is None:  # --export-hf: done
+    if run is None:  # --export-hf done, or a generation rank (colocated.enabled=false) that served its run
         return None
     import torch
 

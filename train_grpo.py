@@ -33,7 +33,7 @@ def main(argv=None) -> int | None:
     """Train; return None, or a stop signal's exit status. A run that cannot start or that fails raises
     `grpo.run.RunError` (the script prints its ``error:`` line and exits 1)."""
     run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__)
-    if run is None:  # --export-hf: done
+    if run is None:  # --export-hf done, or a generation rank (colocated.enabled=false) that served its run
         return None
     from grpo.batch import build_batch
     from grpo.system.checkpoint import rng_state
@@ -123,14 +123,17 @@ def main(argv=None) -> int | None:
             results = train_step(cfg, run.policy, batch, run.rank, run.world_size, loss_fn=clipped_pg_loss_fn)
 
         # ---- 9. refit the generation engine, log, validate, checkpoint (a stop signal skips validation) --
-        timing["timing/refit_s"] = run.generator.refit(run.policy)
+        try:
+            timing["timing/refit_s"] = run.generator.refit(run.policy)
+        except RolloutError as err:  # generation ranks gone (colocated.enabled=false); step `step` is trained
+            failure, timing["timing/refit_s"] = f"the refit after step {step} failed: {err}", 0.0
         record_step(state, batch, step)
         state.current_epoch = prompts.epoch
         timing["timing/step_s"] = time.perf_counter() - t_step
         metrics.update({**step_metrics(batch, results, timing["timing/step_s"]), **timing,
                         **getattr(run.generator, "memory", {}), "train/epoch": state.current_epoch})
         metrics = nemo_rl_names(metrics)  # the keys NeMo-RL logs (grpo.metrics.NEMO_RL_NAMES)
-        failure = run.checks.after_step(batch.trajectories, batch.raw_rewards_b, results, metrics)
+        failure = failure or run.checks.after_step(batch.trajectories, batch.raw_rewards_b, results, metrics)
         run.logger.log(metrics, step)
         run.logger.progress(step, metrics)
         dump_rollouts(run, "train", step, batch.trajectories, batch)

@@ -249,10 +249,20 @@ class AsyncGRPOConfig(_Section):
     max_generation_failures: int = Field(0, ge=0, description=(
         "Consecutive rollout failures tolerated (each retried on the next prompts) before the run stops."))
     in_flight_weight_updates: bool = Field(False, description=(
-        "Generation picks up new weights between generation chunks, not only between prompt batches."))
+        "NeMo-RL's meaning: weights may change while a prompt batch is generated. hf thread: new weights are loaded "
+        "between generation chunks (policy.generation_batch_size prompts). Generation ranks "
+        "(policy.generation.colocated.enabled=false): the batch is decoded in chunks of "
+        "async_grpo.in_flight_chunk_tokens tokens and, between chunks, the newest staged weights are loaded and the "
+        "unfinished requests continue from their partial output (a sample may then span several versions; its "
+        "version is the oldest)."))
     recompute_kv_cache_after_weight_updates: bool = Field(False, description=(
-        "Recompute the KV cache of in-flight requests after an in-flight update (holds by construction: "
-        "chunks start fresh)."))
+        "NeMo-RL's meaning: after an in-flight weight update, the continued requests recompute their KV cache "
+        "(generation ranks: vLLM's prefix cache is reset, so no block computed with the old weights is reused); "
+        "false: cached blocks of the old weights are reused where vLLM's prefix cache holds them. hf thread: holds "
+        "by construction (chunks start fresh)."))
+    in_flight_chunk_tokens: int = Field(16, gt=0, description=(
+        "grpo-ds, generation ranks with in_flight_weight_updates: tokens decoded per request between two weight "
+        "checks."))
     generation_threads: Optional[int] = Field(
         None, description="CPU: torch threads of the generation thread (null: half of the trainer's).")
 
@@ -455,9 +465,35 @@ class VllmConfig(_Section):
         return v
 
 
+class ColocatedResourcesConfig(_Section):
+    """The ranks that generate when ``colocated.enabled=false`` (NeMo-RL's ``colocated.resources``)."""
+
+    gpus_per_node: Optional[int] = Field(None, gt=0, description=(
+        "Generation ranks per node (NeMo-RL's meaning): on one node the last gpus_per_node ranks generate and the "
+        "others train; with cluster.num_nodes > 1 it must equal cluster.gpus_per_node (whole nodes generate)."))
+    num_nodes: Optional[int] = Field(None, gt=0, description=(
+        "Nodes that generate (null: 1). Generation ranks = gpus_per_node x num_nodes, the last ranks of the launch."))
+
+
+class ColocatedConfig(_Section):
+    """Where generation runs (NeMo-RL's ``policy.generation.colocated``): on the training ranks (``enabled=true``,
+    the default) or on ranks of its own (`grpo.system.generation.remote`)."""
+
+    enabled: bool = Field(True, description=(
+        "true: every rank trains and generates; false: the last colocated.resources ranks of the launch only "
+        "generate (vLLM or hf, never sleeping), the others train; prompts, trajectories and weights go over a "
+        "bridge between trainer rank 0 and them (train_async_grpo.py with vllm needs false, as in NeMo-RL)."))
+    resources: ColocatedResourcesConfig = Field(
+        default_factory=ColocatedResourcesConfig, description="The generation ranks (colocated.enabled=false).")
+    bridge_timeout_s: float = Field(600.0, gt=0, description=(
+        "grpo-ds: seconds trainer rank 0 waits for a generation rank's answer (a batch's generation, a weight "
+        "load) before it stops the run naming that rank as hung."))
+
+
 class GenerationConfig(_Section):
     backend: Literal["hf", "vllm"] = Field(
-        "hf", description="hf: transformers generate on a plain copy (any device); vllm: colocated vLLM engine.")
+        "hf", description="hf: transformers generate on a plain copy (any device); vllm: a vLLM engine (colocated "
+                          "with training, or on ranks of its own: colocated.enabled=false).")
     max_new_tokens: int = Field(512, gt=0, description="Generated tokens per assistant turn at most.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer's logprobs use it too).")
     top_p: float = Field(
@@ -477,6 +513,8 @@ class GenerationConfig(_Section):
     refit_bucket_numel: int = Field(2**28, gt=0, description=(
         "Elements per weight-refit push: ZeRO-3 gathers whole decoder layers until a bucket holds this many."))
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
+    colocated: ColocatedConfig = Field(default_factory=ColocatedConfig, description=(
+        "Generation on the training ranks (default) or on ranks of its own (NeMo-RL's colocated section)."))
 
     def for_validation(self) -> "GenerationConfig":
         """This config with validation's sampling (NeMo-RL's val_temperature / val_top_p / val_top_k) in place of
@@ -1048,13 +1086,80 @@ class MasterConfig(_Section):
                 f"env.name={self.env.name!r} needs data.dataset_name='{self.env.name}:<task>' "
                 f"(got {self.data.dataset_name!r})"
             )
-        if g.async_grpo.enabled and p.generation.backend != "hf":
-            raise ValueError(
-                f"policy.generation.backend={p.generation.backend!r} with grpo.async_grpo.enabled=true: async GRPO "
-                "generates with its own transformers copy of the weights: use policy.generation.backend=hf "
-                "(or train_grpo.py for colocated vLLM)"
+        colocated = p.generation.colocated
+        if g.async_grpo.enabled and p.generation.backend == "vllm" and colocated.enabled:
+            raise ValueError(  # NeMo-RL's async_grpo_train asserts non-colocated vLLM inference the same way
+                "policy.generation.backend='vllm' with grpo.async_grpo.enabled=true needs "
+                "policy.generation.colocated.enabled=false (generation on ranks of its own, "
+                "colocated.resources.gpus_per_node of them); or use policy.generation.backend=hf (a transformers "
+                "copy in a thread), or train_grpo.py for colocated vLLM"
             )
+        if not colocated.enabled:
+            check_generation_resources(self)
         return self
+
+
+def check_generation_resources(cfg: "MasterConfig") -> None:
+    """``colocated.enabled=false``: the config-level rules of NeMo-RL's grpo.py setup (its non-colocated branch)
+    plus grpo-ds's own: ValueError naming the key, its value and what is expected."""
+    p, cluster = cfg.policy, cfg.cluster
+    res = p.generation.colocated.resources
+    key = "policy.generation.colocated.resources"
+    if res.gpus_per_node is None:
+        raise ValueError(f"{key}.gpus_per_node=None with policy.generation.colocated.enabled=false: expected the "
+                         "number of generation ranks per node (> 0), as NeMo-RL asks")
+    multi_node = cluster.num_nodes is not None and cluster.num_nodes > 1
+    if multi_node:
+        if res.num_nodes is None:
+            raise ValueError(f"{key}.num_nodes=None with cluster.num_nodes={cluster.num_nodes}: expected the number of "
+                             "whole nodes that generate (NeMo-RL's rule for several nodes)")
+        if res.gpus_per_node != cluster.gpus_per_node:
+            raise ValueError(f"{key}.gpus_per_node={res.gpus_per_node} with cluster.num_nodes={cluster.num_nodes}: "
+                             f"expected cluster.gpus_per_node={cluster.gpus_per_node} (whole nodes generate, as in "
+                             "NeMo-RL)")
+        if res.num_nodes >= cluster.num_nodes:
+            raise ValueError(f"{key}.num_nodes={res.num_nodes}: expected < cluster.num_nodes={cluster.num_nodes} "
+                             "(at least one node must train)")
+    elif cluster.num_nodes == 1 and res.num_nodes not in (None, 1):
+        raise ValueError(f"{key}.num_nodes={res.num_nodes} with cluster.num_nodes=1: expected 1 or null")
+    elif cluster.gpus_per_node is not None and res.gpus_per_node >= cluster.gpus_per_node:
+        raise ValueError(f"{key}.gpus_per_node={res.gpus_per_node}: expected < cluster.gpus_per_node="
+                         f"{cluster.gpus_per_node} (ranks left to train: cluster.gpus_per_node - {res.gpus_per_node})")
+    n_gen = generation_ranks(p.generation)
+    tp = p.generation.vllm_cfg.tensor_parallel_size
+    if p.generation.backend == "vllm" and n_gen % tp:
+        raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size={tp}: expected a divisor of the "
+                         f"{n_gen} generation ranks ({key}.gpus_per_node x num_nodes)")
+    if p.generation.backend == "hf" and tp != 1:
+        raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size={tp} with policy.generation.backend=hf: "
+                         "expected 1")
+    if p.lora.enabled:
+        raise ValueError("policy.lora.enabled=true with policy.generation.colocated.enabled=false: generation ranks "
+                         "load whole weights only; use colocated generation for LoRA runs")
+
+
+def generation_ranks(gen: GenerationConfig) -> int:
+    """How many ranks of the launch only generate: 0 when colocated, else NeMo-RL's
+    ``colocated.resources.gpus_per_node x num_nodes`` (num_nodes null: 1).
+
+        >>> generation_ranks(GenerationConfig(colocated={"enabled": False, "resources": {"gpus_per_node": 4}}))
+        4
+    """
+    c = gen.colocated
+    return 0 if c.enabled else (c.resources.gpus_per_node or 0) * (c.resources.num_nodes or 1)
+
+
+def generation_split_problem(gen: GenerationConfig, world_size: int) -> str | None:
+    """Why a launch of ``world_size`` ranks cannot give ``generation_ranks`` of them to generation, or None.
+
+        >>> generation_split_problem(GenerationConfig(colocated={"enabled": False, "resources": {"gpus_per_node": 2}}), 2)
+        'policy.generation.colocated.resources: 2 generation ranks of the 2 the launcher started leave none to train'
+    """
+    n = generation_ranks(gen)
+    if n and world_size - n < 1:
+        return (f"policy.generation.colocated.resources: {n} generation ranks of the {world_size} the launcher "
+                "started leave none to train")
+    return None
 
 
 # grpo-ds's former names of the validation metrics -> NeMo-RL's, which validation reports (``pass@<k>`` too:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from grpo.config import MasterConfig, cluster_mismatch, resolve_skip_flags
+from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags
 from grpo.config_load import ConfigError, config_help, load_config
 
 if TYPE_CHECKING:  # for the types only: a config error must exit before torch (and all that follows) is imported
@@ -226,9 +226,18 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo.tasks.catalogue import resolve_model_name
     from grpo.system.weights import ExportError
 
-    rank, _, world_size, device = init_distributed()
-    if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
-        raise RunError(mismatch.removeprefix("error: "))
+    exporting = args.export_hf is not None or args.export_adapter is not None
+    layout = None
+    if generation_ranks(cfg.policy.generation) and not exporting:  # the last ranks of the launch only generate
+        layout, device = start_split(cfg)
+        if layout.role == "generate":
+            serve_generation(cfg, layout, device)
+            return None
+        rank, world_size = layout.rank, layout.world_size
+    else:
+        rank, _, world_size, device = init_distributed()
+        if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
+            raise RunError(mismatch.removeprefix("error: "))
     locks, run_id = [], None
     if args.export_hf is None and args.export_adapter is None:  # one run per directory: lock, refuse foreign runs
         locks, run_id = claim_dirs(cfg, rank)
@@ -267,7 +276,6 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     state, resume = GRPOSaveState(), None
     try:
         latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
-        exporting = args.export_hf is not None or args.export_adapter is not None
         if exporting and latest is None:
             flag = "--export-hf" if args.export_hf is not None else "--export-adapter"
             raise RunError(f"{flag}: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
@@ -298,7 +306,10 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
 
     share = ("once" if shares_prompts(cfg.policy.shared_prompt_forward, policy.module)
              and policy.zero_optimization_stage() != 3 else "per sample")
-    logger.write(f"grpo-ds{' async' if asynchronous else ''}: {world_size} rank(s), {len(train_ds)} train / "
+    ranks = (f"{world_size} rank(s)" if layout is None else
+             f"{layout.global_world_size} ranks: {world_size} train, {layout.num_generation} generate "
+             f"({cfg.policy.generation.backend}, policy.generation.colocated.enabled=false)")
+    logger.write(f"grpo-ds{' async' if asynchronous else ''}: {ranks}, {len(train_ds)} train / "
                  f"{len(val_ds)} val prompts ({train_ds.num_filtered} over data.max_input_seq_length filtered, "
                  f"{train_ds.num_too_long} with no room under policy.max_total_sequence_length skipped, "
                  f"{train_rows.report.num_skipped} malformed rows skipped), {total_steps} steps, "
@@ -314,7 +325,12 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                            rank, enabled=cfg.logger.dump_rollouts)
     closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [_Release(locks)]
     generator = None
-    if not asynchronous:
+    if layout is not None:  # generation ranks: the async loop's producer pushes the staged weights itself
+        generator = build_generation_backend(cfg, tokenizer, policy, device, layout)
+        closables.append(generator)
+        if not asynchronous:
+            generator.refit(policy)
+    elif not asynchronous:
         generator = build_generation_backend(cfg, tokenizer, policy, device)
         generator.refit(policy)
         closables.append(generator)
@@ -385,9 +401,45 @@ def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = 
     return formatter, train_rows, PromptDataset(train_rows, formatter, **kw), PromptDataset(val_rows, formatter, **kw)
 
 
-def build_generation_backend(cfg, tokenizer, policy_engine, device):
+def start_split(cfg):
+    """``policy.generation.colocated.enabled=false``: check the launch against the config, then split it into
+    training and generation ranks (`grpo.system.dist.init_split`); returns ``(layout, device)``."""
+    from grpo.config import generation_split_problem
+    from grpo.system.dist import init_split
+    from grpo.system.engines import local_world_size
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    problem = (cluster_mismatch(cfg.cluster, launched, local_world_size())
+               or generation_split_problem(cfg.policy.generation, launched))
+    if problem is not None:
+        raise RunError(problem.removeprefix("error: "))
+    return init_split(generation_ranks(cfg.policy.generation))
+
+
+def serve_generation(cfg, layout, device) -> None:
+    """A generation rank's whole run (`grpo.system.generation.remote.serve`): returns when trainer 0 closes the
+    bridge; raises `RunError` when the trainers are gone or the engine cannot start."""
+    from grpo.system.bridge import BridgeError
+    from grpo.system.generation.remote import serve
+
+    try:
+        serve(cfg, layout, device)
+    except BridgeError as err:
+        raise RunError(f"generation rank {layout.rank} (launcher rank {layout.global_rank}) stops: {err}") from None
+
+
+def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None):
     """`policy.generation.backend`: "hf" (transformers generate, any device) or "vllm" (colocated). With hf and
-    whole weights on every rank (ZeRO-1/2), generation runs on the policy module itself (no copy to refit)."""
+    whole weights on every rank (ZeRO-1/2), generation runs on the policy module itself (no copy to refit). With a
+    ``layout`` (`grpo.system.dist.Layout`, ``colocated.enabled=false``): `RemoteGeneration`, the generation
+    ranks' engines behind the bridge (a collective of the trainers)."""
+    if layout is not None:
+        from grpo.system.bridge import Bridge
+        from grpo.system.generation.remote import RemoteGeneration
+
+        timeout = cfg.policy.generation.colocated.bridge_timeout_s
+        bridge = (Bridge(layout.store, 0, 1 + layout.num_generation, timeout, device) if layout.rank == 0 else None)
+        return RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device)
     if cfg.policy.generation.backend == "hf":
         from grpo.system.generation.hf import HFGeneration
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,6 +45,90 @@ def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torc
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+@dataclass
+class Layout:
+    """This process's place in a launch whose last ``num_generation`` ranks only generate
+    (``policy.generation.colocated.enabled=false``).
+
+    ``role``: "train" or "generate"; ``rank`` / ``world_size``: within its side's own process group (what
+    DeepSpeed or vLLM sees); ``global_rank`` / ``global_world_size``: the launcher's; ``store``: the launch's
+    rendezvous store, from which the bridge (`grpo.system.bridge`) builds its groups; ``bridge_rank``: 0 for trainer
+    0, 1 + i for generation rank i, None for the other trainers.
+    """
+
+    role: str
+    rank: int
+    world_size: int
+    global_rank: int
+    global_world_size: int
+    num_generation: int
+    store: object = None
+
+    @property
+    def bridge_rank(self) -> int | None:
+        if self.role == "generate":
+            return 1 + self.rank
+        return 0 if self.rank == 0 else None
+
+
+def split_ranks(global_rank: int, global_world_size: int, num_generation: int) -> tuple[str, int, int]:
+    """``(role, rank, world_size)`` of a launcher's rank when its last ``num_generation`` ranks generate: ranks
+    [0, W - R) train (rank 0 stays a trainer), [W - R, W) generate, each side numbered from 0.
+
+        >>> [split_ranks(r, 8, 4) for r in (0, 3, 4, 7)]
+        [('train', 0, 4), ('train', 3, 4), ('generate', 0, 4), ('generate', 3, 4)]
+    """
+    n_train = global_world_size - num_generation
+    if n_train < 1 or num_generation < 0:
+        raise ValueError(f"{num_generation} generation ranks of {global_world_size} leave none to train")
+    if global_rank < n_train:
+        return "train", global_rank, n_train
+    return "generate", global_rank - n_train, num_generation
+
+
+def init_split(num_generation: int, local_rank: int | None = None, timeout_s: float = 1800.0
+               ) -> tuple[Layout, torch.device]:
+    """Two process groups in one launch, no Ray: rendezvous once over the launcher's store
+    (``torch.distributed.rendezvous("env://")``: torchrun's agent store, the deepspeed launcher's and
+    accelerate's MASTER_ADDR / MASTER_PORT), then each side starts its own default group over a prefix of that
+    store (``PrefixStore("train" | "generate", store)``) with its own rank and size. RANK / WORLD_SIZE (and
+    LOCAL_WORLD_SIZE on one node) are rewritten to the side's, so DeepSpeed on the trainers and vLLM's
+    ``external_launcher`` on the generation ranks each see an ordinary world; LOCAL_RANK (the device) stays.
+    Backend: nccl with CUDA, gloo without. Returns the `Layout` and this rank's device.
+    """
+    import datetime
+
+    import deepspeed.ops
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    global_rank, global_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    role, rank, world_size = split_ranks(global_rank, global_world, num_generation)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", global_rank, global_world, timeout=timeout))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    if local_world and int(local_world) == global_world:  # one node: each side's ranks on it
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=rank, world_size=world_size,
+                            timeout=timeout)
+    if role == "train":
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)  # joins the group just made
+    return Layout(role, rank, world_size, global_rank, global_world, num_generation, store), device
 
 
 def _free_port() -> int:

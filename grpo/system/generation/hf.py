@@ -200,6 +200,23 @@ class HFGeneration:
         self._has_weights = True
         return time.perf_counter() - t0
 
+    def load_buckets(self, buckets, expected: list[str]) -> None:
+        """Copy ``(name, tensor)`` buckets into the copy (a generation rank: the weights come over the bridge,
+        `grpo.system.generation.remote`); every parameter of ``expected`` must arrive, and only known ones."""
+        params = dict(self.model.named_parameters())
+        seen = set()
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, full in bucket:
+                    if name not in params:
+                        raise KeyError(f"load: parameter {name!r} has no counterpart in the generation copy")
+                    params[name].copy_(full)
+                    seen.add(name)
+        missing = sorted((set(params) | set(expected)) - seen)
+        if missing:
+            raise KeyError(f"load: no weights arrived for {missing[:5]} ({len(missing)} parameters)")
+        self._has_weights = True
+
     def sleep(self) -> None:
         pass
 

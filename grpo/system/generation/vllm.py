@@ -339,7 +339,7 @@ class VllmGeneration:
     """
 
     def __init__(self, cfg, tokenizer, policy_engine, device, *, recorder: list | None = None,
-                 refit_bucket_numel: int = 2**28):
+                 refit_bucket_numel: int = 2**28, colocated: bool = True):
         import torch.distributed as dist
 
         from grpo.tasks.catalogue import resolve_model_name
@@ -348,6 +348,9 @@ class VllmGeneration:
         self.gen_cfg = cfg.policy.generation
         self.vllm_cfg = cfg.policy.generation.vllm_cfg
         self.policy_engine = policy_engine
+        # colocated=False: a generation rank (grpo.system.generation.remote): no training engine beside it, no
+        # sleep mode, weights only through `load_buckets`.
+        self.colocated = colocated
         self.recorder = recorder
         self.refit_bucket_numel = refit_bucket_numel
         self.memory: dict[str, float] = {}  # memory/<phase>_gb, for the loop to log
@@ -384,7 +387,7 @@ class VllmGeneration:
             self._on_cpu = current_platform.is_cpu()
             if self._on_cpu:
                 check_cpu_head_size(model_cfg, cfg.policy.model_name)
-            self.sleep_mode = current_platform.is_sleep_mode_available()
+            self.sleep_mode = current_platform.is_sleep_mode_available() and colocated
             if not self.sleep_mode:
                 logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropCpuSleepWarnings())
             kw = llm_kwargs(cfg, model=model, tokenizer=tok_path, rank=self.rank, world_size=self.world_size,
@@ -400,13 +403,14 @@ class VllmGeneration:
         # never be collected. Unfreeze: it only costs vLLM longer collection pauses.
         gc.unfreeze()
         # The engine starts with the checkpoint's weights; put it to sleep so that the first refit takes
-        # the same path as every later one.
-        self.sleep()
+        # the same path as every later one. A generation rank never sleeps.
+        if colocated:
+            self.sleep()
 
     # ---------------------------------------------------------------- the step order (one place)
     def sleep(self) -> None:
         """1. After generation: vLLM sleeps (level from the config); optimizer states come back."""
-        if self._asleep:
+        if self._asleep or not self.colocated:
             return
         self.llm.sleep(level=self.vllm_cfg.sleep_level)
         self._asleep = True
@@ -536,12 +540,23 @@ class VllmGeneration:
         buckets = iter_gathered_params(engine, self.refit_bucket_numel)
         if per_parameter:
             buckets = ([item] for bucket in buckets for item in bucket)
+        self._load(buckets, [name for name, _ in engine.module.named_parameters()], type(engine.module).__name__)
+
+    def load_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], expected: list[str]) -> None:
+        """A generation rank (`grpo.system.generation.remote`): push the buckets as they arrive over the bridge
+        (``expected``: the trainer's parameter names), check them (`refit_problems`), reset the prefix cache."""
+        self._load(buckets, expected, "the trainers")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._refitted = True
+        self._record("load_weights")
+
+    def _load(self, buckets, expected: list[str], source: str) -> None:
         pushed, never_loaded = push_buckets(self.llm, buckets)
         if self._on_cpu:
             self.llm.collective_rpc(reprocess_shared_weight_layers)
-        problems = refit_problems(pushed, [name for name, _ in engine.module.named_parameters()], never_loaded)
+        problems = refit_problems(pushed, expected, never_loaded)
         if problems:
-            raise RuntimeError(f"vLLM refit from {type(engine.module).__name__}: " + "; ".join(problems))
+            raise RuntimeError(f"vLLM refit from {source}: " + "; ".join(problems))
 
     def _sync_adapters(self, engine) -> None:
         """The policy's adapters as the next version (`AdapterSync.sync`); gathering them is a collective under

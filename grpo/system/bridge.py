@@ -1,0 +1,123 @@
+"""The bridge between trainer rank 0 and the generation ranks (``policy.generation.colocated.enabled=false``).
+
+    bridge rank 0 = trainer rank 0        bridge rank 1 + i = generation rank i
+
+Two raw process groups over a prefix of the launch's rendezvous store (`grpo.system.dist.init_split`), outside
+both sides' default groups, so neither DeepSpeed nor vLLM sees them:
+
+- ``objects``: a ``ProcessGroupGloo`` for Python objects (commands, prompts, trajectories' completions), pickled
+  into a uint8 tensor sent after its int64 length;
+- ``tensors``: weights, broadcast from trainer 0 to every generation rank: ``ProcessGroupNCCL`` on GPUs (device
+  tensors), the gloo group itself on CPUs.
+
+Errors name the peer: a generation rank that died (gloo: "Connection closed by peer") or did not answer within
+``timeout_s`` raises `BridgeError` on trainer 0. Each side sets its own timeout (gloo's is local): trainer 0
+waits ``policy.generation.colocated.bridge_timeout_s`` for an answer; generation ranks wait for the next command
+much longer (a training step), and still stop at once when trainer 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+
+import torch
+import torch.distributed as dist
+
+
+class BridgeError(RuntimeError):
+    """A bridge transfer failed; the message names the peer and what to look at."""
+
+
+def to_bytes_tensor(obj) -> torch.Tensor:
+    """``obj`` pickled into a uint8 tensor.
+
+        >>> from_bytes_tensor(to_bytes_tensor({"a": [1, 2]}))
+        {'a': [1, 2]}
+    """
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def from_bytes_tensor(t: torch.Tensor):
+    return pickle.loads(t.numpy().tobytes())
+
+
+def peer_name(bridge_rank: int) -> str:
+    """How messages name a bridge rank.
+
+        >>> peer_name(0), peer_name(3)
+        ('trainer rank 0', 'generation rank 2')
+    """
+    return "trainer rank 0" if bridge_rank == 0 else f"generation rank {bridge_rank - 1}"
+
+
+class Bridge:
+    """This process's end of the bridge. ``store``: the launch's rendezvous store; ``rank`` / ``size``: bridge
+    rank and 1 + number of generation ranks; ``device``: where weights travel (CUDA: NCCL, else gloo);
+    ``timeout_s``: how long this side waits for one transfer."""
+
+    def __init__(self, store, rank: int, size: int, timeout_s: float, device: torch.device | None = None,
+                 prefix: str = "bridge"):
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.objects = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/objects", store), rank, size, timeout)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        if self.device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.tensors = dist.ProcessGroupNCCL(dist.PrefixStore(f"{prefix}/tensors", store), rank, size, options)
+        else:
+            self.tensors = self.objects
+        self.broken: str | None = None  # the first failure: every later transfer fails at once with it
+
+    # ---------------------------------------------------------------- objects
+    def send(self, obj, dst: int) -> None:
+        """Send a picklable object to bridge rank ``dst``."""
+        payload = to_bytes_tensor(obj)
+        self._run(lambda: (self.objects.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0).wait(),
+                           self.objects.send([payload], dst, 1).wait()), dst, "sending to")
+
+    def recv(self, src: int):
+        """Receive the next object from bridge rank ``src``."""
+        n = torch.zeros(1, dtype=torch.int64)
+        self._run(lambda: self.objects.recv([n], src, 0).wait(), src, "waiting for")
+        payload = torch.empty(int(n.item()), dtype=torch.uint8)
+        self._run(lambda: self.objects.recv([payload], src, 1).wait(), src, "waiting for")
+        return from_bytes_tensor(payload)
+
+    # ---------------------------------------------------------------- tensors
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Broadcast ``tensor`` from bridge rank 0 to every other bridge rank, in place (contiguous, on
+        ``device``)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self._run(lambda: self.tensors.broadcast([tensor], opts).wait(), None, "broadcasting weights with")
+        return tensor
+
+    def _run(self, op, peer: int | None, doing: str):
+        if self.broken is not None:
+            raise BridgeError(self.broken)
+        try:
+            return op()
+        except RuntimeError as err:
+            who = peer_name(peer) if peer is not None else ("the generation ranks" if self.rank == 0 else
+                                                             "trainer rank 0")
+            text = str(err)
+            if "Timed out" in text or "timed out" in text or "Timeout" in text:
+                why = (f"no answer from {who} within {self.timeout_s:g} s (policy.generation.colocated."
+                       "bridge_timeout_s): it hangs or is far slower than expected")
+            elif "closed" in text or "reset" in text or "Broken pipe" in text or "Connection" in text:
+                why = f"{who} is gone (its process died or exited: see its log)"
+            else:
+                why = f"{who}: {type(err).__name__}: {text.splitlines()[0] if text else ''}"
+            self.broken = f"bridge {doing} {who}: {why}"
+            raise BridgeError(self.broken) from err
+
+    def close(self) -> None:
+        """Leave the groups (nothing waits for the peers)."""
+        for group in {id(g): g for g in (self.objects, self.tensors)}.values():
+            try:
+                if hasattr(group, "shutdown"):
+                    group.shutdown()
+            except Exception:  # noqa: BLE001 - a dead peer's group may refuse; the process ends anyway
+                pass

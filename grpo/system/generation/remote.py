@@ -1,0 +1,332 @@
+"""Generation on ranks of its own (``policy.generation.colocated.enabled=false``), no Ray.
+
+Of the W ranks a launcher starts, the last R only generate (`grpo.system.dist.init_split`); trainer rank 0 talks
+to them over the bridge (`grpo.system.bridge`):
+
+    trainers: generate(prompts) -- gather to trainer 0 -> split over the engines -> bridge -> scatter back
+    after training: refit(engine) -- ZeRO-3 gathered a few layers at a time -> broadcast bucket by bucket
+    generation rank i: serve() -- hello -> [generate | load weights]* -> close
+
+`RemoteGeneration` is the trainers' `GenerationBackend` (the loops and the rollout code do not know the
+difference): sleep / wake_up are no-ops; `generate` and `refit` are collectives of the trainers over their own
+gloo group (`group`); only trainer 0 touches the bridge, from one thread at a time. An error on the bridge (a
+generation rank died or hangs) reaches every trainer: trainer 0 still completes the scatter, with the error.
+
+`serve` is a generation rank's whole life: a vLLM engine (``external_launcher`` over the generation ranks' own
+default group, tensor-parallel groups among them; never sleeping) or a plain transformers copy
+(`grpo.system.generation.hf.HFGeneration`), loading weights as they arrive (no disk round trip; vLLM's prefix
+cache reset after each load). It returns when trainer 0 says close, and raises `BridgeError` when trainer 0 is
+gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from grpo.system.bridge import Bridge, BridgeError
+from grpo.system.dist import rank_slice
+from grpo.system.generation.base import GenerationOutput, length_caps, per_sample_stops
+
+logger = logging.getLogger(__name__)
+
+# Generation ranks wait this long for trainer 0's next command (a training step may take long); a dead trainer 0
+# still ends the wait at once (connection closed).
+SERVER_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def engine_shares(n: int, num_ranks: int, tp: int) -> list[slice]:
+    """Which of ``n`` requests each generation rank receives: the engines (``num_ranks / tp`` groups of ``tp``
+    consecutive ranks) get contiguous shares; a group's first rank receives its share, the others nothing (vLLM's
+    ``generate_in_group`` gathers the group's prompts on every rank of it).
+
+        >>> engine_shares(5, 4, 2)
+        [slice(0, 3, None), slice(0, 0, None), slice(3, 5, None), slice(0, 0, None)]
+    """
+    engines = num_ranks // tp
+    out = []
+    for r in range(num_ranks):
+        out.append(rank_slice(n, r // tp, engines) if r % tp == 0 else slice(0, 0))
+    return out
+
+
+def bucket_specs(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple, str]]:
+    """``(name, shape, dtype name)`` of a bucket's tensors: what a generation rank allocates to receive them.
+
+        >>> bucket_specs([("w", torch.zeros(2, 3))])
+        [('w', (2, 3), 'float32')]
+    """
+    return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
+
+
+class RemoteGeneration:
+    """The trainers' `GenerationBackend` when generation runs on ranks of its own. Built on every trainer (a
+    collective: the trainers' gloo group); ``bridge``: trainer 0's end (None on the other trainers);
+    ``model_path``: the resolved ``policy.model_name`` the generation ranks load."""
+
+    def __init__(self, cfg, layout, bridge: Bridge | None, model_path: str, device: torch.device):
+        import torch.distributed as dist
+
+        self.cfg, self.layout, self.bridge, self.device = cfg, layout, bridge, device
+        self.gen_cfg = cfg.policy.generation  # validation_sampling swaps it for validation's
+        self.num_ranks = layout.num_generation
+        self.tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size if cfg.policy.generation.backend == "vllm" else 1
+        self.bucket_numel = cfg.policy.generation.refit_bucket_numel
+        self.group = dist.new_group(backend="gloo") if layout.world_size > 1 else None
+        self.version = -1  # the weight version the generation ranks hold (async loop)
+        self.memory: dict[str, float] = {}
+        self.stats = {"weight_loads": 0, "kv_cache_resets": 0}
+        error = None
+        if bridge is not None:
+            try:
+                for r in self._peers():
+                    bridge.send(("hello", {"model": model_path}), r)
+                replies = [bridge.recv(r) for r in self._peers()]
+                error = "; ".join(f"generation rank {r - 1}: {msg}" for r, (kind, msg) in zip(self._peers(), replies)
+                                  if kind == "error") or None
+            except BridgeError as err:
+                error = str(err)
+        self._agree(error, "starting the generation ranks")
+
+    # ---------------------------------------------------------------- GenerationBackend
+    def lockstep_max(self, n_local: int) -> int:
+        """The most samples any trainer holds (a collective of the trainers): each makes as many `generate`
+        calls as that trainer needs."""
+        if self.group is None:
+            return n_local
+        import torch.distributed as dist
+
+        n = torch.tensor([n_local], dtype=torch.long)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        return int(n.item())
+
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
+                 max_new_tokens=None, stop_strings=None) -> list[GenerationOutput]:
+        """See `grpo.system.generation.base.GenerationBackend.generate`. A collective of the trainers: every
+        trainer calls it the same number of times (empty lists included)."""
+        if len(prompt_ids) != len(seeds):
+            raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
+        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
+                           self.cfg.policy.max_total_sequence_length) if prompt_ids else []
+        stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
+        request = [list(map(list, prompt_ids)), [int(s) for s in seeds], caps, stops]
+        parts = self._gather(request)
+        result = None
+        if self.bridge is not None:
+            flat = [[x for p in parts for x in p[k]] for k in range(4)]
+            result = self._generate_remote(*flat, greedy=greedy) if flat[0] else []
+        result = self._broadcast(result)
+        if isinstance(result, str):
+            raise BridgeError(result)
+        start = sum(len(p[0]) for p in parts[: self.layout.rank])
+        return result[start:start + len(prompt_ids)]
+
+    def refit(self, engine) -> float:
+        """Load ``engine``'s weights into every generation rank: gathered from ZeRO-3 a few whole layers at a time
+        (a collective of the trainers), broadcast by trainer 0 bucket by bucket. Raises
+        `grpo.system.rollout.RolloutError` on every trainer when a generation rank failed."""
+        from grpo.system.weights import iter_gathered_params
+
+        t0 = time.perf_counter()
+        expected = [name for name, _ in engine.module.named_parameters()]
+        error = self.load_weights(iter_gathered_params(engine, self.bucket_numel), expected, self.version + 1)
+        self._agree(error, "loading the new weights")
+        return time.perf_counter() - t0
+
+    def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], expected: list[str],
+                     version: int) -> str | None:
+        """Trainer 0: broadcast ``buckets`` to the generation ranks as weight ``version``; returns an error
+        message or None. The other trainers iterate ``buckets`` too (it may be a collective) and return None.
+        Not a collective by itself: `refit` and the async producer make the trainers agree."""
+        if self.bridge is None:
+            for _ in buckets:
+                pass
+            return None
+        error = None
+        try:
+            for r in self._peers():
+                self.bridge.send(("load", {"expected": expected, "version": version}), r)
+        except BridgeError as err:
+            error = str(err)
+        for bucket in buckets:  # to the end even after an error: the gathers are collectives of the trainers
+            if error is not None:
+                continue
+            try:
+                specs = bucket_specs(bucket)
+                for r in self._peers():
+                    self.bridge.send(("bucket", specs), r)
+                for _, t in bucket:
+                    self.bridge.broadcast(t.detach().to(self.bridge.device).contiguous())
+            except BridgeError as err:
+                error = str(err)
+        if error is None:
+            try:
+                for r in self._peers():
+                    self.bridge.send(("end", None), r)
+                replies = [self.bridge.recv(r) for r in self._peers()]
+                error = "; ".join(f"generation rank {r - 1} could not load the weights: {msg}"
+                                  for r, (kind, msg) in zip(self._peers(), replies) if kind == "error") or None
+            except BridgeError as err:
+                error = str(err)
+        if error is None:
+            self.version = version
+            self.stats["weight_loads"] += 1
+        return error
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Tell the generation ranks to exit (trainer 0; nothing when the bridge already failed)."""
+        if self.bridge is not None and self.bridge.broken is None:
+            for r in self._peers():
+                try:
+                    self.bridge.send(("close", None), r)
+                except BridgeError:
+                    break
+        self.bridge = None if self.bridge is None else self.bridge
+
+    # ---------------------------------------------------------------- helpers
+    def _peers(self) -> range:
+        return range(1, 1 + self.num_ranks)
+
+    def _generate_remote(self, prompts, seeds, caps, stops, *, greedy: bool) -> list[GenerationOutput] | str:
+        """Trainer 0: the whole batch over the engines; the outputs in order, or an error message."""
+        shares = engine_shares(len(prompts), self.num_ranks, self.tp)
+        try:
+            for r, sl in zip(self._peers(), shares):
+                self.bridge.send(("generate", {"prompts": prompts[sl], "seeds": seeds[sl], "caps": caps[sl],
+                                               "stops": stops[sl], "greedy": greedy, "gen_cfg": self.gen_cfg}), r)
+            replies = [self.bridge.recv(r) for r in self._peers()]
+        except BridgeError as err:
+            return str(err)
+        errors = [f"generation rank {r - 1}: {msg}" for r, (kind, msg) in zip(self._peers(), replies)
+                  if kind == "error"]
+        if errors:
+            return "; ".join(errors)
+        return [o for _, (_, outs) in zip(self._peers(), replies) for o in outs]
+
+    def _gather(self, item) -> list:
+        if self.group is None:
+            return [item]
+        import torch.distributed as dist
+
+        parts: list = [None] * self.layout.world_size
+        dist.all_gather_object(parts, item, group=self.group)
+        return parts
+
+    def _broadcast(self, item):
+        if self.group is None:
+            return item
+        import torch.distributed as dist
+
+        box = [item]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _agree(self, error: str | None, doing: str) -> None:
+        """Trainer 0's ``error`` on every trainer, raised as `grpo.system.rollout.RolloutError` (a collective)."""
+        from grpo.system.rollout import RolloutError
+
+        error = self._broadcast(error)
+        if error is not None:
+            raise RolloutError(f"{doing}: {error}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The generation ranks
+# --------------------------------------------------------------------------------------------------
+def serve(cfg, layout, device: torch.device) -> None:
+    """A generation rank's life: join the bridge, build its engine on trainer 0's hello, then run commands until
+    ``close``. Raises `BridgeError` when trainer 0 is gone."""
+    bridge = Bridge(layout.store, layout.bridge_rank, 1 + layout.num_generation, SERVER_TIMEOUT_S, device)
+    kind, hello = bridge.recv(0)
+    if kind != "hello":
+        raise BridgeError(f"expected trainer 0's hello, got {kind!r}")
+    try:
+        backend = build_server_backend(cfg, hello["model"], device)
+    except Exception as err:  # noqa: BLE001 - said to trainer 0, which stops the run with it
+        logger.exception("generation rank %d could not start its engine", layout.rank)
+        bridge.send(("error", f"{type(err).__name__}: {err}"), 0)
+        raise
+    bridge.send(("ready", None), 0)
+    try:
+        while True:
+            kind, arg = bridge.recv(0)
+            if kind == "close":
+                return
+            if kind == "generate":
+                bridge.send(_run_generate(backend, arg), 0)
+            elif kind == "load":
+                bridge.send(_run_load(backend, bridge, arg), 0)
+            else:
+                raise BridgeError(f"unknown command {kind!r} from trainer 0")
+    finally:
+        backend.close()
+
+
+def build_server_backend(cfg, model_path: str, device: torch.device):
+    """This generation rank's engine: vLLM (never sleeping) or a transformers copy; both receive their weights
+    from trainer 0 before the first generation."""
+    cfg.policy.model_name = model_path
+    from grpo.run import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.policy)
+    if cfg.policy.generation.backend == "vllm":
+        from grpo.system.generation.vllm import VllmGeneration
+
+        return VllmGeneration(cfg, tokenizer, None, device, colocated=False)
+    from grpo.system.generation.hf import HFGeneration
+    from grpo.system.model_config import load_model_config
+
+    return HFGeneration(cfg.policy, tokenizer, load_model_config(cfg.policy, model_path), device)
+
+
+def _run_generate(backend, arg: dict) -> tuple[str, object]:
+    """One generate command: ``("ok", outputs)`` or ``("error", message)``. Validation's sampling comes with the
+    command (``gen_cfg``)."""
+    attr = "gen_cfg" if hasattr(backend, "gen_cfg") else "gen"
+    try:
+        setattr(backend, attr, arg["gen_cfg"])
+        outputs = backend.generate(arg["prompts"], arg["seeds"], greedy=arg["greedy"], max_new_tokens=arg["caps"],
+                                   stop_strings=arg["stops"])
+        return "ok", outputs
+    except Exception as err:  # noqa: BLE001 - the trainers stop the run with it
+        logger.exception("generation failed")
+        return "error", f"{type(err).__name__}: {err}"
+
+
+def _received_buckets(bridge: Bridge, device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The buckets trainer 0 broadcasts, until its ``end``."""
+    dtypes = {}
+    while True:
+        kind, specs = bridge.recv(0)
+        if kind == "end":
+            return
+        bucket = []
+        for name, shape, dtype in specs:
+            dt = dtypes.setdefault(dtype, getattr(torch, dtype))
+            bucket.append((name, bridge.broadcast(torch.empty(shape, dtype=dt, device=bridge.device))))
+        yield [(n, t.to(device)) for n, t in bucket]
+
+
+def _run_load(backend, bridge: Bridge, arg: dict) -> tuple[str, object]:
+    """One weight load: ``("ok", None)`` or ``("error", message)``. A backend that fails mid-way still drains
+    the broadcast (trainer 0 sends every bucket)."""
+    buckets = _received_buckets(bridge, backend.device)
+    try:
+        backend.load_buckets(buckets, arg["expected"])
+        return "ok", None
+    except BridgeError:
+        raise
+    except Exception as err:  # noqa: BLE001
+        logger.exception("loading weights failed")
+        for _ in buckets:
+            pass
+        return "error", f"{type(err).__name__}: {err}"
