@@ -69,7 +69,10 @@ def main(argv=None) -> int | None:
     val_generator = None
     group = torch.distributed.new_group(backend="gloo") if run.world_size > 1 else None
     trainer_threads = torch.get_num_threads()
-    producer = RolloutProducer(run, stage, buffer, weight_copy(run, stage), run.envs,
+    # The generation ranks' engines (colocated.enabled=false; the producer pushes the staged weights to them, and
+    # only it uses the bridge), else a transformers copy of the weights in the thread.
+    generator = run.generator if run.generator is not None else weight_copy(run, stage)
+    producer = RolloutProducer(run, stage, buffer, generator, run.envs,
                                PromptStream(run.loader, g.max_num_epochs, gen_mark["epoch"], gen_mark["loader"]),
                                first_target, group, a.generation_threads or max(1, trainer_threads // 2))
     producer.start()
@@ -161,7 +164,8 @@ def main(argv=None) -> int | None:
     stage.close()  # a thread waiting for weights returns; one mid-batch finishes it first
     buffer.close(StopKind.ENDED)
     producer.join(timeout=600)
-    run.closables += [producer.generator]
+    if producer.generator is not run.generator:  # the generation ranks' backend is closed by finish already
+        run.closables += [producer.generator]
     if closed is not None:  # a failure exits 1; the end of the data is a normal stop
         ckpt_dir = cfg.checkpointing.enabled and cfg.checkpointing.checkpoint_dir
         message = closed.stop_message(ckpt_dir, state.current_step)

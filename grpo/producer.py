@@ -75,8 +75,14 @@ class RolloutProducer:
         }
 
     def load_newest(self) -> int:
-        """A safe point: load the newest published weights into the copy; returns the version it holds."""
-        self.version = self.stage.load_into(self.generator.model, self.version)
+        """A safe point: load the newest published weights into the copy, or into the generation ranks
+        (``policy.generation.colocated.enabled=false``: `RemoteGeneration.load_staged`, a collective of the
+        trainers); returns the version it holds."""
+        load_staged = getattr(self.generator, "load_staged", None)
+        if load_staged is not None:
+            self.version = load_staged(self.stage)
+        else:
+            self.version = self.stage.load_into(self.generator.model, self.version)
         return self.version
 
     # ---------------------------------------------------------------- the thread

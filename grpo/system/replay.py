@@ -25,6 +25,7 @@ strings and tensors (``ReplayEntry.to_dict``; the form checkpoints have always h
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import threading
 import time
@@ -289,6 +290,14 @@ class WeightStage:
                 for name, p in params.items():
                     p.copy_(self._tensors[name], non_blocking=False)
             return self.version
+
+    @contextlib.contextmanager
+    def newer_than(self, have_version: int):
+        """Inside the block: ``(version, {name: tensor})`` of the staged weights when they are newer than
+        ``have_version``, else None; the trainer cannot publish meanwhile (the generation ranks' producer pushes
+        them over the bridge, `grpo.system.generation.remote.RemoteGeneration.load_staged`)."""
+        with self._cond:
+            yield (self.version, self._tensors) if self.version > have_version else None
 
     def wait_for(self, version: int) -> bool:
         """Block until the staged version is >= ``version`` (True) or the stage is closed (False)."""

@@ -176,6 +176,26 @@ class RemoteGeneration:
             self.stats["weight_loads"] += 1
         return error
 
+    def load_staged(self, stage) -> int:
+        """The async loop's safe point (the producer thread): trainer 0 pushes the newest weights of ``stage``
+        (`grpo.system.replay.WeightStage`) when they are newer than what the generation ranks hold; returns the
+        version they hold, the same on every trainer (a collective of the trainers)."""
+        from grpo.system.rollout import RolloutError
+        from grpo.system.weights import layer_buckets
+
+        error = None
+        if self.bridge is not None:
+            with stage.newer_than(self.version) as staged:
+                if staged is not None:
+                    version, tensors = staged
+                    error = self.load_weights(layer_buckets(list(tensors.items()), self.bucket_numel),
+                                              list(tensors), version)
+        version, error = self._broadcast((self.version, error))
+        if error is not None:
+            raise RolloutError(f"loading weights into the generation ranks: {error}")
+        self.version = version
+        return version
+
     def sleep(self) -> None:
         pass
 
