@@ -77,10 +77,12 @@ class Bridge:
         self._run(lambda: (self.objects.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0).wait(),
                            self.objects.send([payload], dst, 1).wait()), dst, "sending to")
 
-    def recv(self, src: int):
-        """Receive the next object from bridge rank ``src``."""
+    def recv(self, src: int, timeout_s: float | None = None):
+        """Receive the next object from bridge rank ``src``; ``timeout_s``: this wait's limit (None: the
+        bridge's)."""
+        wait = datetime.timedelta(seconds=timeout_s if timeout_s is not None else self.timeout_s)
         n = torch.zeros(1, dtype=torch.int64)
-        self._run(lambda: self.objects.recv([n], src, 0).wait(), src, "waiting for")
+        self._run(lambda: self.objects.recv([n], src, 0).wait(wait), src, "waiting for", timeout_s)
         payload = torch.empty(int(n.item()), dtype=torch.uint8)
         self._run(lambda: self.objects.recv([payload], src, 1).wait(), src, "waiting for")
         return from_bytes_tensor(payload)
@@ -94,18 +96,24 @@ class Bridge:
         self._run(lambda: self.tensors.broadcast([tensor], opts).wait(), None, "broadcasting weights with")
         return tensor
 
-    def _run(self, op, peer: int | None, doing: str):
+    def _run(self, op, peer: int | None, doing: str, timeout_s: float | None = None):
         if self.broken is not None:
             raise BridgeError(self.broken)
         try:
             return op()
         except RuntimeError as err:
-            who = peer_name(peer) if peer is not None else ("the generation ranks" if self.rank == 0 else
-                                                             "trainer rank 0")
+            if peer is not None:
+                who = peer_name(peer)
+            elif self.rank != 0:
+                who = "trainer rank 0"
+            else:  # a broadcast does not say which peer failed
+                who = peer_name(1) if self.size == 2 else f"one of the {self.size - 1} generation ranks"
             text = str(err)
             if "Timed out" in text or "timed out" in text or "Timeout" in text:
-                why = (f"no answer from {who} within {self.timeout_s:g} s (policy.generation.colocated."
-                       "bridge_timeout_s): it hangs or is far slower than expected")
+                limit = self.timeout_s if timeout_s is None else timeout_s
+                why = (f"no answer from {who} within {limit:g} s"
+                       + (" (policy.generation.colocated.bridge_timeout_s)" if timeout_s is None else "")
+                       + ": it hangs or is far slower than expected")
             elif "closed" in text or "reset" in text or "Broken pipe" in text or "Connection" in text:
                 why = f"{who} is gone (its process died or exited: see its log)"
             else:

@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 # Generation ranks wait this long for trainer 0's next command (a training step may take long); a dead trainer 0
 # still ends the wait at once (connection closed).
 SERVER_TIMEOUT_S = 7 * 24 * 3600.0
+# How long trainer 0 waits for the generation ranks to start their engines (at least; bridge_timeout_s if longer):
+# a vLLM engine that compiles its graphs takes minutes.
+START_TIMEOUT_S = 1800.0
 
 
 def engine_shares(n: int, num_ranks: int, tp: int) -> list[slice]:
@@ -84,7 +87,8 @@ class RemoteGeneration:
             try:
                 for r in self._peers():
                     bridge.send(("hello", {"model": model_path}), r)
-                replies = [bridge.recv(r) for r in self._peers()]
+                wait = max(START_TIMEOUT_S, bridge.timeout_s)
+                replies = [bridge.recv(r, timeout_s=wait) for r in self._peers()]
                 error = "; ".join(f"generation rank {r - 1}: {msg}" for r, (kind, msg) in zip(self._peers(), replies)
                                   if kind == "error") or None
             except BridgeError as err:
