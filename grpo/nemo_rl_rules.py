@@ -26,7 +26,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_DIR = REPO_ROOT / "configs" / "prompts"  # our own wording of NeMo-RL's examples/prompts/*.txt names
 
 ADAMW = ("torch.optim.AdamW", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam")
-ISSUE_23 = "issue 23: non-colocated generation not yet; generation stays colocated (same results, other speed)"
 ISSUE_24 = "issue 24: not yet; changes speed and memory only, not results"
 DEEPSPEED = "grpo-ds trains with DeepSpeed ZeRO (ZeRO-3 shards weights, gradients and optimizer states over the ranks)"
 
@@ -463,9 +462,11 @@ def _generation(w: Walk) -> None:
     if backend in ("megatron", "sglang", "trtllm"):
         w.translate(f"{g}.backend", {f"{g}.backend": "vllm"}, f"{backend} is another inference engine for the "
                     "same sampling; grpo-ds generates with vLLM (or hf)")
-    if _enabled(w.get("grpo.async_grpo")) and (backend or "vllm") != "hf":
-        w.translate(f"{g}.backend", {f"{g}.backend": "hf"}, "grpo.async_grpo.enabled=true: grpo-ds's async loop "
-                    "(train_async_grpo.py) generates with the hf backend on its own copy of the weights")
+    non_colocated = w.get(f"{g}.colocated.enabled", True) is False
+    if _enabled(w.get("grpo.async_grpo")) and (backend or "vllm") != "hf" and not non_colocated:
+        w.translate(f"{g}.backend", {f"{g}.backend": "hf"}, "grpo.async_grpo.enabled=true with colocated "
+                    "generation: grpo-ds's async loop generates with vLLM on generation ranks of its own only "
+                    "(colocated.enabled=false); colocated, with the hf backend on its own copy of the weights")
     for k in ("val_temperature", "val_top_p", "val_top_k"):
         key = f"{g}.{k}"
         if w.has(key) and native_field(key) is None:  # TODO(names helper): fields not there yet
@@ -512,8 +513,11 @@ def _generation(w: Walk) -> None:
         w.translate(f"{g}.vllm_kwargs", {**own, **({f"{v}.vllm_kwargs": kw} if kw else {})})
     w.take(f"{g}.vllm_kwargs")
     colocated = w.get(f"{g}.colocated.enabled", True)
-    if colocated is False:
-        w.ignore(f"{g}.colocated", ISSUE_23)
+    if colocated is False:  # the last colocated.resources ranks of the launch generate (grpo.system.generation.remote)
+        for k in ("enabled", "resources.gpus_per_node", "resources.num_nodes"):
+            w.honor(f"{g}.colocated.{k}")
+        w.ignore(f"{g}.colocated", "Ray placement of the inference cluster; grpo-ds's generation ranks are the last "
+                 "ranks the launcher starts")
     else:
         w.take(f"{g}.colocated.enabled")
         w.ignore(f"{g}.colocated", "dedicated generation resources, used only when colocated.enabled=false")

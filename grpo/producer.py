@@ -45,6 +45,9 @@ class RolloutProducer:
         self._busy_mark = (0.0, time.perf_counter())
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="grpo-generation", daemon=True)
+        a = run.cfg.grpo.async_grpo
+        if a.in_flight_weight_updates and hasattr(generator, "load_staged"):  # generation ranks: mid-request too
+            generator.in_flight = self._load_mid_request
 
     def start(self) -> None:
         """Start the thread; returns once it has set up its device and threads."""
@@ -72,6 +75,7 @@ class RolloutProducer:
             "async/trainer_wait_s": wait_s, "async/generation_busy_frac": busy_frac,
             "async/evicted_groups": self.buffer.num_evicted, "async/generation_failures": self.total_failures,
             "async/gen_start_time": info.gen_start_time, "async/gen_end_time": info.gen_end_time,
+            **{f"async/{k}": v for k, v in getattr(self.generator, "stats", {}).items()},  # generation ranks: totals
         }
 
     def load_newest(self) -> int:
@@ -83,6 +87,11 @@ class RolloutProducer:
             self.version = load_staged(self.stage)
         else:
             self.version = self.stage.load_into(self.generator.model, self.version)
+        return self.version
+
+    def _load_mid_request(self) -> int:
+        """The generation ranks' safe point between two rounds of unfinished requests (in-flight updates)."""
+        self.version = self.generator.load_staged(self.stage, mid_request=True)
         return self.version
 
     # ---------------------------------------------------------------- the thread

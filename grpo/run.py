@@ -438,8 +438,12 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
         from grpo.system.generation.remote import RemoteGeneration
 
         timeout = cfg.policy.generation.colocated.bridge_timeout_s
-        bridge = (Bridge(layout.store, 0, 1 + layout.num_generation, timeout, device) if layout.rank == 0 else None)
-        return RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device)
+        from grpo.system import dist as grpo_dist
+
+        bridge = (Bridge(layout.store, 0, 1 + layout.num_generation, timeout, grpo_dist.comm_device())
+                  if layout.rank == 0 else None)
+        return RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device, tokenizer,
+                                getattr(policy_engine.module.config, "eos_token_id", None))
     if cfg.policy.generation.backend == "hf":
         from grpo.system.generation.hf import HFGeneration
 

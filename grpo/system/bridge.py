@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import sys
 
 import torch
 import torch.distributed as dist
+
+
+def _weights_group():
+    return sys.modules[__name__].weights_group  # looked up at call time: the device-rule harness replaces it
 
 
 class BridgeError(RuntimeError):
@@ -51,6 +56,17 @@ def peer_name(bridge_rank: int) -> str:
     return "trainer rank 0" if bridge_rank == 0 else f"generation rank {bridge_rank - 1}"
 
 
+def weights_group(store, rank: int, size: int, timeout: datetime.timedelta, device: torch.device, objects,
+                  prefix: str = "bridge"):
+    """The group weights travel over: ``ProcessGroupNCCL`` when ``device`` is a CUDA device (device tensors
+    only), else the gloo ``objects`` group. (tests/helpers/device_rules.py wraps it to enforce NCCL's rules.)"""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(dist.PrefixStore(f"{prefix}/tensors", store), rank, size, options)
+    return objects
+
+
 class Bridge:
     """This process's end of the bridge. ``store``: the launch's rendezvous store; ``rank`` / ``size``: bridge
     rank and 1 + number of generation ranks; ``device``: where weights travel (CUDA: NCCL, else gloo);
@@ -61,13 +77,8 @@ class Bridge:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         self.objects = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/objects", store), rank, size, timeout)
-        self.device = torch.device("cpu") if device is None else torch.device(device)
-        if self.device.type == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.tensors = dist.ProcessGroupNCCL(dist.PrefixStore(f"{prefix}/tensors", store), rank, size, options)
-        else:
-            self.tensors = self.objects
+        self.device = torch.device("cpu") if device is None else device
+        self.tensors = _weights_group()(store, rank, size, timeout, self.device, self.objects, prefix)
         self.broken: str | None = None  # the first failure: every later transfer fails at once with it
 
     # ---------------------------------------------------------------- objects

@@ -40,11 +40,20 @@ def check_on_policy(rows: dict[int, dict], steps: int) -> None:
         assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, (step, r["train/token_mult_prob_error"])
 
 
-def test_one_training_and_one_hf_generation_rank_train_on_policy(tmp_path):
-    p = torchrun("train_grpo.py", TINY, tmp_path, "grpo.max_num_steps=3")
-    assert "2 ranks: 1 train, 1 generate (hf" in p.stdout + p.stderr
+def test_one_training_and_one_hf_generation_rank_train_on_policy_under_nccl_rules(tmp_path):
+    """3 steps; both ranks run under NCCL's rules (tests/helpers/device_rules.py): the bridge's weight broadcast
+    takes accelerator tensors only, as ProcessGroupNCCL would."""
+    log = tmp_path / "collectives.txt"
+    cmd = [*launcher("torchrun"), "--standalone", "--nproc_per_node", "2", "tests/helpers/device_rules.py",
+           "train_grpo.py", "--config", TINY, *SPLIT, *paths(tmp_path), "grpo.max_num_steps=3"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**child_env(1), "DEVICE_RULES_LOG": str(log)})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "DeviceRuleError" not in out, out[-5000:]
+    assert "2 ranks: 1 train, 1 generate (hf" in out
     check_on_policy(train_rows(tmp_path), 3)
     assert (tmp_path / "ckpt" / "hf_final" / "model.safetensors").exists()
+    assert "broadcast grpo.system.bridge device" in log.read_text().splitlines()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +81,26 @@ def wait_for_steps(tmp: Path, n: int, procs: list[subprocess.Popen], timeout: fl
             pytest.fail(f"a rank exited before step {n}: {(tmp / 'rank0.log').read_text()[-3000:]}")
         time.sleep(0.3)
     pytest.fail(f"no step {n} in time")
+
+
+@pytest.mark.slow  # 60 s
+def test_two_trainers_and_a_generation_rank_follow_nccl_rules(tmp_path):
+    """The trainers' side of the bridge: requests gathered to trainer 0, outputs scattered back, weights gathered
+    from ZeRO-3 (2 trainers), each collective legal on NCCL; the async producer drives the same backend."""
+    for script, extra in (("train_grpo.py", []), ("train_async_grpo.py", ASYNC)):
+        log = tmp_path / script / "collectives.txt"
+        log.parent.mkdir()
+        cmd = [*launcher("torchrun"), "--standalone", "--nproc_per_node", "3", "tests/helpers/device_rules.py",
+               script, "--config", TINY, *SPLIT, *paths(log.parent), "grpo.max_num_steps=2", *extra]
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env={**child_env(1), "DEVICE_RULES_LOG": str(log)})
+        out = p.stdout + p.stderr
+        assert p.returncode == 0 and "DeviceRuleError" not in out, out[-5000:]
+        assert "3 ranks: 2 train, 1 generate" in out
+        check_on_policy(train_rows(log.parent), 2) if not extra else None
+        seen = set(log.read_text().splitlines())
+        assert {"broadcast grpo.system.bridge device", "all_gather_object grpo.system.generation.remote host",
+                "broadcast_object_list grpo.system.generation.remote host"} <= seen, seen
 
 
 @pytest.mark.slow  # 40 s

@@ -151,6 +151,25 @@ def _group_of(func, args, kwargs):
     return bound.arguments.get("group")
 
 
+class _DeviceOnlyGroup:
+    """The bridge's weight group (`grpo.system.bridge.weights_group`, a raw ProcessGroupNCCL on GPUs) under NCCL's
+    rule: every tensor it broadcasts is on the accelerator."""
+
+    def __init__(self, group, rules: NcclRules, log: str | None):
+        self.group, self.rules, self.log = group, rules, log
+
+    def broadcast(self, tensors, opts):
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write("broadcast grpo.system.bridge device\n")
+        if not all(on_accelerator(t) for t in _tensors(tensors)):
+            self.rules._fail("broadcast over the bridge's weight group (ProcessGroupNCCL on GPUs) of a host tensor")
+        return self.group.broadcast(tensors, opts)
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+
 @contextmanager
 def nccl_rules() -> Iterator[NcclRules]:
     """Enforce NCCL's rules on this process's collectives until the block ends (see the module docstring)."""
@@ -204,6 +223,14 @@ def nccl_rules() -> Iterator[NcclRules]:
             return _func(*args, **kwargs)
 
         patch(dist, name, checked)
+    import grpo.system.bridge
+
+    original_weights_group = grpo.system.bridge.weights_group
+
+    def weights_group(*args, **kwargs):  # the bridge's weight broadcast: NCCL on GPUs, device tensors only
+        return _DeviceOnlyGroup(original_weights_group(*args, **kwargs), rules, log)
+
+    patch(grpo.system.bridge, "weights_group", weights_group)
     patch(torch.cuda, "set_device", rules.set_device)
     for module in (grpo.system.dist, grpo.system.engines, grpo.system.training):  # each holds the name
         patch(module, "comm_device", lambda: rules.device)

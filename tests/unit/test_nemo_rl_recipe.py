@@ -12,7 +12,7 @@ import pytest
 
 from grpo.config_load import ConfigError, load_config
 from grpo.nemo_rl_recipe import is_nemo_rl_recipe, load_nemo_rl, load_recipe, looks_like_nemo_rl
-from grpo.nemo_rl_rules import ISSUE_23, ISSUE_24
+from grpo.nemo_rl_rules import ISSUE_24
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "nemo_rl"
@@ -244,6 +244,21 @@ def test_checkpoint_metric_name_and_validation_sampling():
     assert cfg.policy.generation.val_top_p == 0.5 and cfg.policy.generation.top_p == 1.0
 
 
+def test_non_colocated_generation_translates_to_generation_ranks():
+    on_own_ranks = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=4",
+                    "cluster.gpus_per_node=8", "cluster.num_nodes=1"]
+    cfg, _ = load_recipe(BASE, on_own_ranks)
+    c = cfg.policy.generation.colocated
+    assert (c.enabled, c.resources.gpus_per_node, c.resources.num_nodes) == (False, 4, None)
+    async_on = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
+    cfg, _ = load_recipe(BASE, [*on_own_ranks, *async_on, "policy.generation.backend=vllm"])
+    assert cfg.policy.generation.backend == "vllm"  # async on vLLM: generation ranks, as in NeMo-RL
+    cfg, rows = load_recipe(BASE, [*async_on, "policy.generation.backend=vllm"])
+    assert cfg.policy.generation.backend == "hf" and "colocated" in table_of(rows, "translated")["policy.generation.backend"]
+    with pytest.raises(ConfigError, match="gpus_per_node=None"):  # NeMo-RL asks for it on one node too
+        load_recipe(BASE, ["policy.generation.colocated.enabled=false"])
+
+
 def test_no_validation_data_turns_periodic_validation_off():
     cfg, rows = load_recipe(BASE, ["data.train.split_validation_size=0"])
     assert (cfg.grpo.val_period, cfg.grpo.val_at_start, cfg.grpo.val_at_end) == (0, False, False)
@@ -256,7 +271,6 @@ def test_no_validation_data_turns_periodic_validation_off():
 @pytest.mark.parametrize("overrides, key, reason", [
     ([], "policy.sequence_packing", ISSUE_24),
     ([], "policy.dynamic_batching", ISSUE_24),
-    (["policy.generation.colocated.enabled=false"], "policy.generation.colocated", ISSUE_23),
     ([], "policy.megatron_cfg", "megatron_cfg.enabled=false"),
     ([], "policy.dtensor_cfg", "DTensor (FSDP2) internals"),
     ([], "policy.dtensor_cfg.lora_cfg", "full fine-tuning"),

@@ -200,9 +200,10 @@ class HFGeneration:
         self._has_weights = True
         return time.perf_counter() - t0
 
-    def load_buckets(self, buckets, expected: list[str]) -> None:
+    def load_buckets(self, buckets, expected: list[str], reset_cache: bool = True) -> None:
         """Copy ``(name, tensor)`` buckets into the copy (a generation rank: the weights come over the bridge,
-        `grpo.system.generation.remote`); every parameter of ``expected`` must arrive, and only known ones."""
+        `grpo.system.generation.remote`); every parameter of ``expected`` must arrive, and only known ones.
+        ``reset_cache``: nothing to reset (no cache outlives a generate call)."""
         params = dict(self.model.named_parameters())
         seen = set()
         with torch.no_grad():

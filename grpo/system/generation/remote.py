@@ -21,6 +21,8 @@ gone.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -70,10 +72,21 @@ class RemoteGeneration:
     collective: the trainers' gloo group); ``bridge``: trainer 0's end (None on the other trainers);
     ``model_path``: the resolved ``policy.model_name`` the generation ranks load."""
 
-    def __init__(self, cfg, layout, bridge: Bridge | None, model_path: str, device: torch.device):
+    def __init__(self, cfg, layout, bridge: Bridge | None, model_path: str, device: torch.device, tokenizer=None,
+                 model_eos=None):
         import torch.distributed as dist
 
+        from grpo.system.generation.vllm_params import stop_token_ids
+
         self.cfg, self.layout, self.bridge, self.device = cfg, layout, bridge, device
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_token_ids(tokenizer, model_eos, cfg.policy.generation) if tokenizer is not None else []
+        a = cfg.grpo.async_grpo
+        self.chunk_tokens, self.recompute_kv = a.in_flight_chunk_tokens, a.recompute_kv_cache_after_weight_updates
+        # The async producer's mid-request safe point (in_flight_weight_updates): a collective of the trainers that
+        # loads the newest staged weights; None: a request is generated in one go.
+        self.in_flight = None
+        self._stale_cache = False  # an in-flight load kept the prefix cache of the old weights
         self.gen_cfg = cfg.policy.generation  # validation_sampling swaps it for validation's
         self.num_ranks = layout.num_generation
         self.tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size if cfg.policy.generation.backend == "vllm" else 1
@@ -81,7 +94,8 @@ class RemoteGeneration:
         self.group = dist.new_group(backend="gloo") if layout.world_size > 1 else None
         self.version = -1  # the weight version the generation ranks hold (async loop)
         self.memory: dict[str, float] = {}
-        self.stats = {"weight_loads": 0, "kv_cache_resets": 0}
+        self.stats = {"weight_loads": 0, "in_flight_weight_updates": 0, "kv_cache_recomputes": 0,
+                      "multi_version_samples": 0}
         error = None
         if bridge is not None:
             try:
@@ -118,15 +132,82 @@ class RemoteGeneration:
         stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
         request = [list(map(list, prompt_ids)), [int(s) for s in seeds], caps, stops]
         parts = self._gather(request)
+        flat = [[x for p in parts for x in p[k]] for k in range(4)]
+        result = (self._generate_in_flight(*flat, greedy=greedy) if self.in_flight is not None
+                  else self._round(*flat, greedy=greedy))
+        start = sum(len(p[0]) for p in parts[: self.layout.rank])
+        return result[start:start + len(prompt_ids)]
+
+    def _round(self, prompts, seeds, caps, stops, *, greedy: bool) -> list[GenerationOutput]:
+        """One generation of the trainers' whole batch (the same lists on every trainer): trainer 0 sends it, every
+        trainer gets all the outputs (or raises `BridgeError` with trainer 0's)."""
         result = None
         if self.bridge is not None:
-            flat = [[x for p in parts for x in p[k]] for k in range(4)]
-            result = self._generate_remote(*flat, greedy=greedy) if flat[0] else []
+            result = self._generate_remote(prompts, seeds, caps, stops, greedy=greedy) if prompts else []
         result = self._broadcast(result)
         if isinstance(result, str):
             raise BridgeError(result)
-        start = sum(len(p[0]) for p in parts[: self.layout.rank])
-        return result[start:start + len(prompt_ids)]
+        return result
+
+    def _generate_in_flight(self, prompts, seeds, caps, stops, *, greedy: bool) -> list[GenerationOutput]:
+        """NeMo-RL's in-flight weight updates: every request is decoded ``in_flight_chunk_tokens`` tokens at a time;
+        between rounds the newest staged weights are loaded (``self.in_flight``) and the unfinished requests go on
+        from their partial output (prompt + tokens so far, the rest of their budget). Where a completion ends is
+        decided on the whole completion (`cut_completion`: a stop string across two rounds counts). A sample whose
+        rounds saw several weight versions is counted in ``stats["multi_version_samples"]``."""
+        from grpo.system.generation.base import cut_completion
+
+        n = len(prompts)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        reason: list[str | None] = [None] * n
+        versions: list[set[int]] = [set() for _ in range(n)]
+        for k in itertools.count():
+            todo = [i for i in range(n) if reason[i] is None]
+            if k > 0 and todo:  # a safe point between rounds: newer weights may come in
+                self.in_flight()
+            # every trainer holds the same lists: they agree on `todo` and on every round
+            if k > 0 and not todo:
+                break
+            outs = self._round([prompts[i] + ids[i] for i in todo], [round_seed(seeds[i], k) for i in todo],
+                               [min(self.chunk_tokens, caps[i] - len(ids[i])) for i in todo],
+                               [stops[i] for i in todo], greedy=greedy)
+            for i, out in zip(todo, outs):
+                ids[i] += out.completion_ids
+                logprobs[i] += out.logprobs
+                versions[i].add(self.version)
+                cut, why = cut_completion(ids[i], caps[i], self.stop_ids, stops[i], self._decode)
+                if why == "stop" or out.finish_reason == "stop":
+                    ids[i], logprobs[i], reason[i] = ids[i][:cut], logprobs[i][:cut], "stop"
+                elif len(ids[i]) >= caps[i]:
+                    reason[i] = "length"
+            if not todo:
+                break
+        if self._stale_cache:  # in-flight loads kept old blocks for the continued requests: no later request gets them
+            self._reset_cache()
+        self.stats["multi_version_samples"] += sum(len(v) > 1 for v in versions)
+        return [GenerationOutput(prompt_ids=list(p), completion_ids=c, logprobs=lp, finish_reason=r,
+                                 text=self._decode(c)) for p, c, lp, r in zip(prompts, ids, logprobs, reason)]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _reset_cache(self) -> None:
+        """Trainer 0: every generation rank drops its prefix cache (a collective of the trainers, errors agreed)."""
+        error = None
+        if self.bridge is not None:
+            try:
+                for r in self._peers():
+                    self.bridge.send(("reset_cache", None), r)
+                replies = [self.bridge.recv(r) for r in self._peers()]
+                error = "; ".join(f"generation rank {r - 1}: {msg}" for r, (kind, msg) in zip(self._peers(), replies)
+                                  if kind == "error") or None
+            except BridgeError as err:
+                error = str(err)
+        error = self._broadcast(error)
+        if error is not None:
+            raise BridgeError(error)
+        self._stale_cache = False
 
     def refit(self, engine) -> float:
         """Load ``engine``'s weights into every generation rank: gathered from ZeRO-3 a few whole layers at a time
@@ -141,7 +222,7 @@ class RemoteGeneration:
         return time.perf_counter() - t0
 
     def load_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], expected: list[str],
-                     version: int) -> str | None:
+                     version: int, reset_cache: bool = True) -> str | None:
         """Trainer 0: broadcast ``buckets`` to the generation ranks as weight ``version``; returns an error
         message or None. The other trainers iterate ``buckets`` too (it may be a collective) and return None.
         Not a collective by itself: `refit` and the async producer make the trainers agree."""
@@ -152,7 +233,7 @@ class RemoteGeneration:
         error = None
         try:
             for r in self._peers():
-                self.bridge.send(("load", {"expected": expected, "version": version}), r)
+                self.bridge.send(("load", {"expected": expected, "version": version, "reset_cache": reset_cache}), r)
         except BridgeError as err:
             error = str(err)
         for bucket in buckets:  # to the end even after an error: the gathers are collectives of the trainers
@@ -180,24 +261,33 @@ class RemoteGeneration:
             self.stats["weight_loads"] += 1
         return error
 
-    def load_staged(self, stage) -> int:
+    def load_staged(self, stage, mid_request: bool = False) -> int:
         """The async loop's safe point (the producer thread): trainer 0 pushes the newest weights of ``stage``
         (`grpo.system.replay.WeightStage`) when they are newer than what the generation ranks hold; returns the
-        version they hold, the same on every trainer (a collective of the trainers)."""
+        version they hold, the same on every trainer (a collective of the trainers). ``mid_request``: an in-flight
+        update between two rounds of unfinished requests; their prefix cache is reset (recomputed) only with
+        ``recompute_kv_cache_after_weight_updates``, as in NeMo-RL; at any other point it is always reset."""
         from grpo.system.rollout import RolloutError
         from grpo.system.weights import layer_buckets
 
-        error = None
+        error, before = None, self.version
+        reset = self.recompute_kv or not mid_request
         if self.bridge is not None:
             with stage.newer_than(self.version) as staged:
                 if staged is not None:
                     version, tensors = staged
                     error = self.load_weights(layer_buckets(list(tensors.items()), self.bucket_numel),
-                                              list(tensors), version)
+                                              list(tensors), version, reset_cache=reset)
         version, error = self._broadcast((self.version, error))
         if error is not None:
             raise RolloutError(f"loading weights into the generation ranks: {error}")
         self.version = version
+        if mid_request and version != before:
+            self.stats["in_flight_weight_updates"] += 1
+            self.stats["kv_cache_recomputes"] += int(reset)
+            self._stale_cache = self._stale_cache or not reset
+        elif version != before:
+            self._stale_cache = False
         return version
 
     def sleep(self) -> None:
@@ -266,10 +356,26 @@ class RemoteGeneration:
 # --------------------------------------------------------------------------------------------------
 # The generation ranks
 # --------------------------------------------------------------------------------------------------
+def round_seed(seed: int, k: int) -> int:
+    """The seed of round ``k`` of an in-flight request (round 0: its own): a continued request is a new vLLM
+    request, whose sampler restarts from its seed.
+
+        >>> round_seed(7, 0), round_seed(7, 1) != round_seed(7, 2)
+        (7, True)
+    """
+    if k == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{k}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
 def serve(cfg, layout, device: torch.device) -> None:
     """A generation rank's life: join the bridge, build its engine on trainer 0's hello, then run commands until
     ``close``. Raises `BridgeError` when trainer 0 is gone."""
-    bridge = Bridge(layout.store, layout.bridge_rank, 1 + layout.num_generation, SERVER_TIMEOUT_S, device)
+    from grpo.system import dist as grpo_dist
+
+    bridge = Bridge(layout.store, layout.bridge_rank, 1 + layout.num_generation, SERVER_TIMEOUT_S,
+                    grpo_dist.comm_device())
     kind, hello = bridge.recv(0)
     if kind != "hello":
         raise BridgeError(f"expected trainer 0's hello, got {kind!r}")
@@ -289,6 +395,8 @@ def serve(cfg, layout, device: torch.device) -> None:
                 bridge.send(_run_generate(backend, arg), 0)
             elif kind == "load":
                 bridge.send(_run_load(backend, bridge, arg), 0)
+            elif kind == "reset_cache":
+                bridge.send(_run_reset(backend), 0)
             else:
                 raise BridgeError(f"unknown command {kind!r} from trainer 0")
     finally:
@@ -345,7 +453,7 @@ def _run_load(backend, bridge: Bridge, arg: dict) -> tuple[str, object]:
     the broadcast (trainer 0 sends every bucket)."""
     buckets = _received_buckets(bridge, backend.device)
     try:
-        backend.load_buckets(buckets, arg["expected"])
+        backend.load_buckets(buckets, arg["expected"], reset_cache=arg.get("reset_cache", True))
         return "ok", None
     except BridgeError:
         raise
@@ -353,4 +461,14 @@ def _run_load(backend, bridge: Bridge, arg: dict) -> tuple[str, object]:
         logger.exception("loading weights failed")
         for _ in buckets:
             pass
+        return "error", f"{type(err).__name__}: {err}"
+
+
+def _run_reset(backend) -> tuple[str, object]:
+    """Drop the prefix cache (vLLM; an hf copy keeps no cache between calls)."""
+    try:
+        if hasattr(backend, "llm"):
+            backend.llm.reset_prefix_cache()
+        return "ok", None
+    except Exception as err:  # noqa: BLE001
         return "error", f"{type(err).__name__}: {err}"

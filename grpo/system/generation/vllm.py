@@ -542,11 +542,15 @@ class VllmGeneration:
             buckets = ([item] for bucket in buckets for item in bucket)
         self._load(buckets, [name for name, _ in engine.module.named_parameters()], type(engine.module).__name__)
 
-    def load_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], expected: list[str]) -> None:
+    def load_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], expected: list[str],
+                     reset_cache: bool = True) -> None:
         """A generation rank (`grpo.system.generation.remote`): push the buckets as they arrive over the bridge
-        (``expected``: the trainer's parameter names), check them (`refit_problems`), reset the prefix cache."""
+        (``expected``: the trainer's parameter names), check them (`refit_problems`), reset the prefix cache
+        (``reset_cache=False``: an in-flight update without recompute_kv_cache_after_weight_updates keeps the old
+        weights' blocks for the requests it continues)."""
         self._load(buckets, expected, "the trainers")
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if reset_cache:
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._refitted = True
         self._record("load_weights")
 
