@@ -15,6 +15,7 @@ import torch.distributed as dist
 from grpo.config import GenerationConfig, MasterConfig, generation_ranks, generation_split_problem
 from grpo.system.bridge import Bridge, BridgeError, from_bytes_tensor, to_bytes_tensor
 from grpo.system.dist import Layout, split_ranks
+from grpo.system.generation.base import GenerationOutput
 from grpo.system.generation.remote import bucket_specs, engine_shares
 from tests.helpers.e2e import REPO, child_env, free_port
 
@@ -143,3 +144,65 @@ def test_a_generation_rank_that_hangs_times_out_naming_it():
             bridge.recv(1, timeout_s=2)
     finally:
         proc.kill()
+
+
+# ---------------------------------------------------------------- in-flight weight updates (token rounds)
+class _Tok:
+    """Token t decodes to chr(t)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(t) for t in ids)
+
+
+def _remote(chunk_tokens: int, stop_ids=(0,)):
+    from grpo.system.generation.remote import RemoteGeneration
+
+    gen = RemoteGeneration.__new__(RemoteGeneration)
+    gen.tokenizer, gen.stop_ids, gen.chunk_tokens = _Tok(), list(stop_ids), chunk_tokens
+    gen.version, gen._stale_cache = 0, False
+    gen.stats = {"multi_version_samples": 0}
+    return gen
+
+
+def test_in_flight_rounds_continue_from_the_partial_output_with_newer_weights():
+    """A fake engine whose token at position p of a completion is ord('a') + p (its 'weights' = the version is in
+    the logprob): requests go 3 tokens a round, get the newest version between rounds, and continue from their
+    prompt + the tokens so far; a stop string split over two rounds ends the sample where it completes."""
+    gen = _remote(chunk_tokens=3)
+    seen = []
+
+    def fake_round(prompts, seeds, caps, stops, *, greedy):
+        seen.append([(len(p), c) for p, c in zip(prompts, caps)])
+        outs = []
+        for p, c in zip(prompts, caps):
+            done = len(p) - 2  # the prompts have 2 tokens
+            ids = [ord("a") + done + j for j in range(c)]
+            outs.append(GenerationOutput(p, ids, [-float(gen.version)] * c, "length", ""))
+        return outs
+
+    def load_newer():
+        gen.version += 1
+
+    gen._round, gen.in_flight = fake_round, load_newer
+    out = gen._generate_in_flight([[1, 2], [1, 2]], [5, 6], [8, 8], [None, ["de"]], greedy=False)
+    assert out[0].completion_ids == [ord(c) for c in "abcdefgh"] and out[0].finish_reason == "length"
+    assert out[1].text == "abcde" and out[1].finish_reason == "stop"  # "d" in round 1, "e" in round 2
+    assert out[0].logprobs == [0.0] * 3 + [-1.0] * 3 + [-2.0] * 2  # each round with the weights of its time
+    assert seen == [[(2, 3), (2, 3)], [(5, 3), (5, 3)], [(8, 2)]]
+    assert gen.stats["multi_version_samples"] == 2
+
+
+def test_in_flight_rounds_end_at_a_stop_token_and_seed_each_round_apart():
+    from grpo.system.generation.remote import round_seed
+
+    gen = _remote(chunk_tokens=2)
+    seeds_seen = []
+
+    def fake_round(prompts, seeds, caps, stops, *, greedy):
+        seeds_seen.append(seeds)
+        return [GenerationOutput(p, [ord("x"), 0][:c], [0.0, 0.0][:c], "stop", "") for p, c in zip(prompts, caps)]
+
+    gen._round, gen.in_flight = fake_round, lambda: None
+    out = gen._generate_in_flight([[1]], [9], [10], [None], greedy=False)
+    assert out[0].completion_ids == [ord("x"), 0] and out[0].finish_reason == "stop"
+    assert seeds_seen == [[9]] and round_seed(9, 1) != 9
