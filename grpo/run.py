@@ -140,7 +140,8 @@ class Run:
     (`grpo.system.health.StepChecks`); ``stop``: the SIGTERM / SIGINT flag (`grpo.system.signals.StopRequest`); ``dumper``:
     the rollout dumps (`grpo.system.dumps.RolloutDumper`); ``run_id``: the run's id in its directories
     (`grpo.system.rundir`). ``generator`` is the synchronous loop's generation
-    backend (None for the async loop, which builds its own); ``val_envs`` are validation's environments
+    backend (None for the async loop, which builds its own, unless generation runs on ranks of its own: then the
+    `grpo.system.generation.remote.RemoteGeneration` the async producer drives); ``val_envs`` are validation's environments
     (``envs`` themselves unless ``env.val_tasks`` is set or the loop is asynchronous: its generation thread
     owns ``envs``); ``resume`` holds what the newest checkpoint restored for the loop to use
     (``loader_state``, ``extra``), or None; ``exit_status`` is a stop signal's (set by `stop_requested`);
@@ -196,7 +197,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
           config_cls: type[MasterConfig] = MasterConfig) -> Run | None:
     """Parse, validate, start the process group, build data, environments, engines, the generation backend
     (synchronous loop) and the logger, and resume from the newest checkpoint. Returns the `Run`, or None after
-    ``--export-hf`` (``main`` returns at once); raises `RunError` (on every rank) for a run that cannot start.
+    ``--export-hf`` and on a generation rank (``policy.generation.colocated.enabled=false``: it serves the trainers
+    here until they close the bridge; ``main`` returns at once); raises `RunError` (on every rank) for a run that
+    cannot start.
     ``config_cls``: a fork's subclass of `grpo.config.MasterConfig` (new sections and fields, validated, shown by
     ``--help-config`` and recorded in the run fingerprint like the others); ``run.cfg`` is an instance of it."""
     args, cfg = load_run_config(argv, default_config, asynchronous, description, config_cls)

@@ -371,7 +371,15 @@ def round_seed(seed: int, k: int) -> int:
 
 def serve(cfg, layout, device: torch.device) -> None:
     """A generation rank's life: join the bridge, build its engine on trainer 0's hello, then run commands until
-    ``close``. Raises `BridgeError` when trainer 0 is gone."""
+    ``close``. Raises `BridgeError` when trainer 0 is gone.
+
+    SIGTERM / SIGINT are ignored here: a launcher sends them to every rank, and the trainers' answer (finish the
+    phase, save, exit 143 / 130) needs the generation ranks until trainer 0 closes the bridge; a generation rank
+    ends with it (or when trainer 0's process is gone)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     from grpo.system import dist as grpo_dist
 
     bridge = Bridge(layout.store, layout.bridge_rank, 1 + layout.num_generation, SERVER_TIMEOUT_S,
