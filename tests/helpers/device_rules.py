@@ -231,6 +231,15 @@ def nccl_rules() -> Iterator[NcclRules]:
         return _DeviceOnlyGroup(original_weights_group(*args, **kwargs), rules, log)
 
     patch(grpo.system.bridge, "weights_group", weights_group)
+    # A torch function mode is per thread, a GPU is not: threads started inside the block (the async producer)
+    # follow the accelerator's tensors too.
+    original_run = threading.Thread.run
+
+    def run_tracked(self, *args, **kwargs):
+        with _Tracker(rules.device):
+            return original_run(self, *args, **kwargs)
+
+    patch(threading.Thread, "run", run_tracked)
     patch(torch.cuda, "set_device", rules.set_device)
     for module in (grpo.system.dist, grpo.system.engines, grpo.system.training):  # each holds the name
         patch(module, "comm_device", lambda: rules.device)

@@ -127,11 +127,19 @@ class RemoteGeneration:
         trainer calls it the same number of times (empty lists included)."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
-        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
-                           self.cfg.policy.max_total_sequence_length) if prompt_ids else []
-        stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
-        request = [list(map(list, prompt_ids)), [int(s) for s in seeds], caps, stops]
-        parts = self._gather(request)
+        request, error = None, None
+        try:  # a bad request on one trainer must not leave the others in the gather: all raise it together
+            caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
+                               self.cfg.policy.max_total_sequence_length) if prompt_ids else []
+            stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
+            request = [list(map(list, prompt_ids)), [int(s) for s in seeds], caps, stops]
+        except ValueError as err:
+            error = f"trainer rank {self.layout.rank}: {err}"
+        gathered = self._gather((request, error))
+        errors = [e for _, e in gathered if e is not None]
+        if errors:
+            raise ValueError("; ".join(errors))
+        parts = [r for r, _ in gathered]
         flat = [[x for p in parts for x in p[k]] for k in range(4)]
         result = (self._generate_in_flight(*flat, greedy=greedy) if self.in_flight is not None
                   else self._round(*flat, greedy=greedy))
@@ -304,7 +312,7 @@ class RemoteGeneration:
                     self.bridge.send(("close", None), r)
                 except BridgeError:
                     break
-        self.bridge = None if self.bridge is None else self.bridge
+            self.bridge.broken = "closed: the run is over"  # a second close, or a late call, sends nothing
 
     # ---------------------------------------------------------------- helpers
     def _peers(self) -> range:
