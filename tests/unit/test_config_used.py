@@ -23,9 +23,10 @@ READ_ONLY_BY_THE_SCHEMA = {
     "grpo.skip_previous_policy_logprobs_calculation": "the same: resolve_skip_flags",
     "cluster.gpus_per_node": "checked against the launcher by grpo.config.cluster_mismatch, called by grpo/run.py",
     "cluster.num_nodes": "the same: cluster_mismatch",
-    "grpo.async_grpo.recompute_kv_cache_after_weight_updates":
-        "NeMo-RL's name; holds by construction (a weight update lands between generation chunks, which start "
-        "with a fresh KV cache); validated: needs in_flight_weight_updates",
+    "policy.generation.colocated.resources.gpus_per_node":
+        "NeMo-RL's name; grpo.config.generation_ranks turns it into the number of generation ranks, which "
+        "grpo/run.py's start_split uses",
+    "policy.generation.colocated.resources.num_nodes": "the same: generation_ranks",
     "checkpointing.model_save_format":
         "NeMo-RL's name; a one-value Literal (safetensors, what grpo.system.weights.export_hf writes), so a recipe "
         "that asks for torch_save fails at load instead of being ignored",
