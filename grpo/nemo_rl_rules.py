@@ -459,7 +459,7 @@ def _megatron(w: Walk) -> None:
 def _generation(w: Walk) -> None:
     g = "policy.generation"
     backend = w.get(f"{g}.backend")
-    if backend in ("megatron", "sglang", "trtllm"):
+    if backend in ("megatron", "sglang", "trtllm", "dynamo"):
         w.translate(f"{g}.backend", {f"{g}.backend": "vllm"}, f"{backend} is another inference engine for the "
                     "same sampling; grpo-ds generates with vLLM (or hf)")
     non_colocated = w.get(f"{g}.colocated.enabled", True) is False
