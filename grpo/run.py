@@ -420,10 +420,10 @@ def start_split(cfg):
 
 
 def serve_generation(cfg, layout, device) -> None:
-    """A generation rank's whole run (`grpo.system.generation.remote.serve`): returns when trainer 0 closes the
+    """A generation rank's whole run (`grpo.system.generation.server.serve`): returns when trainer 0 closes the
     bridge; raises `RunError` when the trainers are gone or the engine cannot start."""
     from grpo.system.bridge import BridgeError
-    from grpo.system.generation.remote import serve
+    from grpo.system.generation.server import serve
 
     try:
         serve(cfg, layout, device)

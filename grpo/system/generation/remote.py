@@ -12,9 +12,9 @@ difference): sleep / wake_up are no-ops; `generate` and `refit` are collectives 
 gloo group (`group`); only trainer 0 touches the bridge, from one thread at a time. An error on the bridge (a
 generation rank died or hangs) reaches every trainer: trainer 0 still completes the scatter, with the error.
 
-`serve` is a generation rank's whole life: a vLLM engine (``external_launcher`` over the generation ranks' own
-default group, tensor-parallel groups among them; never sleeping) or a plain transformers copy
-(`grpo.system.generation.hf.HFGeneration`), loading weights as they arrive (no disk round trip; vLLM's prefix
+`grpo.system.generation.server.serve` is a generation rank's whole life: a vLLM engine (``external_launcher`` over
+the generation ranks' own default group, tensor-parallel groups among them; never sleeping) or a plain transformers
+copy (`grpo.system.generation.hf.HFGeneration`), loading weights as they arrive (no disk round trip; vLLM's prefix
 cache reset after each load). It returns when trainer 0 says close, and raises `BridgeError` when trainer 0 is
 gone.
 """
@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
@@ -33,11 +32,6 @@ from grpo.system.bridge import Bridge, BridgeError
 from grpo.system.dist import rank_slice
 from grpo.system.generation.base import GenerationOutput, length_caps, per_sample_stops
 
-logger = logging.getLogger(__name__)
-
-# Generation ranks wait this long for trainer 0's next command (a training step may take long); a dead trainer 0
-# still ends the wait at once (connection closed).
-SERVER_TIMEOUT_S = 7 * 24 * 3600.0
 # How long trainer 0 waits for the generation ranks to start their engines (at least; bridge_timeout_s if longer):
 # a vLLM engine that compiles its graphs takes minutes.
 START_TIMEOUT_S = 1800.0
@@ -361,9 +355,6 @@ class RemoteGeneration:
             raise RolloutError(f"{doing}: {error}")
 
 
-# --------------------------------------------------------------------------------------------------
-# The generation ranks
-# --------------------------------------------------------------------------------------------------
 def round_seed(seed: int, k: int) -> int:
     """The seed of round ``k`` of an in-flight request (round 0: its own): a continued request is a new vLLM
     request, whose sampler restarts from its seed.
@@ -375,116 +366,3 @@ def round_seed(seed: int, k: int) -> int:
         return seed
     digest = hashlib.sha256(f"{seed}:{k}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def serve(cfg, layout, device: torch.device) -> None:
-    """A generation rank's life: join the bridge, build its engine on trainer 0's hello, then run commands until
-    ``close``. Raises `BridgeError` when trainer 0 is gone.
-
-    SIGTERM / SIGINT are ignored here: a launcher sends them to every rank, and the trainers' answer (finish the
-    phase, save, exit 143 / 130) needs the generation ranks until trainer 0 closes the bridge; a generation rank
-    ends with it (or when trainer 0's process is gone)."""
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    from grpo.system import dist as grpo_dist
-
-    bridge = Bridge(layout.store, layout.bridge_rank, 1 + layout.num_generation, SERVER_TIMEOUT_S,
-                    grpo_dist.comm_device())
-    kind, hello = bridge.recv(0)
-    if kind != "hello":
-        raise BridgeError(f"expected trainer 0's hello, got {kind!r}")
-    try:
-        backend = build_server_backend(cfg, hello["model"], device)
-    except Exception as err:  # noqa: BLE001 - said to trainer 0, which stops the run with it
-        logger.exception("generation rank %d could not start its engine", layout.rank)
-        bridge.send(("error", f"{type(err).__name__}: {err}"), 0)
-        raise
-    bridge.send(("ready", None), 0)
-    try:
-        while True:
-            kind, arg = bridge.recv(0)
-            if kind == "close":
-                return
-            if kind == "generate":
-                bridge.send(_run_generate(backend, arg), 0)
-            elif kind == "load":
-                bridge.send(_run_load(backend, bridge, arg), 0)
-            elif kind == "reset_cache":
-                bridge.send(_run_reset(backend), 0)
-            else:
-                raise BridgeError(f"unknown command {kind!r} from trainer 0")
-    finally:
-        backend.close()
-
-
-def build_server_backend(cfg, model_path: str, device: torch.device):
-    """This generation rank's engine: vLLM (never sleeping) or a transformers copy; both receive their weights
-    from trainer 0 before the first generation."""
-    cfg.policy.model_name = model_path
-    from grpo.run import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.policy)
-    if cfg.policy.generation.backend == "vllm":
-        from grpo.system.generation.vllm import VllmGeneration
-
-        return VllmGeneration(cfg, tokenizer, None, device, colocated=False)
-    from grpo.system.generation.hf import HFGeneration
-    from grpo.system.model_config import load_model_config
-
-    return HFGeneration(cfg.policy, tokenizer, load_model_config(cfg.policy, model_path), device)
-
-
-def _run_generate(backend, arg: dict) -> tuple[str, object]:
-    """One generate command: ``("ok", outputs)`` or ``("error", message)``. Validation's sampling comes with the
-    command (``gen_cfg``)."""
-    attr = "gen_cfg" if hasattr(backend, "gen_cfg") else "gen"
-    try:
-        setattr(backend, attr, arg["gen_cfg"])
-        outputs = backend.generate(arg["prompts"], arg["seeds"], greedy=arg["greedy"], max_new_tokens=arg["caps"],
-                                   stop_strings=arg["stops"])
-        return "ok", outputs
-    except Exception as err:  # noqa: BLE001 - the trainers stop the run with it
-        logger.exception("generation failed")
-        return "error", f"{type(err).__name__}: {err}"
-
-
-def _received_buckets(bridge: Bridge, device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The buckets trainer 0 broadcasts, until its ``end``."""
-    dtypes = {}
-    while True:
-        kind, specs = bridge.recv(0)
-        if kind == "end":
-            return
-        bucket = []
-        for name, shape, dtype in specs:
-            dt = dtypes.setdefault(dtype, getattr(torch, dtype))
-            bucket.append((name, bridge.broadcast(torch.empty(shape, dtype=dt, device=bridge.device))))
-        yield [(n, t.to(device)) for n, t in bucket]
-
-
-def _run_load(backend, bridge: Bridge, arg: dict) -> tuple[str, object]:
-    """One weight load: ``("ok", None)`` or ``("error", message)``. A backend that fails mid-way still drains
-    the broadcast (trainer 0 sends every bucket)."""
-    buckets = _received_buckets(bridge, backend.device)
-    try:
-        backend.load_buckets(buckets, arg["expected"], reset_cache=arg.get("reset_cache", True))
-        return "ok", None
-    except BridgeError:
-        raise
-    except Exception as err:  # noqa: BLE001
-        logger.exception("loading weights failed")
-        for _ in buckets:
-            pass
-        return "error", f"{type(err).__name__}: {err}"
-
-
-def _run_reset(backend) -> tuple[str, object]:
-    """Drop the prefix cache (vLLM; an hf copy keeps no cache between calls)."""
-    try:
-        if hasattr(backend, "llm"):
-            backend.llm.reset_prefix_cache()
-        return "ok", None
-    except Exception as err:  # noqa: BLE001
-        return "error", f"{type(err).__name__}: {err}"
