@@ -393,6 +393,8 @@ class VllmGeneration:
             kw = llm_kwargs(cfg, model=model, tokenizer=tok_path, rank=self.rank, world_size=self.world_size,
                             on_cpu=not torch.cuda.is_available(), sleep_mode_available=self.sleep_mode,
                             hf_overrides=vllm_hf_overrides(model_cfg, cfg.policy.hf_config_overrides))
+            if not colocated:  # a generation rank: its device is LOCAL_RANK even alone (vLLM's single-process
+                kw["distributed_executor_backend"] = "external_launcher"  # executor would take cuda:0)
             check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
             self.llm = LLM(**kw)
         if self.lora:
