@@ -72,6 +72,24 @@ def token_batching(policy_cfg, phase: str) -> TokenBatching | None:
     return TokenBatching(False, budget, policy_cfg.dynamic_batching.sequence_length_round)
 
 
+def describe_batching(policy_cfg) -> str:
+    """What the startup line says of the micro-batches.
+
+        >>> from grpo.config import PolicyConfig
+        >>> describe_batching(PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 1024}))
+        'sequence packing (modified_first_fit_decreasing, 1024 tokens per training / 2048 per logprob micro-batch)'
+    """
+    p = policy_cfg
+    if p.sequence_packing.enabled:
+        kind = f"sequence packing ({p.sequence_packing.algorithm}, "
+    elif p.dynamic_batching.enabled:
+        kind = "dynamic batching ("
+    else:
+        return (f"{p.train_micro_batch_size} rows per training / {p.logprob_batch_size} per logprob micro-batch "
+                "(sequence packing and dynamic batching off)")
+    return kind + f"{p.mb_tokens('train')} tokens per training / {p.mb_tokens('logprob')} per logprob micro-batch)"
+
+
 # --------------------------------------------------------------------------------------------------
 # Logprobs and training on an engine
 # --------------------------------------------------------------------------------------------------
