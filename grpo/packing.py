@@ -3,9 +3,9 @@
 Two ways (NeMo-RL's ``policy.sequence_packing`` / ``policy.dynamic_batching``, mutually exclusive) to stop
 paying for padding when lengths vary. Both group a rank's rows by a token budget; pure functions, no model:
 
-* packing: `pack_bins` puts rows into bins of at most ``capacity`` tokens (NeMo-RL's four algorithms,
-  `PACKING_ALGORITHMS`); each bin becomes ONE row, its samples concatenated with positions restarting at 0
-  (`packed_layout`), so the model sees no padding at all and attention is kept inside each sample by the
+* packing: `pack_bins` puts rows into micro-batches of at most ``capacity`` tokens (NeMo-RL's four algorithms,
+  `PACKING_ALGORITHMS`); a micro-batch's samples run concatenated with positions restarting at 0
+  (`packed_layout`), so the model sees (almost) no padding and attention is kept inside each sample by the
   position ids (`grpo.system.packed`).
 * dynamic batching: `dynamic_micro_batches` sorts rows by length and cuts them into consecutive groups whose
   padded size (rows x longest rounded length) stays within the budget: short rows run many at a time.
@@ -219,35 +219,41 @@ def dynamic_micro_batches(lengths: Sequence[int], budget: int, sequence_length_r
 
 
 # --------------------------------------------------------------------------------------------------
-# The packed row
+# The packed rows
 # --------------------------------------------------------------------------------------------------
-def packed_layout(lengths_b: torch.Tensor, sequence_length_round: int = 1,
+def packed_layout(lengths_b: torch.Tensor, rows: Sequence[Sequence[int]], row_len: int,
                   seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``source_n``, ``positions_n``) of one packed row holding samples of ``lengths_b`` back to back, its
-    length N = round_up(Σ lengths, sequence_length_round):
+    """(``source_kr``, ``positions_kr``) of K = len(rows) packed rows of ``row_len`` tokens; row k holds the samples
+    ``rows[k]`` (indices into ``lengths_b``) back to back, then padding:
 
-        source_n[n]    = the flat index b·T + t of the token that packed position n holds (row-major in a
-                         ``[B, T]`` layout, T = ``seq_len``, default the longest); -1 on the trailing padding
-        positions_n[n] = t, the token's position in its own sample (0, 1, ..., len_b − 1 for each sample),
-                         and 0, 1, ... again on the trailing padding (a sequence of its own)
+        source_kr[k, r]    = the flat index b·T + t of the token that packed slot (k, r) holds (row-major in a
+                             ``[B, T]`` layout with T = ``seq_len``, default the longest); -1 on padding
+        positions_kr[k, r] = t, the token's position in its own sample (0, 1, ..., len_b − 1 for each sample),
+                             and 0, 1, ... again on a row's trailing padding (a sequence of its own)
 
     A position that does not continue its predecessor (t != previous + 1) starts a new sample: that is how
     transformers finds the samples of a packed row (`grpo.system.packed`).
 
-        >>> packed_layout(torch.tensor([2, 3]), 3)
-        (tensor([ 0,  1,  3,  4,  5, -1]), tensor([0, 1, 0, 1, 2, 0]))
+        >>> packed_layout(torch.tensor([2, 3, 1]), [[1, 2], [0]], 4)
+        (tensor([[ 3,  4,  5,  6],
+                [ 0,  1, -1, -1]]), tensor([[0, 1, 2, 0],
+                [0, 1, 0, 1]]))
     """
-    lengths_b = lengths_b.long()
-    T = seq_len if seq_len is not None else (int(lengths_b.max()) if len(lengths_b) else 0)
-    total = int(lengths_b.sum())
-    N = round_up(max(total, 1), sequence_length_round)
-    b_n = torch.repeat_interleave(torch.arange(len(lengths_b)), lengths_b)
-    starts_b = torch.cumsum(lengths_b, 0) - lengths_b
-    t_n = torch.arange(total) - starts_b[b_n]
-    pad = N - total
-    source_n = torch.cat([b_n * T + t_n, torch.full((pad,), -1, dtype=torch.long)])
-    positions_n = torch.cat([t_n, torch.arange(pad)])
-    return source_n, positions_n
+    lengths = [int(n) for n in lengths_b.tolist()]
+    T = seq_len if seq_len is not None else max(lengths, default=0)
+    source_kr = torch.full((len(rows), row_len), -1, dtype=torch.long)
+    positions_kr = torch.zeros((len(rows), row_len), dtype=torch.long)
+    for k, row in enumerate(rows):
+        used = 0
+        for b in row:
+            n = lengths[b]
+            source_kr[k, used: used + n] = b * T + torch.arange(n)
+            positions_kr[k, used: used + n] = torch.arange(n)
+            used += n
+        if used > row_len:
+            raise ValueError(f"packed row {k} holds {used} tokens > row_len={row_len}")
+        positions_kr[k, used:] = torch.arange(row_len - used)
+    return source_kr, positions_kr
 
 
 def unpack(values_n: torch.Tensor, source_n: torch.Tensor, shape_bt: tuple[int, int]) -> torch.Tensor:

@@ -26,7 +26,7 @@ from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
 from grpo.system.dist import all_gather_objects, all_reduce, comm_device, rank_slice
 from grpo.system.engines import release_params
 from grpo.system.health import skip_nonfinite_loss
-from grpo.system.packed import packed_forward, unpack, unpack_aligned
+from grpo.system.packed import attention_implementation, packed_forward, unpack_aligned, unpack_rows
 from grpo.system.rollout import single_turn
 from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths, shares_prompts
 
@@ -131,15 +131,16 @@ def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, 
                                             return_unfiltered=True)
 
     if packed_round is not None:
-        logits_1nv, ids_1n, source_n = packed_forward(engine, ids_bt, mask_bt, packed_round)
-        lp_1n, full_1n = logprobs(logits_1nv, ids_1n)
-        lp_bt, full_bt = unpack_aligned(lp_1n, source_n, mask_bt), unpack_aligned(full_1n, source_n, mask_bt)
+        attention = attention_implementation(engine.module)
+        logits_krv, ids_kr, source_kr = packed_forward(engine, attention, ids_bt, mask_bt, packed_round)
+        lp_kr, full_kr = logprobs(logits_krv, ids_kr)
+        lp_bt, full_bt = unpack_aligned(lp_kr, source_kr, mask_bt), unpack_aligned(full_kr, source_kr, mask_bt)
         extras = {}
         if "entropy" in needs:
-            h_1n = aligned_entropy_from_logits(logits_1nv, torch.ones_like(ids_1n), temperature, chunk_size)
-            extras["entropy_bt"] = unpack_aligned(h_1n, source_n, mask_bt)
+            h_kr = aligned_entropy_from_logits(logits_krv, torch.ones_like(ids_kr), temperature, chunk_size)
+            extras["entropy_bt"] = unpack_aligned(h_kr, source_kr, mask_bt)
         if "logits" in needs:
-            extras["logits_btv"] = unpack(logits_1nv[0], source_n, tuple(mask_bt.shape))
+            extras["logits_btv"] = unpack_rows(logits_krv, source_kr, mask_bt)
         lp_bt, _ = mask_out_of_filter(lp_bt, mask_bt)
         return lp_bt, full_bt, extras
 

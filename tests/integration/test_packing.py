@@ -38,7 +38,12 @@ def ragged_rows(lengths=(9, 1, 23, 4, 17, 2, 30, 6), seed=1, vocab=40):
 @pytest.mark.parametrize("attn,arch,top", [("sdpa", "llama", {}), ("eager", "llama", {}),
                                            ("sdpa", "qwen2", {"top_k": 7, "top_p": 0.9}),
                                            ("eager", "qwen2", {"top_k": 7})])
-def test_packed_logprobs_and_gradients_equal_the_padded_forward(attn, arch, top):
+@pytest.mark.parametrize("layout", ["rows", "one_row"])
+def test_packed_logprobs_and_gradients_equal_the_padded_forward(attn, arch, top, layout, monkeypatch):
+    """``rows``: the layout of sdpa / eager (rows of the longest sample); ``one_row``: flash attention's (every sample in
+    one row; flash kernels are not on the CPU, so the row runs through sdpa / eager, which read the same positions)."""
+    if layout == "one_row":
+        monkeypatch.setattr("grpo.system.training.attention_implementation", lambda module: "flash_attention_2")
     model = make_model(attn, arch)
     engine = FrozenModel(model, torch.device("cpu"))
     model.requires_grad_(True)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from grpo.config import MasterConfig
 from grpo.packing import (PACKING_ALGORITHMS, dynamic_micro_batches, pack_bins, packed_layout, round_up, unpack)
+from grpo.system.packed import packed_rows
 
 lengths_and_capacity = st.integers(1, 64).flatmap(
     lambda cap: st.tuples(st.lists(st.integers(1, cap), max_size=40), st.just(cap)))
@@ -60,21 +61,22 @@ def test_dynamic_micro_batches_keep_the_padded_budget_and_sort_by_length(lengths
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.sampled_from([1, 5, 16]), st.integers(0, 3))
-def test_packed_layout_round_trips_and_restarts_positions(lengths, rnd, extra_cols):
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.sampled_from([1, 5, 16]), st.integers(0, 3),
+       st.sampled_from(["sdpa", "flash_attention_2"]))
+def test_packed_layout_round_trips_and_restarts_positions(lengths, rnd, extra_cols, attention):
     lengths_b = torch.tensor(lengths)
     T = max(lengths) + extra_cols
-    source_n, positions_n = packed_layout(lengths_b, rnd, seq_len=T)
-    assert len(source_n) == round_up(sum(lengths), rnd)
+    rows, row_len = packed_rows(lengths, attention, rnd)
+    assert row_len % rnd == 0 and (len(rows) == 1 or attention == "sdpa") and row_len >= max(lengths)
+    source_kr, positions_kr = packed_layout(lengths_b, rows, row_len, seq_len=T)
     values_bt = torch.arange(len(lengths) * T, dtype=torch.float32).reshape(len(lengths), T) + 1
-    flat = values_bt.reshape(-1)
-    packed_n = torch.where(source_n >= 0, flat[source_n.clamp(min=0)], 0.0)
+    packed_kr = torch.where(source_kr >= 0, values_bt.reshape(-1)[source_kr.clamp(min=0)], 0.0)
     mask_bt = torch.arange(T)[None] < lengths_b[:, None]
-    assert torch.equal(unpack(packed_n, source_n, (len(lengths), T)), values_bt * mask_bt)
-    starts = torch.cumsum(lengths_b, 0) - lengths_b
-    assert (positions_n[starts] == 0).all()
-    for b, n in enumerate(lengths):
-        assert positions_n[starts[b]: starts[b] + n].tolist() == list(range(n))
+    assert torch.equal(unpack(packed_kr.reshape(-1), source_kr.reshape(-1), (len(lengths), T)), values_bt * mask_bt)
+    for k, row in enumerate(rows):   # positions restart at every sample and at the row's padding
+        expected = [t for b in row for t in range(lengths[b])]
+        expected += list(range(row_len - len(expected)))
+        assert positions_kr[k].tolist() == expected
 
 
 def policy(**kw):
