@@ -26,10 +26,21 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from grpo.packing import pack_bins, packed_layout, round_up, unpack
 
 # attn_implementation values whose mask transformers builds from packed position ids (see the docstring)
 PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a forward packs: rows padded to a multiple of ``sequence_length_round``; ``always``: packed even where the
+    padded rows or shared prompts run fewer slots (`grpo.system.training._forward` picks the cheapest otherwise)."""
+
+    sequence_length_round: int = 1
+    always: bool = False
 
 
 def attention_implementation(module: torch.nn.Module) -> str:
@@ -65,6 +76,16 @@ def packed_rows(lengths: list[int], attention: str, sequence_length_round: int =
         return [list(range(len(lengths)))], round_up(max(sum(lengths), 1), sequence_length_round)
     row_len = round_up(max(lengths, default=1), sequence_length_round)
     return pack_bins(lengths, row_len, algorithm), row_len
+
+
+def packed_row_tokens(lengths: list[int], attention: str, sequence_length_round: int = 1) -> int:
+    """Slots the packed rows of samples of ``lengths`` take (K x R of `packed_rows`): what a packed forward costs.
+
+        >>> packed_row_tokens([5, 2, 3, 1], "sdpa"), packed_row_tokens([5, 2, 3, 1], "flash_attention_2", 4)
+        (15, 12)
+    """
+    rows, row_len = packed_rows(lengths, attention, sequence_length_round)
+    return len(rows) * row_len
 
 
 def packed_forward(model, attention: str, ids_bt: torch.Tensor, mask_bt: torch.Tensor, sequence_length_round: int = 1,

@@ -26,7 +26,8 @@ from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
 from grpo.system.dist import all_gather_objects, all_reduce, comm_device, rank_slice
 from grpo.system.engines import release_params
 from grpo.system.health import skip_nonfinite_loss
-from grpo.system.packed import attention_implementation, packed_forward, unpack_aligned, unpack_rows
+from grpo.system.packed import (Packing, attention_implementation, packed_forward, packed_row_tokens, unpack_aligned,
+                                unpack_rows)
 from grpo.system.rollout import single_turn
 from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths, shares_prompts
 
@@ -47,6 +48,11 @@ class TokenBatching:
     sequence_length_round: int = 1
     algorithm: str = "modified_first_fit_decreasing"
     order: str = "packer"
+    always_pack: bool = False   # tests: run the packed forward even where padded / shared rows are cheaper
+
+    def packing(self) -> Packing | None:
+        """The forwards' `grpo.system.packed.Packing` (None: dynamic batching, padded forwards)."""
+        return Packing(self.sequence_length_round, self.always_pack) if self.packed else None
 
     def groups(self, lengths: list[int]) -> list[list[int]]:
         """Row indices of each micro-batch (every row in exactly one)."""
@@ -116,13 +122,17 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
 
 def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
              top_k: int | None = None, top_p: float = 1.0, prompt_lens_b: torch.Tensor | None = None,
-             needs: tuple[str, ...] = (), packed_round: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+             needs: tuple[str, ...] = (), packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """`forward_logprobs`' ``(filtered, unfiltered, extras)``; ``extras`` holds what ``needs`` asks for
     (`grpo.loss.LOSS_NEEDS`): ``entropy_bt`` (`grpo.logprobs.aligned_entropy_from_logits`, masked like the
     logprobs) and ``logits_btv`` (the raw logits). A forward that needs them runs whole (no shared prompt).
 
-    ``packed_round`` not None: the rows run as one packed row padded to a multiple of it (`grpo.system.packed`;
-    same values up to rounding, never with a shared prompt: packing already skips all padding)."""
+    ``packing`` not None: the rows run packed (`grpo.system.packed`; same values up to rounding), when that puts fewer slots through the model than the padded rows (B x T) or, where
+    ``prompt_lens_b`` lets them share prompts, the shared-prompt plan (the distinct prompts plus every row's padded
+    continuation, `grpo.system.shared_prefix.SharedPrefixPlan.tokens`); packed slots: Σ over packed rows of their
+    length (`grpo.system.packed.packed_row_tokens`). The time of these forwards follows the slots they run
+    (measured on the bench model: README "Sequence packing and dynamic batching"); ``packing.always``: packed
+    regardless."""
     device = engine.device
     ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
 
@@ -130,24 +140,16 @@ def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, 
         return aligned_logprobs_from_logits(logits_nlv, ids_nl, temperature, chunk_size, top_k=top_k, top_p=top_p,
                                             return_unfiltered=True)
 
-    if packed_round is not None:
-        attention = attention_implementation(engine.module)
-        logits_krv, ids_kr, source_kr = packed_forward(engine, attention, ids_bt, mask_bt, packed_round)
-        lp_kr, full_kr = logprobs(logits_krv, ids_kr)
-        lp_bt, full_bt = unpack_aligned(lp_kr, source_kr, mask_bt), unpack_aligned(full_kr, source_kr, mask_bt)
-        extras = {}
-        if "entropy" in needs:
-            h_kr = aligned_entropy_from_logits(logits_krv, torch.ones_like(ids_kr), temperature, chunk_size)
-            extras["entropy_bt"] = unpack_aligned(h_kr, source_kr, mask_bt)
-        if "logits" in needs:
-            extras["logits_btv"] = unpack_rows(logits_krv, source_kr, mask_bt)
-        lp_bt, _ = mask_out_of_filter(lp_bt, mask_bt)
-        return lp_bt, full_bt, extras
-
     checkpointed = torch.is_grad_enabled() and getattr(engine.module, "is_gradient_checkpointing", False)
     can_share = (prompt_lens_b is not None and not checkpointed and engine.zero_optimization_stage() != 3
                  and not needs)
     plan = plan_shared_prefix(ids_bt, mask_bt, prompt_lens_b) if can_share else None
+    if packing is not None:   # the cheapest of padded, shared prompts and packed (fewest slots; ties: not packed)
+        attention = attention_implementation(engine.module)
+        other = plan.tokens() if plan is not None else ids_bt.numel()
+        rnd = packing.sequence_length_round
+        if packing.always or packed_row_tokens(mask_bt.sum(dim=1).tolist(), attention, rnd) < other:
+            return _packed(engine, ids_bt, mask_bt, attention, rnd, logprobs, needs, temperature, chunk_size)
     shared = plan.logprobs(engine, logprobs) if plan is not None else None
     extras = {}
     if shared is not None:
@@ -163,6 +165,21 @@ def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, 
     return lp_bt, torch.where(mask_bt > 0, full_bt, 0.0), extras
 
 
+def _packed(engine, ids_bt, mask_bt, attention, sequence_length_round, logprobs, needs, temperature, chunk_size):
+    """`_forward` on packed rows (`grpo.system.packed`), unpacked to ``[B, T]``."""
+    logits_krv, ids_kr, source_kr = packed_forward(engine, attention, ids_bt, mask_bt, sequence_length_round)
+    lp_kr, full_kr = logprobs(logits_krv, ids_kr)
+    lp_bt, full_bt = unpack_aligned(lp_kr, source_kr, mask_bt), unpack_aligned(full_kr, source_kr, mask_bt)
+    extras = {}
+    if "entropy" in needs:
+        h_kr = aligned_entropy_from_logits(logits_krv, torch.ones_like(ids_kr), temperature, chunk_size)
+        extras["entropy_bt"] = unpack_aligned(h_kr, source_kr, mask_bt)
+    if "logits" in needs:
+        extras["logits_btv"] = unpack_rows(logits_krv, source_kr, mask_bt)
+    lp_bt, _ = mask_out_of_filter(lp_bt, mask_bt)
+    return lp_bt, full_bt, extras
+
+
 @torch.no_grad()
 def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float, micro_batch_size: int,
                      chunk_size=None, *, top_k: int | None = None, top_p: float = 1.0,
@@ -172,7 +189,7 @@ def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
     ``top_k`` / ``top_p``: the sampler's filter (policy.generation.top_k / top_p) for the previous-policy
     logprobs; leave them off for the reference policy (NeMo-RL: its top-k set is not the policy's).
     ``batching``: micro-batches by token budget (`TokenBatching`: packed rows or dynamic batches) instead of
-    ``micro_batch_size`` rows; a packed forward never shares prompts.
+    ``micro_batch_size`` rows (a packed micro-batch shares prompts only where that runs fewer tokens: `_forward`).
     Ranks may hold different numbers of rows: every rank runs as many forwards as the busiest one
     (the extra ones on a dummy row), since each ZeRO-3 forward is a collective.
     """
@@ -193,10 +210,10 @@ def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
             if batching is not None:
                 width = max(int(mask.sum(dim=1).max()), 1)
                 width = width if batching.packed else batching.width(width, T)
-            share = prompt_lens_b is not None and not (batching is not None and batching.packed)
             lp, _, _ = _forward(engine, input_ids_bt[rows, :width], mask[:, :width], temperature, chunk_size,
-                                top_k=top_k, top_p=top_p, prompt_lens_b=prompt_lens_b[rows] if share else None,
-                                packed_round=batching.sequence_length_round if batching and batching.packed else None)
+                                top_k=top_k, top_p=top_p,
+                                prompt_lens_b=prompt_lens_b[rows] if prompt_lens_b is not None else None,
+                                packing=batching.packing() if batching is not None else None)
             out[rows, :width] = lp.float().cpu()
         else:
             dummy = torch.zeros((1, 2), dtype=torch.long)
@@ -217,7 +234,7 @@ LossClosure = Callable[..., tuple[torch.Tensor, dict]]
 
 def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossClosure, *, temperature: float = 1.0,
                    chunk_size=None, top_k: int | None = None, top_p: float = 1.0, share_prompts: bool = False,
-                   needs: tuple[str, ...] = (), packed_round: int | None = None, variable: bool = False) -> dict:
+                   needs: tuple[str, ...] = (), packing: Packing | None = None, variable: bool = False) -> dict:
     """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
 
     A micro-batch is a `grpo.batch.TrainBatch`: its ``input_ids_bt`` and
@@ -228,8 +245,8 @@ def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossCl
     KL term (`grpo.loss.clipped_pg_loss`'s ``unfiltered_logprobs``). ``share_prompts``: rows that share a
     prompt run it once (`grpo.system.shared_prefix`; prompts end where ``token_mask_bt`` starts). ``needs``: what
     the closure also gets from the same forward, as keywords (`grpo.loss.LOSS_NEEDS`: ``entropy_bt=``,
-    ``logits_btv=``); none by default. ``packed_round``: each micro-batch runs as one packed row
-    (`grpo.system.packed`, padded to a multiple of it; no prompt sharing).
+    ``logits_btv=``); none by default. ``packing``: each micro-batch runs packed (`grpo.system.packed`, rows
+    padded to a multiple of it), or with its prompts shared where that runs fewer tokens (`_forward`).
 
     ``variable``: the number of micro-batches is not DeepSpeed's gradient_accumulation_steps (micro-batches by
     token budget, `TokenBatching`): the ranks agree on the largest count, a rank with fewer runs the rest on a
@@ -272,11 +289,10 @@ def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossCl
                 continue
             mb = to_device(micro_batches[i], engine.device)
             ids_bt, mask_bt = mb.input_ids_bt, mb.attention_mask_bt
-            share = share_prompts and packed_round is None
-            prompt_lens_b = prompt_lengths(mb.token_mask_bt, mask_bt) if share else None
+            prompt_lens_b = prompt_lengths(mb.token_mask_bt, mask_bt) if share_prompts else None
             logprobs_bt, unfiltered_bt, extras = _forward(engine, ids_bt, mask_bt, temperature, chunk_size,
                                                           top_k=top_k, top_p=top_p, prompt_lens_b=prompt_lens_b,
-                                                          needs=needs, packed_round=packed_round)
+                                                          needs=needs, packing=packing)
             if needs_filter(top_k, top_p):
                 mb = with_fields(mb, unfiltered_logprobs_bt=unfiltered_bt)
             loss, metrics = loss_closure(logprobs_bt, mb, **extras)
@@ -390,8 +406,7 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,
                                       top_k=gen.top_k, top_p=gen.top_p,
                                       share_prompts=shares_prompts(p.shared_prompt_forward, policy.module),
                                       needs=needs, variable=batching is not None,
-                                      packed_round=batching.sequence_length_round if batching and batching.packed
-                                      else None))
+                                      packing=batching.packing() if batching is not None else None))
     return results
 
 

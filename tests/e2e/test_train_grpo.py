@@ -308,3 +308,28 @@ def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps
         for key in ("train/loss", "train/kl_penalty", "train/token_mult_prob_error", "train/grad_norm"):
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6 if step == 1 else 1e-2, abs=1e-7), \
                 (step, key, a[step][key], b[step][key])
+
+
+@pytest.mark.slow  # fast twins: tests/integration/test_packing.py (1 and 2 ZeRO-3 ranks against plain PyTorch)
+def test_sequence_packing_and_dynamic_batching_train_the_same_steps(tmp_path):
+    """The same run padded, packed (budgets that give other micro-batch counts than the row-count default) and
+    dynamically batched: the same rewards, and losses / gradient norms equal to float rounding at step 1 (the
+    rounding then grows through Adam's first sign-like steps, as in the test above)."""
+    runs = {"padded": (), "packed": ("policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=40",
+                                     "policy.sequence_packing.logprob_mb_tokens=56"),
+            "dynamic": ("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=48",
+                        "policy.dynamic_batching.sequence_length_round=4")}
+    rows = {}
+    for name, extra in runs.items():
+        p = python_train(tmp_path / name, "grpo.max_num_steps=3", "checkpointing.enabled=false", *extra)
+        said = {"padded": "micro-batches: 4 rows per training", "packed": "micro-batches: sequence packing (",
+                "dynamic": "micro-batches: dynamic batching ("}[name]
+        assert said in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
+        rows[name] = train_rows(tmp_path / name)
+    for name in ("packed", "dynamic"):
+        for step in (1, 2, 3):
+            a, b = rows["padded"][step], rows[name][step]
+            assert a["train/mean_total_reward"] == b["train/mean_total_reward"], (name, step)
+            for key in ("train/loss", "train/kl_penalty", "train/token_mult_prob_error", "train/grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5 if step == 1 else 1e-2, abs=1e-6), \
+                    (name, step, key, a[key], b[key])

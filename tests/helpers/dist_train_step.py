@@ -55,10 +55,11 @@ def batch_loss(logprobs_bt: torch.Tensor, mb, global_tokens: float) -> torch.Ten
 
 def batchings():
     """Micro-batches by token budget (`grpo.system.training.TokenBatching`) the helper can train with: budgets small
-    enough that the ranks' shards split into different numbers of micro-batches."""
+    enough that the ranks' shards split into different numbers of micro-batches; packed rows even where padded
+    ones would be as cheap (these lengths are too even for packing to save anything)."""
     from grpo.system.training import TokenBatching
 
-    return {"packed": TokenBatching(True, 18), "dynamic": TokenBatching(False, 20, 4)}
+    return {"packed": TokenBatching(True, 18, always_pack=True), "dynamic": TokenBatching(False, 20, 4)}
 
 
 def train_and_collect(model_dir: str, export_dir: str | None = None,
@@ -95,7 +96,7 @@ def train_and_collect(model_dir: str, export_dir: str | None = None,
             engine, mbs,
             lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb.token_mask_bt.sum()}),
             variable=batching is not None,
-            packed_round=batching.sequence_length_round if batching is not None and batching.packed else None,
+            packing=batching.packing() if batching is not None else None,
         ))
         results[-1]["micro_batches"] = all_gather_objects([len(mbs)])
     full = {name: t.clone() for bucket in weights.iter_gathered_params(engine) for name, t in bucket}

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo.system.engines import FrozenModel
-from grpo.system.packed import check_packable
+from grpo.system.packed import Packing, check_packable
 from grpo.system.training import TokenBatching, _forward, compute_logprobs
 
 
@@ -49,9 +49,9 @@ def test_packed_logprobs_and_gradients_equal_the_padded_forward(attn, arch, top,
     model.requires_grad_(True)
     ids, mask, tmask = ragged_rows()
     outs, grads = [], []
-    for packed_round in (None, 1, 8):
+    for packing in (None, Packing(1), Packing(8, always=True)):
         model.zero_grad()
-        lp, full, extras = _forward(engine, ids, mask, 0.7, needs=("entropy", "logits"), packed_round=packed_round,
+        lp, full, extras = _forward(engine, ids, mask, 0.7, needs=("entropy", "logits"), packing=packing,
                                     **top)
         loss = (lp * tmask).sum() + 0.3 * (full * tmask).sum() + 0.1 * (extras["entropy_bt"] * tmask).sum() \
             + 0.01 * (extras["logits_btv"] * tmask[..., None]).sum()
@@ -69,6 +69,43 @@ def test_packed_logprobs_and_gradients_equal_the_padded_forward(attn, arch, top,
             torch.testing.assert_close(g_packed, g_plain, atol=1e-5, rtol=1e-4)
 
 
+def grouped_rows(prompt_len, completion_lens, groups=3, seed=2):
+    """``groups`` prompts of ``prompt_len`` tokens, each with completions of ``completion_lens``: (ids, mask, token mask)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, tm = [], []
+    for _ in range(groups):
+        prompt = torch.randint(3, 40, (prompt_len,), generator=g).tolist()
+        for c in completion_lens:
+            rows.append(prompt + torch.randint(3, 40, (c,), generator=g).tolist())
+            tm.append([0] * prompt_len + [1] * c)
+    T = max(map(len, rows))
+    return (torch.tensor([r + [0] * (T - len(r)) for r in rows]), torch.tensor([[1] * len(r) + [0] * (T - len(r))
+            for r in rows]), torch.tensor([m + [0] * (T - len(m)) for m in tm], dtype=torch.float32))
+
+
+@pytest.mark.parametrize("prompt_len, completions, shares", [
+    (20, (2, 3, 2, 4), True),        # long shared prompts, short completions: sharing runs fewer tokens
+    (3, (1, 30, 2, 2, 25, 1), False),  # short prompts, ragged completions: packing runs fewer tokens
+])
+def test_a_packed_micro_batch_shares_prompts_where_that_runs_fewer_tokens(prompt_len, completions, shares,
+                                                                          monkeypatch):
+    from grpo.system import shared_prefix
+    from grpo.system.shared_prefix import prompt_lengths
+
+    calls = []
+    original = shared_prefix.SharedPrefixPlan.logprobs
+    monkeypatch.setattr(shared_prefix.SharedPrefixPlan, "logprobs",
+                        lambda self, *a: calls.append(self.tokens()) or original(self, *a))
+    model = make_model("sdpa")
+    engine = FrozenModel(model, torch.device("cpu"))
+    ids, mask, tmask = grouped_rows(prompt_len, completions)
+    with torch.no_grad():
+        plain, _, _ = _forward(engine, ids, mask, 0.9)
+        got, _, _ = _forward(engine, ids, mask, 0.9, prompt_lens_b=prompt_lengths(tmask, mask), packing=Packing())
+    assert bool(calls) == shares
+    torch.testing.assert_close(got, plain, atol=2e-5, rtol=1e-5)
+
+
 def test_packing_without_the_position_ids_would_mix_samples():
     """The test above can fail: the same packed row with positions running on (no restart) gives other logprobs."""
     model = make_model("sdpa")
@@ -84,7 +121,7 @@ def test_packing_without_the_position_ids_would_mix_samples():
 
 
 @pytest.mark.parametrize("batching", [TokenBatching(True, 40), TokenBatching(True, 64, 16, "first_fit_decreasing",
-                                                                               "largest_first"),
+                                                                               "largest_first", always_pack=True),
                                       TokenBatching(False, 48), TokenBatching(False, 64, 8)])
 def test_compute_logprobs_by_token_budget_equal_fixed_micro_batches(batching):
     model = make_model("sdpa")
