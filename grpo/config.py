@@ -522,15 +522,17 @@ class LoraConfig(_Section):
 
 class SequencePackingConfig(_Section):
     """NeMo-RL's ``policy.sequence_packing`` (same names and meanings; grpo/packing.py, grpo/system/packed.py): the
-    logprob and training forwards run each micro-batch as ONE row of its samples back to back (positions restarting
-    at 0 in each, so attention never crosses samples), micro-batches filled up to a token budget by a bin-packing
-    algorithm. Same logprobs and gradients as the padded forward up to float rounding; exclusive with
-    dynamic_batching."""
+    logprob and training forwards fill micro-batches up to a token budget with a bin-packing algorithm and run each
+    with its samples back to back (positions restarting at 0 in each, so attention never crosses samples), where
+    that puts fewer tokens through the model than padded rows or shared prompts. Same logprobs and gradients as the
+    padded forward up to float rounding; exclusive with dynamic_batching."""
 
-    enabled: bool = Field(False, description="Pack samples into rows of up to *_mb_tokens tokens.")
+    enabled: bool = Field(False, description=(
+        "Micro-batches of up to *_mb_tokens tokens, their samples packed back to back where that runs fewer tokens "
+        "(off by default: no faster on the even lengths of bench/WORKLOAD.md; README 'Sequence packing')."))
     train_mb_tokens: Optional[int] = Field(None, gt=0, description=(
-        "Tokens per training micro-batch (one packed row); null: max_total_sequence_length x train_micro_batch_size "
-        "(NeMo-RL's default)."))
+        "Real tokens per training micro-batch (sdpa / eager rows of the longest sample can hold up to twice that in "
+        "slots); null: max_total_sequence_length x train_micro_batch_size (NeMo-RL's default)."))
     logprob_mb_tokens: Optional[int] = Field(None, gt=0, description=(
         "Tokens per logprob micro-batch; null: max_total_sequence_length x logprob_batch_size."))
     algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle",
@@ -539,8 +541,8 @@ class SequencePackingConfig(_Section):
     microbatch_order: Literal["packer", "largest_first"] = Field("packer", description=(
         "Order the bins run in: the packer's, or the fullest first."))
     sequence_length_round: int = Field(1, gt=0, description=(
-        "A packed row is padded to a multiple of this many tokens (steadier shapes for GPU kernels; NeMo-RL's "
-        "recipes say 64). 1: no padding, measured faster on the CPU."))
+        "Packed rows are padded to a multiple of this many tokens (steadier shapes for GPU kernels; NeMo-RL's "
+        "recipes say 64); 1: no padding."))
 
 
 class DynamicBatchingConfig(_Section):

@@ -55,7 +55,8 @@ class TokenBatching:
         return Packing(self.sequence_length_round, self.always_pack) if self.packed else None
 
     def groups(self, lengths: list[int]) -> list[list[int]]:
-        """Row indices of each micro-batch (every row in exactly one)."""
+        """Row indices of each micro-batch (every row in exactly one; an empty row counts as one token)."""
+        lengths = [max(int(n), 1) for n in lengths]
         if self.packed:
             return pack_bins(lengths, self.mb_tokens, self.algorithm, self.order)
         return dynamic_micro_batches(lengths, self.mb_tokens, self.sequence_length_round)

@@ -159,9 +159,9 @@ def plain_run(engine_model_dir):
 
 
 @pytest.mark.parametrize("name", ["packed", "dynamic"])
-def test_one_rank_zero3_steps_by_token_budget_equal_plain_pytorch(name, engine_model_dir, plain_run):
-    """ZeRO-3 on one rank (GAS 4 in its config) with another number of micro-batches a step: the boundary set by
-    hand steps once per call, with the full-batch gradient."""
+def test_one_rank_steps_by_token_budget_equal_plain_pytorch(name, engine_model_dir, plain_run):
+    """One rank (the auto DeepSpeed config: no ZeRO in fp32; GAS 4) with another number of micro-batches a step: the
+    boundary set by hand steps once per call, with the full-batch gradient."""
     from grpo.system.dist import init_distributed
     from tests.helpers import dist_train_step
     from tests.integration.test_engines import _compare
