@@ -174,6 +174,7 @@ def test_one_rank_steps_by_token_budget_equal_plain_pytorch(name, engine_model_d
     _compare(weights, results, logprobs, *plain_run, f"1 rank, {name}")
 
 
+@pytest.mark.slow  # about 15 s (two torchrun ranks); fast twins: the one-rank tests above and the packed-forward tests
 def test_two_ranks_zero3_by_token_budget_equal_plain_pytorch(engine_model_dir, plain_run, tmp_path):
     """Two ZeRO-3 ranks whose shards split into different numbers of micro-batches (the short rank runs dummy
     micro-batches): the same steps as one process on the full batch, packed and dynamically batched."""
