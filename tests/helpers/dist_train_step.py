@@ -62,11 +62,12 @@ def batchings():
     return {"packed": TokenBatching(True, 18, always_pack=True), "dynamic": TokenBatching(False, 20, 4)}
 
 
-def train_and_collect(model_dir: str, export_dir: str | None = None,
-                      batching=None) -> tuple[dict, list[dict], torch.Tensor]:
+def train_and_collect(model_dir: str, export_dir: str | None = None, batching=None,
+                      deepspeed_config: str = "auto") -> tuple[dict, list[dict], torch.Tensor]:
     """STEPS calls of `train_on_batch` on this rank's shard, then logprobs of `make_batch(STEPS)` with
     ranks holding unequal shares (5 rows: 3 + 2 with 2 ranks, so unequal forward counts) and an HF
-    export. ``batching``: micro-batches by token budget (`grpo.system.training.TokenBatching`) in both.
+    export. ``batching``: micro-batches by token budget (`grpo.system.training.TokenBatching`) in both;
+    ``deepspeed_config``: policy.deepspeed_config (auto: no ZeRO on one rank in fp32, ZeRO-3 on several).
     Returns (full weights, results, logprobs [5, T]); each result also holds ``micro_batches``, every rank's
     count. Needs the process group."""
     from grpo.system import engines, weights
@@ -78,6 +79,7 @@ def train_and_collect(model_dir: str, export_dir: str | None = None,
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cfg = MasterConfig.model_validate({
         "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": GLOBAL_BATCH,
+                   "deepspeed_config": deepspeed_config,
                    "train_micro_batch_size": MICRO_BATCH, "max_grad_norm": RUN["max_grad_norm"],
                    "optimizer": {"lr": RUN["lr"], "eps": RUN["eps"], "weight_decay": RUN["weight_decay"]},
                    "scheduler": {"name": "cosine", "warmup_steps": RUN["warmup_steps"]}},

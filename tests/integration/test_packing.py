@@ -158,20 +158,20 @@ def plain_run(engine_model_dir):
     return _plain_pytorch_reference(engine_model_dir)
 
 
-@pytest.mark.parametrize("name", ["packed", "dynamic"])
-def test_one_rank_steps_by_token_budget_equal_plain_pytorch(name, engine_model_dir, plain_run):
-    """One rank (the auto DeepSpeed config: no ZeRO in fp32; GAS 4) with another number of micro-batches a step: the
+@pytest.mark.parametrize("name, ds", [("packed", "auto"), ("dynamic", "auto"), ("packed", "ds_configs/zero3.json")])
+def test_one_rank_steps_by_token_budget_equal_plain_pytorch(name, ds, engine_model_dir, plain_run):
+    """One rank (auto: no ZeRO in fp32; and ZeRO-3; GAS 4 in both) with another number of micro-batches a step: the
     boundary set by hand steps once per call, with the full-batch gradient."""
     from grpo.system.dist import init_distributed
     from tests.helpers import dist_train_step
     from tests.integration.test_engines import _compare
 
     init_distributed()
-    weights, results, logprobs = dist_train_step.train_and_collect(engine_model_dir,
+    weights, results, logprobs = dist_train_step.train_and_collect(engine_model_dir, deepspeed_config=ds,
                                                                    batching=dist_train_step.batchings()[name])
     gas = dist_train_step.GLOBAL_BATCH // dist_train_step.MICRO_BATCH
     assert any(r["micro_batches"] != [gas] for r in results), "every step had GAS micro-batches: nothing tested"
-    _compare(weights, results, logprobs, *plain_run, f"1 rank, {name}")
+    _compare(weights, results, logprobs, *plain_run, f"1 rank, {name}, {ds}")
 
 
 @pytest.mark.slow  # about 15 s (two torchrun ranks); fast twins: the one-rank tests above and the packed-forward tests
