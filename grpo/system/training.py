@@ -39,9 +39,9 @@ from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths, shares
 class TokenBatching:
     """How one phase (logprobs or training) cuts a rank's rows into micro-batches by token budget.
 
-    ``packed``: each micro-batch is a bin of `grpo.packing.pack_bins` run as ONE packed row
-    (`grpo.system.packed`); else (dynamic batching) `grpo.packing.dynamic_micro_batches`, run right-padded to
-    its longest row rounded up to ``sequence_length_round``."""
+    ``packed``: each micro-batch is a bin of `grpo.packing.pack_bins`, run packed (`grpo.system.packed`) where
+    that is the cheapest forward (`_forward`); else (dynamic batching) `grpo.packing.dynamic_micro_batches`, run
+    right-padded to its longest row rounded up to ``sequence_length_round``."""
 
     packed: bool
     mb_tokens: int
