@@ -8,7 +8,7 @@ import that runs up a layer, on any import cycle, and on a module that no layer 
     1. leaves       grpo.system.dist grpo.system.signals
     2. tasks        grpo.tasks
     3. config       grpo.config
-    4. algorithm    grpo.advantages grpo.registry grpo.loss grpo.rewards grpo.logprobs grpo.batch grpo.step grpo.dynamic_sampling grpo.metrics grpo.rollout_metrics
+    4. algorithm    grpo.advantages grpo.registry grpo.loss grpo.rewards grpo.logprobs grpo.batch grpo.packing grpo.step grpo.dynamic_sampling grpo.metrics grpo.rollout_metrics
     5. system       grpo.system
     6. composition  grpo.config_load grpo.nemo_rl_rules grpo.nemo_rl_recipe grpo.run grpo.producer grpo.plot grpo.inspect
 
@@ -19,7 +19,8 @@ import that runs up a layer, on any import cycle, and on a module that no layer 
    built-in task, found through `grpo.tasks.catalogue`. Nothing here knows how the policy is trained.
 3. config (`grpo.config`): the typed configuration; it reads the task catalogue for the task names.
 4. algorithm (grpo's top-level modules above): pure functions on tensors and the config: the batch, the
-   step phases, advantages and their registry, the loss, rewards, dynamic sampling, logprobs, metrics.
+   step phases, advantages and their registry, the loss, rewards, dynamic sampling, logprobs, metrics, and
+   which samples share a micro-batch (`grpo.packing`: bin packing, token budgets, the packed-row layout).
    The place a research fork edits.
 5. system (`grpo.system`): what runs the algorithm: DeepSpeed engines, the training forward
    (`grpo.system.training`), generation backends, weights, offload, checkpoints, run directories, data,

@@ -143,6 +143,16 @@ def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
     return [trim_padding(select_rows(batch, slice(i, min(i + size, n)))) for i in range(0, n, size)]
 
 
+def pad_columns(batch: TrainBatch, width: int) -> TrainBatch:
+    """Per-token fields right-padded with 0 to ``width`` columns (ids 0 under attention 0: padding the model never
+    attends to, and no trained token); a batch already that wide or wider is returned as it is."""
+    T = batch.input_ids_bt.shape[1]
+    if width <= T:
+        return batch
+    return batch.replace(**{k: torch.nn.functional.pad(v, (0, width - T)) for k, v in _row_fields(batch).items()
+                            if k.endswith("_bt")})
+
+
 def with_fields(batch: TrainBatch, **values) -> TrainBatch:
     """A copy with these fields set."""
     return batch.replace(**values)

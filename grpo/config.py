@@ -558,6 +558,46 @@ class LoraConfig(_Section):
         return self
 
 
+class SequencePackingConfig(_Section):
+    """NeMo-RL's ``policy.sequence_packing`` (same names and meanings; grpo/packing.py, grpo/system/packed.py): the
+    logprob and training forwards fill micro-batches up to a token budget with a bin-packing algorithm and run each
+    with its samples back to back (positions restarting at 0 in each, so attention never crosses samples), where
+    that puts fewer tokens through the model than padded rows or shared prompts. Same logprobs and gradients as the
+    padded forward up to float rounding; exclusive with dynamic_batching."""
+
+    enabled: bool = Field(False, description=(
+        "Micro-batches of up to *_mb_tokens tokens, their samples packed back to back where that runs fewer tokens "
+        "(off by default: no faster on the even lengths of bench/WORKLOAD.md; README 'Sequence packing')."))
+    train_mb_tokens: Optional[int] = Field(None, gt=0, description=(
+        "Real tokens per training micro-batch (sdpa / eager rows of the longest sample can hold up to twice that in "
+        "slots); null: max_total_sequence_length x train_micro_batch_size (NeMo-RL's default)."))
+    logprob_mb_tokens: Optional[int] = Field(None, gt=0, description=(
+        "Tokens per logprob micro-batch; null: max_total_sequence_length x logprob_batch_size."))
+    algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle",
+                       "concatenative"] = Field("modified_first_fit_decreasing", description=(
+                           "Bin packing (grpo/packing.py PACKING_ALGORITHMS, NeMo-RL's four)."))
+    microbatch_order: Literal["packer", "largest_first"] = Field("packer", description=(
+        "Order the bins run in: the packer's, or the fullest first."))
+    sequence_length_round: int = Field(1, gt=0, description=(
+        "Packed rows are padded to a multiple of this many tokens (steadier shapes for GPU kernels; NeMo-RL's "
+        "recipes say 64); 1: no padding."))
+
+
+class DynamicBatchingConfig(_Section):
+    """NeMo-RL's ``policy.dynamic_batching`` (same names and meanings; grpo/packing.py dynamic_micro_batches): a
+    rank's samples sorted by length and cut into micro-batches of at most *_mb_tokens padded tokens (rows x the
+    longest rounded length), so short samples run many at a time. Works with any attention implementation;
+    exclusive with sequence_packing."""
+
+    enabled: bool = Field(False, description="Micro-batches by token budget instead of by row count.")
+    train_mb_tokens: Optional[int] = Field(None, gt=0, description=(
+        "Padded tokens per training micro-batch; null: max_total_sequence_length x train_micro_batch_size."))
+    logprob_mb_tokens: Optional[int] = Field(None, gt=0, description=(
+        "Padded tokens per logprob micro-batch; null: max_total_sequence_length x logprob_batch_size."))
+    sequence_length_round: int = Field(1, gt=0, description=(
+        "Each micro-batch is padded to a multiple of this many columns (NeMo-RL's recipes say 64); 1: none."))
+
+
 class PolicyConfig(_Section):
     model_name: str = Field(
         "Qwen/Qwen2.5-1.5B", description="Local directory, hub name (needs network), or toy:<name> (built locally).")
@@ -612,6 +652,40 @@ class PolicyConfig(_Section):
         default_factory=GenerationConfig, description="Generation (sampling, backend, stop rules).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description=(
         "LoRA adapters (NeMo-RL's dtensor_cfg.lora_cfg); off by default."))
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig, description=(
+        "Samples packed into rows by token budget in the logprob and training forwards (NeMo-RL's)."))
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig, description=(
+        "Micro-batches by token budget in the logprob and training forwards (NeMo-RL's)."))
+
+    def mb_tokens(self, phase: Literal["train", "logprob"]) -> Optional[int]:
+        """The token budget of a ``phase`` micro-batch under packing or dynamic batching (None: both off)."""
+        section = (self.sequence_packing if self.sequence_packing.enabled
+                   else self.dynamic_batching if self.dynamic_batching.enabled else None)
+        if section is None:
+            return None
+        rows = self.train_micro_batch_size if phase == "train" else self.logprob_batch_size
+        value = getattr(section, f"{phase}_mb_tokens")
+        return value if value is not None else self.max_total_sequence_length * rows
+
+    @model_validator(mode="after")
+    def _token_batching(self) -> "PolicyConfig":
+        """Packing and dynamic batching are exclusive (as in NeMo-RL); a budget must hold the longest sample."""
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are both true: they "
+                             "are exclusive (as in NeMo-RL); enable one")
+        name = ("sequence_packing" if self.sequence_packing.enabled
+                else "dynamic_batching" if self.dynamic_batching.enabled else None)
+        if name is None:
+            return self
+        rnd = getattr(self, name).sequence_length_round
+        longest = self.max_total_sequence_length if name == "sequence_packing" else \
+            -(-self.max_total_sequence_length // rnd) * rnd
+        for phase in ("train", "logprob"):
+            if self.mb_tokens(phase) < longest:
+                raise ValueError(f"policy.{name}.{phase}_mb_tokens={self.mb_tokens(phase)}: a sample of "
+                                 f"policy.max_total_sequence_length={self.max_total_sequence_length} tokens "
+                                 f"({longest} rounded) would not fit; expected >= {longest}")
+        return self
 
     @model_validator(mode="after")
     def _lora_on_vllm(self) -> "PolicyConfig":

@@ -26,7 +26,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_DIR = REPO_ROOT / "configs" / "prompts"  # our own wording of NeMo-RL's examples/prompts/*.txt names
 
 ADAMW = ("torch.optim.AdamW", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam")
-ISSUE_24 = "issue 24: not yet; changes speed and memory only, not results"
 DEEPSPEED = "grpo-ds trains with DeepSpeed ZeRO (ZeRO-3 shards weights, gradients and optimizer states over the ranks)"
 
 
@@ -178,8 +177,7 @@ def _policy(w: Walk) -> None:
     w.ignore("policy.offload_optimizer_for_logprob", "memory placement for non-colocated generation only")
     w.ignore("policy.make_sequence_length_divisible_by", "padding for tensor/context parallelism, which grpo-ds "
              "does not have")
-    w.ignore("policy.dynamic_batching", ISSUE_24)
-    w.ignore("policy.sequence_packing", ISSUE_24)
+    _token_batching(w)
     if _enabled(w.get("policy.draft")):
         w.refuse("policy.draft.enabled", "trains a speculative-decoding draft model beside the policy (an extra loss "
                  "and weights); grpo-ds has none")
@@ -232,6 +230,28 @@ def _policy(w: Walk) -> None:
 # Megatron's module names (megatron_cfg.peft.target_modules) as the Hugging Face models' (Llama / Qwen / Mistral)
 MEGATRON_LINEARS = {"linear_qkv": ["q_proj", "k_proj", "v_proj"], "linear_proj": ["o_proj"],
                     "linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}
+
+
+PACKING_KEYS = ("train_mb_tokens", "logprob_mb_tokens", "algorithm", "microbatch_order", "sequence_length_round")
+
+
+def _token_batching(w: Walk) -> None:
+    """``policy.sequence_packing`` / ``policy.dynamic_batching`` -> the native sections of the same names and
+    meanings (grpo/packing.py, grpo/system/packed.py); a disabled one is written as disabled, so the recipe's
+    choice stands whatever grpo-ds's default. NeMo-RL packs each sample padded to make_sequence_length_divisible_by
+    (tensor parallelism, which grpo-ds has not) and reads no sequence_length_round for packing; grpo-ds pads each
+    packed row to it (shape steadiness only: the same values)."""
+    for section, keys in (("sequence_packing", PACKING_KEYS),
+                          ("dynamic_batching", ("train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"))):
+        key = f"policy.{section}"
+        if not w.has(key):
+            continue
+        cfg = w.get(key) or {}
+        if not _enabled(cfg):
+            w.translate(key, {f"{key}.enabled": False})
+            continue
+        out = {f"{key}.enabled": True, **{f"{key}.{k}": cfg[k] for k in keys if cfg.get(k) is not None}}
+        w.translate(key, out, "same values as the padded forward, other speed and memory")
 
 
 def _lora(w: Walk, key: str, megatron: bool = False) -> None:

@@ -273,6 +273,15 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         teacher = engines.build_reference_engine(
             cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}), world_size)
     ckpt = CheckpointManager(cfg.checkpointing, rank)
+    if cfg.policy.sequence_packing.enabled:  # every model whose logprobs run packed
+        from grpo.system.packed import check_packable
+
+        for engine in (policy, reference, teacher):
+            if engine is not None:
+                try:
+                    check_packable(engine.module)
+                except ValueError as err:
+                    raise RunError(str(err)) from err
 
     if (gap := overflow_check_gap(policy)) is not None:
         raise RunError(gap)
@@ -307,8 +316,10 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         logger.write(f"resumed from {latest} (step {state.current_step}, epoch {state.current_epoch})")
     from grpo.system.shared_prefix import shares_prompts  # here: a config error must exit before torch loads
 
+    from grpo.system.training import describe_batching
+
     share = ("once" if shares_prompts(cfg.policy.shared_prompt_forward, policy.module)
-             and policy.zero_optimization_stage() != 3 else "per sample")
+             and policy.zero_optimization_stage() != 3 and not cfg.policy.sequence_packing.enabled else "per sample")
     ranks = (f"{world_size} rank(s)" if layout is None else
              f"{layout.global_world_size} ranks: {world_size} train, {layout.num_generation} generate "
              f"({cfg.policy.generation.backend}, policy.generation.colocated.enabled=false)")
@@ -319,8 +330,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                  f"reference {'skipped' if skip_ref else type(reference).__name__}, previous-policy logprobs "
                  f"{'from the training forward' if skip_prev else 'in their own pass'}, DeepSpeed "
                  "{} ({})".format(*policy_ds_config_path(cfg.policy, world_size)) + f", tasks {envs.tasks}, "
-                 f"up to {g.max_rollout_turns} turn(s) per rollout, a shared prompt runs {share} in the logprob "
-                 "and training forwards")
+                 f"up to {g.max_rollout_turns} turn(s) per rollout, micro-batches: {describe_batching(cfg.policy)}, "
+                 f"a shared prompt runs {share} in the logprob and training forwards")
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val")
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
     checks = StepChecks(cfg, policy.module.config.vocab_size)

@@ -7,6 +7,7 @@ of `grpo/__init__.py`.
   that run them (`step_logprobs`, `train_step`)
 - `grpo.system.rollout`     multi-turn rollouts over the environments (`grpo.tasks`); `grpo.system.generation`
 - `grpo.system.data`        prompt rows and the resumable loader; `grpo.system.chat` for chat templates
+- `grpo.system.packed`      the packed forward (sequence packing): samples back to back, positions restarting
 - weights, offload, checkpoint, rundir, replay, health, signals, tracking, dumps, shared_prefix, ds_config,
   and the python tool's sandbox
 """

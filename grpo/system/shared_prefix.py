@@ -100,6 +100,10 @@ class SharedPrefixPlan:
     prompt_lens_b: torch.Tensor      # [B]
     seq_len: int                     # T of the rows
 
+    def tokens(self) -> int:
+        """Slots the two forwards take: the distinct prompts (padded) plus every row's padded continuation."""
+        return self.prompt_ids_ul.numel() + self.cont_ids_bc.numel()
+
     def logprobs(self, model, logprob_fn: LogprobFn) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """``logprob_fn``'s two ``[B, T]`` outputs for the rows, as one plain forward would give them; None
         when the model returned no cache (the caller runs the plain forward)."""

@@ -18,15 +18,83 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.batch import TrainBatch, build_batch, to_device, with_fields
+from grpo.batch import TrainBatch, build_batch, pad_columns, select_rows, to_device, trim_padding, with_fields
 from grpo.logprobs import aligned_entropy_from_logits, aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
+from grpo.packing import dynamic_micro_batches, pack_bins, round_up
 from grpo.loss import LossInputs, clipped_pg_loss_fn, loss_needs
 from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
 from grpo.system.dist import all_gather_objects, all_reduce, comm_device, rank_slice
 from grpo.system.engines import release_params
 from grpo.system.health import skip_nonfinite_loss
+from grpo.system.packed import (Packing, attention_implementation, packed_forward, packed_row_tokens, unpack_aligned,
+                                unpack_rows)
 from grpo.system.rollout import single_turn
 from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths, shares_prompts
+
+
+# --------------------------------------------------------------------------------------------------
+# Micro-batches by token budget (policy.sequence_packing / policy.dynamic_batching)
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenBatching:
+    """How one phase (logprobs or training) cuts a rank's rows into micro-batches by token budget.
+
+    ``packed``: each micro-batch is a bin of `grpo.packing.pack_bins`, run packed (`grpo.system.packed`) where
+    that is the cheapest forward (`_forward`); else (dynamic batching) `grpo.packing.dynamic_micro_batches`, run
+    right-padded to its longest row rounded up to ``sequence_length_round``."""
+
+    packed: bool
+    mb_tokens: int
+    sequence_length_round: int = 1
+    algorithm: str = "modified_first_fit_decreasing"
+    order: str = "packer"
+    always_pack: bool = False   # tests: run the packed forward even where padded / shared rows are cheaper
+
+    def packing(self) -> Packing | None:
+        """The forwards' `grpo.system.packed.Packing` (None: dynamic batching, padded forwards)."""
+        return Packing(self.sequence_length_round, self.always_pack) if self.packed else None
+
+    def groups(self, lengths: list[int]) -> list[list[int]]:
+        """Row indices of each micro-batch (every row in exactly one; an empty row counts as one token)."""
+        lengths = [max(int(n), 1) for n in lengths]
+        if self.packed:
+            return pack_bins(lengths, self.mb_tokens, self.algorithm, self.order)
+        return dynamic_micro_batches(lengths, self.mb_tokens, self.sequence_length_round)
+
+    def width(self, longest: int, limit: int) -> int:
+        """Columns a dynamic micro-batch runs with: its longest row rounded up, at most ``limit``."""
+        return min(round_up(longest, self.sequence_length_round), limit)
+
+
+def token_batching(policy_cfg, phase: str) -> TokenBatching | None:
+    """The `TokenBatching` of ``phase`` ("train" or "logprob") from ``policy.sequence_packing`` /
+    ``policy.dynamic_batching``; None when both are off (micro-batches of train_micro_batch_size /
+    logprob_batch_size rows)."""
+    budget = policy_cfg.mb_tokens(phase)
+    if budget is None:
+        return None
+    sp = policy_cfg.sequence_packing
+    if sp.enabled:
+        return TokenBatching(True, budget, sp.sequence_length_round, sp.algorithm, sp.microbatch_order)
+    return TokenBatching(False, budget, policy_cfg.dynamic_batching.sequence_length_round)
+
+
+def describe_batching(policy_cfg) -> str:
+    """What the startup line says of the micro-batches.
+
+        >>> from grpo.config import PolicyConfig
+        >>> describe_batching(PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 1024}))
+        'sequence packing (modified_first_fit_decreasing, 1024 tokens per training / 2048 per logprob micro-batch)'
+    """
+    p = policy_cfg
+    if p.sequence_packing.enabled:
+        kind = f"sequence packing ({p.sequence_packing.algorithm}, "
+    elif p.dynamic_batching.enabled:
+        kind = "dynamic batching ("
+    else:
+        return (f"{p.train_micro_batch_size} rows per training / {p.logprob_batch_size} per logprob micro-batch "
+                "(sequence packing and dynamic batching off)")
+    return kind + f"{p.mb_tokens('train')} tokens per training / {p.mb_tokens('logprob')} per logprob micro-batch)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -55,10 +123,17 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
 
 def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
              top_k: int | None = None, top_p: float = 1.0, prompt_lens_b: torch.Tensor | None = None,
-             needs: tuple[str, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
+             needs: tuple[str, ...] = (), packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """`forward_logprobs`' ``(filtered, unfiltered, extras)``; ``extras`` holds what ``needs`` asks for
     (`grpo.loss.LOSS_NEEDS`): ``entropy_bt`` (`grpo.logprobs.aligned_entropy_from_logits`, masked like the
-    logprobs) and ``logits_btv`` (the raw logits). A forward that needs them runs whole (no shared prompt)."""
+    logprobs) and ``logits_btv`` (the raw logits). A forward that needs them runs whole (no shared prompt).
+
+    ``packing`` not None: the rows run packed (`grpo.system.packed`; same values up to rounding), when that puts fewer slots through the model than the padded rows (B x T) or, where
+    ``prompt_lens_b`` lets them share prompts, the shared-prompt plan (the distinct prompts plus every row's padded
+    continuation, `grpo.system.shared_prefix.SharedPrefixPlan.tokens`); packed slots: Σ over packed rows of their
+    length (`grpo.system.packed.packed_row_tokens`). The time of these forwards follows the slots they run
+    (measured on the bench model: README "Sequence packing and dynamic batching"); ``packing.always``: packed
+    regardless."""
     device = engine.device
     ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
 
@@ -70,6 +145,12 @@ def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, 
     can_share = (prompt_lens_b is not None and not checkpointed and engine.zero_optimization_stage() != 3
                  and not needs)
     plan = plan_shared_prefix(ids_bt, mask_bt, prompt_lens_b) if can_share else None
+    if packing is not None:   # the cheapest of padded, shared prompts and packed (fewest slots; ties: not packed)
+        attention = attention_implementation(engine.module)
+        other = plan.tokens() if plan is not None else ids_bt.numel()
+        rnd = packing.sequence_length_round
+        if packing.always or packed_row_tokens(mask_bt.sum(dim=1).tolist(), attention, rnd) < other:
+            return _packed(engine, ids_bt, mask_bt, attention, rnd, logprobs, needs, temperature, chunk_size)
     shared = plan.logprobs(engine, logprobs) if plan is not None else None
     extras = {}
     if shared is not None:
@@ -85,36 +166,62 @@ def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, 
     return lp_bt, torch.where(mask_bt > 0, full_bt, 0.0), extras
 
 
+def _packed(engine, ids_bt, mask_bt, attention, sequence_length_round, logprobs, needs, temperature, chunk_size):
+    """`_forward` on packed rows (`grpo.system.packed`), unpacked to ``[B, T]``."""
+    logits_krv, ids_kr, source_kr = packed_forward(engine, attention, ids_bt, mask_bt, sequence_length_round)
+    lp_kr, full_kr = logprobs(logits_krv, ids_kr)
+    lp_bt, full_bt = unpack_aligned(lp_kr, source_kr, mask_bt), unpack_aligned(full_kr, source_kr, mask_bt)
+    extras = {}
+    if "entropy" in needs:
+        h_kr = aligned_entropy_from_logits(logits_krv, torch.ones_like(ids_kr), temperature, chunk_size)
+        extras["entropy_bt"] = unpack_aligned(h_kr, source_kr, mask_bt)
+    if "logits" in needs:
+        extras["logits_btv"] = unpack_rows(logits_krv, source_kr, mask_bt)
+    lp_bt, _ = mask_out_of_filter(lp_bt, mask_bt)
+    return lp_bt, full_bt, extras
+
+
 @torch.no_grad()
 def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float, micro_batch_size: int,
                      chunk_size=None, *, top_k: int | None = None, top_p: float = 1.0,
-                     prompt_lens_b: torch.Tensor | None = None) -> torch.Tensor:
+                     prompt_lens_b: torch.Tensor | None = None, batching: TokenBatching | None = None) -> torch.Tensor:
     """`forward_logprobs` without grad, micro-batch by micro-batch; returns [B, T] fp32 on the CPU.
 
     ``top_k`` / ``top_p``: the sampler's filter (policy.generation.top_k / top_p) for the previous-policy
     logprobs; leave them off for the reference policy (NeMo-RL: its top-k set is not the policy's).
+    ``batching``: micro-batches by token budget (`TokenBatching`: packed rows or dynamic batches) instead of
+    ``micro_batch_size`` rows (a packed micro-batch shares prompts only where that runs fewer tokens: `_forward`).
     Ranks may hold different numbers of rows: every rank runs as many forwards as the busiest one
     (the extra ones on a dummy row), since each ZeRO-3 forward is a collective.
     """
     was_training = engine.module.training
     engine.eval()
-    B = input_ids_bt.shape[0]
-    n_local = math.ceil(B / micro_batch_size)
-    n_all = int(all_reduce(torch.tensor([n_local], device=comm_device()), op="max").item())
-    out = []
+    B, T = input_ids_bt.shape
+    if batching is None:
+        groups = [list(range(i, min(i + micro_batch_size, B))) for i in range(0, B, micro_batch_size)]
+    else:
+        groups = batching.groups(attention_mask_bt.sum(dim=1).tolist())
+    n_all = int(all_reduce(torch.tensor([len(groups)], device=comm_device()), op="max").item())
+    out = torch.zeros((B, T), dtype=torch.float32)
     for i in range(n_all):
-        if i < n_local:
-            sl = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
-            out.append(forward_logprobs(engine, input_ids_bt[sl], attention_mask_bt[sl], temperature, chunk_size,
-                                        top_k=top_k, top_p=top_p,
-                                        prompt_lens_b=None if prompt_lens_b is None else prompt_lens_b[sl],
-                                        ).float().cpu())
+        if i < len(groups):
+            rows = torch.tensor(groups[i], dtype=torch.long)
+            mask = attention_mask_bt[rows]
+            width = T   # fixed micro-batches: as many columns as the rows given (as before token batching)
+            if batching is not None:
+                width = max(int(mask.sum(dim=1).max()), 1)
+                width = width if batching.packed else batching.width(width, T)
+            lp, _, _ = _forward(engine, input_ids_bt[rows, :width], mask[:, :width], temperature, chunk_size,
+                                top_k=top_k, top_p=top_p,
+                                prompt_lens_b=prompt_lens_b[rows] if prompt_lens_b is not None else None,
+                                packing=batching.packing() if batching is not None else None)
+            out[rows, :width] = lp.float().cpu()
         else:
             dummy = torch.zeros((1, 2), dtype=torch.long)
             forward_logprobs(engine, dummy, torch.ones_like(dummy), temperature, chunk_size, top_k=top_k, top_p=top_p)
     release_params(engine)
     engine.train(was_training)
-    return torch.cat(out) if out else torch.zeros(input_ids_bt.shape, dtype=torch.float32)
+    return out
 
 
 def _to_python(v):
@@ -128,7 +235,7 @@ LossClosure = Callable[..., tuple[torch.Tensor, dict]]
 
 def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossClosure, *, temperature: float = 1.0,
                    chunk_size=None, top_k: int | None = None, top_p: float = 1.0, share_prompts: bool = False,
-                   needs: tuple[str, ...] = ()) -> dict:
+                   needs: tuple[str, ...] = (), packing: Packing | None = None, variable: bool = False) -> dict:
     """One optimizer step over this rank's micro-batches; returns metrics, loss, grad_norm, lr.
 
     A micro-batch is a `grpo.batch.TrainBatch`: its ``input_ids_bt`` and
@@ -139,7 +246,14 @@ def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossCl
     KL term (`grpo.loss.clipped_pg_loss`'s ``unfiltered_logprobs``). ``share_prompts``: rows that share a
     prompt run it once (`grpo.system.shared_prefix`; prompts end where ``token_mask_bt`` starts). ``needs``: what
     the closure also gets from the same forward, as keywords (`grpo.loss.LOSS_NEEDS`: ``entropy_bt=``,
-    ``logits_btv=``); none by default.
+    ``logits_btv=``); none by default. ``packing``: each micro-batch runs packed (`grpo.system.packed`, rows
+    padded to a multiple of it), or with its prompts shared where that runs fewer tokens (`_forward`).
+
+    ``variable``: the number of micro-batches is not DeepSpeed's gradient_accumulation_steps (micro-batches by
+    token budget, `TokenBatching`): the ranks agree on the largest count, a rank with fewer runs the rest on a
+    dummy row with a zero loss (each ZeRO-3 forward and backward is a collective), and the accumulation
+    boundary is set by hand on the last one (``engine.set_gradient_accumulation_boundary``), so DeepSpeed
+    reduces and steps exactly once. Without it the count must equal gradient_accumulation_steps.
 
     ``loss_closure(logprobs_bt, mb) -> (loss, metrics)`` must normalise by GLOBAL counts (all
     micro-batches of all ranks), so the losses sum to the full-batch loss L. DeepSpeed applies
@@ -151,33 +265,61 @@ def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossCl
     ``grad_norm`` = |grad(L)| before clipping, and ``lr``, the learning rate this step used.
     """
     gas = engine.gradient_accumulation_steps()
-    if len(micro_batches) != gas:
+    if not variable and len(micro_batches) != gas:
         raise ValueError(
             f"train_on_batch got {len(micro_batches)} micro-batches but DeepSpeed steps every "
             f"gradient_accumulation_steps={gas}: each rank needs policy.train_global_batch_size / world_size "
             "rows split into micro-batches of policy.train_micro_batch_size"
         )
+    n_all = len(micro_batches)
+    if variable:
+        n_all = int(all_reduce(torch.tensor([len(micro_batches)], device=comm_device()), op="max").item())
     world = engine.dp_world_size
     lr = engine.get_lr()[0]
     engine.train()
     loss_sum, mb_metrics = 0.0, []
-    for mb in micro_batches:
-        mb = to_device(mb, engine.device)
-        ids_bt, mask_bt = mb.input_ids_bt, mb.attention_mask_bt
-        prompt_lens_b = prompt_lengths(mb.token_mask_bt, mask_bt) if share_prompts else None
-        logprobs_bt, unfiltered_bt, extras = _forward(engine, ids_bt, mask_bt, temperature, chunk_size, top_k=top_k,
-                                                      top_p=top_p, prompt_lens_b=prompt_lens_b, needs=needs)
-        if needs_filter(top_k, top_p):
-            mb = with_fields(mb, unfiltered_logprobs_bt=unfiltered_bt)
-        loss, metrics = loss_closure(logprobs_bt, mb, **extras)
-        engine.backward(loss * world, scale_wrt_gas=False)
-        engine.step()
-        loss_sum += float(loss.detach())
-        mb_metrics.append({k: _to_python(v) for k, v in metrics.items()})
+    try:
+        for i in range(n_all):
+            if variable:
+                engine.set_gradient_accumulation_boundary(i == n_all - 1)
+            if i >= len(micro_batches):  # a dummy: the collectives of a forward and a backward, zero gradient
+                dummy = torch.zeros((1, 2), dtype=torch.long)
+                lp_bt, _, _ = _forward(engine, dummy, torch.ones_like(dummy), temperature, chunk_size)
+                engine.backward(lp_bt.sum() * 0.0, scale_wrt_gas=False)
+                engine.step()
+                continue
+            mb = to_device(micro_batches[i], engine.device)
+            ids_bt, mask_bt = mb.input_ids_bt, mb.attention_mask_bt
+            prompt_lens_b = prompt_lengths(mb.token_mask_bt, mask_bt) if share_prompts else None
+            logprobs_bt, unfiltered_bt, extras = _forward(engine, ids_bt, mask_bt, temperature, chunk_size,
+                                                          top_k=top_k, top_p=top_p, prompt_lens_b=prompt_lens_b,
+                                                          needs=needs, packing=packing)
+            if needs_filter(top_k, top_p):
+                mb = with_fields(mb, unfiltered_logprobs_bt=unfiltered_bt)
+            loss, metrics = loss_closure(logprobs_bt, mb, **extras)
+            engine.backward(loss * world, scale_wrt_gas=False)
+            engine.step()
+            loss_sum += float(loss.detach())
+            mb_metrics.append({k: _to_python(v) for k, v in metrics.items()})
+    finally:
+        if variable:  # back to DeepSpeed's own counting (the engine hands it to the optimizer on each backward)
+            engine._is_gradient_accumulation_boundary = None
     total = all_reduce(torch.tensor([loss_sum], dtype=torch.float64, device=comm_device()))
     grad_norm = engine.get_global_grad_norm()
     return {**aggregate_rollout_metrics(all_gather_objects(mb_metrics)), "loss": float(total.item()),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+
+def token_micro_batches(batch: TrainBatch, batching: TokenBatching) -> list[TrainBatch]:
+    """``batch``'s rows in `TokenBatching.groups`, each micro-batch trimmed to its longest row (a dynamic batch
+    then padded to its rounded width)."""
+    out = []
+    for rows in batching.groups(batch.attention_mask_bt.sum(dim=1).tolist()):
+        mb = trim_padding(select_rows(batch, rows))
+        if not batching.packed:
+            mb = pad_columns(mb, batching.width(mb.input_ids_bt.shape[1], batch.input_ids_bt.shape[1]))
+        out.append(mb)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,17 +337,18 @@ class LogprobEngines:
 
 def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, temperature: float,
                     micro_batch_size: int, chunk_size: int | None = None, share_prompts: bool = False,
-                    **top) -> torch.Tensor:
+                    batching: TokenBatching | None = None, **top) -> torch.Tensor:
     """Logprobs ``[B, T]`` of the whole batch: each rank scores its share, then all ranks gather. ``top``:
     the sampler's ``top_k`` / ``top_p`` (`grpo.system.training.compute_logprobs`); ``share_prompts``: a prompt that
-    several rows share goes through the model once (`grpo.system.shared_prefix`)."""
+    several rows share goes through the model once (`grpo.system.shared_prefix`); ``batching``: micro-batches by
+    token budget (`TokenBatching`)."""
     B, T = batch.input_ids_bt.shape
     sl = rank_slice(B, rank, world_size)
     attn = batch.attention_mask_bt[sl]
     t_local = max(int(attn.sum(dim=1).max().item()), 1) if len(attn) else 1
     prompt_lens_b = prompt_lengths(batch.token_mask_bt[sl], attn) if share_prompts else None
     lp = compute_logprobs(engine, batch.input_ids_bt[sl, :t_local], attn[:, :t_local], temperature,
-                          micro_batch_size, chunk_size, prompt_lens_b=prompt_lens_b, **top)
+                          micro_batch_size, chunk_size, prompt_lens_b=prompt_lens_b, batching=batching, **top)
     lp = torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1]))
     return torch.cat(all_gather_objects([lp]), dim=0)
 
@@ -222,7 +365,8 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
             return None
         top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
         return gather_logprobs(engine, batch, rank, world_size, gen.temperature, p.logprob_batch_size,
-                               p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module), **top)
+                               p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module),
+                               batching=token_batching(p, "logprob"), **top)
 
     return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
                          teacher_logprobs_bt=score(engines.teacher))
@@ -244,6 +388,7 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,
     """
     p, gen = cfg.policy, cfg.policy.generation
     needs = loss_needs(loss_fn)
+    batching = token_batching(p, "train")
     results = []
     for start in range(0, len(batch), p.train_global_batch_size):
         mine = batch.select(slice(start, start + p.train_global_batch_size)).shard(rank, world_size)
@@ -256,11 +401,13 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,
             return loss_fn(LossInputs(logprobs_bt, mb, cfg, global_valid_tokens=n_tokens, global_valid_seqs=n_seqs,
                                       global_correct_tokens=n_correct, **extras))
 
-        results.append(train_on_batch(policy, mine.micro_batches(p.train_micro_batch_size),
-                                      skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
+        mbs = (mine.micro_batches(p.train_micro_batch_size) if batching is None
+               else token_micro_batches(mine, batching))
+        results.append(train_on_batch(policy, mbs, skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
                                       top_k=gen.top_k, top_p=gen.top_p,
                                       share_prompts=shares_prompts(p.shared_prompt_forward, policy.module),
-                                      needs=needs))
+                                      needs=needs, variable=batching is not None,
+                                      packing=batching.packing() if batching is not None else None))
     return results
 
 

@@ -308,3 +308,43 @@ def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps
         for key in ("train/loss", "train/kl_penalty", "train/token_mult_prob_error", "train/grad_norm"):
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6 if step == 1 else 1e-2, abs=1e-7), \
                 (step, key, a[step][key], b[step][key])
+
+
+@pytest.mark.slow  # fast twins: tests/integration/test_packing.py (1 and 2 ZeRO-3 ranks against plain PyTorch)
+def test_sequence_packing_and_dynamic_batching_train_the_same_steps(tmp_path):
+    """The same run padded, packed (budgets that give other micro-batch counts than the row-count default) and
+    dynamically batched: the same rewards, losses and gradient norms to float rounding. The loss and gradient norm are
+    sums over micro-batches; metrics that are means of micro-batch means (kl_penalty, token_mult_prob_error) move
+    with the grouping and are compared where every micro-batch has the same value (step 1: policy = reference)."""
+    import random
+
+    rng = random.Random(0)   # prompts of 4 and 20 characters: ragged rows, so that packing pays (and runs)
+    data = tmp_path / "ragged.jsonl"
+    terms = [(rng.randint(1, 9), rng.randint(1, 9)) if i % 2 else (rng.randint(10**8, 10**9 - 1),
+                                                                      rng.randint(10**8, 10**9 - 1)) for i in range(64)]
+    data.write_text("".join(json.dumps({"input": f"{a}+{b}=", "output": str(a + b)}) + "\n" for a, b in terms))
+    # Adam's eps well above the rounding noise of a gradient: with 1e-8 a parameter whose gradient is noise moves by
+    # a whole lr, and the runs part after step 1 (other weights, other samples)
+    common = ("grpo.max_num_steps=3", "checkpointing.enabled=false", "policy.max_total_sequence_length=32",
+              f"data.train_data_path={data}", f"data.val_data_path={data}", "policy.optimizer.eps=1e-3",
+              "env.name=function", "env.reward_fn=tests.helpers.e2e_reward_fns:completion_length")
+    runs = {"padded": (), "packed": ("policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
+                                     "policy.sequence_packing.logprob_mb_tokens=128"),
+            "dynamic": ("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=48",
+                        "policy.dynamic_batching.sequence_length_round=4")}
+    rows = {}
+    for name, extra in runs.items():
+        p = python_train(tmp_path / name, *common, *extra)
+        said = {"padded": "micro-batches: 4 rows per training", "packed": "micro-batches: sequence packing (",
+                "dynamic": "micro-batches: dynamic batching ("}[name]
+        assert said in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
+        rows[name] = train_rows(tmp_path / name)
+    for name in ("packed", "dynamic"):
+        for step in (1, 2, 3):
+            a, b = rows["padded"][step], rows[name][step]
+            assert a["train/mean_total_reward"] == b["train/mean_total_reward"], (name, step)
+            keys = ("train/loss", "train/grad_norm") + (("train/kl_penalty", "train/token_mult_prob_error")
+                                                         if step == 1 else ())
+            for key in keys:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, step, key, a[key], b[key])
+    assert all(rows["padded"][step]["train/grad_norm"] > 1e-3 for step in (1, 2, 3))   # real gradients to compare

@@ -2,6 +2,8 @@
 
     python tests/helpers/dist_train_step.py MODEL_DIR OUT.pt EXPORT_DIR                     # 1 process
     torchrun --nproc_per_node 2 tests/helpers/dist_train_step.py MODEL_DIR OUT.pt EXPORT_DIR  # 2 processes, half each
+    torchrun --nproc_per_node 2 tests/helpers/dist_train_step.py MODEL_DIR OUT.pt - packed,dynamic
+        # the same steps with micro-batches by token budget (`BATCHINGS`), one result per name, no export
 
 Each rank trains on its contiguous shard with a loss normalised by the GLOBAL token count. Rank 0
 saves the updated weights, what `train_on_batch` returned and logprobs; the weights are also
@@ -51,12 +53,25 @@ def batch_loss(logprobs_bt: torch.Tensor, mb, global_tokens: float) -> torch.Ten
     return (per_token * m).sum() / global_tokens
 
 
-def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[dict, list[dict], torch.Tensor]:
+def batchings():
+    """Micro-batches by token budget (`grpo.system.training.TokenBatching`) the helper can train with: budgets small
+    enough that the ranks' shards split into different numbers of micro-batches; packed rows even where padded
+    ones would be as cheap (these lengths are too even for packing to save anything)."""
+    from grpo.system.training import TokenBatching
+
+    return {"packed": TokenBatching(True, 18, always_pack=True), "dynamic": TokenBatching(False, 20, 4)}
+
+
+def train_and_collect(model_dir: str, export_dir: str | None = None, batching=None,
+                      deepspeed_config: str = "auto") -> tuple[dict, list[dict], torch.Tensor]:
     """STEPS calls of `train_on_batch` on this rank's shard, then logprobs of `make_batch(STEPS)` with
     ranks holding unequal shares (5 rows: 3 + 2 with 2 ranks, so unequal forward counts) and an HF
-    export. Returns (full weights, results, logprobs [5, T]). Needs the process group."""
+    export. ``batching``: micro-batches by token budget (`grpo.system.training.TokenBatching`) in both;
+    ``deepspeed_config``: policy.deepspeed_config (auto: no ZeRO on one rank in fp32, ZeRO-3 on several).
+    Returns (full weights, results, logprobs [5, T]); each result also holds ``micro_batches``, every rank's
+    count. Needs the process group."""
     from grpo.system import engines, weights
-    from grpo.system.training import compute_logprobs, train_on_batch
+    from grpo.system.training import compute_logprobs, token_micro_batches, train_on_batch
     from grpo.config import MasterConfig
     from grpo.batch import micro_batches, select_rows
     from grpo.system.dist import all_gather_objects, rank_slice
@@ -64,6 +79,7 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cfg = MasterConfig.model_validate({
         "policy": {"model_name": model_dir, "precision": "float32", "train_global_batch_size": GLOBAL_BATCH,
+                   "deepspeed_config": deepspeed_config,
                    "train_micro_batch_size": MICRO_BATCH, "max_grad_norm": RUN["max_grad_norm"],
                    "optimizer": {"lr": RUN["lr"], "eps": RUN["eps"], "weight_decay": RUN["weight_decay"]},
                    "scheduler": {"name": "cosine", "warmup_steps": RUN["warmup_steps"]}},
@@ -77,14 +93,19 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
         batch = make_batch(step, vocab)
         global_tokens = float(batch.token_mask_bt.sum())
         mine = select_rows(batch, slice(rank * per_rank, (rank + 1) * per_rank))
+        mbs = micro_batches(mine, MICRO_BATCH) if batching is None else token_micro_batches(mine, batching)
         results.append(train_on_batch(
-            engine, micro_batches(mine, MICRO_BATCH),
+            engine, mbs,
             lambda lp, mb, n=global_tokens: (batch_loss(lp, mb, n), {"tokens": mb.token_mask_bt.sum()}),
+            variable=batching is not None,
+            packing=batching.packing() if batching is not None else None,
         ))
+        results[-1]["micro_batches"] = all_gather_objects([len(mbs)])
     full = {name: t.clone() for bucket in weights.iter_gathered_params(engine) for name, t in bucket}
     rows = select_rows(make_batch(STEPS, vocab), slice(0, 5))
     mine = select_rows(rows, rank_slice(5, rank, world))
-    lp = compute_logprobs(engine, mine.input_ids_bt, mine.attention_mask_bt, 1.0, micro_batch_size=2)
+    lp = compute_logprobs(engine, mine.input_ids_bt, mine.attention_mask_bt, 1.0, micro_batch_size=2,
+                          batching=batching)
     logprobs = torch.cat(all_gather_objects([lp]))
     if export_dir is not None:
         from grpo.tasks.toy import build_char_tokenizer
@@ -93,7 +114,7 @@ def train_and_collect(model_dir: str, export_dir: str | None = None) -> tuple[di
     return full, results, logprobs
 
 
-def main(model_dir: str, out_path: str, export_dir: str) -> None:
+def main(model_dir: str, out_path: str, export_dir: str, names: str | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     warnings.filterwarnings("ignore")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
@@ -101,6 +122,14 @@ def main(model_dir: str, out_path: str, export_dir: str) -> None:
     from grpo.system.dist import init_distributed
 
     rank, _, world, _ = init_distributed()
+    if names:
+        out = {"world": world}
+        for name in names.split(","):
+            out[name] = train_and_collect(model_dir, None, batchings()[name])
+        if rank == 0:
+            torch.save(out, out_path)
+        engines.shutdown()
+        return
     weights, results, logprobs = train_and_collect(model_dir, export_dir)
     if rank == 0:
         torch.save({"weights": weights, "results": results, "logprobs": logprobs, "world": world}, out_path)
@@ -108,7 +137,7 @@ def main(model_dir: str, out_path: str, export_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(*sys.argv[1:5])
     from grpo.system.engines import exit_process
 
     exit_process(0)

@@ -32,3 +32,8 @@ def slow_arithmetic(question: str, completion: str, answer: str, meta: dict) -> 
     time.sleep(0.02)
     m = re.search(r"-?\d+", completion)
     return float(m is not None and m.group() == answer)
+
+
+def completion_length(question: str, completion: str, answer: str, meta: dict) -> float:
+    """The completion's length in characters: a reward that varies within a group, so every step has a gradient."""
+    return float(len(completion))

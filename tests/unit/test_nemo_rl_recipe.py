@@ -12,7 +12,6 @@ import pytest
 
 from grpo.config_load import ConfigError, load_config
 from grpo.nemo_rl_recipe import is_nemo_rl_recipe, load_nemo_rl, load_recipe, looks_like_nemo_rl
-from grpo.nemo_rl_rules import ISSUE_24
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "nemo_rl"
@@ -265,12 +264,28 @@ def test_no_validation_data_turns_periodic_validation_off():
     assert "no validation data" in table_of(rows, "translated")["data.validation"]
 
 
+def test_sequence_packing_and_dynamic_batching_translate_with_their_values():
+    cfg, rows = load_recipe(BASE, ["++policy.sequence_packing.sequence_length_round=64",
+                                   "++policy.sequence_packing.algorithm=first_fit_decreasing",
+                                   "++policy.dynamic_batching={enabled: false, sequence_length_round: 64}"])
+    sp, p = cfg.policy.sequence_packing, cfg.policy
+    assert sp.enabled and not p.dynamic_batching.enabled
+    assert (sp.algorithm, sp.microbatch_order, sp.sequence_length_round) == ("first_fit_decreasing", "packer", 64)
+    assert sp.train_mb_tokens == p.max_total_sequence_length * p.train_micro_batch_size   # the recipe's interpolation
+    assert table_of(rows, "translated")["policy.dynamic_batching"] == "-> policy.dynamic_batching.enabled=False"
+    cfg, _ = load_recipe(BASE, ["policy.sequence_packing.enabled=false",
+                                "++policy.dynamic_batching={enabled: true, train_mb_tokens: 4096}"])
+    assert not cfg.policy.sequence_packing.enabled and cfg.policy.dynamic_batching.train_mb_tokens == 4096
+    with pytest.raises(ConfigError, match="exclusive"):
+        load_recipe(BASE, ["++policy.dynamic_batching={enabled: true}"])
+    with pytest.raises(ConfigError, match="algorithm"):
+        load_recipe(BASE, ["++policy.sequence_packing.algorithm=best_fit"])
+
+
 # --------------------------------------------------------------------------------------------------
 # Ignored keys, each with its reason; refused keys, each naming the key and why
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, key, reason", [
-    ([], "policy.sequence_packing", ISSUE_24),
-    ([], "policy.dynamic_batching", ISSUE_24),
     ([], "policy.megatron_cfg", "megatron_cfg.enabled=false"),
     ([], "policy.dtensor_cfg", "DTensor (FSDP2) internals"),
     ([], "policy.dtensor_cfg.lora_cfg", "full fine-tuning"),
@@ -379,7 +394,8 @@ def _check(script, *args):
 def test_check_config_exit_codes_and_output():
     p = _check("train_grpo.py", "--config", str(BASE))
     assert p.returncode == 0, p.stderr
-    assert "policy:" in p.stdout and f"ignored: policy.sequence_packing: {ISSUE_24}" in p.stdout
+    assert "policy:" in p.stdout and "translated: policy.sequence_packing: -> policy.sequence_packing.enabled=True" \
+        in p.stdout
     assert "translated: policy.scheduler:" in p.stdout
     p = _check("train_async_grpo.py", "--config", str(BASE), "policy.draft.enabled=true")
     assert p.returncode == 2 and "policy.draft.enabled=True: trains a speculative" in p.stderr
