@@ -141,6 +141,11 @@ class RolloutProducer:
                 self.busy_s += time.perf_counter() - t0
                 self.failures += 1
                 self.total_failures += 1
+                broken = getattr(self.generator, "broken", None)  # generation ranks gone: no retry can help
+                if broken is not None:
+                    self.buffer.close(StopKind.FAILURES, f"the generation ranks cannot generate any more (step "
+                                      f"{self.target}): {broken}")
+                    return
                 if self.failures > a.max_generation_failures:
                     self.buffer.close(StopKind.FAILURES, f"{self.failures} consecutive failures > "
                                       f"grpo.async_grpo.max_generation_failures={a.max_generation_failures} "

@@ -87,6 +87,9 @@ class RemoteGeneration:
         self.bucket_numel = cfg.policy.generation.refit_bucket_numel
         self.group = dist.new_group(backend="gloo") if layout.world_size > 1 else None
         self.version = -1  # the weight version the generation ranks hold (async loop)
+        # Set on every trainer once the bridge has failed (a generation rank died or hangs): nothing can generate any
+        # more, so the async producer stops at once instead of retrying (grpo.producer).
+        self.broken: str | None = None
         self.memory: dict[str, float] = {}
         self.stats = {"weight_loads": 0, "in_flight_weight_updates": 0, "kv_cache_recomputes": 0,
                       "multi_version_samples": 0}
@@ -143,10 +146,11 @@ class RemoteGeneration:
     def _round(self, prompts, seeds, caps, stops, *, greedy: bool) -> list[GenerationOutput]:
         """One generation of the trainers' whole batch (the same lists on every trainer): trainer 0 sends it, every
         trainer gets all the outputs (or raises `BridgeError` with trainer 0's)."""
-        result = None
+        result, broken = None, None
         if self.bridge is not None:
             result = self._generate_remote(prompts, seeds, caps, stops, greedy=greedy) if prompts else []
-        result = self._broadcast(result)
+            broken = self.bridge.broken
+        result, self.broken = self._broadcast((result, broken))
         if isinstance(result, str):
             raise BridgeError(result)
         return result
