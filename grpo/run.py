@@ -306,7 +306,10 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                  f"{'from the training forward' if skip_prev else 'in their own pass'}, DeepSpeed "
                  "{} ({})".format(*policy_ds_config_path(cfg.policy, world_size)) + f", tasks {envs.tasks}, "
                  f"up to {g.max_rollout_turns} turn(s) per rollout, a shared prompt runs {share} in the logprob "
-                 "and training forwards")
+                 "and training forwards" + (", hf generation drops a sample from the batch when it ends"
+                                            if cfg.policy.generation.hf_drop_finished_rows else
+                                            ", hf generation decodes every sample until the longest ends")
+                 * (cfg.policy.generation.backend == "hf"))
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val")
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
     checks = StepChecks(cfg, policy.module.config.vocab_size)
