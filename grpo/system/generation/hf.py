@@ -90,6 +90,9 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
         out = model(input_ids=step_ids, attention_mask=mask_al, position_ids=positions, past_key_values=cache,
                     use_cache=True)
         cache = out.past_key_values
+        if cache is None:
+            raise RuntimeError(f"HFGeneration: {type(model).__name__} returned no KV cache; generate with "
+                               "policy.generation.hf_drop_finished_rows=false (transformers' generate)")
         tok_a, lp_a, _ = sampler.sample(out.logits[:, -1].float(), rows_a.tolist())
         del out
         live = alive_a.nonzero()[:, 0]
