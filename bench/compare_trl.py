@@ -10,7 +10,8 @@
 Each run is a fresh process: grpo-ds (bench/bench_step.py, this interpreter), then TRL (bench/trl_step.py,
 --trl-python), then grpo-ds again, and so on. Every step after each run's first is pooled; the ratios are
 grpo-ds / TRL of the pooled medians and mins. A figure from another day is no comparison on a shared
-machine (they drift by 1.5x); a ratio measured like this is. Prints a line per pair, then one JSON line.
+machine (they drift by 1.5x); a ratio measured like this is. Prints each run's own JSON line as it ends, a line per
+pair with the load average, then one JSON line.
 --lora: both train the same LoRA adapters (bench_step.py's LORA: r 8, alpha 32, all-linear, dropout 0), each with
 the base model, adapters off, as the reference.
 --long-tail: the long-tail workload (WORKLOAD.md): completions up to 256 tokens instead of 32 on both sides
@@ -32,7 +33,9 @@ def run(cmd: list[str]) -> dict:
     proc = subprocess.run(cmd, cwd=BENCH.parent, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = proc.stdout.strip().splitlines()[-1]
+    print(f"run: {line}", flush=True)   # every run's own line, as it ends (kept if the comparison is stopped)
+    r = json.loads(line)
     return {"steps": r["step_s"][1:], "rss_mb": r["peak_rss_mb"], "tok_s": r["completion_tokens_per_s"],
             "first_s": r["time_to_first_step_s"], "phases": r.get("phase_s_median"),
             "tokens": r.get("completion_tokens_per_step")}
