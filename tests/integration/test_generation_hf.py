@@ -376,7 +376,11 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_dropping_finished_rows_samples_what_generate_samples_and_runs_only_live_rows(tok, model, greedy):
+def test_dropping_finished_rows_samples_what_generate_samples_and_runs_only_live_rows(tok, model, greedy,
+                                                                                     monkeypatch):
+    from grpo.system.generation import hf
+
+    monkeypatch.setattr(hf, "DROP_ENDED_SHARE", 0.0)                # a row leaves as soon as it ends
     prompts = encode(tok, PROMPTS + ["1+2=", "hello there"])
     stop_ids = [tok.convert_tokens_to_ids(c) for c in "e 3"]    # frequent tokens: ragged ends
     (drop, drop_rows), (plain, plain_rows) = _both_loops(
@@ -391,7 +395,22 @@ def test_dropping_finished_rows_samples_what_generate_samples_and_runs_only_live
     assert sum(plain_rows[1:]) == len(prompts) * (max(lens) - 1) > sum(drop_rows[1:])
 
 
-def test_dropping_finished_rows_with_stop_strings_caps_and_a_shared_prompt_prefill(tok, model):
+def test_ended_rows_leave_once_they_are_a_quarter_of_the_batch(tok, model):
+    prompts = encode(tok, PROMPTS * 3)
+    stop_ids = [tok.convert_tokens_to_ids(c) for c in "e 3"]
+    (drop, rows), (plain, _) = _both_loops(tok, model, prompts, list(range(80, 98)), temperature=1.4,
+                                           stop_token_ids=stop_ids, max_new_tokens=24, generation_batch_size=18)
+    _assert_same(drop, plain)
+    lens = [len(o.completion_ids) for o in drop]
+    live = [sum(n > t for n in lens) for t in range(1, max(lens))]  # rows still generating at each decode step
+    assert all(live_t <= ran < max(live_t + 1, live_t * 4 / 3) for live_t, ran in zip(live, rows[1:])), (live, rows)
+    assert rows[1:] != live and sum(rows[1:]) < len(prompts) * (max(lens) - 1)
+
+
+def test_dropping_finished_rows_with_stop_strings_caps_and_a_shared_prompt_prefill(tok, model, monkeypatch):
+    from grpo.system.generation import hf
+
+    monkeypatch.setattr(hf, "DROP_ENDED_SHARE", 0.0)                # a row leaves as soon as it ends
     prompts = encode(tok, [PROMPTS[0]] * 3 + [PROMPTS[4]] * 3 + [PROMPTS[1]])
     short = {"max_total_sequence_length": len(prompts[4]) + 5}      # the long prompt's budget: 5 tokens
     (drop, drop_rows), (plain, _) = _both_loops(
