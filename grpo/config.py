@@ -475,8 +475,9 @@ class GenerationConfig(_Section):
     stop_strings: Optional[list[str]] = Field(
         None, description="Strings that end a turn (an environment may set per-turn ones).")
     hf_drop_finished_rows: bool = Field(True, description=(
-        "hf backend: a sample that ends leaves the batch and its KV cache at once, so a generation call costs the "
-        "sum of its samples' lengths (grpo/system/generation/hf.py decode_dropping_finished); false: transformers' "
+        "hf backend: samples that end leave the batch and its KV cache (once they are a quarter of it), so a "
+        "generation call costs about the sum of its samples' lengths (grpo/system/generation/hf.py "
+        "decode_dropping_finished); false: transformers' "
         "generate, every row decoded until the call's longest ends. The same samples either way."))
     refit_bucket_numel: int = Field(2**28, gt=0, description=(
         "Elements per weight-refit push: ZeRO-3 gathers whole decoder layers until a bucket holds this many."))

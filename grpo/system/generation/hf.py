@@ -9,8 +9,8 @@ per-row stop check and, exactly, by `cut_completion` afterwards, so a sample nev
 the other rows of its chunk.
 
 Two decode loops give the same samples (`policy.generation.hf_drop_finished_rows`): `decode_dropping_finished`,
-this module's own loop over the model's KV cache, takes a row out of the batch and its cache as soon as it ends,
-so a chunk costs the sum of its samples' lengths rather than its longest sample times its rows; transformers'
+this module's own loop over the model's KV cache, takes ended rows out of the batch and its cache (once they are
+a quarter of it), so a chunk costs about the sum of its samples' lengths rather than its longest sample times its rows; transformers'
 `generate` (false) decodes every row until the chunk's last one ends.
 """
 
