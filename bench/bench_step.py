@@ -5,10 +5,11 @@
     python bench/bench_step.py --model tiny --steps 4
     python bench/bench_step.py --async              # train_async_grpo.py on the same workload
     python bench/bench_step.py --lora               # LoRA adapters instead of full fine-tuning (LORA below)
+    python bench/bench_step.py --long-tail          # the long-tail workload: up to 256 new tokens (WORKLOAD.md)
 
 Builds the workload with bench/make_workload.py (tokenizer, models, data; no download) into
 --workload (default ./bench_workload), then runs the trainer as a subprocess with the workload's
-settings: 8 prompts x 8 generations, 32 new tokens, temperature 1, a reference model with beta 0.04,
+settings: 8 prompts x 8 generations, 32 new tokens (--long-tail: 256), temperature 1, a reference model with beta 0.04,
 per-sequence loss, AdamW lr 1e-6 linear decay, grad clip 1.0, fp32, 2 threads, no checkpoints, no
 validation. Reports median / min step time over steps 2..N, completion tokens/s (generated tokens up to
 and including EOS / step time), peak RSS of the trainer, and time to the first step (process start to the
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LONG_TAIL_MAX_NEW_TOKENS = 256  # the long-tail workload (WORKLOAD.md): the same models and prompts, 256 new tokens
 
 
 def build_workload(workload: Path) -> None:
@@ -36,13 +38,14 @@ def build_workload(workload: Path) -> None:
                        check=True)
 
 
-def trainer_overrides(workload: Path, model: str, steps: int, log_dir: str) -> list[str]:
+def trainer_overrides(workload: Path, model: str, steps: int, log_dir: str, max_new_tokens: int = 32) -> list[str]:
+    """The workload's settings as dotted overrides; room for the longest prompt (25 tokens) + ``max_new_tokens``."""
     return [
         f"policy.model_name={workload}/models/{model}",
         f"policy.tokenizer.name={workload}/tokenizer",
         "policy.tokenizer.chat_template=null",
         "policy.precision=float32",
-        "policy.max_total_sequence_length=64",
+        f"policy.max_total_sequence_length={32 + max_new_tokens}",
         "policy.train_global_batch_size=64",
         "policy.train_micro_batch_size=64",
         "policy.logprob_batch_size=64",
@@ -54,7 +57,7 @@ def trainer_overrides(workload: Path, model: str, steps: int, log_dir: str) -> l
         "policy.scheduler.name=linear",
         "policy.scheduler.warmup_steps=0",
         "policy.generation.backend=hf",
-        "policy.generation.max_new_tokens=32",
+        f"policy.generation.max_new_tokens={max_new_tokens}",
         "policy.generation.temperature=1.0",
         "policy.generation.top_p=1.0",
         "policy.generation.top_k=null",
@@ -96,19 +99,23 @@ def main() -> None:
     ap.add_argument("--workload", default=str(REPO / "bench_workload"))
     ap.add_argument("--model", default="bench", choices=["bench", "tiny"])
     ap.add_argument("--steps", type=int, default=None, help="default: 6 for bench, 4 for tiny")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="completion cap (the bench workload's: 32)")
+    ap.add_argument("--long-tail", action="store_true", help="the long-tail workload: --max-new-tokens 256")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--async", dest="async_", action="store_true", help="run train_async_grpo.py")
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters (LORA_OVERRIDES) instead of the model")
     ap.add_argument("overrides", nargs="*", help="more dotted overrides, e.g. policy.shared_prompt_forward=false")
     args = ap.parse_args()
 
+    if args.long_tail:
+        args.max_new_tokens = LONG_TAIL_MAX_NEW_TOKENS
     workload = Path(args.workload).resolve()
     build_workload(workload)
     steps = args.steps or (6 if args.model == "bench" else 4)
     log_dir = tempfile.mkdtemp(prefix="grpo_bench_")
     script = "train_async_grpo.py" if args.async_ else "train_grpo.py"
     cmd = [sys.executable, script, "--config", "configs/cpu_demo.yaml",
-           *trainer_overrides(workload, args.model, steps, log_dir),
+           *trainer_overrides(workload, args.model, steps, log_dir, args.max_new_tokens),
            *(LORA_OVERRIDES if args.lora else []), *args.overrides]
     if args.async_:
         cmd += ["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1",
@@ -132,6 +139,7 @@ def main() -> None:
         "trainer": script,
         "model": args.model,
         "lora": args.lora,
+        "max_new_tokens": args.max_new_tokens,
         "steps": len(train),
         "median_step_s": statistics.median(step_s[i] for i in timed),
         "min_step_s": min(step_s[i] for i in timed),

@@ -4,9 +4,11 @@
     python -m venv .venv-trl && .venv-trl/bin/pip install -r bench/requirements-trl.txt
     .venv-trl/bin/python bench/trl_step.py --workload bench_workload --model bench --steps 6
     .venv-trl/bin/python bench/trl_step.py --workload bench_workload --model bench --steps 6 --lora
+    .venv-trl/bin/python bench/trl_step.py --workload bench_workload --model bench --steps 4 --max-completion-length 256
 
 The settings are the workload's (bench/WORKLOAD.md), in TRL's names: 8 prompts x 8 generations, one
-optimizer step per generation batch (no old-logprob pass), 32 new tokens at temperature 1, beta 0.04 with a
+optimizer step per generation batch (no old-logprob pass), 32 new tokens (--max-completion-length; the long-tail
+workload's: 256) at temperature 1, beta 0.04 with a
 separate reference model, loss_type "grpo", group-std scaling, AdamW lr 1e-6 with linear decay, grad clip 1,
 fp32 on the CPU, no gradient checkpointing, no saving, logging or evaluation in the loop.
 
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["tiny", "bench"], default="bench")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-completion-length", type=int, default=32, help="the long-tail workload's: 256")
     ap.add_argument("--lora", action="store_true", help="train a peft LoraConfig (r 8, alpha 32, all-linear)")
     args = ap.parse_args()
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -84,7 +87,7 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_step_"), per_device_train_batch_size=64,
         gradient_accumulation_steps=1, num_generations=8, num_iterations=1, max_steps=args.steps,
-        use_vllm=False, max_completion_length=32, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+        use_vllm=False, max_completion_length=args.max_completion_length, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
         learning_rate=1e-6, lr_scheduler_type="linear", max_grad_norm=1.0, beta=0.04, epsilon=0.2,
         loss_type="grpo", scale_rewards="group", bf16=False, fp16=False, use_cpu=True,
         gradient_checkpointing=False, model_init_kwargs={"dtype": torch.float32}, save_strategy="no",
@@ -103,9 +106,11 @@ def main() -> None:
     step_s = [b - a for a, b in zip(step_ends, step_ends[1:])]
     tok_s = [n / s for n, s in zip(completion_tokens[1:], step_s[1:])]
     print(json.dumps({
-        "trainer": "trl", "model": args.model, "lora": args.lora, "step_s": step_s,
+        "trainer": "trl", "model": args.model, "lora": args.lora,
+        "max_new_tokens": args.max_completion_length, "step_s": step_s,
         "step_s_median": statistics.median(step_s[1:]) if len(step_s) > 1 else None,
         "completion_tokens_per_s": statistics.median(tok_s) if tok_s else None,
+        "completion_tokens_per_step": completion_tokens,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "time_to_first_step_s": step_ends[1] - T_START,
     }))

@@ -510,6 +510,11 @@ class GenerationConfig(_Section):
         None, description="Extra token ids that end a turn (besides the tokenizer's and the model's EOS).")
     stop_strings: Optional[list[str]] = Field(
         None, description="Strings that end a turn (an environment may set per-turn ones).")
+    hf_drop_finished_rows: bool = Field(True, description=(
+        "hf backend: samples that end leave the batch and its KV cache (once they are a quarter of it), so a "
+        "generation call costs about the sum of its samples' lengths (grpo/system/generation/hf.py "
+        "decode_dropping_finished); false: transformers' "
+        "generate, every row decoded until the call's longest ends. The same samples either way."))
     refit_bucket_numel: int = Field(2**28, gt=0, description=(
         "Elements per weight-refit push: ZeRO-3 gathers whole decoder layers until a bucket holds this many."))
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")

@@ -318,6 +318,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
 
     from grpo.system.training import describe_batching
 
+    hf_decode = "" if cfg.policy.generation.backend != "hf" else (
+        ", hf generation drops a sample from the batch when it ends" if cfg.policy.generation.hf_drop_finished_rows
+        else ", hf generation decodes every sample until the longest ends")
     share = ("once" if shares_prompts(cfg.policy.shared_prompt_forward, policy.module)
              and policy.zero_optimization_stage() != 3 and not cfg.policy.sequence_packing.enabled else "per sample")
     ranks = (f"{world_size} rank(s)" if layout is None else
@@ -331,7 +334,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                  f"{'from the training forward' if skip_prev else 'in their own pass'}, DeepSpeed "
                  "{} ({})".format(*policy_ds_config_path(cfg.policy, world_size)) + f", tasks {envs.tasks}, "
                  f"up to {g.max_rollout_turns} turn(s) per rollout, micro-batches: {describe_batching(cfg.policy)}, "
-                 f"a shared prompt runs {share} in the logprob and training forwards")
+                 f"a shared prompt runs {share} in the logprob and training forwards{hf_decode}")
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val")
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
     checks = StepChecks(cfg, policy.module.config.vocab_size)

@@ -290,17 +290,22 @@ def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps
     """One optimizer step per step: the training forward's own logprobs (detached) are the previous policy's,
     so skipping their separate pass (the default here) trains the same steps as computing them. The second
     run also runs each group's prompt once (grpo/system/shared_prefix.py: generation prefill, previous-policy,
-    reference and training forwards), which must not change the numbers either."""
+    reference and training forwards) and generates with transformers' generate instead of the loop that drops
+    ended samples (policy.generation.hf_drop_finished_rows), which must not change the numbers either."""
     skip, separate = tmp_path / "skip", tmp_path / "separate"
     p = python_train(skip, "grpo.max_num_steps=3", "checkpointing.enabled=false")
     assert "previous-policy logprobs from the training forward" in p.stdout + p.stderr
     assert "a shared prompt runs per sample" in p.stdout + p.stderr   # auto: off for a tiny model
+    assert "hf generation drops a sample from the batch when it ends" in p.stdout + p.stderr
     p = python_train(separate, "grpo.max_num_steps=3", "checkpointing.enabled=false",
-                     "grpo.skip_previous_policy_logprobs_calculation=false", "policy.shared_prompt_forward=true")
+                     "grpo.skip_previous_policy_logprobs_calculation=false", "policy.shared_prompt_forward=true",
+                     "policy.generation.hf_drop_finished_rows=false")
     assert "a shared prompt runs once" in p.stdout + p.stderr
+    assert "hf generation decodes every sample until the longest ends" in p.stdout + p.stderr
     a, b = train_rows(skip), train_rows(separate)
     for step in (1, 2, 3):
         assert a[step]["train/mean_total_reward"] == b[step]["train/mean_total_reward"]
+        assert a[step]["train/num_completion_tokens"] == b[step]["train/num_completion_tokens"]
         # Step 1 (same weights) agrees to float rounding. That rounding (the shared prompts' gradients are summed
         # in another order) then grows through Adam, whose first steps are about lr * sign(g): a parameter whose
         # gradient is rounding noise moves by a whole lr. A real difference (a wrong position, a token scored

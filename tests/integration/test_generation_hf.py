@@ -352,3 +352,72 @@ def test_generation_on_the_shared_training_module_leaves_it_training_and_samples
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
     assert engine.module.training and all(p.requires_grad for p in engine.module.parameters())
     assert engine.module.generation_config is own_config
+
+
+# --------------------------------------------------------------------------------------------------
+# policy.generation.hf_drop_finished_rows: the own decode loop against transformers' generate
+# --------------------------------------------------------------------------------------------------
+def _both_loops(tok, model, prompts, seeds, greedy=False, shared=False, **kw):
+    """(outputs, rows each decode forward ran) of the dropping loop and of transformers' generate, alike otherwise."""
+    results = []
+    for drop in (True, False):
+        gen = make_gen(tok, model, hf_drop_finished_rows=drop, **{k: v for k, v in kw.items() if k != "call"})
+        gen.cfg = gen.cfg.model_copy(update={"shared_prompt_forward": shared})
+        rows = []
+        gen.model.register_forward_pre_hook(lambda m, a, k: rows.append(k["input_ids"].shape[0]), with_kwargs=True)
+        results.append((gen.generate(prompts, seeds, greedy=greedy, **kw.get("call", {})), rows))
+    return results
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert (x.completion_ids, x.finish_reason, x.text) == (y.completion_ids, y.finish_reason, y.text)
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_dropping_finished_rows_samples_what_generate_samples_and_runs_only_live_rows(tok, model, greedy,
+                                                                                     monkeypatch):
+    from grpo.system.generation import hf
+
+    monkeypatch.setattr(hf, "DROP_ENDED_SHARE", 0.0)                # a row leaves as soon as it ends
+    prompts = encode(tok, PROMPTS + ["1+2=", "hello there"])
+    stop_ids = [tok.convert_tokens_to_ids(c) for c in "e 3"]    # frequent tokens: ragged ends
+    (drop, drop_rows), (plain, plain_rows) = _both_loops(
+        tok, model, prompts, list(range(40, 48)), greedy=greedy, temperature=1.4, top_k=30, top_p=0.95,
+        stop_token_ids=stop_ids, max_new_tokens=20, call={"max_new_tokens": [20, 3, 20, 20, 9, 20, 20, 1]})
+    _assert_same(drop, plain)
+    lens = [len(o.completion_ids) for o in drop]
+    assert len(set(lens)) >= 3 and {"stop", "length"} <= {o.finish_reason for o in drop}, lens
+    # after the prefill, a row runs once per token it generates but its last: nothing for finished rows
+    assert drop_rows[0] == plain_rows[0] == len(prompts)
+    assert sum(drop_rows[1:]) == sum(n - 1 for n in lens)
+    assert sum(plain_rows[1:]) == len(prompts) * (max(lens) - 1) > sum(drop_rows[1:])
+
+
+def test_ended_rows_leave_once_they_are_a_quarter_of_the_batch(tok, model):
+    prompts = encode(tok, PROMPTS * 3)
+    stop_ids = [tok.convert_tokens_to_ids(c) for c in "e 3"]
+    (drop, rows), (plain, _) = _both_loops(tok, model, prompts, list(range(80, 98)), temperature=1.4,
+                                           stop_token_ids=stop_ids, max_new_tokens=24, generation_batch_size=18)
+    _assert_same(drop, plain)
+    lens = [len(o.completion_ids) for o in drop]
+    live = [sum(n > t for n in lens) for t in range(1, max(lens))]  # rows still generating at each decode step
+    assert all(live_t <= ran < max(live_t + 1, live_t * 4 / 3) for live_t, ran in zip(live, rows[1:])), (live, rows)
+    assert rows[1:] != live and sum(rows[1:]) < len(prompts) * (max(lens) - 1)
+
+
+def test_dropping_finished_rows_with_stop_strings_caps_and_a_shared_prompt_prefill(tok, model, monkeypatch):
+    from grpo.system.generation import hf
+
+    monkeypatch.setattr(hf, "DROP_ENDED_SHARE", 0.0)                # a row leaves as soon as it ends
+    prompts = encode(tok, [PROMPTS[0]] * 3 + [PROMPTS[4]] * 3 + [PROMPTS[1]])
+    short = {"max_total_sequence_length": len(prompts[4]) + 5}      # the long prompt's budget: 5 tokens
+    (drop, drop_rows), (plain, _) = _both_loops(
+        tok, model, prompts, list(range(60, 67)), shared=True, temperature=1.5, max_new_tokens=16,
+        stop_strings=["e", "a", "7"], call={"stop_strings": [None] * 6 + [["xy", "o"]]}, **short)
+    _assert_same(drop, plain)
+    assert any(o.finish_reason == "stop" and o.completion_ids[-1] not in (tok.eos_token_id,) for o in drop)
+    assert all(len(o.completion_ids) <= 5 for o in drop[3:6])
+    # the shared prompt's prefill (3 distinct prompts), then every row from its last prompt token, then live rows
+    assert drop_rows[:2] == [3, 7] and sum(drop_rows[2:]) == sum(len(o.completion_ids) - 1 for o in drop)

@@ -1,12 +1,17 @@
-"""The `hf` generation backend: transformers `generate` on a plain, unsharded copy of the policy.
+"""The `hf` generation backend: transformers models on a plain, unsharded copy of the policy.
 
 Each rank holds one copy; `refit` fills it from the ZeRO engine a few whole decoder layers at a time
 (`grpo.system.weights.iter_gathered_params`). Generation is greedy decoding over `SeededSampler`'s scores
 (filtered logits + per-sample Gumbel noise), with the KV cache, left padding and chunks of
 `policy.generation_batch_size` prompts; a prompt that several rows of a chunk share is prefilled once
 (``policy.shared_prompt_forward``). Per-sample limits (length cap, stop strings) are applied by a
-per-row stopping criterion and, exactly, by `cut_completion` afterwards, so a sample never depends on
+per-row stop check and, exactly, by `cut_completion` afterwards, so a sample never depends on
 the other rows of its chunk.
+
+Two decode loops give the same samples (`policy.generation.hf_drop_finished_rows`): `decode_dropping_finished`,
+this module's own loop over the model's KV cache, takes ended rows out of the batch and its cache (once they are
+a quarter of it), so a chunk costs about the sum of its samples' lengths rather than its longest sample times its rows; transformers'
+`generate` (false) decodes every row until the chunk's last one ends.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from grpo.system.generation.sampling import SeededSampler
 from grpo.system.shared_prefix import cache_for_rows, distinct_rows, shares_prompts
 
 
+def hits_stop_string(tail_ids: list[int], stops: list[str], decode) -> bool:
+    """Whether the decoded tail of a row holds one of its stop strings."""
+    return bool(stops) and any(s in decode(tail_ids) for s in stops)
+
+
 class _RowLimits(StoppingCriteria):
     """Marks a row done once it has ``cap_b`` new tokens or its recent text holds one of its stop strings.
 
@@ -39,10 +49,79 @@ class _RowLimits(StoppingCriteria):
         new_bt = input_ids[:, self.prompt_len:]
         done_b = self.caps_b.to(input_ids.device) <= new_bt.shape[1]
         if any(self.stop_strings):
-            hit_b = [bool(stops) and any(s in self.decode(row[-self.window:]) for s in stops)
+            hit_b = [hits_stop_string(row[-self.window:], stops, self.decode)
                      for row, stops in zip(new_bt.tolist(), self.stop_strings)]
             done_b = done_b | torch.tensor(hit_b, device=input_ids.device)
         return done_b
+
+
+# Ended rows leave the batch once they are this share of it. Dropping copies the kept rows' KV cache (as each step's
+# cache append does); rows that ended cost their cache append and attention every step they stay. At 1/4 the copy
+# is repaid within about three steps, and the batch never holds more than 4/3 of its live rows.
+DROP_ENDED_SHARE = 0.25
+
+
+@torch.no_grad()
+def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor, cache, sampler: SeededSampler,
+                             caps: list[int], stop_token_ids: list[int], stops: list[list[str]], decode,
+                             window: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Decode left-padded prompts ``ids_bt`` until each row ends, each step running only the rows not yet ended.
+
+    Returns ``(tokens [B, max(caps)], logprobs [B, max(caps)], n_b)``: row b generated ``n_b[b]`` tokens (the rest is
+    ``pad_id`` / 0), ending at its first stop token, its cap, or once its last ``window`` tokens hold one of its stop
+    strings (`cut_completion` then finds the exact end). ``cache``: the KV cache of ``ids_bt[:, :-1]`` (a shared
+    prompt's prefill) or None (prefill here). Rows that ended leave the batch once they are `DROP_ENDED_SHARE` of
+    it: their rows of the KV cache (``cache.batch_select_indices``), of the attention mask and their generators; the
+    others' tokens are the same as with them present (each row attends to its own cache only and draws its own
+    noise), and until they leave their tokens are not recorded. A cache that cannot select rows keeps them all. Positions are those transformers' generate gives: the count of the row's
+    earlier tokens under the attention mask.
+    """
+    B, T = ids_bt.shape[0], max(caps)
+    device = ids_bt.device
+    tokens_bt = torch.full((B, T), pad_id, dtype=torch.long)
+    logprobs_bt = torch.zeros((B, T))
+    n_b = [0] * B
+    stop_ids = torch.tensor(stop_token_ids, device=device)
+    caps_b = torch.tensor(caps, device=device)
+    if cache is None:                                     # prefill every prompt token
+        step_ids = ids_bt
+        positions = (mask_bt.cumsum(-1) - 1).masked_fill(mask_bt == 0, 0)
+    else:                                                 # the cache holds all but the prompts' last token
+        step_ids = ids_bt[:, -1:]
+        positions = mask_bt.sum(-1, keepdim=True) - 1
+    rows_a = torch.arange(B, device=device)               # the samples still in the batch, in batch order
+    alive_a = torch.ones(B, dtype=torch.bool, device=device)  # not ended (all of them once ended rows are dropped)
+    mask_al = mask_bt
+    for t in range(T):
+        out = model(input_ids=step_ids, attention_mask=mask_al, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+        cache = out.past_key_values
+        if cache is None:
+            raise RuntimeError(f"HFGeneration: {type(model).__name__} returned no KV cache; generate with "
+                               "policy.generation.hf_drop_finished_rows=false (transformers' generate)")
+        tok_a, lp_a, _ = sampler.sample(out.logits[:, -1].float(), rows_a.tolist())
+        del out
+        live = alive_a.nonzero()[:, 0]
+        rows = rows_a[live].tolist()
+        tokens_bt[rows, t], logprobs_bt[rows, t] = tok_a[live].cpu(), lp_a[live].float().cpu()
+        for r in rows:
+            n_b[r] = t + 1
+        done_a = torch.isin(tok_a, stop_ids) | (caps_b[rows_a] <= t + 1)
+        if any(stops[r] for r in rows):
+            tails = tokens_bt[rows_a.tolist(), max(0, t + 1 - window):t + 1].tolist()
+            hit = [hits_stop_string(tail, stops[r], decode) for tail, r in zip(tails, rows_a.tolist())]
+            done_a |= torch.tensor(hit, device=device)
+        alive_a &= ~done_a
+        if not bool(alive_a.any()):
+            break
+        n_ended = len(rows_a) - int(alive_a.sum())
+        if n_ended and n_ended >= DROP_ENDED_SHARE * len(rows_a) and hasattr(cache, "batch_select_indices"):
+            keep = alive_a.nonzero()[:, 0]                   # drop the rows that ended
+            cache.batch_select_indices(keep)
+            rows_a, alive_a, mask_al, tok_a, positions = (x[keep] for x in (rows_a, alive_a, mask_al, tok_a, positions))
+        mask_al = torch.cat([mask_al, mask_al.new_ones((mask_al.shape[0], 1))], dim=1)
+        step_ids, positions = tok_a[:, None], positions[:, -1:] + 1
+    return tokens_bt, logprobs_bt, n_b
 
 
 def _as_list(x) -> list[int]:
@@ -137,20 +216,26 @@ class HFGeneration:
             ids_bt[b, L - len(p):] = torch.tensor(p, dtype=torch.long)
             mask_bt[b, L - len(p):] = 1
         sampler = SeededSampler(seeds, self.gen.temperature, self.gen.top_k, self.gen.top_p, greedy, self.device)
-        limits = _RowLimits(L, torch.tensor(caps), stops, self._decode, self._stop_window(stops))
-        gen_cfg = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
-                                   eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
-                                   bos_token_id=self.tokenizer.bos_token_id)
         ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
         cache = self._shared_prompt_cache(ids_bt, mask_bt) if shares_prompts(self.cfg.shared_prompt_forward,
                                                                              self.model) else None
-        seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
-                                      generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]),
-                                      stopping_criteria=StoppingCriteriaList([limits]))
+        if self.gen.hf_drop_finished_rows:
+            new_bt, lp_bt, _ = decode_dropping_finished(
+                self.model, ids_bt, mask_bt, cache, sampler, caps, self.stop_token_ids, stops, self._decode,
+                self._stop_window(stops), self.pad_id)
+            chosen_bt = new_bt
+        else:
+            limits = _RowLimits(L, torch.tensor(caps), stops, self._decode, self._stop_window(stops))
+            gen_cfg = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
+                                       eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
+                                       bos_token_id=self.tokenizer.bos_token_id)
+            seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
+                                          generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]),
+                                          stopping_criteria=StoppingCriteriaList([limits]))
+            new_bt = seqs_bt[:, L:].cpu()
+            chosen_bt = torch.stack(sampler.tokens, dim=1).cpu()[:, :new_bt.shape[1]]
+            lp_bt = torch.stack(sampler.logprobs, dim=1).float().cpu()[:, :new_bt.shape[1]]
         del cache
-        new_bt = seqs_bt[:, L:].cpu()
-        chosen_bt = torch.stack(sampler.tokens, dim=1).cpu()[:, :new_bt.shape[1]]
-        lp_bt = torch.stack(sampler.logprobs, dim=1).float().cpu()[:, :new_bt.shape[1]]
         outputs = []
         for b in range(B):
             ids = new_bt[b].tolist()

@@ -55,6 +55,7 @@ class SeededSampler(LogitsProcessor):
     """A transformers `LogitsProcessor` for ``generate(do_sample=False)``: it returns
     filter_logits(scores) + Gumbel noise (no noise when greedy), so generate's argmax samples, and it
     records per step the chosen token and its processed logprob (``tokens``, ``logprobs``: lists of [B]).
+    `sample` does the same for some rows of the batch only (a decode loop that drops finished rows).
     """
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_k: int | None, top_p: float,
@@ -64,12 +65,19 @@ class SeededSampler(LogitsProcessor):
         self.tokens: list[torch.Tensor] = []
         self.logprobs: list[torch.Tensor] = []
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        x_bv = filter_logits(scores, self.temperature, self.top_k, self.top_p)
-        lp_bv = x_bv.log_softmax(dim=-1)
+    def sample(self, scores_av: torch.Tensor, rows_a: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tokens [A], their processed logprobs [A], the scores argmax-ed [A, V])`` for the rows ``rows_a`` of the
+        batch (row a of ``scores_av`` is sample ``rows_a[a]``: its own generator draws the noise). A sample's draws
+        depend only on its seed and its own step count, whichever rows are present."""
+        x_av = filter_logits(scores_av, self.temperature, self.top_k, self.top_p)
+        lp_av = x_av.log_softmax(dim=-1)
         if self.generators is not None:
-            x_bv = x_bv + gumbel_noise(self.generators, x_bv.shape[-1], x_bv.device)
-        tok_b = x_bv.argmax(dim=-1)
+            x_av = x_av + gumbel_noise([self.generators[r] for r in rows_a], x_av.shape[-1], x_av.device)
+        tok_a = x_av.argmax(dim=-1)
+        return tok_a, lp_av.gather(-1, tok_a[:, None])[:, 0], x_av
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        tok_b, lp_b, x_bv = self.sample(scores, range(scores.shape[0]))
         self.tokens.append(tok_b)
-        self.logprobs.append(lp_bv.gather(-1, tok_b[:, None])[:, 0])
+        self.logprobs.append(lp_b)
         return x_bv
