@@ -570,9 +570,12 @@ class SequencePackingConfig(_Section):
     that puts fewer tokens through the model than padded rows or shared prompts. Same logprobs and gradients as the
     padded forward up to float rounding; exclusive with dynamic_batching."""
 
-    enabled: bool = Field(False, description=(
+    enabled: bool = Field(True, description=(
         "Micro-batches of up to *_mb_tokens tokens, their samples packed back to back where that runs fewer tokens "
-        "(off by default: no faster on the even lengths of bench/WORKLOAD.md; README 'Sequence packing')."))
+        "(on by default, as in NeMo-RL's recipes: 0.26x TRL's step on the long-tail workload against 0.68x padded, "
+        "and a micro-batch whose lengths are even runs padded or with shared prompts as before; README 'Sequence "
+        "packing'). Left at its default it gives way to dynamic_batching.enabled=true, and to a model whose "
+        "attention cannot take packed rows (the startup line says so); set explicitly, both are errors."))
     train_mb_tokens: Optional[int] = Field(None, gt=0, description=(
         "Real tokens per training micro-batch (sdpa / eager rows of the longest sample can hold up to twice that in "
         "slots); null: max_total_sequence_length x train_micro_batch_size (NeMo-RL's default)."))
@@ -674,7 +677,11 @@ class PolicyConfig(_Section):
 
     @model_validator(mode="after")
     def _token_batching(self) -> "PolicyConfig":
-        """Packing and dynamic batching are exclusive (as in NeMo-RL); a budget must hold the longest sample."""
+        """Packing and dynamic batching are exclusive (as in NeMo-RL); packing left at its default (on) gives way
+        to dynamic batching; a budget must hold the longest sample."""
+        if (self.sequence_packing.enabled and self.dynamic_batching.enabled
+                and "enabled" not in self.sequence_packing.model_fields_set):
+            self.sequence_packing.enabled = False
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are both true: they "
                              "are exclusive (as in NeMo-RL); enable one")

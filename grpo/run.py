@@ -273,15 +273,21 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         teacher = engines.build_reference_engine(
             cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}), world_size)
     ckpt = CheckpointManager(cfg.checkpointing, rank)
+    packing_note = ""
     if cfg.policy.sequence_packing.enabled:  # every model whose logprobs run packed
-        from grpo.system.packed import check_packable
+        from grpo.system.packed import check_packable, unpackable_reason
 
         for engine in (policy, reference, teacher):
-            if engine is not None:
+            if engine is None or not cfg.policy.sequence_packing.enabled:
+                continue
+            if "enabled" in cfg.policy.sequence_packing.model_fields_set:  # asked for: a model that cannot is an error
                 try:
                     check_packable(engine.module)
                 except ValueError as err:
                     raise RunError(str(err)) from err
+            elif (reason := unpackable_reason(engine.module)) is not None:  # the default gives way, said at startup
+                cfg.policy.sequence_packing.enabled = False
+                packing_note = f" (sequence packing off: {reason})"
 
     if (gap := overflow_check_gap(policy)) is not None:
         raise RunError(gap)
@@ -322,7 +328,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         ", hf generation drops a sample from the batch when it ends" if cfg.policy.generation.hf_drop_finished_rows
         else ", hf generation decodes every sample until the longest ends")
     share = ("once" if shares_prompts(cfg.policy.shared_prompt_forward, policy.module)
-             and policy.zero_optimization_stage() != 3 and not cfg.policy.sequence_packing.enabled else "per sample")
+             and policy.zero_optimization_stage() != 3 else "per sample")
+    if share == "once" and cfg.policy.sequence_packing.enabled:
+        share = "once or packed, whichever runs fewer tokens,"
     ranks = (f"{world_size} rank(s)" if layout is None else
              f"{layout.global_world_size} ranks: {world_size} train, {layout.num_generation} generate "
              f"({cfg.policy.generation.backend}, policy.generation.colocated.enabled=false)")
@@ -333,7 +341,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                  f"reference {'skipped' if skip_ref else type(reference).__name__}, previous-policy logprobs "
                  f"{'from the training forward' if skip_prev else 'in their own pass'}, DeepSpeed "
                  "{} ({})".format(*policy_ds_config_path(cfg.policy, world_size)) + f", tasks {envs.tasks}, "
-                 f"up to {g.max_rollout_turns} turn(s) per rollout, micro-batches: {describe_batching(cfg.policy)}, "
+                 f"up to {g.max_rollout_turns} turn(s) per rollout, micro-batches: {describe_batching(cfg.policy)}{packing_note}, "
                  f"a shared prompt runs {share} in the logprob and training forwards{hf_decode}")
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val")
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)

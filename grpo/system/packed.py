@@ -50,15 +50,24 @@ def attention_implementation(module: torch.nn.Module) -> str:
     return str(impl) if impl is not None else "unknown"
 
 
+def unpackable_reason(module: torch.nn.Module) -> str | None:
+    """Why packed rows would let ``module``'s samples see each other (its attention implementation does not build
+    the mask from packed position ids), or None when it can run packed."""
+    impl = attention_implementation(module)
+    if impl in PACKABLE_ATTENTION:
+        return None
+    return (f"the model's attention implementation {impl!r} ({type(module).__name__}) does not build its mask from "
+            "packed position ids")
+
+
 def check_packable(module: torch.nn.Module) -> None:
     """ValueError naming the attention implementation when packed rows would let samples see each other."""
-    impl = attention_implementation(module)
-    if impl not in PACKABLE_ATTENTION:
+    reason = unpackable_reason(module)
+    if reason is not None:
         raise ValueError(
-            f"policy.sequence_packing.enabled: the model's attention implementation {impl!r} "
-            f"({type(module).__name__}) does not build its mask from packed position ids, so samples packed in one "
-            f"row would attend to each other; packing supports {list(PACKABLE_ATTENTION)}. Use "
-            "policy.dynamic_batching instead (any attention), or a model with one of those")
+            f"policy.sequence_packing.enabled: {reason}, so samples packed in one row would attend to each other; "
+            f"packing supports {list(PACKABLE_ATTENTION)}. Use policy.dynamic_batching instead (any attention), or a "
+            "model with one of those")
 
 
 def packed_rows(lengths: list[int], attention: str, sequence_length_round: int = 1,

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo.system.engines import FrozenModel
-from grpo.system.packed import Packing, check_packable
+from grpo.system.packed import Packing, check_packable, unpackable_reason
 from grpo.system.training import TokenBatching, _forward, compute_logprobs
 
 
@@ -136,9 +136,11 @@ def test_compute_logprobs_by_token_budget_equal_fixed_micro_batches(batching):
 def test_an_attention_that_ignores_packed_positions_is_refused():
     model = make_model("sdpa")
     check_packable(model)
+    assert unpackable_reason(model) is None
     model.config._attn_implementation = "paged|sdpa"
     with pytest.raises(ValueError, match="'paged\\|sdpa'.*dynamic_batching"):
         check_packable(model)
+    assert "'paged|sdpa'" in unpackable_reason(model)  # what the startup line says when the default gives way
 
 
 # --------------------------------------------------------------------------------------------------

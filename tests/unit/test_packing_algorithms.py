@@ -89,7 +89,17 @@ def test_budgets_default_to_nemo_rls_products():
     assert (p.mb_tokens("train"), p.mb_tokens("logprob")) == (1024, 2048)
     p = policy(dynamic_batching={"enabled": True, "logprob_mb_tokens": 300})
     assert (p.mb_tokens("train"), p.mb_tokens("logprob")) == (1024, 300)
-    assert policy().mb_tokens("train") is None
+    assert policy(sequence_packing={"enabled": False}).mb_tokens("train") is None
+
+
+def test_packing_is_on_by_default_and_gives_way_to_dynamic_batching_only_when_left_at_its_default():
+    assert policy().sequence_packing.enabled and policy().mb_tokens("train") == 1024
+    p = policy(dynamic_batching={"enabled": True})  # asked for dynamic batching: the default packing steps aside
+    assert not p.sequence_packing.enabled and p.dynamic_batching.enabled
+    p = policy(sequence_packing={"train_mb_tokens": 512}, dynamic_batching={"enabled": True})
+    assert not p.sequence_packing.enabled
+    with pytest.raises(ValueError, match="exclusive"):  # both asked for: an error, as in NeMo-RL
+        policy(sequence_packing={"enabled": True}, dynamic_batching={"enabled": True})
 
 
 @pytest.mark.parametrize("kw, match", [
