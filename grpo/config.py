@@ -672,7 +672,7 @@ class PolicyConfig(_Section):
         if section is None:
             return None
         rows = self.train_micro_batch_size if phase == "train" else self.logprob_batch_size
-        value = getattr(section, f"{phase}_mb_tokens")
+        value = section.train_mb_tokens if phase == "train" else section.logprob_mb_tokens
         return value if value is not None else self.max_total_sequence_length * rows
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags
 from grpo.config_load import ConfigError, config_help, load_config
+from grpo.system.chat import load_tokenizer  # noqa: F401 - grpo.run.load_tokenizer, as before
 
 if TYPE_CHECKING:  # for the types only: a config error must exit before torch (and all that follows) is imported
     import torch
@@ -398,17 +399,6 @@ def claim_dirs(cfg: MasterConfig, rank: int) -> tuple[list[RunLock], str | None]
     if error is not None:
         raise RunError(error)
     return claimed[0], run_id
-
-
-def load_tokenizer(policy_cfg):
-    """The policy's tokenizer (or `policy.tokenizer.name`); pad falls back to EOS."""
-    from transformers import AutoTokenizer
-
-    name = policy_cfg.tokenizer.name or policy_cfg.model_name
-    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=policy_cfg.trust_remote_code)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = None):

@@ -171,3 +171,14 @@ class ChatFormat:
         special = last is not None and last in set(self.tokenizer.all_special_ids)
         ended_with = self.tokenizer.decode([last], skip_special_tokens=False) if special else ""
         return self.encode(self.observation_text(history, new, ended_with))
+
+
+def load_tokenizer(policy_cfg):
+    """The policy's tokenizer (or `policy.tokenizer.name`); pad falls back to EOS."""
+    from transformers import AutoTokenizer
+
+    name = policy_cfg.tokenizer.name or policy_cfg.model_name
+    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=policy_cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -333,7 +333,7 @@ def test_sequence_packing_and_dynamic_batching_train_the_same_steps(tmp_path):
     common = ("grpo.max_num_steps=3", "checkpointing.enabled=false", "policy.max_total_sequence_length=32",
               f"data.train_data_path={data}", f"data.val_data_path={data}", "policy.optimizer.eps=1e-3",
               "env.name=function", "env.reward_fn=tests.helpers.e2e_reward_fns:completion_length")
-    runs = {"padded": (), "packed": ("policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
+    runs = {"padded": ("policy.sequence_packing.enabled=false",), "packed": ("policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
                                      "policy.sequence_packing.logprob_mb_tokens=128"),
             "dynamic": ("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=48",
                         "policy.dynamic_batching.sequence_length_round=4")}

@@ -27,6 +27,10 @@ READ_ONLY_BY_THE_SCHEMA = {
         "NeMo-RL's name; grpo.config.generation_ranks turns it into the number of generation ranks, which "
         "grpo/run.py's start_split uses",
     "policy.generation.colocated.resources.num_nodes": "the same: generation_ranks",
+    "policy.sequence_packing.logprob_mb_tokens":
+        "read through grpo.config.PolicyConfig.mb_tokens('logprob') (null: max_total_sequence_length x "
+        "logprob_batch_size), which grpo/system/training.py token_batching calls for the logprob passes",
+    "policy.dynamic_batching.logprob_mb_tokens": "the same: PolicyConfig.mb_tokens",
     "checkpointing.model_save_format":
         "NeMo-RL's name; a one-value Literal (safetensors, what grpo.system.weights.export_hf writes), so a recipe "
         "that asks for torch_save fails at load instead of being ignored",

@@ -69,7 +69,7 @@ def build_server_backend(cfg, model_path: str, device: torch.device):
     """This generation rank's engine: vLLM (never sleeping) or a transformers copy; both receive their weights
     from trainer 0 before the first generation."""
     cfg.policy.model_name = model_path
-    from grpo.run import load_tokenizer
+    from grpo.system.chat import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.policy)
     if cfg.policy.generation.backend == "vllm":
