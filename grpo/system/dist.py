@@ -25,9 +25,20 @@ def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torc
     launcher appends (it also sets LOCAL_RANK). Backend: nccl with CUDA, gloo without. Idempotent.
     """
     import deepspeed
+    import torch.distributed as dist
+
+    local_rank, device, backend = _launch_settings(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def _launch_settings(local_rank: int | None) -> tuple[int, torch.device, str]:
+    """What every process does before it joins a group: fill in a one-process launch when no launcher set
+    RANK / WORLD_SIZE (a free port), apply the deepspeed launcher's ``--local_rank``, and pick this rank's device
+    and backend (nccl with CUDA, gloo without). Returns ``(local_rank, device, backend)``."""
     import deepspeed.ops
     import torch
-    import torch.distributed as dist
 
     # ZeRO never uses the shm comm op, and its first use JIT-compiles C++ for minutes.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -39,12 +50,8 @@ def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torc
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    return dist.get_rank(), local_rank, dist.get_world_size(), device
+        return local_rank, torch.device("cuda", local_rank), "nccl"
+    return local_rank, torch.device("cpu"), "gloo"
 
 
 @dataclass
@@ -100,26 +107,14 @@ def init_split(num_generation: int, local_rank: int | None = None, timeout_s: fl
     """
     import datetime
 
-    import deepspeed.ops
-    import torch
+    import deepspeed
     import torch.distributed as dist
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if local_rank is not None:
-        os.environ["LOCAL_RANK"] = str(local_rank)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    _, device, backend = _launch_settings(local_rank)
     global_rank, global_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     role, rank, world_size = split_ranks(global_rank, global_world, num_generation)
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", global_rank, global_world, timeout=timeout))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
     if local_world and int(local_world) == global_world:  # one node: each side's ranks on it
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
