@@ -243,7 +243,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
             raise RunError(mismatch.removeprefix("error: "))
     locks, run_id = [], None
-    if args.export_hf is None and args.export_adapter is None:  # one run per directory: lock, refuse foreign runs
+    if not exporting:  # one run per directory: lock, refuse foreign runs
         locks, run_id = claim_dirs(cfg, rank)
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
@@ -351,15 +351,11 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                            rank, enabled=cfg.logger.dump_rollouts)
     closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [_Release(locks)]
     generator = None
-    if layout is not None:  # generation ranks: the async loop's producer pushes the staged weights itself
+    if layout is not None or not asynchronous:  # the async loop builds its own, unless generation ranks serve it
         generator = build_generation_backend(cfg, tokenizer, policy, device, layout)
         closables.append(generator)
-        if not asynchronous:
+        if not asynchronous:  # (the async producer pushes the staged weights to generation ranks itself)
             generator.refit(policy)
-    elif not asynchronous:
-        generator = build_generation_backend(cfg, tokenizer, policy, device)
-        generator.refit(policy)
-        closables.append(generator)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
     closables.append(stop)
     return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
@@ -452,10 +448,10 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
         from grpo.system.bridge import Bridge
         from grpo.system.generation.remote import RemoteGeneration
 
-        timeout = cfg.policy.generation.colocated.bridge_timeout_s
-        from grpo.system import dist as grpo_dist
+        from grpo.system.dist import comm_device
 
-        bridge = (Bridge(layout.store, 0, 1 + layout.num_generation, timeout, grpo_dist.comm_device())
+        timeout = cfg.policy.generation.colocated.bridge_timeout_s
+        bridge = (Bridge(layout.store, 0, 1 + layout.num_generation, timeout, comm_device())
                   if layout.rank == 0 else None)
         return RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device, tokenizer,
                                 getattr(policy_engine.module.config, "eos_token_id", None))
@@ -554,18 +550,17 @@ def validation_sampling(generator, gen_cfg):
     """Inside the block ``generator`` samples with NeMo-RL's validation-only parameters,
     ``policy.generation.val_temperature`` / ``val_top_p`` / ``val_top_k`` (null: the training value;
     `grpo.config.GenerationConfig.for_validation`). Both backends read their sampling parameters from their
-    generation config on every call (``HFGeneration.gen``, ``VllmGeneration.gen_cfg``)."""
+    generation config on every call (``gen_cfg``: HFGeneration, VllmGeneration, RemoteGeneration)."""
     val = gen_cfg.for_validation()
-    attr = next((a for a in ("gen", "gen_cfg") if hasattr(generator, a)), None)
-    if val is gen_cfg or attr is None:
+    if val is gen_cfg or not hasattr(generator, "gen_cfg"):
         yield
         return
-    before = getattr(generator, attr)
-    setattr(generator, attr, val)
+    before = generator.gen_cfg
+    generator.gen_cfg = val
     try:
         yield
     finally:
-        setattr(generator, attr, before)
+        generator.gen_cfg = before
 
 
 def dump_rollouts(run: Run, split: str, step: int, trajectories: list, batch=None) -> None:

@@ -64,11 +64,11 @@ DROP_ENDED_SHARE = 0.25
 @torch.no_grad()
 def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor, cache, sampler: SeededSampler,
                              caps: list[int], stop_token_ids: list[int], stops: list[list[str]], decode,
-                             window: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+                             window: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode left-padded prompts ``ids_bt`` until each row ends, each step running only the rows not yet ended.
 
-    Returns ``(tokens [B, max(caps)], logprobs [B, max(caps)], n_b)``: row b generated ``n_b[b]`` tokens (the rest is
-    ``pad_id`` / 0), ending at its first stop token, its cap, or once its last ``window`` tokens hold one of its stop
+    Returns ``(tokens [B, max(caps)], logprobs [B, max(caps)])``: row b's generated tokens (the rest is ``pad_id`` /
+    0), ending at its first stop token, its cap, or once its last ``window`` tokens hold one of its stop
     strings (`cut_completion` then finds the exact end). ``cache``: the KV cache of ``ids_bt[:, :-1]`` (a shared
     prompt's prefill) or None (prefill here). Rows that ended leave the batch once they are `DROP_ENDED_SHARE` of
     it: their rows of the KV cache (``cache.batch_select_indices``), of the attention mask and their generators; the
@@ -80,7 +80,6 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     device = ids_bt.device
     tokens_bt = torch.full((B, T), pad_id, dtype=torch.long)
     logprobs_bt = torch.zeros((B, T))
-    n_b = [0] * B
     stop_ids = torch.tensor(stop_token_ids, device=device)
     caps_b = torch.tensor(caps, device=device)
     if cache is None:                                     # prefill every prompt token
@@ -104,8 +103,6 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
         live = alive_a.nonzero()[:, 0]
         rows = rows_a[live].tolist()
         tokens_bt[rows, t], logprobs_bt[rows, t] = tok_a[live].cpu(), lp_a[live].float().cpu()
-        for r in rows:
-            n_b[r] = t + 1
         done_a = torch.isin(tok_a, stop_ids) | (caps_b[rows_a] <= t + 1)
         if any(stops[r] for r in rows):
             tails = tokens_bt[rows_a.tolist(), max(0, t + 1 - window):t + 1].tolist()
@@ -121,7 +118,7 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
             rows_a, alive_a, mask_al, tok_a, positions = (x[keep] for x in (rows_a, alive_a, mask_al, tok_a, positions))
         mask_al = torch.cat([mask_al, mask_al.new_ones((mask_al.shape[0], 1))], dim=1)
         step_ids, positions = tok_a[:, None], positions[:, -1:] + 1
-    return tokens_bt, logprobs_bt, n_b
+    return tokens_bt, logprobs_bt
 
 
 def _as_list(x) -> list[int]:
@@ -158,7 +155,7 @@ class HFGeneration:
         from transformers import AutoModelForCausalLM
 
         self.cfg = getattr(policy_cfg, "policy", policy_cfg)
-        self.gen = self.cfg.generation
+        self.gen_cfg = self.cfg.generation
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.refit_bucket_numel = refit_bucket_numel
@@ -172,7 +169,7 @@ class HFGeneration:
         self.model = model if shared else model.to(self.device).eval().requires_grad_(False)
         cfg_eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
         self.stop_token_ids = sorted(set(_as_list(tokenizer.eos_token_id) + _as_list(cfg_eos)
-                                         + _as_list(self.gen.stop_token_ids)))
+                                         + _as_list(self.gen_cfg.stop_token_ids)))
         if not self.stop_token_ids:
             raise ValueError("no stop token: the tokenizer has no eos_token and policy.generation.stop_token_ids "
                              "is empty")
@@ -197,9 +194,9 @@ class HFGeneration:
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not self._has_weights:
             raise RuntimeError("HFGeneration: call refit(engine) before generate (the copy holds random weights)")
-        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen.max_new_tokens,
+        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
                            self.cfg.max_total_sequence_length)
-        stops = per_sample_stops(stop_strings, self.gen.stop_strings, len(prompt_ids))
+        stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
         bs = self.cfg.generation_batch_size
         out: list[GenerationOutput] = []
         with _generating(self.model, self._generation_config):
@@ -215,22 +212,23 @@ class HFGeneration:
         for b, p in enumerate(prompts):  # left padding
             ids_bt[b, L - len(p):] = torch.tensor(p, dtype=torch.long)
             mask_bt[b, L - len(p):] = 1
-        sampler = SeededSampler(seeds, self.gen.temperature, self.gen.top_k, self.gen.top_p, greedy, self.device)
+        g = self.gen_cfg
+        sampler = SeededSampler(seeds, g.temperature, g.top_k, g.top_p, greedy, self.device)
         ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
         cache = self._shared_prompt_cache(ids_bt, mask_bt) if shares_prompts(self.cfg.shared_prompt_forward,
                                                                              self.model) else None
-        if self.gen.hf_drop_finished_rows:
-            new_bt, lp_bt, _ = decode_dropping_finished(
+        if g.hf_drop_finished_rows:
+            new_bt, lp_bt = decode_dropping_finished(
                 self.model, ids_bt, mask_bt, cache, sampler, caps, self.stop_token_ids, stops, self._decode,
                 self._stop_window(stops), self.pad_id)
             chosen_bt = new_bt
         else:
             limits = _RowLimits(L, torch.tensor(caps), stops, self._decode, self._stop_window(stops))
-            gen_cfg = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
-                                       eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
-                                       bos_token_id=self.tokenizer.bos_token_id)
+            hf_config = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
+                                         eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
+                                         bos_token_id=self.tokenizer.bos_token_id)
             seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
-                                          generation_config=gen_cfg, logits_processor=LogitsProcessorList([sampler]),
+                                          generation_config=hf_config, logits_processor=LogitsProcessorList([sampler]),
                                           stopping_criteria=StoppingCriteriaList([limits]))
             new_bt = seqs_bt[:, L:].cpu()
             chosen_bt = torch.stack(sampler.tokens, dim=1).cpu()[:, :new_bt.shape[1]]

@@ -85,9 +85,8 @@ def build_server_backend(cfg, model_path: str, device: torch.device):
 def _run_generate(backend, arg: dict) -> tuple[str, object]:
     """One generate command: ``("ok", outputs)`` or ``("error", message)``. Validation's sampling comes with the
     command (``gen_cfg``)."""
-    attr = "gen_cfg" if hasattr(backend, "gen_cfg") else "gen"
     try:
-        setattr(backend, attr, arg["gen_cfg"])
+        backend.gen_cfg = arg["gen_cfg"]
         outputs = backend.generate(arg["prompts"], arg["seeds"], greedy=arg["greedy"], max_new_tokens=arg["caps"],
                                    stop_strings=arg["stops"])
         return "ok", outputs
