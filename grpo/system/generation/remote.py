@@ -96,12 +96,9 @@ class RemoteGeneration:
         error = None
         if bridge is not None:
             try:
-                for r in self._peers():
-                    bridge.send(("hello", {"model": model_path}), r)
-                wait = max(START_TIMEOUT_S, bridge.timeout_s)
-                replies = [bridge.recv(r, timeout_s=wait) for r in self._peers()]
-                error = "; ".join(f"generation rank {r - 1}: {msg}" for r, (kind, msg) in zip(self._peers(), replies)
-                                  if kind == "error") or None
+                replies = self._ask_all("hello", [{"model": model_path}] * self.num_ranks,
+                                        timeout_s=max(START_TIMEOUT_S, bridge.timeout_s))
+                error = _errors(replies)
             except BridgeError as err:
                 error = str(err)
         self._agree(error, "starting the generation ranks")
@@ -203,11 +200,7 @@ class RemoteGeneration:
         error = None
         if self.bridge is not None:
             try:
-                for r in self._peers():
-                    self.bridge.send(("reset_cache", None), r)
-                replies = [self.bridge.recv(r) for r in self._peers()]
-                error = "; ".join(f"generation rank {r - 1}: {msg}" for r, (kind, msg) in zip(self._peers(), replies)
-                                  if kind == "error") or None
+                error = _errors(self._ask_all("reset_cache", [None] * self.num_ranks))
             except BridgeError as err:
                 error = str(err)
         error = self._broadcast(error)
@@ -255,11 +248,7 @@ class RemoteGeneration:
                 error = str(err)
         if error is None:
             try:
-                for r in self._peers():
-                    self.bridge.send(("end", None), r)
-                replies = [self.bridge.recv(r) for r in self._peers()]
-                error = "; ".join(f"generation rank {r - 1} could not load the weights: {msg}"
-                                  for r, (kind, msg) in zip(self._peers(), replies) if kind == "error") or None
+                error = _errors(self._ask_all("end", [None] * self.num_ranks), " could not load the weights")
             except BridgeError as err:
                 error = str(err)
         if error is None:
@@ -320,17 +309,19 @@ class RemoteGeneration:
         """Trainer 0: the whole batch over the engines; the outputs in order, or an error message."""
         shares = engine_shares(len(prompts), self.num_ranks, self.tp)
         try:
-            for r, sl in zip(self._peers(), shares):
-                self.bridge.send(("generate", {"prompts": prompts[sl], "seeds": seeds[sl], "caps": caps[sl],
-                                               "stops": stops[sl], "greedy": greedy, "gen_cfg": self.gen_cfg}), r)
-            replies = [self.bridge.recv(r) for r in self._peers()]
+            replies = self._ask_all("generate", [{"prompts": prompts[sl], "seeds": seeds[sl], "caps": caps[sl],
+                                                  "stops": stops[sl], "greedy": greedy, "gen_cfg": self.gen_cfg}
+                                                 for sl in shares])
         except BridgeError as err:
             return str(err)
-        errors = [f"generation rank {r - 1}: {msg}" for r, (kind, msg) in zip(self._peers(), replies)
-                  if kind == "error"]
-        if errors:
-            return "; ".join(errors)
-        return [o for _, (_, outs) in zip(self._peers(), replies) for o in outs]
+        return _errors(replies) or [o for _, outs in replies for o in outs]
+
+    def _ask_all(self, command: str, args: list, timeout_s: float | None = None) -> list[tuple[str, object]]:
+        """Trainer 0: ``(command, args[i])`` to generation rank i, then every rank's answer ``(kind, result)`` in rank
+        order (``timeout_s``: the wait for each, None: the bridge's). Raises `BridgeError`."""
+        for r, arg in zip(self._peers(), args, strict=True):
+            self.bridge.send((command, arg), r)
+        return [self.bridge.recv(r, timeout_s=timeout_s) for r in self._peers()]
 
     def _gather(self, item) -> list:
         if self.group is None:
@@ -357,6 +348,16 @@ class RemoteGeneration:
         error = self._broadcast(error)
         if error is not None:
             raise RolloutError(f"{doing}: {error}")
+
+
+def _errors(replies: list[tuple[str, object]], what: str = "") -> str | None:
+    """The generation ranks' error answers as one message (``generation rank i<what>: message``), or None.
+
+        >>> _errors([("ok", None), ("error", "boom")], " could not load the weights")
+        'generation rank 1 could not load the weights: boom'
+    """
+    return "; ".join(f"generation rank {i}{what}: {msg}" for i, (kind, msg) in enumerate(replies)
+                     if kind == "error") or None
 
 
 def round_seed(seed: int, k: int) -> int:
