@@ -276,6 +276,34 @@ class AsyncGRPOConfig(_Section):
         return self
 
 
+class RolloutFailureConfig(_Section):
+    """What becomes of a sample whose environment or reward call failed (`grpo.tasks.failures`): NeMo-RL's
+    ``async_rl.rollout_failure`` keys, for both loops. A failed call is retried within its class's budget; a
+    sample that still fails is masked (out of the loss and out of its group's baseline), never scored 0."""
+
+    max_infra_attempts_per_prompt: int = Field(5, ge=1, description=(
+        "Attempts in all (the first included) of an environment or reward call that failed for an infrastructure "
+        "reason (timeout, connection, HTTP 5xx / 408 / 429), with exponential backoff between them."))
+    max_data_attempts_per_prompt: int = Field(2, ge=1, description=(
+        "Attempts in all of a call that failed for a data reason (malformed return, an exception of the "
+        "environment's or reward's own code); retried at once. The two budgets are independent counters."))
+    backoff_base_s: float = Field(1.0, gt=0, description="Wait before the first infra retry; doubled per retry.")
+    max_backoff_s: float = Field(30.0, gt=0, description="Ceiling of the exponential backoff.")
+    min_step_batch_fraction: float = Field(0.9, gt=0, le=1, description=(
+        "A step trains only when at least this fraction of its samples did not fail (after retries); else, with "
+        "dynamic sampling, more prompts are drawn, or the step is skipped and counted."))
+    max_consecutive_skipped_steps: int = Field(3, ge=1, description=(
+        "grpo-ds: steps in a row skipped for failures (min_step_batch_fraction) before the run stops with a "
+        "checkpoint of its last trained step and one error line naming the environment and its last error."))
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutFailureConfig":
+        if self.max_backoff_s < self.backoff_base_s:
+            raise ValueError(f"grpo.rollout_failure.max_backoff_s={self.max_backoff_s} must be >= "
+                             f"grpo.rollout_failure.backoff_base_s={self.backoff_base_s}")
+        return self
+
+
 class GRPOConfig(_Section):
     num_prompts_per_step: int = Field(32, gt=0, description="Prompts per training step.")
     num_generations_per_prompt: int = Field(
@@ -318,6 +346,8 @@ class GRPOConfig(_Section):
     seed: int = Field(42, description="Seed of sampling, data order and model init.")
     async_grpo: AsyncGRPOConfig = Field(
         default_factory=AsyncGRPOConfig, description="The asynchronous loop's settings.")
+    rollout_failure: RolloutFailureConfig = Field(default_factory=RolloutFailureConfig, description=(
+        "Retries, masking and step budgets for samples whose environment or reward failed (both loops)."))
     overlong_filtering: bool = Field(False, description="Truncated samples leave the loss (they stay in the baseline).")
     use_dynamic_sampling: bool = Field(False, description=(
         "DAPO dynamic sampling: drop prompt groups whose task reward does not vary and generate more."))

@@ -90,6 +90,8 @@ class Trajectory:
     mask_sample: bool = False
     error: str | None = None
     error_detail: str | None = None
+    failure_kind: str | None = None
+    retries: int = 0
     done: bool = False
     num_prompt_messages: int = 0
     terminated: bool = False

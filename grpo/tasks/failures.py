@@ -1,0 +1,156 @@
+"""Rollout failures: what broke outside the policy, and whether trying again can help.
+
+A sample *fails* when something other than the policy's output breaks: an environment or reward call raises,
+runs past its timeout or returns malformed data, a server answers 5xx / 408 / 429 or not at all. What the policy
+wrote (a wrong answer, a malformed tool call, an overlong output) is never a failure: it keeps its reward and its
+penalties. A failed sample is retried within a budget, then masked: out of the loss and out of its group's
+baseline (never scored 0, which would teach the group's other members they were better than they were).
+
+Every failure has a reason (`REASONS`) and a class, NeMo-RL's split (``nemo_rl/experience/failures.py``):
+
+- ``infra``: the sample is fine, the service is not (a timeout, a dropped connection, a 5xx, 408 or 429);
+  retried up to ``grpo.rollout_failure.max_infra_attempts_per_prompt`` attempts with exponential backoff;
+- ``data``: deterministic and sample-specific (malformed data, an exception of the environment's or reward's
+  own code); retried up to ``max_data_attempts_per_prompt`` attempts: one retry separates a transient failure
+  from a deterministic one.
+
+As in NeMo-RL, an exception that is not recognised as infrastructure is ``data``: an unexpected exception is
+more likely a bug than a blip, and the small budget surfaces it instead of retrying it into silence. Classify
+where the exception still exists (in the worker process that raised it), then carry the class across.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INFRA, DATA = "infra", "data"
+
+# reason -> the class it has when nothing more is known (None: it depends on the exception, `classify_exception`).
+REASONS: dict[str, str | None] = {
+    "env_error": None,        # the environment's step raised
+    "env_timeout": INFRA,     # the environment's step ran past env.step_timeout_s
+    "env_malformed": DATA,    # the environment returned something check_return refuses
+    "reward_error": None,     # the reward function raised
+    "reward_timeout": INFRA,  # the reward function ran past env.timeout_s
+    "http_5xx": INFRA,        # a server answered 5xx
+    "http_408": INFRA,        # request timeout
+    "http_429": INFRA,        # too many requests
+    "http_4xx": DATA,         # any other 4xx: the request itself is wrong, another try answers the same
+    "connection": INFRA,      # no answer: refused, reset, DNS, TLS
+}
+
+# Exception class names (anywhere in the MRO) that mean the transport broke, for libraries that are not imported
+# here (aiohttp, httpx, requests, openai): NeMo-RL's _INFRA_TYPE_NAMES and their kin.
+_INFRA_TYPE_NAMES = frozenset({
+    "ClientConnectionError", "ClientConnectorError", "ClientOSError", "ClientPayloadError",
+    "ServerConnectionError", "ServerDisconnectedError", "ServerTimeoutError",  # aiohttp
+    "ConnectError", "ReadError", "WriteError", "RemoteProtocolError", "ConnectTimeout", "ReadTimeout",
+    "WriteTimeout", "PoolTimeout",  # httpx
+    "APIConnectionError", "APITimeoutError",  # openai
+})
+_MAX_CAUSE_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt: its ``reason`` (a key of `REASONS`), its ``kind`` (``"infra"`` / ``"data"``) and the
+    ``detail`` a person reads (a traceback or a message, its last 4000 characters).
+
+        >>> Failure.of("env_timeout", "no return within 5 s").kind
+        'infra'
+    """
+
+    reason: str
+    kind: str
+    detail: str = ""
+
+    @classmethod
+    def of(cls, reason: str, detail: str = "", kind: str | None = None) -> Failure:
+        """A failure of ``reason``, its class ``kind`` or the reason's default (data where it has none)."""
+        if reason not in REASONS:
+            raise ValueError(f"failure reason {reason!r}: expected one of {sorted(REASONS)}")
+        kind = kind or REASONS[reason] or DATA
+        if kind not in (INFRA, DATA):
+            raise ValueError(f"failure kind {kind!r}: expected {INFRA!r} or {DATA!r}")
+        return cls(reason, kind, str(detail)[-4000:])
+
+
+def http_status_is_infra(status: int) -> bool:
+    """NeMo-RL's rule: 5xx and the retriable 4xx (408, 429) mean the server is unwell; any other 4xx describes the
+    request, which another try would send the same.
+
+        >>> [http_status_is_infra(s) for s in (500, 503, 408, 429, 400, 404)]
+        [True, True, True, True, False, False]
+    """
+    return status >= 500 or status in (408, 429)
+
+
+def http_reason(status: int) -> str:
+    """The failure reason of an HTTP error status.
+
+        >>> [http_reason(s) for s in (502, 408, 429, 422)]
+        ['http_5xx', 'http_408', 'http_429', 'http_4xx']
+    """
+    if status >= 500:
+        return "http_5xx"
+    return {408: "http_408", 429: "http_429"}.get(status, "http_4xx")
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries (aiohttp's ``.status``, httpx / openai ``.status_code`` or
+    ``.response.status_code``), or None."""
+    for obj in (exc, getattr(exc, "response", None)):
+        for name in ("status", "status_code"):
+            value = getattr(obj, name, None)
+            if isinstance(value, int) and 100 <= value <= 599:
+                return value
+    return None
+
+
+def classify_exception(exc: BaseException) -> str:
+    """``"infra"`` or ``"data"`` for an exception raised by an environment or reward call (NeMo-RL's
+    ``classify_rollout_failure``): an HTTP error by its status, then TimeoutError, ConnectionError and the
+    transport errors of the HTTP clients (by class name) along the ``__cause__`` chain are infra; anything else
+    is data.
+
+        >>> classify_exception(TimeoutError()), classify_exception(ConnectionResetError()), classify_exception(KeyError("x"))
+        ('infra', 'infra', 'data')
+        >>> try:
+        ...     try:
+        ...         raise ConnectionRefusedError("down")
+        ...     except OSError as err:
+        ...         raise RuntimeError("the judge failed") from err
+        ... except RuntimeError as wrapped:
+        ...     classify_exception(wrapped)
+        'infra'
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    for _ in range(_MAX_CAUSE_DEPTH):
+        if current is None or id(current) in seen:
+            break
+        seen.add(id(current))
+        status = _status(current)
+        if status is not None:
+            return INFRA if http_status_is_infra(status) else DATA
+        if isinstance(current, (TimeoutError, ConnectionError)):
+            return INFRA
+        if any(c.__name__ in _INFRA_TYPE_NAMES for c in type(current).__mro__):
+            return INFRA
+        current = current.__cause__ or current.__context__
+    return DATA
+
+
+def backoff_s(retry: int, base_s: float, max_s: float) -> float:
+    """Seconds to wait before retry number ``retry`` (1, 2, ...) of an infra failure: base · 2^(retry − 1),
+    capped at ``max_s`` (NeMo-RL's ``backoff_base_s`` / ``max_backoff_s``). Data failures are retried at once.
+
+        >>> [backoff_s(k, 1.0, 5.0) for k in (1, 2, 3, 4)]
+        [1.0, 2.0, 4.0, 5.0]
+    """
+    return min(base_s * 2 ** (retry - 1), max_s)
+
+
+def attempts_allowed(kind: str, max_infra_attempts: int, max_data_attempts: int) -> int:
+    """How many attempts in all (the first included) a call that failed with ``kind`` may take."""
+    return max_infra_attempts if kind == INFRA else max_data_attempts
