@@ -67,8 +67,11 @@ class Trajectory:
     named components (GDPO), summed over turns, or None; ``finish_reason`` of the last generated turn;
     ``truncated``: a turn hit its length cap or the conversation ran out of room; ``generation_version``:
     the oldest weight version that generated one of its turns (async GRPO); ``mask_sample``: the
-    environment asked to keep it out of the loss; ``error``: "reward_error" / "reward_timeout" /
-    "env_error" / "env_timeout" when scoring failed (reward 0), ``error_detail`` its traceback;
+    environment asked to keep it out of the loss; ``error``: None, or the reason the sample failed after its
+    retries (a key of `grpo.tasks.failures.REASONS`: "env_error", "env_timeout", "reward_error", ...), with
+    ``failure_kind`` its class ("infra" / "data") and ``error_detail`` its traceback or message: a failed
+    sample's ``reward`` is 0.0 and meaningless (it is masked out of the loss and out of its group's baseline,
+    never read for training); ``retries``: environment calls retried for it, successful retries included;
     ``terminated``: the environment ended it (``terminateds``); ``max_turns_reached``: ``max_rollout_turns`` ended
     it while the environment had not (NeMo-RL's rollout metrics count both: `grpo.rollout_metrics`);
     ``stop_strings``: the data row's stop strings for the first turn (`row_stop_strings`), or None.
@@ -250,6 +253,8 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
                                          [sample_seed(*seed_keys[i], turn=turn) for i in chunk],
                                          greedy=settings.greedy, max_new_tokens=caps,
                                          stop_strings=[stops.get(i) for i in chunk])
+            if len(outputs) != len(chunk):  # never a shorter batch (NeMo-RL RL#2305: silent empty epochs)
+                raise RolloutError(f"generation returned {len(outputs)} outputs for {len(chunk)} prompts")
             for i, out in zip(chunk, outputs):
                 t = trajs[i]
                 t.messages.append(Message("assistant", out.text, list(out.completion_ids), list(out.logprobs)))
@@ -261,12 +266,12 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
 
         t0 = time.perf_counter()
         for task, idx in _by_task(trajs, active).items():
-            ret, error = envs.step(task, [_log(trajs[i]) for i in idx], [trajs[i].metadata for i in idx])
+            ret, retries = envs.step(task, [_log(trajs[i]) for i in idx], [trajs[i].metadata for i in idx])
             for j, i in enumerate(idx):
                 t = trajs[i]
-                if ret is None:  # the environment failed on this call: its samples end with reward 0
-                    t.error, t.error_detail, t.done = error, envs.last_error, True
-                    t.reward, t.reward_components = 0.0, None
+                t.retries += retries[j]
+                if ret.failures[j] is not None:  # still failed after its retries: it ends here, unscored
+                    _fail(t, ret.failures[j])
                     continue
                 _apply_step(t, ret, j)
                 if t.done:
@@ -331,7 +336,14 @@ def _by_task(trajs: list[Trajectory], idx: list[int]) -> dict[str, list[int]]:
 
 
 # Metadata keys that describe one turn: read into the trajectory, not passed on to the next turn.
-_PER_TURN_KEYS = (*MESSAGE_FLAGS, "reward_components", "reward_error", "reward_error_detail")
+_PER_TURN_KEYS = (*MESSAGE_FLAGS, "reward_components")
+
+
+def _fail(t: Trajectory, failure) -> None:
+    """End sample t as failed (`grpo.tasks.failures.Failure`): its reason, class and detail; no reward, neither
+    this turn's nor the earlier turns' (the trainer masks it)."""
+    t.error, t.failure_kind, t.error_detail = failure.reason, failure.kind, failure.detail
+    t.reward, t.reward_components, t.done = 0.0, None, True
 
 
 def _apply_step(t: Trajectory, ret, j: int) -> None:
@@ -350,8 +362,6 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
         if meta.get("reward_components") is not None:  # a reward function's components beside its scalar reward
             comps = meta["reward_components"]
             t.reward_components = {k: (t.reward_components or {}).get(k, 0.0) + float(v) for k, v in comps.items()}
-        if meta.get("reward_error"):
-            t.error, t.error_detail = meta["reward_error"], meta.get("reward_error_detail")
         t.mask_sample = t.mask_sample or bool(meta.get("mask_sample", False))
         t.messages[-1].flags = [f for f in MESSAGE_FLAGS if meta.get(f)]
         meta = {k: v for k, v in meta.items() if k not in _PER_TURN_KEYS}
@@ -371,7 +381,9 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     Each rank plays its contiguous share between ``generator.wake_up()`` and ``generator.sleep()`` (vLLM's
     step order; no-ops for hf), runs its environments' ``global_post_process_and_metrics``, then the
     trajectories are gathered over ``group`` (None: the default group). An exception on any rank becomes a
-    `RolloutError` on every rank, so no rank is left waiting in a collective.
+    `RolloutError` on every rank, so no rank is left waiting in a collective; so does a rollout that comes back
+    with more or fewer than P x G samples. Samples whose environment failed after its retries are in it, failed
+    (``Trajectory.error``): the trainer masks them.
     """
     trajs = new_trajectories(prompts, num_generations)
     n = len(trajs)
@@ -393,6 +405,10 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     if errors:
         raise RolloutError("; ".join(errors))
     gathered = [t for p in parts for t in p[0]]
+    if len(gathered) != n:  # the same on every rank: every rank raises
+        raise RolloutError(f"the rollout returned {len(gathered)} samples for {len(prompts)} prompts x "
+                           f"{num_generations} generations = {n} (per rank: {[len(p[0]) for p in parts]}): a "
+                           "rollout that comes back short is an error, never a shorter batch")
     slowest = {k: max(p[2].get(k, 0.0) for p in parts) for k in ("generate_s", "env_step_s")}
     merged: dict[str, float] = {}
     for p in parts:

@@ -24,6 +24,7 @@ import importlib
 from typing import Any
 
 from grpo.tasks.catalogue import TASKS, load
+from grpo.tasks.failures import RetryPolicy
 from grpo.tasks.function import EnvError
 from grpo.tasks.interface import Environment
 from grpo.tasks.pool import check_reward_fn
@@ -111,9 +112,10 @@ def task_specs(env_cfg, split: str = "train") -> dict[str, Any]:
     return specs
 
 
-def build_environments(env_cfg, data_cfg=None, split: str = "train") -> Environments:
-    """Every environment of the run (see `task_specs`), wrapped in `Environments` with its observation format;
-    the reward environments are known to give scalar rewards (`Environments` rejects a mix of kinds)."""
+def build_environments(env_cfg, data_cfg=None, split: str = "train", rollout_failure=None) -> Environments:
+    """Every environment of the run (see `task_specs`), wrapped in `Environments` with its observation format
+    and the retry budgets of ``rollout_failure`` (``grpo.rollout_failure``; None: one attempt per call); the
+    reward environments are known to give scalar rewards (`Environments` rejects a mix of kinds)."""
     envs, formats, kinds = {}, {}, {}
     specs = task_specs(env_cfg, split)
     try:
@@ -122,7 +124,7 @@ def build_environments(env_cfg, data_cfg=None, split: str = "train") -> Environm
             envs[task] = build_environment(spec, data_cfg, "env" if spec is env_cfg else f"env.{section}.{task}")
             formats[task] = observation_format(spec)
             kinds[task] = "scalar" if isinstance(envs[task], RewardEnvironment) else None
-        return Environments(envs, env_cfg.step_timeout_s, formats, kinds)
+        return Environments(envs, env_cfg.step_timeout_s, formats, kinds, retry=RetryPolicy.of(rollout_failure))
     except BaseException:
         for env in envs.values():  # workers the environments built so far have started
             shutdown = getattr(env, "shutdown", None)

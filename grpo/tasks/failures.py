@@ -154,3 +154,57 @@ def backoff_s(retry: int, base_s: float, max_s: float) -> float:
 def attempts_allowed(kind: str, max_infra_attempts: int, max_data_attempts: int) -> int:
     """How many attempts in all (the first included) a call that failed with ``kind`` may take."""
     return max_infra_attempts if kind == INFRA else max_data_attempts
+
+
+def failure_of_exception(exc: BaseException, reason: str, detail: str) -> Failure:
+    """The `Failure` of an exception an environment or reward call raised: an HTTP error by its status
+    (`http_reason`), anything else as ``reason`` (``env_error`` / ``reward_error``); the class by
+    `classify_exception`.
+
+        >>> failure_of_exception(ConnectionResetError(), "env_error", "tb").kind
+        'infra'
+        >>> class Bad(Exception): status = 503
+        >>> failure_of_exception(Bad(), "env_error", "tb").reason
+        'http_5xx'
+    """
+    status = _status(exc)
+    return Failure.of(http_reason(status) if status is not None else reason, detail, classify_exception(exc))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The retry budgets of environment and reward calls (``grpo.rollout_failure``, NeMo-RL's
+    ``RolloutRetryPolicy``): attempts in all, the first included, per failure class, as two independent counters
+    (a sample may take up to ``max_infra_attempts + max_data_attempts - 1`` attempts), and the backoff before an
+    infra retry. The defaults live in the config only; `single_attempt` is the explicit no-retry policy of an
+    `Environments` built by hand.
+
+        >>> p = RetryPolicy(5, 2, 1.0, 30.0)
+        >>> p.may_retry(INFRA, failures_of_kind=4), p.may_retry(INFRA, failures_of_kind=5), p.may_retry(DATA, 1)
+        (True, False, True)
+    """
+
+    max_infra_attempts: int
+    max_data_attempts: int
+    backoff_base_s: float
+    max_backoff_s: float
+
+    @classmethod
+    def single_attempt(cls) -> RetryPolicy:
+        return cls(1, 1, 0.0, 0.0)
+
+    @classmethod
+    def of(cls, section) -> RetryPolicy:
+        """From a ``grpo.rollout_failure`` section (`grpo.config.RolloutFailureConfig`; None: `single_attempt`)."""
+        if section is None:
+            return cls.single_attempt()
+        return cls(section.max_infra_attempts_per_prompt, section.max_data_attempts_per_prompt,
+                   section.backoff_base_s, section.max_backoff_s)
+
+    def may_retry(self, kind: str, failures_of_kind: int) -> bool:
+        """Whether a call that has failed ``failures_of_kind`` times with class ``kind`` gets another attempt."""
+        return failures_of_kind < attempts_allowed(kind, self.max_infra_attempts, self.max_data_attempts)
+
+    def backoff_s(self, infra_failures: int) -> float:
+        """Seconds to wait before the retry that follows infra failure number ``infra_failures`` (`backoff_s`)."""
+        return backoff_s(infra_failures, self.backoff_base_s, self.max_backoff_s)

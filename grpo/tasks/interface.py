@@ -35,20 +35,37 @@ the first step that returns the second kind.
 
 Per-sample flags an environment may put in ``metadata[b]`` (a dict):
 
-- ``mask_sample: True``: the sample keeps its place in its group's baseline but leaves the loss
-  (NeMo-RL's ``_apply_mask_sample_filter``); counted in ``train/num_mask_sample_filtered``;
+- ``mask_sample: True``: the sample leaves the loss (NeMo-RL's ``_apply_mask_sample_filter``) and, with
+  ``env.should_mask_flagged_samples`` (default true), its group's baseline too, as a failed sample does;
+  counted in ``train/num_mask_sample_filtered``;
 - ``invalid_tool_call: True`` / ``malformed_thinking: True``: flag the assistant message just answered,
   so ``grpo.invalid_tool_call_advantage`` / ``grpo.malformed_thinking_advantage`` overwrite the advantage
   of its tokens.
 
 ``rewards`` may also be a dict of ``[B]`` tensors (named reward components, GDPO); the scalar reward is
 then their sum.
+
+When something other than the policy's output breaks (`grpo.tasks.failures`): a call that raises, runs past
+``env.step_timeout_s`` or returns what `check_return` refuses fails for all its samples, and the router
+(`grpo.tasks.router.Environments`) retries it within ``grpo.rollout_failure``'s budgets. An environment that
+can tell that only some samples of a call failed (a reward function that raised on one completion, an HTTP
+request that got a 503 for one sample) says so per sample, in ``EnvironmentReturn.failures``::
+
+    failures=[None, Failure.of("http_5xx", "503 from the judge"), None]     # grpo.tasks.failures.Failure
+
+The router calls `step` again on those samples alone, with the same conversations and metadata (never new
+generations), and keeps the others' results. A sample that still fails is masked (out of the loss and out of
+its group's baseline), never scored: its other fields in the return are placeholders nobody reads (any valid
+value: an empty observation, reward 0.0, its metadata). What the policy wrote (a wrong answer, a malformed tool
+call) is never a failure: score it, flag it, penalise it.
 """
 
 from __future__ import annotations
 
 import abc
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+from grpo.tasks.failures import Failure
 
 if TYPE_CHECKING:  # torch is imported where it is used: reward worker processes import this package
     import torch
@@ -71,6 +88,9 @@ class EnvironmentReturn(NamedTuple, Generic[MetadataT]):
     rewards:            ``[B]`` reward of this turn (or a dict of named ``[B]`` components)
     terminateds:        ``[B]`` bool: the episode ended this turn
     answers:            per sample, the answer the environment extracted (for logs), or None
+    failures:           grpo-ds: per sample, a `grpo.tasks.failures.Failure` when that sample failed for a reason
+                        outside the policy (retried, then masked; see the module docstring), else None;
+                        None (the default, NeMo-RL's six fields): no sample failed
     """
 
     observations: list[dict[str, str] | list[dict[str, str]]]
@@ -79,6 +99,7 @@ class EnvironmentReturn(NamedTuple, Generic[MetadataT]):
     rewards: torch.Tensor | dict[str, torch.Tensor]
     terminateds: torch.Tensor
     answers: list[str | None] | None
+    failures: list[Failure | None] | None = None
 
 
 class Environment(abc.ABC, Generic[MetadataT]):
@@ -108,22 +129,30 @@ def check_return(ret: Any, n: int) -> EnvironmentReturn:
     """Validate an environment's return for a call with ``n`` samples; raises ValueError naming the field.
 
     Normalises what NeMo-RL allows: ``next_stop_strings`` / ``answers`` may be None (all None); rewards and
-    terminateds may be lists. Each observation becomes a list of messages; rewards become float32,
-    terminateds bool; non-finite rewards are rejected.
+    terminateds may be lists; a plain tuple of NeMo-RL's six fields has no ``failures``. Each observation
+    becomes a list of messages; rewards become float32, terminateds bool; non-finite rewards are rejected;
+    ``failures`` becomes one entry per sample (None: did not fail).
 
         >>> r = check_return(EnvironmentReturn([{"role": "user", "content": "hi"}], [{}], None, [1.0], [True], None), 1)
-        >>> r.observations, r.rewards, r.terminateds, r.next_stop_strings
-        ([[{'role': 'user', 'content': 'hi'}]], tensor([1.]), tensor([True]), [None])
+        >>> r.observations, r.rewards, r.terminateds, r.next_stop_strings, r.failures
+        ([[{'role': 'user', 'content': 'hi'}]], tensor([1.]), tensor([True]), [None], [None])
     """
     import torch
 
-    if not isinstance(ret, tuple) or len(ret) != 6:
-        raise ValueError(f"step returned {type(ret).__name__}, expected an EnvironmentReturn (6 fields)")
-    observations, metadata, stops, rewards, terminateds, answers = ret
+    if not isinstance(ret, tuple) or len(ret) not in (6, 7):
+        raise ValueError(f"step returned {type(ret).__name__}, expected an EnvironmentReturn (6 fields, or 7 with "
+                         "failures)")
+    observations, metadata, stops, rewards, terminateds, answers = ret[:6]
+    failures = ret[6] if len(ret) == 7 else None
     stops = [None] * n if stops is None else list(stops)
     answers = [None] * n if answers is None else list(answers)
+    failures = [None] * n if failures is None else list(failures)
+    for i, f in enumerate(failures):
+        if f is not None and not isinstance(f, Failure):
+            raise ValueError(f"EnvironmentReturn.failures[{i}]={f!r}: expected None or a grpo.tasks.failures.Failure "
+                             "(Failure.of(reason, detail))")
     for name, value in (("observations", observations), ("metadata", metadata), ("next_stop_strings", stops),
-                        ("answers", answers)):
+                        ("answers", answers), ("failures", failures)):
         if len(value) != n:
             raise ValueError(f"EnvironmentReturn.{name} has {len(value)} entries for {n} samples")
     observations = [list(obs) if isinstance(obs, (list, tuple)) else [obs] for obs in observations]
@@ -151,4 +180,4 @@ def check_return(ret: Any, n: int) -> EnvironmentReturn:
     term = torch.as_tensor(terminateds).reshape(-1).bool()
     if term.numel() != n:
         raise ValueError(f"EnvironmentReturn.terminateds has {term.numel()} values for {n} samples")
-    return EnvironmentReturn(list(observations), list(metadata), stops, rewards, term, answers)
+    return EnvironmentReturn(list(observations), list(metadata), stops, rewards, term, answers, failures)

@@ -1,11 +1,14 @@
-"""The router: the run's environments by task name, each step run in a thread with a timeout.
+"""The router: the run's environments by task name, each step run in a thread with a timeout, failed calls retried.
 
-    envs = build_environments(cfg.env, cfg.data)          # grpo.tasks.factory
-    ret, error = envs.step("arithmetic", message_logs, metadata)
+    envs = build_environments(cfg.env, cfg.data, cfg.grpo.rollout_failure)   # grpo.tasks.factory
+    ret, retries = envs.step("arithmetic", message_logs, metadata)
+    ret.failures[b]     # None, or the Failure of sample b after its retries (grpo.tasks.failures)
 
 A data row's ``task_name`` (``data.task_key``) picks its environment (`grpo.tasks.factory.task_specs`). A
-failing, hanging or malformed environment costs only the samples of its call. What is wrong with the run's
-environments together (scalar rewards from one, dicts from another) stops the run (`EnvError`).
+failing, hanging or malformed environment costs only the samples of its call, and those are retried
+(`Environments.step`) before they fail for good; a sample that still fails is masked by the trainer, never
+scored. What is wrong with the run's environments together (scalar rewards from one, dicts from another)
+stops the run (`EnvError`).
 
 After a rollout, each environment's ``global_post_process_and_metrics`` gets its samples as NeMo-RL's rollout
 batch (`rollout_batch`).
@@ -13,10 +16,16 @@ batch (`rollout_batch`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
+import time
 import traceback
+from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
 
+from grpo.tasks.failures import INFRA, Failure, RetryPolicy, failure_of_exception
 from grpo.tasks.function import EnvError
 from grpo.tasks.interface import Environment, EnvironmentReturn, check_return
 
@@ -26,24 +35,45 @@ OBSERVATION_FORMATS = ("raw", "chat_template")
 REWARD_KINDS = ("scalar", "dict")
 
 
+class StepResult(NamedTuple):
+    """What `Environments.step` returns. ``ret``: one row per sample of the call; ``ret.failures[b]`` is the
+    `Failure` of sample b when it still failed after its retries (its other fields are then placeholders: never
+    read them), else None. ``retries[b]``: how many times sample b was called again, whether or not the retry
+    succeeded."""
+
+    ret: EnvironmentReturn
+    retries: list[int]
+
+
 class Environments:
     """The run's environments by task name, each `step` call bounded by ``step_timeout_s`` seconds.
 
-    An environment whose `step` raises, runs past its timeout or returns a malformed `EnvironmentReturn`
-    costs only the samples of that call: `step` returns ``(None, "env_error" | "env_timeout")`` and the
-    rollout ends them with reward 0. The first failure of each kind per task is logged with its traceback;
-    ``num_failures`` counts them all. Each call runs in a daemon thread: a step that never returns is left
-    behind (it cannot be killed) and never blocks the trainer's exit.
+    An environment whose `step` raises (``env_error``, or the ``http_*`` reason of an HTTP error), runs past
+    its timeout (``env_timeout``) or returns what `check_return` refuses (``env_malformed``) fails for the
+    samples of that call; an environment may also report single samples failed (``EnvironmentReturn.failures``).
+    `step` retries failed samples within ``retry``'s budgets (`grpo.tasks.failures.RetryPolicy`: NeMo-RL's
+    ``max_infra_attempts_per_prompt`` / ``max_data_attempts_per_prompt``, independent counters per sample),
+    after an exponential backoff when one of them failed for an infra reason, at once otherwise. The first
+    failure of each reason per task is logged with its traceback; ``num_failures`` counts failed sample
+    attempts, ``num_retries`` sample retries, ``last_error`` describes the newest failure. Each call runs in a
+    daemon thread: a step that never returns is left behind (it cannot be killed) and never blocks the
+    trainer's exit.
     """
 
     def __init__(self, envs: dict[str, Environment], step_timeout_s: float,
-                 observation_formats: dict[str, str] | None = None, reward_kinds: dict[str, str | None] | None = None):
+                 observation_formats: dict[str, str] | None = None, reward_kinds: dict[str, str | None] | None = None,
+                 retry: RetryPolicy | None = None, sleep: Callable[[float], None] = time.sleep):
         """``observation_formats``: task -> "raw" | "chat_template" (`observation_format`; missing tasks:
         chat_template); ``reward_kinds``: task -> "scalar" | "dict" where known before the first step (an
-        environment's own ``reward_kind`` attribute comes first). Known kinds that differ raise EnvError."""
+        environment's own ``reward_kind`` attribute comes first). Known kinds that differ raise EnvError.
+        ``retry``: the budgets (``grpo.rollout_failure``; None: one attempt, no retry, NeMo-RL's
+        ``single_attempt`` for callers that build their own); ``sleep``: waits out a backoff (tests record it)."""
         self.envs = envs
         self.step_timeout_s = step_timeout_s
+        self.retry = retry or RetryPolicy.single_attempt()
+        self._sleep = sleep
         self.num_failures = 0
+        self.num_retries = 0
         self.last_error: str | None = None
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
@@ -98,19 +128,67 @@ class Environments:
         schemas = [s for env in self.envs.values() for s in (getattr(env, "schemas", None) or [])]
         return schemas or None
 
-    def step(self, task: str, message_logs: list, metadata: list) -> tuple[EnvironmentReturn | None, str | None]:
-        """One checked `Environment.step` of ``task``'s environment: ``(return, None)``, or ``(None, error)``
-        with the error's kind and traceback in `last_error`. An environment that bounds its own time
-        (``bounds_own_time = True``: the reward and tool environments, whose worker processes have per-call
-        timeouts, and which must start those workers from a thread that lives on) is called in this thread."""
-        result: dict = {}
+    def step(self, task: str, message_logs: list, metadata: list) -> StepResult:
+        """One `Environment.step` of ``task``'s environment for these samples, failed samples retried.
+
+        Each attempt is checked (`check_return`); a call that fails fails all its samples, a return may fail
+        some (``failures``). A failed sample is called again, alone with the others that failed, with the same
+        conversation and metadata (a fresh copy per attempt: what a failed attempt changed in place is not
+        seen), while its class's budget lasts; the results of all attempts are spliced into one return, in the
+        samples' order. Before a retry that follows an infra failure: ``backoff_s`` of the sample that has
+        failed most often (NeMo-RL's ``backoff_base_s · 2^(k − 1)``, capped at ``max_backoff_s``); data
+        failures are retried at once. An environment that bounds its own time (``bounds_own_time = True``: the
+        reward and tool environments, whose worker processes have per-call timeouts, and which must start those
+        workers from a thread that lives on) is called in this thread."""
+        n = len(message_logs)
+        rows: list[tuple[EnvironmentReturn, int] | None] = [None] * n  # sample -> (the return it came in, row)
+        failures: list[Failure | None] = [None] * n
+        retries = [0] * n
+        failed_by_kind = [Counter() for _ in range(n)]
+        pending, first = list(range(n)), None
+        while pending:
+            ret, failure = self._attempt(task, [message_logs[i] for i in pending], [metadata[i] for i in pending])
+            first = ret if len(pending) == n and first is None else first
+            again, waits = [], []
+            for j, i in enumerate(pending):
+                f = failure if ret is None else ret.failures[j]
+                failures[i] = f
+                if f is None:
+                    rows[i] = (ret, j)
+                    continue
+                rows[i] = None
+                failed_by_kind[i][f.kind] += 1
+                self._failed(task, f)
+                if self.retry.may_retry(f.kind, failed_by_kind[i][f.kind]):
+                    again.append(i)
+                    retries[i] += 1
+                    if f.kind == INFRA:
+                        waits.append(self.retry.backoff_s(failed_by_kind[i][INFRA]))
+            if again:
+                with self._lock:
+                    self.num_retries += len(again)
+                if waits:
+                    self._sleep(max(waits))
+            pending = again
+        return StepResult(_splice(rows, failures, first), retries)
+
+    def _attempt(self, task: str, message_logs: list, metadata: list) -> tuple[EnvironmentReturn | None,
+                                                                               Failure | None]:
+        """One checked call: ``(return, None)`` or ``(None, failure of the whole call)``."""
         env = self.envs[task]
+        result: dict = {}
+        logs, meta = _fresh(message_logs), _fresh(metadata)
 
         def call() -> None:
             try:
-                result["ret"] = check_return(env.step(message_logs, metadata), len(message_logs))
-            except BaseException:
-                result["error"] = traceback.format_exc()
+                raw = env.step(logs, meta)
+            except Exception as err:
+                result["failure"] = failure_of_exception(err, "env_error", traceback.format_exc())
+                return
+            try:
+                result["ret"] = check_return(raw, len(logs))
+            except Exception as err:  # noqa: BLE001 - whatever a strange return raises while it is checked
+                result["failure"] = Failure.of("env_malformed", f"{type(err).__name__}: {err}")
 
         if getattr(env, "bounds_own_time", False):
             call()
@@ -119,26 +197,29 @@ class Environments:
             thread.start()
             thread.join(self.step_timeout_s)
             if thread.is_alive():
-                return None, self._failed(task, "env_timeout",
-                                          f"no return within env.step_timeout_s={self.step_timeout_s}")
-        if "error" in result:
-            return None, self._failed(task, "env_error", result["error"])
+                return None, Failure.of("env_timeout", f"no return within env.step_timeout_s={self.step_timeout_s}")
+            if not result:  # SystemExit and its kin end the thread without a word
+                return None, Failure.of("env_error", "step ended its thread without returning or raising an Exception")
+        if "failure" in result:
+            return None, result["failure"]
         ret = result["ret"]
         self._note_reward_kind(task, "dict" if isinstance(ret.rewards, dict) else "scalar", "returned")
         return ret, None
 
-    def _failed(self, task: str, kind: str, detail: str) -> str:
+    def _failed(self, task: str, failure: Failure) -> None:
+        """Count one failed sample attempt, remember it as `last_error`, log the first of its reason."""
+        env_name = type(self.envs[task]).__name__
         with self._lock:
             self.num_failures += 1
-            self.last_error = f"environment {task!r}: {detail}"[-4000:]
-            if (task, kind) in self._logged:
-                return kind
-            self._logged.add((task, kind))
-        logger.warning("environment %r (task %r): step %s; its samples end with reward 0 and the run goes on "
-                       "(later failures are only counted in train/env_errors):\n%s",
-                       type(self.envs[task]).__name__, task, "timed out" if kind == "env_timeout" else "failed",
-                       detail)
-        return kind
+            self.last_error = f"environment {task!r} ({env_name}): {failure.reason}: {failure.detail}"[-4000:]
+            if (task, failure.reason) in self._logged:
+                return
+            self._logged.add((task, failure.reason))
+        logger.warning("environment %r (task %r): a sample failed with %s (%s): retried within grpo.rollout_failure's "
+                       "budget (max_%s_attempts_per_prompt), then masked out of the loss and its group's baseline, "
+                       "never scored (later %s failures are only counted in rollout/failed_samples/%s):\n%s",
+                       env_name, task, failure.reason, failure.kind, failure.kind, failure.reason, failure.reason,
+                       failure.detail)
 
     def post_process(self, trajectories: list) -> tuple[list, dict[str, float]]:
         """Each environment's ``global_post_process_and_metrics`` on its own samples as NeMo-RL's rollout batch
@@ -173,6 +254,57 @@ class Environments:
             shutdown = getattr(env, "shutdown", None)
             if shutdown is not None:
                 shutdown()
+
+
+def _fresh(values: list) -> list:
+    """A deep copy of an attempt's conversations or metadata, so an attempt that changed them in place (or a
+    timed-out one still running) cannot change what a retry sees; the values themselves when they cannot be
+    copied (an environment's own handles in its metadata)."""
+    try:
+        return copy.deepcopy(values)
+    except Exception:  # noqa: BLE001 - whatever an uncopyable object raises
+        return list(values)
+
+
+def _splice(rows: list, failures: list, first: EnvironmentReturn | None) -> EnvironmentReturn:
+    """One return for the whole call from the rows of its attempts (``rows[b]``: ``(return, row)``, None for a
+    failed sample), with ``failures``. When every surviving row is its own row of one return of the whole call
+    (no retry was needed, or none succeeded: then ``first``, the first attempt's return when it came back),
+    that return itself; otherwise a new one, a failed sample's fields
+    placeholders (no observation, reward 0.0, metadata None, terminated) and, with dict rewards, a component a
+    retried call did not return 0.0.
+
+        >>> import torch
+        >>> a = EnvironmentReturn([[{"role": "user", "content": "x"}]] * 2, [{}, {}], [None] * 2, torch.tensor([1., 2.]),
+        ...                       torch.tensor([True, True]), [None] * 2, [None, Failure.of("env_timeout")])
+        >>> b = EnvironmentReturn([[{"role": "user", "content": "y"}]], [{"b": 1}], [None], torch.tensor([5.]),
+        ...                       torch.tensor([False]), ["five"], [None])
+        >>> r = _splice([(a, 0), (b, 0)], [None, None], None)
+        >>> r.rewards.tolist(), r.terminateds.tolist(), r.metadata, r.answers, r.failures
+        ([1.0, 5.0], [True, False], [{}, {'b': 1}], [None, 'five'], [None, None])
+    """
+    import torch
+
+    n = len(rows)
+    sources = {id(r[0]) for r in rows if r is not None}
+    whole = next((r[0] for r in rows if r is not None), first)
+    if whole is not None and len(sources) <= 1 and len(whole.observations) == n and all(
+            r is None or r[1] == b for b, r in enumerate(rows)):
+        return whole._replace(failures=list(failures))
+    dict_rewards = any(isinstance(r[0].rewards, dict) for r in rows if r is not None)
+    keys = list(dict.fromkeys(k for r in rows if r is not None and dict_rewards for k in r[0].rewards))
+
+    def field(name: str, placeholder):
+        return [placeholder if r is None else getattr(r[0], name)[r[1]] for r in rows]
+
+    if dict_rewards:
+        rewards = {k: torch.tensor([0.0 if r is None or k not in r[0].rewards else float(r[0].rewards[k][r[1]])
+                                    for r in rows], dtype=torch.float32) for k in keys}
+    else:
+        rewards = torch.tensor([0.0 if r is None else float(r[0].rewards[r[1]]) for r in rows], dtype=torch.float32)
+    return EnvironmentReturn(field("observations", []), field("metadata", None), field("next_stop_strings", None),
+                             rewards, torch.tensor([r is None or bool(r[0].terminateds[r[1]]) for r in rows]),
+                             field("answers", None), list(failures))
 
 
 def rollout_batch(trajectories: list) -> dict:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpo.system.chat import ChatFormat
+from grpo.tasks.failures import RetryPolicy
 from grpo.tasks.router import Environments
 from grpo.tasks.interface import Environment, EnvironmentReturn
 from grpo.system.generation.base import GenerationOutput
@@ -139,18 +140,67 @@ class Malformed(Echo):
         return EnvironmentReturn([{"role": "user"}], [{}], None, torch.ones(1), torch.ones(1), None)
 
 
-@pytest.mark.parametrize("env, error", [(Raises(), "env_error"), (Hangs(), "env_timeout"),
-                                        (Malformed(), "env_error")])
-def test_an_environment_that_raises_hangs_or_returns_garbage_costs_only_its_samples(env, error):
+@pytest.mark.parametrize("env, error, kind", [(Raises(), "env_error", "data"), (Hangs(), "env_timeout", "infra"),
+                                              (Malformed(), "env_malformed", "data")])
+def test_an_environment_that_raises_hangs_or_returns_garbage_fails_only_its_samples_unscored(env, error, kind):
     trajs = new_trajectories(rows(["ab"]) + [dataclasses.replace(rows(["cd"])[0], index=1, task_name="good")], 2)
-    envs = Environments({"echo": env, "good": Echo(turns=1)}, step_timeout_s=0.5)
+    sleeps = []
+    envs = Environments({"echo": env, "good": Echo(turns=1)}, step_timeout_s=0.5,
+                        retry=RetryPolicy(2, 2, 0.25, 1.0), sleep=sleeps.append)
     t0 = time.perf_counter()
     run_conversations(trajs, [(1, 1, i, "t") for i in range(4)], FakeGenerator(), envs, ChatFormat(TOK),
                       TurnSettings(max_turns=3, max_total_len=64, chunk_size=8, max_new_tokens=8))
     assert time.perf_counter() - t0 < 10
     assert [t.error for t in trajs] == [error, error, None, None]
+    assert [t.failure_kind for t in trajs] == [kind, kind, None, None]
+    assert trajs[0].error_detail and [t.retries for t in trajs] == [1, 1, 0, 0]  # tried twice, failed twice
     assert [t.reward for t in trajs] == [0.0, 0.0, 1.0, 1.0] and all(t.done for t in trajs)
-    assert envs.num_failures == 1
+    assert envs.num_failures == 4 and sleeps == ([0.25] if kind == "infra" else [])
+
+
+class FailsOnce(Echo):
+    """Echo whose second call (turn 2) raises once: the retry succeeds."""
+
+    def step(self, message_logs, metadata):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            raise TimeoutError("the judge timed out")
+        return super().step(message_logs, metadata)
+
+
+def test_a_turn_retried_after_a_failure_plays_exactly_as_a_clean_one_and_counts_its_retry():
+    clean, _, _ = play(Echo(turns=3))
+    sleeps = []
+    trajs = new_trajectories(rows(["ab", "cd"]), 2)
+    run_conversations(trajs, [(7, 1, i, "train") for i in range(4)], FakeGenerator(),
+                      Environments({"echo": FailsOnce(turns=3)}, 5, retry=RetryPolicy(3, 2, 0.5, 1.0),
+                                   sleep=sleeps.append),
+                      ChatFormat(TOK), TurnSettings(max_turns=4, max_total_len=64, chunk_size=3, max_new_tokens=8))
+    assert [t.token_ids() for t in trajs] == [t.token_ids() for t in clean]
+    assert [t.reward for t in trajs] == [t.reward for t in clean] and all(t.error is None for t in trajs)
+    assert [t.retries for t in trajs] == [1, 1, 1, 1] and sleeps == [0.5]
+
+
+class Short(FakeGenerator):
+    def generate(self, prompt_ids, seeds, **kw):
+        return super().generate(prompt_ids, seeds, **kw)[:-1]
+
+
+def test_a_rollout_that_comes_back_short_is_an_error_never_a_shorter_batch(monkeypatch):
+    settings = TurnSettings(max_turns=1, max_total_len=64, chunk_size=4, max_new_tokens=8)
+    kw = dict(base_seed=3, step=2, gen_batch=0, stream="train", rank=0, world_size=1)
+    with pytest.raises(RolloutError, match="generation returned 3 outputs for 4 prompts"):
+        generate_rollout(rows(["ab", "cd"]), 2, Short(), Environments({"echo": Echo()}, 5), ChatFormat(TOK),
+                         settings, **kw)
+    import grpo.system.rollout as rollout
+
+    def drops_the_last_sample(objs, group=None):  # a gather that lost a sample on the way
+        return [(objs[0][0][:-1], *objs[0][1:])]
+
+    monkeypatch.setattr(rollout, "all_gather_objects", drops_the_last_sample)
+    with pytest.raises(RolloutError, match=r"returned 3 samples for 2 prompts x 2 generations = 4 \(per rank: \[3\]\)"):
+        generate_rollout(rows(["ab", "cd"]), 2, FakeGenerator(), Environments({"echo": Echo()}, 5), ChatFormat(TOK),
+                         settings, **kw)
 
 
 def test_chunks_tag_the_weight_version_they_were_generated_with():
