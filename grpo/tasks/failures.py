@@ -96,7 +96,7 @@ def http_reason(status: int) -> str:
     return {408: "http_408", 429: "http_429"}.get(status, "http_4xx")
 
 
-def _status(exc: BaseException) -> int | None:
+def http_status(exc: BaseException) -> int | None:
     """The HTTP status an exception carries (aiohttp's ``.status``, httpx / openai ``.status_code`` or
     ``.response.status_code``), or None."""
     for obj in (exc, getattr(exc, "response", None)):
@@ -130,7 +130,7 @@ def classify_exception(exc: BaseException) -> str:
         if current is None or id(current) in seen:
             break
         seen.add(id(current))
-        status = _status(current)
+        status = http_status(current)
         if status is not None:
             return INFRA if http_status_is_infra(status) else DATA
         if isinstance(current, (TimeoutError, ConnectionError)):
@@ -167,7 +167,7 @@ def failure_of_exception(exc: BaseException, reason: str, detail: str) -> Failur
         >>> failure_of_exception(Bad(), "env_error", "tb").reason
         'http_5xx'
     """
-    status = _status(exc)
+    status = http_status(exc)
     return Failure.of(http_reason(status) if status is not None else reason, detail, classify_exception(exc))
 
 

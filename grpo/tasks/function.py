@@ -6,7 +6,10 @@ A reward function (``env.name=function``, ``env.reward_fn="package.module:functi
         ...
 
 It is called positionally, once per sample, in a worker process (so it may raise or hang: that costs
-only its own sample, which scores 0 and is counted). ``question`` is the dataset question (before the
+only its own sample, which is scored again within ``grpo.rollout_failure``'s budgets, then masked, never
+scored 0; `grpo.tasks.reward`). Raise for what is wrong outside the completion (a judge server that does
+not answer: ``ConnectionError`` / ``TimeoutError`` or an HTTP error with a ``status``, retried with backoff);
+return a low reward for what the completion got wrong. ``question`` is the dataset question (before the
 prompt template), ``completion`` the decoded generated text, ``answer`` the reference answer as a
 string, ``meta`` the row's extra data (the other columns of a file row, or a reasoning-gym entry).
 

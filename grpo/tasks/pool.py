@@ -23,8 +23,11 @@ sandboxed ``python`` tool's per-call scratch directories live there too) cannot 
 did before it was killed. The roots of one pool sit in a ``grpo-pool-*`` directory of the trainer's temp dir,
 locked (``flock``) by the trainer; a new pool removes those whose trainer died without closing them (kill -9).
 
-An outcome is ``("ok", call's return value)`` (scoring: ``(reward, components)``), ``("error", traceback
-text)`` or ``("timeout", text)``.
+An outcome is ``("ok", call's return value)`` (scoring: ``(reward, components)``), ``("error", CallError)``
+or ``("timeout", text)``. A `CallError` is classified in the worker, where the exception still exists (NeMo-RL's
+rule: classify before crossing a process boundary, `grpo.tasks.failures.classify_exception`): its class
+(``infra`` / ``data``), the HTTP status it carried, and its traceback; ``str()`` of it is the traceback. A worker
+that dies in a call (a crash, the out-of-memory killer) is an infra error, as NeMo-RL counts a crashed worker.
 """
 
 from __future__ import annotations
@@ -43,10 +46,37 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from grpo.tasks.failures import INFRA, classify_exception, http_status
 from grpo.tasks.function import EnvError, resolve_reward_fn, score_sample
 from grpo.system.signals import set_parent_death_signal
 
 Outcome = tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class CallError:
+    """What a call raised: its class (``"infra"`` / ``"data"``), the HTTP status its exception carried (or None)
+    and its traceback text (also its ``str()``)."""
+
+    kind: str
+    detail: str
+    status: int | None = None
+
+    def __str__(self) -> str:
+        return self.detail
+
+    @classmethod
+    def of(cls, err: BaseException) -> CallError:
+        """The error of ``err``, being handled now (its traceback is the current one).
+
+            >>> try:
+            ...     raise ConnectionRefusedError("judge down")
+            ... except OSError as err:
+            ...     e = CallError.of(err)
+            >>> e.kind, e.status, str(e).splitlines()[-1]
+            ('infra', None, 'ConnectionRefusedError: judge down')
+        """
+        return cls(classify_exception(err), traceback.format_exc(), http_status(err))
 
 
 def _worker_main(conn: Connection, spec: Any, load: Callable, call: Callable, parent_pid: int | None = None,
@@ -74,9 +104,13 @@ def _worker_main(conn: Connection, spec: Any, load: Callable, call: Callable, pa
         if sample is None:
             return
         try:
-            conn.send(("ok", call(fn, sample)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
+            result = ("ok", call(fn, sample))
+        except BaseException as err:  # noqa: BLE001 - SystemExit from the user's code costs only its sample
+            result = ("error", CallError.of(err))
+        try:
+            conn.send(result)
+        except Exception as err:  # the result cannot be pickled
+            conn.send(("error", CallError.of(err)))
 
 
 @dataclass
@@ -189,8 +223,8 @@ class WorkerPool:
                 pending.appendleft(i)
                 self._replace(w)
                 continue
-            except Exception:  # the sample itself cannot be pickled
-                outcomes[i] = ("error", traceback.format_exc())
+            except Exception as err:  # the sample itself cannot be pickled
+                outcomes[i] = ("error", CallError.of(err))
                 continue
             w.task, w.deadline = i, time.monotonic() + self.timeout_s
 
@@ -212,7 +246,8 @@ class WorkerPool:
                 if not w.ready:
                     raise EnvError(f"{self.what} worker for {self.spec!r} died while starting "
                                    f"(exit code {w.process.exitcode})") from None
-                outcomes[w.task] = ("error", f"{self.what} worker process died (exit code {w.process.exitcode})")
+                outcomes[w.task] = ("error", CallError(INFRA, f"{self.what} worker process died (exit code "
+                                                              f"{w.process.exitcode})"))
                 self._replace(w)
                 continue
             if kind == "init_error":

@@ -54,7 +54,7 @@ class Environments:
     `step` retries failed samples within ``retry``'s budgets (`grpo.tasks.failures.RetryPolicy`: NeMo-RL's
     ``max_infra_attempts_per_prompt`` / ``max_data_attempts_per_prompt``, independent counters per sample),
     after an exponential backoff when one of them failed for an infra reason, at once otherwise. The first
-    failure of each reason per task is logged with its traceback; ``num_failures`` counts failed sample
+    failure of each reason and class per task is logged with its traceback; ``num_failures`` counts failed sample
     attempts, ``num_retries`` sample retries, ``last_error`` describes the newest failure. Each call runs in a
     daemon thread: a step that never returns is left behind (it cannot be killed) and never blocks the
     trainer's exit.
@@ -207,19 +207,19 @@ class Environments:
         return ret, None
 
     def _failed(self, task: str, failure: Failure) -> None:
-        """Count one failed sample attempt, remember it as `last_error`, log the first of its reason."""
+        """Count one failed sample attempt, remember it as `last_error`, log the first of its reason and class."""
         env_name = type(self.envs[task]).__name__
         with self._lock:
             self.num_failures += 1
             self.last_error = f"environment {task!r} ({env_name}): {failure.reason}: {failure.detail}"[-4000:]
-            if (task, failure.reason) in self._logged:
+            if (task, failure.reason, failure.kind) in self._logged:
                 return
-            self._logged.add((task, failure.reason))
+            self._logged.add((task, failure.reason, failure.kind))
         logger.warning("environment %r (task %r): a sample failed with %s (%s): retried within grpo.rollout_failure's "
                        "budget (max_%s_attempts_per_prompt), then masked out of the loss and its group's baseline, "
-                       "never scored (later %s failures are only counted in rollout/failed_samples/%s):\n%s",
-                       env_name, task, failure.reason, failure.kind, failure.kind, failure.reason, failure.reason,
-                       failure.detail)
+                       "never scored (later %s (%s) failures are only counted in rollout/failed_samples/%s):\n%s",
+                       env_name, task, failure.reason, failure.kind, failure.kind, failure.reason, failure.kind,
+                       failure.reason, failure.detail)
 
     def post_process(self, trajectories: list) -> tuple[list, dict[str, float]]:
         """Each environment's ``global_post_process_and_metrics`` on its own samples as NeMo-RL's rollout batch

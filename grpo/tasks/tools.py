@@ -23,9 +23,14 @@ Per sample, `ToolEnvironment.step` parses the last (assistant) message:
     its process died, or tools are disabled): a well-formed call to a real tool that failed at run time. Not
     an invalid call: the model gets the error text back and the message is not flagged (metadata
     ``tool_error: True`` says so), as NeMo-Gym returns a raising tool's error as the call's output.
+  Neither is a rollout failure (`grpo.tasks.failures`): what a tool call does is the policy's outcome (the
+  arguments it wrote, the code it asked to run: a call that hangs or kills its worker may be the policy's
+  doing), so the sample goes on with the error as its observation and keeps its reward and penalties.
 - no tool call: the final answer. The reward is the verifier's (``fn(question, completion, answer, meta)``
-  on that message, e.g. ``grpo.tasks.math:math_reward``); terminated. A verifier that raises or hangs costs
-  only its sample (reward 0, counted in ``verifier_error_rate``).
+  on that message, e.g. ``grpo.tasks.math:math_reward``); terminated. A verifier that raises or hangs is a
+  reward failure (``reward_error`` / ``reward_timeout``, `grpo.tasks.reward`): reported in
+  ``EnvironmentReturn.failures``, never scored; the router verifies that sample again (a final answer has no
+  tool call to run again), then the trainer masks it. Counted in ``verifier_error_rate`` (per verification).
 
 Metrics since the last `global_post_process_and_metrics` call (logged as ``train/env/<task>/<name>``):
 ``tool_calls_per_sample``, ``samples_with_tool_calls``, ``tool_calls_per_sample/<tool>``, ``invalid_call_rate``
@@ -102,11 +107,15 @@ class ToolEnvironment(Environment):
         parsed = [parse_tool_calls(text, self.format, self._schema_by_name) for text in texts]
         replies = self._answer_calls(parsed)
         finals = [b for b in range(n) if not parsed[b]]
-        final_rewards = self._verify([metadata[b] for b in finals], [texts[b] for b in finals])
+        final_rewards, final_failures = self._verify([metadata[b] for b in finals], [texts[b] for b in finals])
+        failures = [None] * n
+        for b, failure in zip(finals, final_failures):
+            failures[b] = failure
 
         observations, meta_out = [], []
         rewards, terminateds = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
-        self._counts["samples"] += sum("tool_calls" not in md for md in metadata)
+        # A sample is counted once, when it first comes back unfailed (a failed one is verified again).
+        self._counts["samples"] += sum("tool_calls" not in md and f is None for md, f in zip(metadata, failures))
         for b in range(n):
             calls_so_far = metadata[b].get("tool_calls", 0)
             self._counts["samples_with_calls"] += bool(parsed[b]) and calls_so_far == 0
@@ -125,6 +134,7 @@ class ToolEnvironment(Environment):
             observations=observations, metadata=meta_out,
             next_stop_strings=[None if terminateds[b] else list(self.stop_strings) for b in range(n)],
             rewards=rewards, terminateds=terminateds, answers=[texts[b] if terminateds[b] else None for b in range(n)],
+            failures=failures,
         )
 
     def _precheck(self, call: ParsedCall, k: int) -> tuple[str, str] | None:
@@ -173,16 +183,17 @@ class ToolEnvironment(Environment):
                 self._counts[f"errors/{kind}"] += 1
         return replies
 
-    def _verify(self, metadata: list[dict], texts: list[str]) -> list[float]:
+    def _verify(self, metadata: list[dict], texts: list[str]) -> tuple[list[float], list]:
+        """The verifier's rewards of final answers and their failures (`grpo.tasks.reward.ScoreResult`)."""
         if not texts:
-            return []
+            return [], []
         result = self._verifier.score([
             {"question": md.get("question", ""), "completion": text, "answer": md.get("answer", ""),
              "meta": md.get("meta") or {}} for md, text in zip(metadata, texts)
         ])
         self._counts["final_answers"] += len(texts)
         self._counts["verifier_errors"] += result.num_errors + result.num_timeouts
-        return result.rewards
+        return result.rewards, result.failures
 
     # -- metrics and lifecycle ---------------------------------------------------------------------
     def global_post_process_and_metrics(self, batch: dict) -> tuple[dict, dict]:

@@ -15,10 +15,27 @@ def exact(question: str, completion: str, answer: str, meta: dict) -> float:
     return float(completion.strip() == answer)
 
 
+class HTTPStatusError(Exception):
+    """An HTTP client's error: it carries the response's status (as httpx's and aiohttp's do)."""
+
+    def __init__(self, status: int):
+        super().__init__(f"the judge answered HTTP {status}")
+        self.status_code = status
+
+
 def by_question(question: str, completion: str, answer: str, meta: dict) -> float:
-    """"raise" raises, "hang" sleeps 60 s, "crash" kills its process, "nan" returns NaN; else `exact`."""
+    """"raise" raises, "hang" sleeps 60 s, "crash" kills its process, "nan" returns NaN, "connection" raises
+    ConnectionRefusedError, "http503" / "http404" an HTTP error with that status, "once" raises
+    ConnectionRefusedError the first time (until the file ``meta["once"]`` exists); else `exact`."""
     if question == "raise":
         raise RuntimeError("boom from the reward function")
+    if question == "connection":
+        raise ConnectionRefusedError("the judge is down")
+    if question.startswith("http"):
+        raise HTTPStatusError(int(question[4:]))
+    if question == "once" and not os.path.exists(meta["once"]):
+        open(meta["once"], "w").close()
+        raise ConnectionRefusedError("the judge is down, once")
     if question == "hang":
         time.sleep(60)
     if question == "crash":

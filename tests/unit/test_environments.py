@@ -19,6 +19,7 @@ from grpo.config import DataConfig, EnvConfig
 from grpo.system.data import load_rows
 from grpo.tasks.factory import build_environment
 from grpo.tasks.function import EnvError
+from grpo.tasks.pool import CallError
 from grpo.tasks.reward import RewardEnvironment, ScoreResult, collect
 from grpo.tasks.arithmetic import arithmetic_reward
 from grpo.tasks.function import score_sample, to_reward
@@ -84,11 +85,13 @@ def test_score_sample_calls_positionally_with_meta():
     assert seen == [("Q", "C", "A", {"k": 1})]
 
 
-def test_collect_fills_failed_and_missing_components_with_zero():
-    outcomes = [("ok", (1.5, {"f": 0.5, "c": 1.0})), ("error", "tb"), ("ok", (2.0, {"g": 2.0})), ("timeout", "t"),
-                ("ok", (0.5, None))]
+def test_collect_reports_failures_unscored_and_fills_missing_components_with_zero():
+    outcomes = [("ok", (1.5, {"f": 0.5, "c": 1.0})), ("error", CallError("data", "tb")), ("ok", (2.0, {"g": 2.0})),
+                ("timeout", "t"), ("ok", (0.5, None))]
     r = collect(outcomes, seconds=2.0)
-    assert r.rewards == [1.5, 0.0, 2.0, 0.0, 0.5]
+    assert r.rewards == [1.5, 0.0, 2.0, 0.0, 0.5]  # the failed samples' 0.0 are placeholders
+    assert [f and (f.reason, f.kind, f.detail) for f in r.failures] == [
+        None, ("reward_error", "data", "tb"), None, ("reward_timeout", "infra", "t"), None]
     assert r.components == [{"f": 0.5, "c": 1.0, "g": 0.0}, {"f": 0.0, "c": 0.0, "g": 0.0},
                             {"f": 0.0, "c": 0.0, "g": 2.0}, {"f": 0.0, "c": 0.0, "g": 0.0},
                             {"f": 0.0, "c": 0.0, "g": 0.0}]
@@ -175,37 +178,77 @@ def test_build_env_function_checks_the_name():
         build_environment(EnvConfig(name="function", reward_fn=f"{FNS}:NOT_A_FUNCTION"))
 
 
-def test_failures_cost_only_their_own_samples(caplog):
+def test_failures_cost_only_their_own_samples_classified_in_the_worker():
     timeout_s = 1.5
     batch = [
         sample("ok", "1", "1"), sample("hang", "1", "1"), sample("raise", "1", "1"), sample("ok", "2", "1"),
-        sample("crash", "1", "1"), sample("nan", "1", "1"), sample("ok", "3", "3"),
+        sample("crash", "1", "1"), sample("nan", "1", "1"), sample("ok", "3", "3"), sample("connection"),
+        sample("http503"), sample("http404"),
     ]
     env = build_environment(EnvConfig(name="function", reward_fn=f"{FNS}:by_question", num_workers=2, timeout_s=timeout_s))
-    with env, caplog.at_level(logging.WARNING, logger="grpo.tasks.reward"):
+    with env:
         start = time.monotonic()
         result = env.score(batch)
         elapsed = time.monotonic() - start
-        assert result.rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-        assert (result.num_errors, result.num_timeouts) == (3, 1)  # raise, crash, nan; hang
-        assert result.metrics["env/error_rate"] == pytest.approx(3 / 7)
-        assert result.metrics["env/timeout_rate"] == pytest.approx(1 / 7)
+        assert result.rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # failures: placeholders
+        # Classified where the exception existed (the worker): the reward's own bugs (RuntimeError, a NaN that
+        # to_reward refuses) are data; a timeout, a dead worker, a refused connection, a 503 are infra.
+        assert [f and (f.reason, f.kind) for f in result.failures] == [
+            None, ("reward_timeout", "infra"), ("reward_error", "data"), None, ("reward_error", "infra"),
+            ("reward_error", "data"), None, ("reward_error", "infra"), ("http_5xx", "infra"), ("http_4xx", "data")]
+        assert "boom from the reward function" in result.failures[2].detail and "Traceback" in result.failures[2].detail
+        assert "exit code 3" in result.failures[4].detail
+        assert (result.num_errors, result.num_timeouts) == (6, 1)
+        assert result.metrics["env/error_rate"] == pytest.approx(6 / 10)
+        assert result.metrics["env/timeout_rate"] == pytest.approx(1 / 10)
         assert elapsed < 20, elapsed  # bounded: the hung sample costs one timeout, not 60 s
         assert env._pool.num_restarts == 2  # the hung worker and the crashed one were replaced
-        first_logs = [r.getMessage() for r in caplog.records]
-        assert len(first_logs) == 2  # one per failure kind, with the traceback
-        assert any("raised" in m and "boom from the reward function" in m and "Traceback" in m for m in first_logs)
-        assert any("timed out" in m and "'hang'" in m for m in first_logs)
 
-        # Later batches: failures are counted but not logged again; nothing is left hanging.
-        caplog.clear()
+        # Later batches: nothing is left hanging.
         start = time.monotonic()
         result = env.score([sample("raise"), sample("ok", "5", "5"), sample("ok", "6", "6"), sample("hang")])
-        assert result.rewards == [0.0, 1.0, 1.0, 0.0] and (result.num_errors, result.num_timeouts) == (1, 1)
-        assert caplog.records == []
+        assert [f and f.reason for f in result.failures] == ["reward_error", None, None, "reward_timeout"]
+        assert result.rewards[1:3] == [1.0, 1.0] and (result.num_errors, result.num_timeouts) == (1, 1)
         assert time.monotonic() - start < 20
         assert len([p for p in mp.active_children() if p.name == "grpo-reward-worker"]) == 2
     assert [p for p in mp.active_children() if p.name == "grpo-reward-worker"] == []  # closed
+
+
+def test_an_in_process_reward_is_classified_the_same_way():
+    env = RewardEnvironment(f"{FNS}:by_question", in_process=True)
+    result = env.score([sample("connection"), sample("raise"), sample("ok", "1", "1")])
+    assert [f and (f.reason, f.kind) for f in result.failures] == [("reward_error", "infra"), ("reward_error", "data"),
+                                                                   None]
+    assert result.rewards[2] == 1.0
+
+
+def test_a_reward_environment_reports_failed_samples_and_the_router_scores_just_those_again(tmp_path, caplog):
+    """Per-sample reward failures through the router (grpo.tasks.router.Environments): only the failed samples
+    are scored again; one that fails once (a judge that refused a connection) ends with its real reward; one
+    that always raises ends failed after max_data_attempts_per_prompt, logged once with its traceback."""
+    from grpo.tasks.failures import RetryPolicy
+    from grpo.tasks.router import Environments
+
+    sleeps = []
+    envs = Environments({"t": RewardEnvironment(f"{FNS}:by_question", num_workers=2, timeout_s=10)}, 30,
+                        retry=RetryPolicy(3, 2, 0.5, 1.0), sleep=sleeps.append)
+    questions = ["ok", "once", "raise", "ok"]
+    logs = [[{"role": "user", "content": q}, {"role": "assistant", "content": "7"}] for q in questions]
+    meta = [{"question": q, "answer": "7", "meta": {"once": str(tmp_path / f"once{i}")}} for i, q in enumerate(questions)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="grpo.tasks.router"):
+            ret, retries = envs.step("t", logs, meta)
+    finally:
+        envs.close()
+    assert [f and (f.reason, f.kind) for f in ret.failures] == [None, None, ("reward_error", "data"), None]
+    assert [ret.rewards[b].item() for b in (0, 1, 3)] == [1.0, 1.0, 1.0]
+    assert retries == [0, 1, 1, 0] and sleeps == [0.5]  # the infra failure waited; the data one did not
+    assert (tmp_path / "once1").exists() and not (tmp_path / "once0").exists()  # sample 0 was scored once
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2  # one per reason and class: the connection, the raise
+    assert any("reward_error (data)" in m and "boom from the reward function" in m and "Traceback" in m
+               for m in logged)
+    assert envs.num_failures == 3 and envs.num_retries == 2
 
 
 def test_timeout_is_per_sample_from_dispatch():

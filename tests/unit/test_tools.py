@@ -258,12 +258,31 @@ def test_disabled_tools_answer_every_call_with_an_error():
         env.shutdown()
 
 
-def test_verifier_failure_costs_only_its_sample():
-    env = ToolEnvironment([f"{FNS}:add"], "tests.helpers.reward_fns_for_tests:by_question", num_workers=1, verifier_timeout_s=10)
+def test_a_verifier_failure_is_a_reward_failure_of_its_sample_and_a_tool_error_is_not(tmp_path):
+    """The verifier raising is a reward failure (reported, never scored 0); the router verifies that sample again
+    and only it: a sample mid-tool-call is not called again, its tool does not run twice."""
+    from grpo.tasks.failures import RetryPolicy
+    from grpo.tasks.router import Environments
+
+    env = ToolEnvironment([f"{FNS}:add", f"{FNS}:fail"], "tests.helpers.reward_fns_for_tests:by_question",
+                          num_workers=1, verifier_timeout_s=10)
     try:
-        ret = step(env, "1", "1", metadata=[row("raise", "1"), row("ok", "1")])
-        assert ret.rewards.tolist() == [0.0, 1.0] and ret.terminateds.all()
+        ret = step(env, "1", "1", hermes("fail", {"message": "boom"}), metadata=[row("raise", "1"), row("ok", "1"), row()])
+        assert [f and (f.reason, f.kind) for f in ret.failures] == [("reward_error", "data"), None, None]
+        assert ret.rewards[1] == 1.0 and ret.terminateds.tolist() == [True, True, False]
+        assert ret.observations[2][0]["content"] == "error: RuntimeError: boom"  # a tool error: the policy's outcome
         assert env.global_post_process_and_metrics([])[1]["verifier_error_rate"] == 0.5
+
+        envs = Environments({"tools": env}, 30, retry=RetryPolicy(3, 2, 0.5, 1.0), sleep=lambda s: None)
+        once = {"question": "once", "answer": "1", "meta": {"once": str(tmp_path / "once")}, "task_name": "tools"}
+        logs = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": t}]
+                for t in ("1", hermes("add", {"a": 1, "b": 2}))]
+        ret, retries = envs.step("tools", logs, [once, row()])
+        assert ret.failures == [None, None] and retries == [1, 0]
+        assert ret.rewards[0] == 1.0 and ret.observations[1][0]["content"] == "3"
+        metrics = env.global_post_process_and_metrics([])[1]
+        assert metrics["tool_calls_per_sample"] == 0.5  # two samples, counted once each; one call, run once
+        assert metrics["verifier_error_rate"] == 0.5  # per verification: the failed one and its retry
     finally:
         env.shutdown()
 
