@@ -16,8 +16,9 @@ message per sample, a reward for the turn, whether the episode ended, and new me
 ``message_logs[b]`` is sample b's conversation as ``[{"role": ..., "content": ...}, ...]``, ending with the
 assistant message just generated. ``metadata[b]`` is whatever the environment returned for b last turn
 (first turn: the dataset row's ``{"question", "answer", "meta", "task_name"}``); a sample whose returned
-metadata is None keeps its previous metadata (NeMo-RL's rollout). Rewards of all turns add up to the sample's
-reward. A single-turn task is an environment that terminates every sample at once.
+metadata is None keeps its previous metadata (NeMo-RL's rollout). `step` gets copies of the conversations and
+metadata (as a NeMo-RL environment, a Ray actor, gets them serialised): return what changed, an in-place
+change is not kept. Rewards of all turns add up to the sample's reward. A single-turn task is an environment that terminates every sample at once.
 
 How an observation becomes tokens is ``env.observation_format`` (`grpo.system.chat`): for ``env.name: class``
 environments, NeMo-RL's way by default: the content alone, as tokens (NeMo-RL's environments answer with

@@ -318,7 +318,8 @@ def rollout_batch(trajectories: list) -> dict:
     - ``extra_env_info``: the sample's metadata as the environment left it; ``task_name``; ``idx``: the data
       row's index (a list); ``stop_strings``: the row's first-turn stop strings (or None);
     - ``length``: prompt tokens [B]; ``batch_max_length`` [B]; ``loss_multiplier`` [B]: 0.0 for samples the
-      environment masked (``mask_sample``), else 1.0;
+      environment masked (``mask_sample``) and failed ones (``Trajectory.error``: their ``total_reward`` is a
+      0.0 placeholder, not a score), else 1.0;
     - ``total_reward`` [B] (float32) and ``truncated`` [B] (bool); each named reward component (dict rewards)
       under its own name, [B] (0.0 where a sample has not got it).
 
@@ -363,7 +364,7 @@ def rollout_batch(trajectories: list) -> dict:
         "stop_strings": [getattr(t, "stop_strings", None) for t in trajectories],
         "length": length,
         "batch_max_length": torch.full_like(length, width),
-        "loss_multiplier": torch.tensor([0.0 if t.mask_sample else 1.0 for t in trajectories]),
+        "loss_multiplier": torch.tensor([0.0 if t.mask_sample or t.error is not None else 1.0 for t in trajectories]),
         "total_reward": total,
         "truncated": truncated,
         "rewards": total.clone(),

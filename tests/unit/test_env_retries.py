@@ -192,3 +192,22 @@ def test_a_failure_that_is_not_a_failure_object_is_malformed():
 
     ret, _, _, _ = step(Says())
     assert ret.failures[0].reason == "env_malformed" and "EnvironmentReturn.failures[0]='oops'" in ret.failures[0].detail
+
+
+def test_an_environment_sees_copies_and_a_failed_sample_leaves_the_hooks_loss_multiplier():
+    from grpo.system.rollout import Message, Trajectory
+    from grpo.tasks.router import rollout_batch
+
+    class InPlace(Count):
+        def step(self, message_logs, metadata):
+            metadata[0]["mine"] = True  # not kept: NeMo-RL's environments get serialised copies too
+            return super().step(message_logs, metadata)._replace(metadata=[None] * len(message_logs))
+
+    logs, meta = logs_and_meta(("a",))
+    Environments({"t": InPlace()}, 5).step("t", logs, meta)
+    assert meta == [{}]
+    ok = Trajectory(0, 0, "t", "q", "a", [Message("user", "q", [1]), Message("assistant", "x", [2], [-0.1])], {},
+                    reward=1.0, num_prompt_messages=1)
+    failed = Trajectory(0, 0, "t", "q", "a", [Message("user", "q", [1]), Message("assistant", "y", [3], [-0.1])], {},
+                        error="env_timeout", failure_kind="infra", num_prompt_messages=1)
+    assert rollout_batch([ok, failed])["loss_multiplier"].tolist() == [1.0, 0.0]

@@ -121,7 +121,7 @@ def test_the_conversation_loop_sets_terminated_and_max_turns_reached():
             done = [len(log) == 2 and i == 0 for i, log in enumerate(logs)]
             return SimpleNamespace(rewards=[1.0] * len(logs), terminateds=done, metadata=metas,
                                    observations=[[{"role": "user", "content": "o"}] for _ in logs],
-                                   next_stop_strings=[None] * len(logs)), None
+                                   next_stop_strings=[None] * len(logs), failures=[None] * len(logs)), [0] * len(logs)
 
     class Chat:
         def observation_ids(self, log, new, last):
