@@ -211,7 +211,8 @@ class Environments:
         env_name = type(self.envs[task]).__name__
         with self._lock:
             self.num_failures += 1
-            self.last_error = f"environment {task!r} ({env_name}): {failure.reason}: {failure.detail}"[-4000:]
+            self.last_error = (f"environment {task!r} ({env_name}): {failure.reason} ({failure.kind}): "
+                               f"{failure.detail[-3000:]}")
             if (task, failure.reason, failure.kind) in self._logged:
                 return
             self._logged.add((task, failure.reason, failure.kind))

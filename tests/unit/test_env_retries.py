@@ -211,3 +211,13 @@ def test_an_environment_sees_copies_and_a_failed_sample_leaves_the_hooks_loss_mu
     failed = Trajectory(0, 0, "t", "q", "a", [Message("user", "q", [1]), Message("assistant", "y", [3], [-0.1])], {},
                         error="env_timeout", failure_kind="infra", num_prompt_messages=1)
     assert rollout_batch([ok, failed])["loss_multiplier"].tolist() == [1.0, 0.0]
+
+
+def test_the_run_builds_its_environments_with_grpo_rollout_failure():
+    from grpo.config import DataConfig, EnvConfig, RolloutFailureConfig
+    from grpo.tasks.factory import build_environments
+
+    section = RolloutFailureConfig(max_infra_attempts_per_prompt=3, backoff_base_s=0.5, max_backoff_s=4.0)
+    envs = build_environments(EnvConfig(name="arithmetic"), DataConfig(), rollout_failure=section)
+    assert envs.retry == RetryPolicy(max_infra_attempts=3, max_data_attempts=2, backoff_base_s=0.5, max_backoff_s=4.0)
+    assert build_environments(EnvConfig(name="arithmetic"), DataConfig()).retry == RetryPolicy.single_attempt()
