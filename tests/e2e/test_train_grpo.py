@@ -77,8 +77,10 @@ def test_single_process_run_logs_required_metrics(tmp_path):
 
 
 def test_reward_function_that_raises_or_hangs_costs_only_its_sample(tmp_path):
+    # Small retry budgets: a hanging sample is retried after each timeout, and each costs a worker restart.
     python_train(tmp_path, "env.name=function", "env.reward_fn=tests.helpers.e2e_reward_fns:flaky_reward",
-                     "env.timeout_s=2", "grpo.max_num_steps=2", timeout=300)
+                 "env.timeout_s=2", "grpo.max_num_steps=2", "grpo.rollout_failure.max_infra_attempts_per_prompt=2",
+                 "grpo.rollout_failure.backoff_base_s=0.1", "grpo.rollout_failure.max_backoff_s=0.1", timeout=300)
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2]
     assert rows[1]["train/reward_errors"] + rows[1]["train/reward_timeouts"] > 0
