@@ -122,8 +122,8 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
 
 
 def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
-             top_k: int | None = None, top_p: float = 1.0, prompt_lens_b: torch.Tensor | None = None,
-             needs: tuple[str, ...] = (), packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                    top_k: int | None = None, top_p: float = 1.0, prompt_lens_b: torch.Tensor | None = None,
+                    needs: tuple[str, ...] = (), packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """`forward_logprobs`' ``(filtered, unfiltered, extras)``; ``extras`` holds what ``needs`` asks for
     (`grpo.loss.LOSS_NEEDS`): ``entropy_bt`` (`grpo.logprobs.aligned_entropy_from_logits`, masked like the
     logprobs) and ``logits_btv`` (the raw logits). A forward that needs them runs whole (no shared prompt).
