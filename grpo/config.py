@@ -878,7 +878,7 @@ class EnvSpec(_Section):
         "equivalence of the final answer; dapo_math_verify: DAPO's, the last 'Answer: ...' line in the "
         "completion's last 300 characters must equal the gold answer as a string after DAPO's normalisation."))
     tools: list[str] = Field(default_factory=list, description=(
-        "env.name=tools: package.module:function of each tool (typed, documented; grpo.system.sandbox:python runs "
+        "env.name=tools: package.module:function of each tool (typed, documented; grpo.tasks.sandbox:python runs "
         "code in a sandbox)."))
     tool_call_format: Literal["hermes", "compact"] = Field("hermes", description=(
         "hermes: <tool_call>{json}</tool_call> (Qwen2.5 / Qwen3); compact: <name>argument</name> (the char toy)."))
