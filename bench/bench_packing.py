@@ -44,7 +44,7 @@ def main() -> None:
     from bench_step import build_workload
     from grpo.system.engines import FrozenModel
     from grpo.system.shared_prefix import prompt_lengths
-    from grpo.system.training import TokenBatching, _forward, compute_logprobs, token_micro_batches
+    from grpo.system.training import TokenBatching, logprob_forward, compute_logprobs, token_micro_batches
     from tests.helpers.batches import train_batch
 
     torch.set_num_threads(args.threads)
@@ -84,7 +84,7 @@ def main() -> None:
             t = time.perf_counter()
             for mb in [batch] if batching is None else token_micro_batches(batch, batching):
                 lens = prompt_lengths(mb.token_mask_bt, mb.attention_mask_bt) if share else None
-                lp, _, _ = _forward(engine, mb.input_ids_bt, mb.attention_mask_bt, prompt_lens_b=lens,
+                lp, _, _ = logprob_forward(engine, mb.input_ids_bt, mb.attention_mask_bt, prompt_lens_b=lens,
                                     packing=batching.packing() if batching is not None else None)
                 (lp * mb.token_mask_bt).sum().backward()
             times[mode]["train"].append(time.perf_counter() - t)

@@ -15,8 +15,8 @@ import that runs up a layer, on any import cycle, and on a module that no layer 
 1. leaves: the process group (`grpo.system.dist`: rank_slice, all_gather_objects, any_rank,
    init_distributed) and POSIX signals (`grpo.system.signals`); they import nothing of grpo.
 2. tasks (`grpo.tasks`): what the policy talks to and what scores it: the environment interface, the router
-   that runs environments in threads with timeouts, the reward and tool environments, and one module per
-   built-in task, found through `grpo.tasks.catalogue`. Nothing here knows how the policy is trained.
+   that runs environments in threads with timeouts, the reward and tool environments, the tools' sandbox, and
+   one module per built-in task, found through `grpo.tasks.catalogue`. Nothing here knows how the policy is trained.
 3. config (`grpo.config`): the typed configuration; it reads the task catalogue for the task names.
 4. algorithm (grpo's top-level modules above): pure functions on tensors and the config: the batch, the
    step phases, advantages and their registry, the loss, rewards, dynamic sampling, logprobs, metrics, and
@@ -24,7 +24,7 @@ import that runs up a layer, on any import cycle, and on a module that no layer 
    The place a research fork edits.
 5. system (`grpo.system`): what runs the algorithm: DeepSpeed engines, the training forward
    (`grpo.system.training`), generation backends, weights, offload, checkpoints, run directories, data,
-   rollouts, tracking, dumps, the tool sandbox.
+   rollouts, tracking, dumps.
 6. composition: loading the config (`grpo.config_load`; NeMo-RL's recipes: `grpo.nemo_rl_recipe` loads them and
    `grpo.nemo_rl_rules` translates them key by key), a run's setup and teardown (`grpo.run`), the async
    loop's producer thread, and the command-line tools (`grpo.plot`, `grpo.inspect`); the loops themselves

@@ -849,6 +849,10 @@ class DataConfig(_Section):
         return self
 
 
+# Modules that moved, by their old name: specs (package.module:function) naming the old one still load.
+MOVED_MODULES = {"grpo.system.sandbox": "grpo.tasks.sandbox"}
+
+
 class EnvSpec(_Section):
     """One environment: a reward function (single-turn), the built-in multi-turn task, or a user class."""
 
@@ -878,7 +882,7 @@ class EnvSpec(_Section):
         "equivalence of the final answer; dapo_math_verify: DAPO's, the last 'Answer: ...' line in the "
         "completion's last 300 characters must equal the gold answer as a string after DAPO's normalisation."))
     tools: list[str] = Field(default_factory=list, description=(
-        "env.name=tools: package.module:function of each tool (typed, documented; grpo.system.sandbox:python runs "
+        "env.name=tools: package.module:function of each tool (typed, documented; grpo.tasks.sandbox:python runs "
         "code in a sandbox)."))
     tool_call_format: Literal["hermes", "compact"] = Field("hermes", description=(
         "hermes: <tool_call>{json}</tool_call> (Qwen2.5 / Qwen3); compact: <name>argument</name> (the char toy)."))
@@ -887,6 +891,16 @@ class EnvSpec(_Section):
     max_tool_calls_per_turn: int = Field(4, gt=0, description="Tool calls run per assistant message at most.")
     disable_tools: bool = Field(False, description=(
         "Answer every tool call with an error (an ablation: same task, same model, no tool results)."))
+
+    @field_validator("tools")
+    @classmethod
+    def _moved_tools(cls, tools: list[str]) -> list[str]:
+        """Tool specs whose module moved keep working: ``grpo.system.sandbox:python`` is ``grpo.tasks.sandbox:python``.
+
+            >>> EnvSpec(name="tools", tools=["grpo.system.sandbox:python"], reward_fn="m:f").tools
+            ['grpo.tasks.sandbox:python']
+        """
+        return [MOVED_MODULES.get(t.split(":")[0], t.split(":")[0]) + t[len(t.split(":")[0]):] for t in tools]
 
     @model_validator(mode="after")
     def _check(self) -> "EnvSpec":

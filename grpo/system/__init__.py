@@ -8,6 +8,5 @@ of `grpo/__init__.py`.
 - `grpo.system.rollout`     multi-turn rollouts over the environments (`grpo.tasks`); `grpo.system.generation`
 - `grpo.system.data`        prompt rows and the resumable loader; `grpo.system.chat` for chat templates
 - `grpo.system.packed`      the packed forward (sequence packing): samples back to back, positions restarting
-- weights, offload, checkpoint, rundir, replay, health, signals, tracking, dumps, shared_prefix, ds_config,
-  and the python tool's sandbox
+- weights, offload, checkpoint, rundir, replay, health, signals, tracking, dumps, shared_prefix, ds_config
 """

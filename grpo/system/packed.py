@@ -37,7 +37,7 @@ PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "f
 @dataclass(frozen=True)
 class Packing:
     """How a forward packs: rows padded to a multiple of ``sequence_length_round``; ``always``: packed even where the
-    padded rows or shared prompts run fewer slots (`grpo.system.training._forward` picks the cheapest otherwise)."""
+    padded rows or shared prompts run fewer slots (`grpo.system.training.logprob_forward` picks the cheapest otherwise)."""
 
     sequence_length_round: int = 1
     always: bool = False

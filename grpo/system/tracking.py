@@ -23,6 +23,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo.config import LoggerConfig
 
 
 NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -153,7 +157,7 @@ def timed(metrics: dict, phase: str) -> Iterator[None]:
 
 
 class MetricsLogger:
-    def __init__(self, cfg, rank: int = 0, run_config: dict | None = None, total_steps: int | None = None,
+    def __init__(self, cfg: LoggerConfig, rank: int = 0, run_config: dict | None = None, total_steps: int | None = None,
                  resume_step: int = 0):
         self.cfg = cfg
         self.enabled = rank == 0

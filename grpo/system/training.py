@@ -40,7 +40,7 @@ class TokenBatching:
     """How one phase (logprobs or training) cuts a rank's rows into micro-batches by token budget.
 
     ``packed``: each micro-batch is a bin of `grpo.packing.pack_bins`, run packed (`grpo.system.packed`) where
-    that is the cheapest forward (`_forward`); else (dynamic batching) `grpo.packing.dynamic_micro_batches`, run
+    that is the cheapest forward (`logprob_forward`); else (dynamic batching) `grpo.packing.dynamic_micro_batches`, run
     right-padded to its longest row rounded up to ``sequence_length_round``."""
 
     packed: bool
@@ -116,14 +116,14 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
     several rows share goes through the model once (`grpo.system.shared_prefix`: same values up to rounding). Not
     under ZeRO-3, where every forward is a collective and ranks would have to agree on sharing.
     """
-    lp_bt, full_bt, _ = _forward(engine, input_ids_bt, attention_mask_bt, temperature, chunk_size, top_k=top_k,
+    lp_bt, full_bt, _ = logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature, chunk_size, top_k=top_k,
                                  top_p=top_p, prompt_lens_b=prompt_lens_b)
     return (lp_bt, full_bt) if return_unfiltered else lp_bt
 
 
-def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
-             top_k: int | None = None, top_p: float = 1.0, prompt_lens_b: torch.Tensor | None = None,
-             needs: tuple[str, ...] = (), packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
+                    top_k: int | None = None, top_p: float = 1.0, prompt_lens_b: torch.Tensor | None = None,
+                    needs: tuple[str, ...] = (), packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """`forward_logprobs`' ``(filtered, unfiltered, extras)``; ``extras`` holds what ``needs`` asks for
     (`grpo.loss.LOSS_NEEDS`): ``entropy_bt`` (`grpo.logprobs.aligned_entropy_from_logits`, masked like the
     logprobs) and ``logits_btv`` (the raw logits). A forward that needs them runs whole (no shared prompt).
@@ -167,7 +167,7 @@ def _forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, 
 
 
 def _packed(engine, ids_bt, mask_bt, attention, sequence_length_round, logprobs, needs, temperature, chunk_size):
-    """`_forward` on packed rows (`grpo.system.packed`), unpacked to ``[B, T]``."""
+    """`logprob_forward` on packed rows (`grpo.system.packed`), unpacked to ``[B, T]``."""
     logits_krv, ids_kr, source_kr = packed_forward(engine, attention, ids_bt, mask_bt, sequence_length_round)
     lp_kr, full_kr = logprobs(logits_krv, ids_kr)
     lp_bt, full_bt = unpack_aligned(lp_kr, source_kr, mask_bt), unpack_aligned(full_kr, source_kr, mask_bt)
@@ -190,7 +190,7 @@ def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
     ``top_k`` / ``top_p``: the sampler's filter (policy.generation.top_k / top_p) for the previous-policy
     logprobs; leave them off for the reference policy (NeMo-RL: its top-k set is not the policy's).
     ``batching``: micro-batches by token budget (`TokenBatching`: packed rows or dynamic batches) instead of
-    ``micro_batch_size`` rows (a packed micro-batch shares prompts only where that runs fewer tokens: `_forward`).
+    ``micro_batch_size`` rows (a packed micro-batch shares prompts only where that runs fewer tokens: `logprob_forward`).
     Ranks may hold different numbers of rows: every rank runs as many forwards as the busiest one
     (the extra ones on a dummy row), since each ZeRO-3 forward is a collective.
     """
@@ -211,7 +211,7 @@ def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
             if batching is not None:
                 width = max(int(mask.sum(dim=1).max()), 1)
                 width = width if batching.packed else batching.width(width, T)
-            lp, _, _ = _forward(engine, input_ids_bt[rows, :width], mask[:, :width], temperature, chunk_size,
+            lp, _, _ = logprob_forward(engine, input_ids_bt[rows, :width], mask[:, :width], temperature, chunk_size,
                                 top_k=top_k, top_p=top_p,
                                 prompt_lens_b=prompt_lens_b[rows] if prompt_lens_b is not None else None,
                                 packing=batching.packing() if batching is not None else None)
@@ -247,7 +247,7 @@ def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossCl
     prompt run it once (`grpo.system.shared_prefix`; prompts end where ``token_mask_bt`` starts). ``needs``: what
     the closure also gets from the same forward, as keywords (`grpo.loss.LOSS_NEEDS`: ``entropy_bt=``,
     ``logits_btv=``); none by default. ``packing``: each micro-batch runs packed (`grpo.system.packed`, rows
-    padded to a multiple of it), or with its prompts shared where that runs fewer tokens (`_forward`).
+    padded to a multiple of it), or with its prompts shared where that runs fewer tokens (`logprob_forward`).
 
     ``variable``: the number of micro-batches is not DeepSpeed's gradient_accumulation_steps (micro-batches by
     token budget, `TokenBatching`): the ranks agree on the largest count, a rank with fewer runs the rest on a
@@ -284,14 +284,14 @@ def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossCl
                 engine.set_gradient_accumulation_boundary(i == n_all - 1)
             if i >= len(micro_batches):  # a dummy: the collectives of a forward and a backward, zero gradient
                 dummy = torch.zeros((1, 2), dtype=torch.long)
-                lp_bt, _, _ = _forward(engine, dummy, torch.ones_like(dummy), temperature, chunk_size)
+                lp_bt, _, _ = logprob_forward(engine, dummy, torch.ones_like(dummy), temperature, chunk_size)
                 engine.backward(lp_bt.sum() * 0.0, scale_wrt_gas=False)
                 engine.step()
                 continue
             mb = to_device(micro_batches[i], engine.device)
             ids_bt, mask_bt = mb.input_ids_bt, mb.attention_mask_bt
             prompt_lens_b = prompt_lengths(mb.token_mask_bt, mask_bt) if share_prompts else None
-            logprobs_bt, unfiltered_bt, extras = _forward(engine, ids_bt, mask_bt, temperature, chunk_size,
+            logprobs_bt, unfiltered_bt, extras = logprob_forward(engine, ids_bt, mask_bt, temperature, chunk_size,
                                                           top_k=top_k, top_p=top_p, prompt_lens_b=prompt_lens_b,
                                                           needs=needs, packing=packing)
             if needs_filter(top_k, top_p):

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from grpo.system.engines import FrozenModel
 from grpo.system.packed import Packing, check_packable, unpackable_reason
-from grpo.system.training import TokenBatching, _forward, compute_logprobs
+from grpo.system.training import TokenBatching, logprob_forward, compute_logprobs
 
 
 def make_model(attn: str, arch: str = "llama"):
@@ -51,7 +51,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_forward(attn, arch, top,
     outs, grads = [], []
     for packing in (None, Packing(1), Packing(8, always=True)):
         model.zero_grad()
-        lp, full, extras = _forward(engine, ids, mask, 0.7, needs=("entropy", "logits"), packing=packing,
+        lp, full, extras = logprob_forward(engine, ids, mask, 0.7, needs=("entropy", "logits"), packing=packing,
                                     **top)
         loss = (lp * tmask).sum() + 0.3 * (full * tmask).sum() + 0.1 * (extras["entropy_bt"] * tmask).sum() \
             + 0.01 * (extras["logits_btv"] * tmask[..., None]).sum()
@@ -100,8 +100,8 @@ def test_a_packed_micro_batch_shares_prompts_where_that_runs_fewer_tokens(prompt
     engine = FrozenModel(model, torch.device("cpu"))
     ids, mask, tmask = grouped_rows(prompt_len, completions)
     with torch.no_grad():
-        plain, _, _ = _forward(engine, ids, mask, 0.9)
-        got, _, _ = _forward(engine, ids, mask, 0.9, prompt_lens_b=prompt_lengths(tmask, mask), packing=Packing())
+        plain, _, _ = logprob_forward(engine, ids, mask, 0.9)
+        got, _, _ = logprob_forward(engine, ids, mask, 0.9, prompt_lens_b=prompt_lengths(tmask, mask), packing=Packing())
     assert bool(calls) == shares
     torch.testing.assert_close(got, plain, atol=2e-5, rtol=1e-5)
 

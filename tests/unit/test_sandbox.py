@@ -1,4 +1,4 @@
-"""Tests of the sandboxed python tool (grpo/system/sandbox.py): confinement, limits, clean-up.
+"""Tests of the sandboxed python tool (grpo/tasks/sandbox.py): confinement, limits, clean-up.
 
 They need Landlock (Linux >= 5.13 with landlock in the LSM list) and skip without it; the network and
 process checks also need the namespaces, and skip where the run reports they were not available; the
@@ -21,9 +21,9 @@ import time
 
 import pytest
 
-import grpo.system.sandbox as sandbox
+import grpo.tasks.sandbox as sandbox
 from grpo.tasks.pool import WorkerPool
-from grpo.system.sandbox import SandboxLimits, landlock_abi, python, run_python
+from grpo.tasks.sandbox import SandboxLimits, landlock_abi, python, run_python
 from grpo.tasks.tool_calls import load_tools, resolve_tools, run_tool_call, tool_schemas
 
 pytestmark = pytest.mark.skipif(landlock_abi() < 1, reason="this kernel has no Landlock: the sandbox refuses to run")
@@ -51,7 +51,7 @@ def test_runs_code_and_reports_isolation():
 
 
 def test_python_tool_has_a_schema():
-    (schema,) = tool_schemas(resolve_tools(["grpo.system.sandbox:python"]))
+    (schema,) = tool_schemas(resolve_tools(["grpo.tasks.sandbox:python"]))
     assert schema["function"]["name"] == "python"
     assert schema["function"]["parameters"]["properties"]["code"]["type"] == "string"
 
@@ -203,7 +203,7 @@ def test_python_tool_in_a_tool_environment():
 
     from grpo.tasks.tools import ToolEnvironment
 
-    env = ToolEnvironment(["grpo.system.sandbox:python"], "grpo.tasks.arithmetic:arithmetic_reward", num_workers=1,
+    env = ToolEnvironment(["grpo.tasks.sandbox:python"], "grpo.tasks.arithmetic:arithmetic_reward", num_workers=1,
                           timeout_s=30, max_result_chars=200)
     try:
         call = {"name": "python", "arguments": {"code": "print(6 * 7)\nopen('/tmp/x', 'w')"}}
@@ -361,7 +361,7 @@ def test_a_worker_killed_at_the_tool_timeout_leaves_no_scratch(tmp_path, monkeyp
     monkeypatch.setattr(tempfile, "tempdir", str(temp))  # the pool's
     code = ("import os, time\nfor i in range(40):\n    open(f'big{i}', 'wb').write(os.urandom(1 << 20))\n"
             "print('written', flush=True)\ntime.sleep(60)")
-    pool = WorkerPool(["grpo.system.sandbox:python"], 1, timeout_s=4.0, load=load_tools, call=run_tool_call, what="tool")
+    pool = WorkerPool(["grpo.tasks.sandbox:python"], 1, timeout_s=4.0, load=load_tools, call=run_tool_call, what="tool")
     try:
         pool.start(wait=True)
         (outcome,) = pool.run([{"name": "python", "arguments": {"code": code}, "max_chars": 1000}])

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from types import MappingProxyType
+from typing import Any, Literal
 
 
 @dataclass
@@ -31,7 +32,26 @@ class GenerationOutput:
     text: str
 
 
-class GenerationBackend(Protocol):
+class GenerationBackend:
+    """What the loops, the rollout code and the async producer use of a generation backend: every backend
+    (`grpo.system.generation.hf.HFGeneration`, `grpo.system.generation.vllm.VllmGeneration`,
+    `grpo.system.generation.remote.RemoteGeneration`) subclasses it, so callers never probe for a method.
+
+    ``gen_cfg``: the sampling config (`grpo.config.GenerationConfig`) `generate` reads; validation swaps in
+    validation's for a block (`grpo.run.validation_sampling`). ``memory``: ``memory/<phase>_gb`` gauges for the
+    step's log (empty where the backend measures none). ``stats``: counters the async loop logs as
+    ``async/<name>`` (generation ranks' weight loads, ...). ``broken``: why the backend can no longer generate
+    (generation ranks gone), else None: no retry can help then. ``in_flight``: the async producer's mid-request
+    safe point (a callable, or None), for backends that can load weights between decode rounds.
+    """
+
+    gen_cfg: Any
+    memory: Mapping[str, float] = MappingProxyType({})  # a backend that measures assigns its own dict
+    stats: Mapping[str, float] = MappingProxyType({})
+    broken: str | None = None
+    in_flight: Callable[[], None] | None = None
+    loads_staged_weights: bool = False  # load_staged works (generation ranks): weights come from the stage
+
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
                  max_new_tokens: int | Sequence[int] | None = None,
                  stop_strings: Sequence[Sequence[str] | None] | None = None) -> list[GenerationOutput]:
@@ -40,9 +60,21 @@ class GenerationBackend(Protocol):
         ``max_new_tokens``: one cap for all, or one per sample (None: ``policy.generation.max_new_tokens``);
         ``stop_strings``: per sample, its stop strings (None for a sample, or for all: the config's).
         """
+        raise NotImplementedError
 
     def refit(self, engine) -> float:
         """Load the weights of the training engine (a collective); returns seconds taken."""
+        raise NotImplementedError
+
+    def lockstep_max(self, n_local: int) -> int:
+        """The most samples any rank that generates in lockstep with this one holds (a tensor-parallel vLLM group);
+        callers make as many `generate` calls as that rank needs. ``n_local`` where ranks generate alone."""
+        return n_local
+
+    def load_staged(self, stage, mid_request: bool = False) -> int:
+        """Load the newest weights of the async loop's `grpo.system.replay.WeightStage`; returns their version.
+        Only backends with ``loads_staged_weights`` (the hf thread's copy loads through the stage itself)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load staged weights")
 
     def sleep(self) -> None:
         """Free generation memory while training (no-op where unsupported)."""

@@ -24,7 +24,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from grpo.system.engines import DTYPES, apply_lora
 from grpo.system.weights import iter_gathered_params
-from grpo.system.generation.base import GenerationOutput, cut_completion, length_caps, per_sample_stops
+from grpo.system.generation.base import GenerationBackend, GenerationOutput, cut_completion, length_caps, per_sample_stops
 from grpo.system.generation.sampling import SeededSampler
 from grpo.system.shared_prefix import cache_for_rows, distinct_rows, shares_prompts
 
@@ -140,7 +140,7 @@ def _generating(model, generation_config):
         model.train(training)
 
 
-class HFGeneration:
+class HFGeneration(GenerationBackend):
     """`GenerationBackend` on transformers. ``model``: use this plain model instead of a copy built
     from ``model_config`` (the copy needs `refit` before the first `generate`).
 

@@ -30,7 +30,7 @@ import torch
 
 from grpo.system.bridge import Bridge, BridgeError
 from grpo.system.dist import rank_slice
-from grpo.system.generation.base import GenerationOutput, length_caps, per_sample_stops
+from grpo.system.generation.base import GenerationBackend, GenerationOutput, length_caps, per_sample_stops
 
 # How long trainer 0 waits for the generation ranks to start their engines (at least; bridge_timeout_s if longer):
 # a vLLM engine that compiles its graphs takes minutes.
@@ -61,10 +61,12 @@ def bucket_specs(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tupl
     return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
 
 
-class RemoteGeneration:
+class RemoteGeneration(GenerationBackend):
     """The trainers' `GenerationBackend` when generation runs on ranks of its own. Built on every trainer (a
     collective: the trainers' gloo group); ``bridge``: trainer 0's end (None on the other trainers);
     ``model_path``: the resolved ``policy.model_name`` the generation ranks load."""
+
+    loads_staged_weights = True  # the async producer pushes the stage's weights to the generation ranks
 
     def __init__(self, cfg, layout, bridge: Bridge | None, model_path: str, device: torch.device, tokenizer=None,
                  model_eos=None):

@@ -48,7 +48,9 @@ from contextlib import contextmanager
 
 import torch
 
-from grpo.system.generation.base import GenerationOutput, chunk_slices, length_caps, per_sample_stops  # noqa: F401
+from grpo.system.generation.base import (  # noqa: F401
+    GenerationBackend, GenerationOutput, chunk_slices, length_caps, per_sample_stops,
+)
 from grpo.system.generation.vllm_params import (
     PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, adapter_config_for_vllm, kv_cache_shortfall, llm_kwargs,
     lora_enabled, refit_problems, sampling_kwargs, startup_memory_problem, stop_token_ids, to_output,
@@ -328,7 +330,7 @@ class AdapterSync:
 # --------------------------------------------------------------------------------------------------
 # The backend
 # --------------------------------------------------------------------------------------------------
-class VllmGeneration:
+class VllmGeneration(GenerationBackend):
     """`GenerationBackend` on an in-process vLLM engine (see the module docstring for the step order).
 
     ``cfg``: the MasterConfig. ``policy_engine``: the DeepSpeed engine that `wake_up` reloads from after

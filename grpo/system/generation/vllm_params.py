@@ -6,7 +6,12 @@ Nothing here imports vllm; `grpo.system.generation.vllm` builds ``vllm.LLM(**llm
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from grpo.system.generation.base import GenerationOutput
+
+if TYPE_CHECKING:
+    from grpo.config import GenerationConfig
 
 # vLLM on the CPU otherwise reserves 92% of RAM for the KV cache.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
@@ -137,7 +142,7 @@ def adapter_config_for_vllm(peft_config: dict) -> dict:
     return {k: plain(peft_config[k]) for k in ADAPTER_CONFIG_KEYS if k in peft_config}
 
 
-def stop_token_ids(tokenizer, model_eos, gen_cfg) -> list[int]:
+def stop_token_ids(tokenizer, model_eos, gen_cfg: GenerationConfig) -> list[int]:
     """Tokens that end a completion: the tokenizer's EOS, the model config's EOS and
     ``policy.generation.stop_token_ids`` (the same set as the hf backend)."""
     ids = set()

@@ -1,5 +1,5 @@
 """Inside the python tool's sandbox: this file runs as a script (``python -I -B sandbox_child.py ARGS``),
-so it imports the standard library only. See `grpo.system.sandbox` for what it enforces and why.
+so it imports the standard library only. See `grpo.tasks.sandbox` for what it enforces and why.
 
 1. the launcher (`_child_main`) enters new user, mount, network, PID, IPC and UTS namespaces where the
    OS allows it, then forks an init: PID 1 of the new PID namespace, which makes every mount but the

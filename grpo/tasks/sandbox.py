@@ -1,9 +1,9 @@
-"""The built-in ``python`` code tool (``env.tools: ["grpo.system.sandbox:python"]``): code runs in a sandbox.
+"""The built-in ``python`` code tool (``env.tools: ["grpo.tasks.sandbox:python"]``): code runs in a sandbox.
 
 Each call writes the code to ``main.py`` in a fresh scratch directory (``work`` in a private 0700
 directory made for the call; both removed afterwards) and runs ``python -I -B -u main.py`` there
 (unbuffered: stdout and stderr interleave in program order), through two steps of
-`grpo.system.sandbox_child` run as a script:
+`grpo.tasks.sandbox_child` run as a script:
 
 1. a launcher (the process group leader, killed with its group at the wall-clock limit, and by the
    kernel when the tool worker that started it dies) that enters new user, mount, network, PID, IPC and
@@ -111,9 +111,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from grpo.system import sandbox_child
+from grpo.tasks import sandbox_child
 from grpo.tasks.pool import remove_tree
-from grpo.system.sandbox_child import landlock_abi
+from grpo.tasks.sandbox_child import landlock_abi
 
 _READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/dev/null", "/dev/zero", "/dev/full",
                "/dev/random", "/dev/urandom", "/etc/ld.so.cache", "/etc/localtime",
