@@ -241,7 +241,7 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
                 trajs[i].done, trajs[i].truncated = True, True
         active = [i for i in active if not trajs[i].done]
         # A tensor-parallel vLLM group generates in lockstep: every rank makes as many calls as the busiest.
-        n_most = generator.lockstep_max(len(active)) if hasattr(generator, "lockstep_max") else len(active)
+        n_most = generator.lockstep_max(len(active))
         if n_most == 0:
             break
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from grpo.config import ClippedPGLossConfig, EnvConfig
 from grpo.loss import clipped_pg_loss
 from grpo.batch import build_batch
 from grpo.system.chat import ChatFormat, ChatFormatError
-from grpo.system.generation.base import GenerationOutput
+from grpo.system.generation.base import GenerationBackend, GenerationOutput
 from grpo.system.rollout import RolloutError, TurnSettings, generate_rollout
 from grpo.tasks.factory import build_environments
 from grpo.tasks.function import EnvError
@@ -27,7 +27,7 @@ QWEN_HINT = "<|im_start|>user\nThe answer is {answer}.<|im_end|>\n<|im_start|>as
 QWEN_AGAIN = "<|im_start|>user\nNo.<|im_end|>\n<|im_start|>assistant\n"
 
 
-class ScriptedGenerator:
+class ScriptedGenerator(GenerationBackend):
     """Turn k of every sample generates ``replies[k]`` then <|im_end|> (a stop); records each call's prompts and
     stop strings."""
 

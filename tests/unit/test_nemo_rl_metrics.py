@@ -104,10 +104,10 @@ def test_percentile_is_nemo_rl_pct():
 
 def test_the_conversation_loop_sets_terminated_and_max_turns_reached():
     """run_conversations with a scripted environment: sample 0 ends at turn 1 (terminated), sample 1 never does."""
-    from grpo.system.generation.base import GenerationOutput
+    from grpo.system.generation.base import GenerationBackend, GenerationOutput
     from grpo.system.rollout import TurnSettings, run_conversations
 
-    class Gen:
+    class Gen(GenerationBackend):
         def generate(self, prompts, seeds, **kw):
             return [GenerationOutput(p, [7, 8], [0.0, 0.0], "stop", "ab") for p in prompts]
 

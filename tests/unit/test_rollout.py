@@ -13,7 +13,7 @@ from grpo.system.chat import ChatFormat
 from grpo.tasks.failures import RetryPolicy
 from grpo.tasks.router import Environments
 from grpo.tasks.interface import Environment, EnvironmentReturn
-from grpo.system.generation.base import GenerationOutput
+from grpo.system.generation.base import GenerationBackend, GenerationOutput
 from grpo.system.rollout import (
     RolloutError, TurnSettings, generate_rollout, new_trajectories, rank_slice, run_conversations, sample_seed,
 )
@@ -24,7 +24,7 @@ TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
 
 
-class FakeGenerator:
+class FakeGenerator(GenerationBackend):
     """Completion = one digit chosen by the seed, then <eos>; records calls and each sample's stop strings."""
 
     def __init__(self, fail_on_call: int | None = None):
