@@ -5,7 +5,7 @@ to ``T``); position ``t`` of a logprob tensor holds the logprob of token ``t`` g
 ``token_mask_bt`` is 1 exactly on the tokens the policy generated in this rollout (every assistant turn),
 0 on prompt, prompt-history and environment tokens.
 
-    >>> from grpo.system.rollout import Message, Trajectory
+    >>> from grpo.trajectory import Message, Trajectory
     >>> t = Trajectory(0, 0, "arithmetic", "1+4=", "5", [Message("user", "1+4=", [1, 4]),
     ...                Message("assistant", "x", [7, 2], [-0.5, -0.25])], {})
     >>> b = build_batch([t], pad_id=0)
@@ -51,7 +51,7 @@ class TrainBatch:
     sample_mask_b: torch.Tensor           # float: 1 = trained (the sample-mask and advantages phases set zeros)
     message_spans: list[list[MessageSpan]]  # per sample, its generated assistant messages
     task_names: list[str]
-    trajectories: list                    # per sample, its grpo.system.rollout.Trajectory (rows follow every selection)
+    trajectories: list                    # per sample, its grpo.trajectory.Trajectory (rows follow every selection)
     reward_components_bk: Optional[torch.Tensor] = None   # shaped like rewards_b (GDPO reads them)
     task_components_bk: Optional[torch.Tensor] = None     # unshaped like task_rewards_b
     component_names: tuple[str, ...] = ()
@@ -83,7 +83,7 @@ class TrainBatch:
 
 
 def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
-    """Flatten trajectories (`grpo.system.rollout.Trajectory`) into a right-padded `TrainBatch`.
+    """Flatten trajectories (`grpo.trajectory.Trajectory`) into a right-padded `TrainBatch`.
 
     Rewards start as the environments' rewards (``rewards_b = task_rewards_b = raw_rewards_b``), every sample trained
     (``sample_mask_b = 1``); reward components become ``[B, K]`` with names sorted (a missing one is 0).

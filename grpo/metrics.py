@@ -268,7 +268,7 @@ def pass_at_k(rewards_b: torch.Tensor, group_ids_b: torch.Tensor) -> float:
 
 
 def rollout_counts(trajectories: Sequence) -> dict:
-    """What a rollout's trajectories (`grpo.system.rollout.Trajectory`) count: NeMo-RL's rollout metrics
+    """What a rollout's trajectories (`grpo.trajectory.Trajectory`) count: NeMo-RL's rollout metrics
     (`grpo.rollout_metrics.rollout_summary`: turns, termination rates, tokens and rewards per sample), scoring
     failures (reward_errors, reward_timeouts, reward_error_rate, env_errors), the samples the environments
     masked (num_mask_sample_filtered, NeMo-RL's name), and the reward mean of each task (``reward_mean/<task>``,

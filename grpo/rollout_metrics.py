@@ -37,7 +37,7 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 def rollout_summary(trajectories: Sequence) -> dict:
-    """NeMo-RL's rollout metrics of a rollout's trajectories (`grpo.system.rollout.Trajectory`), over its n samples:
+    """NeMo-RL's rollout metrics of a rollout's trajectories (`grpo.trajectory.Trajectory`), over its n samples:
 
         total_turns                  Σ turns                       avg_turns_per_sample / max_turns_per_sample
         turns_per_sample/p95, /p99   `percentile` of the turns

@@ -338,7 +338,7 @@ def wandb_table(records: list[dict]):
 
 def rollout_records(trajectories: list, split: str, step: int, batch=None, overlong_filtering: bool = False
                     ) -> list[dict]:
-    """Dump records (the schema above) of a rollout's trajectories (`grpo.system.rollout.Trajectory`). ``batch``: the
+    """Dump records (the schema above) of a rollout's trajectories (`grpo.trajectory.Trajectory`). ``batch``: the
     step's `grpo.batch.TrainBatch` after the advantages phase, for advantages, masks and logprob errors (None for
     validation). A masked sample's reason: the environment's ``mask_sample``, else overlong filtering of a
     truncated sample, else the sequence logprob-error threshold."""

@@ -90,7 +90,7 @@ class GroupInfo:
 
 @dataclass
 class ReplayGroup:
-    """One prompt and its G scored samples: ``trajectories`` as `grpo.system.rollout.Trajectory.to_dict` gives
+    """One prompt and its G scored samples: ``trajectories`` as `grpo.trajectory.Trajectory.to_dict` gives
     them (plain, for the checkpoint), ``version`` the oldest generation version among them, ``info`` the batch's."""
 
     prompt_index: int
@@ -316,11 +316,11 @@ class WeightStage:
 # Trajectories <-> plain groups
 # --------------------------------------------------------------------------------------------------
 def groups_from_trajectories(trajectories: list, info: GroupInfo | None = None) -> list[ReplayGroup]:
-    """Split a prompt batch's trajectories (`grpo.system.rollout.Trajectory`, consecutive by group id) into one
+    """Split a prompt batch's trajectories (`grpo.trajectory.Trajectory`, consecutive by group id) into one
     `ReplayGroup` per prompt (its trajectories as dicts, its version the oldest generation version of its samples),
     all sharing ``info``.
 
-        >>> from grpo.system.rollout import Trajectory
+        >>> from grpo.trajectory import Trajectory
         >>> ts = [Trajectory(g, 10 + g, "t", "q", "a", [], {}, generation_version=v) for g, v in [(0, 3), (0, 2), (1, 5)]]
         >>> [(g.prompt_index, g.version, len(g.trajectories)) for g in groups_from_trajectories(ts)]
         [(10, 2, 2), (11, 5, 1)]
@@ -339,7 +339,7 @@ def groups_from_trajectories(trajectories: list, info: GroupInfo | None = None) 
 
 def trajectories_from_groups(groups: list[ReplayGroup]) -> list:
     """The groups' trajectories, concatenated, with group ids renumbered 0..P-1 by the groups' order."""
-    from grpo.system.rollout import Trajectory
+    from grpo.trajectory import Trajectory
 
     out = []
     for i, g in enumerate(groups):

@@ -274,7 +274,7 @@ class MetricsLogger:
             print(text, flush=True)
 
     def print_samples(self, trajectories: list, n: int, title: str = "validation samples") -> None:
-        """Print ``n`` samples (`grpo.system.rollout.Trajectory`) as conversations: a single-turn sample as its
+        """Print ``n`` samples (`grpo.trajectory.Trajectory`) as conversations: a single-turn sample as its
         question and completion, a multi-turn one message by message; then the gold answer and reward."""
         if not self.enabled or n <= 0 or not trajectories:
             return

@@ -114,7 +114,7 @@ class Environment(abc.ABC, Generic[MetadataT]):
         """After a whole rollout batch: metrics of this environment's samples (logged as
         ``train/env/<task>/<name>``), from ``batch``, a dict with NeMo-RL's rollout keys
         (`grpo.tasks.router.rollout_batch` lists them). Returns ``(batch, metrics)``; of the returned batch only
-        ``batch["trajectories"]`` (grpo-ds's `grpo.system.rollout.Trajectory` objects, one per sample) is read
+        ``batch["trajectories"]`` (grpo-ds's `grpo.trajectory.Trajectory` objects, one per sample) is read
         back: an environment may replace them there. Default: unchanged, no metrics."""
         return batch, {}
 

@@ -330,9 +330,9 @@ def rollout_batch(trajectories: list) -> dict:
     prompt_lengths`` counts the response), ``text`` [B, P] (the prompt ids, right-padded with -1: what
     ``calculate_pass_rate_per_prompt`` groups by).
 
-    grpo-ds's own: ``trajectories``: the `grpo.system.rollout.Trajectory` objects themselves.
+    grpo-ds's own: ``trajectories``: the `grpo.trajectory.Trajectory` objects themselves.
 
-        >>> from grpo.system.rollout import Message, Trajectory
+        >>> from grpo.trajectory import Message, Trajectory
         >>> t = Trajectory(0, 3, "echo", "q", "a", [Message("user", "q", [5, 6]), Message("assistant", "x", [7], [-0.5])],
         ...                {"answer": "a"}, reward=1.0, num_prompt_messages=1)
         >>> b = rollout_batch([t])

@@ -5,7 +5,7 @@ import torch
 
 from grpo.batch import batch_size, build_batch, concat_batches, micro_batches, select_rows
 from grpo.system.dist import rank_slice
-from grpo.system.rollout import Message, Trajectory
+from grpo.trajectory import Message, Trajectory
 from tests.helpers.batches import train_batch
 
 

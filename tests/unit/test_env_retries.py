@@ -195,7 +195,7 @@ def test_a_failure_that_is_not_a_failure_object_is_malformed():
 
 
 def test_an_environment_sees_copies_and_a_failed_sample_leaves_the_hooks_loss_multiplier():
-    from grpo.system.rollout import Message, Trajectory
+    from grpo.trajectory import Message, Trajectory
     from grpo.tasks.router import rollout_batch
 
     class InPlace(Count):

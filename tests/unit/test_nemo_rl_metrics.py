@@ -14,7 +14,7 @@ from grpo.metrics import (
 )
 from grpo.rollout_metrics import percentile, rollout_summary
 from grpo.step import due_validation
-from grpo.system.rollout import Message, Trajectory
+from grpo.trajectory import Message, Trajectory
 
 
 # ---- names -----------------------------------------------------------------------------------------------

@@ -404,7 +404,7 @@ def test_a_prompt_that_comes_twice_in_a_step_is_one_group_as_nemo_rl():
     from grpo.batch import build_batch
     from grpo.config_load import build_config
     from grpo.step import compose_advantages
-    from grpo.system.rollout import Message, Trajectory
+    from grpo.trajectory import Message, Trajectory
 
     for seed in range(100):
         rng = random.Random(seed)

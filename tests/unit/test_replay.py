@@ -13,7 +13,7 @@ from grpo.system.replay import (
     GroupInfo, ReplayBuffer, ReplayClosed, ReplayEntry, ReplayGroup, StopKind, WeightStage, groups_from_trajectories,
     trajectories_from_groups, trajectory_age,
 )
-from grpo.system.rollout import Message, Trajectory
+from grpo.trajectory import Message, Trajectory
 
 
 def put_batch(buf, target, versions, tag=""):

@@ -7,7 +7,7 @@ import torch
 
 from grpo.batch import build_batch
 from grpo.config_load import build_config
-from grpo.system.rollout import Message, Trajectory
+from grpo.trajectory import Message, Trajectory
 from grpo.step import compose_advantages, initial_sample_mask, shape_rewards, step_advantages
 from grpo.tasks.toy import build_char_tokenizer
 

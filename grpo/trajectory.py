@@ -1,0 +1,110 @@
+"""The typed data of a rollout: `Message`, `Trajectory` (one sample: a conversation and what the environments
+made of it) and `Rollout` (a scored prompt batch). A leaf: it imports nothing of grpo, so every layer reads the
+same types (the rollout loop in `grpo.system.rollout` makes them, the environments' hooks, the batch builder,
+the replay deque, the dumps and the agents read them). A failed sample's reason is one of
+`grpo.tasks.failures.REASONS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+@dataclass
+class Message:
+    """One message of a conversation. ``generation_logprobs`` is set exactly on assistant messages the
+    policy generated in this rollout: those are the trained ones (prompt-history assistant messages are
+    context). ``flags``: names raised on the message (``invalid_tool_call``, ``malformed_thinking``)."""
+
+    role: str
+    content: str
+    token_ids: list[int]
+    generation_logprobs: list[float] | None = None
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def trained(self) -> bool:
+        return self.generation_logprobs is not None
+
+
+@dataclass
+class Trajectory:
+    """One sample: a conversation and what the environment made of it.
+
+    ``group_id``: position of its prompt in the prompt batch (the G samples of a prompt share it);
+    ``prompt_index``: the dataset row; ``reward``: sum of the turns' rewards; ``reward_components``:
+    named components (GDPO), summed over turns, or None; ``finish_reason`` of the last generated turn;
+    ``truncated``: a turn hit its length cap or the conversation ran out of room; ``generation_version``:
+    the oldest weight version that generated one of its turns (async GRPO); ``mask_sample``: the
+    environment asked to keep it out of the loss; ``error``: None, or the reason the sample failed after its
+    retries (a key of `grpo.tasks.failures.REASONS`: "env_error", "env_timeout", "reward_error", ...), with
+    ``failure_kind`` its class ("infra" / "data") and ``error_detail`` its traceback or message: a failed
+    sample's ``reward`` is 0.0 and meaningless (it is masked out of the loss and out of its group's baseline,
+    never read for training); ``retries``: environment calls retried for it, successful retries included;
+    ``terminated``: the environment ended it (``terminateds``); ``max_turns_reached``: ``max_rollout_turns`` ended
+    it while the environment had not (NeMo-RL's rollout metrics count both: `grpo.rollout_metrics`);
+    ``stop_strings``: the data row's stop strings for the first turn (`row_stop_strings`), or None.
+    """
+
+    group_id: int
+    prompt_index: int
+    task_name: str
+    question: str
+    answer: str
+    messages: list[Message]
+    metadata: dict
+    reward: float = 0.0
+    reward_components: dict[str, float] | None = None
+    finish_reason: str = "stop"
+    truncated: bool = False
+    turns: int = 0
+    generation_version: int = 0
+    mask_sample: bool = False
+    error: str | None = None
+    error_detail: str | None = None
+    failure_kind: str | None = None
+    retries: int = 0
+    done: bool = False
+    num_prompt_messages: int = 0
+    terminated: bool = False
+    max_turns_reached: bool = False
+    stop_strings: list[str] | None = None
+
+    @property
+    def observation_tokens(self) -> int:
+        """Tokens the environments added (observations), prompt excluded."""
+        return sum(len(m.token_ids) for m in self.messages[self.num_prompt_messages:] if not m.trained)
+
+    def token_ids(self) -> list[int]:
+        """The conversation's tokens: every message's, in order."""
+        return [t for m in self.messages for t in m.token_ids]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(m.token_ids) for m in self.messages if m.trained)
+
+    def completion_text(self) -> str:
+        """The generated assistant messages' text, joined (a single-turn sample's completion)."""
+        return "".join(m.content for m in self.messages if m.trained)
+
+    def completion_ids(self) -> list[int]:
+        return [t for m in self.messages if m.trained for t in m.token_ids]
+
+    def to_dict(self) -> dict:
+        """Plain python (checkpoints load it with ``torch.load(weights_only=True)``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        return cls(**{**d, "messages": [Message(**m) for m in d["messages"]]})
+
+
+@dataclass
+class Rollout:
+    """A scored rollout of one prompt batch, the same on every rank. ``timing``: seconds per phase
+    (``generate_s``, ``env_step_s``); ``metrics``: environments' own (``env/<task>/<name>``)."""
+
+    trajectories: list[Trajectory]
+    timing: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
