@@ -86,6 +86,7 @@ def in_process_reward(spec: str) -> bool:
 TOY_MODELS: dict[str, Callable[[str], str]] = {
     **{task.toy_model[0]: (lambda out, spec=task.toy_model[1]: load(spec)(out))
        for task in TASKS.values() if task.toy_model},
+    "calc_agent": lambda out: load("grpo.tasks.calculator:make_calculator_agent_model")(out),  # the agent demo
     "tiny": lambda out: save_tiny_model(out, size="tiny"),
     "small": lambda out: save_tiny_model(out, size="small"),
 }

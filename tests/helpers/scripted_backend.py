@@ -8,8 +8,9 @@ from grpo.system.generation.base import GenerationOutput
 
 
 class ScriptedBackend:
-    """`GenerationBackend` whose i-th generated sample is ``texts[i % len(texts)]`` followed by EOS, with
-    logprob -0.5 per token; records every batch it was asked for (``calls``: the prompts of each call)."""
+    """`GenerationBackend` whose i-th generated sample is ``texts[i % len(texts)]`` (or ``texts(prompt_text)``)
+    followed by EOS, with logprob -0.5 per token; records every batch it was asked for (``calls``: the prompts of
+    each call)."""
 
     def __init__(self, tokenizer, gen_cfg, texts: list[str]):
         self.tokenizer, self.gen_cfg, self.texts = tokenizer, gen_cfg, texts
@@ -20,8 +21,15 @@ class ScriptedBackend:
         self.calls.append([list(p) for p in prompt_ids])
         outs = []
         for p in prompt_ids:
-            text = self.texts[self._n % len(self.texts)]
+            text = (self.texts(self.tokenizer.decode(p)) if callable(self.texts)
+                    else self.texts[self._n % len(self.texts)])
             self._n += 1
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
             outs.append(GenerationOutput(list(p), ids, [-0.5] * len(ids), "stop", text))
         return outs
+
+    def wake_up(self):
+        pass
+
+    def sleep(self):
+        pass

@@ -192,6 +192,11 @@ class Endpoint:
             with self._generating:  # the batch in flight finishes on these weights
                 pass
 
+    def sampling(self, profile: str) -> dict[str, float]:
+        """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
+        temperature, top_p = self.train_pair if profile == "train" else self.val_pair
+        return {"temperature": temperature, "top_p": top_p}
+
     # ---------------------------------------------------------------- sessions
     def open_session(self, seed_key: str) -> str:
         """A new key whose calls are recorded (one per sample); ``seed_key`` seeds its calls."""
