@@ -28,24 +28,24 @@ MAX_TURNS = 3
 
 async def calculator_agent(row: dict, base_url: str, api_key: str, model: str) -> dict:
     """Ask the question, run the calc calls the model makes, score the final answer (1 if right)."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     sampling = row.get("sampling", {"temperature": 1.0, "top_p": 1.0})  # the run's (training or validation)
     messages: list[dict] = [{"role": "user", "content": row["question"]}]
     answer = ""
-    for _ in range(MAX_TURNS):
-        r = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, logprobs=True,
-                                                 **sampling)
-        msg = r.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))  # the token fields ride along: the endpoint splices
-        if not msg.tool_calls:
-            answer = msg.content or ""
-            break
-        for call in msg.tool_calls:
-            try:
-                result = calc(**json.loads(call.function.arguments))
-            except Exception as err:  # a bad call is the model's mistake: it sees the error
-                result = f"error: {err}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        for _ in range(MAX_TURNS):
+            r = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, logprobs=True,
+                                                     **sampling)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))  # the token fields ride along: the endpoint splices
+            if not msg.tool_calls:
+                answer = msg.content or ""
+                break
+            for call in msg.tool_calls:
+                try:
+                    result = calc(**json.loads(call.function.arguments))
+                except Exception as err:  # a bad call is the model's mistake: it sees the error
+                    result = f"error: {err}"
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return {"reward": arithmetic_reward(row["question"], answer, row["answer"], {}),
             "reward_components": {"used_tool": float(any(m.get("tool_calls") for m in messages))}}
 

@@ -14,21 +14,21 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evalu
 
 
 async def _turns(row, base_url, api_key, model, keep_tokens=True):
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": row["question"]}]
-    for _ in range(3):
-        r = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, logprobs=True,
-                                                 **row["sampling"])
-        msg = r.choices[0].message
-        if keep_tokens:
-            messages.append(msg.model_dump(exclude_none=True))
-        else:  # an agent that keeps only the text and rewrites it: its history is re-templated
-            messages.append({"role": "assistant", "content": (msg.content or "") + "!",
-                             "tool_calls": [c.model_dump() for c in msg.tool_calls or []] or None})
-        if not msg.tool_calls:
-            return msg.content or ""
-        for call in msg.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": "2146"})
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        for _ in range(3):
+            r = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, logprobs=True,
+                                                     **row["sampling"])
+            msg = r.choices[0].message
+            if keep_tokens:
+                messages.append(msg.model_dump(exclude_none=True))
+            else:  # an agent that keeps only the text and rewrites it: its history is re-templated
+                messages.append({"role": "assistant", "content": (msg.content or "") + "!",
+                                 "tool_calls": [c.model_dump() for c in msg.tool_calls or []] or None})
+            if not msg.tool_calls:
+                return msg.content or ""
+            for call in msg.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "2146"})
     return ""
 
 
