@@ -212,14 +212,16 @@ class Endpoint:
 
     # ---------------------------------------------------------------- the batcher
     def _batch_loop(self) -> None:
+        batch: list[_Pending] = []
         while not self._stop.is_set():
-            try:
-                first = self._queue.get(timeout=0.2)
-            except queue.Empty:
+            if not batch:
+                try:
+                    batch.append(self._queue.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+            if not self._open.wait(timeout=0.2):
                 continue
-            self._open.wait()
             time.sleep(self.settings.batch_window_s)
-            batch = [first]
             while True:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -230,10 +232,13 @@ class Endpoint:
                     for item in batch:
                         item.future.set_exception(RuntimeError("the endpoint is shutting down"))
                     return
+                if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
+                    continue
                 for profile in ("train", "val"):
                     items = [b for b in batch if b.profile == profile]
                     if items:
                         self._generate(items, profile)
+                batch = []
 
     def _generate(self, items: list[_Pending], profile: str) -> None:
         before = self.backend.gen_cfg
