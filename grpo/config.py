@@ -464,6 +464,58 @@ VLLM_LORA_KWARGS = frozenset({"enable_lora", "max_lora_rank", "max_loras", "max_
 VLLM_MAX_LORA_RANK = 512
 
 
+# NeMo-RL passes these to vLLM's OpenAIServingChat; the endpoint implements the ones listed here.
+TOOL_PARSERS = ("hermes", "compact")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+class ServingChatKwargs(_Section):
+    """NeMo-RL's ``policy.generation.vllm_cfg.http_server_serving_chat_kwargs`` (vLLM's OpenAIServingChat
+    arguments): the endpoint's chat rendering and output parsing, on every backend."""
+
+    tool_parser: Optional[Literal[TOOL_PARSERS]] = Field(None, description=(
+        "How the model's tool-call text becomes OpenAI tool_calls: hermes (<tool_call>{json}</tool_call>: Qwen2.5, "
+        "Qwen3, Hermes), compact (<name>argument</name>: the char-level toy); null: no parsing (the text is "
+        "the content)."))
+    reasoning_parser: Optional[Literal[REASONING_PARSERS]] = Field(None, description=(
+        "Split <think>...</think> into message.reasoning_content: qwen3 (no <think> yet: all content), "
+        "deepseek_r1 (no </think> yet: all reasoning); null: no split."))
+    chat_template: Optional[str] = Field(None, description=(
+        "The endpoint's chat template: a Jinja string or a file path (null: policy.tokenizer.chat_template, else "
+        "the tokenizer's own)."))
+    default_chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description=(
+        "Template variables of every request (a request's chat_template_kwargs override them), e.g. "
+        "{enable_thinking: false}."))
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description=(
+        "The older spelling of default_chat_template_kwargs (NeMo-RL accepts both); both set is an error."))
+
+    @model_validator(mode="after")
+    def _one_spelling(self) -> "ServingChatKwargs":
+        if self.chat_template_kwargs is not None and self.default_chat_template_kwargs is not None:
+            raise ValueError("policy.generation.vllm_cfg.http_server_serving_chat_kwargs: chat_template_kwargs and "
+                             "default_chat_template_kwargs are both set: keep default_chat_template_kwargs")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.default_chat_template_kwargs or self.chat_template_kwargs or {})
+
+
+class HttpServerConfig(_Section):
+    """grpo-ds's settings of the endpoint (NeMo-RL's keys are vllm_cfg.expose_http_server and
+    vllm_cfg.http_server_serving_chat_kwargs)."""
+
+    host: str = Field("127.0.0.1", description=(
+        "Address the endpoint binds (loopback by default: only this machine's agents reach it; every request also "
+        "needs the run's bearer token)."))
+    max_concurrent_requests: int = Field(256, gt=0, description=(
+        "Requests in flight at once; one more is answered 429."))
+    max_body_bytes: int = Field(8 * 2**20, gt=0, description="A request body over this many bytes is answered 413.")
+    batch_window_s: float = Field(0.02, ge=0, description=(
+        "hf backend: requests that arrive within this window of the first waiting one generate in one batch."))
+    model_name: Optional[str] = Field(None, description=(
+        "The model name /v1/models lists and requests send (null: policy.model_name)."))
+
+
 class VllmConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, description="GPUs per vLLM engine (a divisor of the world size).")
     gpu_memory_utilization: float = Field(
@@ -484,6 +536,15 @@ class VllmConfig(_Section):
     vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "More keyword arguments of vllm.LLM (NeMo-RL's policy.generation.vllm_kwargs), e.g. compilation_config; "
         "one that grpo-ds sets itself is an error."))
+    expose_http_server: bool = Field(False, description=(
+        "NeMo-RL's key: serve an OpenAI-compatible endpoint over the policy being trained "
+        "(grpo/system/generation/endpoint.py: /v1/chat/completions, /tokenize, /v1/models, /health). It lives here "
+        "for every backend: an hf-backend run reads the same key (and http_server_serving_chat_kwargs) from "
+        "policy.generation.vllm_cfg, so a NeMo-RL recipe turns it on unchanged. env.name=agent starts it without "
+        "this key. grpo-ds's own server settings: policy.generation.http_server."))
+    http_server_serving_chat_kwargs: Optional[ServingChatKwargs] = Field(None, description=(
+        "NeMo-RL's key (any backend, see expose_http_server): how the endpoint renders and parses chat: "
+        "tool_parser, reasoning_parser, chat_template, default_chat_template_kwargs (null: none of them)."))
 
     @field_validator("vllm_kwargs")
     @classmethod
@@ -548,8 +609,21 @@ class GenerationConfig(_Section):
     refit_bucket_numel: int = Field(2**28, gt=0, description=(
         "Elements per weight-refit push: ZeRO-3 gathers whole decoder layers until a bucket holds this many."))
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings.")
+    port_range_low: int = Field(3000, gt=0, lt=65536, description=(
+        "NeMo-RL's key: the endpoint (vllm_cfg.expose_http_server, env.name=agent) takes the first free port from "
+        "port_range_low to port_range_high."))
+    port_range_high: int = Field(4999, gt=0, lt=65536, description="See port_range_low (inclusive).")
+    http_server: HttpServerConfig = Field(default_factory=HttpServerConfig, description=(
+        "grpo-ds's endpoint settings: bind address, concurrency and body limits, batching window."))
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig, description=(
         "Generation on the training ranks (default) or on ranks of its own (NeMo-RL's colocated section)."))
+
+    @model_validator(mode="after")
+    def _port_range(self) -> "GenerationConfig":
+        if self.port_range_low > self.port_range_high:
+            raise ValueError(f"policy.generation.port_range_low={self.port_range_low} is above "
+                             f"port_range_high={self.port_range_high}: expected low <= high")
+        return self
 
     def for_validation(self) -> "GenerationConfig":
         """This config with validation's sampling (NeMo-RL's val_temperature / val_top_p / val_top_k) in place of
@@ -849,6 +923,34 @@ class DataConfig(_Section):
         return self
 
 
+class AgentConfig(_Section):
+    """``env.agent`` (``env.name: agent``): a user's agent plays each sample through the run's OpenAI-compatible
+    endpoint (grpo/tasks/agent.py has the contract)."""
+
+    fn: Optional[str] = Field(None, description=(
+        "package.module:function, an async function fn(row, base_url, api_key, model) -> float or dict with "
+        "reward, optional reward_components and mask_sample."))
+    command: Optional[list[str]] = Field(None, description=(
+        "A program (argv list) run per sample: GRPO_BASE_URL, GRPO_API_KEY, GRPO_MODEL (and OPENAI_BASE_URL, "
+        "OPENAI_API_KEY) in its environment, the row as JSON on stdin; it prints the result JSON (as fn returns) "
+        "on stdout."))
+    max_concurrency: int = Field(64, gt=0, description="Agents running at once on a rank.")
+    timeout_s: float = Field(300.0, gt=0, description=(
+        "Per-sample deadline in seconds: an agent still running is cancelled (a program killed) and its sample "
+        "fails (env_timeout: masked, never scored 0)."))
+
+    @model_validator(mode="after")
+    def _one(self) -> "AgentConfig":
+        if (self.fn is None) == (self.command is None):
+            raise ValueError(f"env.agent: expected exactly one of fn (got {self.fn!r}) and command (got "
+                             f"{self.command!r})")
+        if self.fn is not None and ":" not in self.fn:
+            raise ValueError(f"env.agent.fn={self.fn!r}: expected 'package.module:function'")
+        if self.command is not None and not self.command:
+            raise ValueError("env.agent.command=[]: expected a program and its arguments")
+        return self
+
+
 # Modules that moved, by their old name: specs (package.module:function) naming the old one still load.
 MOVED_MODULES = {"grpo.system.sandbox": "grpo.tasks.sandbox"}
 
@@ -859,7 +961,7 @@ class EnvSpec(_Section):
     name: Literal[ENV_NAMES] = Field(  # the built-in tasks of grpo.tasks.catalogue, function, tools, class
         "arithmetic", description=(
         "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
-        "multi-turn: guess_number; class: env_class."))
+        "multi-turn: guess_number; class: env_class; agent: env.agent, a program driving the policy over HTTP."))
     reward_fn: Optional[str] = Field(None, description=(
         "package.module:function with signature fn(question, completion, answer, meta) -> float | dict."))
     env_class: Optional[str] = Field(
@@ -891,6 +993,8 @@ class EnvSpec(_Section):
     max_tool_calls_per_turn: int = Field(4, gt=0, description="Tool calls run per assistant message at most.")
     disable_tools: bool = Field(False, description=(
         "Answer every tool call with an error (an ablation: same task, same model, no tool results)."))
+    agent: Optional[AgentConfig] = Field(None, description=(
+        "env.name=agent: the agent (fn or command), its concurrency and per-sample deadline."))
 
     @field_validator("tools")
     @classmethod
@@ -914,6 +1018,9 @@ class EnvSpec(_Section):
         if self.math_verify_impl != "hf_math_verify" and self.name != "math":
             raise ValueError(f"env.math_verify_impl={self.math_verify_impl!r} picks the verifier of env.name='math' "
                              f"(got env.name={self.name!r}): remove it")
+        if (self.name == "agent") != (self.agent is not None):
+            raise ValueError(f"env.agent={self.agent!r} with env.name={self.name!r}: env.name='agent' needs an "
+                             "env.agent section (fn or command), and only it takes one")
         if self.name == "class" and (not self.env_class or ":" not in self.env_class):
             raise ValueError(f"env.env_class={self.env_class!r}: expected 'package.module:ClassName' when "
                              "env.name='class'")

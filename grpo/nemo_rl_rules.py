@@ -494,8 +494,8 @@ def _generation(w: Walk) -> None:
                 w.take(key)
             else:
                 w.refuse(key, "validation's own sampling is not in this grpo-ds yet")
-    w.ignore(f"{g}.port_range_low", "ports of vLLM's HTTP servers (Ray); grpo-ds runs vLLM in process")
-    w.ignore(f"{g}.port_range_high", "ports of vLLM's HTTP servers (Ray); grpo-ds runs vLLM in process")
+    w.honor(f"{g}.port_range_low")  # the endpoint's ports (grpo/system/generation/endpoint.py)
+    w.honor(f"{g}.port_range_high")
     for k in ("refit_transport", "real_quant_export_cpu_offload", "refit_cfg"):
         w.ignore(f"{g}.{k}", "weight-refit transport (IPC, NCCL, NIXL, ZMQ); grpo-ds pushes the weights in process")
     w.ignore(f"{g}.mcore_generation_config", "Megatron-Core inference engine settings (generation.backend=megatron)")
@@ -523,8 +523,10 @@ def _generation(w: Walk) -> None:
     if (w.get(f"{v}.pipeline_parallel_size") or 1) > 1 or (w.get(f"{v}.expert_parallel_size") or 1) > 1:
         w.ignore(f"{v}.pipeline_parallel_size", "vLLM pipeline/expert parallelism: grpo-ds's engines use tensor "
                  "parallelism only (same samples)")
-    for k in ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "enforce_eager"):
+    for k in ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "enforce_eager",
+              "expose_http_server"):
         w.honor(f"{v}.{k}")
+    _serving_chat_kwargs(w, f"{v}.http_server_serving_chat_kwargs")
     w.ignore(v, "vLLM engine internals without an algorithmic effect (async engine, tqdm, DeepGEMM, bf16 layers, "
              "metrics logger, refit server ports)")
     kw = dict(w.get(f"{g}.vllm_kwargs") or {})
@@ -541,6 +543,25 @@ def _generation(w: Walk) -> None:
     else:
         w.take(f"{g}.colocated.enabled")
         w.ignore(f"{g}.colocated", "dedicated generation resources, used only when colocated.enabled=false")
+
+
+# vLLM OpenAIServingChat arguments the endpoint implements (grpo.config.ServingChatKwargs); the others are vLLM's
+# serving internals (request logging, content format, auto tools: always on here).
+SERVING_CHAT_KEYS = ("tool_parser", "reasoning_parser", "chat_template", "default_chat_template_kwargs",
+                     "chat_template_kwargs")
+
+
+def _serving_chat_kwargs(w: Walk, key: str) -> None:
+    """NeMo-RL's ``http_server_serving_chat_kwargs``: the keys the endpoint implements are kept, a null section is
+    none, vLLM's serving internals are ignored (one row)."""
+    value = w.get(key)
+    if not isinstance(value, dict):
+        w.take(key)
+        return
+    for k in SERVING_CHAT_KEYS:
+        w.honor(f"{key}.{k}")
+    w.ignore(key, "vLLM serving internals (request logger, content format, auto tools): the endpoint renders "
+             "with the chat template and always parses tools with the configured parser")
 
 
 VLLM_FIELDS = ("kv_cache_memory_bytes", "enforce_eager", "gpu_memory_utilization", "max_model_len",

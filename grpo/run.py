@@ -12,13 +12,14 @@ it once, prints its ``error:`` line and exits 1.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags
 from grpo.config_load import ConfigError, config_help, load_config
@@ -175,6 +176,7 @@ class Run:
     resume: Resume | None
     closables: list[Closable]
     exit_status: int | None = None
+    agents: Any = None  # grpo.system.agent_rollout.AgentPlayer over the run's endpoint (start_endpoint), or None
 
 
 class Closable(Protocol):
@@ -356,13 +358,15 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         closables.append(generator)
         if not asynchronous:  # (the async producer pushes the staged weights to generation ranks itself)
             generator.refit(policy)
+    agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
     closables.append(stop)
     return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
                chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
                policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
-               stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables)
+               stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
+               agents=agents)
 
 
 class _Release:
@@ -468,6 +472,33 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
                           refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
 
 
+def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger, rank: int, asynchronous: bool):
+    """The OpenAI-compatible endpoint over ``generator`` (`grpo.system.generation.endpoint`), when
+    ``policy.generation.vllm_cfg.expose_http_server`` is set or an environment is an agent (env.name=agent); its
+    base URL, key and model name go to ``<log_dir>/endpoint.json`` (``endpoint_rank<r>.json`` on other ranks;
+    owner-only) for agents outside the run. Returns the `grpo.system.agent_rollout.AgentPlayer`, or None."""
+    from grpo.system.agent_rollout import AgentPlayer, agent_tasks
+
+    agent = sorted({t for envs in envs_list for t in agent_tasks(envs)})
+    if not cfg.policy.generation.vllm_cfg.expose_http_server and not agent:
+        return None
+    if asynchronous or generator is None:
+        raise RunError("the endpoint (policy.generation.vllm_cfg.expose_http_server, env.name=agent) is served by "
+                       "train_grpo.py only; train_async_grpo.py does not serve it yet")
+    from grpo.system.generation.endpoint import Endpoint
+
+    endpoint = Endpoint(cfg, generator, tokenizer)
+    url = endpoint.start()
+    closables.insert(0, endpoint)  # closed first: no request reaches a closed backend
+    path = os.path.join(cfg.logger.log_dir, "endpoint.json" if rank == 0 else f"endpoint_rank{rank}.json")
+    os.makedirs(cfg.logger.log_dir, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"base_url": url, "api_key": endpoint.api_key, "model": endpoint.model_name}, f)
+    logger.write(f"endpoint: {url} serves {endpoint.model_name!r} (key in {path}){'; agent tasks ' + str(agent) if agent else ''}")
+    return AgentPlayer(endpoint)
+
+
 def turn_settings(cfg, greedy: bool = False):
     """The rollout's limits from the config (`grpo.system.rollout.TurnSettings`)."""
     from grpo.system.rollout import TurnSettings
@@ -485,7 +516,8 @@ def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, 
     cfg = run.cfg
     return generate_rollout(prompts, num_generations or cfg.grpo.num_generations_per_prompt, generator, envs,
                             run.chat, turn_settings(cfg), base_seed=cfg.grpo.seed, step=step, gen_batch=gen_batch,
-                            stream=stream, rank=run.rank, world_size=run.world_size, weights=weights, group=group)
+                            stream=stream, rank=run.rank, world_size=run.world_size, weights=weights, group=group,
+                            agents=run.agents)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -268,12 +268,28 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
     t.done = t.terminated = bool(ret.terminateds[j])
 
 
+AGENT_TIMING = ("agent_s",)  # seconds the agents took (env.name=agent), in the timing of rollouts that had some
+
+
+def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) -> dict[str, float]:
+    """`run_conversations` for the samples of environments stepped here, ``agents.play`` for the agents' ones."""
+    tasks = agents.tasks(envs) if agents is not None else set()
+    played = [i for i, t in enumerate(trajs) if t.task_name in tasks]
+    rest = [i for i in range(len(trajs)) if i not in set(played)]
+    timing = run_conversations([trajs[i] for i in rest], [seed_keys[i] for i in rest], generator, envs, chat,
+                               settings, weights)
+    if played:
+        version = weights.load_newest() if weights is not None else 0
+        timing["agent_s"] = agents.play([trajs[i] for i in played], [seed_keys[i] for i in played], envs, version)
+    return timing
+
+
 # --------------------------------------------------------------------------------------------------
 # A prompt batch across ranks
 # --------------------------------------------------------------------------------------------------
 def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, envs, chat,
                      settings: TurnSettings, *, base_seed: int, step: int, gen_batch: int, stream: str, rank: int,
-                     world_size: int, weights=None, group=None) -> Rollout:
+                     world_size: int, weights=None, group=None, agents=None) -> Rollout:
     """Every sample of a prompt batch played to its end and scored; the same `Rollout` on every rank.
 
     Sample i (of P x G) is seeded with ``sample_seed(base_seed, step, gen_batch * P * G + i, stream, turn)``.
@@ -282,7 +298,9 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     trajectories are gathered over ``group`` (None: the default group). An exception on any rank becomes a
     `RolloutError` on every rank, so no rank is left waiting in a collective; so does a rollout that comes back
     with more or fewer than P x G samples. Samples whose environment failed after its retries are in it, failed
-    (``Trajectory.error``): the trainer masks them.
+    (``Trajectory.error``): the trainer masks them. ``agents``: the run's
+    `grpo.system.agent_rollout.AgentPlayer` (env.name=agent): its tasks' samples are played by their agents over
+    the endpoint instead of `run_conversations`.
     """
     trajs = new_trajectories(prompts, num_generations)
     n = len(trajs)
@@ -292,7 +310,7 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     try:
         generator.wake_up()  # colocated vLLM: KV cache back (weights came with the last refit)
         try:
-            timing = run_conversations(local, keys[mine], generator, envs, chat, settings, weights)
+            timing = _play(local, keys[mine], generator, envs, chat, settings, weights, agents)
         finally:
             generator.sleep()  # vLLM's order: free the device for training
         local, metrics = envs.post_process(local)
@@ -308,7 +326,8 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
         raise RolloutError(f"the rollout returned {len(gathered)} samples for {len(prompts)} prompts x "
                            f"{num_generations} generations = {n} (per rank: {[len(p[0]) for p in parts]}): a "
                            "rollout that comes back short is an error, never a shorter batch")
-    slowest = {k: max(p[2].get(k, 0.0) for p in parts) for k in ("generate_s", "env_step_s")}
+    slowest = {k: max(p[2].get(k, 0.0) for p in parts) for k in ("generate_s", "env_step_s", *AGENT_TIMING)
+               if k not in AGENT_TIMING or any(k in p[2] for p in parts)}
     merged: dict[str, float] = {}
     for p in parts:
         for k, v in p[3].items():

@@ -124,8 +124,31 @@ def demo_transcript(a: int, b: int, rng: random.Random, p_tool: float, p_call_ok
     return [(f"<calc>{x}*{y}</calc>", True), (f"<r>{result}</r>", False), (str(answer), True)]
 
 
+# The agent demo's chat template (configs/cpu_demo_agent.yaml): the conversation as the tools demo's plain text, with
+# <eos> ending each assistant turn, as an OpenAI endpoint's turns end: "<bos>37*58=<calc>37*58</calc><eos><r>2146</r>
+# 2146<eos>". A tool call is written in the compact format from the message's tool_calls (its arguments' values).
+AGENT_CHAT_TEMPLATE = (
+    "<bos>{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<{{ c.function.name }}>{% for k, v in c.function.arguments.items() %}{{ v }}"
+    "{% endfor %}</{{ c.function.name }}>{% endfor %}<eos>{% elif m.role == 'tool' %}<r>{{ m.content }}</r>"
+    "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
+
+
+def make_calculator_agent_model(out_dir: str, steps: int = 400) -> str:
+    """The agent demo's starting policy (``toy:calc_agent``): `make_calculator_demo_model` whose tool calls end
+    their turn with ``<eos>`` and whose tokenizer carries `AGENT_CHAT_TEMPLATE`.
+
+    Known problem (measured 2026-12-03, one thread, greedy, 8 products after a correct tool result): with the
+    ``<eos>`` after the call this build copies the result 0 times in 8, the tools demo's plain format 7 in 8 with the
+    same 400 steps; so the agent demo starts at validation reward 0 (train reward ~0.01) and has nothing to learn
+    from. Not yet understood; the demo needs this fixed (more steps, or another turn end) before it can learn."""
+    return make_calculator_demo_model(out_dir, steps=steps, call_end="<eos>", chat_template=AGENT_CHAT_TEMPLATE)
+
+
 def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: float = 1.0, p_copy_ok: float = 1.0,
-                               steps: int = 400, batch_size: int = 32, seed: int = 0, log_every: int = 0) -> str:
+                               steps: int = 400, batch_size: int = 32, seed: int = 0, log_every: int = 0,
+                               call_end: str = "", chat_template: str | None = None) -> str:
     """Build the tools demo's starting policy (the ``small`` toy) into ``out_dir``; returns ``out_dir``.
 
     Supervised on `demo_transcript` rows (loss on the assistant text and the final ``<eos>`` only). The
@@ -136,11 +159,12 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
     calls in 51% of the samples, reward 0.37 with the tool and 0.002 with tools disabled; 30 steps of a bare
     group-normalised policy gradient take it to 0.81 with the tool (calls in 99.6%) and leave the ablation
     at 0.00. The build takes ~40 CPU-seconds with one thread. Deterministic for a given seed and thread
-    count.
+    count. ``call_end``: trained text after a tool call (the agent demo's ``<eos>``); ``chat_template``: saved with
+    the tokenizer.
     """
     from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer, supervise
 
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(chat_template)
     model = build_tiny_model(tok, size="small", seed=seed)
     rng = random.Random(seed)
 
@@ -149,6 +173,7 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
         ids = tok(f"{a}*{b}=")["input_ids"]
         labels = [-100] * len(ids)
         for text, trained in demo_transcript(a, b, rng, p_tool, p_call_ok, p_copy_ok):
+            text += call_end if text.startswith("<calc>") else ""
             piece = tok(text, add_special_tokens=False)["input_ids"]
             ids += piece
             labels += piece if trained else [-100] * len(piece)

@@ -13,7 +13,7 @@ the worker processes that run it. A new built-in task is a module and one entry 
     >>> sorted(name for name, task in TASKS.items() if task.rows)
     ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym', 'sliding_puzzle']
     >>> ENV_NAMES
-    ('math', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'function', 'tools', 'class')
+    ('math', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'function', 'tools', 'class', 'agent')
     >>> dataset_task("reasoning_gym:basic_arithmetic") is TASKS["reasoning_gym"], dataset_task("gsm8k.jsonl")
     (True, None)
 """
@@ -57,9 +57,10 @@ TASKS: dict[str, Task] = {
 }
 
 # env.name: the built-in tasks that have an environment, then the environments a config spells out:
-# a reward function (env.reward_fn), tool calls (grpo.tasks.tools) and a user class (env.env_class).
+# a reward function (env.reward_fn), tool calls (grpo.tasks.tools), a user class (env.env_class) and an agent
+# program that drives the policy over HTTP (env.agent, grpo.tasks.agent).
 ENV_NAMES = tuple(name for name, task in TASKS.items() if task.reward_fn or task.environment) + (
-    "function", "tools", "class")
+    "function", "tools", "class", "agent")
 
 
 def load(spec: str) -> Any:
@@ -85,6 +86,7 @@ def in_process_reward(spec: str) -> bool:
 TOY_MODELS: dict[str, Callable[[str], str]] = {
     **{task.toy_model[0]: (lambda out, spec=task.toy_model[1]: load(spec)(out))
        for task in TASKS.values() if task.toy_model},
+    "calc_agent": lambda out: load("grpo.tasks.calculator:make_calculator_agent_model")(out),  # the agent demo
     "tiny": lambda out: save_tiny_model(out, size="tiny"),
     "small": lambda out: save_tiny_model(out, size="small"),
 }

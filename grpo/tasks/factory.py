@@ -7,7 +7,8 @@ By ``env.name``:
   environment class built with ``env.kwargs`` (``guess_number``);
 - ``function``: ``env.reward_fn`` as a `RewardEnvironment` in worker processes;
 - ``tools``: tool calls (`grpo.tasks.tools.ToolEnvironment`), the final answer scored by ``env.reward_fn``;
-- ``class``: a user environment, ``env.env_class: package.module:ClassName`` built with ``env.kwargs``.
+- ``class``: a user environment, ``env.env_class: package.module:ClassName`` built with ``env.kwargs``;
+- ``agent``: a user's agent (``env.agent``) playing each sample over the run's endpoint (`grpo.tasks.agent`).
 
 Several environments in one run: ``env.tasks: {task_name: {name: ..., ...}}``; each data row's
 ``task_name`` (``data.task_key``) picks one, rows without it use the top-level environment, whose task name
@@ -68,6 +69,11 @@ def build_environment(spec, data_cfg=None, key: str = "env") -> Environment:
         return ToolEnvironment(spec.tools, spec.reward_fn, spec.tool_call_format, spec.tool_timeout_s,
                                spec.max_tool_result_chars, spec.max_tool_calls_per_turn, spec.num_workers,
                                spec.timeout_s, spec.disable_tools)
+    if spec.name == "agent":  # its samples are played over the endpoint (grpo.system.agent_rollout)
+        from grpo.tasks.agent import AgentEnvironment
+
+        a = spec.agent
+        return AgentEnvironment(a.fn, a.command, a.max_concurrency, a.timeout_s, key=f"{key}.agent")
     if spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
         check_reward_fn(spec.reward_fn, spec.timeout_s)
         return RewardEnvironment(spec.reward_fn, in_process=False, num_workers=spec.num_workers,

@@ -289,7 +289,6 @@ def test_sequence_packing_and_dynamic_batching_translate_with_their_values():
     ([], "policy.megatron_cfg", "megatron_cfg.enabled=false"),
     ([], "policy.dtensor_cfg", "DTensor (FSDP2) internals"),
     ([], "policy.dtensor_cfg.lora_cfg", "full fine-tuning"),
-    ([], "policy.generation.port_range_low", "ports"),
     ([], "policy.generation.vllm_cfg", "vLLM engine internals"),
     ([], "policy.tokenizer.use_fastokens", "tokenizer"),
     ([], "logger.mlflow_enabled", "MLflow"),
@@ -302,6 +301,18 @@ def test_sequence_packing_and_dynamic_batching_translate_with_their_values():
 def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
     _, rows = load_recipe(BASE, overrides)
     assert reason in table_of(rows, "ignored")[key]
+
+
+def test_http_server_keys_are_kept():
+    """NeMo-RL's endpoint keys mean the same here (grpo/system/generation/endpoint.py): the port range, the switch
+    and the chat kwargs the endpoint implements; vLLM's serving internals among them are ignored, named."""
+    cfg, rows = load_recipe(BASE, ["++policy.generation.vllm_cfg.expose_http_server=true",
+                                   "++policy.generation.vllm_cfg.http_server_serving_chat_kwargs={tool_parser: hermes, "
+                                   "enable_auto_tools: true}"])
+    g = cfg.policy.generation
+    assert (g.port_range_low, g.port_range_high) == (3000, 4000)
+    assert g.vllm_cfg.expose_http_server and g.vllm_cfg.http_server_serving_chat_kwargs.tool_parser == "hermes"
+    assert "serving internals" in table_of(rows, "ignored")["policy.generation.vllm_cfg.http_server_serving_chat_kwargs"]
 
 
 @pytest.mark.parametrize("overrides, key, reason", [

@@ -1,0 +1,435 @@
+"""The run's OpenAI-compatible endpoint over the policy being trained (NeMo-RL's ``expose_http_server``).
+
+Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering and splice as chat), ``GET
+/v1/models``, ``GET /health``. Requests and answers, the checks and the prefix splice are
+`grpo.system.generation.openai_chat`'s; this module serves them and feeds the generation backend.
+
+- **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
+  way; FastAPI gives pydantic request models and OpenAI's JSON for free, and uvicorn runs on a socket we bind in
+  ``policy.generation.port_range_low..high``). Binds ``policy.generation.http_server.host`` (loopback).
+- **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
+  random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
+  (`CallRecord`) for the agent environment to build that sample's trajectory from.
+- **Batching**: handlers put their prompts on a queue; one batcher thread takes everything waiting within
+  ``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call, so
+  concurrent agents generate together. It generates only while the endpoint is open (`Endpoint.serving`: the
+  rollout opens it; weights change while it is closed, and requests wait); every answer carries the weight
+  version that produced it (``weight_version``).
+- **Limits**: ``http_server.max_concurrent_requests`` in flight (429 beyond), ``max_body_bytes`` (413), wrong
+  key (401), unknown model (404), anything malformed or a prompt with no room left (400); a failure of the backend
+  answers 500 to the requests of that batch and the server goes on. Errors use OpenAI's body.
+
+Seeds: a sample's call k, choice i is seeded by hash(session seed key, k, i), so an agent that makes the same calls
+gets the same tokens; requests under the run's key use their ``seed`` (or a random one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from these globals
+from fastapi.responses import JSONResponse
+
+from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
+                                                check_sampling, cut_at_stop, error_body, extract_tool_calls,
+                                                parse_request, replace_prefix_tokens, required_prefix,
+                                                split_reasoning, template_messages)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CallRecord:
+    """One choice of one call, as generated: what a trajectory is built from."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+@dataclass
+class _Session:
+    seed_key: str
+    calls: int = 0
+    records: list[CallRecord] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    prompt_ids: list[int]
+    seed: int
+    max_new_tokens: int
+    stops: list[str]
+    profile: str
+    future: concurrent.futures.Future
+
+
+def seed_of(*parts) -> int:
+    """A 63-bit seed from its parts (sha256), as `grpo.system.rollout.sample_seed` keys its own."""
+    key = ":".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def find_port(host: str, low: int, high: int) -> socket.socket:
+    """A listening socket on the first free port of ``low..high`` (NeMo-RL's port_range_low/high)."""
+    for port in range(low, high + 1):
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            continue
+        sock.listen(2048)
+        return sock
+    raise RuntimeError(f"no free port in policy.generation.port_range_low..high = {low}..{high} on {host}")
+
+
+def load_template(spec: str | None) -> str | None:
+    """A chat template given as Jinja text or as a file path (NeMo-RL loads paths: vLLM's load_chat_template)."""
+    if spec is not None and "{" not in spec and os.path.isfile(spec):
+        with open(spec) as f:
+            return f.read()
+    return spec
+
+
+class Endpoint:
+    """The endpoint over ``backend`` (a `grpo.system.generation.base.GenerationBackend` with ``gen_cfg``).
+
+    ``cfg``: the run's `grpo.config.MasterConfig` (policy.generation, policy.tokenizer, max_total_sequence_length).
+    `start` serves it; `serving` opens it for generation; `close` stops it.
+    """
+
+    def __init__(self, cfg, backend, tokenizer):
+        p, g = cfg.policy, cfg.policy.generation
+        self.cfg, self.backend, self.tokenizer = cfg, backend, tokenizer
+        self.settings = g.http_server
+        serving = g.vllm_cfg.http_server_serving_chat_kwargs
+        self.tool_parser = serving.tool_parser if serving else None
+        self.reasoning_parser = serving.reasoning_parser if serving else None
+        own = p.tokenizer.chat_template if p.tokenizer.chat_template not in (None, "default") else None
+        self.chat_template = load_template(serving.chat_template if serving and serving.chat_template else own)
+        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise RuntimeError("the endpoint needs a chat template: the tokenizer has none; set "
+                               "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.chat_template")
+        self.template_kwargs = {**(p.tokenizer.chat_template_kwargs or {}),
+                                **(serving.template_kwargs() if serving else {})}
+        self.model_name = self.settings.model_name or p.model_name
+        self.max_len = p.max_total_sequence_length
+        val = g.for_validation()
+        self.train_pair, self.val_pair = (g.temperature, g.top_p), (val.temperature, val.top_p)
+        self.gen_cfg = g
+        self.api_key = "sk-grpo-" + secrets.token_hex(16)
+        self.weight_version = 0
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Pending] = queue.Queue()
+        self._open = threading.Event()
+        self._generating = threading.Lock()
+        self._inflight = 0
+        self._stop = threading.Event()
+        self._server = self._thread = self._batcher = None
+        self.base_url: str | None = None
+
+    # ---------------------------------------------------------------- life cycle
+    def start(self) -> str:
+        """Serve on the first free port of the range; returns the base URL (``http://host:port/v1``)."""
+        import uvicorn
+
+        g = self.cfg.policy.generation
+        sock = find_port(self.settings.host, g.port_range_low, g.port_range_high)
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="grpo-endpoint")
+        self._thread.start()
+        self._batcher = threading.Thread(target=self._batch_loop, daemon=True, name="grpo-endpoint-batcher")
+        self._batcher.start()
+        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
+        self.base_url = f"http://{host}:{port}/v1"
+        deadline = time.monotonic() + 30
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            raise RuntimeError(f"the endpoint did not start on {self.base_url}")
+        return self.base_url
+
+    def close(self) -> None:
+        self._stop.set()
+        self._open.set()  # let the batcher see the stop
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+        if self._batcher is not None:
+            self._batcher.join(timeout=10)
+
+    @contextmanager
+    def serving(self, weight_version: int | None = None):
+        """Generation open for the block (a rollout); closed again after, once the batch in flight is done, so
+        the weights can change. ``weight_version``: the version its answers record."""
+        if weight_version is not None:
+            self.weight_version = int(weight_version)
+        self._open.set()
+        try:
+            yield self
+        finally:
+            self._open.clear()
+            with self._generating:  # the batch in flight finishes on these weights
+                pass
+
+    def sampling(self, profile: str) -> dict[str, float]:
+        """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
+        temperature, top_p = self.train_pair if profile == "train" else self.val_pair
+        return {"temperature": temperature, "top_p": top_p}
+
+    # ---------------------------------------------------------------- sessions
+    def open_session(self, seed_key: str) -> str:
+        """A new key whose calls are recorded (one per sample); ``seed_key`` seeds its calls."""
+        key = "sk-grpo-s-" + secrets.token_hex(16)
+        with self._lock:
+            self._sessions[key] = _Session(seed_key)
+        return key
+
+    def close_session(self, key: str) -> list[CallRecord]:
+        """Forget the key; returns its calls' records in the order they were answered."""
+        with self._lock:
+            return self._sessions.pop(key).records
+
+    # ---------------------------------------------------------------- the batcher
+    def _batch_loop(self) -> None:
+        batch: list[_Pending] = []
+        while not self._stop.is_set():
+            if not batch:
+                try:
+                    batch.append(self._queue.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+            if not self._open.wait(timeout=0.2):
+                continue
+            time.sleep(self.settings.batch_window_s)
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            with self._generating:
+                if self._stop.is_set():
+                    for item in batch:
+                        item.future.set_exception(RuntimeError("the endpoint is shutting down"))
+                    return
+                if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
+                    continue
+                for profile in ("train", "val"):
+                    items = [b for b in batch if b.profile == profile]
+                    if items:
+                        self._generate(items, profile)
+                batch = []
+
+    def _generate(self, items: list[_Pending], profile: str) -> None:
+        before = self.backend.gen_cfg
+        try:
+            if profile == "val":
+                self.backend.gen_cfg = self.gen_cfg.for_validation()
+            outs = self.backend.generate([i.prompt_ids for i in items], [i.seed for i in items],
+                                         max_new_tokens=[i.max_new_tokens for i in items],
+                                         stop_strings=[i.stops or None for i in items])
+        except Exception as err:  # this batch's requests answer 500; the server goes on
+            logger.warning("endpoint: generation failed: %s", err, exc_info=True)
+            for i in items:
+                i.future.set_exception(err)
+            return
+        finally:
+            self.backend.gen_cfg = before
+        for i, out in zip(items, outs):
+            i.future.set_result((out, self.weight_version))
+
+    # ---------------------------------------------------------------- requests
+    def _authorize(self, header: str | None) -> _Session | None:
+        key = (header or "").removeprefix("Bearer ").strip()
+        if key == self.api_key:
+            return None
+        with self._lock:
+            session = self._sessions.get(key)
+        if session is None:
+            raise RequestError(401, "a valid API key is required (Authorization: Bearer <key>): the run's key or a "
+                                    "sample's", kind="authentication_error", code="invalid_api_key")
+        return session
+
+    def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool) -> list[int]:
+        """The chat template's tokens for ``messages`` (vLLM's way: render to text, encode without adding special
+        tokens)."""
+        extra = {**self.template_kwargs, **(kwargs or {})}
+        if self.chat_template is not None:
+            extra["chat_template"] = self.chat_template
+        try:
+            text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
+        except RequestError:
+            raise
+        except Exception as err:
+            raise RequestError(400, f"the chat template cannot render these messages: {type(err).__name__}: {err}",
+                               param="messages") from None
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, req) -> list[int]:
+        """The request's prompt tokens: rendered, then spliced onto the model's own earlier tokens when the history
+        carries them (`openai_chat.replace_prefix_tokens`)."""
+        ids = self.render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
+        prefix = required_prefix(req)
+        if prefix is None:
+            return ids
+        last = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=len(req.messages) - 1)
+        template_prefix = self.render(req.messages[:last + 1], req.tools, req.chat_template_kwargs, False)
+        return replace_prefix_tokens(self.tokenizer.eos_token_id, prefix, template_prefix, ids)
+
+    async def chat(self, req: ChatRequest, session: _Session | None) -> dict:
+        if req.model != self.model_name:
+            raise RequestError(404, f"model {req.model!r} does not exist: this endpoint serves {self.model_name!r}",
+                               param="model", code="model_not_found")
+        if req.stream:
+            raise RequestError(400, "stream=true is not supported by this endpoint", param="stream")
+        profile = check_sampling(req, self.train_pair, self.val_pair)
+        prompt = self.prompt_ids(req)
+        room = self.max_len - len(prompt)
+        if room <= 0:
+            raise RequestError(400, f"the prompt has {len(prompt)} tokens, leaving no room under "
+                                    f"policy.max_total_sequence_length={self.max_len}", param="messages",
+                               code="context_length_exceeded")
+        max_new = min(req.wanted_tokens() or self.gen_cfg.max_new_tokens, room)
+        if session is not None:
+            with self._lock:
+                call, session.calls = session.calls, session.calls + 1
+            seeds = [seed_of(session.seed_key, call, i) for i in range(req.n)]
+        else:
+            base = req.seed if req.seed is not None else secrets.randbits(62)
+            seeds = [seed_of("request", base, i) for i in range(req.n)]
+        stops = list(req.stop or [])
+        futures = []
+        for s in seeds:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._queue.put(_Pending(prompt, s, max_new, stops, profile, fut))
+            futures.append(fut)
+        results = [await asyncio.wrap_future(f) for f in futures]
+        choices = []
+        for i, (out, version) in enumerate(results):
+            logprobs = [max(float(x), LOGPROB_FLOOR) for x in out.logprobs]
+            if session is not None:
+                with self._lock:
+                    session.records.append(CallRecord(list(prompt), list(out.completion_ids), logprobs,
+                                                      out.finish_reason, version))
+            choices.append(self._choice(i, req, out, logprobs, stops))
+        n_gen = sum(len(out.completion_ids) for out, _ in results)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_gen,
+                          "total_tokens": len(prompt) + n_gen},
+                "weight_version": results[0][1]}
+
+    def _choice(self, index: int, req: ChatRequest, out, logprobs: list[float], stops: list[str]) -> dict:
+        text = cut_at_stop(self.tokenizer.decode(out.completion_ids, skip_special_tokens=True), stops)
+        reasoning, text = split_reasoning(text, self.reasoning_parser)
+        parser = None if req.tool_choice == "none" else self.tool_parser
+        content, calls = extract_tool_calls(text, parser, req.tools) if text is not None else (None, [])
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if self.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
+        choice = {"index": index, "message": message, "logprobs": None,
+                  "finish_reason": "tool_calls" if calls else out.finish_reason}
+        if req.logprobs:
+            message.update(prompt_token_ids=list(out.prompt_ids), generation_token_ids=list(out.completion_ids),
+                           generation_log_probs=logprobs)
+            choice["logprobs"] = {"content": [self._token_logprob(t, lp, req.top_logprobs)
+                                              for t, lp in zip(out.completion_ids, logprobs)]}
+        return choice
+
+    def _token_logprob(self, token_id: int, logprob: float, top: int | None) -> dict:
+        """OpenAI's per-token entry. The backends return the sampled token's logprob only: ``top_logprobs`` holds
+        that token (when top_logprobs >= 1), not the alternatives."""
+        text = self.tokenizer.decode([token_id])
+        entry = {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        entry["top_logprobs"] = [dict(entry)] if top else []
+        return entry
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        if req.messages is not None:
+            ids = self.prompt_ids(req)
+        elif req.prompt is not None:
+            ids = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        else:
+            raise RequestError(400, "expected messages or prompt", param="messages")
+        return {"count": len(ids), "max_model_len": self.max_len, "tokens": ids, "token_strs": None}
+
+    # ---------------------------------------------------------------- the app
+    def app(self):
+        app = FastAPI(title="grpo-ds endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+        def refuse(err: RequestError) -> JSONResponse:
+            return JSONResponse(err.body(), status_code=err.status)
+
+        async def guarded(request: Request, model_cls, handle):
+            if self._inflight >= self.settings.max_concurrent_requests:
+                return refuse(RequestError(429, f"more than {self.settings.max_concurrent_requests} requests in "
+                                                "flight (policy.generation.http_server.max_concurrent_requests)",
+                                           kind="rate_limit_error", code="rate_limit_exceeded"))
+            self._inflight += 1
+            try:
+                session = self._authorize(request.headers.get("authorization"))
+                limit = self.settings.max_body_bytes
+                if int(request.headers.get("content-length") or 0) > limit:
+                    raise RequestError(413, f"the request body is over {limit} bytes "
+                                            "(policy.generation.http_server.max_body_bytes)")
+                body = await request.body()
+                if len(body) > limit:
+                    raise RequestError(413, f"the request body is over {limit} bytes "
+                                            "(policy.generation.http_server.max_body_bytes)")
+                return JSONResponse(await handle(parse_request(model_cls, body), session))
+            except RequestError as err:
+                return refuse(err)
+            except Exception as err:  # a bug or a backend failure: this request fails, the run goes on
+                logger.warning("endpoint: %s failed", request.url.path, exc_info=True)
+                return JSONResponse(error_body(f"{type(err).__name__}: {err}", "server_error"), status_code=500)
+            finally:
+                self._inflight -= 1
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await guarded(request, ChatRequest, self.chat)
+
+        async def tokenize_handler(req, session):
+            return self.tokenize(req)
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            return await guarded(request, TokenizeRequest, tokenize_handler)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            try:
+                self._authorize(request.headers.get("authorization"))
+            except RequestError as err:
+                return refuse(err)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "grpo-ds", "max_model_len": self.max_len}]}
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "weight_version": self.weight_version}
+
+        return app

@@ -1,0 +1,175 @@
+"""Agents as environments (``env.name: agent``): a user's agent plays each sample against the policy through the
+run's OpenAI-compatible endpoint (`grpo.system.generation.endpoint`), and says what the sample earned.
+
+An agent is an async Python function (``env.agent.fn: package.module:function``)::
+
+    async def agent(row: dict, base_url: str, api_key: str, model: str) -> float | dict:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+        ...                                   # any number of chat completions, tools run by the agent
+        return {"reward": 1.0, "reward_components": {"correct": 1.0}, "mask_sample": False}
+
+or a program (``env.agent.command: [argv...]``) that reads the row as JSON on stdin, finds ``GRPO_BASE_URL``,
+``GRPO_API_KEY``, ``GRPO_MODEL`` (and the ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` the openai package reads) in its
+environment, and prints the result as JSON on the last line of its stdout. ``row`` is
+``{"question", "answer", "meta", "task_name", "messages", "sampling"}`` (``messages``: the prompt as the data
+formatted it, role / content dicts; ``sampling``: the ``temperature`` and ``top_p`` to send, the run's training or
+validation pair: the endpoint refuses others). A number is the reward; a dict has ``reward`` and optionally ``reward_components`` (named
+finite numbers) and ``mask_sample`` (keep the sample out of the loss).
+
+Every sample gets its own API key, so the endpoint records each call it makes; the trainer builds the sample's
+trajectory from those records (`grpo.system.agent_rollout`), never from what the agent says it saw.
+
+A sample *fails* (`grpo.tasks.failures`: masked, never scored 0) when its agent raises (its class from the
+exception: a dropped connection or a 5xx is infra, the agent's own bug data), runs past ``env.agent.timeout_s``
+(``env_timeout``; a program is killed), exits non-zero, or returns something that is not a result
+(``env_malformed``). Up to ``env.agent.max_concurrency`` agents run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from grpo.tasks.failures import DATA, Failure, classify_exception
+from grpo.tasks.function import EnvError, resolve_function
+from grpo.tasks.interface import Environment
+
+
+@dataclass
+class AgentOutcome:
+    """What one sample's agent said: its reward, components and mask flag, or the failure in their place."""
+
+    reward: float = 0.0
+    reward_components: dict[str, float] | None = None
+    mask_sample: bool = False
+    failure: Failure | None = None
+
+
+def parse_result(value: Any) -> AgentOutcome:
+    """An agent's return value as an `AgentOutcome`; anything else is an ``env_malformed`` failure.
+
+        >>> parse_result(1).reward, parse_result({"reward": 0.5, "mask_sample": True}).mask_sample
+        (1.0, True)
+        >>> parse_result({"score": 1}).failure.reason
+        'env_malformed'
+    """
+    def bad(why: str) -> AgentOutcome:
+        return AgentOutcome(failure=Failure.of("env_malformed", f"the agent returned {str(value)[:300]!r}: {why}"))
+
+    def number(x) -> float | None:
+        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+    if number(value) is not None:
+        return AgentOutcome(reward=number(value))
+    if not isinstance(value, dict) or number(value.get("reward")) is None:
+        return bad("expected a finite number or a dict with a finite 'reward'")
+    unknown = sorted(set(value) - {"reward", "reward_components", "mask_sample"})
+    if unknown:
+        return bad(f"unknown keys {unknown} (expected reward, reward_components, mask_sample)")
+    comps = value.get("reward_components")
+    if comps is not None:
+        if not isinstance(comps, dict) or any(number(v) is None for v in comps.values()):
+            return bad("reward_components must map names to finite numbers")
+        comps = {str(k): float(v) for k, v in comps.items()}
+    if not isinstance(value.get("mask_sample", False), bool):
+        return bad("mask_sample must be true or false")
+    return AgentOutcome(number(value["reward"]), comps, value.get("mask_sample", False))
+
+
+class AgentEnvironment(Environment):
+    """``env.name: agent``. Its samples are played by `run`, never stepped: `grpo.system.rollout.generate_rollout`
+    hands them to `grpo.system.agent_rollout.play_agents`."""
+
+    def __init__(self, fn: str | None = None, command: list[str] | None = None, max_concurrency: int = 64,
+                 timeout_s: float = 300.0, key: str = "env.agent"):
+        self.command, self.max_concurrency, self.timeout_s = command, max_concurrency, timeout_s
+        self.fn = None
+        if fn is not None:
+            self.fn = resolve_function(fn, f"{key}.fn")
+            if not inspect.iscoroutinefunction(self.fn):
+                raise EnvError(f"{key}.fn={fn!r}: expected an async function (async def ...(row, base_url, api_key, "
+                               "model))")
+
+    def step(self, message_logs, metadata):
+        raise EnvError("env.name=agent: its samples are played by the agent over the endpoint "
+                       "(grpo.system.agent_rollout), not stepped")
+
+    def global_post_process_and_metrics(self, batch: dict) -> tuple[dict, dict]:
+        """Metrics of the agent samples (``env/<task>/<name>``): failed and non-contiguous samples (counts), model
+        calls per sample (mean)."""
+        trajs = batch["trajectories"]
+        n = max(len(trajs), 1)
+        return batch, {"failed_samples": sum(t.error is not None for t in trajs),
+                       "noncontiguous_samples": sum(bool((t.metadata or {}).get("agent_noncontiguous"))
+                                                    for t in trajs),
+                       "calls_per_sample": sum(t.turns for t in trajs) / n}
+
+    def run(self, rows: list[dict], base_url: str, api_keys: list[str], model: str) -> list[AgentOutcome]:
+        """Every sample's agent, ``max_concurrency`` at a time, each within ``timeout_s``; one outcome per row."""
+        return asyncio.run(self._run_all(rows, base_url, api_keys, model))
+
+    async def _run_all(self, rows, base_url, api_keys, model) -> list[AgentOutcome]:
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(row, key):
+            async with gate:
+                return await self._one(row, base_url, key, model)
+
+        return list(await asyncio.gather(*(one(r, k) for r, k in zip(rows, api_keys, strict=True))))
+
+    async def _one(self, row: dict, base_url: str, api_key: str, model: str) -> AgentOutcome:
+        try:
+            if self.fn is not None:
+                value = await asyncio.wait_for(self.fn(row, base_url, api_key, model), self.timeout_s)
+            else:
+                value = await self._program(row, base_url, api_key, model)
+        except (asyncio.TimeoutError, TimeoutError):
+            return AgentOutcome(failure=Failure.of("env_timeout", f"the agent ran past env.agent.timeout_s="
+                                                                  f"{self.timeout_s}"))
+        except _ProgramFailed as err:
+            return AgentOutcome(failure=Failure.of("env_error", str(err), kind=DATA))
+        except Exception as err:  # noqa: BLE001 - the agent's own code or its HTTP client
+            return AgentOutcome(failure=Failure.of("env_error", traceback.format_exc(), kind=classify_exception(err)))
+        return parse_result(value)
+
+    async def _program(self, row: dict, base_url: str, api_key: str, model: str):
+        env = {**os.environ, "GRPO_BASE_URL": base_url, "GRPO_API_KEY": api_key, "GRPO_MODEL": model,
+               "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        proc = await asyncio.create_subprocess_exec(*self.command, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                    env=env, start_new_session=True)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(json.dumps(row).encode()), self.timeout_s)
+        except BaseException:  # the deadline, or the rollout cancelled: the program and its children go
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            raise _ProgramFailed(f"env.agent.command {self.command} exited with status {proc.returncode}; stderr:\n"
+                                 f"{err.decode(errors='replace')[-2000:]}")
+        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        try:
+            return json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError:
+            return {"unparsed stdout": lines[-1][:300]}
+
+
+class _ProgramFailed(RuntimeError):
+    pass
+
+
+def agent_row(question: str, answer: str, meta: dict, task_name: str, messages: list[dict],
+              sampling: dict[str, float]) -> dict:
+    """The row an agent gets (module docstring)."""
+    return {"question": question, "answer": answer, "meta": meta, "task_name": task_name,
+            "messages": [{"role": m["role"], "content": m["content"]} for m in messages], "sampling": dict(sampling)}

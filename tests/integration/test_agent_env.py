@@ -1,0 +1,117 @@
+"""env.name=agent (grpo/tasks/agent.py, grpo/system/agent_rollout.py): agents written with the openai client play
+samples over a real endpoint on loopback; the trajectories come from the recorded tokens, contiguity is checked,
+and every failure is a masked failure, never a 0."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from grpo.config import MasterConfig
+from grpo.system.agent_rollout import AgentPlayer
+from grpo.system.generation.endpoint import Endpoint
+from grpo.system.rollout import TurnSettings, generate_rollout, new_trajectories
+from grpo.tasks.calculator import AGENT_CHAT_TEMPLATE
+from grpo.tasks.factory import build_environments
+from grpo.tasks.function import EnvError
+from grpo.tasks.rows import PromptRow
+from grpo.tasks.toy import build_char_tokenizer
+from tests.helpers.scripted_backend import ScriptedBackend
+
+FNS = "tests.helpers.agent_fns"
+
+
+def _cfg(agent: dict) -> MasterConfig:
+    return MasterConfig.model_validate({
+        "policy": {"model_name": "toy:tiny", "max_total_sequence_length": 96, "generation": {
+            "max_new_tokens": 24, "port_range_low": 24000, "port_range_high": 24999,
+            "vllm_cfg": {"http_server_serving_chat_kwargs": {"tool_parser": "compact"}}}},
+        "env": {"name": "agent", "agent": agent}})
+
+
+def _model_writes(prompt: str) -> str:
+    """The scripted policy: calls the tool first, answers with the tool's result after it."""
+    return "2146" if "<r>" in prompt else "<calc>37*58</calc>"
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    tok = build_char_tokenizer(AGENT_CHAT_TEMPLATE)
+    cfg = _cfg({"fn": f"{FNS}:calc_agent"})
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, _model_writes), tok)
+    ep.start()
+    yield ep
+    ep.close()
+
+
+def _play(endpoint, agent: dict, n: int = 2, question: str = "37*58="):
+    envs = build_environments(_cfg(agent).env)
+    tok = endpoint.tokenizer
+    ids = tok(question)["input_ids"]
+    rows = [PromptRow(0, question, "2146", "agent", [{"role": "user", "content": question, "token_ids": ids}], ids)]
+    trajs = new_trajectories(rows, n)
+    AgentPlayer(endpoint).play(trajs, [(1, 0, i, "train") for i in range(n)], envs)
+    return trajs, envs
+
+
+def test_an_agents_trajectory_is_the_tokens_it_generated(endpoint):
+    trajs, envs = _play(endpoint, {"fn": f"{FNS}:calc_agent"})
+    tok = endpoint.tokenizer
+    for t in trajs:
+        assert (t.reward, t.reward_components, t.error, t.mask_sample, t.turns) == (1.0, {"answered": 1.0}, None,
+                                                                                       False, 2)
+        assert [(m.role, m.trained) for m in t.messages] == [("user", False), ("assistant", True), ("user", False),
+                                                             ("assistant", True)]
+        assert tok.decode(t.token_ids()) == "<bos>37*58=<calc>37*58</calc><eos><r>2146</r>2146<eos>"
+        assert tok.decode(t.completion_ids()) == "<calc>37*58</calc><eos>2146<eos>"
+        assert all(m.generation_logprobs == [-0.5] * len(m.token_ids) for m in t.messages if m.trained)
+    _, metrics = envs.post_process(trajs)
+    assert metrics == {"env/agent/failed_samples": 0.0, "env/agent/noncontiguous_samples": 0.0,
+                       "env/agent/calls_per_sample": 2.0}
+
+
+def test_an_agent_program(endpoint):
+    trajs, _ = _play(endpoint, {"command": [sys.executable, "-m", FNS]})
+    assert [(t.reward, t.error, t.turns) for t in trajs] == [(1.0, None, 2)] * 2
+    trajs, _ = _play(endpoint, {"command": [sys.executable, "-m", FNS]}, question="crash")
+    assert trajs[0].error == "env_error" and "fell over" in trajs[0].error_detail
+
+
+def test_a_rewritten_history_is_masked_and_counted_never_retemplated(endpoint):
+    trajs, envs = _play(endpoint, {"fn": f"{FNS}:rewriting_agent"})
+    t = trajs[0]
+    assert t.reward == 0.5 and t.mask_sample and t.metadata["agent_noncontiguous"] and t.turns == 2
+    assert endpoint.tokenizer.decode(t.token_ids()) == "<bos>37*58=<calc>37*58</calc><eos>"  # the contiguous head
+    assert envs.post_process(trajs)[1]["env/agent/noncontiguous_samples"] == 2.0
+
+
+@pytest.mark.parametrize("agent, reason, kind, words", [
+    ({"fn": f"{FNS}:broken_agent"}, "env_error", "data", "the agent's own bug"),
+    ({"fn": f"{FNS}:slow_agent", "timeout_s": 0.5}, "env_timeout", "infra", "timeout_s=0.5"),
+    ({"fn": f"{FNS}:malformed_agent"}, "env_malformed", "data", "finite 'reward'"),
+    ({"fn": f"{FNS}:silent_agent"}, "env_malformed", "data", "no call"),
+])
+def test_failed_agents_fail_their_samples(endpoint, agent, reason, kind, words):
+    trajs, envs = _play(endpoint, agent)
+    for t in trajs:
+        assert (t.error, t.failure_kind, t.reward) == (reason, kind, 0.0) and words in t.error_detail
+    assert envs.post_process(trajs)[1]["env/agent/failed_samples"] == 2.0
+
+
+def test_agent_config_errors_name_the_key():
+    with pytest.raises(EnvError, match=r"env.agent.fn=.*not_async.*async function"):
+        build_environments(_cfg({"fn": f"{FNS}:not_async"}).env)
+    with pytest.raises(ValueError, match="exactly one of fn"):
+        _cfg({})
+
+
+def test_generate_rollout_hands_agent_samples_to_the_agents(endpoint):
+    envs = build_environments(_cfg({"fn": f"{FNS}:calc_agent"}).env)
+    ids = endpoint.tokenizer("37*58=")["input_ids"]
+    rows = [PromptRow(i, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)
+            for i in range(2)]
+    r = generate_rollout(rows, 2, endpoint.backend, envs, None, TurnSettings(3, 96, 8), base_seed=0, step=0,
+                         gen_batch=0, stream="train", rank=0, world_size=1, agents=AgentPlayer(endpoint))
+    assert [t.reward for t in r.trajectories] == [1.0] * 4 and r.timing["agent_s"] > 0
+    assert r.metrics["env/agent/calls_per_sample"] == 2.0

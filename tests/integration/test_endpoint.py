@@ -1,0 +1,215 @@
+"""The endpoint on loopback, driven by the official ``openai`` client (and raw HTTP for what a client cannot send):
+chat, logprobs and the token fields, /tokenize equal to chat's rendering, /v1/models, /health, batching, the
+sessions' records, tool calls and reasoning, and every error path (grpo/system/generation/endpoint.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from grpo.config import MasterConfig
+from grpo.system.generation.endpoint import Endpoint
+from grpo.system.generation.hf import HFGeneration
+from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+from tests.helpers.scripted_backend import ScriptedBackend
+
+MODEL = "toy:tiny"
+USER = [{"role": "user", "content": "1+2="}]
+
+
+def _cfg(**http_server) -> MasterConfig:
+    return MasterConfig.model_validate({"policy": {
+        "model_name": MODEL, "precision": "float32", "max_total_sequence_length": 64,
+        "generation": {"max_new_tokens": 6, "val_temperature": 0.5, "port_range_low": 23000, "port_range_high": 23999,
+                       "http_server": {"batch_window_s": 0.05, **http_server}}}})
+
+
+class CountingHF(HFGeneration):
+    """The hf backend, counting its generate calls and their batch sizes."""
+
+    def generate(self, prompt_ids, seeds, **kw):
+        self.batches = getattr(self, "batches", []) + [len(prompt_ids)]
+        return super().generate(prompt_ids, seeds, **kw)
+
+
+@pytest.fixture(scope="module")
+def served():
+    cfg = _cfg(max_body_bytes=20_000)
+    tok = build_char_tokenizer(SIMPLE_CHAT_TEMPLATE)
+    model = build_tiny_model(tok)
+    ep = Endpoint(cfg, CountingHF(cfg.policy, tok, model.config, "cpu", model=model), tok)
+    ep.start()
+    yield ep
+    ep.close()
+
+
+def _client(ep, key=None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=ep.base_url, api_key=key or ep.api_key, max_retries=0, timeout=60)
+
+
+def _post(ep, path: str, content: bytes | str, key=None, **headers) -> httpx.Response:
+    root = ep.base_url.removesuffix("/v1")
+    return httpx.post(root + path, content=content, timeout=60,
+                      headers={"Authorization": f"Bearer {key or ep.api_key}", "Content-Type": "application/json",
+                               **headers})
+
+
+def test_chat_with_logprobs_carries_nemo_rls_token_fields(served):
+    with served.serving(weight_version=7):
+        r = _client(served).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, logprobs=True,
+                                                    top_logprobs=1, n=2, seed=3)
+    assert r.model_extra["weight_version"] == 7 and len(r.choices) == 2
+    for choice in r.choices:
+        extra = choice.message.model_extra
+        gen, lps = extra["generation_token_ids"], extra["generation_log_probs"]
+        assert 1 <= len(gen) <= 6 and len(lps) == len(gen) and all(-9999.0 <= x <= 0 for x in lps)
+        assert [t.logprob for t in choice.logprobs.content] == lps
+        assert choice.logprobs.content[0].top_logprobs[0].logprob == lps[0]
+        assert choice.finish_reason in ("stop", "length")
+    # /tokenize renders exactly as chat did
+    tokens = _post(served, "/tokenize", json.dumps({"model": MODEL, "messages": USER})).json()["tokens"]
+    assert tokens == r.choices[0].message.model_extra["prompt_token_ids"]
+    assert r.usage.prompt_tokens == len(tokens)
+
+
+def test_same_seed_same_answer_and_max_tokens_clamped(served):
+    c = _client(served)
+    with served.serving():
+        a = c.chat.completions.create(model=MODEL, messages=USER, top_p=1.0, seed=11, max_tokens=3, logprobs=True)
+        b = c.chat.completions.create(model=MODEL, messages=USER, top_p=1.0, seed=11, max_completion_tokens=3,
+                                      logprobs=True)
+        big = c.chat.completions.create(model=MODEL, messages=USER, top_p=1.0, max_tokens=10_000, logprobs=True)
+    assert a.choices[0].message.model_extra == b.choices[0].message.model_extra
+    assert len(a.choices[0].message.model_extra["generation_token_ids"]) <= 3
+    extra = big.choices[0].message.model_extra
+    assert len(extra["prompt_token_ids"]) + len(extra["generation_token_ids"]) <= 64
+
+
+def test_models_and_health(served):
+    assert [m.id for m in _client(served).models.list().data] == [MODEL]
+    assert httpx.get(served.base_url.removesuffix("/v1") + "/health").json()["status"] == "ok"
+    with pytest.raises(openai.AuthenticationError):
+        _client(served, key="sk-wrong").models.list()
+
+
+def test_requests_that_arrive_together_generate_together(served):
+    """Requests wait while the endpoint is closed (weights may change), then go to the backend as one batch."""
+    served.backend.batches = []
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_client(served).chat.completions.create, model=MODEL, messages=USER, top_p=1.0,
+                               seed=i) for i in range(4)]
+        time.sleep(1.0)
+        assert served.backend.batches == [] and not any(f.done() for f in futures)
+        with served.serving():
+            answers = [f.result(timeout=60) for f in futures]
+    assert served.backend.batches == [4] and len(answers) == 4
+
+
+def test_a_sessions_calls_are_recorded(served):
+    key = served.open_session("sample-0")
+    with served.serving(weight_version=2):
+        r = _client(served, key).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, logprobs=True)
+        _client(served, key).chat.completions.create(model=MODEL, messages=USER, top_p=0.5 * 2, n=2)
+    records = served.close_session(key)
+    extra = r.choices[0].message.model_extra
+    assert len(records) == 3 and all(rec.weight_version == 2 for rec in records)
+    assert (records[0].prompt_token_ids, records[0].generation_token_ids, records[0].generation_log_probs) == (
+        extra["prompt_token_ids"], extra["generation_token_ids"], extra["generation_log_probs"])
+    with pytest.raises(openai.AuthenticationError):  # a closed session's key is refused
+        _client(served, key).models.list()
+
+
+def test_validation_sampling_is_accepted(served):
+    with served.serving():
+        r = _client(served).chat.completions.create(model=MODEL, messages=USER, temperature=0.5, top_p=1.0)
+    assert r.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize("kw, status, words", [
+    (dict(top_p=1.0, temperature=0.7), 400, "matches neither"),
+    (dict(), 400, "top_p must be set"),
+    (dict(top_p=1.0, extra_body={"top_k": 5}), 400, "top_k"),
+    (dict(top_p=1.0, model="gpt-4o"), 404, "does not exist"),
+    (dict(top_p=1.0, messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
+    (dict(top_p=1.0, n="two"), 400, "n:"),
+    (dict(top_p=1.0, messages=[{"role": "user", "content": "9" * 80}]), 400, "no room"),
+])
+def test_bad_requests_get_openais_error_body(served, kw, status, words):
+    kw = {"model": MODEL, "messages": USER, **kw}
+    with served.serving(), pytest.raises(openai.APIStatusError) as err:
+        _client(served).chat.completions.create(**kw)
+    assert err.value.status_code == status and words in err.value.body["message"], err.value.body
+    assert err.value.body["type"] in ("invalid_request_error",)
+
+
+def test_wire_errors(served):
+    assert _post(served, "/v1/chat/completions", b"{not json").status_code == 400
+    assert _post(served, "/v1/chat/completions", b"[1, 2]").status_code == 400
+    r = _post(served, "/v1/chat/completions", json.dumps({"model": MODEL, "messages": USER, "top_p": 1.0}),
+              key="nope")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 30_000}], "top_p": 1.0})
+    r = _post(served, "/v1/chat/completions", huge)
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+
+
+def test_too_many_requests_in_flight_is_a_429():
+    cfg = _cfg(max_concurrent_requests=1)
+    tok = build_char_tokenizer(SIMPLE_CHAT_TEMPLATE)
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, ["ok"]), tok)
+    ep.start()
+    try:
+        first = threading.Thread(target=_client(ep).chat.completions.create,
+                                 kwargs=dict(model=MODEL, messages=USER, top_p=1.0))
+        first.start()  # waits: the endpoint is closed
+        time.sleep(0.5)
+        with pytest.raises(openai.RateLimitError) as err:
+            _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0)
+        assert "max_concurrent_requests" in err.value.body["message"]
+        with ep.serving():
+            first.join(timeout=30)
+    finally:
+        ep.close()
+
+
+def test_tool_calls_and_reasoning_over_the_wire(qwen25):
+    cfg = _cfg()
+    cfg.policy.max_total_sequence_length = 2048
+    cfg.policy.generation.vllm_cfg.http_server_serving_chat_kwargs = {"tool_parser": "hermes",
+                                                                       "reasoning_parser": "qwen3"}
+    text = ('<think>big numbers</think>\n<tool_call>\n{"name": "calc", "arguments": {"expression": "37*58"}}\n'
+            '</tool_call>')
+    ep = Endpoint(cfg, ScriptedBackend(qwen25, cfg.policy.generation, [text, "It is 2146."]), qwen25)
+    ep.start()
+    tools = [{"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+    try:
+        c = _client(ep)
+        messages = [{"role": "user", "content": "What is 37*58?"}]
+        with ep.serving():
+            r = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, top_p=1.0, logprobs=True)
+            msg = r.choices[0].message
+            assert r.choices[0].finish_reason == "tool_calls" and msg.model_extra["reasoning_content"] == "big numbers"
+            call = msg.tool_calls[0]
+            assert call.function.name == "calc" and json.loads(call.function.arguments) == {"expression": "37*58"}
+            assert "# Tools" in qwen25.decode(msg.model_extra["prompt_token_ids"])  # the tools were rendered
+            # the agent hands the message back as the client gives it: its token fields ride along
+            messages += [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id,
+                                                             "content": "2146"}]
+            r2 = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, top_p=1.0, logprobs=True)
+        prompt2 = r2.choices[0].message.model_extra["prompt_token_ids"]
+        first = msg.model_extra["prompt_token_ids"] + msg.model_extra["generation_token_ids"]
+        assert prompt2[:len(first)] == first  # contiguous: the model's own tokens, then the tool turn
+        assert r2.choices[0].message.content == "It is 2146." and r2.choices[0].finish_reason == "stop"
+        with ep.serving():  # tool_choice="none": the text stays content
+            r3 = c.chat.completions.create(model=MODEL, messages=messages[:1], tools=tools, top_p=1.0,
+                                           tool_choice="none")
+        assert r3.choices[0].message.tool_calls is None
+    finally:
+        ep.close()
