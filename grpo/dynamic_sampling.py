@@ -53,6 +53,10 @@ def group_reward_std(prompt_ids: torch.Tensor, task_rewards: torch.Tensor,
                         for k in range(task_rewards.shape[1])], dim=1)
 
 
+class DynamicSamplingExhausted(RuntimeError):
+    """Dynamic sampling gave up: the batch is still not full after ``dynamic_sampling_max_gen_batches``."""
+
+
 class DynamicSamplingCache:
     """Accumulates prompt groups with non-zero reward std until one training batch is full.
 
@@ -138,7 +142,7 @@ class DynamicSamplingCache:
         }
         if self.num_cached < self.target:
             if self.num_gen_batches > self.max_gen_batches:
-                raise RuntimeError(
+                raise DynamicSamplingExhausted(
                     f"dynamic sampling: only {self.num_cached} of {self.target} samples with non-zero reward std after "
                     f"{self.num_gen_batches} generation batches (grpo.dynamic_sampling_max_gen_batches="
                     f"{self.max_gen_batches}). Raise grpo.dynamic_sampling_max_gen_batches or grpo.batch_multiplier, "

@@ -252,13 +252,18 @@ def message_penalty_metrics(message_spans, invalid_tool_call_advantage, malforme
 
 
 # ---- bookkeeping -----------------------------------------------------------------------------------
-def record_step(state, batch: TrainBatch, step: int) -> None:
+def record_step(state, batch: TrainBatch, step: int, trained: bool = True) -> None:
     """Advance the loop counters saved with each checkpoint (`grpo.system.checkpoint.GRPOSaveState`);
-    ``consumed_samples`` counts prompts, as NeMo-RL's does."""
+    ``consumed_samples`` counts prompts, as NeMo-RL's does.
+
+    A step skipped for failed rollouts (``trained=False``, ``grpo.rollout_failure``) is a step: it has its
+    number (the weights' version, the checkpoints' and the logs' step), consumes its prompts, and trains no
+    token; only the optimizer (and its learning-rate schedule) does not move."""
     state.current_step = step
     state.total_steps += 1
     state.consumed_samples += int(torch.unique(batch.group_ids_b).numel())
-    state.total_valid_tokens += int((batch.token_mask_bt * batch.sample_mask_b[:, None]).sum())
+    if trained:
+        state.total_valid_tokens += int((batch.token_mask_bt * batch.sample_mask_b[:, None]).sum())
 
 
 def due_validation(cfg, step: int, total_steps: int) -> bool:
