@@ -195,9 +195,12 @@ def main(argv=None) -> int | None:
         failure, stop = (message, stop) if closed.failed else (failure, message)
     if stop or failure:
         run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
+    replay = buffer.state_dict()
+    if run.checks.stop_kind == "rollouts":  # an outage: the buffered groups failed too; regenerate them on resume
+        replay["entries"] = []
     return finish(run, out_of_data=closed is not None and closed.kind is StopKind.OUT_OF_DATA,
-                  loader_state=trained_mark["loader"], failure=failure,
-                  extra={"replay_buffer": buffer.state_dict()}, metrics=metrics)
+                  loader_state=trained_mark["loader"], failure=failure, extra={"replay_buffer": replay},
+                  metrics=metrics)
 
 
 if __name__ == "__main__":
