@@ -127,3 +127,21 @@ def test_generation_on_its_own_rank_masks_failed_samples_too(tmp_path):
     rows = {r["step"]: r for r in metrics(tmp_path) if "rollout/failed_samples" in r}
     assert sorted(rows) == [1, 2, 3] and sum(r["rollout/failed_samples"] for r in rows.values()) > 0
     check_no_fabricated_reward(dumped(tmp_path))
+
+
+def test_dynamic_sampling_draws_more_prompts_when_failures_empty_a_batch_then_skips(tmp_path, monkeypatch):
+    """With dynamic sampling a generation batch short of min_step_batch_fraction is discarded and more prompts are
+    drawn; when every batch up to dynamic_sampling_max_gen_batches is short, the step is skipped (dynamic sampling's
+    give-up is not raised)."""
+    flag = tmp_path / "down"
+    flag.touch()
+    monkeypatch.setenv("FLAKY_DOWN_FILE", str(flag))
+    p = train(tmp_path, "env.reward_fn=tests.helpers.flaky_envs:down_while_flagged", "grpo.use_dynamic_sampling=true",
+              "grpo.dynamic_sampling_max_gen_batches=2", "grpo.rollout_failure.max_consecutive_skipped_steps=2",
+              "grpo.max_num_steps=4", check=False, timeout=300)
+    assert p.returncode == 1 and "DynamicSamplingExhausted" not in p.stderr, p.stderr[-3000:]
+    lines = error_lines(p.stderr)
+    assert len(lines) == 1 and "2 steps in a row skipped" in lines[0], p.stderr[-3000:]
+    rows = {r["step"]: r for r in metrics(tmp_path)}
+    # Each skipped step played max_gen_batches + 1 generation batches of 4 prompts x 4 samples, all failed.
+    assert sorted(rows) == [1, 2] and rows[1]["rollout/failed_samples"] == 3 * 16
