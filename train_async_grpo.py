@@ -28,7 +28,9 @@ from __future__ import annotations
 import os
 import time
 
-from grpo.run import dump_rollouts, finish, resume_note, run_script, save, setup, stop_reason, stop_requested, validate
+from grpo.run import (
+    dump_rollouts, finish, resume_note, run_script, save, setup, skip_step, stop_reason, stop_requested, validate,
+)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 
@@ -50,8 +52,8 @@ def main(argv=None) -> int | None:
     from grpo.rollout_metrics import step_summary
     from grpo.system.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
     from grpo.step import (
-        due_save, due_validation, early_stop_reason, initial_sample_mask, record_step, shape_rewards, step_advantages,
-        step_metrics,
+        due_save, due_validation, early_stop_reason, initial_sample_mask, mask_invalid_samples, record_step,
+        shape_rewards, step_advantages, step_metrics,
     )
     from grpo.loss import clipped_pg_loss_fn
     from grpo.system.tracking import timed
@@ -100,7 +102,8 @@ def main(argv=None) -> int | None:
         step = state.current_step + 1
         t_step = time.perf_counter()
 
-        # ---- 1-3. the step's prompt groups from the replay deque; penalties, scaling, shaping ----------
+        # ---- 1-3. the step's prompt groups from the replay deque; penalties, scaling, shaping; failed samples
+        #           masked (they are in the deque as they came back: failed, never with a made-up reward) ----
         try:
             entries, wait_s = buffer.take(step, g.num_prompts_per_step)
         except ReplayClosed as err:
@@ -109,13 +112,31 @@ def main(argv=None) -> int | None:
         train_start = time.time()
         info = entries[0].group.info  # what the prompt batch's groups share
         trajectories = trajectories_from_groups([e.group for e in entries])
-        batch, penalty_metrics = shape_rewards(cfg, build_batch(trajectories, run.tokenizer.pad_token_id),
-                                               run.tokenizer)
-        metrics = {f"train/{k}": v for k, v in {**rollout_counts(trajectories), **info.metrics,
-                                                 **penalty_metrics}.items()}
+        batch, penalty_metrics = shape_rewards(
+            cfg, build_batch(trajectories, run.tokenizer.pad_token_id, cfg.env.should_mask_flagged_samples),
+            run.tokenizer)
+        batch, counts = mask_invalid_samples(batch)
+        budget = run.checks.rollouts
+        budget.count(trajectories)
+        metrics = {**{f"train/{k}": v for k, v in {**rollout_counts(trajectories), **info.metrics,
+                                                    **penalty_metrics}.items()}, **counts}
         timing = {f"timing/{k}": v for k, v in info.timing.items()}
 
-        # ---- 5. overlong filtering and environment masks (masked samples stay in the baseline) ----
+        # ---- the step budget: too few samples got a score -> the step is skipped, counted, logged ---------
+        if not budget.trainable(int(batch.failed_b.sum()), len(batch)):
+            failure = skip_step(run, step, batch, metrics)
+            stage.publish([], version=step)  # the same weights, as version `step`: staleness counts steps
+            trained_mark = info.loader_mark  # the prompts are consumed
+            state.current_epoch = trained_mark["epoch"]
+            if failure is None:
+                stop = stop_reason(run, step, None)
+                if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
+                    save(run, step, state.metrics, None, trained_mark["loader"],
+                         extra={"replay_buffer": buffer.state_dict()})
+            continue
+        budget.trained()
+
+        # ---- 5. sample masks: invalid samples (failed, flagged), overlong filtering (stays in the baseline) --
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
 
         # ---- 6. previous-policy, reference (and teacher) logprobs, under the CURRENT weights -------
@@ -140,7 +161,7 @@ def main(argv=None) -> int | None:
         state.current_epoch = trained_mark["epoch"]
         timing["timing/step_s"] = time.perf_counter() - t_step
         metrics.update({
-            **step_metrics(batch, results, timing["timing/step_s"]), **timing, **producer.step_metrics(
+            **step_metrics(batch, results, timing["timing/step_s"]), **timing, **budget.metrics(), **producer.step_metrics(
                 step, entries, wait_s), "async/train_start_time": train_start, "async/train_end_time": train_end,
             "train/epoch": state.current_epoch, "train/prompt_indices": [e.group.prompt_index for e in entries],
         })
@@ -174,9 +195,12 @@ def main(argv=None) -> int | None:
         failure, stop = (message, stop) if closed.failed else (failure, message)
     if stop or failure:
         run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
+    replay = buffer.state_dict()
+    if run.checks.stop_kind == "rollouts":  # an outage: the buffered groups failed too; regenerate them on resume
+        replay["entries"] = []
     return finish(run, out_of_data=closed is not None and closed.kind is StopKind.OUT_OF_DATA,
-                  loader_state=trained_mark["loader"], failure=failure,
-                  extra={"replay_buffer": buffer.state_dict()}, metrics=metrics)
+                  loader_state=trained_mark["loader"], failure=failure, extra={"replay_buffer": replay},
+                  metrics=metrics)
 
 
 if __name__ == "__main__":

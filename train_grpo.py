@@ -9,10 +9,11 @@
     accelerate launch --config_file launch/accelerate_zero3.yaml train_grpo.py --config ...
 
 One step: take prompts -> play G conversations each with the environments (one turn, or up to
-grpo.max_rollout_turns) -> penalties, scaling, shaping -> per-prompt baselines (dynamic sampling may ask
-for more prompts) -> sample masks -> previous-policy and reference logprobs -> advantages -> train with
-the loss normalised by the step's global valid-token count -> refit the generation engine -> validate,
-checkpoint, log. Every rank holds the whole rollout of a step; each trains on its shard.
+grpo.max_rollout_turns) -> penalties, scaling, shaping -> failed samples masked (a step with too many is
+skipped: grpo.rollout_failure) -> per-prompt baselines (dynamic sampling may ask for more prompts) -> sample
+masks -> previous-policy and reference logprobs -> advantages -> train with the loss normalised by the step's
+global valid-token count -> refit the generation engine -> validate, checkpoint, log. Every rank holds the
+whole rollout of a step; each trains on its shard.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import os
 import time
 
 from grpo.run import (
-    dump_rollouts, finish, resume_note, run_rollout, run_script, save, setup, signal_stop_message, stop_reason,
-    stop_requested, validate,
+    dump_rollouts, finish, resume_note, run_rollout, run_script, save, setup, signal_stop_message, skip_step,
+    stop_reason, stop_requested, validate,
 )
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
@@ -41,10 +42,10 @@ def main(argv=None) -> int | None:
     from grpo.metrics import nemo_rl_names, rollout_counts
     from grpo.system.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
-    from grpo.dynamic_sampling import DynamicSamplingCache
+    from grpo.dynamic_sampling import DynamicSamplingCache, DynamicSamplingExhausted
     from grpo.step import (
-        due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask, record_step,
-        shape_rewards, step_advantages, step_metrics,
+        add_counts, due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask,
+        mask_invalid_samples, record_step, shape_rewards, step_advantages, step_metrics,
     )
     from grpo.loss import clipped_pg_loss_fn
     from grpo.system.tracking import timed
@@ -68,10 +69,12 @@ def main(argv=None) -> int | None:
         mark, rng = prompts.mark(), rng_state()
         metrics, timing = {}, {"timing/generate_s": 0.0, "timing/env_step_s": 0.0}
 
-        # ---- 1-4. play the conversations, score, penalties / scaling / shaping, dynamic sampling ----
+        # ---- 1-4. play the conversations, score, penalties / scaling / shaping, mask the failed samples,
+        #           dynamic sampling ----
         dynamic = DynamicSamplingCache(g.num_prompts_per_step, g.num_generations_per_prompt,
                                        g.dynamic_sampling_max_gen_batches)
-        batch = None
+        budget = run.checks.rollouts  # grpo.rollout_failure: a step trains only when enough samples got a score
+        batch, counts, short = None, {}, 0
         for gen_batch in itertools.count():
             rows = prompts.next()
             if rows is None:
@@ -84,13 +87,28 @@ def main(argv=None) -> int | None:
                 break
             timing["timing/generate_s"] += r.timing["generate_s"]
             timing["timing/env_step_s"] += r.timing["env_step_s"]
-            batch, penalty_metrics = shape_rewards(cfg, build_batch(r.trajectories, run.tokenizer.pad_token_id),
-                                                   run.tokenizer)
+            batch, penalty_metrics = shape_rewards(
+                cfg, build_batch(r.trajectories, run.tokenizer.pad_token_id, cfg.env.should_mask_flagged_samples),
+                run.tokenizer)
+            # Failed (and flagged) samples leave the loss and their group's statistics; thin groups are dropped.
+            batch, gen_counts = mask_invalid_samples(batch)
+            budget.count(r.trajectories)
+            counts = add_counts(counts, gen_counts)
             metrics.update({**rollout_counts(r.trajectories), **r.metrics, **penalty_metrics})
             if not g.use_dynamic_sampling:
                 break
+            gathered = batch
+            if not budget.trainable(int(batch.failed_b.sum()), len(batch)):  # too many failures: draw more prompts
+                short += 1
+                batch = batch.replace(valid_b=batch.valid_b & False)  # no group of it is kept
             # DAPO: keep whole groups whose (unshaped) rewards differ; regenerate until the batch is full.
-            batch, dyn_metrics = dynamic.add(batch, batch.group_ids_b, group_std_for_dynamic_sampling(batch))
+            try:
+                batch, dyn_metrics = dynamic.add(batch, batch.group_ids_b, group_std_for_dynamic_sampling(batch))
+            except DynamicSamplingExhausted:
+                if not short:
+                    raise
+                batch = gathered  # the failures emptied the step: it is skipped below
+                break
             metrics.update(dyn_metrics)
             if batch is not None:
                 break
@@ -100,11 +118,23 @@ def main(argv=None) -> int | None:
             out_of_data = True
             break
         metrics = {f"train/{k}": v for k, v in metrics.items()}
+        metrics.update(counts)
         if stop_requested(run):  # a stop signal: abandon the step now rather than after training
             abandoned = step
             break
 
-        # ---- 5. overlong filtering and environment masks (masked samples stay in the baseline) ----
+        # ---- the step budget: too few samples got a score -> the step is skipped, counted, logged --------
+        if not budget.trainable(int(batch.failed_b.sum()), len(batch)):
+            failure = skip_step(run, step, batch, metrics)
+            state.current_epoch = prompts.epoch
+            if failure is None:
+                stop = stop_reason(run, step, None)
+                if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
+                    save(run, step, state.metrics, None, run.loader.state_dict())
+            continue
+        budget.trained()
+
+        # ---- 5. sample masks: invalid samples (failed, flagged), overlong filtering (stays in the baseline) --
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
 
         # ---- 6. previous-policy, reference (and teacher) logprobs; each rank scores its share ----
@@ -130,7 +160,7 @@ def main(argv=None) -> int | None:
         record_step(state, batch, step)
         state.current_epoch = prompts.epoch
         timing["timing/step_s"] = time.perf_counter() - t_step
-        metrics.update({**step_metrics(batch, results, timing["timing/step_s"]), **timing,
+        metrics.update({**step_metrics(batch, results, timing["timing/step_s"]), **timing, **budget.metrics(),
                         **getattr(run.generator, "memory", {}), "train/epoch": state.current_epoch})
         metrics = nemo_rl_names(metrics)  # the keys NeMo-RL logs (grpo.metrics.NEMO_RL_NAMES)
         failure = failure or run.checks.after_step(batch.trajectories, batch.raw_rewards_b, results, metrics)

@@ -145,16 +145,43 @@ def grpo_advantages(
 ) -> torch.Tensor:
     """GRPO advantage per sample: A_i = r_i − b_i, divided by (σ_i + eps) only where σ_i > 0.
 
-    Zero-variance groups, singleton groups and invalid samples get A_i = 0 exactly.
+    Zero-variance groups, singleton groups and invalid samples get A_i = 0 exactly; an invalid sample's reward
+    (NaN, inf, a failed sample's 0) never reaches a valid one: the valid samples' advantages equal those of the
+    batch with the invalid samples removed, bit for bit.
 
         >>> grpo_advantages(torch.tensor([0, 0]), torch.tensor([1.0, 0.0]), torch.ones(2), leave_one_out=False)
         tensor([ 0.7071, -0.7071])
+        >>> grpo_advantages(torch.tensor([0, 0, 0]), torch.tensor([1.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 0.0]),
+        ...                 leave_one_out=False)
+        tensor([ 0.7071, -0.7071,  0.0000])
     """
     baseline, std = baseline_and_std_per_prompt(prompt_ids, rewards, valid_mask, leave_one_out)
     adv_b = rewards - baseline
     if normalize_rewards:
         adv_b = torch.where(std > 0, adv_b / (std + eps), adv_b)
-    return adv_b
+    return torch.where(valid_mask.bool(), adv_b, 0.0)
+
+
+def drop_thin_groups(prompt_ids: torch.Tensor, valid_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The valid mask without the groups that masking left with no signal, and how many groups that is.
+
+        valid'_i = valid_i · 1[ n_valid(g_i) ≥ 2  or  n_invalid(g_i) = 0 ]
+
+    A group that lost members (failed or flagged samples) and keeps fewer than two valid ones has no baseline
+    to compare with: it is dropped from the step (out of the loss and of every statistic, GDPO's and
+    Reinforce++'s global whitening included). A group that lost nobody is kept whatever its size (one
+    generation per prompt is a valid Reinforce++ setup). Counted: the groups with an invalid member and fewer
+    than two valid ones.
+
+        >>> drop_thin_groups(torch.tensor([0, 0, 1, 1, 2]), torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0]))
+        (tensor([False, False,  True,  True,  True]), 1)
+    """
+    gid, num_groups = group_index(prompt_ids)
+    valid = valid_mask.bool()
+    n_valid = torch.zeros(num_groups, dtype=torch.long, device=gid.device).index_add_(0, gid, valid.long())
+    n_invalid = torch.zeros(num_groups, dtype=torch.long, device=gid.device).index_add_(0, gid, (~valid).long())
+    thin_g = (n_invalid > 0) & (n_valid < 2)
+    return valid & ~thin_g[gid], int(thin_g.sum().item())
 
 
 def masked_whiten(
@@ -164,14 +191,16 @@ def masked_whiten(
 
     ``var_floor > 0``: divide by sqrt(max(var, var_floor)) (NeMo-RL's Reinforce++ uses 1e-8).
     ``var_floor == 0``: divide only when var > 0, else just centre (NeMo-RL's GDPO).
-    ``unbiased``: var uses n − 1 (0 when n < 2). An empty mask returns zeros.
+    ``unbiased``: var uses n − 1 (0 when n < 2). An empty mask returns zeros. ``mask`` is 0 / 1: μ and var
+    are computed over the selected entries alone (in row-major order), so masked-out entries, whatever they
+    hold, change nothing, and the result equals that of the batch with them removed, bit for bit.
     """
-    mask = mask.to(values.dtype)
-    n = mask.sum()
+    selected = values[mask > 0]
+    n = selected.numel()
     if n == 0:
         return torch.zeros_like(values)
-    mean = torch.where(mask > 0, values, 0).mul(mask).sum() / n
-    sq = torch.where(mask > 0, (values - mean) ** 2, 0).mul(mask).sum()
+    mean = selected.sum() / n
+    sq = ((selected - mean) ** 2).sum()
     var = sq / (n - 1) if unbiased else sq / n
     if unbiased and n < 2:
         var = torch.zeros_like(var)
@@ -251,7 +280,7 @@ def reinforce_plus_plus_advantages(
         A_it     = a_i − kl_coef · Σ_{t' ≥ t} mask·kl_it'     (kl_returns_to_go, Reinforce++ paper / OpenRLHF)
         A_it     = a_i − kl_coef · kl_it                      (kl_returns_to_go=False: NeMo-RL's estimator)
         A        = (A − μ) · rsqrt(max(var, eps))             μ, var (population) over m = token_mask · sample_mask
-                                                              · valid_mask
+                                                              · valid_mask;  A = 0 on invalid samples
 
     As NeMo-RL: the baseline is over the valid samples of the group (samples masked out of the loss,
     by overlong filtering or the logprob-error mask, still count), the whitening statistics only over
@@ -273,7 +302,7 @@ def reinforce_plus_plus_advantages(
     mask = token_mask * valid_mask.to(adv_bt.dtype)[:, None]
     if sample_mask is not None:
         mask = mask * sample_mask.to(adv_bt.dtype)[:, None]
-    return masked_whiten(adv_bt, mask, var_floor=eps)
+    return torch.where(valid_mask.bool()[:, None], masked_whiten(adv_bt, mask, var_floor=eps), 0.0)
 
 
 # --------------------------------------------------------------------------------------------------

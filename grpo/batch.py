@@ -47,7 +47,10 @@ class TrainBatch:
     task_rewards_b: torch.Tensor          # after penalties and scaling, before shaping: dynamic sampling's
     response_lengths_b: torch.Tensor      # generated tokens
     truncated_b: torch.Tensor             # bool: a turn hit its length cap or the conversation ran out of room
-    mask_sample_b: torch.Tensor           # bool: the environment asked to keep the sample out of the loss
+    mask_sample_b: torch.Tensor           # bool: the environment flagged the sample (mask_sample)
+    failed_b: torch.Tensor                # bool: its environment or reward call failed (Trajectory.error is set)
+    valid_b: torch.Tensor                 # bool: counts in its group's statistics and may be trained (not failed,
+    #                                       not flagged, its group not dropped): the estimators' valid_mask
     sample_mask_b: torch.Tensor           # float: 1 = trained (the sample-mask and advantages phases set zeros)
     message_spans: list[list[MessageSpan]]  # per sample, its generated assistant messages
     task_names: list[str]
@@ -82,11 +85,17 @@ class TrainBatch:
         return micro_batches(self, size)
 
 
-def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
+def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> TrainBatch:
     """Flatten trajectories (`grpo.trajectory.Trajectory`) into a right-padded `TrainBatch`.
 
-    Rewards start as the environments' rewards (``rewards_b = task_rewards_b = raw_rewards_b``), every sample trained
-    (``sample_mask_b = 1``); reward components become ``[B, K]`` with names sorted (a missing one is 0).
+    Rewards start as the environments' rewards (``rewards_b = task_rewards_b = raw_rewards_b``); reward components
+    become ``[B, K]`` with names sorted (a missing one is 0). Validity (`grpo.tasks.failures`):
+
+        failed_b = (error is not None)      valid_b = ¬failed_b ∧ ¬(mask_flagged ∧ mask_sample_b)
+        sample_mask_b = valid_b
+
+    ``mask_flagged``: ``env.should_mask_flagged_samples`` (NeMo-RL's key; false: a flagged sample is trained like
+    any other). A failed sample's reward is meaningless (0.0 as it stands): it never reaches a valid sample.
     """
     B = len(trajectories)
     rows = [t.token_ids() for t in trajectories]
@@ -109,6 +118,9 @@ def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
             pos = end
         spans.append(sample_spans)
     raw = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    flagged_b = torch.tensor([bool(t.mask_sample) for t in trajectories], dtype=torch.bool)
+    failed_b = torch.tensor([t.error is not None for t in trajectories], dtype=torch.bool)
+    valid_b = ~failed_b & ~(flagged_b & mask_flagged)
     names = tuple(sorted({k for t in trajectories for k in (t.reward_components or {})}))
     comps = torch.tensor([[float((t.reward_components or {}).get(k, 0.0)) for k in names] for t in trajectories],
                          dtype=torch.float32) if names else None
@@ -119,8 +131,8 @@ def build_batch(trajectories: list, pad_id: int) -> TrainBatch:
         raw_rewards_b=raw, rewards_b=raw.clone(), task_rewards_b=raw.clone(),
         response_lengths_b=torch.tensor([t.num_generated_tokens for t in trajectories], dtype=torch.long),
         truncated_b=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
-        mask_sample_b=torch.tensor([t.mask_sample for t in trajectories], dtype=torch.bool),
-        sample_mask_b=torch.ones(B), message_spans=spans, task_names=[t.task_name for t in trajectories],
+        mask_sample_b=flagged_b, failed_b=failed_b, valid_b=valid_b,
+        sample_mask_b=valid_b.float(), message_spans=spans, task_names=[t.task_name for t in trajectories],
         trajectories=list(trajectories),
         reward_components_bk=comps, task_components_bk=comps, component_names=names,
     )

@@ -1034,12 +1034,27 @@ class EnvConfig(EnvSpec):
     val_tasks: Optional[dict[str, EnvSpec]] = Field(
         None, description="Validation's own environments for the tasks they name.")
     step_timeout_s: float = Field(300.0, gt=0, description=(
-        "Seconds one environment step (a batch of samples) may take before its samples end with reward 0."))
-    max_error_rate: float = Field(0.5, ge=0, le=1, description=(
-        "Share of a step's samples whose reward may fail (errors + timeouts) before the step counts as failed "
-        "(1: off)."))
-    max_error_steps: int = Field(3, ge=1, description=(
-        "Failed steps in a row (see max_error_rate) before the run stops with the first traceback."))
+        "Seconds one environment step (a batch of samples) may take before the call counts as failed (env_timeout: "
+        "retried, then the samples are masked; grpo.rollout_failure)."))
+    should_mask_flagged_samples: bool = Field(True, description=(
+        "NeMo-RL's key: a sample an environment flags mask_sample (NeMo-Gym's instance_config.mask_sample) is out of "
+        "the loss and, in grpo-ds, out of its group's baseline too; false: the flag is ignored and the sample trains."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data):
+        """env.max_error_rate / env.max_error_steps are gone: a failed sample is masked, not scored 0, and
+        grpo.rollout_failure's step budget replaces them (one mechanism, not two)."""
+        if isinstance(data, dict):
+            for key in ("max_error_rate", "max_error_steps"):
+                if key in data:
+                    raise ValueError(
+                        f"env.{key}={data[key]!r} was retired: failed samples are now retried and masked (never scored "
+                        "0), and a step with too few valid samples is skipped. Use grpo.rollout_failure."
+                        "min_step_batch_fraction (the share of a step's samples that must not fail) and "
+                        "grpo.rollout_failure.max_consecutive_skipped_steps (skipped steps in a row before the run "
+                        "stops) instead")
+        return data
 
     @model_validator(mode="after")
     def _tasks(self) -> "EnvConfig":

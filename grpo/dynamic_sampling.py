@@ -28,8 +28,11 @@ def overlong_filter_mask(truncated_b: torch.Tensor, sample_mask_b: torch.Tensor)
 # --------------------------------------------------------------------------------------------------
 # DAPO dynamic sampling
 # --------------------------------------------------------------------------------------------------
-def group_reward_std(prompt_ids: torch.Tensor, task_rewards: torch.Tensor) -> torch.Tensor:
-    """Per-sample std of its prompt group's task reward, for dynamic sampling's filter.
+def group_reward_std(prompt_ids: torch.Tensor, task_rewards: torch.Tensor,
+                     valid_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-sample std of its prompt group's task reward over the group's valid members, for dynamic sampling's
+    filter (``valid_mask`` ``[B]``, default all valid: a failed or flagged sample's reward is no evidence that
+    the group varies; an invalid sample gets std 0, so a group with fewer than two valid members is dropped).
 
     ``task_rewards``: ``[B]`` rewards, or ``[B, K]`` GDPO components (one std per component, ``[B, K]``),
     after penalties and scaling but BEFORE reward shaping: DAPO filters on accuracy, and NeMo-RL
@@ -39,12 +42,19 @@ def group_reward_std(prompt_ids: torch.Tensor, task_rewards: torch.Tensor) -> to
 
         >>> group_reward_std(torch.tensor([0, 0, 1, 1]), torch.tensor([0.0, 0.0, 1.0, 0.0]))
         tensor([0.0000, 0.0000, 0.7071, 0.7071])
+        >>> group_reward_std(torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0]))
+        tensor([0., 0., 0.])
     """
-    ones_b = torch.ones(task_rewards.shape[0], dtype=task_rewards.dtype, device=task_rewards.device)
+    valid_b = (torch.ones(task_rewards.shape[0], dtype=task_rewards.dtype, device=task_rewards.device)
+               if valid_mask is None else valid_mask.to(task_rewards.dtype))
     if task_rewards.dim() == 1:
-        return baseline_and_std_per_prompt(prompt_ids, task_rewards, ones_b, leave_one_out=False)[1]
-    return torch.stack([baseline_and_std_per_prompt(prompt_ids, task_rewards[:, k], ones_b, leave_one_out=False)[1]
+        return baseline_and_std_per_prompt(prompt_ids, task_rewards, valid_b, leave_one_out=False)[1]
+    return torch.stack([baseline_and_std_per_prompt(prompt_ids, task_rewards[:, k], valid_b, leave_one_out=False)[1]
                         for k in range(task_rewards.shape[1])], dim=1)
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """Dynamic sampling gave up: the batch is still not full after ``dynamic_sampling_max_gen_batches``."""
 
 
 class DynamicSamplingCache:
@@ -132,7 +142,7 @@ class DynamicSamplingCache:
         }
         if self.num_cached < self.target:
             if self.num_gen_batches > self.max_gen_batches:
-                raise RuntimeError(
+                raise DynamicSamplingExhausted(
                     f"dynamic sampling: only {self.num_cached} of {self.target} samples with non-zero reward std after "
                     f"{self.num_gen_batches} generation batches (grpo.dynamic_sampling_max_gen_batches="
                     f"{self.max_gen_batches}). Raise grpo.dynamic_sampling_max_gen_batches or grpo.batch_multiplier, "

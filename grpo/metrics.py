@@ -269,25 +269,19 @@ def pass_at_k(rewards_b: torch.Tensor, group_ids_b: torch.Tensor) -> float:
 
 def rollout_counts(trajectories: Sequence) -> dict:
     """What a rollout's trajectories (`grpo.trajectory.Trajectory`) count: NeMo-RL's rollout metrics
-    (`grpo.rollout_metrics.rollout_summary`: turns, termination rates, tokens and rewards per sample), scoring
-    failures (reward_errors, reward_timeouts, reward_error_rate, env_errors), the samples the environments
-    masked (num_mask_sample_filtered, NeMo-RL's name), and the reward mean of each task (``reward_mean/<task>``,
-    when the run has several)."""
+    (`grpo.rollout_metrics.rollout_summary`: turns, termination rates, tokens and rewards per sample), the samples
+    the environments flagged (num_mask_sample_filtered, NeMo-RL's name), and the reward mean of each task
+    (``reward_mean/<task>``, when the run has several) over its samples that did not fail. Failed samples are
+    counted by `grpo.step.failure_counts` (``rollout/failed_samples/<reason>``)."""
     from grpo.rollout_metrics import rollout_summary
 
-    n = max(len(trajectories), 1)
-    errors = [t.error for t in trajectories]
     out = {
         **rollout_summary(trajectories),
-        "reward_errors": sum(e == "reward_error" for e in errors),
-        "reward_timeouts": sum(e == "reward_timeout" for e in errors),
-        "env_errors": sum(e in ("env_error", "env_timeout") for e in errors),
         "num_mask_sample_filtered": sum(t.mask_sample for t in trajectories),
     }
-    out["reward_error_rate"] = (out["reward_errors"] + out["reward_timeouts"]) / n
     tasks = sorted({t.task_name for t in trajectories})
     if len(tasks) > 1:
         for task in tasks:
-            rewards = [t.reward for t in trajectories if t.task_name == task]
-            out[f"reward_mean/{task}"] = sum(rewards) / len(rewards)
+            rewards = [t.reward for t in trajectories if t.task_name == task and t.error is None]
+            out[f"reward_mean/{task}"] = sum(rewards) / len(rewards) if rewards else 0.0
     return out

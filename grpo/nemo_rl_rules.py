@@ -898,7 +898,7 @@ def _nemo_gym_env(w: Walk) -> None:
     if w.get("env.should_use_nemo_gym"):
         w.refuse("env.should_use_nemo_gym", ENV_REFUSED["nemo_gym"])
     w.ignore("env.should_log_nemo_gym_responses", "NeMo-Gym logging")
-    w.ignore("env.should_mask_flagged_samples", "NeMo-Gym's flagged samples")
+    w.honor("env.should_mask_flagged_samples")  # the same key (grpo-ds: a flagged sample leaves the baseline too)
 
 
 def _local(path: str) -> bool:
@@ -989,6 +989,7 @@ def _grpo(w: Walk) -> None:
     period = w.get("grpo.val_period")
     if isinstance(period, int) and period < 0:
         w.translate("grpo.val_period", {"grpo.val_period": 0}, "NeMo-RL validates periodically only for val_period > 0")
+    _rollout_failure(w)
     rl = w.get("async_rl")
     if isinstance(rl, dict):
         sampler = rl.get("sampler") or {}
@@ -1000,6 +1001,40 @@ def _grpo(w: Walk) -> None:
                      "off-policy samplers); grpo-ds's async loop is grpo.async_grpo (max_trajectory_age_steps)")
     elif rl is None:
         w.take("async_rl")
+
+
+# NeMo-RL's async_rl.rollout_failure (single_controller_utils/config.py): the keys grpo-ds has, and why the others
+# have no meaning here.
+ROLLOUT_FAILURE_KEYS = ("max_infra_attempts_per_prompt", "max_data_attempts_per_prompt", "backoff_base_s",
+                        "max_backoff_s", "min_step_batch_fraction")
+ROLLOUT_FAILURE_IGNORED = {
+    "max_skipped_prompts": "grpo-ds drops no prompt: a sample still failing after its retries is masked (out of the "
+                           "loss and its group's baseline), and the step budget (min_step_batch_fraction, "
+                           "max_consecutive_skipped_steps) bounds an outage",
+    "max_consecutive_dropped_prompts": "grpo-ds drops no prompt; an outage is bounded by "
+                                       "grpo.rollout_failure.max_consecutive_skipped_steps (skipped steps in a row)",
+    "on_dropped_prompt": "the streaming trainer's refill of a short step; a grpo-ds step keeps its batch size (dynamic "
+                         "sampling draws more prompts, else the step is skipped)",
+    "max_replacement_attempts": "the streaming trainer's refill of a short step (on_dropped_prompt)",
+    "replacement_reserve_prompts": "the streaming trainer's spare-prompt pool (on_dropped_prompt)",
+    "native": "the single-controller rollout path's timeouts; grpo-ds's are env.step_timeout_s and env.timeout_s",
+    "nemo_gym": "the single-controller NeMo-Gym path's settings",
+}
+
+
+def _rollout_failure(w: Walk) -> None:
+    """``async_rl.rollout_failure.*`` -> ``grpo.rollout_failure.*`` (both loops); the rest named with the reason."""
+    key = "async_rl.rollout_failure"
+    section = w.get(key)
+    if not isinstance(section, dict):
+        return
+    for name in ROLLOUT_FAILURE_KEYS:
+        if name in section:
+            note = ("grpo-ds counts samples that did not fail (NeMo-RL: prompt groups); a short step is skipped, "
+                    "not shrunk" if name == "min_step_batch_fraction" else "")
+            w.translate(f"{key}.{name}", {f"grpo.rollout_failure.{name}": section[name]}, note)
+    for name, why in ROLLOUT_FAILURE_IGNORED.items():
+        w.ignore(f"{key}.{name}", why)
 
 
 def _checkpointing(w: Walk) -> None:

@@ -10,7 +10,10 @@ newest ones; with ``in_flight_weight_updates`` it also loads newer weights betwe
 Each rank runs one producer; they agree over their own gloo process group (the default group belongs to
 the main thread), so every rank puts the same groups in the same order.
 
-A rollout that fails (`grpo.system.rollout.RolloutError`) is retried on the next prompt batch; more than
+Samples whose environment or reward failed (`grpo.trajectory.Trajectory.error`) enter the deque as they came
+back, failed and without a made-up reward: the trainer masks them and applies the step budget
+(``grpo.rollout_failure``). A rollout that fails as a whole (`grpo.system.rollout.RolloutError`) is retried on the
+next prompt batch; more than
 ``grpo.async_grpo.max_generation_failures`` consecutive failures (NeMo-RL counts consecutive ones: a
 success resets the count) close the buffer with `StopKind.FAILURES`, and the trainer stops.
 """

@@ -49,6 +49,7 @@ def rollout_summary(trajectories: Sequence) -> dict:
         max_gen_tokens_per_turn/max, /mean, /p95   over the samples' longest single turn
         mean_total_reward / max_total_reward / min_total_reward   the environments' reward (before penalties,
                                                                   scaling and shaping; NeMo-RL's total_reward)
+                                                                  over the samples that did not fail (0 if none)
 
     A sample that ended on an error, or on the length limit before its environment said so, counts in neither
     rate. Empty input gives ``{}``.
@@ -70,7 +71,7 @@ def rollout_summary(trajectories: Sequence) -> dict:
     gen = [t.num_generated_tokens for t in trajectories]
     env = [t.observation_tokens for t in trajectories]
     longest_turn = [max((len(m.token_ids) for m in t.messages if m.trained), default=0) for t in trajectories]
-    rewards = [float(t.reward) for t in trajectories]
+    rewards = [float(t.reward) for t in trajectories if getattr(t, "error", None) is None] or [0.0]
     return {
         "total_turns": sum(turns),
         "avg_turns_per_sample": sum(turns) / n,
@@ -87,7 +88,7 @@ def rollout_summary(trajectories: Sequence) -> dict:
         "max_gen_tokens_per_turn/max": float(max(longest_turn)),
         "max_gen_tokens_per_turn/mean": sum(longest_turn) / n,
         "max_gen_tokens_per_turn/p95": percentile(longest_turn, 95),
-        "mean_total_reward": sum(rewards) / n,
+        "mean_total_reward": sum(rewards) / len(rewards),
         "max_total_reward": max(rewards),
         "min_total_reward": min(rewards),
     }

@@ -349,6 +349,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val", g.rollout_failure)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
     checks = StepChecks(cfg, policy.module.config.vocab_size)
+    checks.rollouts.load_state_dict(state.rollout_failures)  # skipped steps, failures: counted across resumes
     dumper = RolloutDumper(cfg.logger.log_dir, cfg.logger.dump_rollouts_every, cfg.logger.dump_rollouts_max_samples,
                            rank, enabled=cfg.logger.dump_rollouts)
     closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [_Release(locks)]
@@ -529,9 +530,11 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     print a few conversations and dump them (``logger.dump_rollouts``); returns the metrics under NeMo-RL's names
     (`grpo.config.validation_metric_names`), as NeMo-RL's ``validate`` (nemo_rl/algorithms/grpo.py):
 
-        accuracy    mean reward over all samples         pass_k   share of prompts with a sample rewarded > 0
+        accuracy    mean reward over the scored samples  pass_k   share of prompts with a sample rewarded > 0
         avg_length  mean generated tokens per sample              (only when k > 1, as in NeMo-RL)
         truncation_rate, avg_turns_per_sample, num_samples  (the rollout's, `grpo.rollout_metrics.rollout_summary`)
+        failed_samples  samples whose environment or reward call failed (`grpo.tasks.failures`): left out of
+                        accuracy and pass_k (a prompt whose samples all failed is not counted), never scored 0
 
     Seeds depend only on the sample's index (not the step), so successive validations differ only by the
     weights. A collective: every rank calls it.
@@ -559,16 +562,18 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor([float(t.reward) for t in trajs]), trajs,
                                                    run.cfg.reward_penalties, run.tokenizer)
     rollout = rollout_summary(trajs)  # {} without samples
+    scored_b = torch.tensor([t.error is None for t in trajs], dtype=torch.bool)
     metrics = {
-        "accuracy": rewards_b.mean().item() if trajs else 0.0,
+        "accuracy": rewards_b[scored_b].mean().item() if scored_b.any() else 0.0,
         "avg_length": rollout.get("mean_gen_tokens_per_sample", 0.0),
         "truncation_rate": rollout.get("truncation_rate", 0.0),
         "avg_turns_per_sample": rollout.get("avg_turns_per_sample", 0.0),
         "num_samples": float(len(trajs)),
+        "failed_samples": float((~scored_b).sum().item()),
         **penalty_metrics,
     }
     if k > 1:
-        metrics["pass_k"] = pass_at_k(rewards_b, torch.tensor(group_ids))
+        metrics["pass_k"] = pass_at_k(rewards_b[scored_b], torch.tensor(group_ids, dtype=torch.long)[scored_b])
     timing["total_validation_time"] = time.perf_counter() - t0
     run.logger.log({**{f"validation/{key}": v for key, v in metrics.items()},
                     **{f"timing/validation/{key}": v for key, v in timing.items()}}, step)
@@ -613,6 +618,30 @@ def dump_rollouts(run: Run, split: str, step: int, trajectories: list, batch=Non
     run.logger.log_rollouts(f"{split}/rollouts", records, step)
 
 
+def skip_step(run: Run, step: int, batch, metrics: dict) -> str | None:
+    """Step ``step`` is not trained: too many of its samples failed (``grpo.rollout_failure.min_step_batch_fraction``,
+    `grpo.system.health.RolloutBudget`). It is still a step (`grpo.step.record_step` with ``trained=False``): its
+    prompts are consumed, its row is logged (rollout metrics, no ``train/loss``) with ``rollout/skipped_steps``,
+    its samples dumped, and a line names the environment's last error. Returns None, or the stop message (one
+    line) once ``max_consecutive_skipped_steps`` steps in a row were skipped: `finish` then saves the state (the
+    weights of the last trained step) and the run exits 1 with it."""
+    from grpo.metrics import nemo_rl_names
+    from grpo.step import record_step
+
+    budget = run.checks.rollouts
+    stop = budget.skipped(batch.trajectories)
+    record_step(run.state, batch, step, trained=False)
+    run.logger.write(budget.skip_note(step, int(batch.failed_b.sum()), len(batch)))
+    run.logger.log(nemo_rl_names({**metrics, **budget.metrics(), "train/skipped_step": 1}), step)
+    dump_rollouts(run, "train", step, batch.trajectories, batch)
+    if not stop:
+        return None
+    run.checks.stop_kind = "rollouts"
+    return (f"{budget.message()}; the weights are those of step {step - budget.consecutive} (the last trained one)"
+            + (f"; step {step} is checkpointed: rerun the same command to resume once the environment is back"
+               if run.cfg.checkpointing.enabled else ""))
+
+
 def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_state: dict | None,
          extra: dict | None = None) -> None:
     """Checkpoint ``step`` (a collective): engine, loop state with the step's numeric metrics (checkpoint
@@ -623,6 +652,7 @@ def save(run: Run, step: int, metrics: dict, val_metrics: dict | None, loader_st
     from grpo.metrics import checkpoint_metric
 
     state, name = run.state, run.cfg.checkpointing.metric_name
+    state.rollout_failures = run.checks.rollouts.state_dict()
     state.metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     if val_metrics is not None:
         state.metrics.update({f"validation/{k}": float(v) for k, v in val_metrics.items()

@@ -1,7 +1,8 @@
 """The phases of a GRPO step, after the rollout: both loops call them under their banners, in this order.
 
     rewards       shape_rewards        penalties -> scaling -> overlong shaping          (TrainBatch.rewards_b)
-    sample mask   initial_sample_mask  overlong filtering, the environments' mask_sample  (TrainBatch.sample_mask_b)
+    validity      mask_invalid_samples failed / flagged samples out, thin groups dropped  (TrainBatch.valid_b)
+    sample mask   initial_sample_mask  overlong filtering, invalid samples              (TrainBatch.sample_mask_b)
     logprobs      step_logprobs        previous-policy, reference, teacher logprobs       (..._logprobs_bt)
     advantages    step_advantages      logprob-error masking, estimator + distillation, message penalties, clipping
     train         train_step           one optimizer step per policy.train_global_batch_size samples
@@ -19,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from grpo.advantages import (
-    apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages, prompt_group_ids,
+    apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages, drop_thin_groups,
+    prompt_group_ids,
 )
 from grpo.batch import TrainBatch
 from grpo.logprobs import mask_by_seq_logprob_error
@@ -100,20 +102,64 @@ def _turns_open_thinking(traj, tokenizer, rp) -> list[bool]:
 
 
 def group_std_for_dynamic_sampling(batch: TrainBatch) -> torch.Tensor:
-    """The std DAPO's group filter reads: of the unshaped task reward, per component for GDPO's components
-    (`grpo.dynamic_sampling.group_reward_std`)."""
+    """The std DAPO's group filter reads: of the unshaped task reward over each group's valid members, per
+    component for GDPO's components (`grpo.dynamic_sampling.group_reward_std`)."""
     task = batch.task_components_bk if batch.task_components_bk is not None else batch.task_rewards_b
-    return group_reward_std(batch.group_ids_b, task)
+    return group_reward_std(batch.group_ids_b, task, batch.valid_b)
+
+
+# ---- validity: failed and flagged samples ----------------------------------------------------------
+def mask_invalid_samples(batch: TrainBatch) -> tuple[TrainBatch, dict]:
+    """Drop the groups that failed or flagged samples left without signal (`grpo.advantages.drop_thin_groups`,
+    groups by prompt tokens as the estimators have them); returns (batch with ``valid_b`` updated, the counts).
+
+    ``valid_b`` comes from `grpo.batch.build_batch` (not failed, not flagged ``mask_sample`` under
+    ``env.should_mask_flagged_samples``); an invalid sample is out of the loss (sample mask 0) AND out of its
+    group's statistics (the estimators' ``valid_mask``). Counts (`failure_counts`): ``rollout/failed_samples/
+    <reason>``, ``rollout/retries``, ``rollout/masked_samples`` (samples left invalid), ``rollout/dropped_groups``.
+    """
+    groups_b = prompt_group_ids(batch.input_ids_bt, batch.token_mask_bt)
+    valid_b, dropped = drop_thin_groups(groups_b, batch.valid_b)
+    batch = batch.replace(valid_b=valid_b)
+    return batch, {**failure_counts(batch.trajectories), "rollout/masked_samples": int((~valid_b).sum().item()),
+                   "rollout/dropped_groups": dropped}
+
+
+def failure_counts(trajectories) -> dict:
+    """``rollout/failed_samples/<reason>`` per failure reason seen (`grpo.tasks.failures.REASONS`), their sum
+    ``rollout/failed_samples``, and ``rollout/retries`` (Σ Trajectory.retries: calls retried, also those that
+    then succeeded).
+
+        >>> from types import SimpleNamespace as T
+        >>> failure_counts([T(error=None, retries=1), T(error="env_timeout", retries=4), T(error=None, retries=0)])
+        {'rollout/failed_samples': 1, 'rollout/retries': 5, 'rollout/failed_samples/env_timeout': 1}
+    """
+    trajs = [t for t in trajectories if t is not None]
+    reasons = [t.error for t in trajs if t.error is not None]
+    out = {"rollout/failed_samples": len(reasons), "rollout/retries": sum(int(getattr(t, "retries", 0)) for t in trajs)}
+    for reason in sorted(set(reasons)):
+        out[f"rollout/failed_samples/{reason}"] = reasons.count(reason)
+    return out
+
+
+def add_counts(total: dict, more: dict) -> dict:
+    """Counts summed key by key (the generation batches of one step under dynamic sampling).
+
+        >>> add_counts({"a": 1, "b": 2}, {"b": 3, "c": 4})
+        {'a': 1, 'b': 5, 'c': 4}
+    """
+    return {**total, **{k: total.get(k, 0) + v for k, v in more.items()}}
 
 
 # ---- sample mask -----------------------------------------------------------------------------------
 def initial_sample_mask(cfg, batch: TrainBatch) -> torch.Tensor:
-    """1 per sample; 0 for truncated samples under ``grpo.overlong_filtering`` and for samples an
-    environment flagged ``mask_sample``. Masked samples stay in their group's baseline."""
-    mask_b = torch.ones(len(batch))
+    """``valid_b`` as 1 / 0 (failed samples, flagged ones under ``env.should_mask_flagged_samples``, dropped
+    groups: out of the loss and of their group's statistics); also 0 for truncated samples under
+    ``grpo.overlong_filtering`` (those stay in their group's baseline, as in DAPO and NeMo-RL)."""
+    mask_b = batch.valid_b.float()
     if cfg.grpo.overlong_filtering:
         mask_b = overlong_filter_mask(batch.truncated_b, mask_b)
-    return mask_b * (~batch.mask_sample_b).float()
+    return mask_b
 
 
 # ---- advantages ------------------------------------------------------------------------------------
@@ -131,8 +177,8 @@ def step_advantages(cfg, batch: TrainBatch) -> tuple[TrainBatch, dict]:
 def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(advantages ``[B, T]``, sample mask ``[B]``, metrics) of the step:
 
-        sample_mask = sample_mask · 1[seq_logprob_error ≤ grpo.seq_logprob_error_threshold]
-        A   = estimator(groups, rewards, valid = 1, token_mask, sample_mask,
+        sample_mask = sample_mask · valid · 1[seq_logprob_error ≤ grpo.seq_logprob_error_threshold]
+        A   = estimator(groups, rewards, valid, token_mask, sample_mask,
                         kl = KL(prev || ref) if use_kl_in_reward, master_cfg = cfg)
               groups: by prompt tokens (`grpo.advantages.prompt_group_ids`, NeMo-RL's key): a prompt that came
               twice in the step is one group of 2n
@@ -141,12 +187,15 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
                                                                           invalid wins, as in NeMo-RL)
         A   = clamp(A, advantage_clip_low, advantage_clip_high)
 
-    Every sample counts in its group's baseline (valid = 1), masked ones included. The estimator gets the
-    run's whole config as ``master_cfg`` (a fork's estimator reads its own section there).
+    ``valid = batch.valid_b``: failed samples, flagged ones and dropped groups (`mask_invalid_samples`) are out
+    of their group's statistics and of the loss; samples masked for other reasons (overlong filtering, the
+    logprob error) stay in their group's baseline. The estimator gets the run's whole config as ``master_cfg``
+    (a fork's estimator reads its own section there).
     """
     g, loss_cfg = cfg.grpo, cfg.loss_fn
     metrics: dict = {}
-    sample_mask_b = batch.sample_mask_b
+    valid_b = batch.valid_b.to(batch.sample_mask_b.device)
+    sample_mask_b = batch.sample_mask_b * valid_b.to(batch.sample_mask_b.dtype)
     if batch.prev_logprobs_bt is not None:  # the error metrics always; masking only with a threshold (NeMo-RL)
         sample_mask_b, metrics = mask_by_seq_logprob_error(
             batch.generation_logprobs_bt, batch.prev_logprobs_bt, batch.token_mask_bt, sample_mask_b,
@@ -158,7 +207,7 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     prompt_groups_b = prompt_group_ids(batch.input_ids_bt, batch.token_mask_bt)  # a repeated prompt: one group
     adv_bt = compute_advantages(
         g.adv_estimator.name, group_ids=prompt_groups_b, rewards=batch.rewards_b,
-        valid_mask=torch.ones_like(batch.rewards_b), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
+        valid_mask=valid_b.to(batch.rewards_b.dtype), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
         reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty,
         sample_mask=sample_mask_b, master_cfg=cfg)
     if batch.teacher_logprobs_bt is not None:
@@ -203,13 +252,18 @@ def message_penalty_metrics(message_spans, invalid_tool_call_advantage, malforme
 
 
 # ---- bookkeeping -----------------------------------------------------------------------------------
-def record_step(state, batch: TrainBatch, step: int) -> None:
+def record_step(state, batch: TrainBatch, step: int, trained: bool = True) -> None:
     """Advance the loop counters saved with each checkpoint (`grpo.system.checkpoint.GRPOSaveState`);
-    ``consumed_samples`` counts prompts, as NeMo-RL's does."""
+    ``consumed_samples`` counts prompts, as NeMo-RL's does.
+
+    A step skipped for failed rollouts (``trained=False``, ``grpo.rollout_failure``) is a step: it has its
+    number (the weights' version, the checkpoints' and the logs' step), consumes its prompts, and trains no
+    token; only the optimizer (and its learning-rate schedule) does not move."""
     state.current_step = step
     state.total_steps += 1
     state.consumed_samples += int(torch.unique(batch.group_ids_b).numel())
-    state.total_valid_tokens += int((batch.token_mask_bt * batch.sample_mask_b[:, None]).sum())
+    if trained:
+        state.total_valid_tokens += int((batch.token_mask_bt * batch.sample_mask_b[:, None]).sum())
 
 
 def due_validation(cfg, step: int, total_steps: int) -> bool:
@@ -243,6 +297,7 @@ def early_stop_reason(cfg, val_metrics: dict | None) -> str | None:
 def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -> dict:
     """The step's ``train/*`` metrics: rewards, lengths, the loss metrics of each optimizer step, tokens/s."""
     lengths = batch.response_lengths_b.float()
+    scored_b = batch.raw_rewards_b[~batch.failed_b]  # a failed sample's reward is no score
     agg = aggregate_rollout_metrics(train_results)
     # The loss of a GRPO step is the sum of its optimizer steps' losses; the other loss metrics are
     # means over micro-batches (kl_penalty is the KL itself, before the beta weight).
@@ -250,9 +305,9 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     agg["kl"] = agg.get("kl_penalty", 0.0)
     out = {f"train/{k}": v for k, v in agg.items()}
     out.update({
-        "train/reward_mean": batch.raw_rewards_b.mean().item(),
-        "train/reward_std": batch.raw_rewards_b.std().item() if len(lengths) > 1 else 0.0,
-        "train/shaped_reward_mean": batch.rewards_b.mean().item(),
+        "train/reward_mean": scored_b.mean().item() if len(scored_b) else 0.0,
+        "train/reward_std": scored_b.std().item() if len(scored_b) > 1 else 0.0,
+        "train/shaped_reward_mean": batch.rewards_b[~batch.failed_b].mean().item() if len(scored_b) else 0.0,
         "train/advantage_abs_mean": batch.advantages_bt.abs().sum().item() / max(batch.token_mask_bt.sum().item(), 1.0),
         "train/response_length_mean": lengths.mean().item(),
         "train/response_length_max": lengths.max().item(),

@@ -25,7 +25,7 @@ from grpo.tasks.failures import Failure
 
 
 def trajectory_messages(records, decode) -> tuple[list, bool]:
-    """``(messages, contiguous)``: the `grpo.system.rollout.Message` list of a sample's calls (module docstring),
+    """``(messages, contiguous)``: the `grpo.trajectory.Message` list of a sample's calls (module docstring),
     up to the first call that does not continue the ones before it; ``contiguous`` is False when there was one.
 
         >>> from grpo.system.generation.endpoint import CallRecord
@@ -50,7 +50,7 @@ def trajectory_messages(records, decode) -> tuple[list, bool]:
 
 
 def fill_trajectory(t, records, outcome, decode) -> None:
-    """Sample ``t`` (a `grpo.system.rollout.Trajectory`) from its agent's ``outcome`` and its recorded calls."""
+    """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its agent's ``outcome`` and its recorded calls."""
     failure = outcome.failure
     if failure is None and not records:
         failure = Failure.of("env_malformed", "the agent made no call to the model (nothing to train on)")

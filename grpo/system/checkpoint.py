@@ -64,6 +64,9 @@ class GRPOSaveState:
     total_valid_tokens: int = 0
     val_reward: float = -99999999.0
     metrics: dict = field(default_factory=dict)
+    # grpo-ds: the step budget's counters (`grpo.system.health.RolloutBudget.state_dict`: skipped steps, the
+    # current streak of them, failed samples per reason, retries), restored on resume
+    rollout_failures: dict = field(default_factory=dict)
 
 
 class SaveDeadline:

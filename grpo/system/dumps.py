@@ -22,13 +22,20 @@ Record schema (the loop builds each record with exactly these keys; ``write`` ch
     reward_components  dict   {name: float} as the environment returned them, or None
     advantage          float  mean advantage over the sample's trained tokens; None for validation
     masked             bool   the sample is excluded from the loss
-    mask_reason        str    None | "overlong" | "mask_sample" | "logprob_error" (None iff not masked)
+    mask_reason        str    None | "failed" | "mask_sample" | "dropped_group" | "overlong" | "logprob_error"
+                              (None iff not masked; failed, flagged and dropped-group samples are out of their
+                              group's baseline too)
     finish_reason      str    "stop" | "length"
     truncated          bool   the sample hit a length cap
     turns              int    assistant turns in the conversation
     response_length    int    generated tokens
     logprob_error      float  mean over trained tokens of exp|generation - previous-policy logprob|
                               (``grpo.logprobs.seq_logprob_error``); None when unknown
+    error              str    None, or why the sample failed (a reason of ``grpo.tasks.failures.REASONS``): its
+                              reward is no score (it was masked, never trained on)
+    failure_kind       str    None | "infra" | "data" (the failure's class)
+    error_detail       str    None, or the failure's traceback / message
+    retries            int    environment or reward calls retried for the sample (also when a retry succeeded)
 
 Tensors and numpy scalars are written as plain numbers; NaN and ±inf as the strings "nan", "inf",
 "-inf" (JSON has no such numbers); ``read_dump`` turns them back into floats in the float fields.
@@ -45,10 +52,11 @@ from pathlib import Path
 
 RECORD_KEYS = ("step", "split", "task_name", "group_id", "prompt_index", "messages", "question", "answer",
                "reward", "reward_components", "advantage", "masked", "mask_reason", "finish_reason",
-               "truncated", "turns", "response_length", "logprob_error")
+               "truncated", "turns", "response_length", "logprob_error", "error", "failure_kind", "error_detail",
+               "retries")
 MESSAGE_KEYS = ("role", "content", "trained", "flags", "num_tokens")
 SPLITS = ("train", "val")
-MASK_REASONS = (None, "overlong", "mask_sample", "logprob_error")
+MASK_REASONS = (None, "failed", "mask_sample", "dropped_group", "overlong", "logprob_error")
 FINISH_REASONS = ("stop", "length")
 _FLOAT_FIELDS = ("reward", "advantage", "logprob_error")
 _DUMP_NAME = re.compile(r"^(train|val)_step_(\d+)\.jsonl$")
@@ -134,6 +142,10 @@ def check_record(record: dict, split: str | None = None, step: int | None = None
         "mask_reason": (lambda v: v in MASK_REASONS, f"one of {MASK_REASONS} (grpo.system.dumps.MASK_REASONS)"),
         "finish_reason": (lambda v: v in FINISH_REASONS, f"one of {FINISH_REASONS}"),
         "messages": (lambda v: isinstance(v, list), "a list of messages"),
+        "error": (lambda v: v is None or isinstance(v, str), "None or a failure reason"),
+        "failure_kind": (lambda v: v in (None, "infra", "data"), "None, 'infra' or 'data'"),
+        "error_detail": (lambda v: v is None or isinstance(v, str), "None or a str"),
+        "retries": (_is_int, "an int"),
     }
     for key, (ok, want) in checks.items():
         if not ok(record[key]):
@@ -245,12 +257,16 @@ class RolloutDumper:
         return self.enabled and step % self.every == 0
 
     def select(self, records: list[dict]) -> list[dict]:
-        """The records a dump keeps: all of them, or ``max_samples`` chosen by ``representative_indices``
-        of their rewards (worst, best, evenly spaced between). ``write`` applies it; the loop applies it
+        """The records a dump keeps: all of them, or ``max_samples``: the failed samples first, then the others
+        chosen by ``representative_indices`` of their rewards (worst, best, evenly spaced between). ``write`` applies it; the loop applies it
         too when it logs the same records elsewhere (a wandb table)."""
         if self.max_samples is None:
             return list(records)
-        return [records[i] for i in representative_indices([r["reward"] for r in records], self.max_samples)]
+        failed = [r for r in records if r.get("error") is not None][:self.max_samples]  # kept first: what broke
+        scored = [r for r in records if r.get("error") is None]
+        room = self.max_samples - len(failed)
+        picked = representative_indices([r["reward"] for r in scored], room) if room > 0 else []
+        return failed + [scored[i] for i in picked]
 
     def write(self, split: str, step: int, records: list[dict]) -> Path | None:
         """Write ``select(records)`` atomically (a temporary file renamed into place); returns the path,
@@ -340,24 +356,28 @@ def rollout_records(trajectories: list, split: str, step: int, batch=None, overl
                     ) -> list[dict]:
     """Dump records (the schema above) of a rollout's trajectories (`grpo.trajectory.Trajectory`). ``batch``: the
     step's `grpo.batch.TrainBatch` after the advantages phase, for advantages, masks and logprob errors (None for
-    validation). A masked sample's reason: the environment's ``mask_sample``, else overlong filtering of a
-    truncated sample, else the sequence logprob-error threshold."""
+    validation). A masked sample's reason: a failure (its environment or reward call failed: masked in
+    validation too), else the environment's ``mask_sample``, else its group dropped (too few valid members),
+    else overlong filtering of a truncated sample, else the sequence logprob-error threshold."""
     from grpo.logprobs import seq_logprob_error
     from grpo.rollout_metrics import sample_token_means
 
-    adv_b = err_b = mask_b = None
+    adv_b = err_b = mask_b = valid_b = None
     if batch is not None:
         adv_b = sample_token_means(batch.advantages_bt, batch.token_mask_bt).tolist()
         mask_b = batch.sample_mask_b.tolist()
+        valid_b = batch.valid_b.tolist()
         if batch.prev_logprobs_bt is not None:
             err_b = seq_logprob_error(batch.generation_logprobs_bt, batch.prev_logprobs_bt,
                                       batch.token_mask_bt).tolist()
     records = []
     for i, t in enumerate(trajectories):
-        masked = mask_b is not None and mask_b[i] == 0
+        masked = (mask_b is not None and mask_b[i] == 0) or t.error is not None
         reason = None
         if masked:
-            reason = ("mask_sample" if t.mask_sample else
+            reason = ("failed" if t.error is not None else
+                      "mask_sample" if t.mask_sample and not valid_b[i] else
+                      "dropped_group" if not valid_b[i] else
                       "overlong" if overlong_filtering and t.truncated else "logprob_error")
         records.append({
             "step": step, "split": split, "task_name": t.task_name, "group_id": t.group_id,
@@ -368,5 +388,7 @@ def rollout_records(trajectories: list, split: str, step: int, batch=None, overl
             "advantage": None if adv_b is None else adv_b[i], "masked": masked, "mask_reason": reason,
             "finish_reason": t.finish_reason, "truncated": t.truncated, "turns": t.turns,
             "response_length": t.num_generated_tokens, "logprob_error": None if err_b is None else err_b[i],
+            "error": t.error, "failure_kind": t.failure_kind, "error_detail": t.error_detail,
+            "retries": int(t.retries),
         })
     return records

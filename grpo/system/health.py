@@ -1,4 +1,4 @@
-"""Is the run healthy? Non-finite steps, a collapsed policy, a reward function that keeps failing.
+"""Is the run healthy? Non-finite steps, a collapsed policy, rollouts that keep failing.
 
 Pure pieces the training loop calls between phases; none of them stops anything by itself: each says
 what happened and the loop decides (skip the step, warn, stop with exit status 1).
@@ -170,55 +170,117 @@ class CollapseWatch:
 
 
 # --------------------------------------------------------------------------------------------------
-# A reward function that keeps failing
+# Rollouts that keep failing: the step budget (grpo.rollout_failure)
 # --------------------------------------------------------------------------------------------------
-class ErrorBudget:
-    """`env.max_error_rate` / `env.max_error_steps`: stop a run whose reward function fails (raises or times
-    out) on more than ``max_error_rate`` of a step's samples for ``max_error_steps`` steps in a row. Failed
-    samples score 0, so without it such a run trains on nothing forever. ``max_error_rate=1`` turns it off.
+class RolloutBudget:
+    """``grpo.rollout_failure.min_step_batch_fraction`` / ``max_consecutive_skipped_steps``: a step trains only
+    when at least that fraction of its samples did not fail (after the environments' retries); a step that
+    falls short is *skipped* (no optimizer step, its prompts consumed, counted); ``max_consecutive`` skipped
+    steps in a row stop the run (an outage must not become hours of training on nothing).
 
-    `update` returns None to go on, or the stop message with the first failure's traceback of the streak.
+        trainable(failed, n)   n − failed ≥ min_fraction · n
+        skipped(trajectories)  count a skipped step, remember the environment's last error; True: stop now
+        trained()              a step trained: the streak ends
 
-        >>> b = ErrorBudget(max_error_rate=0.5, max_error_steps=2)
-        >>> b.update(3, 4, "Traceback: ...") is None, b.update(1, 4) is None, b.update(4, 4, "tb1") is None
-        (True, True, True)
-        >>> message = b.update(4, 4, "tb2")
-        >>> message.splitlines()[0][:70], message.splitlines()[-1]
-        ('the reward function failed on more than 50% of the samples for 2 steps', 'tb1')
+    ``skipped_steps`` (run total) and ``consecutive`` are saved with each checkpoint (`state_dict`), with the
+    run's failed samples per reason and retries (`count`).
+
+        >>> b = RolloutBudget(min_fraction=0.75, max_consecutive=2)
+        >>> b.trainable(1, 4), b.trainable(2, 4)
+        (True, False)
+        >>> from types import SimpleNamespace as T
+        >>> bad = [T(task_name="judge", error="http_5xx", failure_kind="infra", error_detail="Traceback...\\n503 down")]
+        >>> b.skipped(bad), b.skipped(bad), b.skipped_steps
+        (False, True, 2)
+        >>> b.message()[:96]
+        '2 steps in a row skipped (grpo.rollout_failure.max_consecutive_skipped_steps=2): fewer than 75% '
     """
 
-    def __init__(self, max_error_rate: float, max_error_steps: int):
-        if not 0.0 <= max_error_rate <= 1.0 or max_error_steps < 1:
-            raise ValueError(f"env.max_error_rate={max_error_rate}, env.max_error_steps={max_error_steps}: "
-                             "expected a fraction in [0, 1] and at least 1 step")
-        self.max_error_rate = max_error_rate
-        self.max_error_steps = max_error_steps
-        self.rates: list[float] = []  # the failure rates of the current streak
-        self.first_failure: str | None = None
+    def __init__(self, min_fraction: float, max_consecutive: int):
+        if not 0.0 < min_fraction <= 1.0 or max_consecutive < 1:
+            raise ValueError(f"grpo.rollout_failure.min_step_batch_fraction={min_fraction}, "
+                             f"max_consecutive_skipped_steps={max_consecutive}: expected a fraction in (0, 1] and >= 1")
+        self.min_fraction, self.max_consecutive = min_fraction, max_consecutive
+        self.skipped_steps = 0
+        self.consecutive = 0
+        self.failed_samples: dict[str, int] = {}  # run totals per reason
+        self.retries = 0
+        self.last_error: str | None = None
 
-    def update(self, num_failed: int, num_samples: int, first_failure: str | None = None) -> str | None:
-        rate = num_failed / max(num_samples, 1)
-        if rate <= self.max_error_rate:
-            self.rates, self.first_failure = [], None
-            return None
-        self.rates.append(rate)
-        self.first_failure = self.first_failure or first_failure
-        if len(self.rates) < self.max_error_steps:
-            return None
-        rates = ", ".join(f"{r:.0%}" for r in self.rates)
-        return (f"the reward function failed on more than {self.max_error_rate:.0%} of the samples for "
-                f"{len(self.rates)} steps in a row ({rates}), more than env.max_error_rate={self.max_error_rate} for "
-                f"env.max_error_steps={self.max_error_steps} steps: the run stops. The first failure:\n"
-                f"{self.first_failure or '(no traceback recorded)'}")
+    def trainable(self, num_failed: int, num_samples: int) -> bool:
+        return num_samples - num_failed >= self.min_fraction * num_samples - 1e-9
+
+    def count(self, trajectories: Sequence) -> None:
+        """Add a rollout's failed samples and retries to the run totals; remember its last error."""
+        for t in trajectories:
+            if t is None:
+                continue
+            self.retries += int(getattr(t, "retries", 0))
+            if t.error is not None:
+                self.failed_samples[t.error] = self.failed_samples.get(t.error, 0) + 1
+                self.last_error = last_error_text(t)
+
+    def skipped(self, trajectories: Sequence) -> bool:
+        """Count a skipped step (its failed samples name the environment's last error); True: the run stops."""
+        self.skipped_steps += 1
+        self.consecutive += 1
+        failed = [t for t in trajectories if t is not None and t.error is not None]
+        if failed:
+            self.last_error = last_error_text(failed[-1])
+        return self.consecutive >= self.max_consecutive
+
+    def trained(self) -> None:
+        self.consecutive = 0
+
+    def skip_note(self, step: int, num_failed: int, num_samples: int) -> str:
+        return (f"step {step} skipped: {num_failed} of {num_samples} samples failed, more than "
+                f"grpo.rollout_failure.min_step_batch_fraction={self.min_fraction} allows ({self.consecutive} in a row "
+                f"of max_consecutive_skipped_steps={self.max_consecutive}); last error: {self.last_error}")
+
+    def message(self) -> str:
+        """The stop line (one line): the streak, the rule, the environment and its last error."""
+        return (f"{self.consecutive} steps in a row skipped (grpo.rollout_failure.max_consecutive_skipped_steps="
+                f"{self.max_consecutive}): fewer than {self.min_fraction:.0%} of their samples got a score "
+                f"(min_step_batch_fraction); last error: {self.last_error or '(none recorded)'}")
+
+    def metrics(self) -> dict:
+        """The run totals as ``rollout/*`` metrics."""
+        return {"rollout/skipped_steps": self.skipped_steps,
+                "rollout/failed_samples_total": sum(self.failed_samples.values())}
+
+    def state_dict(self) -> dict:
+        return {"skipped_steps": self.skipped_steps, "consecutive_skipped_steps": self.consecutive,
+                "failed_samples": dict(self.failed_samples), "retries": self.retries}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive = int(state.get("consecutive_skipped_steps", 0))
+        self.failed_samples = {str(k): int(v) for k, v in state.get("failed_samples", {}).items()}
+        self.retries = int(state.get("retries", 0))
+
+
+def last_error_text(t) -> str:
+    """One line naming a failed sample's environment (task), its reason and class, and the last line of its
+    error text.
+
+        >>> from types import SimpleNamespace as T
+        >>> last_error_text(T(task_name="math", error="reward_timeout", failure_kind="infra",
+        ...                   error_detail="no score within 5 s\\n"))
+        "environment 'math': reward_timeout (infra): no score within 5 s"
+    """
+    lines = [line.strip() for line in (t.error_detail or "").splitlines() if line.strip()]
+    kind = f" ({t.failure_kind})" if getattr(t, "failure_kind", None) else ""
+    return f"environment {t.task_name!r}: {t.error}{kind}" + (f": {lines[-1][:300]}" if lines else "")
 
 
 # --------------------------------------------------------------------------------------------------
 # All of it, once per step
 # --------------------------------------------------------------------------------------------------
 class StepChecks:
-    """The checks both loops run after every step (``policy.max_nonfinite_steps``, ``env.max_error_rate``,
-    ``env.max_error_steps``): `after_step` returns the message that stops the run (exit 1), or None, and adds
-    ``train/nonfinite_steps`` to the step's metrics; warnings are logged once.
+    """The checks both loops run on every step: after training (``policy.max_nonfinite_steps``), `after_step`
+    returns the message that stops the run (exit 1), or None, and adds ``train/nonfinite_steps`` to the step's
+    metrics; warnings are logged once. ``rollouts`` is the step budget the loops ask before training
+    (`RolloutBudget`, ``grpo.rollout_failure``).
 
     A non-finite step needs no special path: `skip_nonfinite_loss` (which `grpo.system.training.train_step` applies)
     turns it into NaN gradients that DeepSpeed discards, so the weights stay as they were; here it is counted.
@@ -227,14 +289,14 @@ class StepChecks:
     def __init__(self, cfg, vocab_size: int):
         self.guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
         self.watch = CollapseWatch(vocab_size)
-        self.budget = ErrorBudget(cfg.env.max_error_rate, cfg.env.max_error_steps)
-        self.stop_kind: str | None = None  # "nonfinite" (nothing to save) or "rewards" after a stop
+        f = cfg.grpo.rollout_failure
+        self.rollouts = RolloutBudget(f.min_step_batch_fraction, f.max_consecutive_skipped_steps)
+        self.stop_kind: str | None = None  # "nonfinite" (nothing to save) or "rollouts" after a stop
 
     def after_step(self, trajectories: list, raw_rewards_b: torch.Tensor, train_results: list[dict],
                    metrics: dict) -> str | None:
-        failed = [t for t in trajectories if t.error is not None]
-        budget = self.budget.update(len(failed), len(trajectories),
-                                    next((t.error_detail for t in failed if t.error_detail), None))
+        scored = [t is None or t.error is None for t in trajectories]  # a failed sample's reward is no score
+        raw_rewards_b = raw_rewards_b[torch.tensor(scored, dtype=torch.bool)]
         problem = nonfinite(rewards_b=raw_rewards_b)
         for r in train_results:
             problem = problem or nonfinite(r["loss"], r["grad_norm"])
@@ -248,6 +310,4 @@ class StepChecks:
             return self.guard.message()
         if verdict == "skip":
             logger.warning("step not applied: %s (train/nonfinite_steps %d)", problem, self.guard.count)
-        if budget is not None:
-            self.stop_kind = "rewards"
-        return budget
+        return None

@@ -62,8 +62,7 @@ RESUME_MUTABLE = (
     "checkpointing.higher_is_better",
     "policy.max_nonfinite_steps",            # when to stop a failing run
     "grpo.async_grpo.max_generation_failures",
-    "env.max_error_rate",
-    "env.max_error_steps",
+    "grpo.rollout_failure.max_consecutive_skipped_steps",  # when an outage stops the run
 )
 
 

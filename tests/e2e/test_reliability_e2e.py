@@ -38,13 +38,16 @@ def test_a_diverging_run_stops_after_max_nonfinite_steps_names_it_and_exports_no
     assert last_saved < max(rows)  # the non-finite steps were not saved: the last checkpoint is the last good one
 
 
-def test_a_reward_that_fails_on_every_sample_stops_the_run_with_its_traceback(tmp_path):
+def test_a_reward_that_fails_on_every_sample_stops_the_run_with_its_last_error(tmp_path):
     p = run(cmd(tmp_path, "env.name=function", "env.reward_fn=tests.helpers.e2e_reward_fns:huge_reward",
-                "env.max_error_steps=2", "grpo.max_num_steps=6", "checkpointing.save_period=10"), check=False)
+                "grpo.rollout_failure.max_consecutive_skipped_steps=2", "grpo.rollout_failure.max_data_attempts_per_prompt=1",
+                "grpo.max_num_steps=6", "checkpointing.save_period=10"), check=False)
     assert p.returncode == 1, p.stderr[-3000:]
-    assert "failed on more than 50% of the samples for 2 steps" in p.stderr and "finite float32" in p.stderr
-    rows = train_rows(tmp_path)
-    assert sorted(rows) == [1, 2] and rows[1]["train/reward_errors"] == 16
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "2 steps in a row skipped" in errors[0] and "finite float32" in errors[0], p.stderr
+    rows = {r["step"]: r for r in metrics(tmp_path)}
+    assert sorted(rows) == [1, 2] and not train_rows(tmp_path)  # two skipped steps: nothing trained
+    assert rows[1]["rollout/failed_samples"] == 16 and rows[2]["rollout/skipped_steps"] == 2
     assert (tmp_path / "ckpt" / "step_000002").is_dir()  # the run's state is good: saved, not exported
     assert not (tmp_path / "ckpt" / "hf_final").exists()
 

@@ -11,6 +11,7 @@ def make_record(step=3, split="train", reward=1.0, group_id=0, **over) -> dict:
         "question": "7+5=", "answer": "12", "reward": reward, "reward_components": {"correct": reward},
         "advantage": None if split == "val" else 0.5, "masked": False, "mask_reason": None,
         "finish_reason": "stop", "truncated": False, "turns": 1, "response_length": 3, "logprob_error": 1.0,
+        "error": None, "failure_kind": None, "error_detail": None, "retries": 0,
     }
     rec.update(over)
     return rec

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.system.health import CollapseWatch, ErrorBudget, NonFiniteGuard, nonfinite, overflow_check_gap, skip_nonfinite_loss
+from grpo.system.health import CollapseWatch, NonFiniteGuard, RolloutBudget, nonfinite, overflow_check_gap, skip_nonfinite_loss
 from tests.helpers.batches import train_batch
 
 NAN, INF = float("nan"), float("inf")
@@ -162,23 +162,36 @@ def test_collapse_watch_zero_grad_norm_only_counts_when_rewards_vary():
 
 
 # --------------------------------------------------------------------------------------------------
-# reward error budget
+# the step budget of failed rollouts (grpo.rollout_failure)
 # --------------------------------------------------------------------------------------------------
-def test_error_budget_stops_after_consecutive_bad_steps_with_the_first_traceback():
-    budget = ErrorBudget(max_error_rate=0.5, max_error_steps=3)
-    assert budget.update(16, 16, "Traceback A") is None
-    assert budget.update(8, 16, "Traceback B") is None  # exactly half: not over the rate, the streak resets
-    assert budget.update(16, 16, "Traceback C") is None and budget.update(12, 16, "Traceback D") is None
-    message = budget.update(16, 16, "Traceback E")
-    assert "for 3 steps in a row (100%, 75%, 100%)" in message and message.endswith("Traceback C")
-    assert "env.max_error_rate=0.5" in message and "env.max_error_steps=3" in message
+def _failed(task="judge", reason="http_5xx", detail="Traceback (most recent call last):\n  ...\nHTTPError: 503"):
+    return SimpleNamespace(task_name=task, error=reason, failure_kind="infra", error_detail=detail, retries=4)
 
 
-def test_error_budget_of_one_never_stops():
-    budget = ErrorBudget(max_error_rate=1.0, max_error_steps=1)
-    assert all(budget.update(4, 4, "tb") is None for _ in range(5))
-    with pytest.raises(ValueError, match="env.max_error_rate=1.5"):
-        ErrorBudget(1.5, 1)
+def test_rollout_budget_trains_at_the_fraction_skips_below_and_stops_after_the_streak():
+    budget = RolloutBudget(min_fraction=0.9, max_consecutive=3)
+    assert budget.trainable(1, 10) and not budget.trainable(2, 10) and budget.trainable(0, 1)
+    assert not budget.skipped([_failed()]) and not budget.skipped([_failed(task="other")])
+    budget.trained()  # a trained step ends the streak, not the run total
+    assert (budget.consecutive, budget.skipped_steps) == (0, 2)
+    assert [budget.skipped([_failed()]) for _ in range(3)] == [False, False, True]
+    message = budget.message()
+    assert "3 steps in a row skipped" in message and "max_consecutive_skipped_steps=3" in message
+    assert "environment 'judge': http_5xx (infra): HTTPError: 503" in message and "\n" not in message
+
+
+def test_rollout_budget_counters_survive_a_checkpoint():
+    budget = RolloutBudget(0.5, 4)
+    budget.count([_failed(), SimpleNamespace(task_name="judge", error=None, retries=1), None])
+    budget.skipped([_failed()])
+    state = budget.state_dict()
+    again = RolloutBudget(0.5, 4)
+    again.load_state_dict(state)
+    assert again.state_dict() == state == {"skipped_steps": 1, "consecutive_skipped_steps": 1,
+                                           "failed_samples": {"http_5xx": 1}, "retries": 5}
+    assert again.metrics() == {"rollout/skipped_steps": 1, "rollout/failed_samples_total": 1}
+    with pytest.raises(ValueError, match="min_step_batch_fraction=0"):
+        RolloutBudget(0.0, 1)
 
 
 @pytest.mark.slow

@@ -71,3 +71,23 @@ def test_module_runs_with_m_and_does_not_shadow_the_standard_inspect(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "answer-of-sample-0-step-1" in p.stdout
+
+
+def test_failed_samples_are_dumped_first_and_listed_with_their_reason_and_error(tmp_path, capsys):
+    """Issue 31: a dump keeps its failed samples (reason, class, error text) and ``--failed`` lists them."""
+    from grpo.inspect import main
+    from grpo.system.dumps import RolloutDumper
+    from tests.helpers.rollout_records import make_record
+
+    records = [make_record(reward=float(i), group_id=i) for i in range(6)]
+    records.append(make_record(reward=0.0, group_id=6, masked=True, mask_reason="failed", error="env_timeout",
+                               failure_kind="infra", error_detail="Traceback...\nTimeoutError: no answer in 5 s",
+                               retries=4))
+    dumper = RolloutDumper(str(tmp_path), 1, 3, 0, enabled=True)
+    kept = dumper.select(records)
+    assert len(kept) == 3 and kept[0]["error"] == "env_timeout"  # kept whatever its "reward"
+    dumper.write("train", 3, records)
+    assert main([str(tmp_path), "--failed"]) == 0
+    out = capsys.readouterr().out
+    assert "1 failed train samples in 1 dumped steps: env_timeout 1" in out
+    assert "env_timeout (infra) after 4 retries" in out and "TimeoutError: no answer in 5 s" in out

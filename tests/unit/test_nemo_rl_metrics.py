@@ -14,6 +14,7 @@ from grpo.metrics import (
 )
 from grpo.rollout_metrics import percentile, rollout_summary
 from grpo.step import due_validation
+from grpo.system.health import RolloutBudget
 from grpo.trajectory import Message, Trajectory
 
 
@@ -163,7 +164,8 @@ def test_a_train_metric_name_no_metric_has_fails_at_the_first_save():
     cfg = build_config(apply_overrides({}, ["checkpointing.metric_name=train:nope"]))
     saved = []
     run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(metrics={}, val_reward=0.0), policy=None,
-                          ckpt=SimpleNamespace(save=lambda *a, **k: saved.append(a)))
+                          ckpt=SimpleNamespace(save=lambda *a, **k: saved.append(a)),
+                          checks=SimpleNamespace(rollouts=RolloutBudget(0.9, 3)))
     with pytest.raises(RunError, match=r"checkpointing.metric_name='train:nope'.*available: train:loss"):
         save(run, 1, {"train/loss": 1.0}, None, None)
     assert not saved

@@ -569,3 +569,22 @@ def test_a_missing_defaults_parent_names_the_recipe_that_refers_to_it(tmp_path, 
     recipe.write_text("defaults: base_missing.yaml\n" + body)
     with pytest.raises(ConfigError, match=r"child\.yaml: defaults: 'base_missing\.yaml': file not found"):
         load_config(str(recipe), [])
+
+
+def test_rollout_failure_keys_translate_and_the_streaming_ones_are_named():
+    """Issue 31: NeMo-RL's async_rl.rollout_failure budgets become grpo.rollout_failure (both loops); its prompt-drop
+    and refill keys have no meaning here and are listed with the reason; should_mask_flagged_samples is honoured."""
+    cfg, rows = load_recipe(BASE, [
+        "++async_rl={sampler: {name: in_order}, rollout_failure: {max_infra_attempts_per_prompt: 7, "
+        "max_data_attempts_per_prompt: 3, backoff_base_s: 0.5, max_backoff_s: 8.0, min_step_batch_fraction: 0.75, "
+        "max_skipped_prompts: 0, on_dropped_prompt: shrink}}",
+        "++env.should_mask_flagged_samples=false"])
+    f = cfg.grpo.rollout_failure
+    assert (f.max_infra_attempts_per_prompt, f.max_data_attempts_per_prompt, f.backoff_base_s, f.max_backoff_s,
+            f.min_step_batch_fraction) == (7, 3, 0.5, 8.0, 0.75)
+    assert cfg.env.should_mask_flagged_samples is False
+    translated, ignored = table_of(rows, "translated"), table_of(rows, "ignored")
+    assert "grpo.rollout_failure.min_step_batch_fraction=0.75" in translated[
+        "async_rl.rollout_failure.min_step_batch_fraction"]
+    assert "drops no prompt" in ignored["async_rl.rollout_failure.max_skipped_prompts"]
+    assert "refill" in ignored["async_rl.rollout_failure.on_dropped_prompt"]
