@@ -308,12 +308,12 @@ def reinforce_plus_plus_advantages(
 # --------------------------------------------------------------------------------------------------
 # Registry (grpo.registry): estimators take keyword arguments and return [B] or [B, T]
 # --------------------------------------------------------------------------------------------------
-def grpo_estimator(*, group_ids, rewards, valid_mask, token_mask, cfg, **extra):
+def grpo_estimator(*, group_ids, rewards, valid_mask, token_mask, cfg: AdvEstimatorConfig, **extra):
     """``grpo``: `grpo_advantages` with the config's leave-one-out baseline and std normalisation."""
     return grpo_advantages(group_ids, rewards, valid_mask, cfg.use_leave_one_out_baseline, cfg.normalize_rewards)
 
 
-def gdpo_estimator(*, group_ids, valid_mask, cfg, reward_components=None, **extra):
+def gdpo_estimator(*, group_ids, valid_mask, cfg: AdvEstimatorConfig, reward_components=None, **extra):
     """``gdpo``: `gdpo_advantages` on the environment's reward components ``[B, K]``."""
     if reward_components is None:
         raise ValueError("grpo.adv_estimator.name='gdpo' needs reward_components [B, K] from the environment")
@@ -321,8 +321,8 @@ def gdpo_estimator(*, group_ids, valid_mask, cfg, reward_components=None, **extr
                            cfg.use_leave_one_out_baseline, normalize_rewards=cfg.normalize_rewards)
 
 
-def reinforce_plus_plus_estimator(*, group_ids, rewards, valid_mask, token_mask, cfg, kl_bt=None, kl_coef=0.0,
-                                  sample_mask=None, **extra):
+def reinforce_plus_plus_estimator(*, group_ids, rewards, valid_mask, token_mask, cfg: AdvEstimatorConfig, kl_bt=None,
+                                  kl_coef=0.0, sample_mask=None, **extra):
     """``reinforce_plus_plus``: `reinforce_plus_plus_advantages` with the reward KL when it is on, whitened
     over the loss's samples (``sample_mask``)."""
     return reinforce_plus_plus_advantages(group_ids, rewards, valid_mask, token_mask,

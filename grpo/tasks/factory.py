@@ -49,51 +49,51 @@ def _import_object(spec: str, key: str):
     return obj
 
 
-def build_environment(spec, data_cfg=None, key: str = "env") -> Environment:
+def build_environment(env_spec, data_cfg=None, key: str = "env") -> Environment:
     """The environment of one `grpo.config.EnvSpec` (``key``: its dotted name, for errors); built-in tasks
     are looked up in `grpo.tasks.catalogue`."""
-    if spec.name == "class":
-        cls = _import_object(spec.env_class, f"{key}.env_class")
+    if env_spec.name == "class":
+        cls = _import_object(env_spec.env_class, f"{key}.env_class")
         try:
-            env = cls(**spec.kwargs)
+            env = cls(**env_spec.kwargs)
         except Exception as err:
-            raise EnvError(f"{key}.env_class={spec.env_class!r} with {key}.kwargs={spec.kwargs!r}: "
+            raise EnvError(f"{key}.env_class={env_spec.env_class!r} with {key}.kwargs={env_spec.kwargs!r}: "
                            f"{type(err).__name__}: {err}") from err
         if not callable(getattr(env, "step", None)):
-            raise EnvError(f"{key}.env_class={spec.env_class!r}: {type(env).__name__} has no step(message_logs, "
+            raise EnvError(f"{key}.env_class={env_spec.env_class!r}: {type(env).__name__} has no step(message_logs, "
                            "metadata) method (see grpo.tasks.interface.Environment)")
         return env
-    if spec.name == "tools":
+    if env_spec.name == "tools":
         from grpo.tasks.tools import ToolEnvironment
 
-        return ToolEnvironment(spec.tools, spec.reward_fn, spec.tool_call_format, spec.tool_timeout_s,
-                               spec.max_tool_result_chars, spec.max_tool_calls_per_turn, spec.num_workers,
-                               spec.timeout_s, spec.disable_tools)
-    if spec.name == "agent":  # its samples are played over the endpoint (grpo.system.agent_rollout)
+        return ToolEnvironment(env_spec.tools, env_spec.reward_fn, env_spec.tool_call_format, env_spec.tool_timeout_s,
+                               env_spec.max_tool_result_chars, env_spec.max_tool_calls_per_turn, env_spec.num_workers,
+                               env_spec.timeout_s, env_spec.disable_tools)
+    if env_spec.name == "agent":  # its samples are played over the endpoint (grpo.system.agent_rollout)
         from grpo.tasks.agent import AgentEnvironment
 
-        a = spec.agent
+        a = env_spec.agent
         return AgentEnvironment(a.fn, a.command, a.max_concurrency, a.timeout_s, key=f"{key}.agent")
-    if spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
-        check_reward_fn(spec.reward_fn, spec.timeout_s)
-        return RewardEnvironment(spec.reward_fn, in_process=False, num_workers=spec.num_workers,
-                                 timeout_s=spec.timeout_s)
-    task = TASKS[spec.name]
-    if task.dataset_prefix and data_cfg is not None and not data_cfg.dataset_name.startswith(f"{spec.name}:"):
+    if env_spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
+        check_reward_fn(env_spec.reward_fn, env_spec.timeout_s)
+        return RewardEnvironment(env_spec.reward_fn, in_process=False, num_workers=env_spec.num_workers,
+                                 timeout_s=env_spec.timeout_s)
+    task = TASKS[env_spec.name]
+    if task.dataset_prefix and data_cfg is not None and not data_cfg.dataset_name.startswith(f"{env_spec.name}:"):
         raise EnvError(
-            f"env.name={spec.name!r} needs data.dataset_name='{spec.name}:<task>' (got {data_cfg.dataset_name!r})"
+            f"env.name={env_spec.name!r} needs data.dataset_name='{env_spec.name}:<task>' (got {data_cfg.dataset_name!r})"
         )
     if task.environment is not None:
-        return load(task.environment)(**spec.kwargs)
+        return load(task.environment)(**env_spec.kwargs)
     fn_spec, in_workers = task.reward_fn, task.reward_in_workers
-    if spec.name == "math" and spec.math_verify_impl == "dapo_math_verify":  # NeMo-RL's math_verify_impl
+    if env_spec.name == "math" and env_spec.math_verify_impl == "dapo_math_verify":  # NeMo-RL's math_verify_impl
         fn_spec = "grpo.tasks.math:dapo_math_reward"
-    return RewardEnvironment(fn_spec, in_process=not in_workers, num_workers=spec.num_workers,
-                             timeout_s=spec.timeout_s)
+    return RewardEnvironment(fn_spec, in_process=not in_workers, num_workers=env_spec.num_workers,
+                             timeout_s=env_spec.timeout_s)
 
 
-def observation_format(spec) -> str:
-    """"raw" or "chat_template": ``spec.observation_format``, where ``auto`` is raw for ``env.name: class``
+def observation_format(env_spec) -> str:
+    """"raw" or "chat_template": ``env_spec.observation_format``, where ``auto`` is raw for ``env.name: class``
     (environments written to NeMo-RL's interface, whose rollout tokenises an observation's content alone) and
     chat_template for the built-ins (tools, guess_number, the reward functions).
 
@@ -103,10 +103,10 @@ def observation_format(spec) -> str:
         ...     observation_format="chat_template"))
         ('raw', 'chat_template', 'chat_template')
     """
-    fmt = getattr(spec, "observation_format", "auto")
+    fmt = getattr(env_spec, "observation_format", "auto")
     if fmt != "auto":
         return fmt
-    return "raw" if spec.name == "class" else "chat_template"
+    return "raw" if env_spec.name == "class" else "chat_template"
 
 
 def task_specs(env_cfg, split: str = "train") -> dict[str, Any]:

@@ -194,12 +194,12 @@ class RetryPolicy:
         return cls(1, 1, 0.0, 0.0)
 
     @classmethod
-    def of(cls, section) -> RetryPolicy:
+    def of(cls, rollout_failure) -> RetryPolicy:
         """From a ``grpo.rollout_failure`` section (`grpo.config.RolloutFailureConfig`; None: `single_attempt`)."""
-        if section is None:
+        if rollout_failure is None:
             return cls.single_attempt()
-        return cls(section.max_infra_attempts_per_prompt, section.max_data_attempts_per_prompt,
-                   section.backoff_base_s, section.max_backoff_s)
+        return cls(rollout_failure.max_infra_attempts_per_prompt, rollout_failure.max_data_attempts_per_prompt,
+                   rollout_failure.backoff_base_s, rollout_failure.max_backoff_s)
 
     def may_retry(self, kind: str, failures_of_kind: int) -> bool:
         """Whether a call that has failed ``failures_of_kind`` times with class ``kind`` gets another attempt."""

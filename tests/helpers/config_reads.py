@@ -9,7 +9,8 @@ reads ``grpo.seed``; so does ``g.seed`` after ``g = cfg.grpo``, or ``lora.dim`` 
 - assignments of a resolved chain to a name (``g = run.cfg.grpo``) or to ``self.x`` (seen by the class's methods);
 - annotations naming a section's model (``cfg: LoggerConfig`` reads ``logger.*``; a model used in several places
   reads all of them);
-- names equal to a section's own name, or to it with ``_cfg`` / ``_config`` (``lora``, ``vllm_cfg``, ``env_cfg``);
+- names equal to a section's own name, or to it with ``_cfg`` / ``_config`` / ``_spec`` (``lora``, ``vllm_cfg``,
+  ``env_spec``);
 - ``getattr(x, "name")`` with a resolved ``x``.
 
 Matching by the last name part alone (the test before this one) counted ``enabled`` as read for every one of
@@ -63,7 +64,7 @@ class _Reads(ast.NodeVisitor):
     def _named(self, name: str) -> set[str]:
         if name in ROOT_NAMES:
             return {""}
-        for suffix in ("_cfg", "_config"):
+        for suffix in ("_cfg", "_config", "_spec"):
             if name.endswith(suffix) and name[: -len(suffix)] in self.by_name:
                 return set(self.by_name[name[: -len(suffix)]])
         return set(self.by_name.get(name, ()))
