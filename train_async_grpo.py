@@ -28,9 +28,8 @@ from __future__ import annotations
 import os
 import time
 
-from grpo.run import (
-    dump_rollouts, finish, resume_note, run_script, save, setup, skip_step, stop_reason, stop_requested, validate,
-)
+from grpo.run import finish, run_script, save, setup, skip_step, stop_reason, validate
+from grpo.step_end import end_step
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 
@@ -46,13 +45,13 @@ def main(argv=None) -> int | None:
     from grpo.system import weights
     from grpo.batch import build_batch
     from grpo.system.data import PromptStream
-    from grpo.metrics import nemo_rl_names, rollout_counts
+    from grpo.metrics import rollout_counts
     from grpo.producer import RolloutProducer, weight_copy
     from grpo.system.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
     from grpo.system.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
     from grpo.step import (
-        due_save, due_validation, early_stop_reason, initial_sample_mask, mask_invalid_samples, record_step,
+        due_save, early_stop_reason, initial_sample_mask, mask_invalid_samples, record_step,
         shape_rewards, step_advantages, step_metrics,
     )
     from grpo.loss import clipped_pg_loss_fn
@@ -165,23 +164,10 @@ def main(argv=None) -> int | None:
                 step, entries, wait_s), "async/train_start_time": train_start, "async/train_end_time": train_end,
             "train/epoch": state.current_epoch, "train/prompt_indices": [e.group.prompt_index for e in entries],
         })
-        metrics = nemo_rl_names(metrics)  # the keys NeMo-RL logs (grpo.metrics.NEMO_RL_NAMES)
-        failure = run.checks.after_step(trajectories, batch.raw_rewards_b, results, metrics)
-        run.logger.log(metrics, step)
-        run.logger.progress(step, metrics)
-        dump_rollouts(run, "train", step, batch.trajectories, batch)
-        if failure is not None:
-            break
-        val = None
-        if due_validation(cfg, step, run.total_steps) and not stop_requested(run):  # a stop signal skips it
-            try:
-                val = validate_with_staged(step)
-            except RolloutError as err:  # step `step` is trained and good: finish() saves it
-                failure = f"validation at step {step} failed: {err}{resume_note(run)}"
-                break
-        stop = stop_reason(run, step, val)
-        if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
-            save(run, step, metrics, val, trained_mark["loader"], extra={"replay_buffer": buffer.state_dict()})
+        end = end_step(run, step, batch, results, metrics, validate=validate_with_staged,
+                       loader_state=lambda: trained_mark["loader"],
+                       extra=lambda: {"replay_buffer": buffer.state_dict()})  # log, check, dump, validate, save
+        stop, failure, metrics = end.stop, end.failure, end.metrics
 
     # ================================================================ the end
     stage.close()  # a thread waiting for weights returns; one mid-batch finishes it first

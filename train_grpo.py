@@ -23,9 +23,10 @@ import os
 import time
 
 from grpo.run import (
-    dump_rollouts, finish, resume_note, run_rollout, run_script, save, setup, signal_stop_message, skip_step,
-    stop_reason, stop_requested, validate,
+    finish, resume_note, run_rollout, run_script, save, setup, signal_stop_message, skip_step, stop_reason,
+    stop_requested, validate,
 )
+from grpo.step_end import end_step
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
 
@@ -39,12 +40,12 @@ def main(argv=None) -> int | None:
     from grpo.batch import build_batch
     from grpo.system.checkpoint import rng_state
     from grpo.system.data import PromptStream
-    from grpo.metrics import nemo_rl_names, rollout_counts
+    from grpo.metrics import rollout_counts
     from grpo.system.rollout import RolloutError
     from grpo.rollout_metrics import step_summary
     from grpo.dynamic_sampling import DynamicSamplingCache, DynamicSamplingExhausted
     from grpo.step import (
-        add_counts, due_save, due_validation, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask,
+        add_counts, due_save, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask,
         mask_invalid_samples, record_step, shape_rewards, step_advantages, step_metrics,
     )
     from grpo.loss import clipped_pg_loss_fn
@@ -161,25 +162,11 @@ def main(argv=None) -> int | None:
         state.current_epoch = prompts.epoch
         timing["timing/step_s"] = time.perf_counter() - t_step
         metrics.update({**step_metrics(batch, results, timing["timing/step_s"]), **timing, **budget.metrics(),
-                        **getattr(run.generator, "memory", {}), "train/epoch": state.current_epoch})
-        metrics = nemo_rl_names(metrics)  # the keys NeMo-RL logs (grpo.metrics.NEMO_RL_NAMES)
-        failure = failure or run.checks.after_step(batch.trajectories, batch.raw_rewards_b, results, metrics)
-        run.logger.log(metrics, step)
-        run.logger.progress(step, metrics)
-        dump_rollouts(run, "train", step, batch.trajectories, batch)
-        last_metrics = metrics
-        if failure is not None:
-            break
-        val = None
-        if due_validation(cfg, step, run.total_steps) and not stop_requested(run):
-            try:
-                val = validate(run, run.generator, run.val_envs, step)
-            except RolloutError as err:  # step `step` is trained and good: finish() saves it
-                failure = f"validation at step {step} failed: {err}{resume_note(run)}"
-                break
-        stop = stop_reason(run, step, val)
-        if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
-            save(run, step, metrics, val, run.loader.state_dict())
+                        **run.generator.memory, "train/epoch": state.current_epoch})
+        end = end_step(run, step, batch, results, metrics, failure=failure,
+                       validate=lambda at: validate(run, run.generator, run.val_envs, at),
+                       loader_state=run.loader.state_dict)  # log, check, dump, validate, checkpoint
+        stop, failure, last_metrics = end.stop, end.failure, end.metrics
 
     # ================================================================ the end
     if out_of_data:  # dynamic sampling can use up the epochs before max_num_steps
