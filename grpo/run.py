@@ -416,7 +416,7 @@ def start_split(cfg):
     """``policy.generation.colocated.enabled=false``: check the launch against the config, then split it into
     training and generation ranks (`grpo.system.dist.init_split`); returns ``(layout, device)``."""
     from grpo.config import generation_split_problem
-    from grpo.system.dist import init_split
+    from grpo.system.dist import EnvMismatch, init_split
     from grpo.system.engines import local_world_size
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -424,7 +424,10 @@ def start_split(cfg):
                or generation_split_problem(cfg.policy.generation, launched))
     if problem is not None:
         raise RunError(problem.removeprefix("error: "))
-    return init_split(generation_ranks(cfg.policy.generation))
+    try:
+        return init_split(generation_ranks(cfg.policy.generation))
+    except EnvMismatch as err:
+        raise RunError(str(err)) from None
 
 
 def serve_generation(cfg, layout, device) -> None:
