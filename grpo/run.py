@@ -685,6 +685,9 @@ def run_script(main) -> None:
     ``GRPO_DEBUG=1``; any other exception prints its traceback, then the ``error:`` line."""
     import traceback
 
+    from grpo.system.tracking import quiet_library_progress_bars
+
+    quiet_library_progress_bars()  # before the model build: no library bar in a log file
     try:
         stopped = main()
     except RunError as err:  # the run said what went wrong; every rank raised it together
