@@ -421,7 +421,7 @@ def start_split(cfg):
     """``policy.generation.colocated.enabled=false``: check the launch against the config, then split it into
     training and generation ranks (`grpo.system.dist.init_split`); returns ``(layout, device)``."""
     from grpo.config import generation_split_problem
-    from grpo.system.dist import init_split
+    from grpo.system.dist import EnvMismatch, init_split
     from grpo.system.engines import local_world_size
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -429,7 +429,10 @@ def start_split(cfg):
                or generation_split_problem(cfg.policy.generation, launched))
     if problem is not None:
         raise RunError(problem.removeprefix("error: "))
-    return init_split(generation_ranks(cfg.policy.generation))
+    try:
+        return init_split(generation_ranks(cfg.policy.generation))
+    except EnvMismatch as err:
+        raise RunError(str(err)) from None
 
 
 def serve_generation(cfg, layout, device) -> None:
@@ -744,6 +747,9 @@ def run_script(main) -> None:
     ``GRPO_DEBUG=1``; any other exception prints its traceback, then the ``error:`` line."""
     import traceback
 
+    from grpo.system.tracking import quiet_library_progress_bars
+
+    quiet_library_progress_bars()  # before the model build: no library bar in a log file
     try:
         stopped = main()
     except RunError as err:  # the run said what went wrong; every rank raised it together

@@ -63,6 +63,10 @@ CHECKS = (
     ("bf16_vs_fp32", "tests/gpu: bf16 and fp32 agree on fixed batches"),
     ("two_processes", "2 processes (ZeRO-3): step-1 loss equals 1 process"),
     ("vllm", "the vLLM tests on CUDA (only where vllm is installed)"),
+    ("packing_canary", "tests/gpu: packed logprobs equal padded, one packed sample's change leaves the others "
+                       "(sdpa; flash-attention 2 where flash_attn is installed)"),
+    ("lora_zero3", "train_grpo.py with LoRA on ZeRO-3: 2 steps, checkpoint, resume to step 3, --export-adapter"),
+    ("bridge_nccl", "tests/gpu: the weight bridge's NCCL group in one process: broadcast, acknowledgment, abort"),
 )
 PYTEST_CHECKS = {  # check -> pytest node ids (prefixes) that make it
     "zero3_bf16_fp32_accumulation": ["tests/gpu/test_gpu_engines.py::test_bf16_zero3_engine_accumulates_gradients"],
@@ -71,9 +75,12 @@ PYTEST_CHECKS = {  # check -> pytest node ids (prefixes) that make it
     "memory_metrics": ["tests/gpu/test_gpu_memory.py"],
     "nccl_collectives_tp_lockstep": ["tests/gpu/test_gpu_collectives.py"],
     "bf16_vs_fp32": ["tests/gpu/test_gpu_engines.py::test_bf16_and_fp32_agree"],
+    "packing_canary": ["tests/gpu/test_gpu_packing.py"],
+    "bridge_nccl": ["tests/gpu/test_gpu_bridge.py"],
     "vllm": ["tests/integration/test_generation_vllm.py", "tests/integration/test_generation_vllm_qwen2.py"],
 }
 ZERO3 = "ds_configs/zero3.json"
+NOT_COVERED = "NOT COVERED"  # a check that did not run here, with why (no CUDA, one GPU, no vLLM wheel, ...)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,8 +122,8 @@ def junit_outcomes(xml_text: str) -> dict[str, tuple[str, str]]:
 
 
 def pytest_check(outcomes: dict[str, tuple[str, str]], prefixes: list[str]) -> tuple[str, str]:
-    """(level, message) of one check from the outcomes of its tests: FAIL if one failed or none ran, SKIP if all
-    skipped, else OK."""
+    """(level, message) of one check from the outcomes of its tests: FAIL if one failed or none ran, NOT COVERED if
+    all skipped (the skip's reason), else PASS (naming what was skipped)."""
     mine = {n: o for n, o in outcomes.items() if any(n.startswith(p) for p in prefixes)}
     if not mine:
         return "FAIL", f"no test collected for {prefixes}"
@@ -124,16 +131,18 @@ def pytest_check(outcomes: dict[str, tuple[str, str]], prefixes: list[str]) -> t
     if failed:
         return "FAIL", "; ".join(failed)
     if all(o == "skipped" for o, _ in mine.values()):
-        return "SKIP", next(iter(mine.values()))[1]
+        return NOT_COVERED, next(iter(mine.values()))[1]
     passed = sum(o == "passed" for o, _ in mine.values())
-    return "OK", f"{passed} passed" + (f", {len(mine) - passed} skipped" if passed < len(mine) else "")
+    skipped = sorted({m for o, m in mine.values() if o == "skipped"})
+    return "PASS", f"{passed} passed" + (f", {len(mine) - passed} not covered ({'; '.join(skipped)})"
+                                         if passed < len(mine) else "")
 
 
 def worst(levels: list[str]) -> str:
     for level in ("FAIL", "WARN"):
         if level in levels:
             return level
-    return "OK"
+    return "PASS"
 
 
 def train_rows(rows: list[dict]) -> dict[int, dict]:
@@ -155,7 +164,7 @@ def compare_losses(a: dict[int, dict], b: dict[int, dict], label: str) -> list[t
             continue
         tol, level = (LOSS_TOL, "FAIL") if step == 1 else (LATER_TOL, "WARN")
         ok = abs(la - lb) <= tol
-        out.append(("OK" if ok else level, f"{label}: step {step} loss {la:.6f} vs {lb:.6f} "
+        out.append(("PASS" if ok else level, f"{label}: step {step} loss {la:.6f} vs {lb:.6f} "
                                            f"(|diff| {abs(la - lb):.2e}, tolerance {tol})"))
     return out
 
@@ -245,10 +254,34 @@ def train(out: Path, name: str, overrides: list[str], *, nproc: int, cpu: bool, 
             "startup": parse_startup(text)}
 
 
-def skip_all(reason: str) -> int:
+def skip_all(reason: str, expected: bool = False) -> int:
+    """Every check NOT COVERED with ``reason`` and a verdict that says nothing ran: exit 2, or 0 when ``expected``
+    (--expect-no-cuda, GPU_CHECK_EXPECT_NO_CUDA=1: a machine without CUDA on purpose, such as CI)."""
     for name, what in CHECKS:
-        print(f"SKIP {name}: {reason} ({what})")
-    return 0
+        print(f"{NOT_COVERED} {name}: {reason} ({what})")
+    print(f"GPU CHECK: {NOT_COVERED}: {reason}, none of the {len(CHECKS)} checks ran"
+          + (" (expected: --expect-no-cuda)" if expected else ""))
+    return 0 if expected else 2
+
+
+def verdict_line(verdict: dict[str, tuple[str, str]]) -> tuple[str, int]:
+    """The last line and the exit status: FAIL (1) when a check failed; NOT COVERED (2) when none ran; else PASS (0),
+    naming every check that was not covered and why.
+
+        >>> verdict_line({"a": ("PASS", ""), "b": (NOT_COVERED, "one GPU: needs two")})
+        ('GPU CHECK: PASS (1 passed, 0 warnings; NOT COVERED: b: one GPU: needs two)', 0)
+    """
+    failed = [n for n, (level, _) in verdict.items() if level == "FAIL"]
+    gaps = [f"{n}: {m}" for n, (level, m) in verdict.items() if level == NOT_COVERED]
+    ran = len(verdict) - len(gaps)
+    counts = (f"{sum(level == 'PASS' for level, _ in verdict.values())} passed, "
+              f"{sum(level == 'WARN' for level, _ in verdict.values())} warnings")
+    gap_text = f"; NOT COVERED: {'; '.join(gaps)}" if gaps else ""
+    if failed:
+        return f"GPU CHECK: FAIL ({len(failed)} failed: {', '.join(failed)}; {counts}{gap_text})", 1
+    if ran == 0:
+        return f"GPU CHECK: {NOT_COVERED} (none of the checks ran{gap_text})", 2
+    return f"GPU CHECK: PASS ({counts}{gap_text})", 0
 
 
 def main(argv=None) -> int:
@@ -257,10 +290,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of all runs (default 8 min)")
     ap.add_argument("--cpu", action="store_true", help="the same logic on the CPU (gloo, fp32; tests/gpu skipped)")
     ap.add_argument("--two-process", action="store_true", help="with --cpu: also the 2-process run")
-    ap.add_argument("--skip-all", metavar="REASON", help="list every check as skipped with REASON and exit 0")
+    ap.add_argument("--skip-all", metavar="REASON", help="list every check as NOT COVERED with REASON; exit 2")
+    ap.add_argument("--expect-no-cuda", action="store_true",
+                    help="with --skip-all: exit 0 (nothing covered is expected here)")
     args = ap.parse_args(argv)
     if args.skip_all:
-        return skip_all(args.skip_all)
+        return skip_all(args.skip_all, args.expect_no_cuda or os.environ.get("GPU_CHECK_EXPECT_NO_CUDA") == "1")
     if not args.out:
         ap.error("--out is required")
     import torch
@@ -274,7 +309,7 @@ def main(argv=None) -> int:
 
     def say(name: str, level: str, msg: str) -> None:
         verdict[name] = (level, msg)
-        print(f"{level:4} {name}: {msg}", flush=True)
+        print(f"{level} {name}: {msg}", flush=True)
 
     def left() -> float:
         return deadline - time.monotonic()
@@ -296,7 +331,7 @@ def main(argv=None) -> int:
     pytest_names = [n for n in PYTEST_CHECKS if n != "vllm" or has_vllm]
     if args.cpu:
         for name in pytest_names:
-            say(name, "SKIP", "--cpu: needs CUDA (its CPU twin is in the default suite: tests/e2e/test_gpu_check.py, "
+            say(name, NOT_COVERED, "--cpu: needs CUDA (its CPU twin is in the default suite: tests/e2e/test_gpu_check.py, "
                               "tests/integration/test_offload.py, tests/integration/test_device_rules.py)")
     else:
         nodes = [n for name in pytest_names for n in PYTEST_CHECKS[name]]
@@ -318,7 +353,7 @@ def main(argv=None) -> int:
             say(name, level, msg)
         print(f"INFO pytest tests/gpu took {time.monotonic() - t0:.0f} s (log: {out / 'pytest_gpu.log'})", flush=True)
     if not has_vllm:
-        say("vllm", "SKIP", "vllm is not installed here: the vLLM tests did not run")
+        say("vllm", NOT_COVERED, "no vLLM wheel: vllm is not installed here, the vLLM tests did not run")
 
     # ---- 2. the loop: ZeRO-3 on one device, checkpoint at step 2, then resume to step 3
     common = ["logger.monitor_gpus=true", "checkpointing.save_period=2", f"policy.precision={precision}"]
@@ -338,7 +373,7 @@ def main(argv=None) -> int:
     def mult_prob(r: dict) -> tuple[str, str]:
         rows = train_rows(r["rows"])
         w = max((x.get("train/token_mult_prob_error") or float("inf") for x in rows.values()), default=float("inf"))
-        return ("OK" if w <= MULT_PROB_MAX[precision] else "FAIL"), f"token_mult_prob_error max {w:.5f}"
+        return ("PASS" if w <= MULT_PROB_MAX[precision] else "FAIL"), f"token_mult_prob_error max {w:.5f}"
 
     zero3, msg = start("zero3", [*common, f"policy.deepspeed_config={ZERO3}", "grpo.max_num_steps=2",
                                  "grpo.calculate_advantages_on_gpu=true"], [1, 2], log_name="zero3_first_2_steps")
@@ -346,13 +381,13 @@ def main(argv=None) -> int:
         say("loop_zero3_one_gpu", "FAIL", msg)
     else:
         st = zero3["startup"]
-        parts = [("OK", msg),
-                 ("OK" if st.get("deepspeed") == ZERO3 else "FAIL", f"DeepSpeed {st.get('deepspeed')}"),
-                 ("OK" if st.get("reference") not in (None, "skipped") else "FAIL", f"reference {st.get('reference')}"),
+        parts = [("PASS", msg),
+                 ("PASS" if st.get("deepspeed") == ZERO3 else "FAIL", f"DeepSpeed {st.get('deepspeed')}"),
+                 ("PASS" if st.get("reference") not in (None, "skipped") else "FAIL", f"reference {st.get('reference')}"),
                  mult_prob(zero3)]
         if not args.cpu:
             problems = check_gpu_metrics(zero3["rows"], total_gib)
-            parts.append(("FAIL", "; ".join(problems[:4])) if problems else ("OK", "gpu/* and memory/* plausible"))
+            parts.append(("FAIL", "; ".join(problems[:4])) if problems else ("PASS", "gpu/* and memory/* plausible"))
         say("loop_zero3_one_gpu", worst([lv for lv, _ in parts]), "; ".join(m for _, m in parts))
         peaks = peak_memory_report(zero3["rows"])
         print("PEAK_MEMORY " + json.dumps({"run": "zero3, 1 process", "device": device, "gib": peaks}), flush=True)
@@ -366,7 +401,7 @@ def main(argv=None) -> int:
             say("resume", "FAIL", msg)
         else:
             ok = "resumed from" in resumed["text"] and "(step 2," in resumed["text"]
-            say("resume", "OK" if ok else "FAIL", f"{msg}; " + ("resumed from the step-2 checkpoint" if ok else
+            say("resume", "PASS" if ok else "FAIL", f"{msg}; " + ("resumed from the step-2 checkpoint" if ok else
                                                                "no 'resumed from ... (step 2, ...' line"))
 
     def zero3_rows() -> dict[int, dict]:
@@ -378,36 +413,54 @@ def main(argv=None) -> int:
     if auto is None:
         say("auto_config", "FAIL", msg)
     else:
-        parts = [("OK", f"{msg}, DeepSpeed {auto['startup'].get('deepspeed')}"), mult_prob(auto)]
+        parts = [("PASS", f"{msg}, DeepSpeed {auto['startup'].get('deepspeed')}"), mult_prob(auto)]
         if zero3 is not None:
             parts += compare_losses(train_rows(auto["rows"]), zero3_rows(), "auto vs ZeRO-3")
         say("auto_config", worst([lv for lv, _ in parts]), "; ".join(m for _, m in parts))
 
-    # ---- 4. two processes
+    # ---- 4. LoRA on ZeRO-3: two steps and a checkpoint, a resume to step 3, the adapter exported
+    lora_args = [*common, f"policy.deepspeed_config={ZERO3}", "policy.lora.enabled=true", "policy.lora.dim=8"]
+    lora, msg = start("lora", [*lora_args, "grpo.max_num_steps=2"], [1, 2], log_name="lora_zero3_first_2_steps")
+    if lora is not None:
+        lora, msg2 = start("lora", [*lora_args, "grpo.max_num_steps=3"], [3], log_name="lora_zero3_resume_to_step_3")
+        msg = f"{msg}; {msg2}"
+    if lora is None:
+        say("lora_zero3", "FAIL", msg)
+    elif "resumed from" not in lora["text"]:
+        say("lora_zero3", "FAIL", f"{msg}; no 'resumed from' line")
+    else:
+        adapter = out / "lora_adapter"
+        r = train(out, "lora", [*lora_args, "grpo.max_num_steps=3", "--export-adapter", str(adapter)], nproc=1,
+                  cpu=args.cpu, timeout=min(max(left(), 1), 180), log_name="lora_zero3_export_adapter")
+        files = {"adapter_config.json", "adapter_model.safetensors"}
+        ok = r["rc"] == 0 and files <= {p.name for p in adapter.glob("*")}
+        say("lora_zero3", "PASS" if ok else "FAIL", f"{msg}; --export-adapter: exit {r['rc']}, "
+            + ("adapter_config.json + adapter_model.safetensors" if ok else f"missing {sorted(files)} in {adapter}"))
+
+    # ---- 5. two processes
     if n_gpus >= 2 or (args.cpu and args.two_process):
         two, msg = start("two", [*common, "checkpointing.enabled=false", "grpo.max_num_steps=3"], [1, 2, 3], nproc=2)
         if two is None:
             say("two_processes", "FAIL", msg)
         elif zero3 is not None:
-            parts = [("OK", f"{msg}, DeepSpeed {two['startup'].get('deepspeed')}")]
+            parts = [("PASS", f"{msg}, DeepSpeed {two['startup'].get('deepspeed')}")]
             parts += compare_losses(train_rows(two["rows"]), zero3_rows(), "2 vs 1 process")
             say("two_processes", worst([lv for lv, _ in parts]), "; ".join(m for _, m in parts))
         else:
-            say("two_processes", "OK", msg)
+            say("two_processes", "PASS", msg)
     else:
-        say("two_processes", "SKIP", f"{n_gpus} GPU" if not args.cpu else "--cpu without --two-process")
+        say("two_processes", NOT_COVERED, "one GPU: needs two" if not args.cpu else "--cpu without --two-process")
 
-    failed = [n for n, (level, _) in verdict.items() if level == "FAIL"]
-    summary = {"pass": not failed, "device": device, "gpus": n_gpus, "precision": precision,
+    line, status = verdict_line({n: verdict.get(n, ("FAIL", "not run")) for n, _ in CHECKS})
+    summary = {"pass": status == 0, "not_covered": [n for n, (lv, _) in verdict.items() if lv == NOT_COVERED], "device": device, "gpus": n_gpus, "precision": precision,
                "checks": [{"name": n, "status": verdict.get(n, ("FAIL", "not run"))[0],
                            "message": verdict.get(n, ("FAIL", "not run"))[1]} for n, _ in CHECKS],
                "peak_memory_gib": peaks,
                "losses": {name: {s: r.get("train/loss") for s, r in train_rows(run["rows"]).items()}
                           for name, run in runs.items()}}
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
-    print(f"GPU CHECK: {'PASS' if not failed else 'FAIL'} ({len(failed)} failed, "
-          f"{sum(level == 'WARN' for level, _ in verdict.values())} warnings; {out / 'gpu_check.json'})", flush=True)
-    return 0 if not failed else 1
+    print(f"{line} [{out / 'gpu_check.json'}]", flush=True)
+    return status
 
 
 if __name__ == "__main__":

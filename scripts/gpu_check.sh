@@ -2,7 +2,8 @@
 # GPU check of grpo-ds in one call (issues 15, 21), in order of value (scripts/gpu_check.py's CHECKS): tests/gpu
 # (ZeRO-3 bf16 with fp32 accumulation, optimizer offload on ZeRO-1/2/3, refit gather = export bit for bit,
 # mem_get_info metrics, NCCL collectives and the TP lockstep, bf16 vs fp32), a real 3-step loop with ZeRO-3 on one
-# GPU, a checkpoint and a resume, the auto config, 2 processes with 2 GPUs, the vLLM tests where vllm is installed.
+# GPU, a checkpoint and a resume, the auto config, LoRA on ZeRO-3 (resume, adapter export), the packed-vs-padded
+# logprob canary, the bridge's NCCL broadcast, 2 processes with 2 GPUs, the vLLM tests where vllm is installed.
 # One line per check, a JSON verdict. At most 8 minutes (GPU_CHECK_BUDGET_S, default 480).
 #
 # How to run it on a lent GPU machine (torch, transformers and accelerate installed; no deepspeed, no
@@ -14,10 +15,13 @@
 #   2. there, in one call that carries the folder:
 #        run(command="bash scripts/gpu_check.sh", carry=["assets/gpu_wheels"], timeout_s=600)
 #      it unpacks the wheels into a private folder put first on PYTHONPATH (the image is not modified), builds
-#      the toy model, runs scripts/gpu_check.py and ends with "GPU CHECK: PASS" or "GPU CHECK: FAIL"; the
+#      the toy model, runs scripts/gpu_check.py and ends with "GPU CHECK: PASS (...)" or "GPU CHECK: FAIL (...)"; the
 #      "PEAK_MEMORY {...}" line is the peak memory per phase. Logs, metrics and gpu_check.json go to $OUT
 #      when set (the folder a `run` call brings back), else results/gpu_check.
-# Without a CUDA device it prints "no CUDA device: GPU checks skipped", lists every check as skipped, exits 0.
+# Each check ends PASS, FAIL, WARN or NOT COVERED with why (no CUDA device, one GPU, no vLLM wheel, flash_attn not
+# installed); the verdict line names every check not covered. Exit 0: nothing failed; 1: a check failed; 2: nothing
+# ran. Without a CUDA device every check is NOT COVERED and the exit is 2, unless --expect-no-cuda (or
+# GPU_CHECK_EXPECT_NO_CUDA=1) says a machine without a GPU is expected (then 0).
 #
 #   bash scripts/gpu_check.sh                  # the check (GPU_WHEELS=DIR: another wheel folder)
 #   bash scripts/gpu_check.sh --prepare DIR    # build the wheel folder (pip; network)
@@ -104,12 +108,17 @@ EOF
   fi
 }
 
+EXPECT_NO_CUDA=""
+if [ "${1:-}" = "--expect-no-cuda" ] || [ "${GPU_CHECK_EXPECT_NO_CUDA:-}" = "1" ]; then
+  EXPECT_NO_CUDA=1
+  [ "${1:-}" = "--expect-no-cuda" ] && shift
+fi
 if [ "${1:-}" = "--prepare" ]; then
   [ -n "${2:-}" ] || { echo "usage: $0 --prepare DIR" >&2; exit 2; }
   prepare "$2"
   exit $?
 fi
-[ $# -eq 0 ] || { echo "usage: $0 [--prepare DIR]" >&2; exit 2; }
+[ $# -eq 0 ] || { echo "usage: $0 [--expect-no-cuda] [--prepare DIR]" >&2; exit 2; }
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
@@ -117,14 +126,18 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     echo "GPU CHECK: FAIL"
     exit 1
   fi
-  echo "no CUDA device: GPU checks skipped"
-  # every check, listed as skipped (the listing needs no package: any python3 will do)
+  echo "no CUDA device: no GPU check ran"
+  # every check, listed as NOT COVERED (the listing needs no package: any python3 will do); exit 2, or 0 when
+  # that is expected (--expect-no-cuda or GPU_CHECK_EXPECT_NO_CUDA=1: a machine without a GPU on purpose)
   for lister in "$PY" python3 python; do
-    if command -v "$lister" >/dev/null 2>&1 && "$lister" scripts/gpu_check.py --skip-all "no CUDA device" 2>/dev/null; then
-      break
+    if command -v "$lister" >/dev/null 2>&1 && "$lister" -c 'import sys' >/dev/null 2>&1; then
+      "$lister" scripts/gpu_check.py --skip-all "no CUDA device" ${EXPECT_NO_CUDA:+--expect-no-cuda}
+      exit $?
     fi
   done
-  exit 0
+  echo "GPU CHECK: NOT COVERED: no CUDA device and no python to list the checks"
+  [ -n "$EXPECT_NO_CUDA" ] && exit 0
+  exit 2
 fi
 
 START=$SECONDS

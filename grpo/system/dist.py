@@ -115,6 +115,9 @@ def init_split(num_generation: int, local_rank: int | None = None, timeout_s: fl
     role, rank, world_size = split_ranks(global_rank, global_world, num_generation)
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", global_rank, global_world, timeout=timeout))
+    check_env_agrees(store, global_rank, global_world)  # before any NCCL: a mismatch would hang, not fail
+    if num_generation:
+        pin_batch_invariant_nccl()
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
     if local_world and int(local_world) == global_world:  # one node: each side's ranks on it
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
@@ -179,3 +182,71 @@ def comm_device():
     import torch
 
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# Variables every rank of a launch must agree on: NCCL reads them per process and never reconciles them across the
+# ranks of a communicator (a different protocol, algorithm or channel count on one side hangs the collective), and
+# VLLM_BATCH_INVARIANT makes vLLM set those NCCL variables on the ranks that run it.
+RANK_AGREED_ENV = ("VLLM_BATCH_INVARIANT", "NCCL_LAUNCH_MODE", "NCCL_PROTO", "NCCL_ALGO", "NCCL_MIN_NCHANNELS",
+                   "NCCL_MAX_NCHANNELS", "NCCL_NTHREADS", "NCCL_SOCKET_NTHREADS", "NCCL_COLLNET_ENABLE",
+                   "NCCL_NVLS_ENABLE", "NCCL_P2P_NET_DISABLE", "NCCL_NO_CACHE")
+
+
+class EnvMismatch(RuntimeError):
+    """The ranks of a launch disagree on a variable of RANK_AGREED_ENV (the message names it and the ranks)."""
+
+
+def env_disagreement(per_rank: list[dict[str, str]]) -> str | None:
+    """What the ranks disagree on among their RANK_AGREED_ENV values (unset: absent from a rank's dict), or None.
+
+        >>> env_disagreement([{"VLLM_BATCH_INVARIANT": "1"}, {}, {"VLLM_BATCH_INVARIANT": "1"}])
+        'VLLM_BATCH_INVARIANT differs between ranks: 1 on ranks [0, 2], unset on ranks [1]'
+        >>> env_disagreement([{"NCCL_PROTO": "Simple"}] * 2) is None
+        True
+    """
+    problems = []
+    for name in RANK_AGREED_ENV:
+        values: dict[str, list[int]] = {}
+        for rank, env in enumerate(per_rank):
+            values.setdefault(env.get(name, "unset"), []).append(rank)
+        if len(values) > 1:
+            problems.append(f"{name} differs between ranks: "
+                            + ", ".join(f"{value} on ranks {ranks}" for value, ranks in values.items()))
+    return "; ".join(problems) or None
+
+
+def check_env_agrees(store, rank: int, world_size: int) -> None:
+    """Every rank's RANK_AGREED_ENV through the launch's store; raises `EnvMismatch` on every rank when they differ
+    (set them the same on every node: a launcher passes this shell's environment only to its own node's ranks)."""
+    import json
+
+    mine = {name: os.environ[name] for name in RANK_AGREED_ENV if name in os.environ}
+    store.set(f"grpo_agreed_env/{rank}", json.dumps(mine))
+    per_rank = [json.loads(store.get(f"grpo_agreed_env/{r}")) for r in range(world_size)]
+    store.set(f"grpo_agreed_env_read/{rank}", "1")
+    if rank == 0:  # rank 0 may host the store: it leaves only once every rank has read it
+        store.wait([f"grpo_agreed_env_read/{r}" for r in range(world_size)])
+    problem = env_disagreement(per_rank)
+    if problem is not None:
+        raise EnvMismatch(f"{problem}: NCCL would hang on a collective between them; set them the same on every "
+                          "rank (every node's environment)")
+
+
+def pin_batch_invariant_nccl() -> None:
+    """With ``VLLM_BATCH_INVARIANT=1`` and CUDA, every rank sets the NCCL variables vLLM sets for batch invariance
+    (``override_envs_for_invariance``), before its first NCCL call. vLLM sets them only in the processes that run an
+    engine: with generation ranks of their own, the trainers' side of the bridge's weight broadcast would otherwise
+    run other NCCL settings than the generation ranks' side, and hang (colocated, every rank runs vLLM: already the
+    same). Raises `EnvMismatch` when vLLM cannot be imported here to say which."""
+    import torch
+
+    if os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("", "0", "false") or not torch.cuda.is_available():
+        return
+    try:
+        from vllm.model_executor.determinism.batch_invariant import override_envs_for_invariance
+    except ImportError as err:
+        raise EnvMismatch(f"VLLM_BATCH_INVARIANT={os.environ['VLLM_BATCH_INVARIANT']} with generation ranks of their "
+                          "own: the trainers must set the NCCL variables vLLM sets on the generation ranks, and vLLM "
+                          f"cannot be imported here to say which ({err}); install requirements-vllm.txt on every "
+                          "node, or unset VLLM_BATCH_INVARIANT") from None
+    override_envs_for_invariance()

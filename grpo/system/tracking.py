@@ -156,6 +156,31 @@ def timed(metrics: dict, phase: str) -> Iterator[None]:
     metrics[f"timing/{phase}_s"] = metrics.get(f"timing/{phase}_s", 0.0) + time.perf_counter() - t0
 
 
+def interactive() -> bool:
+    """Whether this process writes to a terminal (stdout and stderr both): progress bars only then."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def quiet_library_progress_bars() -> None:
+    """Turn off the progress bars of huggingface_hub, transformers (its model writes and loads), datasets and any
+    other tqdm (``TQDM_DISABLE``, read by tqdm >= 4.66 at each bar) when the output is not a terminal: in a log file
+    their carriage returns interleave with the run's own lines. Environment variables, so that libraries imported
+    later and child processes (reward workers, generation ranks) inherit it; already imported libraries are told
+    directly. Nothing changes on a terminal."""
+    if interactive():
+        return
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
+        os.environ[name] = "1"
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+
+
 class MetricsLogger:
     def __init__(self, cfg: LoggerConfig, rank: int = 0, run_config: dict | None = None, total_steps: int | None = None,
                  resume_step: int = 0):
@@ -187,11 +212,13 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
-        if cfg.progress_bar and total_steps:
+        # On a terminal, a bar; in a log (not a terminal), one line every tenth of the run instead.
+        self._total_steps, self._line_every = total_steps, max(1, (total_steps or 0) // 10)
+        if cfg.progress_bar and total_steps and interactive():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=resume_step, desc="grpo", unit="step",
-                             dynamic_ncols=True, file=sys.stderr)
+                             dynamic_ncols=True, file=sys.stderr, disable=False)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -252,8 +279,9 @@ class MetricsLogger:
         self._wandb.log({key: wandb_table(records)}, step=step)
 
     def progress(self, step: int, metrics: dict) -> None:
-        """Advance the console bar to ``step`` with reward, KL and tokens/s (tqdm shows the ETA)."""
-        if self._bar is None:
+        """Advance the console bar to ``step`` with reward, KL and tokens/s (tqdm shows the ETA); without a terminal,
+        print one line with the same numbers every tenth of the run (and at its last step)."""
+        if not self.enabled or not self.cfg.progress_bar or not self._total_steps:
             return
         post = {}
         for key, short in (("train/mean_total_reward", "reward"), ("train/kl_penalty", "kl"),
@@ -261,8 +289,11 @@ class MetricsLogger:
             v = metrics.get(key)
             if v is not None:
                 post[short] = f"{_scalar(v):.3g}"
-        self._bar.set_postfix(post, refresh=False)
-        self._bar.update(step - self._bar.n)
+        if self._bar is not None:
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(step - self._bar.n)
+        elif step % self._line_every == 0 or step == self._total_steps:
+            print(f"step {step}/{self._total_steps}: " + ", ".join(f"{k} {v}" for k, v in post.items()), flush=True)
 
     def write(self, text: str) -> None:
         """Print without breaking the progress bar (rank 0 only)."""

@@ -43,15 +43,22 @@ def rows(name: str, data_cfg, n: int, seed: int, split: str) -> list[Row]:
     return arithmetic_rows(n, data_cfg.arithmetic_max_operand, seed, split)
 
 
-def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.35, steps: int = 400, seed: int = 0,
+def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.15, steps: int = 800, seed: int = 0,
                     log_every: int = 0) -> str:
-    """Build the CPU demo's starting policy: the "small" model, supervised on noisy sums.
+    """Build the CPU demo's starting policy: the "small" model, supervised on sums with a systematic slip.
 
-    The model is trained on prompts ``"{a}+{b}="`` (a, b in [0, max_operand]) with the target
-    ``"{a+b}<eos>"`` drawn with probability ``p_correct`` and a near miss ``a+b+d`` (d in {-3..3} \\ {0},
-    kept >= 0) otherwise. It therefore learns the task's format and a spread-out answer distribution
-    that puts roughly ``p_correct`` on the right sum: sampled at temperature 1 it scores about
-    ``p_correct``, and GRPO has something to sharpen. Deterministic for a given seed and thread count.
+    The model is trained on prompts ``"{a}+{b}="`` (a, b in [0, max_operand]) with the target ``"{a+b}<eos>"``
+    drawn with probability ``p_correct`` and ``"{a+b+1}<eos>"`` (one too many) otherwise. It learns the task's
+    format and one habit shared by every prompt: sampled at temperature 1 it scores about ``p_correct``, and
+    GRPO has one behaviour to unlearn, which each step's groups show side by side (right and off by one).
+
+    Why a systematic slip: near misses spread over several wrong answers per prompt (``a+b+d``, d in
+    {-3..3} \\ {0}: the demo until issue 35) leave GRPO a per-prompt sharpening of 100 prompts, which a
+    0.4M-parameter model learns slowly (about +0.1 validation reward in 100 steps) and a larger learning rate
+    turns into a collapse onto the answers' shared first digit; one shared slip is unlearned in tens of steps
+    (+0.3 or more in 100 steps at seeds 0, 1, 2: scripts/measure_demos.py, README "Measured"). 800 supervised steps,
+    not 400: the sums themselves must be known precisely, or GRPO trades the +1 slip for -1 and +-2 errors (seed 1
+    stopped at 0.45 with 400). Deterministic for a given seed and thread count.
     """
     import random
 
@@ -64,9 +71,7 @@ def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.35,
 
     def sample_row() -> tuple[list[int], list[int]]:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        ans = a + b
-        if rng.random() >= p_correct:
-            ans = max(0, ans + rng.choice([-3, -2, -1, 1, 2, 3]))
+        ans = a + b if rng.random() < p_correct else a + b + 1
         prompt = tok(f"{a}+{b}=")["input_ids"]
         target = tok(str(ans), add_special_tokens=False)["input_ids"] + [eos]
         return prompt + target, [-100] * len(prompt) + target

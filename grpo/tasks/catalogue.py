@@ -104,11 +104,39 @@ def resolve_model_name(name: str, rank: int = 0) -> str:
         raise ValueError(f"policy.model_name={name!r}: expected one of {['toy:' + k for k in TOY_MODELS]}")
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
     out = os.path.join(root, f"{key}_model")
-    if rank == 0 and not os.path.exists(os.path.join(out, "config.json")):
+    stamp = builder_stamp(key)
+    if rank == 0 and not _built(out, stamp):
         print(f"building {name} into {out} (local, no download) ...", flush=True)
-        build_into(out, TOY_MODELS[key])
+        build_into(out, lambda tmp: (TOY_MODELS[key](tmp), _write_stamp(tmp, stamp)))
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return out
+
+
+def builder_stamp(key: str) -> str:
+    """A hash of the source of ``toy:<key>``'s builder (its task's module, and the shared toy code): a model built by an
+    older builder (a checkout from before a change of the demo) is rebuilt instead of reused."""
+    import hashlib
+    import inspect
+
+    from grpo.tasks import toy
+
+    builder = TOY_MODELS[key]
+    spec = next((t.toy_model[1] for t in TASKS.values() if t.toy_model and t.toy_model[0] == key), None)
+    source = inspect.getsource(inspect.getmodule(load(spec)) if spec else builder) + inspect.getsource(toy)
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _built(out: str, stamp: str) -> bool:
+    try:
+        with open(os.path.join(out, "grpo_builder.txt")) as f:
+            return f.read().strip() == stamp and os.path.exists(os.path.join(out, "config.json"))
+    except OSError:
+        return False
+
+
+def _write_stamp(out: str, stamp: str) -> None:
+    with open(os.path.join(out, "grpo_builder.txt"), "w") as f:
+        f.write(stamp + "\n")

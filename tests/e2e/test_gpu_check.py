@@ -26,18 +26,34 @@ def sh(*args, timeout=120, **env):
                           text=True, timeout=timeout, env={**os.environ, "PYTHON": sys.executable, **env})
 
 
-SKIPPED = "no CUDA device: GPU checks skipped\n" + "".join(
-    f"SKIP {name}: no CUDA device ({what})\n" for name, what in gpu_check.CHECKS)
+NOT_COVERED = "no CUDA device: no GPU check ran\n" + "".join(
+    f"NOT COVERED {name}: no CUDA device ({what})\n" for name, what in gpu_check.CHECKS)
+VERDICT = f"GPU CHECK: NOT COVERED: no CUDA device, none of the {len(gpu_check.CHECKS)} checks ran"
 
 
 @no_cuda
-def test_without_cuda_the_check_skips_every_check_and_succeeds():
+def test_without_cuda_every_check_is_not_covered_and_the_check_fails_unless_that_is_expected():
+    """It used to list every check as skipped and exit 0, which read as a pass on a machine that checked nothing."""
     p = sh()
-    assert p.returncode == 0 and p.stdout == SKIPPED, p.stdout + p.stderr
-    assert len(gpu_check.CHECKS) == 11 and set(gpu_check.PYTEST_CHECKS) <= {n for n, _ in gpu_check.CHECKS}
+    assert p.returncode == 2 and p.stdout == NOT_COVERED + VERDICT + "\n", p.stdout + p.stderr
+    assert len(gpu_check.CHECKS) == 14 and set(gpu_check.PYTEST_CHECKS) <= {n for n, _ in gpu_check.CHECKS}
+    expected = NOT_COVERED + VERDICT + " (expected: --expect-no-cuda)\n"
+    assert (p := sh("--expect-no-cuda")).returncode == 0 and p.stdout == expected, p.stdout
+    assert (p := sh(GPU_CHECK_EXPECT_NO_CUDA="1")).returncode == 0 and p.stdout == expected, p.stdout
     # an interpreter without torch at all counts as no CUDA device too (the list needs only the stdlib)
-    assert sh(PYTHON="/nonexistent/python").stdout == SKIPPED
-    assert sh("--what").returncode == 2
+    p = sh(PYTHON="/nonexistent/python")
+    assert p.returncode == 2 and p.stdout == NOT_COVERED + VERDICT + "\n"
+    assert sh("--what").returncode == 2 and "usage" in sh("--what").stderr
+
+
+def test_the_verdict_names_what_was_not_covered():
+    ok, gap, bad = ("PASS", "2 passed"), (gpu_check.NOT_COVERED, "one GPU: needs two"), ("FAIL", "loss differs")
+    assert gpu_check.verdict_line({"a": ok, "b": gap}) == (
+        "GPU CHECK: PASS (1 passed, 0 warnings; NOT COVERED: b: one GPU: needs two)", 0)
+    assert gpu_check.verdict_line({"a": ok, "b": gap, "c": bad}) == (
+        "GPU CHECK: FAIL (1 failed: c; 1 passed, 0 warnings; NOT COVERED: b: one GPU: needs two)", 1)
+    assert gpu_check.verdict_line({"b": gap})[1] == 2
+    assert gpu_check.verdict_line({"a": ok}) == ("GPU CHECK: PASS (1 passed, 0 warnings)", 0)
 
 
 @no_cuda
@@ -75,7 +91,7 @@ def row(step, loss=0.1, **extra):
 def test_compare_losses_fails_step_1_and_warns_later():
     a = {1: {"train/loss": 0.10}, 2: {"train/loss": 0.20}, 3: {"train/loss": 0.30}}
     same = gpu_check.compare_losses(a, {1: {"train/loss": 0.105}, 2: {"train/loss": 0.24}, 3: {"train/loss": 0.3}}, "x")
-    assert [level for level, _ in same] == ["OK", "OK", "OK"]
+    assert [level for level, _ in same] == ["PASS", "PASS", "PASS"]
     off = gpu_check.compare_losses(a, {1: {"train/loss": 0.2}, 2: {"train/loss": 0.4}, 3: {"train/loss": None}}, "x")
     assert [level for level, _ in off] == ["FAIL", "WARN", "FAIL"]
     assert "step 1 loss 0.100000 vs 0.200000" in off[0][1]
@@ -162,13 +178,18 @@ def test_the_check_sequence_passes_on_the_cpu(tmp_path):
     p, summary = _check_on_the_cpu(tmp_path)
     status = {c["name"]: c["status"] for c in summary["checks"]}
     assert list(status) == [n for n, _ in gpu_check.CHECKS]
-    assert {n for n, s in status.items() if s == "OK"} == {"loop_zero3_one_gpu", "resume", "auto_config"}, status
-    assert {n for n, s in status.items() if s != "OK"} == set(gpu_check.PYTEST_CHECKS) | {"two_processes"}
-    assert all(s == "SKIP" for n, s in status.items() if n != "auto_config" and s != "OK")
-    assert set(summary["losses"]) == {"zero3_first_2_steps", "zero3_resume_to_step_3", "auto"}
-    lines = [line for line in p.stdout.splitlines() if line[:4] in ("OK  ", "FAIL", "WARN", "SKIP")]
+    assert {n for n, s in status.items() if s == "PASS"} == {"loop_zero3_one_gpu", "resume", "auto_config",
+                                                             "lora_zero3"}, status
+    assert {n for n, s in status.items() if s != "PASS"} == set(gpu_check.PYTEST_CHECKS) | {"two_processes"}
+    assert all(s == gpu_check.NOT_COVERED for n, s in status.items() if s != "PASS")
+    assert set(summary["not_covered"]) == set(gpu_check.PYTEST_CHECKS) | {"two_processes"}
+    assert {"zero3_first_2_steps", "zero3_resume_to_step_3", "auto", "lora_zero3_first_2_steps",
+            "lora_zero3_resume_to_step_3"} <= set(summary["losses"])
+    lines = [line for line in p.stdout.splitlines() if line.startswith(("PASS ", "FAIL ", "WARN ", "NOT COVERED "))]
     assert [line.split(":")[0].split()[-1] for line in lines] == [n for n in gpu_check.PYTEST_CHECKS] + [
-        "loop_zero3_one_gpu", "resume", "auto_config", "two_processes"]
+        "loop_zero3_one_gpu", "resume", "auto_config", "lora_zero3", "two_processes"]
+    verdict = p.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("GPU CHECK: PASS (") and "NOT COVERED: " in verdict and "two_processes: --cpu" in verdict
     assert "DeepSpeed ds_configs/zero3.json; reference FrozenModel" in p.stdout
     assert any(line.startswith("PEAK_MEMORY {") for line in p.stdout.splitlines())
 
@@ -176,7 +197,7 @@ def test_the_check_sequence_passes_on_the_cpu(tmp_path):
 @pytest.mark.slow
 def test_the_check_with_two_processes_passes_on_the_cpu(tmp_path):
     _, summary = _check_on_the_cpu(tmp_path, "--two-process")
-    assert {c["name"]: c["status"] for c in summary["checks"]}["two_processes"] == "OK"
+    assert {c["name"]: c["status"] for c in summary["checks"]}["two_processes"] == "PASS"
 
 
 STARTUP = ("grpo-ds: 1 rank(s), 64 train / 8 val prompts (0 over data.max_input_seq_length filtered, 0 with no "
@@ -204,10 +225,10 @@ def test_pytest_checks_come_from_the_junit_report():
     assert outcomes["tests/gpu/test_gpu_memory.py::test_a"] == ("skipped", "no CUDA device")
     level, msg = gpu_check.pytest_check(outcomes, gpu_check.PYTEST_CHECKS["optimizer_offload"])
     assert level == "FAIL" and "[zero3]: AssertionError: freed 0" in msg
-    assert gpu_check.pytest_check(outcomes, gpu_check.PYTEST_CHECKS["memory_metrics"]) == ("SKIP", "no CUDA device")
+    assert gpu_check.pytest_check(outcomes, gpu_check.PYTEST_CHECKS["memory_metrics"]) == (gpu_check.NOT_COVERED, "no CUDA device")
     assert gpu_check.pytest_check(outcomes, ["tests/gpu/test_nothing.py"])[0] == "FAIL"
     ok = gpu_check.junit_outcomes(xml.replace('<failure message="AssertionError: freed 0">trace</failure>', ""))
-    assert gpu_check.pytest_check(ok, gpu_check.PYTEST_CHECKS["optimizer_offload"]) == ("OK", "2 passed")
+    assert gpu_check.pytest_check(ok, gpu_check.PYTEST_CHECKS["optimizer_offload"]) == ("PASS", "2 passed")
 
 
 # --------------------------------------------------------------------------------------------------

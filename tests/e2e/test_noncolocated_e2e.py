@@ -60,13 +60,14 @@ def test_one_training_and_one_hf_generation_rank_train_on_policy_under_nccl_rule
 # ---------------------------------------------------------------------------------------------
 # -m slow
 # ---------------------------------------------------------------------------------------------
-def start_ranks(script: str, config: str, tmp: Path, *extra: str) -> list[subprocess.Popen]:
-    """Rank 0 (trainer) and rank 1 (generation) as two plain processes, as a launcher would start them."""
+def start_ranks(script: str, config: str, tmp: Path, *extra: str, rank_env=None) -> list[subprocess.Popen]:
+    """Rank 0 (trainer) and rank 1 (generation) as two plain processes, as a launcher would start them
+    (``rank_env``: {rank: variables} added to that rank's environment, as on another node)."""
     port, procs = free_port(), []
     tmp.mkdir(parents=True, exist_ok=True)
     for rank in (0, 1):
         env = {**child_env(1), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(rank_env or {}).get(rank, {})}
         log = open(tmp / f"rank{rank}.log", "a")
         procs.append(subprocess.Popen([sys.executable, script, "--config", config, *SPLIT, *paths(tmp), *extra],
                                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -128,6 +129,24 @@ def test_a_killed_generation_rank_stops_the_run_with_a_clear_message_and_its_che
     last = train_rows(tmp_path)
     status = json.loads((tmp_path / "ckpt" / "latest_checkpoint_status.json").read_text())
     assert status["step"] == max(last)  # the last trained step is checkpointed
+
+
+def test_a_variable_the_ranks_must_share_that_differs_is_refused_on_every_rank(tmp_path):
+    """VLLM_BATCH_INVARIANT=1 on the generation rank only (as on another node): vLLM would set NCCL variables there
+    alone and the weight broadcast would hang; both ranks stop at startup with one error line naming it (~10 s)."""
+    procs = start_ranks("train_grpo.py", TINY, tmp_path, rank_env={1: {"VLLM_BATCH_INVARIANT": "1"}})
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [1, 1]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank in (0, 1):
+        out = (tmp_path / f"rank{rank}.log").read_text()
+        errors = [line for line in out.splitlines() if line.startswith("error: ")]
+        assert errors == ["error: VLLM_BATCH_INVARIANT differs between ranks: unset on ranks [0], 1 on ranks [1]: NCCL "
+                          "would hang on a collective between them; set them the same on every rank (every node's "
+                          "environment)"], out[-3000:]
+        assert "Traceback" not in out
 
 
 @pytest.mark.slow  # 20 s

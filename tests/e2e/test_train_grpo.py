@@ -275,18 +275,21 @@ def test_early_stop_on_validation_metric_and_hf_export(tmp_path):
 
 
 @pytest.mark.slow
-def test_cpu_demo_raises_validation_reward_by_015(tmp_path):
-    """The README's demo as shipped (configs/cpu_demo.yaml, 100 steps, ~2 min on 2 cores per seed), on three
-    seeds: one 100-step run's last validation moves by about +-0.1 with the seed (seed 42 gains +0.125, seeds 1
-    and 2 +0.24 and +0.33 on this code), so the mean gain is what is asserted."""
+def test_cpu_demo_raises_validation_reward_by_03_at_every_seed(tmp_path):
+    """README's first command as shipped (configs/cpu_demo.yaml, 100 steps), at seeds 0, 1 and 2: each run's last
+    validation reward is at least 0.3 above its first (issue 35: the demo used to move 0.30 -> 0.41, by 0.1 with
+    the seed). scripts/measure_demos.py prints the same runs for README."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from measure_demos import validation_curve
+
     gains = {}
-    for seed in (42, 1, 2):
+    for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
-        run([sys.executable, "train_grpo.py", "--config", "configs/cpu_demo.yaml", *paths(out),
-             f"grpo.seed={seed}", "logger.progress_bar=false"], timeout=1800)
-        val = [r["validation/accuracy"] for r in metrics(out) if "validation/accuracy" in r]
-        gains[seed] = val[-1] - val[0]
-    assert sum(gains.values()) / len(gains) >= 0.15, gains
+        run([sys.executable, "train_grpo.py", "--config", "configs/cpu_demo.yaml", *paths(out), f"grpo.seed={seed}"],
+            timeout=1800)
+        curve = validation_curve(str(out / "logs" / "metrics.jsonl"))
+        gains[seed] = curve[-1][1] - curve[0][1]
+    assert all(gain >= 0.3 for gain in gains.values()), gains
 
 
 def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps(tmp_path):

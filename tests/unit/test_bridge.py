@@ -146,6 +146,85 @@ def test_a_generation_rank_that_hangs_times_out_naming_it():
         proc.kill()
 
 
+def _loader(bridge: Bridge):
+    """Trainer 0's side of a weight load (`RemoteGeneration.load_weights`) over ``bridge``, one generation rank."""
+    from grpo.system.generation.remote import RemoteGeneration
+
+    gen = RemoteGeneration.__new__(RemoteGeneration)
+    gen.bridge, gen.num_ranks, gen.version, gen.stats = bridge, 1, 0, {"weight_loads": 0}
+    return gen
+
+
+BUCKETS = [[("a", torch.ones(2, 3)), ("b", torch.full((4,), 2.0))], [("c", torch.full((5,), 3.0))],
+           [("d", torch.ones(1))]]
+
+
+def test_a_weight_load_is_acknowledged_bucket_by_bucket_and_arrives_whole():
+    store, proc = _peer("load")
+    try:
+        gen = _loader(Bridge(store, 0, 2, timeout_s=60))
+        assert gen.load_weights(BUCKETS, ["a", "b", "c", "d"], version=1) is None
+        assert gen.bridge.recv(1) == {"a": 6.0, "b": 8.0, "c": 15.0, "d": 1.0}
+        assert gen.version == 1 and proc.wait(timeout=60) == 0, proc.stdout.read()
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("load-die-2", "generation rank 0 is gone"),  # killed in the middle of bucket 1's broadcast
+    ("load-hang-1", "no answer from generation rank 0 within 3 s"),  # hangs in the middle of bucket 0's
+])
+def test_a_generation_rank_lost_mid_broadcast_fails_the_load_within_the_bridge_timeout(mode, expected):
+    """Each bucket is acknowledged over gloo, so trainer 0 names the rank within its timeout instead of waiting on a
+    broadcast (on GPUs NCCL's, which would leave it to the watchdog to kill the trainer without a checkpoint)."""
+    import time
+
+    store, proc = _peer(mode)
+    try:
+        store.wait(["peer_up"])  # the peer's imports are not part of the bound
+        gen = _loader(Bridge(store, 0, 2, timeout_s=3))
+        t0 = time.monotonic()
+        error = gen.load_weights(BUCKETS, ["a", "b", "c", "d"], version=1)
+        assert expected in error, error
+        assert time.monotonic() - t0 < 15 and gen.version == 0
+        assert gen.bridge.broken is not None  # every later transfer fails at once
+    finally:
+        proc.kill()
+
+
+class _NcclLike:
+    """The weight group as ProcessGroupNCCL behaves on the host: a broadcast returns before any peer received it
+    (``wait`` only orders the device stream), and ``abort`` ends what is pending. Over the gloo group underneath."""
+
+    def __init__(self, gloo):
+        self.gloo, self.aborted = gloo, False
+
+    def broadcast(self, tensors, opts):
+        self.gloo.broadcast(tensors, opts)
+        return type("Work", (), {"wait": lambda self, *a: True})()
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_a_failed_weight_load_aborts_an_nccl_weight_group(monkeypatch):
+    """A dead peer left an NCCL broadcast pending on trainer 0's stream, where the checkpoint's copies would queue
+    behind it until the watchdog killed the process: the bridge aborts the weight group when it fails."""
+    import grpo.system.bridge as bridge_module
+
+    groups = []
+    monkeypatch.setattr(bridge_module, "weights_group",
+                        lambda store, rank, size, timeout, device, objects, prefix: groups.append(_NcclLike(objects))
+                        or groups[-1])
+    store, proc = _peer("load-die-2")
+    try:
+        gen = _loader(Bridge(store, 0, 2, timeout_s=60))
+        assert "generation rank 0 is gone" in gen.load_weights(BUCKETS, ["a", "b", "c", "d"], version=1)
+        assert groups[0].aborted
+    finally:
+        proc.kill()
+
+
 # ---------------------------------------------------------------- in-flight weight updates (token rounds)
 class _Tok:
     """Token t decodes to chr(t)."""

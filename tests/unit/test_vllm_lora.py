@@ -337,3 +337,33 @@ if __name__ == "__main__":
 
     engines.shutdown()
     engines.exit_process(0)  # vLLM's teardown of an in-process engine is slow and not under test
+
+
+def test_adapters_move_to_disk_with_a_warning_when_the_scratch_directory_lacks_room(tiny_model_dir, tmp_path, caplog):
+    """/dev/shm in a container is 64 MiB unless raised: before each write the scratch directory is checked for room
+    for two versions of the adapters; without it they are staged on disk (a warning says where and why), and with no
+    room there either the sync fails naming both."""
+    from grpo.system.generation.vllm import AdapterSync, adapter_bytes
+
+    model = peft_model(tiny_model_dir)
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir()
+    size = adapter_bytes(adapter_source(model)[0])
+    free = {str(shm): size, str(disk): 10 * size}  # room for one version in "shm": not for the two kept at once
+    sync = AdapterSync(types.SimpleNamespace(llm_engine=FakeEngine()), root=str(shm), make_request=make_request,
+                       fallback_root=str(disk), free_bytes=lambda d: free[str(Path(d).parent) if "grpo-lora" in d else d])
+    with caplog.at_level("WARNING"):
+        first = sync.sync(*adapter_source(model))
+    assert first.lora_path.startswith(str(disk)) and os.path.isfile(os.path.join(first.lora_path, "adapter_config.json"))
+    assert "MiB free, the adapters need" in caplog.text and str(disk) in caplog.text and "--shm-size" in caplog.text
+    sync.sync(*adapter_source(model))  # the disk directory has room: no second move
+    assert sync.request.lora_path.startswith(str(disk)) and caplog.text.count("staging them in") == 1
+    sync.close()
+    assert not any(disk.iterdir()) and not any(shm.iterdir())
+
+    free[str(disk)] = 0
+    full = AdapterSync(types.SimpleNamespace(llm_engine=FakeEngine()), root=str(shm), make_request=make_request,
+                       fallback_root=str(disk), free_bytes=lambda d: free[str(Path(d).parent) if "grpo-lora" in d else d])
+    with pytest.raises(RuntimeError, match="no room to stage the LoRA adapters for vLLM: .*shm.* has .*disk has 0.0 MiB"):
+        full.sync(*adapter_source(model))
+    full.close()

@@ -4,7 +4,8 @@ Of the W ranks a launcher starts, the last R only generate (`grpo.system.dist.in
 to them over the bridge (`grpo.system.bridge`):
 
     trainers: generate(prompts) -- gather to trainer 0 -> split over the engines -> bridge -> scatter back
-    after training: refit(engine) -- ZeRO-3 gathered a few layers at a time -> broadcast bucket by bucket
+    after training: refit(engine) -- ZeRO-3 gathered a few layers at a time -> broadcast bucket by bucket, each
+    acknowledged over gloo
     generation rank i: serve() -- hello -> [generate | load weights]* -> close
 
 `RemoteGeneration` is the trainers' `GenerationBackend` (the loops and the rollout code do not know the
@@ -246,6 +247,7 @@ class RemoteGeneration(GenerationBackend):
                     self.bridge.send(("bucket", specs), r)
                 for _, t in bucket:
                     self.bridge.broadcast(t.detach().to(self.bridge.device).contiguous())
+                self.bridge.wait_acknowledged()  # a dead or hung rank is named within the bridge's timeout
             except BridgeError as err:
                 error = str(err)
         if error is None:

@@ -1,7 +1,7 @@
 """The generation ranks' side of ``policy.generation.colocated.enabled=false``: `serve` is a generation rank's whole
 run (`grpo.system.generation.remote` is the trainers' side; `grpo.system.bridge` the wire between them).
 
-    trainer 0: hello -> [generate | load (bucket, broadcast)* end | reset_cache]* -> close
+    trainer 0: hello -> [generate | load (bucket, broadcast, acknowledged)* end | reset_cache]* -> close
 
 Each command gets one answer, ``("ok", result)`` or ``("error", message)``; a failing engine never leaves trainer 0
 waiting (a weight load that fails still drains the broadcast).
@@ -106,6 +106,7 @@ def _received_buckets(bridge: Bridge, device: torch.device) -> Iterator[list[tup
         for name, shape, dtype in specs:
             dt = dtypes.setdefault(dtype, getattr(torch, dtype))
             bucket.append((name, bridge.broadcast(torch.empty(shape, dtype=dt, device=bridge.device))))
+        bridge.acknowledge()
         yield [(n, t.to(device)) for n, t in bucket]
 
 

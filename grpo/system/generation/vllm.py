@@ -258,6 +258,27 @@ def scratch_root() -> str:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
+# Adapter versions on disk at once: a new one is written and loaded before the previous one is removed.
+ADAPTER_VERSIONS_KEPT = 2
+
+
+def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The size of one adapter version's weights, as safetensors writes them (plus 64 KiB of header and config).
+
+        >>> adapter_bytes({"a": torch.zeros(256, 4), "b": torch.zeros(4, dtype=torch.bfloat16)})
+        69640
+    """
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + 65536
+
+
+def staging_problem(directory: str, need: int, free_bytes: Callable[[str], int] | None = None) -> str | None:
+    """Why ``directory`` cannot take ``need`` more bytes (its free space named), or None when it can."""
+    free = (free_bytes or (lambda d: shutil.disk_usage(d).free))(directory)
+    if free >= need:
+        return None
+    return f"{directory} has {free / 2**20:.1f} MiB free, the adapters need {need / 2**20:.1f} MiB"
+
+
 def write_adapter(directory: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
     """peft's ``save_pretrained`` layout in ``directory``: ``adapter_model.safetensors`` (``tensors`` under
     their ``get_peft_model_state_dict`` names, on the host) and ``adapter_config.json``
@@ -287,18 +308,44 @@ class AdapterSync:
     ``LRUCacheWorkerLoRAManager._load_adapter``) reads ``lora_path`` (``PEFTHelper.from_local_dir``,
     ``LoRAModel.from_local_checkpoint``, which also rejects modules the model cannot adapt); loading tensors
     (``LoRAModel.from_lora_tensors``) would mean adding to the worker's private ``_adapter_manager`` ourselves.
-    The adapters are small (MBs) and ``/dev/shm`` is memory, so the write costs milliseconds.
+    The adapters are small (MBs) and ``/dev/shm`` is memory, so the write costs milliseconds. Before each write the
+    directory is checked for room for ADAPTER_VERSIONS_KEPT versions (Docker's /dev/shm is 64 MiB by default); without
+    it the adapters move to ``fallback_root`` on disk, with a warning.
 
     ``make_request``: builds a ``LoRARequest`` from its keyword arguments (default: vLLM's).
     """
 
-    def __init__(self, llm, rank: int = 0, root: str | None = None, make_request: Callable | None = None):
+    def __init__(self, llm, rank: int = 0, root: str | None = None, make_request: Callable | None = None,
+                 fallback_root: str | None = None, free_bytes: Callable[[str], int] | None = None):
         self.llm = llm
         self.version = 0
         self.request = None
+        self.rank = rank
         self.dir = tempfile.mkdtemp(prefix=f"grpo-lora-r{rank}-", dir=root or scratch_root())
         self._make_request = make_request
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)  # also at interpreter exit
+        self._cleanups = [weakref.finalize(self, shutil.rmtree, self.dir, True)]  # also at interpreter exit
+        # a disk directory when the scratch one (/dev/shm: Docker gives it 64 MiB) lacks room
+        self.fallback_root = fallback_root or os.path.join(os.path.expanduser("~"), ".cache", "grpo-ds")
+        self._free_bytes = free_bytes
+
+    def _room_for(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Check the scratch directory has room for ADAPTER_VERSIONS_KEPT versions of ``tensors`` (the one in place
+        counted as written) before writing; else move to a directory under ``fallback_root`` with a warning, or
+        raise when that lacks room too."""
+        need = adapter_bytes(tensors) * (ADAPTER_VERSIONS_KEPT - (1 if self.request is not None else 0))
+        problem = staging_problem(self.dir, need, self._free_bytes)
+        if problem is None:
+            return
+        os.makedirs(self.fallback_root, exist_ok=True)
+        fallback_problem = staging_problem(self.fallback_root, need, self._free_bytes)
+        if fallback_problem is not None:
+            raise RuntimeError(f"no room to stage the LoRA adapters for vLLM: {problem}; {fallback_problem}")
+        moved = tempfile.mkdtemp(prefix=f"grpo-lora-r{self.rank}-", dir=self.fallback_root)
+        logging.getLogger(__name__).warning("LoRA adapters for vLLM: %s (%d versions of %.1f MiB): staging them in %s instead (on disk; "
+                       "give the container more shared memory, e.g. docker --shm-size=1g, to keep them in memory)",
+                       problem, ADAPTER_VERSIONS_KEPT, adapter_bytes(tensors) / 2**20, moved)
+        self.dir = moved
+        self._cleanups.append(weakref.finalize(self, shutil.rmtree, moved, True))
 
     def sync(self, tensors: dict[str, torch.Tensor], peft_config: dict):
         """Load ``tensors`` (peft names) as the next version; returns its ``LoRARequest``."""
@@ -306,6 +353,7 @@ class AdapterSync:
         if make is None:
             from vllm.lora.request import LoRARequest as make
         version = self.version + 1
+        self._room_for(tensors)
         path = os.path.join(self.dir, f"v{version}")
         write_adapter(path, tensors, peft_config)
         request = make(lora_name=f"policy-v{version}", lora_int_id=version, lora_path=path)
@@ -323,8 +371,9 @@ class AdapterSync:
         return request
 
     def close(self) -> None:
-        """Delete the scratch directory (vLLM keeps what it loaded)."""
-        self._cleanup()
+        """Delete the scratch directories (vLLM keeps what it loaded)."""
+        for cleanup in self._cleanups:
+            cleanup()
 
 
 # --------------------------------------------------------------------------------------------------
