@@ -67,6 +67,10 @@ def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Name
     p.add_argument("--export-hf-overwrite", action="store_true",
                    help="let --export-hf / --export-adapter write into a non-empty DIR that is not this run's export "
                         "(same-named files are replaced, nothing else is deleted)")
+    p.add_argument("--export-allow-config-change", action="store_true",
+                   help="let --export-hf / --export-adapter run with a config whose model, precision, tokenizer or "
+                        "hf_config_overrides differ from the run's recorded fingerprint (refused otherwise, naming the "
+                        "keys; the policy.lora keys are never overridden)")
     p.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
                    help="print every config field (key, type, default, description), or those of SECTION, and exit")
     p.add_argument("--check-config", action="store_true",
@@ -224,7 +228,6 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo.tasks.factory import build_environments
     from grpo.system.health import StepChecks, overflow_check_gap
     from grpo.system.tracking import MetricsLogger, claim_metrics
-    from grpo.system.rundir import recorded_run_id
     from grpo.system.signals import StopRequest
     from grpo.system.training import LogprobEngines
     from grpo.tasks.catalogue import resolve_model_name
@@ -242,8 +245,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         rank, _, world_size, device = init_distributed()
         if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
             raise RunError(mismatch.removeprefix("error: "))
-    locks, run_id = [], None
-    if not exporting:  # one run per directory: lock, refuse foreign runs
+    if exporting:  # the checkpoint directory's lock (never while its run is live) and the run's weight settings
+        locks, run_id = claim_export(cfg, rank, args)
+    else:  # one run per directory: lock, refuse foreign runs
         locks, run_id = claim_dirs(cfg, rank)
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
@@ -296,19 +300,21 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     try:
         latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
         if exporting and latest is None:
-            flag = "--export-hf" if args.export_hf is not None else "--export-adapter"
-            raise RunError(f"{flag}: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
+            raise RunError(f"{export_flag(args)}: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
         if latest is not None:
-            ckpt.clean_partial()
+            if not exporting:  # an export deletes nothing: the .tmp of a dead run's save is the next run's to clean
+                ckpt.clean_partial()
             state, loader_state, extra = ckpt.load(latest, policy)
             resume = Resume(latest, loader_state, extra)
         if exporting:
-            run_id = recorded_run_id(cfg.checkpointing.checkpoint_dir)
-            overwrite = args.export_hf_overwrite
-            if args.export_hf is not None:  # with LoRA: the merged model
-                weights.export_hf(policy, args.export_hf, tokenizer, overwrite=overwrite, run_id=run_id)
-            if args.export_adapter is not None:
-                weights.export_adapter(policy, args.export_adapter, overwrite=overwrite, run_id=run_id)
+            try:
+                overwrite = args.export_hf_overwrite
+                if args.export_hf is not None:  # with LoRA: the merged model
+                    weights.export_hf(policy, args.export_hf, tokenizer, overwrite=overwrite, run_id=run_id)
+                if args.export_adapter is not None:
+                    weights.export_adapter(policy, args.export_adapter, overwrite=overwrite, run_id=run_id)
+            finally:
+                _Release(locks).close()
             return None
     except (CheckpointError, ExportError) as err:
         raise RunError(str(err)) from err
@@ -379,15 +385,39 @@ class _Release:
 def claim_dirs(cfg: MasterConfig, rank: int) -> tuple[list[RunLock], str | None]:
     """Rank 0 locks the checkpoint and log directories and checks the run fingerprint (`grpo.system.rundir`);
     every rank gets ``(locks, run_id)`` (locks only on rank 0), or every rank raises `RunError`. A collective."""
+    from grpo.system.rundir import claim_run_dirs
+
+    c = cfg.checkpointing
+    return _claim_on_rank0(rank, lambda: claim_run_dirs(
+        c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir, cfg.model_dump(mode="json"), resume=c.resume,
+        allow_change=c.allow_config_change))
+
+
+def export_flag(args: argparse.Namespace) -> str:
+    return "--export-hf" if args.export_hf is not None else "--export-adapter"
+
+
+def claim_export(cfg: MasterConfig, rank: int, args: argparse.Namespace) -> tuple[list[RunLock], str | None]:
+    """``--export-hf`` / ``--export-adapter``: rank 0 locks the checkpoint directory (refused while its run is live)
+    and checks the command's weight settings against the run's fingerprint (`grpo.system.rundir.claim_for_export`),
+    before any model is built; ``(locks, run_id)`` on every rank, or every rank raises `RunError`. A collective."""
+    from grpo.system.rundir import claim_for_export
+
+    return _claim_on_rank0(rank, lambda: claim_for_export(
+        cfg.checkpointing.checkpoint_dir, cfg.model_dump(mode="json"), export_flag(args),
+        allow_change=args.export_allow_config_change))
+
+
+def _claim_on_rank0(rank: int, claim) -> tuple[list[RunLock], str | None]:
+    """``claim()`` (``-> (locks, run_id)``, raising `grpo.system.rundir.RunDirError`) on rank 0; every rank gets
+    the run id, or every rank raises `RunError` with rank 0's message. A collective."""
     from grpo.system.dist import all_gather_objects
-    from grpo.system.rundir import RunDirError, claim_run_dirs
+    from grpo.system.rundir import RunDirError
 
     claimed, error = ([], None), None
     if rank == 0:
-        c = cfg.checkpointing
         try:
-            claimed = claim_run_dirs(c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir,
-                                     cfg.model_dump(mode="json"), resume=c.resume, allow_change=c.allow_config_change)
+            claimed = claim()
         except RunDirError as err:
             error = str(err)
     error = all_gather_objects([error])[0]

@@ -10,6 +10,8 @@ Layout of ``checkpointing.checkpoint_dir``::
         rng_rank{r}.pt           python / torch RNG states of each rank
         extra_*.pt               anything else the loop hands in (e.g. the async replay buffer)
         hf/                      consolidated safetensors (when save_consolidated)
+        lora.json                the LoRA settings the policy's trainable state was made with (`lora_record`):
+                                 a resume or export with others is refused before DeepSpeed reads anything
         manifest.json            every file above with its size and sha256; written last
     latest_checkpoint_status.json  step and wall time of the last successful save
 
@@ -297,6 +299,52 @@ def _check_adapters_loaded(ds_dir: Path, engine) -> None:
                               "other LoRA settings (policy.lora) or without LoRA; resume with the same policy.lora")
 
 
+LORA_RECORD = "lora.json"
+
+
+def lora_record(engine) -> dict:
+    """What shapes the policy's trainable state, under ``policy.lora``'s names: ``{"enabled": False}`` (the whole
+    model trains) or ``{"enabled": True, "dim", "alpha", "adapted": [the adapted modules' names]}`` (what
+    target_modules, exclude_modules and match_all_linear resolved to), read from the engine's peft model."""
+    module = getattr(engine, "module", None)
+    if not _is_lora(engine):
+        return {"enabled": False}
+    from peft.tuners.lora import LoraLayer
+
+    peft_cfg = module.peft_config["default"]
+    adapted = sorted(n.removeprefix("base_model.model.") for n, m in module.named_modules() if isinstance(m, LoraLayer))
+    return {"enabled": True, "dim": peft_cfg.r, "alpha": peft_cfg.lora_alpha, "adapted": adapted}
+
+
+def lora_changes(saved: dict, now: dict) -> list[str]:
+    """Each ``policy.lora`` setting that differs between a checkpoint's `lora_record` and this run's, with both values.
+
+    >>> lora_changes({"enabled": True, "dim": 8, "alpha": 32, "adapted": ["a.q_proj", "a.v_proj"]},
+    ...              {"enabled": True, "dim": 16, "alpha": 32, "adapted": ["a.q_proj"]})  # doctest: +NORMALIZE_WHITESPACE
+    ['policy.lora.dim=8 in the checkpoint, 16 in this run',
+     'policy.lora.target_modules / exclude_modules / match_all_linear: the checkpoint adapts 2 modules, this run 1
+      (only in the checkpoint: a.v_proj)']
+    """
+    if bool(saved.get("enabled")) != bool(now.get("enabled")):
+        return [f"policy.lora.enabled={str(bool(saved.get('enabled'))).lower()} in the checkpoint, "
+                f"{str(bool(now.get('enabled'))).lower()} in this run"]
+    if not now.get("enabled"):
+        return []
+    def show(v) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    out = [f"policy.lora.{k}={show(saved.get(k))} in the checkpoint, {show(now.get(k))} in this run"
+           for k in ("dim", "alpha") if saved.get(k) != now.get(k)]
+    a, b = set(saved.get("adapted") or []), set(now.get("adapted") or [])
+    if a != b:
+        only = [f"only in {where}: {', '.join(sorted(names)[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3
+                                                                       else "")
+                for where, names in (("the checkpoint", a - b), ("this run", b - a)) if names]
+        out.append(f"policy.lora.target_modules / exclude_modules / match_all_linear: the checkpoint adapts {len(a)} "
+                   f"modules, this run {len(b)} ({'; '.join(only)})")
+    return out
+
+
 def rng_state() -> dict:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
@@ -385,6 +433,7 @@ class CheckpointManager:
                     torch.save(dataloader_state, tmp / "dataloader.pt")
                 for name, obj in (extra or {}).items():
                     torch.save(obj, tmp / f"extra_{name}.pt")
+                _atomic_write_json(tmp / LORA_RECORD, lora_record(engine))
                 _atomic_write_json(tmp / "train_state.json", state_json(state))
         except Exception as err:  # noqa: BLE001 - every rank must learn that the save failed
             error = err
@@ -474,7 +523,7 @@ class CheckpointManager:
         same one on every rank) before DeepSpeed reads any of it, and every rank raises the same
         `CheckpointError` when one rank finds a problem."""
         path = Path(path)
-        problem = self._load_problem(path, need_dataloader)
+        problem = self._load_problem(path, need_dataloader, engine)
         found = _gather([str(path), problem])
         problem = next((p for _, p in found if p is not None), None)
         if problem is None and len({p for p, _ in found}) > 1:
@@ -498,8 +547,9 @@ class CheckpointManager:
                  for name in sorted(files) if name.startswith("extra_") and name.endswith(".pt") and "/" not in name}
         return state, dataloader_state, extra
 
-    def _load_problem(self, path: Path, need_dataloader: bool) -> str | None:
-        """What keeps this rank from loading ``path`` (the whole message), or None."""
+    def _load_problem(self, path: Path, need_dataloader: bool, engine=None) -> str | None:
+        """What keeps this rank from loading ``path`` into ``engine`` (the whole message), or None: a broken
+        checkpoint, another number of ranks, missing files, other LoRA settings (`lora_changes`)."""
         problem = self.verify(path, checksums=path != self._checksummed)
         if problem is not None:
             return f"{path}: {problem}"
@@ -517,6 +567,18 @@ class CheckpointManager:
                     f"{len(rng_saved)} rank(s); resume with the same number of ranks")
         if need_dataloader and "dataloader.pt" not in files:
             return f"{path / 'dataloader.pt'} is missing: without it the data order would restart"
+        if engine is not None and LORA_RECORD in files:  # (checkpoints written before the record: checked after)
+            try:
+                saved = json.loads((path / LORA_RECORD).read_text())
+            except ValueError as err:
+                return f"{path / LORA_RECORD} is unreadable ({err})"
+            changes = lora_changes(saved if isinstance(saved, dict) else {}, lora_record(engine))
+            if changes:
+                return (f"{path} was trained with other LoRA settings than this run's ({'; '.join(changes)}): its "
+                        "adapters and optimizer states only fit the settings they were made with, and "
+                        "checkpointing.allow_config_change does not cover these. Resume (or export) with the "
+                        "checkpoint's policy.lora, or start a new run from its weights (--export-hf with its "
+                        "settings, then policy.model_name=<that directory>)")
         return None
 
     def clean_partial(self) -> None:
