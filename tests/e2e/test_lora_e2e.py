@@ -148,3 +148,21 @@ def test_an_export_during_a_save_leaves_the_run_training_and_its_checkpoint_inta
 
     p = run(_tiny_lora(tmp_path, "policy.lora.alpha=64", "--export-hf", str(tmp_path / "merged")), check=False)
     assert p.returncode == 1 and "policy.lora.alpha: 32.0 -> 64.0" in p.stderr and not (tmp_path / "merged").exists()
+
+
+@pytest.mark.slow
+def test_a_zero3_resume_with_another_lora_rank_is_one_line_naming_policy_lora(tmp_path):
+    """Two ranks under ZeRO-3 (issue 37: "The size of tensor a (16384) must match..."): a resume with another
+    policy.lora.dim, even with checkpointing.allow_config_change=true, stops before DeepSpeed loads, with one error
+    line naming the key and both values (the fast one-rank twins: tests/unit/test_lora.py)."""
+    def cmd(*extra: str) -> list[str]:
+        return [*launcher("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "train_grpo.py",
+                "--config", TINY, *paths(tmp_path, "policy.lora.enabled=true", "checkpointing.save_period=1", *extra)]
+
+    run(cmd("grpo.max_num_steps=1", "policy.lora.dim=4"), timeout=600, threads=1)
+    p = run(cmd("grpo.max_num_steps=2", "policy.lora.dim=8", "checkpointing.allow_config_change=true"), timeout=600,
+            threads=1, check=False)
+    errors = sorted({line for line in p.stderr.splitlines() if line.startswith("error:")})
+    assert p.returncode != 0 and len(errors) == 1, p.stderr[-4000:]
+    assert "policy.lora.dim=4 in the checkpoint, 8 in this run" in errors[0], errors
+    assert "size mismatch" not in p.stderr and "must match" not in p.stderr  # (torchrun prints its own traceback)
