@@ -475,16 +475,20 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
     ``layout`` (`grpo.system.dist.Layout`, ``colocated.enabled=false``): `RemoteGeneration`, the generation
     ranks' engines behind the bridge (a collective of the trainers)."""
     if layout is not None:
-        from grpo.system.bridge import Bridge
+        from grpo.system.bridge import Bridge, BridgeError
         from grpo.system.generation.remote import RemoteGeneration
 
         from grpo.system.dist import comm_device
 
         timeout = cfg.policy.generation.colocated.bridge_timeout_s
-        bridge = (Bridge(layout.store, 0, 1 + layout.num_generation, timeout, comm_device())
-                  if layout.rank == 0 else None)
+        bridge, error = None, None
+        if layout.rank == 0:
+            try:
+                bridge = Bridge(layout.store, 0, 1 + layout.num_generation, timeout, comm_device())
+            except BridgeError as err:  # a generation rank never joined: every trainer stops with it
+                error = str(err)
         return RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device, tokenizer,
-                                getattr(policy_engine.module.config, "eos_token_id", None))
+                                getattr(policy_engine.module.config, "eos_token_id", None), bridge_error=error)
     if cfg.policy.generation.backend == "hf":
         from grpo.system.generation.hf import HFGeneration
 
