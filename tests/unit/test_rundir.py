@@ -255,3 +255,18 @@ def test_an_export_without_lora_ignores_the_lora_settings_and_a_missing_director
     with pytest.raises(RunDirError, match="--export-adapter: no checkpoint in .*nothing"):
         claim_for_export(tmp_path / "nothing", {}, "--export-adapter")
     assert not (tmp_path / "nothing").exists()
+
+
+def test_an_export_checks_the_checkpoint_s_own_record_before_the_fingerprint(tmp_path):
+    """A resume refused at startup (another policy.lora.dim with allow_config_change) has already rewritten the
+    run fingerprint; the checkpoints' weight_config.json still says what their weights were trained with."""
+    from grpo.system.rundir import WEIGHT_CONFIG_FILE, export_config_diff, weight_config
+
+    def dumped(dim: int) -> dict:
+        return MasterConfig.model_validate({"policy": {"lora": {"enabled": True, "dim": dim}}}).model_dump(mode="json")
+
+    d = _fp_dir(tmp_path, dumped(8))  # the refused run's fingerprint
+    (tmp_path / "ckpt" / "step_000001").mkdir()
+    (tmp_path / "ckpt" / "step_000001" / WEIGHT_CONFIG_FILE).write_text(json.dumps(weight_config(dumped(4))))
+    assert export_config_diff(d, dumped(4)) == []
+    assert export_config_diff(d, dumped(8)) == ["policy.lora.dim: 4 -> 8"]
