@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import stat
 from pathlib import Path
 
 import yaml
@@ -136,23 +137,67 @@ def _bounded_yaml(text: str, where: str):
         loader.dispose()
 
 
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def read_config_text(path: Path) -> str:
+    """The text of the recipe file at ``path``: only a regular file is read (a FIFO, a device or a socket is
+    refused at once, without waiting for a writer: opened non-blocking, checked with fstat), up to
+    `MAX_CONFIG_BYTES`, as UTF-8; every failure is a `ConfigError` naming the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: file not found") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read it ({err.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise ConfigError(f"{path}: {kind}, not a regular file: a recipe is a YAML file on disk")
+        try:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read it ({err.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, which no config is (is it a data "
+                          "file?); a recipe holds a few hundred values")
+    return _utf8(data, str(path))
+
+
+def defaults_entries(path: Path, parents) -> list[str]:
+    """A recipe's ``defaults:`` value as the list of recipe paths it names: one path, a list of paths, or null
+    (none); anything else (a number, a mapping, a list holding something but paths) is a `ConfigError` naming
+    the recipe.
+
+    >>> defaults_entries(Path("a.yaml"), "base.yaml"), defaults_entries(Path("a.yaml"), None)
+    (['base.yaml'], [])
+    >>> defaults_entries(Path("a.yaml"), 5)
+    Traceback (most recent call last):
+    ...
+    grpo.config_load.ConfigError: a.yaml: defaults: 5: expected a recipe path or a list of recipe paths
+    """
+    if parents is None:
+        return []
+    if isinstance(parents, str):
+        parents = [parents]
+    if isinstance(parents, (list, tuple)) and all(isinstance(p, str) and p for p in parents):
+        return list(parents)
+    short = reprlib.Repr()
+    short.maxstring, short.maxother, short.maxlist, short.maxdict = 80, 80, 4, 4
+    shown = short.repr(parents)
+    raise ConfigError(f"{path}: defaults: {shown}: expected a recipe path or a list of recipe paths")
+
+
 def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
     """Read a recipe; ``defaults: other.yaml`` (or a list of them), relative to this file, is merged under it.
-    An empty file, bytes that are not UTF-8 and YAML syntax errors are `ConfigError`s naming the file (and line)."""
+    An empty file, bytes that are not UTF-8, a file that is not a regular file, YAML syntax errors and a malformed
+    ``defaults:`` are `ConfigError`s naming the file (and line)."""
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError(f"defaults: recipe inheritance loops through {path}")
-    if not path.exists():
-        raise ConfigError(f"--config {path}: file not found")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, which no config is (is it a data "
-                              "file or a device?); a recipe holds a few hundred values")
-        text = _utf8(data, str(path))
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read it ({err.strerror})") from None
+    text = read_config_text(path)
     try:
         raw = _bounded_yaml(text, str(path))
     except yaml.YAMLError as err:
@@ -164,11 +209,11 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
             "configs/cpu_demo.yaml, or inherit a recipe with `defaults: <recipe>.yaml` and change what differs")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    parents = raw.pop("defaults", None)
-    if parents is None:
+    parents = defaults_entries(path, raw.pop("defaults", None))
+    if not parents:
         return raw
     merged: dict = {}
-    for parent in [parents] if isinstance(parents, str) else parents:
+    for parent in parents:
         merged = _deep_merge(merged, load_yaml(parent_recipe(path, parent), _seen + (path,)))
     return _deep_merge(merged, raw)
 

@@ -21,12 +21,22 @@ native config; native configs never come here (`is_nemo_rl_recipe`).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
 from grpo.config import MasterConfig
-from grpo.config_load import ConfigError, build_config, load_yaml, parent_recipe
+from grpo.config_load import ConfigError, build_config, defaults_entries, load_yaml, parent_recipe
+
+# NeMo-RL's resolvers on numbers: a chain of ${mul:...} squares its way to integers of billions of digits (Python
+# computes them exactly, for good); strings and lists grow by add / mul the same way. A config's numbers are far
+# smaller: a result past these bounds is a ConfigError (`_bounded`).
+MAX_RESOLVED_INT_BITS = 256
+MAX_RESOLVED_LEN = 1 << 16
+# OmegaConf resolves a chain ${a} -> ${b} -> ... again for every key on it (quadratic work): NeMo-RL's largest
+# recipes hold a few dozen interpolations; more than this many ${ in one recipe is refused before resolving.
+MAX_INTERPOLATIONS = 1000
 
 # Where NeMo-RL's structure differs from grpo-ds's (each would be an unknown key in a native config).
 FREE_TEXT_KEYS = ("prompt_template", "system_prompt", "chat_template", "stop_strings")
@@ -106,8 +116,45 @@ def register_resolvers() -> None:
     warnings.filterwarnings("ignore", message="register_new_resolver", category=UserWarning)  # omegaconf 2.4
     for name, fn in (("add", lambda a, b: a + b), ("mul", lambda a, b: a * b), ("div", lambda a, b: a / b),
                      ("max", lambda a, b: max(a, b))):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+        OmegaConf.register_new_resolver(name, _bounded(name, fn), replace=True)
+
+
+class _TooLarge(ValueError):
+    pass
+
+
+def _bounded(name: str, fn):
+    """NeMo-RL's resolver ``fn`` (``${name:a,b}``), refusing before computing a result past
+    `MAX_RESOLVED_INT_BITS` (integers) or `MAX_RESOLVED_LEN` items (strings, lists), so interpolation work stays small.
+
+    >>> _bounded("mul", lambda a, b: a * b)(2 ** 200, 2 ** 100)
+    Traceback (most recent call last):
+    ...
+    grpo.nemo_rl_recipe._TooLarge: ${mul:...} would make an integer of about 302 bits (more than 256): no config value is that large
+    """
+    def size(v) -> tuple[str, int]:
+        if isinstance(v, bool) or v is None:
+            return "other", 0
+        if isinstance(v, int):
+            return "int", v.bit_length()
+        if isinstance(v, (str, list, tuple)):
+            return "seq", len(v)
+        return "other", 0
+
+    def run(a, b):
+        (ka, sa), (kb, sb) = size(a), size(b)
+        if ka == kb == "int":
+            bits = sa + sb if name == "mul" else max(sa, sb) + 1
+            if bits > MAX_RESOLVED_INT_BITS:
+                raise _TooLarge(f"${{{name}:...}} would make an integer of about {bits} bits (more than "
+                                f"{MAX_RESOLVED_INT_BITS}): no config value is that large")
+        elif "seq" in (ka, kb):
+            n = sa * (b if kb == "int" else a if ka == "int" else 1) if name == "mul" else sa + sb
+            if n > MAX_RESOLVED_LEN:
+                raise _TooLarge(f"${{{name}:...}} would make a value of {n:,} items (more than {MAX_RESOLVED_LEN:,})")
+        return fn(a, b)
+
+    return run
 
 
 def _merge(base, over):
@@ -134,30 +181,43 @@ def load_unresolved(path: str | os.PathLike, _seen: tuple = ()):
     if path in _seen:
         raise ConfigError(f"defaults: recipe inheritance loops through {path}")
     raw = _read_one(path)
-    cfg = OmegaConf.create(raw)
+    parents = defaults_entries(path, raw.pop("defaults", None))
+    with omegaconf_errors(str(path)):
+        cfg = OmegaConf.create(raw)
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    if "defaults" not in cfg:
+    if not parents:
         return cfg
-    parents = cfg.pop("defaults")
-    parents = [parents] if isinstance(parents, str) else [str(p) for p in parents]
     base = OmegaConf.create({})
     for parent in parents:
-        base = _merge(base, load_unresolved(parent_recipe(path, parent), _seen + (path,)))
-    return _merge(base, cfg)
+        parent_cfg = load_unresolved(parent_recipe(path, parent), _seen + (path,))
+        with omegaconf_errors(f"{path}: defaults: {parent}"):
+            base = _merge(base, parent_cfg)
+    with omegaconf_errors(str(path)):
+        return _merge(base, cfg)
+
+
+@contextmanager
+def omegaconf_errors(where: str):
+    """Any failure of OmegaConf inside the block (a null or non-string key, a bad merge, a grammar error, an
+    interpolation too deep for Python's stack) as one `ConfigError` naming ``where`` and OmegaConf's key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OmegaConfBaseException, RecursionError, ValueError, TypeError, KeyError) as err:
+        key = getattr(err, "full_key", None)
+        text = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError(f"{where}{f': {key}' if key else ''}: {type(err).__name__}: {text[:300]}") from None
 
 
 def _read_one(path: Path) -> dict:
     """One recipe file (no defaults merged), through grpo.config_load's checks (missing, empty, not UTF-8, ...)."""
-    from grpo.config_load import MAX_CONFIG_BYTES, _bounded_yaml, _utf8, _yaml_error
+    from grpo.config_load import _bounded_yaml, _yaml_error, read_config_text
 
-    if not path.exists():
-        raise ConfigError(f"--config {path}: file not found")
-    with open(path, "rb") as f:
-        data = f.read(MAX_CONFIG_BYTES + 1)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, which no recipe is")
-    text = _utf8(data, str(path))
+    text = read_config_text(path)
     try:
         _bounded_yaml(text, str(path))  # the limits; then OmegaConf's YAML reading (1e-8 is a float there)
         raw = _omegaconf_yaml(text)
@@ -195,7 +255,8 @@ def apply_overrides(cfg, overrides: list[str]):
             value = _omegaconf_yaml(text) if text != "" else None
         except yaml.YAMLError as err:
             raise ConfigError(f"override {key}={text!r}: invalid YAML ({err})") from None
-        exists = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False) is not _ABSENT
+        with omegaconf_errors(f"override {key}"):
+            exists = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False) is not _ABSENT
         if add and exists:
             raise ConfigError(f"override +{key}: the recipe already has {key} (hydra: drop the + to change it, or "
                               f"use ++{key}=...)")
@@ -221,13 +282,36 @@ def resolve(cfg) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     register_resolvers()
+    count = _count_interpolations(OmegaConf.to_container(cfg, resolve=False))
+    if count > MAX_INTERPOLATIONS:
+        raise ConfigError(f"the recipe holds {count:,} interpolations (${{...}}), more than {MAX_INTERPOLATIONS:,}: "
+                          "resolving them would take long; a recipe holds a few dozen")
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as err:
+    except RecursionError:
+        raise ConfigError("interpolation nested too deep to resolve (${a} naming ${b} naming ... thousands deep); "
+                          "a recipe's interpolations are a few levels deep") from None
+    except (OmegaConfBaseException, ValueError, TypeError) as err:
         key = getattr(err, "full_key", None) or "?"
-        msg = str(err).splitlines()[0]
+        msg = str(err).splitlines()[0] if str(err) else ""
+        too_large = f"{_TooLarge.__name__} raised while resolving interpolation: "
+        if too_large in msg:  # OmegaConf wraps a resolver's error into its own message
+            raise ConfigError(f"{key}: cannot interpolate: {msg.split(too_large, 1)[1]}") from None
         hint = " (set it in the environment, as NeMo-RL needs it too)" if "Environment variable" in msg else ""
         raise ConfigError(f"{key}: cannot interpolate ({type(err).__name__}: {msg}){hint}") from None
+
+
+def _count_interpolations(node) -> int:
+    """How many ``${`` the unresolved values under ``node`` hold (nested ones too).
+
+    >>> _count_interpolations({"a": "${mul:${b},2}", "b": [1, "${c}"]})
+    3
+    """
+    if isinstance(node, dict):
+        return sum(_count_interpolations(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(_count_interpolations(v) for v in node)
+    return node.count("${") if isinstance(node, str) else 0
 
 
 def load_nemo_rl(path: str | os.PathLike, overrides: list[str] | None = None) -> dict:

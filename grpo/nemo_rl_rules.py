@@ -127,6 +127,48 @@ def _enabled(section) -> bool:
     return isinstance(section, dict) and bool(section.get("enabled"))
 
 
+def _flag(w: Walk, key: str, default: bool = False) -> bool:
+    """The boolean at ``key`` as grpo-ds's own loader reads one (pydantic: true / false, yes / no, on / off, 1 / 0,
+    any case); anything else is refused, naming the key. NeMo-RL's own code tests the value's truth, so the string
+    "false" would turn a feature on there: read as false here, as a native config reads it."""
+    from pydantic import TypeAdapter, ValidationError
+
+    value = w.get(key, default)
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        w.refuse(key, "expected a boolean (true or false)")
+        return False
+
+
+def _section_on(w: Walk, key: str) -> bool:
+    """Whether the feature section at ``key`` (``{enabled: ..., ...}``; absent or null: off) is on; a section that is
+    not a mapping is refused, naming it."""
+    section = w.get(key)
+    if section is None:
+        return False
+    if not isinstance(section, dict):
+        w.refuse(key, "expected a mapping with an enabled key (NeMo-RL's LoRA config: enabled, target_modules, "
+                 "exclude_modules, dim, alpha, ...)")
+        return False
+    return _flag(w, f"{key}.enabled")
+
+
+def _module_names(w: Walk, key: str) -> list[str]:
+    """A list of module names at ``key``. A single string is one name, as NeMo-RL reads it (Automodel's
+    ModuleMatcher, which its DTensor LoRA uses, wraps a string into a one-entry list); null is no names; anything
+    else (a number, a mapping, a list holding non-strings) is refused, naming the key."""
+    value = w.get(key)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    w.refuse(key, "expected a list of module names (or one name)")
+    return []
+
+
 # --------------------------------------------------------------------------------------------------
 # The translation
 # --------------------------------------------------------------------------------------------------
@@ -209,7 +251,7 @@ def _policy(w: Walk) -> None:
         return
     w.ignore("policy.megatron_cfg", "megatron_cfg.enabled=false: NeMo-RL does not use it either")
     if isinstance(dtensor, dict):
-        if _enabled(dtensor.get("lora_cfg")):
+        if _section_on(w, "policy.dtensor_cfg.lora_cfg"):
             _lora(w, "policy.dtensor_cfg.lora_cfg")
         w.ignore("policy.dtensor_cfg.lora_cfg", "lora_cfg.enabled=false: full fine-tuning, as grpo-ds does")
         if w.has("policy.dtensor_cfg.activation_checkpointing"):
@@ -261,7 +303,7 @@ def _lora(w: Walk, key: str, megatron: bool = False) -> None:
     empty target_modules adapt every linear layer; alpha / dim scales the adapter; B starts at zero."""
     cfg = w.get(key)
     out: dict[str, Any] = {"enabled": True}
-    mods = {field: list(cfg.get(field) or []) for field in ("target_modules", "exclude_modules")}
+    mods = {field: _module_names(w, f"{key}.{field}") for field in ("target_modules", "exclude_modules")}
     note = []
     if megatron:  # Megatron's layer names -> the HF model's; its LoRA has no match_all_linear (empty = all)
         kept = sorted({m for ms in mods.values() for m in ms if m.rsplit(".", 1)[-1] not in MEGATRON_LINEARS})
@@ -272,7 +314,7 @@ def _lora(w: Walk, key: str, megatron: bool = False) -> None:
                 for f, ms in mods.items()}
         match_all = not mods["target_modules"]
     else:
-        match_all = bool(cfg.get("match_all_linear", False)) or not mods["target_modules"]
+        match_all = _flag(w, f"{key}.match_all_linear") or not mods["target_modules"]
     if match_all and mods["target_modules"]:
         note.append(f"target_modules={mods['target_modules']} ignored: match_all_linear=true overrides them (NeMo-RL)")
         mods["target_modules"] = []
@@ -418,7 +460,7 @@ def _megatron(w: Walk) -> None:
     """megatron_cfg.enabled=true: NeMo-RL trains with megatron_cfg.optimizer and .scheduler; translate those."""
     m = "policy.megatron_cfg"
     w.translate(f"{m}.enabled", {}, f"Megatron-Core training -> {DEEPSPEED}")
-    if _enabled(w.get(f"{m}.peft")):
+    if _section_on(w, f"{m}.peft"):
         _lora(w, f"{m}.peft", megatron=True)
     w.ignore(f"{m}.peft", "peft.enabled=false: full fine-tuning, as grpo-ds does")
     if w.has(f"{m}.activation_checkpointing"):

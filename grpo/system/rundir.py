@@ -70,6 +70,18 @@ class RunDirError(RuntimeError):
     """A run directory that this run may not use; the message names it and says what to do."""
 
 
+class DirInUse(RunDirError):
+    """`RunLock` found the directory locked: ``holder`` is what its holder wrote (pid, host, started)."""
+
+    def __init__(self, message: str, directory: Path, holder: dict):
+        super().__init__(message)
+        self.directory, self.holder = directory, holder
+
+    def who(self) -> str:
+        h = self.holder
+        return f"PID {h.get('pid', '?')} on {h.get('host', '?')}, started {h.get('started', '?')}"
+
+
 # --------------------------------------------------------------------------------------------------
 # Lock
 # --------------------------------------------------------------------------------------------------
@@ -97,12 +109,11 @@ class RunLock:
         except BlockingIOError:
             os.close(self._fd)
             self._fd = None
-            h = _read_holder(self.path)
-            raise RunDirError(
-                f"{self.directory} is in use by another run (PID {h.get('pid', '?')} on {h.get('host', '?')}, "
-                f"started {h.get('started', '?')}): two runs in one directory would mix their checkpoints and "
-                "metrics. Wait for it to end, stop it, or give this run another checkpointing.checkpoint_dir / "
-                "logger.log_dir") from None
+            err = DirInUse("", self.directory, _read_holder(self.path))
+            err.args = (f"{self.directory} is in use by another run ({err.who()}): two runs in one directory would "
+                        "mix their checkpoints and metrics. Wait for it to end, stop it, or give this run another "
+                        "checkpointing.checkpoint_dir / logger.log_dir",)
+            raise err from None
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, json.dumps(info).encode(), 0)
@@ -373,3 +384,108 @@ def claim_run_dirs(checkpoint_dir: str | os.PathLike | None, log_dir: str | os.P
             lock.release()
         raise
     return locks, run_ids[0]
+
+
+# Config keys that shape the weights an export writes from a checkpoint (`check_export_config`): the base model and
+# its config, the dtype, the tokenizer saved beside the weights, and the LoRA settings the adapters were trained with
+# (alpha scales the merged adapters; the others decide which tensors exist). Dropout, lora_A_init and everything
+# else only change how the run trained, which the checkpoint already holds.
+EXPORT_KEYS = ("policy.model_name", "policy.precision", "policy.hf_config_overrides", "policy.tokenizer.",
+               "policy.trust_remote_code", "policy.lora.enabled", "policy.lora.dim", "policy.lora.alpha",
+               "policy.lora.target_modules", "policy.lora.exclude_modules", "policy.lora.match_all_linear")
+
+
+def _export_key(key: str) -> bool:
+    return any(key == k or key.startswith(k if k.endswith(".") else k + ".") for k in EXPORT_KEYS)
+
+
+WEIGHT_CONFIG_FILE = "weight_config.json"
+
+
+def weight_config(cfg_dict: dict) -> dict:
+    """The `EXPORT_KEYS` fields of a config (``cfg.model_dump(mode="json")`` as given, before ``toy:`` names are
+    resolved), flattened: what each checkpoint records as ``weight_config.json`` (`grpo.system.checkpoint`).
+
+    >>> weight_config({"policy": {"lora": {"alpha": 32, "dropout": 0.0}}, "grpo": {"seed": 1}})
+    {'policy.lora.alpha': 32}
+    """
+    return {k: v for k, v in flatten(cfg_dict).items() if _export_key(k)}
+
+
+def recorded_weight_config(checkpoint_dir: str | os.PathLike) -> tuple[dict, str] | None:
+    """``(weight settings, where they were read)`` of the checkpoints in ``checkpoint_dir``: the newest ``step_N``'s
+    ``weight_config.json`` (what those weights were trained with: a later run that failed at startup may have
+    rewritten the fingerprint), else the run fingerprint's (checkpoints written before the record); None: neither."""
+    d = Path(checkpoint_dir)
+    steps = sorted((p for p in d.iterdir() if p.is_dir() and re.fullmatch(r"step_\d+", p.name)),
+                   key=lambda p: int(p.name[5:])) if d.is_dir() else []
+    for step in reversed(steps):
+        recorded = _read_json(step / WEIGHT_CONFIG_FILE)
+        if isinstance(recorded, dict):
+            return recorded, str(step / WEIGHT_CONFIG_FILE)
+    fp = _read_json(d / FINGERPRINT_FILE)
+    if fp is None:
+        return None
+    return {k: v for k, v in fp.get("config", {}).items() if _export_key(k)}, str(d / FINGERPRINT_FILE)
+
+
+def export_config_diff(directory: str | os.PathLike, cfg_dict: dict) -> list[str] | None:
+    """``"key: checkpoint's value -> this config's value"`` for every `EXPORT_KEYS` field where the weight settings
+    recorded in ``directory`` (`recorded_weight_config`) differ from ``cfg_dict`` (the export command's config);
+    None when nothing is recorded.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> _ = write_fingerprint(d, run_fingerprint({"policy": {"lora": {"enabled": True, "alpha": 32, "dropout": 0.0}}}))
+    >>> export_config_diff(d, {"policy": {"lora": {"enabled": True, "alpha": 64, "dropout": 0.1}}})
+    ['policy.lora.alpha: 32 -> 64']
+    """
+    recorded = recorded_weight_config(directory)
+    if recorded is None:
+        return None
+    old, new = recorded[0], weight_config(cfg_dict)
+    lora_off = not old.get("policy.lora.enabled") and not new.get("policy.lora.enabled")
+
+    def weight_keys(flat: dict) -> dict:  # without LoRA on either side its other settings shape nothing
+        return {"config": {k: v for k, v in flat.items()
+                           if not (lora_off and k.startswith("policy.lora.") and k != "policy.lora.enabled")}}
+
+    return fingerprint_diff(weight_keys(old), weight_keys(new))
+
+
+def claim_for_export(checkpoint_dir: str | os.PathLike, cfg_dict: dict, flag: str,
+                     allow_change: bool = False) -> tuple[list[RunLock], str | None]:
+    """Rank 0 of ``--export-hf`` / ``--export-adapter`` (``flag``), before anything is read: lock ``checkpoint_dir``
+    (a live run holds it: refused at once, nothing touched; an export reads checkpoints the run may replace or
+    prune) and check the export command's config against the run fingerprint (`export_config_diff`): a differing
+    key is refused, naming it, unless ``allow_change`` (never for the policy.lora keys: the adapters only mean
+    something with the settings they were trained with). Returns the lock (release it when the export is done) and
+    the run id recorded there."""
+    d = Path(checkpoint_dir)
+    if not d.is_dir():
+        raise RunDirError(f"{flag}: no checkpoint in {d} (no such directory)")
+    try:
+        lock = RunLock(d)
+    except DirInUse as err:
+        raise RunDirError(
+            f"{flag}: {d} is in use by a running run ({err.who()}); an export while it runs could read a checkpoint "
+            "the run is replacing or pruning. Export once it ends (SIGTERM makes it save and stop), or copy a "
+            "step_N directory with its run_fingerprint.json elsewhere and export from there "
+            "(checkpointing.checkpoint_dir=<the copy>)") from None
+    try:
+        diff = export_config_diff(d, cfg_dict)
+        lora = [x for x in diff or [] if x.startswith("policy.lora.")]
+        if diff and (lora or not allow_change):
+            shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
+            raise RunDirError(
+                f"{flag}: this command's config differs from the one the checkpoints in {d} were trained with, in keys "
+                f"that shape the exported weights (checkpoint's -> this command's: {shown}), so the export would not "
+                "be the model the run trained. "
+                "Export with the run's settings (the command it trained with, plus the flag)" + (
+                    "; the policy.lora keys cannot be overridden (the adapters only mean something with the "
+                    "settings they were trained with)" if lora else
+                    ", or add --export-allow-config-change if the change is deliberate"))
+        return [lock], recorded_run_id(d)
+    except BaseException:
+        lock.release()
+        raise

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.e2e import (REPO, TINY, addition_jsonl, free_port, kill_at_random_points, launcher,
+from tests.helpers.e2e import (REPO, TINY, addition_jsonl, child_env, free_port, kill_at_random_points, launcher,
                                metrics, paths, run, train_rows)
 
 FIX = REPO / "tests" / "fixtures" / "nemo_rl"
@@ -110,3 +112,68 @@ def test_lora_trains_in_the_async_loop(tmp_path):
                 "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.progress_bar=false")], timeout=600)
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2, 3] and abs(rows[1]["train/token_mult_prob_error"] - 1.0) < 1e-4
+
+
+@pytest.mark.slow
+def test_an_export_during_a_save_leaves_the_run_training_and_its_checkpoint_intact(tmp_path):
+    """The trainer's save of step 2 is paused halfway (tests/helpers/paused_save.py, a file event, not a sleep): an
+    export then is refused in one line (the live run holds the directory) and deletes nothing; the run goes on to
+    the end with every checkpoint intact. After it, an export with another policy.lora.alpha is refused naming the
+    key. (The fast twins: tests/integration/test_export_guard.py.)"""
+    from grpo.config import CheckpointingConfig
+    from grpo.system.checkpoint import CheckpointManager
+
+    env = {**child_env(), "PAUSE_DIR": str(tmp_path), "PAUSE_STEP": "2"}
+    trainer = subprocess.Popen([sys.executable, "tests/helpers/paused_save.py",
+                                *_tiny_lora(tmp_path, "grpo.max_num_steps=3", "checkpointing.save_period=1",
+                                           "checkpointing.keep_top_k=3")[1:]],
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "save_paused").exists():
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[0][-3000:]
+            time.sleep(0.2)
+        saving = Path((tmp_path / "save_paused").read_text())
+        p = run(_tiny_lora(tmp_path, "--export-hf", str(tmp_path / "merged")), check=False)
+        error = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert p.returncode == 1 and len(error) == 1 and "is in use by a running run" in error[0], p.stderr[-3000:]
+        assert saving.is_dir() and (saving / "rng_rank0.pt").exists() and not (tmp_path / "merged").exists()
+    finally:
+        (tmp_path / "save_go").touch()
+        out = trainer.communicate(timeout=600)[0]
+    assert trainer.returncode == 0, out[-3000:]
+    ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")))
+    assert [c.name for c in ckpt.checkpoints()] == ["step_000001", "step_000002", "step_000003"]
+    assert all(ckpt.verify(c) is None for c in ckpt.checkpoints())
+
+    p = run(_tiny_lora(tmp_path, "policy.lora.alpha=64", "--export-hf", str(tmp_path / "merged")), check=False)
+    assert p.returncode == 1 and "policy.lora.alpha: 32.0 -> 64.0" in p.stderr and not (tmp_path / "merged").exists()
+
+
+@pytest.mark.slow
+def test_a_zero3_resume_with_another_lora_rank_is_one_line_naming_policy_lora(tmp_path):
+    """Two ranks under ZeRO-3 (issue 37: "The size of tensor a (16384) must match..."): a resume with another
+    policy.lora.dim, even with checkpointing.allow_config_change=true, stops before DeepSpeed loads, with one error
+    line naming the key and both values (the fast one-rank twins: tests/unit/test_lora.py)."""
+    def cmd(*extra: str) -> list[str]:
+        return [*launcher("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "train_grpo.py",
+                "--config", TINY, *paths(tmp_path, "policy.lora.enabled=true", "checkpointing.save_period=1", *extra)]
+
+    run(cmd("grpo.max_num_steps=1", "policy.lora.dim=4"), timeout=600, threads=1)
+    p = run(cmd("grpo.max_num_steps=2", "policy.lora.dim=8", "checkpointing.allow_config_change=true"), timeout=600,
+            threads=1, check=False)
+    errors = sorted({line for line in p.stderr.splitlines() if line.startswith("error:")})
+    assert p.returncode != 0 and len(errors) == 1, p.stderr[-4000:]
+    assert "policy.lora.dim=4 in the checkpoint, 8 in this run" in errors[0], errors
+    assert "size mismatch" not in p.stderr and "must match" not in p.stderr  # (torchrun prints its own traceback)
+
+    # --export-adapter of that two-rank ZeRO-3 checkpoint from one process: the advice names the launch that works
+    export = ["train_grpo.py", "--config", TINY, *paths(tmp_path, "policy.lora.enabled=true", "policy.lora.dim=4"),
+              "--export-adapter", str(tmp_path / "adapter")]
+    p = run([sys.executable, *export], check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 1 and len(errors) == 1 and "torchrun --nproc_per_node 2" in errors[0], p.stderr[-3000:]
+    assert "--export-hf, then" not in errors[0]
+    run([*launcher("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), *export], timeout=600,
+        threads=1)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()

@@ -1,7 +1,8 @@
 """A generation-side bridge peer for tests/unit/test_bridge.py: ``python -m tests.helpers.bridge_peer PORT MODE``.
 
 echo: receive an object and send it back with a mark, then receive one broadcast tensor and send back its sum;
-die: receive one object, then exit without a word; hang: receive one object, then sleep;
+die: receive one object, then exit without a word; hang: receive one object, then sleep; stall: sleep before it
+joins the bridge (a generation rank stuck in its start);
 load: serve one weight load as a generation rank does (`grpo.system.generation.server`), then send back the
 received tensors' sums; load-die-N / load-hang-N: the same, but exit / sleep in the middle of the N-th tensor
 broadcast (0-based), before it arrives.
@@ -50,6 +51,8 @@ if __name__ == "__main__":
     port, mode = int(sys.argv[1]), sys.argv[2]
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
     store.set("peer_up", "1")  # imports done: the test may start its side with a short timeout
+    if mode == "stall":
+        time.sleep(120)
     bridge = Bridge(store, 1, 2, timeout_s=60)
     if mode.startswith("load"):
         serve_one_load(bridge, mode)

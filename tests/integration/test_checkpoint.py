@@ -73,7 +73,7 @@ def test_save_and_load_round_trip_with_manifest_and_status(tmp_path):
     expected = (random.random(), torch.rand(2))
     manifest = json.loads((path / MANIFEST).read_text())["files"]
     assert set(manifest) == {"ds/ds/model_states.pt", "rng_rank0.pt", "dataloader.pt", "extra_buffer.pt",
-                             "train_state.json"}
+                             "train_state.json", "lora.json"}  # lora.json: {"enabled": false}, checked on resume
     assert manifest["dataloader.pt"]["size"] == (path / "dataloader.pt").stat().st_size
     status = json.loads((tmp_path / "ckpt" / "latest_checkpoint_status.json").read_text())
     assert (status["step"], status["path"]) == (3, str(path))

@@ -243,6 +243,33 @@ def _remote(chunk_tokens: int, stop_ids=(0,)):
     return gen
 
 
+def test_a_generation_rank_that_never_joins_is_named_with_the_setting_within_the_timeout():
+    """Issue 37: a generation rank stalled before the bridge formed stopped the trainer after ~55 s with
+    ``DistStoreError: wait timeout ... /bridge/objects/0/1``; now one BridgeError names it, bridge_timeout_s and what
+    to check, after bridge_timeout_s, and every trainer stops with it (RemoteGeneration's start)."""
+    import time
+
+    from grpo.system.generation.remote import RemoteGeneration
+    from grpo.system.rollout import RolloutError
+
+    store, proc = _peer("stall")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BridgeError) as err:
+            Bridge(store, 0, 2, timeout_s=3)
+        assert 3 <= time.monotonic() - t0 < 30
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    message = str(err.value)
+    assert message.startswith("generation rank 0 did not join the bridge within 3 s "
+                              "(policy.generation.colocated.bridge_timeout_s): check its log") and "\n" not in message
+    cfg = MasterConfig.model_validate(non_colocated(gpus_per_node=1))
+    with pytest.raises(RolloutError, match="starting the generation ranks: generation rank 0 did not join"):
+        RemoteGeneration(cfg, Layout("train", 0, 1, 0, 2, 1), None, "unused", torch.device("cpu"),
+                         bridge_error=message)
+
+
 def test_in_flight_rounds_continue_from_the_partial_output_with_newer_weights():
     """A fake engine whose token at position p of a completion is ord('a') + p (its 'weights' = the version is in
     the logprob): requests go 3 tokens a round, get the newest version between rounds, and continue from their

@@ -4,6 +4,7 @@ a ``toy:`` model that does not exist is named at load, before any directory is l
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -29,14 +30,86 @@ def error_of(fn, *args) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize("source", ["/dev/zero", "big"])
-def test_a_config_path_that_never_ends_or_is_huge_is_refused_without_reading_it_whole(tmp_path, source):
-    """``--config /dev/zero`` read 10 GB in 30 s, and a 300 MB YAML hung the parser."""
+@pytest.mark.parametrize("source, expected", [("/dev/zero", "a character device, not a regular file"),
+                                              ("big", f"larger than {MAX_CONFIG_BYTES >> 20} MiB")])
+def test_a_config_path_that_never_ends_or_is_huge_is_refused_without_reading_it_whole(tmp_path, source, expected):
+    """``--config /dev/zero`` read 10 GB in 30 s, and a 300 MB YAML hung the parser; only regular files are read."""
     path = source if source.startswith("/dev/") else tmp_path / "big.yaml"
     if source == "big":
         path.write_text("a: 1\n" * (MAX_CONFIG_BYTES // 5 + 10))
     message = error_of(load_config, path)
-    assert f"larger than {MAX_CONFIG_BYTES >> 20} MiB" in message and len(message) < 300
+    assert expected in message and len(message) < 300
+
+
+NEMO_RL_BODY = "policy:\n  dtensor_cfg: {enabled: true}\n"  # recognised as a NeMo-RL recipe (omegaconf loading)
+NATIVE_BODY = "grpo: {seed: 3}\n"
+
+
+def _load_either(path):
+    from grpo.nemo_rl_recipe import is_nemo_rl_recipe, load_recipe
+
+    return load_recipe(path, []) if is_nemo_rl_recipe(path) else load_config(path, [])
+
+
+@pytest.mark.parametrize("body", [NEMO_RL_BODY, NATIVE_BODY], ids=["nemo_rl", "native"])
+@pytest.mark.parametrize("defaults", ["5", "{a: 1}", "[[a]]", "[base.yaml, 3]", "''", "true"])
+def test_every_malformed_defaults_entry_is_a_config_error_naming_the_recipe(tmp_path, body, defaults):
+    """Issue 37: ``defaults: 5`` was a TypeError traceback."""
+    (tmp_path / "base.yaml").write_text(NATIVE_BODY)
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(f"defaults: {defaults}\n{body}")
+    message = error_of(_load_either, recipe)
+    assert message.startswith(f"{recipe}: defaults: ") and "expected a recipe path or a list of recipe paths" in message
+
+
+@pytest.mark.parametrize("line", ["  ~: 3", "  [a, b]: 3", "  3.5: {x: 1}"])
+def test_an_omegaconf_failure_of_a_nemo_rl_recipe_is_a_config_error(tmp_path, line):
+    """Issue 37: a null key in a NeMo-RL recipe was omegaconf's KeyValidationError traceback."""
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(NEMO_RL_BODY + line + "\n")
+    from grpo.nemo_rl_recipe import load_recipe
+
+    with pytest.raises(ConfigError):
+        load_recipe(recipe, [])
+
+
+def _chain(op: str, first: str, n: int) -> str:
+    return NEMO_RL_BODY + f"  x0: {first}\n" + "".join(
+        f"  x{i}: ${{{op}:${{policy.x{i - 1}}},${{policy.x{i - 1}}}}}\n" for i in range(1, n))
+
+
+@pytest.mark.parametrize("body, expected", [
+    (_chain("mul", "3", 40), r"policy\.x\d+: cannot interpolate: \$\{mul:\.\.\.\} would make an integer of about"),
+    (_chain("add", "ab", 40), r"policy\.x\d+: cannot interpolate: \$\{add:\.\.\.\} would make a value of"),
+    (_chain("mul", "[1, 2]", 40), r"policy\.x\d+: cannot interpolate"),
+    (NEMO_RL_BODY + "  y0: 1\n" + "".join(f"  y{i}: ${{policy.y{i - 1}}}\n" for i in range(1, 3000)),
+     "2,999 interpolations"),
+])
+def test_interpolation_work_is_bounded(tmp_path, body, expected):
+    """Issue 37: 39 chained ${mul:...} kept --check-config at full CPU for good (integers of billions of digits)."""
+    from grpo.nemo_rl_recipe import load_recipe
+
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(body)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=expected):
+        load_recipe(recipe, [])
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("body", [NEMO_RL_BODY, NATIVE_BODY], ids=["nemo_rl", "native"])
+def test_a_fifo_named_as_a_recipe_is_refused_at_once(tmp_path, body):
+    """Issue 37: a defaults: entry naming a FIFO blocked forever (no writer ever comes). Through the script's
+    --check-config, as a user meets it: one error line, exit 2."""
+    os.mkfifo(tmp_path / "base.yaml")
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("defaults: base.yaml\n" + body)
+    for config in (recipe, tmp_path / "base.yaml"):
+        p = subprocess.run([sys.executable, "train_grpo.py", "--config", str(config), "--check-config"], cwd=REPO,
+                           env=child_env(), capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+            f"error: {tmp_path / 'base.yaml'}: a FIFO (named pipe), not a regular file: a recipe is a YAML file on "
+            "disk"], p.stderr
 
 
 def test_a_yaml_alias_bomb_in_a_file_is_refused_at_once(tmp_path):

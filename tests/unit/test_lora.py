@@ -250,3 +250,71 @@ def test_export_adapter_without_lora_is_an_error(tiny_model_dir, dist_group, tmp
     engine = engines.build_policy_engine(cfg, 1, total_optimizer_steps=4)
     with pytest.raises(weights.ExportError, match="policy.lora.enabled=false"):
         weights.export_adapter(engine, str(tmp_path / "adapter"))
+
+
+# What a resume may not change (issue 37): (the checkpoint's policy.lora, the resumed run's, what the error names)
+LORA_CHANGES = {
+    "dim": ({}, {"dim": 8}, "policy.lora.dim=4 in the checkpoint, 8 in this run"),
+    "alpha": ({}, {"alpha": 16}, "policy.lora.alpha=8 in the checkpoint, 16 in this run"),
+    "off": ({}, {"enabled": False}, "policy.lora.enabled=true in the checkpoint, false in this run"),
+    "on": ({"enabled": False}, {}, "policy.lora.enabled=false in the checkpoint, true in this run"),
+    "targets": ({}, {"match_all_linear": False, "target_modules": ["q_proj", "v_proj"]},
+                "policy.lora.target_modules / exclude_modules / match_all_linear: the checkpoint adapts"),
+    "exclude": ({}, {"exclude_modules": ["down_proj"]}, "only in the checkpoint: model.layers.0.mlp.down_proj"),
+}
+
+
+@pytest.mark.parametrize("stage,change", [("zero0", c) for c in LORA_CHANGES] + [("zero3", "dim"), ("zero3", "on")])
+def test_a_resume_with_other_lora_settings_is_refused_before_anything_loads(tiny_model_dir, dist_group, stage, change,
+                                                                             tmp_path):
+    """Every change of what shapes the adapters (on/off, rank, alpha, the adapted modules) is one CheckpointError
+    naming the policy.lora key and both values, before DeepSpeed reads the checkpoint (two ranks under ZeRO-3:
+    tests/e2e/test_lora_e2e.py, slow). checkpointing.allow_config_change does not open it."""
+    from grpo.system.checkpoint import CheckpointError
+
+    saved_lora, resumed_lora, expected = LORA_CHANGES[change]
+    engine = engines.build_policy_engine(lora_cfg(tiny_model_dir, stage, **saved_lora), 1, total_optimizer_steps=4)
+    ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")))
+    ckpt.save(1, engine, GRPOSaveState(current_step=1))
+    resumed = engines.build_policy_engine(lora_cfg(tiny_model_dir, stage, **resumed_lora), 1, total_optimizer_steps=4)
+
+    def must_not_load(*a, **k):
+        raise AssertionError("DeepSpeed read the checkpoint before the LoRA settings were checked")
+
+    resumed.load_checkpoint = must_not_load
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load(ckpt.latest(), resumed, need_dataloader=False)
+    message = str(err.value)
+    assert expected in message and "\n" not in message
+    assert "Resume (or export) with the checkpoint's policy.lora" in message
+
+
+def test_a_resume_with_another_lora_dropout_loads(tiny_model_dir, dist_group, tmp_path):
+    """Dropout shapes no state (a training hyperparameter like the learning rate): with allow_config_change (the
+    fingerprint refuses it otherwise) a resume may change it."""
+    engine = engines.build_policy_engine(lora_cfg(tiny_model_dir, "zero0"), 1, total_optimizer_steps=4)
+    ckpt = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")))
+    ckpt.save(1, engine, GRPOSaveState(current_step=1))
+    resumed = engines.build_policy_engine(lora_cfg(tiny_model_dir, "zero0", dropout=0.1, dropout_position="pre"), 1,
+                                          total_optimizer_steps=4)
+    assert ckpt.load(ckpt.latest(), resumed, need_dataloader=False)[0].current_step == 1
+
+
+def test_a_lora_rank_larger_than_a_layer_s_width_warns_once(tiny_model_dir):
+    """Issue 37: such a rank ran without a word (B @ A of a layer has rank at most min(in, out))."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    width = min(min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engines.apply_lora(model, LoraConfig(enabled=True, dim=width + 1))
+    ours = [w for w in caught if "policy.lora.dim" in str(w.message)]
+    assert len(ours) == 1 and f"policy.lora.dim={width + 1} is larger than the width of" in str(ours[0].message)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engines.apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                           LoraConfig(enabled=True, dim=width))
+    assert not [w for w in caught if "policy.lora.dim" in str(w.message)]

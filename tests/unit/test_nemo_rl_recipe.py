@@ -545,6 +545,56 @@ def test_lora_cfg_target_modules_need_match_all_linear_off_as_in_nemo_rl():
     assert cfg.policy.lora.exclude_modules == ["lm_head"]
 
 
+LORA = "policy.dtensor_cfg.lora_cfg"
+
+
+def test_lora_cfg_module_names_as_one_string_are_one_entry_as_nemo_rl_reads_them():
+    """Issue 37: a string was read as a list of its characters (exclude_modules: q_proj adapted q_proj anyway). NeMo-RL's
+    DTensor LoRA reads module names through Automodel's ModuleMatcher, which wraps a string into a one-entry list."""
+    on = [f"{LORA}.enabled=true", f"++{LORA}.match_all_linear=false"]
+    cfg, _ = load_recipe(BASE, on + [f"++{LORA}.target_modules=q_proj"])
+    assert cfg.policy.lora.target_modules == ["q_proj"]
+    cfg, _ = load_recipe(BASE, [f"{LORA}.enabled=true", f"++{LORA}.exclude_modules=q_proj"])
+    assert cfg.policy.lora.exclude_modules == ["q_proj"]
+    cfg, _ = load_recipe(BASE, ["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true",
+                                "++policy.megatron_cfg.peft.target_modules=linear_qkv"])
+    assert cfg.policy.lora.target_modules == ["q_proj", "k_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("value, bad_key", [
+    ("5", "target_modules"), ("{a: 1}", "target_modules"), ("[q_proj,3]", "target_modules"),
+])
+def test_lora_cfg_module_names_of_another_type_are_refused_naming_the_key(value, bad_key):
+    with pytest.raises(ConfigError, match=rf"{LORA}\.{bad_key}=.*expected a list of module names"):
+        load_recipe(BASE, [f"{LORA}.enabled=true", f"++{LORA}.match_all_linear=false", f"++{LORA}.{bad_key}={value}"])
+
+
+@pytest.mark.parametrize("text, on", [("'false'", False), ("'False'", False), ("'no'", False), ("'0'", False),
+                                      ("'true'", True), ("'yes'", True), ("1", True)])
+def test_lora_cfg_enabled_parses_as_the_native_loader_parses_a_boolean(text, on):
+    """Issue 37: enabled: "false" (a string) turned LoRA on; the native loader (pydantic) reads it as false."""
+    from grpo.config import LoraConfig
+
+    cfg, _ = load_recipe(BASE, [f"{LORA}.enabled={text}"])
+    assert cfg.policy.lora.enabled is on is LoraConfig.model_validate({"enabled": text.strip("'")}).enabled
+    cfg, _ = load_recipe(BASE, [f"{LORA}.enabled=true", f"++{LORA}.target_modules=[q_proj]",
+                                f"++{LORA}.match_all_linear={text}"])
+    assert cfg.policy.lora.match_all_linear is (on or False) and cfg.policy.lora.target_modules == ([] if on else ["q_proj"])
+
+
+@pytest.mark.parametrize("override, key", [
+    (f"{LORA}.enabled=maybe", f"{LORA}.enabled"),
+    (f"{LORA}=[1,2]", LORA),
+    (f"{LORA}=7", LORA),
+    ("policy.megatron_cfg.peft=[1]", "policy.megatron_cfg.peft"),
+])
+def test_a_malformed_lora_section_or_flag_is_an_error_naming_it(override, key):
+    """Issue 37: lora_cfg: [1, 2] was dropped with the reason "enabled=false"."""
+    extra = ["policy.megatron_cfg.enabled=true"] if "megatron" in override else []
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', chr(92) + '.')}=.*expected a"):
+        load_recipe(BASE, extra + [override])
+
+
 def test_megatron_peft_maps_megatron_layer_names_to_the_hf_model_s():
     on = ["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true"]
     cfg, _ = load_recipe(BASE, on)

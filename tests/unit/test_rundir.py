@@ -209,3 +209,64 @@ def test_a_differing_long_value_is_named_briefly():
 
     diff = fingerprint_diff({"config": {"env.x": list(range(10_000))}}, {"config": {"env.x": list(range(10_001))}})
     assert diff == ["env.x: [0, 1, 2, 3, ...] -> [0, 1, 2, 3, ...]"]
+
+
+def _fp_dir(tmp_path, cfg_dict) -> str:
+    from grpo.system.rundir import run_fingerprint
+
+    d = tmp_path / "ckpt"
+    write_fingerprint(d, run_fingerprint(cfg_dict))
+    return str(d)
+
+
+def test_an_export_names_each_weight_setting_that_differs_and_only_those(tmp_path):
+    """--export-hf's check (issue 37): the keys that shape the exported weights (model, precision, tokenizer,
+    hf_config_overrides, the LoRA settings) against the run's fingerprint; everything else may differ."""
+    from grpo.system.rundir import EXPORT_KEYS, claim_for_export, export_config_diff
+
+    run = MasterConfig.model_validate({"policy": {"lora": {"enabled": True}}}).model_dump(mode="json")
+    d = _fp_dir(tmp_path, run)
+    same_weights = MasterConfig.model_validate({"policy": {"lora": {"enabled": True, "dropout": 0.1}},
+                                                "grpo": {"seed": 3}}).model_dump(mode="json")
+    assert export_config_diff(d, same_weights) == []
+    other = MasterConfig.model_validate({"policy": {"model_name": "other", "precision": "float32",
+                                                    "lora": {"enabled": True, "alpha": 64}}}).model_dump(mode="json")
+    assert export_config_diff(d, other) == ["policy.lora.alpha: 32.0 -> 64.0", "policy.model_name: 'Qwen/Qwen2.5-1.5B' "
+                                            "-> 'other'", "policy.precision: 'bfloat16' -> 'float32'"]
+    assert all(k.startswith("policy.") for k in EXPORT_KEYS)
+    with pytest.raises(RunDirError, match="policy.lora.alpha: 32.0 -> 64.0.*cannot be overridden"):
+        claim_for_export(d, other, "--export-hf", allow_change=True)
+    model_only = MasterConfig.model_validate({"policy": {"model_name": "other", "lora": {"enabled": True}}})
+    with pytest.raises(RunDirError, match="policy.model_name.*--export-allow-config-change"):
+        claim_for_export(d, model_only.model_dump(mode="json"), "--export-hf")
+    locks, run_id = claim_for_export(d, model_only.model_dump(mode="json"), "--export-hf", allow_change=True)
+    assert run_id == recorded_run_id(d)
+    for lock in locks:
+        lock.release()
+
+
+def test_an_export_without_lora_ignores_the_lora_settings_and_a_missing_directory_is_named(tmp_path):
+    from grpo.system.rundir import claim_for_export, export_config_diff
+
+    d = _fp_dir(tmp_path, MasterConfig().model_dump(mode="json"))
+    assert export_config_diff(d, MasterConfig.model_validate({"policy": {"lora": {"alpha": 1}}}).model_dump(
+        mode="json")) == []
+    assert export_config_diff(tmp_path / "nothing", {}) is None
+    with pytest.raises(RunDirError, match="--export-adapter: no checkpoint in .*nothing"):
+        claim_for_export(tmp_path / "nothing", {}, "--export-adapter")
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_an_export_checks_the_checkpoint_s_own_record_before_the_fingerprint(tmp_path):
+    """A resume refused at startup (another policy.lora.dim with allow_config_change) has already rewritten the
+    run fingerprint; the checkpoints' weight_config.json still says what their weights were trained with."""
+    from grpo.system.rundir import WEIGHT_CONFIG_FILE, export_config_diff, weight_config
+
+    def dumped(dim: int) -> dict:
+        return MasterConfig.model_validate({"policy": {"lora": {"enabled": True, "dim": dim}}}).model_dump(mode="json")
+
+    d = _fp_dir(tmp_path, dumped(8))  # the refused run's fingerprint
+    (tmp_path / "ckpt" / "step_000001").mkdir()
+    (tmp_path / "ckpt" / "step_000001" / WEIGHT_CONFIG_FILE).write_text(json.dumps(weight_config(dumped(4))))
+    assert export_config_diff(d, dumped(4)) == []
+    assert export_config_diff(d, dumped(8)) == ["policy.lora.dim: 4 -> 8"]

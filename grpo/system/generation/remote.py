@@ -64,13 +64,14 @@ def bucket_specs(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tupl
 
 class RemoteGeneration(GenerationBackend):
     """The trainers' `GenerationBackend` when generation runs on ranks of its own. Built on every trainer (a
-    collective: the trainers' gloo group); ``bridge``: trainer 0's end (None on the other trainers);
-    ``model_path``: the resolved ``policy.model_name`` the generation ranks load."""
+    collective: the trainers' gloo group); ``bridge``: trainer 0's end (None on the other trainers, and on trainer 0
+    when the bridge did not form: ``bridge_error`` says why, and every trainer raises it); ``model_path``: the
+    resolved ``policy.model_name`` the generation ranks load."""
 
     loads_staged_weights = True  # the async producer pushes the stage's weights to the generation ranks
 
     def __init__(self, cfg, layout, bridge: Bridge | None, model_path: str, device: torch.device, tokenizer=None,
-                 model_eos=None):
+                 model_eos=None, bridge_error: str | None = None):
         import torch.distributed as dist
 
         from grpo.system.generation.vllm_params import stop_token_ids
@@ -96,7 +97,7 @@ class RemoteGeneration(GenerationBackend):
         self.memory: dict[str, float] = {}
         self.stats = {"weight_loads": 0, "in_flight_weight_updates": 0, "kv_cache_recomputes": 0,
                       "multi_version_samples": 0}
-        error = None
+        error = bridge_error  # trainer 0 could not form the bridge (a generation rank never joined)
         if bridge is not None:
             try:
                 replies = self._ask_all("hello", [{"model": model_path}] * self.num_ranks,
