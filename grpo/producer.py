@@ -49,7 +49,7 @@ class RolloutProducer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="grpo-generation", daemon=True)
         a = run.cfg.grpo.async_grpo
-        if a.in_flight_weight_updates and hasattr(generator, "load_staged"):  # generation ranks: mid-request too
+        if a.in_flight_weight_updates and generator.loads_staged_weights:  # generation ranks: mid-request too
             generator.in_flight = self._load_mid_request
 
     def start(self) -> None:
@@ -78,16 +78,15 @@ class RolloutProducer:
             "async/trainer_wait_s": wait_s, "async/generation_busy_frac": busy_frac,
             "async/evicted_groups": self.buffer.num_evicted, "async/generation_failures": self.total_failures,
             "async/gen_start_time": info.gen_start_time, "async/gen_end_time": info.gen_end_time,
-            **{f"async/{k}": v for k, v in getattr(self.generator, "stats", {}).items()},  # generation ranks: totals
+            **{f"async/{k}": v for k, v in self.generator.stats.items()},  # generation ranks: totals
         }
 
     def load_newest(self) -> int:
         """A safe point: load the newest published weights into the copy, or into the generation ranks
         (``policy.generation.colocated.enabled=false``: `RemoteGeneration.load_staged`, a collective of the
         trainers); returns the version it holds."""
-        load_staged = getattr(self.generator, "load_staged", None)
-        if load_staged is not None:
-            self.version = load_staged(self.stage)
+        if self.generator.loads_staged_weights:
+            self.version = self.generator.load_staged(self.stage)
         else:
             self.version = self.stage.load_into(self.generator.model, self.version)
         return self.version
@@ -144,7 +143,7 @@ class RolloutProducer:
                 self.busy_s += time.perf_counter() - t0
                 self.failures += 1
                 self.total_failures += 1
-                broken = getattr(self.generator, "broken", None)  # generation ranks gone: no retry can help
+                broken = self.generator.broken  # generation ranks gone: no retry can help
                 if broken is not None:
                     self.buffer.close(StopKind.FAILURES, f"the generation ranks cannot generate any more (step "
                                       f"{self.target}): {broken}")

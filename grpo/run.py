@@ -646,10 +646,10 @@ def validate(run: Run, generator, envs, step: int) -> dict:
 def validation_sampling(generator, gen_cfg):
     """Inside the block ``generator`` samples with NeMo-RL's validation-only parameters,
     ``policy.generation.val_temperature`` / ``val_top_p`` / ``val_top_k`` (null: the training value;
-    `grpo.config.GenerationConfig.for_validation`). Both backends read their sampling parameters from their
-    generation config on every call (``gen_cfg``: HFGeneration, VllmGeneration, RemoteGeneration)."""
+    `grpo.config.GenerationConfig.for_validation`). Every backend reads its sampling parameters from its
+    generation config on every call (`grpo.system.generation.base.GenerationBackend.gen_cfg`)."""
     val = gen_cfg.for_validation()
-    if val is gen_cfg or not hasattr(generator, "gen_cfg"):
+    if val is gen_cfg:
         yield
         return
     before = generator.gen_cfg

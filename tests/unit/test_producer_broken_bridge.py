@@ -8,12 +8,15 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.producer import RolloutProducer
+from grpo.system.generation.base import GenerationBackend
 from grpo.system.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage
 from grpo.system.rollout import RolloutError
 
 
-class _Generator:
+class _Generator(GenerationBackend):
     """A remote backend whose rollout fails; ``broken`` says whether the bridge is gone."""
+
+    loads_staged_weights = True
 
     def __init__(self, broken: str | None):
         self.broken = broken
