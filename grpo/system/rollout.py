@@ -29,7 +29,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from grpo.trajectory import Message, Rollout, Trajectory  # noqa: F401  (callers import them from here too)
+from grpo.trajectory import Message, Rollout, Trajectory
 from grpo.tasks.interface import MESSAGE_FLAGS
 from grpo.system.chat import ChatFormatError
 from grpo.tasks.rows import PromptRow
