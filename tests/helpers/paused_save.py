@@ -13,19 +13,23 @@ from pathlib import Path
 
 import grpo.system.checkpoint as checkpoint
 
-flags, step = Path(os.environ["PAUSE_DIR"]), int(os.environ["PAUSE_STEP"])
-_write_json = checkpoint._atomic_write_json
+
+def main() -> None:
+    flags, step = Path(os.environ["PAUSE_DIR"]), int(os.environ["PAUSE_STEP"])
+    write_json = checkpoint._atomic_write_json
+
+    def paused(path: Path, obj: dict) -> None:
+        if path.name == "train_state.json" and path.parent.name == f"step_{step:06d}.tmp":
+            (flags / "save_paused").write_text(str(path.parent))
+            while not (flags / "save_go").exists():
+                time.sleep(0.05)
+        write_json(path, obj)
+
+    checkpoint._atomic_write_json = paused
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+    runpy.run_path(sys.argv[0], run_name="__main__")
 
 
-def _paused(path: Path, obj: dict) -> None:
-    if path.name == "train_state.json" and path.parent.name == f"step_{step:06d}.tmp":
-        (flags / "save_paused").write_text(str(path.parent))
-        while not (flags / "save_go").exists():
-            time.sleep(0.05)
-    _write_json(path, obj)
-
-
-checkpoint._atomic_write_json = _paused
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
-runpy.run_path(sys.argv[0], run_name="__main__")
+if __name__ == "__main__":  # pytest's doctest collection imports this file: nothing runs then
+    main()

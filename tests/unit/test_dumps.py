@@ -190,3 +190,22 @@ def test_a_write_the_disk_refuses_leaves_no_file_raises_once_and_turns_the_dumps
     with pytest.raises(OSError):
         other.write("val", 0, [make_record(split="val", step=0)])
     assert other.failed is not None
+
+
+def test_a_step_skipped_for_failures_dumps_without_advantages():
+    """A step skipped for failures (grpo.run.skip_step) dumps its samples before any advantage exists: the failed
+    one masked with its reason, the others with no advantage (this crashed the run with dumps on)."""
+    from grpo.batch import build_batch
+    from grpo.system.dumps import rollout_records
+    from grpo.trajectory import Message, Trajectory
+
+    def traj(i, error=None):
+        return Trajectory(0, 0, "t", "q", "a", [Message("user", "q", [1, 2]), Message("assistant", "x", [3], [-0.5])],
+                          {}, reward=1.0, error=error, failure_kind="data" if error else None)
+
+    batch = build_batch([traj(0), traj(1, "reward_error")], pad_id=0)
+    assert batch.advantages_bt is None
+    records = rollout_records(batch.trajectories, "train", 2, batch)
+    assert [r["advantage"] for r in records] == [None, None]
+    assert [(r["masked"], r["mask_reason"], r["error"]) for r in records] == [
+        (False, None, None), (True, "failed", "reward_error")]
