@@ -37,7 +37,7 @@ def canary(attn: str, device: torch.device, dtype: torch.dtype) -> dict[str, flo
     sample's own change (the canary can see a change)."""
     from grpo.system.engines import FrozenModel
     from grpo.system.packed import Packing
-    from grpo.system.training import _forward
+    from grpo.system.training import logprob_forward
 
     engine = FrozenModel(tiny_llama(attn, device, dtype), device)
     ids, mask = rows()
@@ -47,9 +47,9 @@ def canary(attn: str, device: torch.device, dtype: torch.dtype) -> dict[str, flo
     real = mask.bool().clone()
     real[:, 0] = False  # position 0 has no logprob
     with torch.no_grad():
-        padded = _forward(engine, ids, mask)[0].float().cpu()
-        packed = _forward(engine, ids, mask, packing=Packing(8, always=True))[0].float().cpu()
-        packed_other = _forward(engine, other, mask, packing=Packing(8, always=True))[0].float().cpu()
+        padded = logprob_forward(engine, ids, mask)[0].float().cpu()
+        packed = logprob_forward(engine, ids, mask, packing=Packing(8, always=True))[0].float().cpu()
+        packed_other = logprob_forward(engine, other, mask, packing=Packing(8, always=True))[0].float().cpu()
     keep = torch.ones(len(LENGTHS), dtype=torch.bool)
     keep[CHANGED] = False
     diff = (packed_other - packed).abs()
