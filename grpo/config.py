@@ -1004,7 +1004,11 @@ class EnvSpec(_Section):
             >>> EnvSpec(name="tools", tools=["grpo.system.sandbox:python"], reward_fn="m:f").tools
             ['grpo.tasks.sandbox:python']
         """
-        return [MOVED_MODULES.get(t.split(":")[0], t.split(":")[0]) + t[len(t.split(":")[0]):] for t in tools]
+        moved = []
+        for spec in tools:
+            module, colon, name = spec.partition(":")
+            moved.append(MOVED_MODULES.get(module, module) + colon + name)
+        return moved
 
     @model_validator(mode="after")
     def _check(self) -> "EnvSpec":
