@@ -14,6 +14,7 @@ Failures are controlled per call and survive the reward worker processes (state 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -31,13 +32,21 @@ def _key(*parts: str) -> str:
 
 
 def _next_call(question: str, completion: str) -> int:
-    """This call's number (0, 1, ...) for (question, completion), counted in $FLAKY_STATE_DIR."""
+    """This call's number (0, 1, ...) for (question, completion), counted in $FLAKY_STATE_DIR.
+
+    Equal completions are common with a tiny model and are scored in parallel worker processes: the count is read and
+    written under an exclusive lock, so that no reader sees a half-written file (an int("") ValueError would be a data
+    failure of the helper itself) and no two calls get the same number."""
     d = Path(os.environ["FLAKY_STATE_DIR"])
     d.mkdir(parents=True, exist_ok=True)
-    path = d / _key(question, completion)
-    n = int(path.read_text()) if path.exists() else 0
-    path.write_text(str(n + 1))
-    return n
+    with open(d / _key(question, completion), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        n = int(f.read() or 0)
+        f.seek(0)
+        f.truncate()
+        f.write(str(n + 1))
+        return n
 
 
 def sometimes_broken(question: str, completion: str, answer: str, meta: dict) -> float:
