@@ -28,8 +28,10 @@ from __future__ import annotations
 import os
 import time
 
-from grpo.run import finish, run_script, save, setup, skip_step, stop_reason, validate
-from grpo.step_end import end_step
+from grpo.run import finish, run_script, save, stop_reason
+from grpo.run_setup import setup
+from grpo.step_end import end_step, skip_step
+from grpo.validation import validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 

@@ -23,10 +23,11 @@ import os
 import time
 
 from grpo.run import (
-    finish, resume_note, run_rollout, run_script, save, setup, signal_stop_message, skip_step, stop_reason,
-    stop_requested, validate,
+    finish, resume_note, run_rollout, run_script, save, signal_stop_message, stop_reason, stop_requested,
 )
-from grpo.step_end import end_step
+from grpo.run_setup import setup
+from grpo.step_end import end_step, skip_step
+from grpo.validation import validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
 

@@ -10,7 +10,7 @@ import that runs up a layer, on any import cycle, and on a module that no layer 
     3. config       grpo.config
     4. algorithm    grpo.advantages grpo.registry grpo.loss grpo.rewards grpo.logprobs grpo.batch grpo.packing grpo.step grpo.dynamic_sampling grpo.metrics grpo.rollout_metrics
     5. system       grpo.system
-    6. composition  grpo.config_load grpo.nemo_rl_rules grpo.nemo_rl_recipe grpo.run grpo.step_end grpo.producer grpo.plot grpo.inspect
+    6. composition  grpo.config_load grpo.nemo_rl_rules grpo.nemo_rl_recipe grpo.cli grpo.run grpo.validation grpo.serving grpo.export grpo.run_setup grpo.step_end grpo.producer grpo.plot grpo.inspect
 
 1. leaves: the process group (`grpo.system.dist`: rank_slice, all_gather_objects, any_rank,
    init_distributed), POSIX signals (`grpo.system.signals`) and the typed data of a rollout (`grpo.trajectory`:
@@ -25,10 +25,12 @@ import that runs up a layer, on any import cycle, and on a module that no layer 
    The place a research fork edits.
 5. system (`grpo.system`): what runs the algorithm: DeepSpeed engines, the training forward
    (`grpo.system.training`), generation backends, weights, offload, checkpoints, run directories, data,
-   rollouts, tracking, dumps.
+   rollouts, tracking, the startup line (`grpo.system.banner`), dumps.
 6. composition: loading the config (`grpo.config_load`; NeMo-RL's recipes: `grpo.nemo_rl_recipe` loads them and
-   `grpo.nemo_rl_rules` translates them key by key), a run's setup and teardown (`grpo.run`), the end of a
-   trained step that both loops share (`grpo.step_end`), the async loop's producer thread, and the command-line
-   tools (`grpo.plot`, `grpo.inspect`); the loops themselves
-   are the scripts ``train_grpo.py`` and ``train_async_grpo.py``.
+   `grpo.nemo_rl_rules` translates them key by key), the scripts' command line (`grpo.cli`), the `Run` and its
+   per-step calls and teardown (`grpo.run`), validation (`grpo.validation`), where generation runs and is served
+   (`grpo.serving`), ``--export-hf`` / ``--export-adapter`` (`grpo.export`), a run's setup (`grpo.run_setup`), the
+   end of a step that both loops share (`grpo.step_end`), the async loop's producer thread, and the command-line
+   tools (`grpo.plot`, `grpo.inspect`); the loops themselves are the scripts ``train_grpo.py`` and
+   ``train_async_grpo.py``.
 """

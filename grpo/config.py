@@ -1425,7 +1425,7 @@ VALIDATION_METRIC_ALIASES = {"reward_mean": "accuracy", "pass@k": "pass_k", "res
 
 
 def validation_metric_names(k: int) -> list[str]:
-    """The metrics validation reports (`grpo.run.validate`, logged as ``validation/<name>``) with
+    """The metrics validation reports (`grpo.validation.validate`, logged as ``validation/<name>``) with
     ``grpo.val_num_generations_per_prompt = k``; as in NeMo-RL, pass_k only when k > 1.
 
         >>> validation_metric_names(4)

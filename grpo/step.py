@@ -73,7 +73,7 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
 def penalize(rewards_b: torch.Tensor, trajectories, rp, tokenizer):
     """``reward_penalties`` on the trajectories' generated messages (`grpo.rewards.apply_reward_penalties`):
     returns (rewards_b', flags, metrics, turns, think_ids). Training (`shape_rewards`) and validation
-    (`grpo.run.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it."""
+    (`grpo.validation.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it."""
     turns = [sample_turns(t, tokenizer, rp) for t in trajectories]
     think_ids = single_token_think_ids(tokenizer, rp.think_open_tag, rp.think_close_tag)
     out_b, flags, metrics = apply_reward_penalties(rewards_b, turns, rp, tokenizer_think_ids=think_ids)

@@ -1,4 +1,5 @@
-"""The end of a trained step, the same in both loops: log, check, dump, validate, checkpoint.
+"""The end of a step, the same in both loops: a trained step's log, checks, dumps, validation and checkpoint
+(`end_step`), or the bookkeeping of a step skipped for failed rollouts (`skip_step`).
 
     end = end_step(run, step, batch, results, metrics, validate=..., loader_state=...)
     stop, failure = end.stop, end.failure          # both None: go on
@@ -60,3 +61,27 @@ def end_step(run: Run, step: int, batch, results: list[dict], metrics: dict, *, 
     if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
         save(run, step, metrics, val, loader_state(), extra=extra() if extra is not None else None)
     return StepEnd(stop, None, metrics)
+
+
+def skip_step(run: Run, step: int, batch, metrics: dict) -> str | None:
+    """Step ``step`` is not trained: too many of its samples failed (``grpo.rollout_failure.min_step_batch_fraction``,
+    `grpo.system.health.RolloutBudget`). It is still a step (`grpo.step.record_step` with ``trained=False``): its
+    prompts are consumed, its row is logged (rollout metrics, no ``train/loss``) with ``rollout/skipped_steps``,
+    its samples dumped, and a line names the environment's last error. Returns None, or the stop message (one
+    line) once ``max_consecutive_skipped_steps`` steps in a row were skipped: `grpo.run.finish` then saves the state (the
+    weights of the last trained step) and the run exits 1 with it."""
+    from grpo.metrics import nemo_rl_names
+    from grpo.step import record_step
+
+    budget = run.checks.rollouts
+    stop = budget.skipped(batch.trajectories)
+    record_step(run.state, batch, step, trained=False)
+    run.logger.write(budget.skip_note(step, int(batch.failed_b.sum()), len(batch)))
+    run.logger.log(nemo_rl_names({**metrics, **budget.metrics(), "train/skipped_step": 1}), step)
+    dump_rollouts(run, "train", step, batch.trajectories, batch)
+    if not stop:
+        return None
+    run.checks.stop_kind = "rollouts"
+    return (f"{budget.message()}; the weights are those of step {step - budget.consecutive} (the last trained one)"
+            + (f"; step {step} is checkpointed: rerun the same command to resume once the environment is back"
+               if run.cfg.checkpointing.enabled else ""))

@@ -364,7 +364,7 @@ def rollout_records(trajectories: list, split: str, step: int, batch=None, overl
 
     adv_b = err_b = mask_b = valid_b = None
     if batch is not None:
-        if batch.advantages_bt is not None:  # None in a step skipped for failures (grpo.run.skip_step)
+        if batch.advantages_bt is not None:  # None in a step skipped for failures (grpo.step_end.skip_step)
             adv_b = sample_token_means(batch.advantages_bt, batch.token_mask_bt).tolist()
         mask_b = batch.sample_mask_b.tolist()
         valid_b = batch.valid_b.tolist()

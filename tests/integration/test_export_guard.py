@@ -1,4 +1,4 @@
-"""``--export-hf`` / ``--export-adapter`` from a run's checkpoints (issue 37), through `grpo.run.setup` in this process:
+"""``--export-hf`` / ``--export-adapter`` from a run's checkpoints (issue 37), through `grpo.run_setup.setup` in this process:
 the export command's weight settings must be the run's (a changed ``policy.lora.alpha`` would merge the adapters
 with another scale and exit 0), a live run's directory is refused at once and left as it is, and an export deletes
 nothing (a ``step_N.tmp`` is a save in progress or the next run's to clean). The same with a real trainer paused
@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from grpo.run import RunError, setup
+from grpo.run import RunError
+from grpo.run_setup import setup
 from tests.helpers.e2e import TINY
 from tests.unit.test_rundir import _lock_in_child
 

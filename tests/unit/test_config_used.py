@@ -27,11 +27,11 @@ READ_ONLY_BY_THE_SCHEMA = {
         "NeMo-RL's top-level key; GRPOConfig's validator copies it into grpo.adv_estimator.normalize_rewards "
         "where that is null, and the estimators read the latter",
     "grpo.use_leave_one_out_baseline": "the same: copied into grpo.adv_estimator.use_leave_one_out_baseline",
-    "cluster.gpus_per_node": "checked against the launcher by grpo.config.cluster_mismatch, called by grpo/run.py",
+    "cluster.gpus_per_node": "checked against the launcher by grpo.config.cluster_mismatch, called by grpo/serving.py and grpo/run_setup.py",
     "cluster.num_nodes": "the same: cluster_mismatch",
     "policy.generation.colocated.resources.gpus_per_node":
         "NeMo-RL's name; grpo.config.generation_ranks turns it into the number of generation ranks, which "
-        "grpo/run.py's start_split uses",
+        "grpo/serving.py's start_split uses",
     "policy.generation.colocated.resources.num_nodes": "the same: generation_ranks",
     "policy.sequence_packing.logprob_mb_tokens":
         "read through grpo.config.PolicyConfig.mb_tokens('logprob') (null: max_total_sequence_length x "
@@ -41,11 +41,11 @@ READ_ONLY_BY_THE_SCHEMA = {
     "policy.dynamic_batching.train_mb_tokens": "the same: PolicyConfig.mb_tokens('train')",
     "policy.generation.val_temperature":
         "read by grpo.config.GenerationConfig.for_validation (getattr of val_<name>), which "
-        "grpo/run.py validation_sampling calls",
+        "grpo/validation.py validation_sampling calls",
     "policy.generation.val_top_p": "the same: GenerationConfig.for_validation",
     "policy.generation.val_top_k": "the same: GenerationConfig.for_validation",
     "policy.generation.colocated.enabled":
-        "read by grpo.config.generation_ranks (0 when colocated), which grpo/run.py's setup and start_split call",
+        "read by grpo.config.generation_ranks (0 when colocated), which grpo/run_setup.py's setup and grpo/serving.py's start_split call",
     "policy.optimizer.name":
         "a one-value Literal (adamw, what grpo/system/engines.py builds), so a recipe asking for another optimizer "
         "fails at load instead of being ignored",

@@ -193,7 +193,7 @@ def test_val_start_at_delays_periodic_validation(overrides, due):
 def test_validation_sampling_reaches_the_hf_backend(monkeypatch):
     import torch
 
-    from grpo.run import validation_sampling
+    from grpo.validation import validation_sampling
     from grpo.system.generation import hf
     from grpo.tasks.toy import build_char_tokenizer, build_tiny_model
 
@@ -221,7 +221,7 @@ def test_validation_sampling_reaches_the_hf_backend(monkeypatch):
 
 
 def test_validation_sampling_reaches_vllm_sampling_params():
-    from grpo.run import validation_sampling
+    from grpo.validation import validation_sampling
     from grpo.system.generation.vllm_params import sampling_kwargs
 
     g = MasterConfig.model_validate({"policy": {"generation": {"temperature": 0.8, "top_k": 20,

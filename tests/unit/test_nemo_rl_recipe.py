@@ -416,8 +416,8 @@ def test_check_config_exit_codes_and_output():
 
 
 def test_check_config_imports_no_torch():
-    code = ("import sys, train_grpo, grpo.run\n"
-            "try:\n    grpo.run.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
+    code = ("import sys, train_grpo, grpo.cli\n"
+            "try:\n    grpo.cli.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
             "except SystemExit as e:\n"
             "    print('EXIT', e.code, 'torch' in sys.modules, 'deepspeed' in sys.modules, file=sys.stderr)\n")
     p = subprocess.run([sys.executable, "-c", code, "--config", str(BASE), "--check-config"], cwd=REPO,

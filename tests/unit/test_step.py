@@ -209,18 +209,18 @@ def test_validation_accuracy_counts_a_penalised_sample_as_wrong(monkeypatch):
     penalised rewards (a malformed-thinking answer scores 0 there as in training)."""
     from types import SimpleNamespace
 
-    import grpo.run as run_mod
+    import grpo.validation as validation_mod
 
     cfg = build_config({"reward_penalties": {"penalize_malformed_think_tag": True},
                         "grpo": {"val_batch_size": 2, "max_val_samples": 2}})
     good, bad = traj(0, 1.0, [([10, 2], [])]), traj(1, 1.0, [([11, 2], [])])
     good.messages[1].content, bad.messages[1].content = "<think>a</think>x", "<think>a</think>x</think>"
-    monkeypatch.setattr(run_mod, "run_rollout", lambda *a, **k: SimpleNamespace(
+    monkeypatch.setattr(validation_mod, "run_rollout", lambda *a, **k: SimpleNamespace(
         trajectories=[good, bad], timing={"generate_s": 0.0, "env_step_s": 0.0}))
-    monkeypatch.setattr(run_mod, "dump_rollouts", lambda *a, **k: None)
+    monkeypatch.setattr(validation_mod, "dump_rollouts", lambda *a, **k: None)
     logged = {}
     logger = SimpleNamespace(log=lambda row, step: logged.update(row), print_samples=lambda *a: None)
     run = SimpleNamespace(cfg=cfg, val_ds=[object(), object()], logger=logger, tokenizer=build_char_tokenizer())
-    metrics = run_mod.validate(run, object(), None, step=3)
+    metrics = validation_mod.validate(run, object(), None, step=3)
     assert metrics["accuracy"] == 0.5 and metrics["malformed_think_tag_rate"] == 0.5
     assert logged["validation/accuracy"] == 0.5

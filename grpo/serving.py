@@ -1,0 +1,101 @@
+"""Where a run's generation runs and how it is served: the launch split into training and generation ranks, a
+generation rank's whole run, the trainers' generation backend (hf, vLLM, or the generation ranks behind the
+bridge) and the OpenAI-compatible endpoint over it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from grpo.config import cluster_mismatch, generation_ranks
+from grpo.run import RunError
+
+
+def start_split(cfg):
+    """``policy.generation.colocated.enabled=false``: check the launch against the config, then split it into
+    training and generation ranks (`grpo.system.dist.init_split`); returns ``(layout, device)``."""
+    from grpo.config import generation_split_problem
+    from grpo.system.dist import EnvMismatch, init_split
+    from grpo.system.engines import local_world_size
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    problem = (cluster_mismatch(cfg.cluster, launched, local_world_size())
+               or generation_split_problem(cfg.policy.generation, launched))
+    if problem is not None:
+        raise RunError(problem.removeprefix("error: "))
+    try:
+        return init_split(generation_ranks(cfg.policy.generation))
+    except EnvMismatch as err:
+        raise RunError(str(err)) from None
+
+
+def serve_generation(cfg, layout, device) -> None:
+    """A generation rank's whole run (`grpo.system.generation.server.serve`): returns when trainer 0 closes the
+    bridge; raises `RunError` when the trainers are gone or the engine cannot start."""
+    from grpo.system.bridge import BridgeError
+    from grpo.system.generation.server import serve
+
+    try:
+        serve(cfg, layout, device)
+    except BridgeError as err:
+        raise RunError(f"generation rank {layout.rank} (launcher rank {layout.global_rank}) stops: {err}") from None
+
+
+def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None):
+    """`policy.generation.backend`: "hf" (transformers generate, any device) or "vllm" (colocated). With hf and
+    whole weights on every rank (ZeRO-1/2), generation runs on the policy module itself (no copy to refit). With a
+    ``layout`` (`grpo.system.dist.Layout`, ``colocated.enabled=false``): `RemoteGeneration`, the generation
+    ranks' engines behind the bridge (a collective of the trainers)."""
+    if layout is not None:
+        from grpo.system.bridge import Bridge, BridgeError
+        from grpo.system.generation.remote import RemoteGeneration
+
+        from grpo.system.dist import comm_device
+
+        timeout = cfg.policy.generation.colocated.bridge_timeout_s
+        bridge, error = None, None
+        if layout.rank == 0:
+            try:
+                bridge = Bridge(layout.store, 0, 1 + layout.num_generation, timeout, comm_device())
+            except BridgeError as err:  # a generation rank never joined: every trainer stops with it
+                error = str(err)
+        return RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device, tokenizer,
+                                getattr(policy_engine.module.config, "eos_token_id", None), bridge_error=error)
+    if cfg.policy.generation.backend == "hf":
+        from grpo.system.generation.hf import HFGeneration
+
+        shared = policy_engine.zero_optimization_stage() < 3
+        return HFGeneration(cfg.policy, tokenizer, policy_engine.module.config, device,
+                            model=policy_engine.module if shared else None, shared=shared,
+                            refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
+    from grpo.system.generation.vllm import VllmGeneration
+
+    return VllmGeneration(cfg, tokenizer, policy_engine, device,
+                          refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
+
+
+def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger, rank: int, asynchronous: bool):
+    """The OpenAI-compatible endpoint over ``generator`` (`grpo.system.generation.endpoint`), when
+    ``policy.generation.vllm_cfg.expose_http_server`` is set or an environment is an agent (env.name=agent); its
+    base URL, key and model name go to ``<log_dir>/endpoint.json`` (``endpoint_rank<r>.json`` on other ranks;
+    owner-only) for agents outside the run. Returns the `grpo.system.agent_rollout.AgentPlayer`, or None."""
+    from grpo.system.agent_rollout import AgentPlayer, agent_tasks
+
+    agent = sorted({t for envs in envs_list for t in agent_tasks(envs)})
+    if not cfg.policy.generation.vllm_cfg.expose_http_server and not agent:
+        return None
+    if asynchronous or generator is None:
+        raise RunError("the endpoint (policy.generation.vllm_cfg.expose_http_server, env.name=agent) is served by "
+                       "train_grpo.py only; train_async_grpo.py does not serve it yet")
+    from grpo.system.generation.endpoint import Endpoint
+
+    endpoint = Endpoint(cfg, generator, tokenizer)
+    url = endpoint.start()
+    closables.insert(0, endpoint)  # closed first: no request reaches a closed backend
+    path = os.path.join(cfg.logger.log_dir, "endpoint.json" if rank == 0 else f"endpoint_rank{rank}.json")
+    os.makedirs(cfg.logger.log_dir, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"base_url": url, "api_key": endpoint.api_key, "model": endpoint.model_name}, f)
+    logger.write(f"endpoint: {url} serves {endpoint.model_name!r} (key in {path}){'; agent tasks ' + str(agent) if agent else ''}")
+    return AgentPlayer(endpoint)

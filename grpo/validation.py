@@ -1,0 +1,85 @@
+"""Validation as NeMo-RL runs it: validation's sampling parameters for a block, a scored pass over the validation
+prompts, and its ``validation/*`` metrics."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from grpo.run import Run, dump_rollouts, run_rollout
+
+
+def validate(run: Run, generator, envs, step: int) -> dict:
+    """Score up to ``grpo.max_val_samples`` prompts x ``grpo.val_num_generations_per_prompt`` samples with
+    validation's sampling (`validation_sampling`), log NeMo-RL's ``validation/*`` and ``timing/validation/*``,
+    print a few conversations and dump them (``logger.dump_rollouts``); returns the metrics under NeMo-RL's names
+    (`grpo.config.validation_metric_names`), as NeMo-RL's ``validate`` (nemo_rl/algorithms/grpo.py):
+
+        accuracy    mean reward over the scored samples  pass_k   share of prompts with a sample rewarded > 0
+        avg_length  mean generated tokens per sample              (only when k > 1, as in NeMo-RL)
+        truncation_rate, avg_turns_per_sample, num_samples  (the rollout's, `grpo.rollout_metrics.rollout_summary`)
+        failed_samples  samples whose environment or reward call failed (`grpo.tasks.failures`): left out of
+                        accuracy and pass_k (a prompt whose samples all failed is not counted), never scored 0
+
+    Seeds depend only on the sample's index (not the step), so successive validations differ only by the
+    weights. A collective: every rank calls it.
+    """
+    import torch
+
+    from grpo.metrics import pass_at_k
+    from grpo.rollout_metrics import rollout_summary
+    from grpo.step import penalize
+
+    g = run.cfg.grpo
+    n = min(len(run.val_ds), g.max_val_samples or len(run.val_ds))
+    k = g.val_num_generations_per_prompt
+    rows = [run.val_ds[i] for i in range(n)]
+    trajs, group_ids, timing, t0 = [], [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
+    bs = g.val_batch_size or n
+    with validation_sampling(generator, run.cfg.policy.generation):
+        for start in range(0, n, bs):
+            r = run_rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val",
+                            num_generations=k)
+            trajs += r.trajectories
+            group_ids += [start + t.group_id for t in r.trajectories]
+            timing = {key: v + r.timing[key] for key, v in timing.items()}
+    # NeMo-RL's validate scores with its reward_penalties too: accuracy counts a zeroed sample as wrong.
+    rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor([float(t.reward) for t in trajs]), trajs,
+                                                   run.cfg.reward_penalties, run.tokenizer)
+    rollout = rollout_summary(trajs)  # {} without samples
+    scored_b = torch.tensor([t.error is None for t in trajs], dtype=torch.bool)
+    metrics = {
+        "accuracy": rewards_b[scored_b].mean().item() if scored_b.any() else 0.0,
+        "avg_length": rollout.get("mean_gen_tokens_per_sample", 0.0),
+        "truncation_rate": rollout.get("truncation_rate", 0.0),
+        "avg_turns_per_sample": rollout.get("avg_turns_per_sample", 0.0),
+        "num_samples": float(len(trajs)),
+        "failed_samples": float((~scored_b).sum().item()),
+        **penalty_metrics,
+    }
+    if k > 1:
+        metrics["pass_k"] = pass_at_k(rewards_b[scored_b], torch.tensor(group_ids, dtype=torch.long)[scored_b])
+    timing["total_validation_time"] = time.perf_counter() - t0
+    run.logger.log({**{f"validation/{key}": v for key, v in metrics.items()},
+                    **{f"timing/validation/{key}": v for key, v in timing.items()}}, step)
+    run.logger.print_samples(trajs, run.cfg.logger.num_val_samples_to_print)
+    dump_rollouts(run, "val", step, trajs)
+    return metrics
+
+
+@contextmanager
+def validation_sampling(generator, gen_cfg):
+    """Inside the block ``generator`` samples with NeMo-RL's validation-only parameters,
+    ``policy.generation.val_temperature`` / ``val_top_p`` / ``val_top_k`` (null: the training value;
+    `grpo.config.GenerationConfig.for_validation`). Every backend reads its sampling parameters from its
+    generation config on every call (`grpo.system.generation.base.GenerationBackend.gen_cfg`)."""
+    val = gen_cfg.for_validation()
+    if val is gen_cfg:
+        yield
+        return
+    before = generator.gen_cfg
+    generator.gen_cfg = val
+    try:
+        yield
+    finally:
+        generator.gen_cfg = before
