@@ -1,13 +1,55 @@
 """The typed data of a rollout: `Message`, `Trajectory` (one sample: a conversation and what the environments
-made of it) and `Rollout` (a scored prompt batch). A leaf: it imports nothing of grpo, so every layer reads the
-same types (the rollout loop in `grpo.system.rollout` makes them, the environments' hooks, the batch builder,
-the replay deque, the dumps and the agents read them). A failed sample's reason is one of
-`grpo.tasks.failures.REASONS`.
+made of it), `Rollout` (a scored prompt batch) and why a sample failed (`REASONS`, `Failure`). A leaf: it imports
+nothing of grpo, so every layer reads the same types (the rollout loop in `grpo.system.rollout` makes them, the
+environments' hooks, the batch builder, the replay deque, the dumps and the agents read them). The rules that
+classify an exception as a failure and retry it are `grpo.tasks.failures`'.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+INFRA, DATA = "infra", "data"
+
+# reason -> the class it has when nothing more is known (None: it depends on the exception,
+# `grpo.tasks.failures.classify_exception`).
+REASONS: dict[str, str | None] = {
+    "env_error": None,        # the environment's step raised
+    "env_timeout": INFRA,     # the environment's step ran past env.step_timeout_s
+    "env_malformed": DATA,    # the environment returned something check_return refuses
+    "reward_error": None,     # the reward function raised
+    "reward_timeout": INFRA,  # the reward function ran past env.timeout_s
+    "http_5xx": INFRA,        # a server answered 5xx
+    "http_408": INFRA,        # request timeout
+    "http_429": INFRA,        # too many requests
+    "http_4xx": DATA,         # any other 4xx: the request itself is wrong, another try answers the same
+    "connection": INFRA,      # no answer: refused, reset, DNS, TLS
+}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt: its ``reason`` (a key of `REASONS`), its ``kind`` (``"infra"`` / ``"data"``) and the
+    ``detail`` a person reads (a traceback or a message, its last 4000 characters).
+
+        >>> Failure.of("env_timeout", "no return within 5 s").kind
+        'infra'
+    """
+
+    reason: str
+    kind: str
+    detail: str = ""
+
+    @classmethod
+    def of(cls, reason: str, detail: str = "", kind: str | None = None) -> Failure:
+        """A failure of ``reason``, its class ``kind`` or the reason's default (data where it has none)."""
+        if reason not in REASONS:
+            raise ValueError(f"failure reason {reason!r}: expected one of {sorted(REASONS)}")
+        kind = kind or REASONS[reason] or DATA
+        if kind not in (INFRA, DATA):
+            raise ValueError(f"failure kind {kind!r}: expected {INFRA!r} or {DATA!r}")
+        return cls(reason, kind, str(detail)[-4000:])
+
 
 @dataclass
 class Message:
@@ -36,7 +78,7 @@ class Trajectory:
     ``truncated``: a turn hit its length cap or the conversation ran out of room; ``generation_version``:
     the oldest weight version that generated one of its turns (async GRPO); ``mask_sample``: the
     environment asked to keep it out of the loss; ``error``: None, or the reason the sample failed after its
-    retries (a key of `grpo.tasks.failures.REASONS`: "env_error", "env_timeout", "reward_error", ...), with
+    retries (a key of `REASONS`: "env_error", "env_timeout", "reward_error", ...), with
     ``failure_kind`` its class ("infra" / "data") and ``error_detail`` its traceback or message: a failed
     sample's ``reward`` is 0.0 and meaningless (it is masked out of the loss and out of its group's baseline,
     never read for training); ``retries``: environment calls retried for it, successful retries included;

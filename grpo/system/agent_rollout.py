@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import time
 
-from grpo.trajectory import Message
+from grpo.trajectory import Failure, Message
 from grpo.tasks.agent import AgentEnvironment, agent_row
-from grpo.tasks.failures import Failure
 
 
 def trajectory_messages(records, decode) -> tuple[list, bool]:

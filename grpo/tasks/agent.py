@@ -37,9 +37,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.tasks.failures import DATA, Failure, classify_exception
+from grpo.tasks.failures import classify_exception
 from grpo.tasks.function import EnvError, resolve_function
 from grpo.tasks.interface import Environment
+from grpo.trajectory import DATA, Failure
 
 
 @dataclass

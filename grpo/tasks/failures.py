@@ -6,7 +6,8 @@ wrote (a wrong answer, a malformed tool call, an overlong output) is never a fai
 penalties. A failed sample is retried within a budget, then masked: out of the loss and out of its group's
 baseline (never scored 0, which would teach the group's other members they were better than they were).
 
-Every failure has a reason (`REASONS`) and a class, NeMo-RL's split (``nemo_rl/experience/failures.py``):
+Every failure has a reason and a class (`grpo.trajectory.REASONS`, `grpo.trajectory.Failure`: the data, with the
+trajectory types), NeMo-RL's split (``nemo_rl/experience/failures.py``); this module holds the rules:
 
 - ``infra``: the sample is fine, the service is not (a timeout, a dropped connection, a 5xx, 408 or 429);
   retried up to ``grpo.rollout_failure.max_infra_attempts_per_prompt`` attempts with exponential backoff;
@@ -23,21 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-INFRA, DATA = "infra", "data"
-
-# reason -> the class it has when nothing more is known (None: it depends on the exception, `classify_exception`).
-REASONS: dict[str, str | None] = {
-    "env_error": None,        # the environment's step raised
-    "env_timeout": INFRA,     # the environment's step ran past env.step_timeout_s
-    "env_malformed": DATA,    # the environment returned something check_return refuses
-    "reward_error": None,     # the reward function raised
-    "reward_timeout": INFRA,  # the reward function ran past env.timeout_s
-    "http_5xx": INFRA,        # a server answered 5xx
-    "http_408": INFRA,        # request timeout
-    "http_429": INFRA,        # too many requests
-    "http_4xx": DATA,         # any other 4xx: the request itself is wrong, another try answers the same
-    "connection": INFRA,      # no answer: refused, reset, DNS, TLS
-}
+from grpo.trajectory import DATA, INFRA, Failure
 
 # Exception class names (anywhere in the MRO) that mean the transport broke, for libraries that are not imported
 # here (aiohttp, httpx, requests, openai): NeMo-RL's _INFRA_TYPE_NAMES and their kin.
@@ -49,30 +36,6 @@ _INFRA_TYPE_NAMES = frozenset({
     "APIConnectionError", "APITimeoutError",  # openai
 })
 _MAX_CAUSE_DEPTH = 8
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One failed attempt: its ``reason`` (a key of `REASONS`), its ``kind`` (``"infra"`` / ``"data"``) and the
-    ``detail`` a person reads (a traceback or a message, its last 4000 characters).
-
-        >>> Failure.of("env_timeout", "no return within 5 s").kind
-        'infra'
-    """
-
-    reason: str
-    kind: str
-    detail: str = ""
-
-    @classmethod
-    def of(cls, reason: str, detail: str = "", kind: str | None = None) -> Failure:
-        """A failure of ``reason``, its class ``kind`` or the reason's default (data where it has none)."""
-        if reason not in REASONS:
-            raise ValueError(f"failure reason {reason!r}: expected one of {sorted(REASONS)}")
-        kind = kind or REASONS[reason] or DATA
-        if kind not in (INFRA, DATA):
-            raise ValueError(f"failure kind {kind!r}: expected {INFRA!r} or {DATA!r}")
-        return cls(reason, kind, str(detail)[-4000:])
 
 
 def http_status_is_infra(status: int) -> bool:

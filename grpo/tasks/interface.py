@@ -52,7 +52,7 @@ When something other than the policy's output breaks (`grpo.tasks.failures`): a 
 can tell that only some samples of a call failed (a reward function that raised on one completion, an HTTP
 request that got a 503 for one sample) says so per sample, in ``EnvironmentReturn.failures``::
 
-    failures=[None, Failure.of("http_5xx", "503 from the judge"), None]     # grpo.tasks.failures.Failure
+    failures=[None, Failure.of("http_5xx", "503 from the judge"), None]     # grpo.trajectory.Failure
 
 The router calls `step` again on those samples alone, with the same conversations and metadata (never new
 generations), and keeps the others' results. A sample that still fails is masked (out of the loss and out of
@@ -66,7 +66,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
-from grpo.tasks.failures import Failure
+from grpo.trajectory import Failure
 
 if TYPE_CHECKING:  # torch is imported where it is used: reward worker processes import this package
     import torch
@@ -89,7 +89,7 @@ class EnvironmentReturn(NamedTuple, Generic[MetadataT]):
     rewards:            ``[B]`` reward of this turn (or a dict of named ``[B]`` components)
     terminateds:        ``[B]`` bool: the episode ended this turn
     answers:            per sample, the answer the environment extracted (for logs), or None
-    failures:           grpo-ds: per sample, a `grpo.tasks.failures.Failure` when that sample failed for a reason
+    failures:           grpo-ds: per sample, a `grpo.trajectory.Failure` when that sample failed for a reason
                         outside the policy (retried, then masked; see the module docstring), else None;
                         None (the default, NeMo-RL's six fields): no sample failed
     """
@@ -150,7 +150,7 @@ def check_return(ret: Any, n: int) -> EnvironmentReturn:
     failures = [None] * n if failures is None else list(failures)
     for i, f in enumerate(failures):
         if f is not None and not isinstance(f, Failure):
-            raise ValueError(f"EnvironmentReturn.failures[{i}]={f!r}: expected None or a grpo.tasks.failures.Failure "
+            raise ValueError(f"EnvironmentReturn.failures[{i}]={f!r}: expected None or a grpo.trajectory.Failure "
                              "(Failure.of(reason, detail))")
     for name, value in (("observations", observations), ("metadata", metadata), ("next_stop_strings", stops),
                         ("answers", answers), ("failures", failures)):

@@ -46,8 +46,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from grpo.tasks.failures import INFRA, classify_exception, http_status
+from grpo.tasks.failures import classify_exception, http_status
 from grpo.tasks.function import EnvError, resolve_reward_fn, score_sample
+from grpo.trajectory import INFRA
 from grpo.system.signals import set_parent_death_signal
 
 Outcome = tuple[str, Any]

@@ -18,17 +18,18 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from grpo.tasks.failures import Failure, http_reason
+from grpo.tasks.failures import http_reason
 from grpo.tasks.function import resolve_reward_fn, score_sample
 from grpo.tasks.interface import Environment, EnvironmentReturn
 from grpo.tasks.pool import CallError, Outcome, ScoringPool
+from grpo.trajectory import Failure
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ScoreResult:
-    """Rewards of one batch. ``failures``: per sample None, or the `grpo.tasks.failures.Failure` of a sample
+    """Rewards of one batch. ``failures``: per sample None, or the `grpo.trajectory.Failure` of a sample
     whose scorer failed: its ``rewards`` entry (0.0) and components are placeholders, never a score.
     ``components`` (GDPO) is None unless the scorer returned dicts (a component a sample did not return: 0.0).
     ``metrics``: env/error_rate, env/timeout_rate, env/score_s."""

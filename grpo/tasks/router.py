@@ -25,9 +25,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
-from grpo.tasks.failures import INFRA, Failure, RetryPolicy, failure_of_exception
+from grpo.tasks.failures import RetryPolicy, failure_of_exception
 from grpo.tasks.function import EnvError
 from grpo.tasks.interface import Environment, EnvironmentReturn, check_return
+from grpo.trajectory import INFRA, Failure
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from grpo.tasks.failures import DATA, INFRA, Failure, RetryPolicy
+from grpo.tasks.failures import RetryPolicy
+from grpo.trajectory import DATA, INFRA, Failure
 from grpo.tasks.interface import Environment, EnvironmentReturn
 from grpo.tasks.router import Environments
 
