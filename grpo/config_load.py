@@ -41,7 +41,7 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _yaml_error(where: str, err: yaml.YAMLError, text: str) -> str:
+def yaml_error(where: str, err: yaml.YAMLError, text: str) -> str:
     """``where, line L, column C: invalid YAML: problem`` and the offending line, from a YAML error."""
     mark, context_mark = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
     problem, context = getattr(err, "problem", None) or str(err), getattr(err, "context", None)
@@ -119,7 +119,7 @@ def _expanded_size(node, where: str) -> int:
     return size(node, 0)
 
 
-def _bounded_yaml(text: str, where: str):
+def bounded_yaml(text: str, where: str):
     """``yaml.safe_load(text)``, refusing (`ConfigError`) what expands past `MAX_YAML_VALUES` values through aliases,
     nests deeper than `MAX_YAML_DEPTH` or holds a recursive alias: checked on the composed nodes, before any
     Python value is built. YAML syntax errors raise ``yaml.YAMLError`` as from ``safe_load``."""
@@ -199,9 +199,9 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
         raise ConfigError(f"defaults: recipe inheritance loops through {path}")
     text = read_config_text(path)
     try:
-        raw = _bounded_yaml(text, str(path))
+        raw = bounded_yaml(text, str(path))
     except yaml.YAMLError as err:
-        raise ConfigError(_yaml_error(str(path), err, text)) from None
+        raise ConfigError(yaml_error(str(path), err, text)) from None
     if raw is None or raw == {}:
         raise ConfigError(
             f"{path}: the config file is empty. A config holds what a run changes from the defaults (at least "
@@ -250,9 +250,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if bad is not None:
             raise ConfigError(f"override {key}: byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8; pass the value as UTF-8")
         try:
-            node[parts[-1]] = _bounded_yaml(value, f"override {key}") if value != "" else None
+            node[parts[-1]] = bounded_yaml(value, f"override {key}") if value != "" else None
         except yaml.YAMLError as err:
-            raise ConfigError(_yaml_error(f"override {key}={_short_repr(value)}", err, value).replace(", line 1,", ",") +
+            raise ConfigError(yaml_error(f"override {key}={_short_repr(value)}", err, value).replace(", line 1,", ",") +
                               "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
     return raw
 
@@ -318,7 +318,7 @@ def check_config_cls(config_cls: type) -> type:
                             f"({model.__qualname__}) accepts unknown keys; declare it with extra='forbid' "
                             f"(class {model.__name__}(BaseModel, extra=\"forbid\")) so a misspelt key fails")
         for name, f in model.model_fields.items():
-            sub = _section_model(f.annotation)
+            sub = section_model(f.annotation)
             if sub is not None:
                 walk(sub, f"{key}.{name}" if key else name)
 
@@ -380,7 +380,7 @@ def _type_name(annotation) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _section_model(annotation):
+def section_model(annotation):
     """The config model a field holds (a section), or None for a leaf."""
     from pydantic import BaseModel
 
@@ -396,7 +396,7 @@ def config_fields(model=MasterConfig, prefix: str = "") -> list[tuple[str, str, 
     rows = []
     for name, f in model.model_fields.items():
         key = f"{prefix}{name}"
-        sub = _section_model(f.annotation)
+        sub = section_model(f.annotation)
         if sub is not None:
             rows += config_fields(sub, f"{key}.")
             continue

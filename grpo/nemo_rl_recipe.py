@@ -215,14 +215,14 @@ def omegaconf_errors(where: str):
 
 def _read_one(path: Path) -> dict:
     """One recipe file (no defaults merged), through grpo.config_load's checks (missing, empty, not UTF-8, ...)."""
-    from grpo.config_load import _bounded_yaml, _yaml_error, read_config_text
+    from grpo.config_load import bounded_yaml, yaml_error, read_config_text
 
     text = read_config_text(path)
     try:
-        _bounded_yaml(text, str(path))  # the limits; then OmegaConf's YAML reading (1e-8 is a float there)
+        bounded_yaml(text, str(path))  # the limits; then OmegaConf's YAML reading (1e-8 is a float there)
         raw = _omegaconf_yaml(text)
     except yaml.YAMLError as err:
-        raise ConfigError(_yaml_error(str(path), err, text)) from None
+        raise ConfigError(yaml_error(str(path), err, text)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     return raw

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import MasterConfig
-from grpo.config_load import ConfigError, _section_model
+from grpo.config_load import ConfigError, section_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_DIR = REPO_ROOT / "configs" / "prompts"  # our own wording of NeMo-RL's examples/prompts/*.txt names
@@ -46,7 +46,7 @@ def native_field(key: str):
         field = model.model_fields.get(part) if model is not None else None
         if field is None:
             return None
-        sub = _section_model(field.annotation)
+        sub = section_model(field.annotation)
         if i == len(parts) - 1:
             return "section" if sub is not None else field
         model = sub

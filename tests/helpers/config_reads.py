@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from grpo.config import MasterConfig
-from grpo.config_load import _section_model
+from grpo.config_load import section_model
 
 ROOT_NAMES = frozenset({"cfg", "config", "master_cfg", "master_config"})
 
@@ -40,7 +40,7 @@ def section_paths(model=MasterConfig) -> dict[str, set[str]]:
             if cls is m or (issubclass(cls, BaseModel) and cls.__name__ != "_Section" and cls is not BaseModel):
                 out.setdefault(cls.__name__, set()).add(path)
         for name, f in m.model_fields.items():
-            sub = _section_model(f.annotation)
+            sub = section_model(f.annotation)
             if sub is not None:
                 walk(sub, f"{path}.{name}".lstrip("."))
 
