@@ -73,9 +73,10 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         locks, run_id = claim_export(cfg, rank, args)
     else:  # one run per directory: lock, refuse foreign runs
         locks, run_id = claim_dirs(cfg, rank)
+    cfg_given = cfg.model_dump(mode="json")  # as given: before "toy:" names resolve and startup adjusts the config
     from grpo.system.rundir import weight_config
 
-    weights_recorded = weight_config(cfg.model_dump(mode="json"))  # as given: before "toy:" names are resolved
+    weights_recorded = weight_config(cfg_given)
     cfg.policy.model_name = resolve_model_name(cfg.policy.model_name, rank)  # "toy:..." models build locally
     g = cfg.grpo
     skip_prev, skip_ref = resolve_skip_flags(cfg)
@@ -135,6 +136,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
             resume = Resume(latest, loader_state, extra)
     except CheckpointError as err:
         raise RunError(str(err)) from err
+    if rank == 0:  # the run has started (its checkpoint loaded): only now is its config recorded as the run's
+        record_dirs(cfg, cfg_given, run_id)
     metrics_note = None  # every step once in metrics.jsonl; another run's file is renamed aside, never cut
     if rank == 0:
         metrics_note = claim_metrics(cfg.logger.log_dir, run_id, state.current_step, resumed=resume is not None,
@@ -198,6 +201,14 @@ def claim_dirs(cfg: MasterConfig, rank: int) -> tuple[list[RunLock], str | None]
     return claim_on_rank0(rank, lambda: claim_run_dirs(
         c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir, cfg.model_dump(mode="json"), resume=c.resume,
         allow_change=c.allow_config_change))
+
+
+def record_dirs(cfg: MasterConfig, cfg_given: dict, run_id: str) -> None:
+    """Rank 0: record the fingerprint `claim_dirs` checked (of ``cfg_given``, the config as loaded)."""
+    from grpo.system.rundir import record_run_dirs
+
+    c = cfg.checkpointing
+    record_run_dirs(c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir, cfg_given, run_id)
 
 
 def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = None):

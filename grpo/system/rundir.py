@@ -274,12 +274,13 @@ def _read_json(path: Path) -> dict | None:
         raise RunDirError(f"{path}: unreadable ({err}); remove it if this directory is yours") from None
 
 
-def write_fingerprint(directory: str | os.PathLike, fp: dict) -> str:
-    """Record ``fp`` in ``<directory>/run_fingerprint.json`` (atomically); returns the run id, made on the
-    first write and kept ever after (the marker of this run's HF exports: `grpo.system.weights.export_hf`)."""
+def write_fingerprint(directory: str | os.PathLike, fp: dict, run_id: str | None = None) -> str:
+    """Record ``fp`` in ``<directory>/run_fingerprint.json`` (atomically); returns the run id: ``run_id`` when
+    given, else the one recorded there, else a new one (the marker of this run's HF exports:
+    `grpo.system.weights.export_hf`)."""
     path = Path(directory) / FINGERPRINT_FILE
     old = _read_json(path) or {}
-    run_id = old.get("run_id") or uuid.uuid4().hex
+    run_id = run_id or old.get("run_id") or uuid.uuid4().hex
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({**fp, "run_id": run_id}, indent=2, sort_keys=True))
@@ -365,9 +366,12 @@ def check_fresh_start(checkpoint_dir: str | os.PathLike) -> None:
 def claim_run_dirs(checkpoint_dir: str | os.PathLike | None, log_dir: str | os.PathLike, cfg_dict: dict,
                    resume: bool, allow_change: bool = False) -> tuple[list[RunLock], str]:
     """Rank 0 at setup, before anything is written: lock the run's directories (``checkpoint_dir`` None: checkpointing
-    is off), refuse a fresh start over checkpoints, check and record the fingerprint. Returns the locks (release
-    them at the very end) and the run id (of the checkpoint directory, else of the log directory). On any error
-    the locks taken are released and the error is raised."""
+    is off), refuse a fresh start over checkpoints and check the fingerprint. Returns the locks (release them at the
+    very end) and the run id (of the checkpoint directory, else of the log directory; new for a new run). On any
+    error the locks taken are released and the error is raised. Nothing is written: `record_run_dirs` records the
+    fingerprint once the run has really started (its newest checkpoint loaded), so that a resume refused after the
+    claim (other LoRA settings under ``allow_change``, a checkpoint of another world size) leaves no config that
+    never trained recorded as the run's."""
     dirs = distinct_dirs(*([checkpoint_dir] if checkpoint_dir is not None else []), log_dir)
     locks: list[RunLock] = []
     try:
@@ -378,12 +382,22 @@ def claim_run_dirs(checkpoint_dir: str | os.PathLike | None, log_dir: str | os.P
         fp = run_fingerprint(cfg_dict)
         for d in dirs:
             check_fingerprint(d, fp, allow_change)
-        run_ids = [write_fingerprint(d, fp) for d in dirs]
+        run_id = recorded_run_id(dirs[0]) or uuid.uuid4().hex
     except BaseException:
         for lock in locks:
             lock.release()
         raise
-    return locks, run_ids[0]
+    return locks, run_id
+
+
+def record_run_dirs(checkpoint_dir: str | os.PathLike | None, log_dir: str | os.PathLike, cfg_dict: dict,
+                    run_id: str) -> None:
+    """Record the fingerprint of ``cfg_dict`` (the config `claim_run_dirs` checked) in the run's directories: the
+    first takes ``run_id``, the others keep the id they have (a new one takes ``run_id`` too)."""
+    fp = run_fingerprint(cfg_dict)
+    dirs = distinct_dirs(*([checkpoint_dir] if checkpoint_dir is not None else []), log_dir)
+    for i, d in enumerate(dirs):
+        write_fingerprint(d, fp, run_id if i == 0 else recorded_run_id(d) or run_id)
 
 
 # Config keys that shape the weights an export writes from a checkpoint (`check_export_config`): the base model and

@@ -28,13 +28,14 @@ def trained(tiny_model_dir, tmp_path_factory):
     from grpo.system.checkpoint import CheckpointManager, GRPOSaveState
     from grpo.system.dist import init_distributed
     from grpo.system.engines import build_policy_engine
-    from grpo.system.rundir import claim_run_dirs
+    from grpo.system.rundir import claim_run_dirs, record_run_dirs
 
     init_distributed()
     tmp = tmp_path_factory.mktemp("run")
     cfg = load_config(TINY, _overrides(tmp, tiny_model_dir))
-    locks, _ = claim_run_dirs(cfg.checkpointing.checkpoint_dir, cfg.logger.log_dir, cfg.model_dump(mode="json"),
-                              resume=True)
+    given = cfg.model_dump(mode="json")
+    locks, run_id = claim_run_dirs(cfg.checkpointing.checkpoint_dir, cfg.logger.log_dir, given, resume=True)
+    record_run_dirs(cfg.checkpointing.checkpoint_dir, cfg.logger.log_dir, given, run_id)
     engine = build_policy_engine(cfg, 1, total_optimizer_steps=4)
     CheckpointManager(cfg.checkpointing).save(1, engine, GRPOSaveState(current_step=1), dataloader_state={"x": 1})
     for lock in locks:
@@ -83,3 +84,14 @@ def test_an_export_deletes_no_partial_save_and_releases_the_lock(run_dir, tiny_m
     assert _export(run_dir, tiny_model_dir, "--export-adapter", str(run_dir / "adapter")) is None
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists() and left.is_dir()
     RunLock(run_dir / "ckpt").release()  # the export let go of the directory
+
+
+def test_a_resume_refused_after_the_claim_leaves_the_run_fingerprint_as_it_was(run_dir, tiny_model_dir):
+    """``allow_config_change`` lets the claim pass, then the checkpoint refuses other LoRA settings: the fingerprint
+    must still be the run's (else the run's own config would be refused next time, as 'another config')."""
+    from grpo.system.rundir import FINGERPRINT_FILE
+
+    before = {d: (run_dir / d / FINGERPRINT_FILE).read_bytes() for d in ("ckpt", "logs")}
+    with pytest.raises(RunError, match=r"other LoRA settings"):
+        _export(run_dir, tiny_model_dir, "policy.lora.dim=8", "checkpointing.allow_config_change=true")
+    assert {d: (run_dir / d / FINGERPRINT_FILE).read_bytes() for d in ("ckpt", "logs")} == before

@@ -14,7 +14,7 @@ import pytest
 from grpo.config import MasterConfig
 from grpo.system.rundir import (
     FINGERPRINT_FILE, LOCK_FILE, RESUME_MUTABLE, RunDirError, RunLock, check_fingerprint, check_fresh_start,
-    claim_run_dirs, distinct_dirs, recorded_run_id, run_fingerprint, write_fingerprint,
+    claim_run_dirs, distinct_dirs, record_run_dirs, recorded_run_id, run_fingerprint, write_fingerprint,
 )
 from tests.helpers.e2e import REPO, child_env
 
@@ -129,6 +129,8 @@ def test_resume_false_refuses_a_directory_with_checkpoints(tmp_path):
 def test_claim_run_dirs_locks_checks_and_records(tmp_path):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     locks, run_id = claim_run_dirs(ckpt, logs, _cfg(), resume=True)
+    assert not (ckpt / FINGERPRINT_FILE).exists()  # checked, not yet recorded: the run has not started
+    record_run_dirs(ckpt, logs, _cfg(), run_id)
     with pytest.raises(RunDirError, match="is in use by another run"):
         claim_run_dirs(ckpt, tmp_path / "other_logs", _cfg(), resume=True)
     assert not (tmp_path / "other_logs" / FINGERPRINT_FILE).exists()  # nothing recorded by the refused claim
@@ -136,7 +138,7 @@ def test_claim_run_dirs_locks_checks_and_records(tmp_path):
         lock.release()
     (ckpt / "step_000002").mkdir()
     locks, again = claim_run_dirs(ckpt, logs, _cfg(("grpo.max_num_steps", 50)), resume=True)  # resume, train longer
-    assert again == run_id and [lk.directory for lk in locks] == [ckpt.resolve(), logs.resolve()]
+    assert again == run_id and json.loads((logs / FINGERPRINT_FILE).read_text())["run_id"] == run_id and [lk.directory for lk in locks] == [ckpt.resolve(), logs.resolve()]
     for lock in locks:
         lock.release()
     with pytest.raises(RunDirError, match="checkpointing.resume=false"):
