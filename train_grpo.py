@@ -38,6 +38,8 @@ def main(argv=None) -> int | None:
     run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__)
     if run is None:  # --export-hf done, or a generation rank (colocated.enabled=false) that served its run
         return None
+    import torch
+
     from grpo.batch import build_batch
     from grpo.system.checkpoint import rng_state
     from grpo.system.data import PromptStream
@@ -102,7 +104,7 @@ def main(argv=None) -> int | None:
             gathered = batch
             if not budget.trainable(int(batch.failed_b.sum()), len(batch)):  # too many failures: draw more prompts
                 short += 1
-                batch = batch.replace(valid_b=batch.valid_b & False)  # no group of it is kept
+                batch = batch.replace(valid_b=torch.zeros_like(batch.valid_b))  # no group of it is kept
             # DAPO: keep whole groups whose (unshaped) rewards differ; regenerate until the batch is full.
             try:
                 batch, dyn_metrics = dynamic.add(batch, batch.group_ids_b, group_std_for_dynamic_sampling(batch))
