@@ -632,7 +632,6 @@ ENV_REFUSED = {
     "code": "the code-execution environment; grpo-ds's tool sandbox is not that environment",
     "code_jaccard": "the code Jaccard-similarity reward; grpo-ds has none",
     "vlm": "vision-language rewards; grpo-ds trains text models",
-    "math_multi_reward": "several math rewards per sample; grpo-ds's math environment gives one",
 }
 
 
@@ -964,6 +963,8 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
         w.set("env.name", train["path"].split(":")[0])
     elif env_name in ("math", "math_default", "dapo"):
         w.set("env.name", "math")
+    elif env_name == "math_multi_reward":  # grpo.tasks.math_multi_reward: NeMo-RL's three components, for GDPO
+        w.set("env.name", "math_multi_reward")
     else:
         w.refuse("data.default.env_name", f"NeMo-RL's environment {env_name!r} has no grpo-ds translation")
         return
@@ -973,6 +974,9 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
     if impl == "dapo_math_verify" and w.out["env"]["name"] == "math":
         w.translate(f"env.{env_name}.math_verify_impl", {"env.math_verify_impl": impl},
                     "DAPO's verifier: the last 'Answer:' line, normalised, equals the gold (grpo.tasks.math)")
+    elif impl != "hf_math_verify" and env_name == "math_multi_reward":
+        w.refuse(f"env.{env_name}.math_verify_impl", "NeMo-RL's MathMultiRewardEnvironment has hf_math_verify alone "
+                 "(for any other value its worker raises and every component scores 0)")
     elif impl != "hf_math_verify":
         w.refuse(f"env.{env_name}.math_verify_impl", "grpo-ds's math task has the verifiers hf_math_verify and "
                  "dapo_math_verify (NeMo-RL's too: for any other value, null included, its verifier raises and "
@@ -986,7 +990,9 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
     w.take(f"env.{env_name}")
     w.table.append(("translated", f"env.{env_name}", "-> env.name=" + repr(w.out["env"]["name"]) +
                     (f" ({'DAPO' if impl == 'dapo_math_verify' else 'math-verify'}, as NeMo-RL's {impl})"
-                     if w.out["env"]["name"] == "math" else "")))
+                     if w.out["env"]["name"] == "math" else
+                     " (reward/correctness, reward/integer, reward/format: NeMo-RL's components, string equality)"
+                     if env_name == "math_multi_reward" else "")))
     for name in env:
         if f"env.{name}" not in " ".join(w.errors):
             w.ignore(f"env.{name}", f"not the data's env_name ({env_name}): unused, as in NeMo-RL")
