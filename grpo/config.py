@@ -951,6 +951,44 @@ class AgentConfig(_Section):
         return self
 
 
+class RewardModelTokenizerConfig(_Section):
+    name: Optional[str] = Field(None, description="The reward model's tokenizer and chat template (null: model_name).")
+
+
+class RewardModelTypeConfig(_Section):
+    """NeMo-RL's ``env.reward_model.reward_model_cfg``."""
+
+    enabled: bool = Field(True, description="Must be true (NeMo-RL asserts it).")
+    reward_model_type: Literal["bradley_terry"] = Field("bradley_terry", description=(
+        "bradley_terry: a sequence classifier with one output, the score of the whole conversation."))
+
+
+class RewardModelConfig(_Section):
+    """``env.reward_model`` (``env.name: reward_model``), NeMo-RL's keys: a sequence classifier scoring each
+    conversation rendered with its own chat template (grpo/tasks/reward_model.py, grpo/system/reward_model.py)."""
+
+    model_name: str = Field(description="The reward model: a local directory or a hub name of a "
+                            "ForSequenceClassification checkpoint (num_labels is set to 1, as NeMo-RL does).")
+    tokenizer: RewardModelTokenizerConfig = Field(default_factory=RewardModelTokenizerConfig, description=(
+        "tokenizer.name: the reward model's tokenizer (null: model_name)."))
+    precision: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="The reward model's dtype.")
+    batch_size: int = Field(8, gt=0, description="Conversations per reward-model forward.")
+    max_model_len: Optional[int] = Field(None, gt=0, description=(
+        "Longest conversation (reward-model tokens) scored; a longer one fails (masked, counted), never cut. "
+        "null: no bound."))
+    checkpoint_path: Optional[str] = Field(None, description=(
+        "Weights to load instead of model_name's (a local ForSequenceClassification directory); null: model_name."))
+    reward_model_cfg: RewardModelTypeConfig = Field(default_factory=RewardModelTypeConfig, description=(
+        "NeMo-RL's reward_model_cfg: enabled must be true, reward_model_type bradley_terry."))
+
+    @model_validator(mode="after")
+    def _enabled(self) -> "RewardModelConfig":
+        if not self.reward_model_cfg.enabled:
+            raise ValueError("env.reward_model.reward_model_cfg.enabled=False: expected true (NeMo-RL: 'Please set "
+                             "reward_model_cfg.enabled = True in the reward model environment config')")
+        return self
+
+
 # Modules that moved, by their old name: specs (package.module:function) naming the old one still load.
 MOVED_MODULES = {"grpo.system.sandbox": "grpo.tasks.sandbox"}
 
@@ -961,7 +999,8 @@ class EnvSpec(_Section):
     name: Literal[ENV_NAMES] = Field(  # the built-in tasks of grpo.tasks.catalogue, function, tools, class
         "arithmetic", description=(
         "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
-        "multi-turn: guess_number; class: env_class; agent: env.agent, a program driving the policy over HTTP."))
+        "multi-turn: guess_number; class: env_class; agent: env.agent, a program driving the policy over HTTP; "
+        "reward_model: env.reward_model, a sequence classifier's score."))
     reward_fn: Optional[str] = Field(None, description=(
         "package.module:function with signature fn(question, completion, answer, meta) -> float | dict."))
     env_class: Optional[str] = Field(
@@ -995,6 +1034,15 @@ class EnvSpec(_Section):
         "Answer every tool call with an error (an ablation: same task, same model, no tool results)."))
     agent: Optional[AgentConfig] = Field(None, description=(
         "env.name=agent: the agent (fn or command), its concurrency and per-sample deadline."))
+    reward_model: Optional[RewardModelConfig] = Field(None, description=(
+        "env.name=reward_model: the reward model (NeMo-RL's env.reward_model keys)."))
+    rewards: dict[str, "EnvSpec"] = Field(default_factory=dict, description=(
+        "env.name=combined: the one-turn environments (name -> environment) whose rewards score each sample."))
+    combine: Literal["weighted_sum", "components"] = Field("weighted_sum", description=(
+        "env.name=combined: weighted_sum: one reward, the sum of env.weights[name] x each reward; components: each "
+        "reward a named component for GDPO (grpo.adv_estimator.name=gdpo), the scalar reward their sum."))
+    weights: dict[str, float] = Field(default_factory=dict, description=(
+        "env.name=combined with combine=weighted_sum: the weight of each reward by name (default 1)."))
 
     @field_validator("tools")
     @classmethod
@@ -1025,10 +1073,27 @@ class EnvSpec(_Section):
         if (self.name == "agent") != (self.agent is not None):
             raise ValueError(f"env.agent={self.agent!r} with env.name={self.name!r}: env.name='agent' needs an "
                              "env.agent section (fn or command), and only it takes one")
+        if (self.name == "combined") != bool(self.rewards):
+            raise ValueError(f"env.rewards={sorted(self.rewards)} with env.name={self.name!r}: env.name='combined' "
+                             "needs env.rewards (name -> environment), and only it takes them")
+        bad = sorted(k for k, spec in self.rewards.items() if spec.name in ("combined", "agent", "tools"))
+        if bad:
+            raise ValueError(f"env.rewards.{bad[0]}.name={self.rewards[bad[0]].name!r}: a combined reward takes one-turn "
+                             "environments (a reward function, a reward model, math, ...)")
+        if self.weights and (self.combine != "weighted_sum" or set(self.weights) - set(self.rewards)):
+            raise ValueError(f"env.weights={self.weights!r}: expected weights of env.rewards' names "
+                             f"{sorted(self.rewards)} with env.combine='weighted_sum' (got {self.combine!r}); GDPO's "
+                             "weights are grpo.adv_estimator.reward_weights")
+        if (self.name == "reward_model") != (self.reward_model is not None):
+            raise ValueError(f"env.reward_model={self.reward_model!r} with env.name={self.name!r}: env.name="
+                             "'reward_model' needs an env.reward_model section (model_name, ...), and only it takes one")
         if self.name == "class" and (not self.env_class or ":" not in self.env_class):
             raise ValueError(f"env.env_class={self.env_class!r}: expected 'package.module:ClassName' when "
                              "env.name='class'")
         return self
+
+
+EnvSpec.model_rebuild()
 
 
 class EnvConfig(EnvSpec):

@@ -37,3 +37,47 @@ def test_gdpo_math_recipe_trains_two_steps_over_nemo_rl_s_three_components(tmp_p
     assert sorted(rows) == [1, 2]
     for r in rows.values():  # GDPO read the three components (it refuses fewer than two)
         assert {"train/reward/correctness/mean", "train/reward/format/mean", "train/reward/integer/mean"} <= set(r)
+
+
+@pytest.mark.slow  # a few minutes on a loaded 2-core machine; the scores themselves: tests/unit/test_reward_model.py
+def test_reward_model_recipe_trains_two_steps_in_one_process(tmp_path):
+    from tests.helpers.reward_models import save_tiny_reward_model
+
+    rm = save_tiny_reward_model(str(tmp_path / "rm"))
+    data = addition_jsonl(tmp_path)
+    rows = _train(tmp_path, FIX / "grpo_rm.yaml", f"env.reward_model.model_name={rm}", "env.reward_model.precision=float32",
+                  "data.default.prompt_file=null", "data.train.dataset_name=ResponseDataset",
+                  f"+data.train.data_path={data}")
+    assert sorted(rows) == [1, 2]
+    for r in rows.values():  # NeMo-RL's reward_model_env metrics, and real (non-constant) scores
+        prefix = "train/env/reward_model/reward_model_env/"
+        assert r[prefix + "num_samples"] == 16 and r[prefix + "std_reward"] > 0, r
+        assert r[prefix + "mean_reward"] == pytest.approx(r["train/mean_total_reward"], abs=1e-4)
+
+
+@pytest.mark.slow  # a few minutes on a loaded 2-core machine; the combination itself: tests/unit/test_combined_rewards.py
+def test_a_reward_model_and_a_verifier_train_as_gdpo_components(tmp_path):
+    from tests.helpers.reward_models import save_tiny_reward_model
+
+    rm = save_tiny_reward_model(str(tmp_path / "rm"))
+    config = tmp_path / "combined.yaml"
+    config.write_text(f"""defaults: {REPO}/tests/configs/tiny.yaml
+grpo:
+  max_num_steps: 2
+  adv_estimator: {{name: gdpo}}
+policy: {{model_name: "toy:tiny"}}
+env:
+  name: combined
+  combine: components
+  rewards:
+    rm: {{name: reward_model, reward_model: {{model_name: {rm}, precision: float32, batch_size: 4}}}}
+    sum: {{name: arithmetic}}
+""")
+    p = run([sys.executable, "train_grpo.py", "--config", str(config), f"logger.log_dir={tmp_path}/logs",
+             f"checkpointing.checkpoint_dir={tmp_path}/ckpt", "checkpointing.enabled=false"], timeout=600)
+    assert "done: 2 steps" in p.stdout, p.stdout[-3000:]
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2]
+    for r in rows.values():  # GDPO read both components; the reward model's own metrics on its own rewards
+        assert {"train/rm/mean", "train/sum/mean"} <= set(r), sorted(r)
+        assert r["train/env/combined/rm/reward_model_env/mean_reward"] == pytest.approx(r["train/rm/mean"], abs=1e-4)
