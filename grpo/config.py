@@ -989,6 +989,44 @@ class RewardModelConfig(_Section):
         return self
 
 
+class JudgeConfig(_Section):
+    """``env.judge`` (``env.name: judge``): an LLM judge behind any OpenAI-compatible URL (grpo/tasks/judge.py)."""
+
+    base_url: str = Field(description="The server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1.")
+    model: str = Field(description="The judge's model name on that server.")
+    prompt_template: str = Field(description=(
+        "The judge's prompt: {question}, {completion} and {answer} are filled in (literal braces doubled)."))
+    score_pattern: str = Field(r"Score:\s*(-?[0-9]+(?:\.[0-9]+)?)", description=(
+        "Regex whose last match's group 1 is the score in the judge's answer; an answer without one fails the "
+        "sample (env_malformed: retried, then masked), never scores 0."))
+    max_score: float = Field(1.0, gt=0, description="reward = score / max_score.")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds one judge request may take (env_timeout past it).")
+    max_concurrency: int = Field(16, gt=0, description="Judge requests in flight at once (per rank).")
+    api_key_env: Optional[str] = Field(None, description=(
+        "Environment variable holding the server's API key (null: no key)."))
+    temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature.")
+    max_tokens: Optional[int] = Field(None, gt=0, description="Most tokens the judge may answer (null: the server's).")
+
+    @model_validator(mode="after")
+    def _template(self) -> "JudgeConfig":
+        import re
+
+        try:
+            self.prompt_template.format(question="", completion="", answer="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"env.judge.prompt_template: {type(err).__name__}: {err}; expected only {{question}}, "
+                             "{completion}, {answer} (double literal braces)") from err
+        if "{completion}" not in self.prompt_template:
+            raise ValueError("env.judge.prompt_template has no {completion}: the judge would not see the answer")
+        try:
+            groups = re.compile(self.score_pattern).groups
+        except re.error as err:
+            raise ValueError(f"env.judge.score_pattern={self.score_pattern!r}: {err}") from err
+        if groups < 1:
+            raise ValueError(f"env.judge.score_pattern={self.score_pattern!r}: expected a group around the score")
+        return self
+
+
 # Modules that moved, by their old name: specs (package.module:function) naming the old one still load.
 MOVED_MODULES = {"grpo.system.sandbox": "grpo.tasks.sandbox"}
 
@@ -1000,7 +1038,8 @@ class EnvSpec(_Section):
         "arithmetic", description=(
         "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
         "multi-turn: guess_number; class: env_class; agent: env.agent, a program driving the policy over HTTP; "
-        "reward_model: env.reward_model, a sequence classifier's score."))
+        "reward_model: env.reward_model, a sequence classifier's score; judge: env.judge, an LLM judge over HTTP; "
+        "combined: env.rewards, several rewards per sample."))
     reward_fn: Optional[str] = Field(None, description=(
         "package.module:function with signature fn(question, completion, answer, meta) -> float | dict."))
     env_class: Optional[str] = Field(
@@ -1036,6 +1075,8 @@ class EnvSpec(_Section):
         "env.name=agent: the agent (fn or command), its concurrency and per-sample deadline."))
     reward_model: Optional[RewardModelConfig] = Field(None, description=(
         "env.name=reward_model: the reward model (NeMo-RL's env.reward_model keys)."))
+    judge: Optional[JudgeConfig] = Field(None, description=(
+        "env.name=judge: the LLM judge (base_url, model, prompt_template, score_pattern, timeouts)."))
     rewards: dict[str, "EnvSpec"] = Field(default_factory=dict, description=(
         "env.name=combined: the one-turn environments (name -> environment) whose rewards score each sample."))
     combine: Literal["weighted_sum", "components"] = Field("weighted_sum", description=(
@@ -1084,6 +1125,9 @@ class EnvSpec(_Section):
             raise ValueError(f"env.weights={self.weights!r}: expected weights of env.rewards' names "
                              f"{sorted(self.rewards)} with env.combine='weighted_sum' (got {self.combine!r}); GDPO's "
                              "weights are grpo.adv_estimator.reward_weights")
+        if (self.name == "judge") != (self.judge is not None):
+            raise ValueError(f"env.judge={self.judge!r} with env.name={self.name!r}: env.name='judge' needs an "
+                             "env.judge section (base_url, model, prompt_template), and only it takes one")
         if (self.name == "reward_model") != (self.reward_model is not None):
             raise ValueError(f"env.reward_model={self.reward_model!r} with env.name={self.name!r}: env.name="
                              "'reward_model' needs an env.reward_model section (model_name, ...), and only it takes one")

@@ -11,6 +11,7 @@ By ``env.name``:
 - ``agent``: a user's agent (``env.agent``) playing each sample over the run's endpoint (`grpo.tasks.agent`).
 - ``reward_model``: a sequence classifier scoring the conversation (``env.reward_model``,
   `grpo.tasks.reward_model`); its engine comes from the run (``reward_models``: `grpo.system.reward_model`);
+- ``judge``: an LLM judge behind an OpenAI-compatible URL (``env.judge``, `grpo.tasks.judge`);
 - ``combined``: the rewards of several one-turn environments (``env.rewards``) as a weighted sum or as GDPO's
   components (``env.combine``; `grpo.tasks.combined`).
 
@@ -69,6 +70,10 @@ def build_environment(env_spec, data_cfg=None, key: str = "env", reward_models=N
                 env.shutdown()
             raise
         return CombinedEnvironment(parts, env_spec.combine, env_spec.weights)
+    if env_spec.name == "judge":
+        from grpo.tasks.judge import JudgeEnvironment
+
+        return JudgeEnvironment(env_spec.judge)
     if env_spec.name == "reward_model":
         from grpo.tasks.reward_model import RewardModelEnvironment
 

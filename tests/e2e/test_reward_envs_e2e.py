@@ -79,5 +79,5 @@ env:
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2]
     for r in rows.values():  # GDPO read both components; the reward model's own metrics on its own rewards
-        assert {"train/rm/mean", "train/sum/mean"} <= set(r), sorted(r)
-        assert r["train/env/combined/rm/reward_model_env/mean_reward"] == pytest.approx(r["train/rm/mean"], abs=1e-4)
+        assert {"train/reward/rm/mean", "train/reward/sum/mean"} <= set(r), sorted(r)
+        assert r["train/env/combined/rm/reward_model_env/mean_reward"] == pytest.approx(r["train/reward/rm/mean"], abs=1e-4)

@@ -28,3 +28,38 @@ def test_gdpo_math_recipe_is_gdpo_over_math_multi_reward():
 def test_math_multi_reward_has_hf_math_verify_alone():
     with pytest.raises(ConfigError, match=r"env.math_multi_reward.math_verify_impl=.*hf_math_verify alone"):
         load_recipe(FIX / "gdpo_math.yaml", ["env.math_multi_reward.math_verify_impl=dapo_math_verify"])
+
+
+def test_reward_model_recipe_keeps_nemo_rl_s_section_and_names_what_it_ignores():
+    cfg, rows = load_recipe(FIX / "grpo_rm.yaml")
+    rm = cfg.env.reward_model
+    assert cfg.env.name == "reward_model"
+    assert (rm.model_name, rm.tokenizer.name, rm.precision, rm.max_model_len, rm.checkpoint_path) == (
+        "a-bradley-terry-reward-model", "a-bradley-terry-reward-model", "bfloat16", 1024, None)
+    assert rm.batch_size == cfg.policy.train_micro_batch_size  # NeMo-RL's interpolation
+    assert rm.reward_model_cfg.reward_model_type == "bradley_terry"
+    ignored = table_of(rows, "ignored")
+    assert "shares the one rank" in ignored["env.reward_model.resources"]
+    assert "frozen copy per rank" in ignored["env.reward_model.dtensor_cfg"]
+    assert "unused, as in NeMo-RL" in ignored["env.math"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("env.reward_model.dtensor_cfg.enabled=false", "env.reward_model.dtensor_cfg.enabled"),
+    ("env.reward_model.dtensor_cfg.activation_checkpointing=true", "env.reward_model.dtensor_cfg.activation_checkpointing"),
+    ("env.reward_model.dynamic_batching.enabled=true", "env.reward_model.dynamic_batching.enabled"),
+    ("env.reward_model.sequence_packing.enabled=true", "env.reward_model.sequence_packing.enabled"),
+    ("env.reward_model.max_grad_norm=1.0", "env.reward_model.max_grad_norm"),
+    ("++env.reward_model.tokenizer.chat_template=x", "env.reward_model.tokenizer.chat_template"),
+])
+def test_reward_model_recipe_keeps_nemo_rl_s_asserts(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(FIX / "grpo_rm.yaml", [override])
+    assert any(line.strip().startswith(key + "=") for line in str(err.value).splitlines()), str(err.value)
+
+
+def test_reward_model_type_and_enabled_are_checked_as_nemo_rl_does():
+    with pytest.raises(ConfigError, match="reward_model_type"):
+        load_recipe(FIX / "grpo_rm.yaml", ["env.reward_model.reward_model_cfg.reward_model_type=regression"])
+    with pytest.raises(ConfigError, match="reward_model_cfg.enabled"):
+        load_recipe(FIX / "grpo_rm.yaml", ["env.reward_model.reward_model_cfg.enabled=false"])
