@@ -20,8 +20,8 @@ SMALL = [  # the model, the sizes, the paths; NeMo-RL's key names (hydra's + for
 ]
 
 
-def _train(tmp: Path, recipe: Path, *extra: str) -> dict:
-    p = run([sys.executable, "train_grpo.py", "--config", str(recipe), *SMALL, f"logger.log_dir={tmp}/logs",
+def _train(tmp: Path, recipe: Path, *extra: str, script: str = "train_grpo.py") -> dict:
+    p = run([sys.executable, script, "--config", str(recipe), *SMALL, f"logger.log_dir={tmp}/logs",
              f"checkpointing.checkpoint_dir={tmp}/ckpt", *extra], timeout=600)
     assert "done: 2 steps" in p.stdout, p.stdout[-3000:]
     return train_rows(tmp)
@@ -40,14 +40,16 @@ def test_gdpo_math_recipe_trains_two_steps_over_nemo_rl_s_three_components(tmp_p
 
 
 @pytest.mark.slow  # a few minutes on a loaded 2-core machine; the scores themselves: tests/unit/test_reward_model.py
-def test_reward_model_recipe_trains_two_steps_in_one_process(tmp_path):
+@pytest.mark.parametrize("script, extra", [("train_grpo.py", ()), (  # the async loop scores in its producer thread
+    "train_async_grpo.py", ("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"))])
+def test_reward_model_recipe_trains_two_steps_in_one_process(tmp_path, script, extra):
     from tests.helpers.reward_models import save_tiny_reward_model
 
     rm = save_tiny_reward_model(str(tmp_path / "rm"))
     data = addition_jsonl(tmp_path)
     rows = _train(tmp_path, FIX / "grpo_rm.yaml", f"env.reward_model.model_name={rm}", "env.reward_model.precision=float32",
                   "data.default.prompt_file=null", "data.train.dataset_name=ResponseDataset",
-                  f"+data.train.data_path={data}")
+                  f"+data.train.data_path={data}", *extra, script=script)
     assert sorted(rows) == [1, 2]
     for r in rows.values():  # NeMo-RL's reward_model_env metrics, and real (non-constant) scores
         prefix = "train/env/reward_model/reward_model_env/"

@@ -63,3 +63,18 @@ def test_reward_model_type_and_enabled_are_checked_as_nemo_rl_does():
         load_recipe(FIX / "grpo_rm.yaml", ["env.reward_model.reward_model_cfg.reward_model_type=regression"])
     with pytest.raises(ConfigError, match="reward_model_cfg.enabled"):
         load_recipe(FIX / "grpo_rm.yaml", ["env.reward_model.reward_model_cfg.enabled=false"])
+
+
+def test_the_recipe_check_covers_nemo_rl_s_gdpo_recipes(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import check_nemo_rl_recipes as check
+
+    configs = tmp_path / "examples" / "configs"
+    (configs / "recipes" / "llm").mkdir(parents=True)
+    for name in ("grpo_math_1B.yaml", "gdpo_math_1B.yaml", "grpo_rm_1B.yaml", "sft.yaml", "recipes/llm/gdpo-x.yaml",
+                 "recipes/llm/grpo-vlm-y.yaml"):
+        (configs / name).write_text("{}")
+    assert [p.name for p in check.recipes(tmp_path)] == ["grpo_math_1B.yaml", "grpo_rm_1B.yaml", "gdpo_math_1B.yaml",
+                                                         "gdpo-x.yaml"]
