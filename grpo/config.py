@@ -951,6 +951,82 @@ class AgentConfig(_Section):
         return self
 
 
+class RewardModelTokenizerConfig(_Section):
+    name: Optional[str] = Field(None, description="The reward model's tokenizer and chat template (null: model_name).")
+
+
+class RewardModelTypeConfig(_Section):
+    """NeMo-RL's ``env.reward_model.reward_model_cfg``."""
+
+    enabled: bool = Field(True, description="Must be true (NeMo-RL asserts it).")
+    reward_model_type: Literal["bradley_terry"] = Field("bradley_terry", description=(
+        "bradley_terry: a sequence classifier with one output, the score of the whole conversation."))
+
+
+class RewardModelConfig(_Section):
+    """``env.reward_model`` (``env.name: reward_model``), NeMo-RL's keys: a sequence classifier scoring each
+    conversation rendered with its own chat template (grpo/tasks/reward_model.py, grpo/system/reward_model.py)."""
+
+    model_name: str = Field(description="The reward model: a local directory or a hub name of a "
+                            "ForSequenceClassification checkpoint (num_labels is set to 1, as NeMo-RL does).")
+    tokenizer: RewardModelTokenizerConfig = Field(default_factory=RewardModelTokenizerConfig, description=(
+        "tokenizer.name: the reward model's tokenizer (null: model_name)."))
+    precision: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="The reward model's dtype.")
+    batch_size: int = Field(8, gt=0, description="Conversations per reward-model forward.")
+    max_model_len: Optional[int] = Field(None, gt=0, description=(
+        "Longest conversation (reward-model tokens) scored; a longer one fails (masked, counted), never cut. "
+        "null: no bound."))
+    checkpoint_path: Optional[str] = Field(None, description=(
+        "Weights to load instead of model_name's (a local ForSequenceClassification directory); null: model_name."))
+    reward_model_cfg: RewardModelTypeConfig = Field(default_factory=RewardModelTypeConfig, description=(
+        "NeMo-RL's reward_model_cfg: enabled must be true, reward_model_type bradley_terry."))
+
+    @model_validator(mode="after")
+    def _enabled(self) -> "RewardModelConfig":
+        if not self.reward_model_cfg.enabled:
+            raise ValueError("env.reward_model.reward_model_cfg.enabled=False: expected true (NeMo-RL: 'Please set "
+                             "reward_model_cfg.enabled = True in the reward model environment config')")
+        return self
+
+
+class JudgeConfig(_Section):
+    """``env.judge`` (``env.name: judge``): an LLM judge behind any OpenAI-compatible URL (grpo/tasks/judge.py)."""
+
+    base_url: str = Field(description="The server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1.")
+    model: str = Field(description="The judge's model name on that server.")
+    prompt_template: str = Field(description=(
+        "The judge's prompt: {question}, {completion} and {answer} are filled in (literal braces doubled)."))
+    score_pattern: str = Field(r"Score:\s*(-?[0-9]+(?:\.[0-9]+)?)", description=(
+        "Regex whose last match's group 1 is the score in the judge's answer; an answer without one fails the "
+        "sample (env_malformed: retried, then masked), never scores 0."))
+    max_score: float = Field(1.0, gt=0, description="reward = score / max_score.")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds one judge request may take (env_timeout past it).")
+    max_concurrency: int = Field(16, gt=0, description="Judge requests in flight at once (per rank).")
+    api_key_env: Optional[str] = Field(None, description=(
+        "Environment variable holding the server's API key (null: no key)."))
+    temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature.")
+    max_tokens: Optional[int] = Field(None, gt=0, description="Most tokens the judge may answer (null: the server's).")
+
+    @model_validator(mode="after")
+    def _template(self) -> "JudgeConfig":
+        import re
+
+        try:
+            self.prompt_template.format(question="", completion="", answer="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"env.judge.prompt_template: {type(err).__name__}: {err}; expected only {{question}}, "
+                             "{completion}, {answer} (double literal braces)") from err
+        if "{completion}" not in self.prompt_template:
+            raise ValueError("env.judge.prompt_template has no {completion}: the judge would not see the answer")
+        try:
+            groups = re.compile(self.score_pattern).groups
+        except re.error as err:
+            raise ValueError(f"env.judge.score_pattern={self.score_pattern!r}: {err}") from err
+        if groups < 1:
+            raise ValueError(f"env.judge.score_pattern={self.score_pattern!r}: expected a group around the score")
+        return self
+
+
 # Modules that moved, by their old name: specs (package.module:function) naming the old one still load.
 MOVED_MODULES = {"grpo.system.sandbox": "grpo.tasks.sandbox"}
 
@@ -961,7 +1037,9 @@ class EnvSpec(_Section):
     name: Literal[ENV_NAMES] = Field(  # the built-in tasks of grpo.tasks.catalogue, function, tools, class
         "arithmetic", description=(
         "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
-        "multi-turn: guess_number; class: env_class; agent: env.agent, a program driving the policy over HTTP."))
+        "multi-turn: guess_number; class: env_class; agent: env.agent, a program driving the policy over HTTP; "
+        "reward_model: env.reward_model, a sequence classifier's score; judge: env.judge, an LLM judge over HTTP; "
+        "combined: env.rewards, several rewards per sample."))
     reward_fn: Optional[str] = Field(None, description=(
         "package.module:function with signature fn(question, completion, answer, meta) -> float | dict."))
     env_class: Optional[str] = Field(
@@ -995,6 +1073,17 @@ class EnvSpec(_Section):
         "Answer every tool call with an error (an ablation: same task, same model, no tool results)."))
     agent: Optional[AgentConfig] = Field(None, description=(
         "env.name=agent: the agent (fn or command), its concurrency and per-sample deadline."))
+    reward_model: Optional[RewardModelConfig] = Field(None, description=(
+        "env.name=reward_model: the reward model (NeMo-RL's env.reward_model keys)."))
+    judge: Optional[JudgeConfig] = Field(None, description=(
+        "env.name=judge: the LLM judge (base_url, model, prompt_template, score_pattern, timeouts)."))
+    rewards: dict[str, "EnvSpec"] = Field(default_factory=dict, description=(
+        "env.name=combined: the one-turn environments (name -> environment) whose rewards score each sample."))
+    combine: Literal["weighted_sum", "components"] = Field("weighted_sum", description=(
+        "env.name=combined: weighted_sum: one reward, the sum of env.weights[name] x each reward; components: each "
+        "reward a named component for GDPO (grpo.adv_estimator.name=gdpo), the scalar reward their sum."))
+    weights: dict[str, float] = Field(default_factory=dict, description=(
+        "env.name=combined with combine=weighted_sum: the weight of each reward by name (default 1)."))
 
     @field_validator("tools")
     @classmethod
@@ -1025,10 +1114,30 @@ class EnvSpec(_Section):
         if (self.name == "agent") != (self.agent is not None):
             raise ValueError(f"env.agent={self.agent!r} with env.name={self.name!r}: env.name='agent' needs an "
                              "env.agent section (fn or command), and only it takes one")
+        if (self.name == "combined") != bool(self.rewards):
+            raise ValueError(f"env.rewards={sorted(self.rewards)} with env.name={self.name!r}: env.name='combined' "
+                             "needs env.rewards (name -> environment), and only it takes them")
+        bad = sorted(k for k, spec in self.rewards.items() if spec.name in ("combined", "agent", "tools"))
+        if bad:
+            raise ValueError(f"env.rewards.{bad[0]}.name={self.rewards[bad[0]].name!r}: a combined reward takes one-turn "
+                             "environments (a reward function, a reward model, math, ...)")
+        if self.weights and (self.combine != "weighted_sum" or set(self.weights) - set(self.rewards)):
+            raise ValueError(f"env.weights={self.weights!r}: expected weights of env.rewards' names "
+                             f"{sorted(self.rewards)} with env.combine='weighted_sum' (got {self.combine!r}); GDPO's "
+                             "weights are grpo.adv_estimator.reward_weights")
+        if (self.name == "judge") != (self.judge is not None):
+            raise ValueError(f"env.judge={self.judge!r} with env.name={self.name!r}: env.name='judge' needs an "
+                             "env.judge section (base_url, model, prompt_template), and only it takes one")
+        if (self.name == "reward_model") != (self.reward_model is not None):
+            raise ValueError(f"env.reward_model={self.reward_model!r} with env.name={self.name!r}: env.name="
+                             "'reward_model' needs an env.reward_model section (model_name, ...), and only it takes one")
         if self.name == "class" and (not self.env_class or ":" not in self.env_class):
             raise ValueError(f"env.env_class={self.env_class!r}: expected 'package.module:ClassName' when "
                              "env.name='class'")
         return self
+
+
+EnvSpec.model_rebuild()
 
 
 class EnvConfig(EnvSpec):

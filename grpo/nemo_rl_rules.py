@@ -627,12 +627,10 @@ SPLITTABLE = {"OpenMathInstruct-2", "ResponseDataset"}
 SPEC_KEYS = {"dataset_name", "data_path", "input_key", "output_key", "split", "subset", "split_validation_size",
              "seed", "prompt_file", "system_prompt_file", "processor", "env_name", "repeat", "extract_answer"}
 ENV_REFUSED = {
-    "reward_model": "a reward-model environment (a second model scores the samples); grpo-ds has none",
     "nemo_gym": "NeMo-Gym environments (agent servers over HTTP); grpo-ds runs its own environments in process",
     "code": "the code-execution environment; grpo-ds's tool sandbox is not that environment",
     "code_jaccard": "the code Jaccard-similarity reward; grpo-ds has none",
     "vlm": "vision-language rewards; grpo-ds trains text models",
-    "math_multi_reward": "several math rewards per sample; grpo-ds's math environment gives one",
 }
 
 
@@ -952,7 +950,7 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
     _nemo_gym_env(w)
     env = {k: v for k, v in (w.get("env") or {}).items() if isinstance(v, dict) or v is None}
     for name in list(env):
-        if name in ENV_REFUSED and env[name] is not None and (name == env_name or name in ("reward_model", "nemo_gym")):
+        if name in ENV_REFUSED and env[name] is not None and (name == env_name or name == "nemo_gym"):
             w.refuse(f"env.{name}", ENV_REFUSED[name])
     if env_name in ENV_REFUSED:
         if f"env.{env_name}" not in " ".join(w.errors):
@@ -960,10 +958,18 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
         w.take("env")
         return
     section = env.get(env_name) or {}
+    if env_name == "reward_model":
+        _reward_model(w)
+        for name in env:
+            w.ignore(f"env.{name}", f"not the data's env_name ({env_name}): unused, as in NeMo-RL")
+        w.take("env")
+        return
     if train.get("builtin"):
         w.set("env.name", train["path"].split(":")[0])
     elif env_name in ("math", "math_default", "dapo"):
         w.set("env.name", "math")
+    elif env_name == "math_multi_reward":  # grpo.tasks.math_multi_reward: NeMo-RL's three components, for GDPO
+        w.set("env.name", "math_multi_reward")
     else:
         w.refuse("data.default.env_name", f"NeMo-RL's environment {env_name!r} has no grpo-ds translation")
         return
@@ -973,6 +979,9 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
     if impl == "dapo_math_verify" and w.out["env"]["name"] == "math":
         w.translate(f"env.{env_name}.math_verify_impl", {"env.math_verify_impl": impl},
                     "DAPO's verifier: the last 'Answer:' line, normalised, equals the gold (grpo.tasks.math)")
+    elif impl != "hf_math_verify" and env_name == "math_multi_reward":
+        w.refuse(f"env.{env_name}.math_verify_impl", "NeMo-RL's MathMultiRewardEnvironment has hf_math_verify alone "
+                 "(for any other value its worker raises and every component scores 0)")
     elif impl != "hf_math_verify":
         w.refuse(f"env.{env_name}.math_verify_impl", "grpo-ds's math task has the verifiers hf_math_verify and "
                  "dapo_math_verify (NeMo-RL's too: for any other value, null included, its verifier raises and "
@@ -986,11 +995,56 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
     w.take(f"env.{env_name}")
     w.table.append(("translated", f"env.{env_name}", "-> env.name=" + repr(w.out["env"]["name"]) +
                     (f" ({'DAPO' if impl == 'dapo_math_verify' else 'math-verify'}, as NeMo-RL's {impl})"
-                     if w.out["env"]["name"] == "math" else "")))
+                     if w.out["env"]["name"] == "math" else
+                     " (reward/correctness, reward/integer, reward/format: NeMo-RL's components, string equality)"
+                     if env_name == "math_multi_reward" else "")))
     for name in env:
         if f"env.{name}" not in " ".join(w.errors):
             w.ignore(f"env.{name}", f"not the data's env_name ({env_name}): unused, as in NeMo-RL")
     w.take("env")
+
+
+# NeMo-RL's RewardModelEnvironment asserts these (nemo_rl/environments/reward_model_environment.py at 7ea279a).
+REWARD_MODEL_ASSERTS = (("dtensor_cfg.enabled", True, "NeMo-RL's reward model runs on DTensor only"),
+                        ("dtensor_cfg.cpu_offload", False, "CPU offload is not supported with the reward model"),
+                        ("dtensor_cfg.activation_checkpointing", False, "activation checkpointing is not supported "
+                         "with the reward model"),
+                        ("dynamic_batching.enabled", False, "dynamic batching is not supported with the reward model"),
+                        ("sequence_packing.enabled", False, "sequence packing is not supported with the reward model"),
+                        ("max_grad_norm", None, "max grad norm must be None in the reward model environment"))
+
+
+def _reward_model(w: Walk) -> None:
+    """``env.reward_model`` -> ``env.name=reward_model`` with the same section (`grpo.config.RewardModelConfig`);
+    NeMo-RL's asserts kept, its placement and DTensor keys named."""
+    k = "env.reward_model"
+    w.set("env.name", "reward_model")
+    for sub, expected, why in REWARD_MODEL_ASSERTS:
+        value = w.get(f"{k}.{sub}", expected if sub != "dtensor_cfg.enabled" else None)
+        if value != expected and not (sub.endswith("enabled") and expected is False and value is None):
+            w.refuse(f"{k}.{sub}", f"expected {expected!r}: {why} (NeMo-RL asserts it)")
+        w.take(f"{k}.{sub}")
+    for key in ("model_name", "precision", "batch_size", "max_model_len", "checkpoint_path", "tokenizer.name",
+                "reward_model_cfg.enabled", "reward_model_cfg.reward_model_type"):
+        w.honor(f"{k}.{key}")
+    for key in w.open_keys(f"{k}.tokenizer"):
+        w.refuse(key, "a reward-model tokenizer key grpo-ds does not translate (tokenizer.name is the one it reads)")
+    resources = w.get(f"{k}.resources") or {}
+    w.ignore(f"{k}.resources", f"NeMo-RL's own GPUs for the reward model ({resources.get('gpus_per_node')} per node x "
+             f"{resources.get('num_nodes')} nodes); grpo-ds keeps a frozen copy on every training rank, beside the "
+             "policy (with cluster.gpus_per_node=1 it shares the one rank; grpo/system/reward_model.py)")
+    w.ignore(f"{k}.dtensor_cfg", "DTensor parallel sizes and plans: grpo-ds's reward model is a frozen copy per rank "
+             "(no tensor or context parallelism)")
+    w.ignore(f"{k}.offload_optimizer_for_logprob", "the reward model has no optimizer")
+    w.ignore(f"{k}.processor", "NeMo-RL's RewardModelEnvironment reads no processor (data.default.processor formats "
+             "the prompts)")
+    for key in ("logprob_batch_size", "generation", "enabled"):
+        w.ignore(f"{k}.{key}", "a key of NeMo-RL's RewardModelEnvironmentConfig that its scoring path does not read")
+    for key in w.open_keys(k):
+        w.refuse(key, "a reward-model key grpo-ds does not translate")
+    w.take(k)
+    w.table.append(("translated", "data.default.env_name", "reward_model -> env.name='reward_model': the "
+                    "conversation rendered with the reward model's own chat template, scored by its head logit"))
 
 
 # -- loss, grpo, checkpointing, the rest ---------------------------------------------------------------

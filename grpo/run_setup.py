@@ -82,7 +82,10 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     skip_prev, skip_ref = resolve_skip_flags(cfg)
 
     tokenizer = load_tokenizer(cfg.policy)
-    envs = build_environments(cfg.env, cfg.data, rollout_failure=g.rollout_failure)
+    from grpo.system.reward_model import RewardModels  # env.name=reward_model: a frozen copy on each rank
+
+    reward_models = RewardModels(device)
+    envs = build_environments(cfg.env, cfg.data, rollout_failure=g.rollout_failure, reward_models=reward_models)
     formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks, envs.tool_schemas())
     per_batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
     loader = build_dataloader(train_ds, batch_size=per_batch, shuffle=cfg.data.shuffle, seed=g.seed,
@@ -151,13 +154,15 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                               val_ds=val_ds, num_malformed=train_rows.report.num_skipped, total_steps=total_steps,
                               policy=policy, reference=reference, skip_ref=skip_ref, skip_prev=skip_prev,
                               tasks=envs.tasks, packing_note=packing_note))
-    val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val", g.rollout_failure)
+    val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val", g.rollout_failure,
+                                                                                   reward_models)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
     checks = StepChecks(cfg, policy.module.config.vocab_size)
     checks.rollouts.load_state_dict(state.rollout_failures)  # skipped steps, failures: counted across resumes
     dumper = RolloutDumper(cfg.logger.log_dir, cfg.logger.dump_rollouts_every, cfg.logger.dump_rollouts_max_samples,
                            rank, enabled=cfg.logger.dump_rollouts)
-    closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [RunLocks(locks)]
+    closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [reward_models,
+                                                                                                 RunLocks(locks)]
     generator = None
     if layout is not None or not asynchronous:  # the async loop builds its own, unless generation ranks serve it
         generator = build_generation_backend(cfg, tokenizer, policy, device, layout)

@@ -4,8 +4,8 @@
     python scripts/check_nemo_rl_recipes.py --readme /path/to/NeMo-RL   # README's generated recipe summary
                                                          # (README quotes NeMo-RL 7ea279a; NEMO_RL_CHECKOUT is the default)
 
-The recipes are examples/configs/grpo_*.yaml and examples/configs/recipes/llm/grpo-*.yaml (vision and audio
-ones excluded); each goes through grpo.nemo_rl_recipe.load_recipe as `--check-config` would. A failure prints
+The recipes are examples/configs/{grpo,gdpo}_*.yaml and examples/configs/recipes/llm/{grpo,gdpo}-*.yaml (vision
+and audio ones excluded); each goes through grpo.nemo_rl_recipe.load_recipe as `--check-config` would. A failure prints
 the keys grpo-ds refuses, each with why. Exit status 0 when every recipe passes, 1 otherwise.
 """
 
@@ -23,7 +23,9 @@ from grpo.nemo_rl_recipe import load_recipe  # noqa: E402
 
 def recipes(root: Path) -> list[Path]:
     configs = root / "examples" / "configs"
-    found = sorted(configs.glob("grpo_*.yaml")) + sorted((configs / "recipes" / "llm").glob("grpo-*.yaml"))
+    llm = configs / "recipes" / "llm"
+    found = (sorted(configs.glob("grpo_*.yaml")) + sorted(configs.glob("gdpo_*.yaml")) + sorted(llm.glob("grpo-*.yaml"))
+             + sorted(llm.glob("gdpo-*.yaml")))  # GDPO recipes are GRPO with another advantage estimator
     return [p for p in found if not any(w in p.name for w in ("vlm", "audio"))]
 
 

@@ -13,7 +13,7 @@ the worker processes that run it. A new built-in task is a module and one entry 
     >>> sorted(name for name, task in TASKS.items() if task.rows)
     ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym', 'sliding_puzzle']
     >>> ENV_NAMES
-    ('math', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'function', 'tools', 'class', 'agent')
+    ('math', 'math_multi_reward', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'function', 'tools', 'class', 'agent', 'reward_model', 'judge', 'combined')
     >>> dataset_task("reasoning_gym:basic_arithmetic") is TASKS["reasoning_gym"], dataset_task("gsm8k.jsonl")
     (True, None)
 """
@@ -42,6 +42,8 @@ class Task:
 
 TASKS: dict[str, Task] = {
     "math": Task(reward_fn="grpo.tasks.math:math_reward"),
+    # NeMo-RL's MathMultiRewardEnvironment: reward/{correctness,integer,format} components for GDPO.
+    "math_multi_reward": Task(reward_fn="grpo.tasks.math_multi_reward:math_multi_reward"),
     "reasoning_gym": Task(rows="grpo.tasks.reasoning_gym:rows", dataset_prefix=True,
                           reward_fn="grpo.tasks.reasoning_gym:reasoning_gym_reward"),
     "arithmetic": Task(rows="grpo.tasks.arithmetic:rows", reward_fn="grpo.tasks.arithmetic:arithmetic_reward",
@@ -58,9 +60,12 @@ TASKS: dict[str, Task] = {
 
 # env.name: the built-in tasks that have an environment, then the environments a config spells out:
 # a reward function (env.reward_fn), tool calls (grpo.tasks.tools), a user class (env.env_class) and an agent
-# program that drives the policy over HTTP (env.agent, grpo.tasks.agent).
+# program that drives the policy over HTTP (env.agent, grpo.tasks.agent) and a reward model (env.reward_model,
+# grpo.tasks.reward_model; its engine is the run's: grpo.system.reward_model), an LLM judge (env.judge,
+# grpo.tasks.judge) and several rewards of one sample
+# (env.rewards, grpo.tasks.combined).
 ENV_NAMES = tuple(name for name, task in TASKS.items() if task.reward_fn or task.environment) + (
-    "function", "tools", "class", "agent")
+    "function", "tools", "class", "agent", "reward_model", "judge", "combined")
 
 
 def load(spec: str) -> Any:

@@ -9,6 +9,11 @@ By ``env.name``:
 - ``tools``: tool calls (`grpo.tasks.tools.ToolEnvironment`), the final answer scored by ``env.reward_fn``;
 - ``class``: a user environment, ``env.env_class: package.module:ClassName`` built with ``env.kwargs``;
 - ``agent``: a user's agent (``env.agent``) playing each sample over the run's endpoint (`grpo.tasks.agent`).
+- ``reward_model``: a sequence classifier scoring the conversation (``env.reward_model``,
+  `grpo.tasks.reward_model`); its engine comes from the run (``reward_models``: `grpo.system.reward_model`);
+- ``judge``: an LLM judge behind an OpenAI-compatible URL (``env.judge``, `grpo.tasks.judge`);
+- ``combined``: the rewards of several one-turn environments (``env.rewards``) as a weighted sum or as GDPO's
+  components (``env.combine``; `grpo.tasks.combined`).
 
 Several environments in one run: ``env.tasks: {task_name: {name: ..., ...}}``; each data row's
 ``task_name`` (``data.task_key``) picks one, rows without it use the top-level environment, whose task name
@@ -49,9 +54,34 @@ def _import_object(spec: str, key: str):
     return obj
 
 
-def build_environment(env_spec, data_cfg=None, key: str = "env") -> Environment:
+def build_environment(env_spec, data_cfg=None, key: str = "env", reward_models=None) -> Environment:
     """The environment of one `grpo.config.EnvSpec` (``key``: its dotted name, for errors); built-in tasks
-    are looked up in `grpo.tasks.catalogue`."""
+    are looked up in `grpo.tasks.catalogue`. ``reward_models``: ``env.reward_model`` section -> its scorer (the
+    run's `grpo.system.reward_model.RewardModels`), for ``env.name: reward_model``."""
+    if env_spec.name == "combined":
+        from grpo.tasks.combined import CombinedEnvironment
+
+        parts: dict[str, Environment] = {}
+        try:
+            for name, spec in env_spec.rewards.items():
+                parts[name] = build_environment(spec, data_cfg, f"{key}.rewards.{name}", reward_models)
+        except BaseException:
+            for env in parts.values():
+                env.shutdown()
+            raise
+        return CombinedEnvironment(parts, env_spec.combine, env_spec.weights)
+    if env_spec.name == "judge":
+        from grpo.tasks.judge import JudgeEnvironment
+
+        return JudgeEnvironment(env_spec.judge)
+    if env_spec.name == "reward_model":
+        from grpo.tasks.reward_model import RewardModelEnvironment
+
+        if reward_models is None:
+            raise EnvError(f"{key}.name='reward_model' needs the run's reward-model engines (build_environments(..., "
+                           "reward_models=grpo.system.reward_model.RewardModels(device)))")
+        rm = env_spec.reward_model
+        return RewardModelEnvironment(reward_models(rm), rm.batch_size, rm.max_model_len)
     if env_spec.name == "class":
         cls = _import_object(env_spec.env_class, f"{key}.env_class")
         try:
@@ -118,7 +148,8 @@ def task_specs(env_cfg, split: str = "train") -> dict[str, Any]:
     return specs
 
 
-def build_environments(env_cfg, data_cfg=None, split: str = "train", rollout_failure=None) -> Environments:
+def build_environments(env_cfg, data_cfg=None, split: str = "train", rollout_failure=None,
+                       reward_models=None) -> Environments:
     """Every environment of the run (see `task_specs`), wrapped in `Environments` with its observation format
     and the retry budgets of ``rollout_failure`` (``grpo.rollout_failure``; None: one attempt per call); the
     reward environments are known to give scalar rewards (`Environments` rejects a mix of kinds)."""
@@ -127,7 +158,8 @@ def build_environments(env_cfg, data_cfg=None, split: str = "train", rollout_fai
     try:
         for task, spec in specs.items():
             section = "val_tasks" if spec is (env_cfg.val_tasks or {}).get(task) else "tasks"
-            envs[task] = build_environment(spec, data_cfg, "env" if spec is env_cfg else f"env.{section}.{task}")
+            envs[task] = build_environment(spec, data_cfg, "env" if spec is env_cfg else f"env.{section}.{task}",
+                                           reward_models)
             formats[task] = observation_format(spec)
             kinds[task] = "scalar" if isinstance(envs[task], RewardEnvironment) else None
         return Environments(envs, env_cfg.step_timeout_s, formats, kinds, retry=RetryPolicy.of(rollout_failure))

@@ -321,7 +321,8 @@ def test_http_server_keys_are_kept():
      "policy.dtensor_cfg.lora_cfg.lora_A_init", "xavier and uniform"),
     (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.peft.enabled=true",
       "++policy.megatron_cfg.peft.lora_dtype=float32"], "policy.megatron_cfg.peft.lora_dtype", "model's dtype"),
-    (["++env.reward_model={model_name: rm}"], "env.reward_model", "reward-model environment"),
+    (["data.default.env_name=reward_model", "++env.reward_model={model_name: rm, dtensor_cfg: {enabled: true, "
+      "cpu_offload: true}}"], "env.reward_model.dtensor_cfg.cpu_offload", "NeMo-RL asserts it"),
     (["++env.nemo_gym={x: 1}"], "env.nemo_gym", "NeMo-Gym"),
     (["env.math.math_verify_impl=sympy"], "env.math.math_verify_impl", "hf_math_verify and dapo_math_verify"),
     (["data.default.env_name=code"], "data.default.env_name", "code-execution"),

@@ -1,0 +1,149 @@
+"""The reward model as an environment (grpo.tasks.reward_model, grpo.system.reward_model): NeMo-RL's rendering with
+the reward model's own template, scores equal to AutoModelForSequenceClassification's logits on the same text for
+batch sizes 1 and 4 and padding on either side, batching, max_model_len, NeMo-RL's metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.config import RewardModelConfig
+
+pytest.importorskip("tiktoken")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "7"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue, the colour of a clear sky at noon in summer."}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+     {"role": "user", "content": "and again"}, {"role": "assistant", "content": "hello again, friend"}],
+    [{"role": "user", "content": "Write a number."}, {"role": "assistant", "content": "<think>ok</think>42"}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}],
+]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    from tests.helpers.reward_models import save_tiny_reward_model
+
+    return save_tiny_reward_model(str(tmp_path_factory.mktemp("rm")))
+
+
+@pytest.fixture(scope="module")
+def hf_model(rm_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def scorers(rm_dir):
+    from grpo.system.reward_model import RewardModelScorer
+
+    return {side: RewardModelScorer(RewardModelConfig(model_name=rm_dir, precision="float32"), torch.device("cpu"),
+                                    side) for side in ("right", "left")}
+
+
+class Counting:
+    """A scorer that records the conversations of each call."""
+
+    def __init__(self, inner):
+        self.inner, self.tokenizer, self.calls = inner, inner.tokenizer, []
+
+    def score(self, ids):
+        self.calls.append([len(x) for x in ids])
+        return self.inner.score(ids)
+
+
+def test_rendering_is_the_reward_model_s_template_with_its_end_token(rm_dir):
+    from grpo.tasks.reward_model import render_conversation
+    from tests.helpers.qwen_tokenizer import qwen25_tokenizer
+
+    tok = qwen25_tokenizer()
+    for conv in CONVERSATIONS:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=False)
+        assert text.rstrip("\n").endswith("<|im_end|>")  # Qwen's template ends the turn itself: no EOS added
+        assert render_conversation(tok, conv) == tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(render_conversation(tok, CONVERSATIONS[0])).startswith("<|im_start|>system\nYou are Qwen")
+
+
+def test_rendering_adds_bos_and_eos_where_the_template_does_not(rm_dir):
+    from grpo.tasks.reward_model import render_conversation
+    from tests.helpers.qwen_tokenizer import qwen25_tokenizer
+
+    import copy
+
+    tok = copy.deepcopy(qwen25_tokenizer())  # a copy to change
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok.bos_token = "<|endoftext|>"
+    ids = render_conversation(tok, CONVERSATIONS[0])
+    assert tok.decode(ids) == "<|endoftext|>user: What is 3+4?\nassistant: 7\n<|im_end|>"  # NeMo-RL's BOS and EOS
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_scores_equal_the_classifier_s_logits_on_the_same_text(scorers, hf_model, side, batch_size):
+    from grpo.tasks.reward_model import RewardModelEnvironment, render_conversation
+
+    s = scorers[side]
+    env = RewardModelEnvironment(s, batch_size=batch_size)
+    got = env.step([list(c) for c in CONVERSATIONS], [{}] * len(CONVERSATIONS)).rewards
+    with torch.no_grad():
+        want = torch.tensor([float(hf_model(input_ids=torch.tensor([render_conversation(s.tokenizer, c)])).logits[0, 0])
+                             for c in CONVERSATIONS])
+    assert want.std() > 0.01  # the texts score differently: the comparison is not of constants
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_scoring_runs_in_batches_of_batch_size(scorers):
+    from grpo.tasks.reward_model import RewardModelEnvironment
+
+    s = Counting(scorers["right"])
+    ret = RewardModelEnvironment(s, batch_size=2).step(CONVERSATIONS, [{"answer": "a"}] * 5)
+    assert [len(c) for c in s.calls] == [2, 2, 1]
+    assert ret.terminateds.all() and ret.failures == [None] * 5 and ret.metadata == [None] * 5
+    assert ret.observations[0]["content"] == f"Environment: {float(ret.rewards[0])}"
+
+
+def test_a_conversation_over_max_model_len_fails_and_is_not_scored(scorers):
+    from grpo.tasks.reward_model import RewardModelEnvironment, render_conversation
+
+    s = Counting(scorers["right"])
+    lengths = [len(render_conversation(s.tokenizer, c)) for c in CONVERSATIONS]
+    limit = sorted(lengths)[2]
+    ret = RewardModelEnvironment(s, batch_size=4, max_model_len=limit).step(CONVERSATIONS, [{}] * 5)
+    failed = [f is not None for f in ret.failures]
+    assert failed == [n > limit for n in lengths] and any(failed)
+    assert {f.reason for f in ret.failures if f} == {"env_malformed"} and max(n for c in s.calls for n in c) <= limit
+
+
+def test_metrics_are_nemo_rl_s_over_the_samples_that_did_not_fail():
+    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.trajectory import Message, Trajectory
+
+    ts = [Trajectory(0, i, "reward_model", "q", "", [Message("user", "q", [1]), Message("assistant", "a", [2], [0.0])],
+                     {}, reward=r, num_prompt_messages=1) for i, r in enumerate([1.0, 3.0, 0.0])]
+    ts[2].error = "env_malformed"
+    from grpo.tasks.router import rollout_batch
+
+    _, m = RewardModelEnvironment(None, 1).global_post_process_and_metrics(rollout_batch(ts))
+    assert m == {"reward_model_env/num_samples": 2.0, "reward_model_env/mean_reward": 2.0,
+                 "reward_model_env/std_reward": pytest.approx(2 ** 0.5), "reward_model_env/min_reward": 1.0,
+                 "reward_model_env/max_reward": 3.0}
+
+
+def test_the_config_section_is_nemo_rl_s():
+    from pydantic import ValidationError
+
+    from grpo.config import EnvSpec
+
+    spec = EnvSpec.model_validate({"name": "reward_model", "reward_model": {
+        "model_name": "m", "tokenizer": {"name": "t"}, "precision": "bfloat16", "batch_size": 4, "max_model_len": 2048,
+        "checkpoint_path": None, "reward_model_cfg": {"enabled": True, "reward_model_type": "bradley_terry"}}})
+    assert spec.reward_model.tokenizer.name == "t"
+    with pytest.raises(ValidationError, match="reward_model_cfg.enabled=False"):
+        RewardModelConfig(model_name="m", reward_model_cfg={"enabled": False})
+    with pytest.raises(ValidationError, match="reward_model_type"):
+        RewardModelConfig(model_name="m", reward_model_cfg={"reward_model_type": "regression"})
+    with pytest.raises(ValidationError, match="needs an env.reward_model section"):
+        EnvSpec(name="reward_model")
