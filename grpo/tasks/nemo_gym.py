@@ -257,14 +257,17 @@ def mask_of(result: dict) -> bool:
 # Metrics
 # --------------------------------------------------------------------------------------------------
 def single_metric(values: list[float], key: str) -> dict[str, float]:
-    """NeMo-RL's ``calculate_single_metric`` without the histogram: mean, max, min, median, stddev (nan for one).
+    """NeMo-RL's ``calculate_single_metric`` without the histogram: mean, max, min, median, stddev (left out for one
+    value, where NeMo-RL's is nan: metrics.jsonl stays plain JSON).
 
         >>> single_metric([1, 3], "x")
         {'x/mean': 2.0, 'x/max': 3.0, 'x/min': 1.0, 'x/median': 2.0, 'x/stddev': 1.4142135623730951}
     """
-    return {f"{key}/mean": sum(values) / len(values), f"{key}/max": float(max(values)),
-            f"{key}/min": float(min(values)), f"{key}/median": float(statistics.median(values)),
-            f"{key}/stddev": statistics.stdev(values) if len(values) > 1 else math.nan}
+    out = {f"{key}/mean": sum(values) / len(values), f"{key}/max": float(max(values)),
+           f"{key}/min": float(min(values)), f"{key}/median": float(statistics.median(values))}
+    if len(values) > 1:
+        out[f"{key}/stddev"] = statistics.stdev(values)
+    return out
 
 
 def gym_metrics(trajectories) -> dict[str, float]:
@@ -317,6 +320,7 @@ class NemoGymEnvironment(Environment):
     def __init__(self, cfg, log_responses: bool = False):
         self.cfg, self.log_responses = cfg, log_responses
         self.agent_urls: dict[str, str] = dict(cfg.agent_urls)
+        self.responses_dir: str | None = None  # <log_dir>/nemo_gym_responses, set by the run
         self.invalid_tool_call_patterns = cfg.invalid_tool_call_patterns
         self.thinking_tags = cfg.thinking_tags
         self.effort_levels = cfg.effort_levels
