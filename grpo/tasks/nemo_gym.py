@@ -300,12 +300,13 @@ def gym_metrics(trajectories) -> dict[str, float]:
 
 
 def numeric_fields(result: dict) -> dict[str, float]:
-    """The top-level numeric (bool, int, float) fields of a result: NeMo-RL's per-agent metrics.
+    """The top-level numeric (bool, int, float) fields of a result: NeMo-RL's per-agent metrics (the echoed row index
+    left out: NeMo-RL logs its mean, which means nothing).
 
-        >>> numeric_fields({"reward": 1, "ok": True, "name": "x", "response": {}})
+        >>> numeric_fields({"reward": 1, "ok": True, "name": "x", "response": {}, "_rowidx": 7})
         {'reward': 1.0, 'ok': 1.0}
     """
-    return {k: float(v) for k, v in result.items() if isinstance(v, (bool, int, float))}
+    return {k: float(v) for k, v in result.items() if isinstance(v, (bool, int, float)) and k != ROW_INDEX_KEY}
 
 
 # --------------------------------------------------------------------------------------------------
