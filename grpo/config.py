@@ -982,7 +982,7 @@ class NemoGymConfig(BaseModel):
         "e.g. [uv, run, --python, '3.13', ng_run, ...] or a path into Gym's own venv). {config_paths} is replaced by "
         "the comma-joined config_paths followed by the config grpo-ds writes (policy_base_url, policy_api_key, "
         "policy_model_name, head_server, the port range and Gym's other keys of this section), {config_file} by that "
-        "file alone."))
+        "file alone, {python} by the trainer's Python (a launcher script in grpo-ds's environment)."))
     launcher_cwd: Optional[str] = Field(None, description=(
         "grpo-ds: the launcher's working directory (Gym's checkout, where config_paths resolve; null: the run's)."))
     startup_timeout_s: float = Field(600.0, gt=0, description=(

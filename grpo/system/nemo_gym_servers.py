@@ -11,10 +11,10 @@ so its servers never live in grpo-ds's environment; the run reaches them over HT
    +config_paths=[{config_paths}]``; e.g. ``uv run --python 3.13 ng_run ...`` or a path into Gym's venv). The run
    writes ``<log_dir>/nemo_gym/global_config.yaml`` (Gym's other keys of ``env.nemo_gym``, the policy keys, the
    head server on the first free port of ``port_range_low..high``, the port range) and appends it to the config
-   paths (``{config_paths}``; ``{config_file}`` is that file alone), runs the launcher in ``launcher_cwd`` in a
-   process group of its own (its output in ``<log_dir>/nemo_gym/launcher.log``), waits for the head server and
-   every server it lists, and stops the group at the end of the run, on a crash, on a signal, and when the trainer
-   dies (the parent-death signal). A launcher that exits or never answers stops the run with one ``error:`` line
+   paths (``{config_paths}``; ``{config_file}`` is that file alone; ``{python}`` is the trainer's Python), runs the
+   launcher in ``launcher_cwd`` in a process group of its own (its output in ``<log_dir>/nemo_gym/launcher.log``),
+   waits for the head server and every server it lists, and stops the group at the end of the run, on a crash, on a
+   signal, and when the trainer dies (the parent-death signal). A launcher that exits or never answers stops the run with one ``error:`` line
    and the log's tail; a server that dies later costs the samples it held (`grpo.system.nemo_gym_rollout`).
 """
 
@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import httpx
@@ -152,7 +153,7 @@ class GymServers:
     # ---------------------------------------------------------------- servers grpo-ds starts
     def _launch(self, policy: dict) -> dict[str, str]:
         cfg = self.cfg
-        exe = cfg.launcher[0]
+        exe = cfg.launcher[0].replace("{python}", sys.executable)
         if shutil.which(exe, path=os.environ.get("PATH")) is None and not os.path.isfile(exe):
             raise GymServerError(
                 f"env.nemo_gym.launcher={cfg.launcher}: {exe!r} is not a program on PATH. The nemo-gym package needs "
@@ -171,7 +172,8 @@ class GymServers:
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(gym_config, f)
         paths = ",".join([*cfg.config_paths, config_file])
-        argv = [a.replace("{config_paths}", paths).replace("{config_file}", config_file) for a in cfg.launcher]
+        argv = [a.replace("{config_paths}", paths).replace("{config_file}", config_file)
+                .replace("{python}", sys.executable) for a in cfg.launcher]
         parent = os.getpid()
         log = open(self.log_path, "ab")
         try:

@@ -81,7 +81,8 @@ def check_gym_record(record) -> str | None:
         "missing agent_ref: expected {'name': <agent server>} (keys: ['responses_create_params'])"
     """
     if not isinstance(record, dict):
-        return f"expected a NeMo-Gym row (an object with responses_create_params and agent_ref), got {type(record).__name__}"
+        return (f"expected a NeMo-Gym row (an object with responses_create_params and agent_ref), got "
+                f"{type(record).__name__}")
     params = record.get(GYM_INPUT_KEY)
     if not isinstance(params, dict) or not isinstance(params.get("input"), (str, list)) or not params["input"]:
         return f"{GYM_INPUT_KEY}: expected an object with a non-empty input (a string or a list of messages)"
@@ -140,7 +141,8 @@ def regroup(indexed: list[tuple[int, object]], n: int) -> list:
         got[index] = value
     missing = sorted(set(range(n)) - set(got))
     if missing:
-        raise GymResultError(f"the NeMo-Gym rollout stream ended before all rows arrived: missing row indices {missing}")
+        raise GymResultError(f"the NeMo-Gym rollout stream ended before all rows arrived: missing row indices "
+                             f"{missing}")
     return [got[i] for i in range(n)]
 
 
@@ -178,7 +180,8 @@ def trajectory_messages(result: dict, decode) -> tuple[list[Message], dict]:
 
         >>> item = lambda p, g: {"type": "message", "prompt_token_ids": p, "generation_token_ids": g,
         ...                      "generation_log_probs": [-0.1] * len(g)}
-        >>> res = {"response": {"output": [item([1, 2], [3]), {"type": "function_call_output"}, item([1, 2, 3, 4], [5])]}}
+        >>> res = {"response": {"output": [item([1, 2], [3]), {"type": "function_call_output"},
+        ...                                item([1, 2, 3, 4], [5])]}}
         >>> msgs, stripped = trajectory_messages(res, decode=str)
         >>> [(m.role, m.token_ids, m.trained) for m in msgs]
         [('user', [1, 2], False), ('assistant', [3], True), ('user', [4], False), ('assistant', [5], True)]
