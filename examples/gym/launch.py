@@ -20,12 +20,14 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 
 from omegaconf import OmegaConf
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # grpo-ds's checkout
+from grpo.system.nemo_gym_servers import free_port  # noqa: E402
 
 KINDS = ("responses_api_agents", "resources_servers", "responses_api_models")
 
@@ -40,19 +42,6 @@ def config_paths(argv: list[str]) -> tuple[list[str], dict]:
         elif key:
             overrides[key] = OmegaConf.create({"v": value}).v if value else value
     return paths, overrides
-
-
-def free_port(host: str, low: int, high: int, taken: set[int]) -> int:
-    for port in range(low, high + 1):
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise SystemExit(f"launch.py: no free port in {low}..{high}")
 
 
 def die_with_parent() -> None:

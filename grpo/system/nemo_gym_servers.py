@@ -77,9 +77,11 @@ def answers(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def free_port(host: str, low: int, high: int) -> int:
-    """The first port of ``low..high`` free on ``host`` (NeMo-RL's ``_get_free_port_local``)."""
+def free_port(host: str, low: int, high: int, taken: frozenset[int] | set[int] = frozenset()) -> int:
+    """The first port of ``low..high`` free on ``host`` and not in ``taken`` (NeMo-RL's ``_get_free_port_local``)."""
     for port in range(low, high + 1):
+        if port in taken:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
