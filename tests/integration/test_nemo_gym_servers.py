@@ -206,3 +206,42 @@ def test_a_server_killed_mid_rollout_costs_its_samples_only(gym):
     assert metrics["failed_samples"] >= 1 and metrics["turns_per_sample/mean"] == 1.0
     assert metrics["calc_simple_agent/reward/mean"] == 1.0
     assert servers.alive()  # the launcher and the other servers go on
+
+
+def test_the_launched_servers_die_with_a_killed_trainer(tmp_path):
+    """A trainer killed by SIGKILL runs no cleanup: the parent-death signal stops the launcher, and its servers."""
+    import os
+    import signal
+    import subprocess
+
+    import httpx
+
+    script = (
+        "import sys, time\n"
+        "from grpo.config import MasterConfig\n"
+        "from grpo.system.nemo_gym_servers import GymServers\n"
+        f"cfg = MasterConfig.model_validate({{'env': {{'should_use_nemo_gym': True, 'nemo_gym': {{"
+        f"'config_paths': ['examples/gym/configs/calculator.yaml'], 'launcher': {LAUNCHER!r}, "
+        f"'port_range_low': 27000, 'port_range_high': 27999, 'startup_timeout_s': 120}}}}}})\n"
+        f"s = GymServers(cfg.env.nemo_gym, {str(tmp_path)!r})\n"
+        "urls = s.start('http://127.0.0.1:9/v1', 'k', 'm')\n"
+        "print(s.head_url, urls['calc_simple_agent'], flush=True)\n"
+        "time.sleep(300)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        head, agent = trainer.stdout.readline().split()
+        assert httpx.get(head + "/global_config_dict_yaml", timeout=5).status_code == 200
+    finally:
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+    def down(url: str) -> bool:
+        try:
+            httpx.get(url, timeout=2)
+            return False
+        except httpx.ConnectError:
+            return True
+
+    deadline = time.monotonic() + 30
+    while not (down(head + "/global_config_dict_yaml") and down(agent)):
+        assert time.monotonic() < deadline, "the Gym servers outlived the killed trainer by 30 s"
+        time.sleep(0.5)
