@@ -139,6 +139,25 @@ def test_validation_rows_get_the_validation_sampling(gym):
     assert trajs[0].error is None and trajs[0].reward == 1.0
 
 
+def test_the_endpoint_answers_gyms_model_server_as_nemo_rls_vllm_server_does(gym):
+    """Gym's model server (responses_api_models/vllm_model, return_token_id_information: true) sends logprobs=true,
+    top_logprobs=0, return_tokens_as_token_ids=true and reads the token bundle on the message first."""
+    import httpx
+
+    endpoint = gym[0]
+    body = {"model": endpoint.model_name, "messages": [{"role": "user", "content": "3+4="}], "temperature": 1.0,
+            "top_p": 1.0, "max_tokens": 8, "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True}
+    with endpoint.serving():  # the endpoint generates during rollouts only
+        r = httpx.post(endpoint.base_url + "/chat/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {endpoint.api_key}"})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    tok = endpoint.tokenizer
+    assert tok.decode(message["prompt_token_ids"]) == "<bos>3+4="
+    assert tok.decode(message["generation_token_ids"]) == "7<eos>"
+    assert len(message["generation_log_probs"]) == len(message["generation_token_ids"])
+
+
 def test_mask_sample_and_reward_components_are_honoured(gym):
     [t] = _play(gym, [_row("3+4=", "8", tools=False, instance_config={"mask_sample": True})])
     assert (t.error, t.reward, t.reward_components, t.mask_sample) == (None, 0.0, {"correct": 0.0}, True)
