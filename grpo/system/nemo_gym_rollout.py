@@ -25,7 +25,7 @@ import traceback
 
 import httpx
 
-from grpo.tasks.failures import INFRA, Failure, RetryPolicy, failure_of_exception
+from grpo.tasks.failures import DATA, INFRA, Failure, RetryPolicy, failure_of_exception
 from grpo.tasks.nemo_gym import (NemoGymEnvironment, check_result, mask_of, numeric_fields, prepare_row, regroup,
                                  reward_of, trajectory_messages)
 
@@ -34,7 +34,7 @@ async def post_row(client: httpx.AsyncClient, url: str, row: dict, retry: RetryP
                                                                                                 Failure | None, int]:
     """``(result, failure, retries)``: POST ``row`` to ``url`` (an agent server's ``/run``) until it answers a verify
     result or ``retry``'s budget for the failure's class is spent."""
-    failed = {INFRA: 0, "data": 0}
+    failed = {INFRA: 0, DATA: 0}
     retries = 0
     while True:
         failure = None
