@@ -1027,6 +1027,76 @@ class JudgeConfig(_Section):
         return self
 
 
+class NemoGymConfig(BaseModel):
+    """``env.nemo_gym`` (``env.should_use_nemo_gym: true``): NeMo-RL's section, its own keys typed, every other key
+    Gym's global config (kept as given and handed to the launcher), plus grpo-ds's keys for where the Gym servers
+    come from: ``agent_urls`` / ``head_server_url`` (servers you started) or ``config_paths`` + ``launcher`` (grpo-ds
+    starts them). grpo/tasks/nemo_gym.py has the protocol."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    invalid_tool_call_patterns: Optional[list[str]] = Field(None, description=(
+        "NeMo-RL's key: substrings of an assistant message's text that mark an unexecuted tool call (null: "
+        "NeMo-RL's <tool_call>, </tool_call>, <function_call>, </function_call>); read by the reward penalties."))
+    thinking_tags: Optional[list[str]] = Field(None, description=(
+        "NeMo-RL's key: the thinking tags checked for malformed thinking (null: <think>, </think>)."))
+    effort_levels: Optional[dict[str, Any]] = Field(None, description=(
+        "NeMo-RL's key: effort-level length shaping of Gym results (read by the reward penalties; never sent to Gym)."))
+    port_range_low: int = Field(5000, gt=0, lt=65536, description=(
+        "NeMo-RL's key: the Gym servers' ports (the head server grpo-ds starts takes the first free one); passed to "
+        "Gym as its port_range_low."))
+    port_range_high: int = Field(5999, gt=0, lt=65536, description="See port_range_low (inclusive).")
+    config_paths: Optional[list[str]] = Field(None, description=(
+        "Gym's key: the server configs grpo-ds's launcher starts (relative to launcher_cwd, Gym's checkout)."))
+    agent_urls: dict[str, str] = Field(default_factory=dict, description=(
+        "grpo-ds: agent servers you started, by the agent_ref.name of the rows they serve: {name: http://host:port}."))
+    head_server_url: Optional[str] = Field(None, description=(
+        "grpo-ds: the head server of Gym servers you started (ng_run prints it; http://127.0.0.1:11000 by default): "
+        "the agents' addresses are read from its /global_config_dict_yaml."))
+    launcher: list[str] = Field(default_factory=lambda: ["ng_run", "+config_paths=[{config_paths}]"], description=(
+        "grpo-ds: the command that starts the Gym servers of config_paths (Gym needs Python >= 3.13 and Ray: "
+        "e.g. [uv, run, --python, '3.13', ng_run, ...] or a path into Gym's own venv). {config_paths} is replaced by "
+        "the comma-joined config_paths followed by the config grpo-ds writes (policy_base_url, policy_api_key, "
+        "policy_model_name, head_server, the port range and Gym's other keys of this section), {config_file} by that "
+        "file alone, {python} by the trainer's Python (a launcher script in grpo-ds's environment)."))
+    launcher_cwd: Optional[str] = Field(None, description=(
+        "grpo-ds: the launcher's working directory (Gym's checkout, where config_paths resolve; null: the run's)."))
+    startup_timeout_s: float = Field(600.0, gt=0, description=(
+        "grpo-ds: seconds to wait for the Gym servers (launched, or started by you) to answer."))
+    request_timeout_s: float = Field(1800.0, gt=0, description=(
+        "grpo-ds: seconds one row's POST /run may take before its sample fails (env_timeout: retried, then masked)."))
+    max_concurrency: int = Field(256, gt=0, description="grpo-ds: rows posted to the agent servers at once.")
+
+    @model_validator(mode="after")
+    def _where(self) -> "NemoGymConfig":
+        if self.port_range_low > self.port_range_high:
+            raise ValueError(f"env.nemo_gym.port_range_low={self.port_range_low} is above port_range_high="
+                             f"{self.port_range_high}: expected low <= high")
+        if not (self.agent_urls or self.head_server_url or self.config_paths):
+            raise ValueError("env.nemo_gym: say where the Gym servers are: agent_urls ({agent name: URL}) or "
+                             "head_server_url for servers you started (ng_run), or config_paths (with launcher, "
+                             "default ng_run) for grpo-ds to start them")
+        if self.config_paths and (self.agent_urls or self.head_server_url):
+            raise ValueError("env.nemo_gym: config_paths (grpo-ds starts the servers) and agent_urls / "
+                             "head_server_url (servers you started) are both set: keep one")
+        if not self.launcher:
+            raise ValueError("env.nemo_gym.launcher=[]: expected a command, e.g. [ng_run, '+config_paths="
+                             "[{config_paths}]']")
+        for name, url in self.agent_urls.items():
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"env.nemo_gym.agent_urls.{name}={url!r}: expected an http(s):// URL")
+        return self
+
+    def gym_keys(self) -> dict[str, Any]:
+        """Gym's own keys of this section: everything but NeMo-RL's detection and shaping keys and grpo-ds's."""
+        return {k: v for k, v in (self.model_extra or {}).items() if k not in NEMO_RL_ONLY_GYM_KEYS}
+
+
+# Keys of env.nemo_gym that NeMo-RL pops before handing the section to Gym (run_grpo_nemo_gym.py, nemo_gym.py).
+NEMO_RL_ONLY_GYM_KEYS = frozenset({"is_trajectory_collection", "pad_dynamic_image_shapes", "tokenizer_config",
+                                   "num_gpu_nodes"})
+
+
 # Modules that moved, by their old name: specs (package.module:function) naming the old one still load.
 MOVED_MODULES = {"grpo.system.sandbox": "grpo.tasks.sandbox"}
 
@@ -1149,6 +1219,15 @@ class EnvConfig(EnvSpec):
     step_timeout_s: float = Field(300.0, gt=0, description=(
         "Seconds one environment step (a batch of samples) may take before the call counts as failed (env_timeout: "
         "retried, then the samples are masked; grpo.rollout_failure)."))
+    should_use_nemo_gym: bool = Field(False, description=(
+        "NeMo-RL's key: NeMo-Gym's agent servers play the rollouts (env.nemo_gym; the data rows are Gym rows: "
+        "responses_create_params, agent_ref, task fields). Sets env.name=nemo_gym."))
+    nemo_gym: Optional[NemoGymConfig] = Field(None, description=(
+        "NeMo-RL's section: its keys (invalid_tool_call_patterns, thinking_tags, effort_levels, port_range_low/high), "
+        "Gym's global config, and grpo-ds's: where the Gym servers come from."))
+    should_log_nemo_gym_responses: bool = Field(False, description=(
+        "NeMo-RL's key: write every Gym result (the full /run answer, token fields left out) to "
+        "<log_dir>/nemo_gym_responses/<stream>_step_<n>.jsonl."))
     should_mask_flagged_samples: bool = Field(True, description=(
         "NeMo-RL's key: a sample an environment flags mask_sample (NeMo-Gym's instance_config.mask_sample) is out of "
         "the loss and, in grpo-ds, out of its group's baseline too; false: the flag is ignored and the sample trains."))
@@ -1168,6 +1247,32 @@ class EnvConfig(EnvSpec):
                         "grpo.rollout_failure.max_consecutive_skipped_steps (skipped steps in a row before the run "
                         "stops) instead")
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gym_name(cls, data):
+        """``should_use_nemo_gym: true`` makes the top-level environment NeMo-Gym's (``env.name: nemo_gym``)."""
+        if isinstance(data, dict) and data.get("should_use_nemo_gym") and "name" not in data:
+            data = {**data, "name": "nemo_gym"}
+        return data
+
+    @model_validator(mode="after")
+    def _gym(self) -> "EnvConfig":
+        if self.should_use_nemo_gym != (self.name == "nemo_gym"):
+            raise ValueError(f"env.should_use_nemo_gym={self.should_use_nemo_gym} with env.name={self.name!r}: "
+                             "NeMo-Gym is the top-level environment (env.name=nemo_gym) exactly when "
+                             "env.should_use_nemo_gym=true")
+        if self.should_use_nemo_gym and self.nemo_gym is None:
+            raise ValueError("env.should_use_nemo_gym=true needs env.nemo_gym: agent_urls or head_server_url (Gym "
+                             "servers you started) or config_paths (grpo-ds starts them with env.nemo_gym.launcher)")
+        if self.nemo_gym is not None and not self.should_use_nemo_gym:
+            raise ValueError("env.nemo_gym is set but env.should_use_nemo_gym is false: set it true, or remove "
+                             "env.nemo_gym")
+        gym_tasks = [t for t, spec in self.tasks.items() if spec.name == "nemo_gym"]
+        if gym_tasks:
+            raise ValueError(f"env.tasks.{gym_tasks[0]}.name=nemo_gym: NeMo-Gym is the top-level environment only "
+                             "(env.should_use_nemo_gym=true)")
+        return self
 
     @model_validator(mode="after")
     def _tasks(self) -> "EnvConfig":
@@ -1360,6 +1465,20 @@ class MasterConfig(_Section):
     on_policy_distillation: OnPolicyDistillationConfig = Field(
         default_factory=OnPolicyDistillationConfig, description="On-policy distillation from a teacher.")
 
+    def _nemo_gym_checks(self) -> None:
+        """NeMo-RL's assertions of the NeMo-Gym path (run_async_nemo_gym_rollout), and Gym rows as the data: rows
+        are read as NeMo-RL's NemoGymDataset reads them (data.input_key=responses_create_params)."""
+        gen = self.policy.generation
+        for key in ("top_k", "val_top_k"):
+            if getattr(gen, key) not in (None, -1):
+                raise ValueError(f"policy.generation.{key}={getattr(gen, key)}: NeMo-Gym's agents sample with OpenAI's "
+                                 "temperature and top_p only (NeMo-RL asserts top_k is unset): remove it")
+        if self.data.input_key == "input":
+            self.data.input_key = "responses_create_params"
+        elif self.data.input_key != "responses_create_params":
+            raise ValueError(f"data.input_key={self.data.input_key!r} with env.should_use_nemo_gym=true: Gym rows "
+                             "carry their prompt in responses_create_params (leave data.input_key unset)")
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "MasterConfig":
         g, loss, p = self.grpo, self.loss_fn, self.policy
@@ -1445,6 +1564,8 @@ class MasterConfig(_Section):
                                                        "checkpointing.metric_name", name)
             if val_name != name:
                 self.checkpointing.metric_name = val_name
+        if self.env.should_use_nemo_gym:
+            self._nemo_gym_checks()
         task = TASKS.get(self.env.name)
         if task is not None and task.dataset_prefix and not self.data.dataset_name.startswith(f"{self.env.name}:"):
             raise ValueError(

@@ -98,4 +98,11 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
     with os.fdopen(fd, "w") as f:
         json.dump({"base_url": url, "api_key": endpoint.api_key, "model": endpoint.model_name}, f)
     logger.write(f"endpoint: {url} serves {endpoint.model_name!r} (key in {path}){'; agent tasks ' + str(agent) if agent else ''}")
+    from grpo.system.nemo_gym_servers import GymServerError, start_gym_servers
+
+    try:  # NeMo-Gym's servers (env.should_use_nemo_gym), found or launched with this endpoint
+        start_gym_servers(cfg, envs_list, endpoint, cfg.logger.log_dir if rank == 0 else
+                          os.path.join(cfg.logger.log_dir, f"rank{rank}"), closables, logger)
+    except GymServerError as err:
+        raise RunError(str(err)) from None
     return AgentPlayer(endpoint)

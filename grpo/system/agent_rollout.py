@@ -21,6 +21,8 @@ import time
 
 from grpo.trajectory import Failure, Message
 from grpo.tasks.agent import AgentEnvironment, agent_row
+from grpo.tasks.nemo_gym import NemoGymEnvironment
+from grpo.system.nemo_gym_rollout import play_gym
 
 
 def trajectory_messages(records, decode) -> tuple[list, bool]:
@@ -73,8 +75,10 @@ def fill_trajectory(t, records, outcome, decode) -> None:
 
 
 def agent_tasks(envs) -> set[str]:
-    """The task names of ``envs`` (a `grpo.tasks.router.Environments`) whose environment is an agent."""
-    return {task for task, env in getattr(envs, "envs", {}).items() if isinstance(env, AgentEnvironment)}
+    """The task names of ``envs`` (a `grpo.tasks.router.Environments`) whose samples are played over the endpoint:
+    an agent's, or NeMo-Gym's agent servers' (`grpo.system.nemo_gym_rollout`)."""
+    return {task for task, env in getattr(envs, "envs", {}).items()
+            if isinstance(env, (AgentEnvironment, NemoGymEnvironment))}
 
 
 class AgentPlayer:
@@ -96,6 +100,10 @@ class AgentPlayer:
         decode = endpoint.tokenizer.decode
         for task, idx in by_task.items():
             env = envs.envs[task]
+            if isinstance(env, NemoGymEnvironment):
+                play_gym(env, [trajs[i] for i in idx], [seed_keys[i] for i in idx], endpoint, envs.retry,
+                         weight_version)
+                continue
             keys = [endpoint.open_session(":".join(str(p) for p in seed_keys[i])) for i in idx]
             rows = [agent_row(trajs[i].question, trajs[i].answer, trajs[i].metadata.get("meta", {}), task,
                               [{"role": m.role, "content": m.content} for m in trajs[i].messages],

@@ -40,6 +40,7 @@ from torch.utils.data import Dataset
 
 from grpo.config import DataConfig
 from grpo.tasks.catalogue import dataset_task, load
+from grpo.tasks.nemo_gym import GYM_INPUT_KEY, check_gym_record, gym_record_to_row
 from grpo.tasks.rows import ROW_KEYS, DataError, PromptRow, Row
 
 logger = logging.getLogger(__name__)
@@ -222,12 +223,13 @@ def _read_table(path: Path) -> list[Any]:
 def _rows_from_records(records, where: str, cfg: DataConfig, report: LoadReport, line_numbers: bool) -> list[Row]:
     """Check each (n, record); a bad one raises `DataError` or is skipped and counted (``on_bad_row``)."""
     rows = []
+    gym = cfg.input_key == GYM_INPUT_KEY  # NeMo-Gym rows (env.should_use_nemo_gym): NemoGymDataset's, kept whole
+    check = (lambda r: check_gym_record(r)) if gym else (lambda r: check_record(r, cfg.input_key, cfg.output_key))
     for n, record in records:
-        problem = record.problem if isinstance(record, _BadJson) else check_record(
-            record, cfg.input_key, cfg.output_key
-        )
+        problem = record.problem if isinstance(record, _BadJson) else check(record)
         if problem is None:
-            rows.append(record_to_row(record, cfg.input_key, cfg.output_key, f"{where}:{n}"))
+            rows.append(gym_record_to_row(record, f"{where}:{n}") if gym else
+                        record_to_row(record, cfg.input_key, cfg.output_key, f"{where}:{n}"))
             continue
         message = f"{where} {'line' if line_numbers else 'row'} {n}: {problem}"
         if cfg.on_bad_row == "error":

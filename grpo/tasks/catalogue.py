@@ -13,7 +13,7 @@ the worker processes that run it. A new built-in task is a module and one entry 
     >>> sorted(name for name, task in TASKS.items() if task.rows)
     ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym', 'sliding_puzzle']
     >>> ENV_NAMES
-    ('math', 'math_multi_reward', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'function', 'tools', 'class', 'agent', 'reward_model', 'judge', 'combined')
+    ('math', 'math_multi_reward', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'function', 'tools', 'class', 'agent', 'reward_model', 'judge', 'combined', 'nemo_gym')
     >>> dataset_task("reasoning_gym:basic_arithmetic") is TASKS["reasoning_gym"], dataset_task("gsm8k.jsonl")
     (True, None)
 """
@@ -60,12 +60,12 @@ TASKS: dict[str, Task] = {
 
 # env.name: the built-in tasks that have an environment, then the environments a config spells out:
 # a reward function (env.reward_fn), tool calls (grpo.tasks.tools), a user class (env.env_class) and an agent
-# program that drives the policy over HTTP (env.agent, grpo.tasks.agent) and a reward model (env.reward_model,
+# program that drives the policy over HTTP (env.agent, grpo.tasks.agent), a reward model (env.reward_model,
 # grpo.tasks.reward_model; its engine is the run's: grpo.system.reward_model), an LLM judge (env.judge,
-# grpo.tasks.judge) and several rewards of one sample
-# (env.rewards, grpo.tasks.combined).
+# grpo.tasks.judge), several rewards of one sample (env.rewards, grpo.tasks.combined) and NeMo-Gym's agent servers
+# (env.should_use_nemo_gym, grpo.tasks.nemo_gym).
 ENV_NAMES = tuple(name for name, task in TASKS.items() if task.reward_fn or task.environment) + (
-    "function", "tools", "class", "agent", "reward_model", "judge", "combined")
+    "function", "tools", "class", "agent", "reward_model", "judge", "combined", "nemo_gym")
 
 
 def load(spec: str) -> Any:

@@ -14,6 +14,7 @@ By ``env.name``:
 - ``judge``: an LLM judge behind an OpenAI-compatible URL (``env.judge``, `grpo.tasks.judge`);
 - ``combined``: the rewards of several one-turn environments (``env.rewards``) as a weighted sum or as GDPO's
   components (``env.combine``; `grpo.tasks.combined`).
+- ``nemo_gym``: NeMo-Gym's agent servers (``env.should_use_nemo_gym``, ``env.nemo_gym``; `grpo.tasks.nemo_gym`).
 
 Several environments in one run: ``env.tasks: {task_name: {name: ..., ...}}``; each data row's
 ``task_name`` (``data.task_key``) picks one, rows without it use the top-level environment, whose task name
@@ -104,6 +105,10 @@ def build_environment(env_spec, data_cfg=None, key: str = "env", reward_models=N
 
         a = env_spec.agent
         return AgentEnvironment(a.fn, a.command, a.max_concurrency, a.timeout_s, key=f"{key}.agent")
+    if env_spec.name == "nemo_gym":  # its samples are played by Gym's agent servers (grpo.system.nemo_gym_rollout)
+        from grpo.tasks.nemo_gym import NemoGymEnvironment
+
+        return NemoGymEnvironment(env_spec.nemo_gym, env_spec.should_log_nemo_gym_responses)
     if env_spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
         check_reward_fn(env_spec.reward_fn, env_spec.timeout_s)
         return RewardEnvironment(env_spec.reward_fn, in_process=False, num_workers=env_spec.num_workers,

@@ -44,6 +44,9 @@ READ_ONLY_BY_THE_SCHEMA = {
         "grpo/validation.py validation_sampling calls",
     "policy.generation.val_top_p": "the same: GenerationConfig.for_validation",
     "policy.generation.val_top_k": "the same: GenerationConfig.for_validation",
+    "env.should_use_nemo_gym":
+        "NeMo-RL's switch; grpo.config.EnvConfig makes it env.name=nemo_gym (and MasterConfig's _nemo_gym_checks "
+        "apply), which grpo/tasks/factory.py builds as the NeMo-Gym environment",
     "policy.generation.colocated.enabled":
         "read by grpo.config.generation_ranks (0 when colocated), which grpo/run_setup.py's setup and grpo/serving.py's start_split call",
     "policy.optimizer.name":

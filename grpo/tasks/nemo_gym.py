@@ -1,0 +1,346 @@
+"""NeMo-Gym environments (``env.should_use_nemo_gym``): the pure half. Rows, results and trajectories as NeMo-RL's
+NeMo-Gym path reads them (``nemo_rl/environments/nemo_gym.py``, ``nemo_rl/experience/rollouts.py``); the HTTP and the
+processes are `grpo.system.nemo_gym_rollout` and `grpo.system.nemo_gym_servers`.
+
+The protocol (NeMo-Gym's schema, which the example servers of ``examples/gym/`` speak without Gym installed):
+
+- A **row** (a line of NeMo-RL's ``NemoGymDataset`` file) is ``{"responses_create_params": {"input": [...], "tools":
+  [...], ...}, "agent_ref": {"name": <agent server>}, <task fields>...}``. The rollout stamps each row with the run's
+  sampling profile (`prepare_row`: ``temperature``, ``top_p``, ``max_output_tokens`` capped by ``max_new_tokens``)
+  and its index (``_rowidx``), and POSTs it to its agent server's ``/run``.
+- The **agent server** seeds a session on its resources server (``POST /seed_session``), calls the policy (through
+  Gym's model server, which calls the run's ``/v1/chat/completions``), runs the tool calls (``POST /<tool>`` on the
+  resources server), asks for the reward (``POST /verify``) and answers the verify response: the row's fields, the
+  ``response`` (its ``output`` items, the last item of each model call carrying ``prompt_token_ids``,
+  ``generation_token_ids``, ``generation_log_probs``), ``reward``, optionally ``reward_components`` (their sum must
+  equal ``reward``) and ``instance_config.mask_sample``.
+- Answers come back in any order; `regroup` puts them back in row order and refuses a stream that is short, has a
+  duplicate or an index out of range. `trajectory_messages` builds the trajectory: per model call, its new prompt
+  tokens as an untrained ``user`` message and its generated tokens as a trained ``assistant`` message with their
+  logprobs; a call whose prompt does not start with everything seen before is NeMo-RL's non-contiguous error.
+
+What NeMo-RL asserts (a short or duplicated stream, a non-contiguous trajectory, a result without generation, NaN
+logprobs, ``reward`` unequal to the sum of ``reward_components``) raises `GymResultError` here and stops the rollout:
+each means the servers and the trainer disagree about the protocol. What fails for one sample (no answer, 5xx, a
+timeout, an answer that is not a result) is a `grpo.tasks.failures` failure: retried, then masked, never scored 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+from collections import defaultdict
+
+from grpo.tasks.function import EnvError
+from grpo.tasks.interface import Environment
+from grpo.trajectory import Message
+
+GYM_INPUT_KEY = "responses_create_params"
+ROW_INDEX_KEY = "_rowidx"  # NeMo-RL's name for a row's index in its rollout batch
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+class GymResultError(ValueError):
+    """What NeMo-RL asserts about Gym results, broken: the rollout stops (module docstring)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------------
+def prompt_text(params: dict) -> str:
+    """The text of a row's last user message (for logs and the trajectory's question).
+
+        >>> prompt_text({"input": [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"}]})
+        '2+2?'
+        >>> prompt_text({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]})
+        'hi'
+        >>> prompt_text({"input": "plain"})
+        'plain'
+    """
+    given = params.get("input")
+    if isinstance(given, str):
+        return given
+    for message in reversed(given or []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return str(content or "")
+    return ""
+
+
+def check_gym_record(record) -> str | None:
+    """The problem with a Gym row as text, or None (NemoGymDataset's rows: ``responses_create_params`` with an
+    ``input``, ``agent_ref`` with a ``name``).
+
+        >>> check_gym_record({"responses_create_params": {"input": "x"}, "agent_ref": {"name": "a"}}) is None
+        True
+        >>> check_gym_record({"responses_create_params": {"input": "x"}})
+        "missing agent_ref: expected {'name': <agent server>} (keys: ['responses_create_params'])"
+    """
+    if not isinstance(record, dict):
+        return (f"expected a NeMo-Gym row (an object with responses_create_params and agent_ref), got "
+                f"{type(record).__name__}")
+    params = record.get(GYM_INPUT_KEY)
+    if not isinstance(params, dict) or not isinstance(params.get("input"), (str, list)) or not params["input"]:
+        return f"{GYM_INPUT_KEY}: expected an object with a non-empty input (a string or a list of messages)"
+    ref = record.get("agent_ref")
+    if not isinstance(ref, dict) or not isinstance(ref.get("name"), str) or not ref["name"]:
+        return f"missing agent_ref: expected {{'name': <agent server>}} (keys: {sorted(record)})"
+    return None
+
+
+def gym_record_to_row(record: dict, source: str) -> dict:
+    """A checked Gym row as a grpo-ds row: the whole record is its ``meta`` (what is posted to ``/run``), its
+    question the last user message, its answer the record's ``answer`` if it has one (only shown in logs)."""
+    answer = record.get("answer", record.get("expected_answer", ""))
+    return {"question": prompt_text(record[GYM_INPUT_KEY]) or json.dumps(record[GYM_INPUT_KEY]["input"])[:2000],
+            "answer": answer if isinstance(answer, str) else json.dumps(answer), "source": source,
+            "meta": record}
+
+
+def prepare_row(row: dict, row_index: int, temperature: float, top_p: float, max_new_tokens: int) -> dict:
+    """A copy of ``row`` as NeMo-RL posts it (``_prepare_nemo_gym_rows``): the sampling profile on its
+    ``responses_create_params`` (``max_output_tokens``: the row's, capped by ``max_new_tokens``), ``_rowidx`` set.
+
+        >>> r = prepare_row({"responses_create_params": {"input": "x", "max_output_tokens": 64}}, 3, 1.0, 0.9, 32)
+        >>> r["responses_create_params"], r["_rowidx"]
+        ({'input': 'x', 'max_output_tokens': 32, 'temperature': 1.0, 'top_p': 0.9}, 3)
+    """
+    row = copy.deepcopy(row)
+    params = row[GYM_INPUT_KEY]
+    params["temperature"], params["top_p"] = temperature, top_p
+    given = params.get("max_output_tokens")
+    params["max_output_tokens"] = min(given, max_new_tokens) if given is not None else max_new_tokens
+    row[ROW_INDEX_KEY] = row_index
+    return row
+
+
+def regroup(indexed: list[tuple[int, object]], n: int) -> list:
+    """The values of ``(row index, value)`` pairs, which arrive in any order, in row order 0..n-1 (NeMo-RL's
+    ``_NemoGymStreamAccumulator``): an index that is not an int, out of range or seen twice, or a stream that ends
+    before every row arrived, is a `GymResultError`.
+
+        >>> regroup([(1, "b"), (0, "a")], 2)
+        ['a', 'b']
+        >>> regroup([(0, "a")], 2)
+        Traceback (most recent call last):
+        ...
+        grpo.tasks.nemo_gym.GymResultError: the NeMo-Gym rollout stream ended before all rows arrived: missing row indices [1]
+    """
+    got: dict[int, object] = {}
+    for index, value in indexed:
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise GymResultError(f"NeMo-Gym row index must be an int, got {type(index).__name__}")
+        if not 0 <= index < n:
+            raise GymResultError(f"NeMo-Gym returned row index {index} outside the expected range [0, {n})")
+        if index in got:
+            raise GymResultError(f"NeMo-Gym returned duplicate row index {index}")
+        got[index] = value
+    missing = sorted(set(range(n)) - set(got))
+    if missing:
+        raise GymResultError(f"the NeMo-Gym rollout stream ended before all rows arrived: missing row indices "
+                             f"{missing}")
+    return [got[i] for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------
+def check_result(result) -> str | None:
+    """Why a ``/run`` answer is not a result (an ``env_malformed`` failure), or None.
+
+        >>> check_result({"response": {"output": []}, "reward": 1}) is None
+        True
+        >>> check_result({"reward": 1})
+        "expected a verify response with 'response' (its 'output' list) and a finite 'reward'"
+    """
+    reward = result.get("reward") if isinstance(result, dict) else None
+    if not (isinstance(result, dict) and isinstance(result.get("response"), dict)
+            and isinstance(result["response"].get("output"), list)
+            and isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward)):
+        return "expected a verify response with 'response' (its 'output' list) and a finite 'reward'"
+    comps = result.get("reward_components")
+    if comps is not None and (not isinstance(comps, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in comps.values())):
+        return f"reward_components must map names to numbers, got {str(comps)[:200]}"
+    return None
+
+
+def trajectory_messages(result: dict, decode) -> tuple[list[Message], dict]:
+    """``(messages, stripped)``: the trajectory of a Gym result (NeMo-RL's ``_postprocess_nemo_gym_to_nemo_rl_result``)
+    and a copy of the result without its token fields (what NeMo-RL keeps as ``full_result``).
+
+    Every output item with non-empty ``generation_token_ids`` is one model call: its ``prompt_token_ids`` must start
+    with every token seen so far (else `GymResultError`, NeMo-RL's non-contiguous assertion); the rest of its prompt
+    becomes an untrained ``user`` message, its generated tokens a trained ``assistant`` message with their logprobs.
+    A result with no such item, or with a NaN logprob, is a `GymResultError` too.
+
+        >>> item = lambda p, g: {"type": "message", "prompt_token_ids": p, "generation_token_ids": g,
+        ...                      "generation_log_probs": [-0.1] * len(g)}
+        >>> res = {"response": {"output": [item([1, 2], [3]), {"type": "function_call_output"},
+        ...                                item([1, 2, 3, 4], [5])]}}
+        >>> msgs, stripped = trajectory_messages(res, decode=str)
+        >>> [(m.role, m.token_ids, m.trained) for m in msgs]
+        [('user', [1, 2], False), ('assistant', [3], True), ('user', [4], False), ('assistant', [5], True)]
+        >>> "prompt_token_ids" in stripped["response"]["output"][0]
+        False
+        >>> trajectory_messages({"response": {"output": [item([1, 2], [3]), item([9, 9, 9], [5])]}}, decode=str)
+        Traceback (most recent call last):
+        ...
+        grpo.tasks.nemo_gym.GymResultError: non-contiguous messages in a NeMo-Gym result (model call 2): its prompt does not start with the 3 tokens seen before it: a tokenization that merges tokens across messages, or a history the agent cut or rewrote (reasoning stripped)
+    """
+    stripped = copy.deepcopy(result)
+    seen: list[int] = []
+    messages: list[Message] = []
+    for item in stripped["response"]["output"]:
+        if not isinstance(item, dict) or not item.get("generation_token_ids"):
+            continue
+        prompt, generated = list(item.pop("prompt_token_ids", None) or []), list(item.pop("generation_token_ids"))
+        logprobs = [float(x) for x in (item.pop("generation_log_probs", None) or [])]
+        call = len(messages) // 2 + 1
+        if prompt[:len(seen)] != seen:
+            raise GymResultError(
+                f"non-contiguous messages in a NeMo-Gym result (model call {call}): its prompt does not start with "
+                f"the {len(seen)} tokens seen before it: a tokenization that merges tokens across messages, or a "
+                "history the agent cut or rewrote (reasoning stripped)")
+        if len(logprobs) != len(generated):
+            raise GymResultError(f"a NeMo-Gym output item (model call {call}) has {len(generated)} generated tokens "
+                                 f"and {len(logprobs)} generation_log_probs")
+        if any(math.isnan(x) for x in logprobs):
+            raise GymResultError(f"generation logprobs contain NaN (model call {call})")
+        new = prompt[len(seen):]
+        messages.append(Message("user", decode(new), new))
+        messages.append(Message("assistant", decode(generated), generated, logprobs))
+        seen = prompt + generated
+    if not messages:
+        types = [o.get("type") if isinstance(o, dict) else type(o).__name__ for o in result["response"]["output"]]
+        raise GymResultError(
+            f"NeMo Gym returned a result with no generation data (output item types {types}): the first prompt may "
+            "exceed policy.max_total_sequence_length, or the model server does not return token ids (Gym's model "
+            "server needs return_token_id_information: true, as vllm_model_for_training.yaml sets)")
+    return messages, stripped
+
+
+def reward_of(result: dict) -> tuple[float, dict[str, float] | None]:
+    """``(reward, reward_components)`` of a result; components must sum to the reward (NeMo-RL's
+    ``validate_reward_components_match_scalar``, rel 1e-5, abs 1e-6) or it is a `GymResultError`.
+
+        >>> reward_of({"reward": 1.5, "reward_components": {"a": 1.0, "b": 0.5}})
+        (1.5, {'a': 1.0, 'b': 0.5})
+        >>> reward_of({"reward": 1.0, "reward_components": {"a": 0.5}})
+        Traceback (most recent call last):
+        ...
+        grpo.tasks.nemo_gym.GymResultError: a NeMo-Gym verify result has reward=1.0 but its reward_components sum to 0.5 ({'a': 0.5}): a multi-reward verifier must set reward = sum(reward_components.values())
+    """
+    reward = float(result["reward"])
+    comps = result.get("reward_components")
+    if not comps:
+        return reward, None
+    comps = {str(k): float(v) for k, v in comps.items()}
+    total = sum(comps.values())
+    if not math.isclose(reward, total, rel_tol=1e-5, abs_tol=1e-6):
+        raise GymResultError(f"a NeMo-Gym verify result has reward={reward} but its reward_components sum to {total} "
+                             f"({comps}): a multi-reward verifier must set reward = sum(reward_components.values())")
+    return reward, comps
+
+
+def mask_of(result: dict) -> bool:
+    """NeMo-RL's ``_extract_mask_sample_flags``: ``instance_config.mask_sample``.
+
+        >>> mask_of({"instance_config": {"mask_sample": True}}), mask_of({})
+        (True, False)
+    """
+    return bool((result.get("instance_config") or {}).get("mask_sample", False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------------
+def single_metric(values: list[float], key: str) -> dict[str, float]:
+    """NeMo-RL's ``calculate_single_metric`` without the histogram: mean, max, min, median, stddev (left out for one
+    value, where NeMo-RL's is nan: metrics.jsonl stays plain JSON).
+
+        >>> single_metric([1, 3], "x")
+        {'x/mean': 2.0, 'x/max': 3.0, 'x/min': 1.0, 'x/median': 2.0, 'x/stddev': 1.4142135623730951}
+    """
+    out = {f"{key}/mean": sum(values) / len(values), f"{key}/max": float(max(values)),
+           f"{key}/min": float(min(values)), f"{key}/median": float(statistics.median(values))}
+    if len(values) > 1:
+        out[f"{key}/stddev"] = statistics.stdev(values)
+    return out
+
+
+def gym_metrics(trajectories) -> dict[str, float]:
+    """NeMo-RL's NeMo-Gym rollout metrics (``_postprocess_single_nemo_gym_group``) of the scored samples (failed
+    ones left out): turns, total and generated tokens per sample and the longest turn, each as `single_metric`;
+    ``natural_termination_rate`` / ``truncation_rate`` (NeMo-RL: a sample truncated when its tokens reach the
+    context length); per agent, every numeric top-level field of its results as ``<agent>/<field>/<stat>``."""
+    done = [t for t in trajectories if t.error is None]
+    if not done:
+        return {}
+    turns = [sum(1 for m in t.messages if m.role == "user") for t in done]
+    gen = [t.num_generated_tokens for t in done]
+    metrics = {**single_metric(turns, "turns_per_sample"),
+               **single_metric([len(t.token_ids()) for t in done], "total_tokens_per_sample"),
+               **single_metric(gen, "gen_tokens_per_sample"),
+               **single_metric([max((len(m.token_ids) for m in t.messages if m.trained), default=0) for t in done],
+                               "max_gen_tokens_per_turn"),
+               **single_metric([t.reward for t in done], "total_reward"),
+               "natural_termination_rate": sum(not t.truncated for t in done) / len(done),
+               "truncation_rate": sum(t.truncated for t in done) / len(done),
+               "mean_gen_tokens_per_sample": sum(gen) / len(done)}
+    by_agent: dict[str, list[dict]] = defaultdict(list)
+    for t in done:
+        by_agent[t.metadata.get("agent_name", "?")].append(t.metadata.get("nemo_gym_numbers", {}))
+    for agent, numbers in by_agent.items():
+        for key in sorted({k for n in numbers for k in n}):
+            values = [n[key] for n in numbers if key in n]
+            metrics.update(single_metric(values, f"{agent}/{key}"))
+    return metrics
+
+
+def numeric_fields(result: dict) -> dict[str, float]:
+    """The top-level numeric (bool, int, float) fields of a result: NeMo-RL's per-agent metrics (the echoed row index
+    left out: NeMo-RL logs its mean, which means nothing).
+
+        >>> numeric_fields({"reward": 1, "ok": True, "name": "x", "response": {}, "_rowidx": 7})
+        {'reward': 1.0, 'ok': 1.0}
+    """
+    return {k: float(v) for k, v in result.items() if isinstance(v, (bool, int, float)) and k != ROW_INDEX_KEY}
+
+
+# --------------------------------------------------------------------------------------------------
+# The environment
+# --------------------------------------------------------------------------------------------------
+class NemoGymEnvironment(Environment):
+    """``env.should_use_nemo_gym``: its samples are played by NeMo-Gym's agent servers over HTTP
+    (`grpo.system.nemo_gym_rollout`), never stepped. ``cfg``: the ``env.nemo_gym`` section
+    (`grpo.config.NemoGymConfig`); ``agent_urls``: agent name -> base URL, filled when the servers are found
+    (`grpo.system.nemo_gym_servers`); ``log_responses``: ``env.should_log_nemo_gym_responses``."""
+
+    def __init__(self, cfg, log_responses: bool = False):
+        self.cfg, self.log_responses = cfg, log_responses
+        self.agent_urls: dict[str, str] = dict(cfg.agent_urls)
+        self.responses_dir: str | None = None  # <log_dir>/nemo_gym_responses, set by the run
+        self.invalid_tool_call_patterns = cfg.invalid_tool_call_patterns
+        self.thinking_tags = cfg.thinking_tags
+        self.effort_levels = cfg.effort_levels
+
+    def step(self, message_logs, metadata):
+        raise EnvError("env.should_use_nemo_gym: the samples are played by NeMo-Gym's agent servers "
+                       "(grpo.system.nemo_gym_rollout), not stepped")
+
+    def url_of(self, agent: str) -> str:
+        """The base URL of agent server ``agent``; EnvError naming the known ones when there is none."""
+        if agent not in self.agent_urls:
+            raise EnvError(f"a row's agent_ref.name={agent!r} names no agent server (known: {sorted(self.agent_urls)}; "
+                           "env.nemo_gym.agent_urls, or the servers of env.nemo_gym.config_paths / head_server_url)")
+        return self.agent_urls[agent].rstrip("/")
+
+    def global_post_process_and_metrics(self, batch: dict) -> tuple[dict, dict]:
+        """NeMo-RL's Gym rollout metrics (`gym_metrics`) and the failed samples' count."""
+        trajs = batch["trajectories"]
+        return batch, {**gym_metrics(trajs), "failed_samples": sum(t.error is not None for t in trajs)}

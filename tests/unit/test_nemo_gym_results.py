@@ -1,0 +1,116 @@
+"""NeMo-Gym's pure half (grpo/tasks/nemo_gym.py) and its config (grpo/config.py NemoGymConfig): NeMo-RL's checks
+on hand-made results, Gym rows as data, and the config errors a user meets. The HTTP path is
+tests/integration/test_nemo_gym_servers.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from grpo.config import MasterConfig
+from grpo.system.data import LoadReport, read_file_rows
+from grpo.tasks.nemo_gym import (GymResultError, check_result, gym_metrics, prepare_row, regroup, reward_of,
+                                 trajectory_messages)
+from grpo.trajectory import Trajectory
+
+GYM = {"should_use_nemo_gym": True, "nemo_gym": {"agent_urls": {"a": "http://127.0.0.1:5001"}}}
+
+
+def _item(prompt, generated, logprobs=None):
+    return {"type": "message", "prompt_token_ids": prompt, "generation_token_ids": generated,
+            "generation_log_probs": logprobs if logprobs is not None else [-0.5] * len(generated)}
+
+
+def test_the_config_keeps_nemo_rls_keys_typed_and_gyms_free():
+    cfg = MasterConfig.model_validate({"env": {**GYM, "nemo_gym": {
+        **GYM["nemo_gym"], "thinking_tags": ["<t>", "</t>"], "effort_levels": {"low": {}},
+        "policy_model": {"responses_api_models": {"vllm_model": {"uses_reasoning_parser": False}}},
+        "is_trajectory_collection": False}}})
+    g = cfg.env.nemo_gym
+    assert cfg.env.name == "nemo_gym" and cfg.data.input_key == "responses_create_params"
+    assert g.thinking_tags == ["<t>", "</t>"] and g.effort_levels == {"low": {}}
+    assert g.gym_keys() == {"policy_model": {"responses_api_models": {"vllm_model": {"uses_reasoning_parser": False}}}}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"should_use_nemo_gym": True, "nemo_gym": {}}, "say where the Gym servers are"),
+    ({"should_use_nemo_gym": True}, "needs env.nemo_gym"),
+    ({"nemo_gym": GYM["nemo_gym"]}, "env.should_use_nemo_gym is false"),
+    ({**GYM, "nemo_gym": {"agent_urls": {"a": "http://x:1"}, "config_paths": ["c.yaml"]}}, "keep one"),
+    ({**GYM, "nemo_gym": {"agent_urls": {"a": "x:1"}}}, "expected an http"),
+    ({**GYM, "name": "arithmetic"}, "exactly when"),
+])
+def test_config_errors_name_the_key(env, message):
+    with pytest.raises(ValidationError, match=message):
+        MasterConfig.model_validate({"env": env})
+
+
+def test_top_k_is_refused_as_nemo_rl_asserts():
+    with pytest.raises(ValidationError, match="top_k"):
+        MasterConfig.model_validate({"env": GYM, "policy": {"generation": {"top_k": 5}}})
+
+
+def test_gym_rows_are_read_whole(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"responses_create_params": {"input": [{"role": "user", "content": "2+2="}]},
+             "agent_ref": {"name": "a"}, "expected_answer": 4, "extra_field": [1]},
+            {"responses_create_params": {"input": "hi"}}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = MasterConfig.model_validate({"env": GYM, "data": {"on_bad_row": "skip"}})
+    report = LoadReport(str(path))
+    [row] = read_file_rows(path, cfg.data, report)
+    assert row["question"] == "2+2=" and row["answer"] == "4" and row["meta"] == rows[0]
+    assert report.num_skipped == 1 and "agent_ref" in report.skipped[0]
+
+
+def test_rows_get_the_sampling_profile_and_their_index():
+    row = {"responses_create_params": {"input": "x"}, "agent_ref": {"name": "a"}}
+    out = prepare_row(row, 5, 0.7, 0.95, 128)
+    assert out["responses_create_params"] == {"input": "x", "temperature": 0.7, "top_p": 0.95, "max_output_tokens": 128}
+    assert out["_rowidx"] == 5 and "temperature" not in row["responses_create_params"]  # the data row is untouched
+
+
+@pytest.mark.parametrize("pairs, message", [
+    ([(0, "a")], "missing row indices \\[1\\]"),
+    ([(0, "a"), (0, "b")], "duplicate row index 0"),
+    ([(0, "a"), (2, "b")], "outside the expected range"),
+    ([(0, "a"), ("1", "b")], "must be an int"),
+])
+def test_a_short_or_broken_stream_raises(pairs, message):
+    with pytest.raises(GymResultError, match=message):
+        regroup(pairs, 2)
+
+
+def test_results_nemo_rl_refuses_raise():
+    with pytest.raises(GymResultError, match="no generation data"):
+        trajectory_messages({"response": {"output": [{"type": "message", "generation_token_ids": []}]}}, str)
+    with pytest.raises(GymResultError, match="NaN"):
+        trajectory_messages({"response": {"output": [_item([1], [2], [math.nan])]}}, str)
+    with pytest.raises(GymResultError, match="non-contiguous"):
+        trajectory_messages({"response": {"output": [_item([1, 2], [3]), _item([1, 2], [4])]}}, str)
+    with pytest.raises(GymResultError, match="reward_components sum"):
+        reward_of({"reward": 1.0, "reward_components": {"a": 0.6, "b": 0.6}})
+    assert reward_of({"reward": 1.2, "reward_components": {"a": 0.6, "b": 0.6}}) == (1.2, {"a": 0.6, "b": 0.6})
+
+
+def test_answers_that_are_not_results_are_failures_not_errors():
+    assert "finite 'reward'" in check_result({"response": {"output": []}, "reward": math.nan})
+    assert "finite 'reward'" in check_result(["not", "a", "dict"])
+    assert "reward_components" in check_result({"response": {"output": []}, "reward": 1, "reward_components": [1]})
+
+
+def test_metrics_are_nemo_rls_over_the_scored_samples():
+    def traj(reward, error=None, agent="a", turns=1, truncated=False):
+        msgs, stripped = trajectory_messages({"response": {"output": [_item(list(range(2 * k + 1)), [9]) if k == 0
+                                                                      else _item([0, 9] + [5] * (k - 1) * 2 + [5], [9])
+                                                                      for k in range(turns)]}}, str)
+        return Trajectory(0, 0, "nemo_gym", "", "", msgs, {"agent_name": agent, "nemo_gym_numbers": {"reward": reward}},
+                          reward=reward, error=error, truncated=truncated)
+    trajs = [traj(1.0, turns=2), traj(0.0, truncated=True), traj(0.0, error="connection")]
+    m = gym_metrics(trajs)
+    assert m["turns_per_sample/mean"] == 1.5 and m["turns_per_sample/max"] == 2.0
+    assert (m["natural_termination_rate"], m["truncation_rate"]) == (0.5, 0.5)
+    assert m["a/reward/mean"] == 0.5 and m["total_reward/mean"] == 0.5 and m["gen_tokens_per_sample/mean"] == 1.5
