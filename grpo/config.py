@@ -1468,8 +1468,10 @@ class MasterConfig(_Section):
                 f"policy.max_total_sequence_length={p.max_total_sequence_length} (generation stops at "
                 "whichever comes first)"
             )
-        if g.val_period > 0 and g.val_batch_size is None:
-            raise ValueError("grpo.val_batch_size=None: expected a positive integer when grpo.val_period > 0")
+        # NeMo-Gym: null validates every validation row in one batch (NeMo-RL's run_grpo_nemo_gym.py sets it so)
+        if g.val_period > 0 and g.val_batch_size is None and not getattr(self.env, "should_use_nemo_gym", False):
+            raise ValueError("grpo.val_batch_size=None: expected a positive integer when grpo.val_period > 0 "
+                             "(null only with env.should_use_nemo_gym=true: the whole validation set in one batch)")
         if g.stop_at_validation_metric is not None:
             g.stop_at_validation_metric = validation_metric_name(
                 g.stop_at_validation_metric, g.val_num_generations_per_prompt, "grpo.stop_at_validation_metric")
