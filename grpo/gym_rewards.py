@@ -29,9 +29,10 @@ detector (a) above.
 
 What the core Gym path hands over (`gym_sample`): a `grpo.trajectory.Trajectory` whose ``messages`` are NeMo-RL's
 message log (per model call an untrained ``user`` message of its new prompt tokens and a trained ``assistant``
-message, flagged with `gym_message_flags`), ``metadata["nemo_gym_result"]`` the result without token fields (its
-``response.output`` items; each item that carried generated tokens with ``generation_str``, their decoded text,
-as NeMo-RL sets it) and ``metadata["meta"]`` the data row (``responses_create_params.input``).
+message, its ``flags`` from `annotate_gym_items`), ``metadata["nemo_gym_result"]`` the result without token fields
+(its ``response.output`` items; each item that carried generated tokens with ``generation_str``, their decoded
+text, as NeMo-RL sets it: `annotate_gym_items` again, called before the token fields are stripped) and
+``metadata["meta"]`` the data row (``responses_create_params.input``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,30 @@ def gym_message_flags(item: dict, invalid_tool_call_patterns: Optional[Sequence[
     invalid, malformed = detect_invalid_tool_call_and_malformed_thinking(item, invalid_tool_call_patterns,
                                                                         thinking_tags)
     return [name for name, on in (("invalid_tool_call", invalid), ("malformed_thinking", malformed)) if on]
+
+
+def annotate_gym_items(result: dict, decode, invalid_tool_call_patterns: Optional[Sequence[str]] = None,
+                       thinking_tags: Optional[Sequence[str]] = None) -> list[list[str]]:
+    """What NeMo-RL's postprocess adds to a Gym result (``_postprocess_nemo_gym_to_nemo_rl_result``), in place:
+    every output item that carries generated tokens (a non-empty ``generation_token_ids``: one model call) gets
+    ``generation_str``, their decoded text (what penalty 4c reads). Returns, per model call in order, the
+    `gym_message_flags` of its assistant message. Call it on the result before its token fields are stripped:
+
+        flags = annotate_gym_items(result, decode, nemo_gym.invalid_tool_call_patterns, nemo_gym.thinking_tags)
+        for message, f in zip([m for m in messages if m.role == "assistant"], flags):
+            message.flags = f
+
+        >>> res = {"response": {"output": [{"type": "message", "content": [{"text": "<tool_call>"}],
+        ...                                 "generation_token_ids": [5, 6]}, {"type": "function_call_output"}]}}
+        >>> annotate_gym_items(res, decode=lambda ids: "x" * len(ids)), res["response"]["output"][0]["generation_str"]
+        ([['invalid_tool_call']], 'xx')
+    """
+    flags = []
+    for item in result["response"]["output"]:
+        if isinstance(item, dict) and item.get("generation_token_ids"):
+            item["generation_str"] = decode(list(item["generation_token_ids"]))
+            flags.append(gym_message_flags(item, invalid_tool_call_patterns, thinking_tags))
+    return flags
 
 
 def thinking_tags_of(nemo_gym) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 
 from grpo.config import EffortLevelsConfig, MasterConfig, RewardPenaltyConfig, reward_penalties_without_nemo_gym
 from grpo.gym_rewards import (
-    GymSample, apply_effort_shaping, apply_gym_reward_penalties, detect_invalid_tool_call_and_malformed_thinking,
+    GymSample, annotate_gym_items, apply_effort_shaping, apply_gym_reward_penalties, detect_invalid_tool_call_and_malformed_thinking,
     effort_levels_of, gym_message_flags, has_duplicated_reasoning, has_empty_final_answer, has_malformed_think_tag,
     last_user_prompt, resolve_think_ids, shape_gym_rewards, thinking_tags_of,
 )
@@ -80,6 +80,16 @@ def test_detector_configured_patterns_and_tags_replace_the_defaults():
     assert gym_message_flags(item, [], None) == ["malformed_thinking"]  # empty list: NeMo-RL's defaults
     assert thinking_tags_of({"thinking_tags": ["<r>", "</r>"]}) == ["<r>", "</r>"]
     assert thinking_tags_of({"thinking_tags": []}) == TAGS and thinking_tags_of(None) == TAGS
+
+
+def test_annotate_sets_generation_str_and_flags_per_model_call_in_order():
+    gen = lambda text, ids: {**message(text), "generation_token_ids": ids, "prompt_token_ids": [1]}  # noqa: E731
+    result = {"response": {"output": [reasoning("plan"), gen("<think>a</think>", [5]),
+                                      {"type": "function_call_output", "output": "3"}, gen("4", [6, 7]),
+                                      {**message("no tokens"), "generation_token_ids": []}]}}
+    flags = annotate_gym_items(result, lambda ids: "|".join(map(str, ids)), None, None)
+    assert flags == [["malformed_thinking"], []]
+    assert [item.get("generation_str") for item in result["response"]["output"]] == [None, "5", None, "6|7", None]
 
 
 # --------------------------------------------------------------------------------------------------
