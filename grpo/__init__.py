@@ -8,9 +8,9 @@ import that runs up a layer, on any import cycle, and on a module that no layer 
     1. leaves       grpo.system.dist grpo.system.signals grpo.trajectory
     2. tasks        grpo.tasks
     3. config       grpo.config
-    4. algorithm    grpo.advantages grpo.registry grpo.loss grpo.rewards grpo.logprobs grpo.batch grpo.packing grpo.step grpo.dynamic_sampling grpo.metrics grpo.rollout_metrics
+    4. algorithm    grpo.advantages grpo.registry grpo.loss grpo.rewards grpo.gym_rewards grpo.logprobs grpo.batch grpo.packing grpo.step grpo.dynamic_sampling grpo.metrics grpo.rollout_metrics
     5. system       grpo.system
-    6. composition  grpo.config_load grpo.nemo_rl_rules grpo.nemo_rl_recipe grpo.cli grpo.run grpo.validation grpo.serving grpo.export grpo.run_setup grpo.step_end grpo.producer grpo.plot grpo.inspect
+    6. composition  grpo.config_load grpo.nemo_rl_rules grpo.nemo_rl_gym_rules grpo.nemo_rl_recipe grpo.cli grpo.run grpo.validation grpo.serving grpo.export grpo.run_setup grpo.step_end grpo.producer grpo.plot grpo.inspect
 
 1. leaves: the process group (`grpo.system.dist`: rank_slice, all_gather_objects, any_rank,
    init_distributed), POSIX signals (`grpo.system.signals`) and the typed data of a rollout (`grpo.trajectory`:

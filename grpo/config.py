@@ -1422,6 +1422,44 @@ class RewardPenaltyConfig(_Section):
         return self
 
 
+class EffortLevelsConfig(_Section):
+    """``env.nemo_gym.effort_levels``: NeMo-RL's length shaping of NeMo-Gym rewards for low-effort prompts
+    (``nemo_rl/experience/rollouts.py``, ``EffortLevelsConfig``; `grpo.gym_rewards.apply_effort_shaping`):
+
+        length_reward = min(1, low_weight * (1 - response_len / low_ub))
+        reward'       = reward + reward * max(length_reward, 0) + low_penalty * min(length_reward, 0)
+
+    for samples whose last user message contains ``low_string``; off when low_weight <= 0 or low_string is empty."""
+
+    low_weight: float = Field(0.0, description="Weight of the length-reward term (0: shaping off).")
+    low_penalty: float = Field(1.0, description="Coefficient of the negative length-reward term.")
+    low_ub: int = Field(64000, gt=0, description="Response length (tokens) that normalises the term.")
+    low_string: str = Field("", description="Substring of the last user message that turns shaping on ('' : off).")
+
+
+def reward_penalties_without_nemo_gym(rp: RewardPenaltyConfig, enable_nemo_gym: bool) -> Optional[str]:
+    """NeMo-RL's ``_raise_if_reward_penalties_enabled_without_nemo_gym`` (``nemo_rl/algorithms/grpo.py``) as a
+    message: None with NeMo-Gym or with no NeMo-RL penalty on, else one line naming the first key that is on.
+    NeMo-RL's penalties read NeMo-Gym results; grpo-ds's native runs apply them to its own environments' text
+    (`grpo.rewards`), so only NeMo-RL recipes are held to this (`grpo.nemo_rl_rules`).
+
+        >>> reward_penalties_without_nemo_gym(RewardPenaltyConfig(penalize_empty_final_answer=True), False)
+        'reward_penalties.penalize_empty_final_answer=true: reward_penalties require the NeMo-Gym path (env.should_use_nemo_gym=true); they are not supported with the native generation path'
+    """
+    if enable_nemo_gym:
+        return None
+    for flag in NEMO_RL_PENALTY_FLAGS:
+        if getattr(rp, flag):
+            return (f"reward_penalties.{flag}=true: reward_penalties require the NeMo-Gym path "
+                    "(env.should_use_nemo_gym=true); they are not supported with the native generation path")
+    return None
+
+
+# NeMo-RL's reward-zeroing switches (grpo.py, _REWARD_PENALTY_FLAGS); penalize_repeated_lines is grpo-ds's own.
+NEMO_RL_PENALTY_FLAGS = ("penalize_duplicated_reasoning", "penalize_empty_final_answer", "penalize_unwanted_tokens",
+                         "penalize_malformed_think_tag")
+
+
 class OnPolicyDistillationConfig(_Section):
     enabled: bool = Field(
         False, description="Add a frozen teacher's reverse KL to the advantages (on-policy distillation).")
@@ -1549,8 +1587,10 @@ class MasterConfig(_Section):
                 f"policy.max_total_sequence_length={p.max_total_sequence_length} (generation stops at "
                 "whichever comes first)"
             )
-        if g.val_period > 0 and g.val_batch_size is None:
-            raise ValueError("grpo.val_batch_size=None: expected a positive integer when grpo.val_period > 0")
+        # NeMo-Gym: null validates every validation row in one batch (NeMo-RL's run_grpo_nemo_gym.py sets it so)
+        if g.val_period > 0 and g.val_batch_size is None and not getattr(self.env, "should_use_nemo_gym", False):
+            raise ValueError("grpo.val_batch_size=None: expected a positive integer when grpo.val_period > 0 "
+                             "(null only with env.should_use_nemo_gym=true: the whole validation set in one batch)")
         if g.stop_at_validation_metric is not None:
             g.stop_at_validation_metric = validation_metric_name(
                 g.stop_at_validation_metric, g.val_num_generations_per_prompt, "grpo.stop_at_validation_metric")

@@ -21,6 +21,7 @@ from typing import Any
 
 from grpo.config import MasterConfig
 from grpo.config_load import ConfigError, section_model
+from grpo.nemo_rl_gym_rules import gym_data_and_env, gym_grpo_and_penalties, is_gym_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_DIR = REPO_ROOT / "configs" / "prompts"  # our own wording of NeMo-RL's examples/prompts/*.txt names
@@ -743,6 +744,9 @@ def _multiple_dataloader(w: Walk) -> None:
 
 def _data_and_env(w: Walk) -> None:
     _multiple_dataloader(w)
+    if is_gym_recipe(w):  # NeMo-Gym rows and env.nemo_gym (grpo.nemo_rl_gym_rules)
+        gym_data_and_env(w)
+        return
     if w.get("env.sliding_puzzle_game") is not None:  # run_grpo_sliding_puzzle.py never reads data.train
         _sliding_puzzle(w)
         return
@@ -1082,6 +1086,7 @@ def _grpo(w: Walk) -> None:
                          ("penalize_malformed_thinking", "malformed_thinking_advantage")):
         w.ignore(f"grpo.{key}", f"NeMo-RL reads no such key (a stale key of NeMo-Gym recipes: no code at 7ea279a "
                  f"reads it); the penalty it names is grpo.{instead} alone, set or null")
+    gym_grpo_and_penalties(w)
     period = w.get("grpo.val_period")
     if isinstance(period, int) and period < 0:
         w.translate("grpo.val_period", {"grpo.val_period": 0}, "NeMo-RL validates periodically only for val_period > 0")

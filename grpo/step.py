@@ -32,6 +32,7 @@ from grpo.rewards import (
     scale_rewards, shape_overlong_rewards, single_token_think_ids,
 )
 from grpo.dynamic_sampling import group_reward_std, overlong_filter_mask
+from grpo.gym_rewards import is_gym_batch, shape_gym_rewards
 
 
 # ---- rewards ---------------------------------------------------------------------------------------
@@ -50,7 +51,8 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
     ``reward_penalties.penalize_malformed_think_tag`` zeroes the sample's reward on its own).
     """
     g, rp = cfg.grpo, cfg.reward_penalties
-    task_b, flags, metrics, turns, think_ids = penalize(batch.raw_rewards_b, batch.trajectories, rp, tokenizer)
+    task_b, flags, metrics, turns, think_ids = penalize(batch.raw_rewards_b, batch.trajectories, rp, tokenizer,
+                                                        cfg.env)
     task_b = scale_rewards(task_b, g.reward_scaling)
     rewards_b = shape_overlong_rewards(task_b, batch.response_lengths_b, batch.truncated_b, g.reward_shaping)
     changes = {"task_rewards_b": task_b, "rewards_b": rewards_b}
@@ -60,7 +62,7 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
         extra = ("overlong",) if shaped_bk.shape[1] > task_bk.shape[1] else ()
         changes.update(task_components_bk=task_bk, reward_components_bk=shaped_bk,
                        component_names=batch.component_names + extra)
-    if g.malformed_thinking_advantage is not None:
+    if g.malformed_thinking_advantage is not None and turns is not None:  # Gym: the messages carry the flags
         spans = []
         for sample_spans, sample in zip(batch.message_spans, turns):
             bad = malformed_thinking_flags(sample, rp, tokenizer_think_ids=think_ids).tolist()
@@ -70,10 +72,18 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
     return batch.replace(**changes), metrics
 
 
-def penalize(rewards_b: torch.Tensor, trajectories, rp, tokenizer):
+def penalize(rewards_b: torch.Tensor, trajectories, rp, tokenizer, env=None):
     """``reward_penalties`` on the trajectories' generated messages (`grpo.rewards.apply_reward_penalties`):
     returns (rewards_b', flags, metrics, turns, think_ids). Training (`shape_rewards`) and validation
-    (`grpo.validation.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it."""
+    (`grpo.validation.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it.
+
+    NeMo-Gym samples (`grpo.gym_rewards.is_gym_batch`) get NeMo-RL's Gym shaping instead: effort levels
+    (``env.nemo_gym.effort_levels``), then the penalties on the Gym results (`grpo.gym_rewards.shape_gym_rewards`);
+    their message flags come from the Gym detector, so turns and think_ids are None."""
+    if is_gym_batch(trajectories):
+        out_b, flags, metrics = shape_gym_rewards(rewards_b, trajectories, rp, getattr(env, "nemo_gym", None),
+                                                  tokenizer)
+        return out_b, flags, metrics, None, None
     turns = [sample_turns(t, tokenizer, rp) for t in trajectories]
     think_ids = single_token_think_ids(tokenizer, rp.think_open_tag, rp.think_close_tag)
     out_b, flags, metrics = apply_reward_penalties(rewards_b, turns, rp, tokenizer_think_ids=think_ids)

@@ -45,7 +45,7 @@ def validate(run: Run, generator, envs, step: int) -> dict:
             timing = {key: v + r.timing[key] for key, v in timing.items()}
     # NeMo-RL's validate scores with its reward_penalties too: accuracy counts a zeroed sample as wrong.
     rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor([float(t.reward) for t in trajs]), trajs,
-                                                   run.cfg.reward_penalties, run.tokenizer)
+                                                   run.cfg.reward_penalties, run.tokenizer, run.cfg.env)
     rollout = rollout_summary(trajs)  # {} without samples
     scored_b = torch.tensor([t.error is None for t in trajs], dtype=torch.bool)
     metrics = {
