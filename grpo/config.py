@@ -1027,6 +1027,21 @@ class JudgeConfig(_Section):
         return self
 
 
+class EffortLevelsConfig(_Section):
+    """``env.nemo_gym.effort_levels``: NeMo-RL's length shaping of NeMo-Gym rewards for low-effort prompts
+    (``nemo_rl/experience/rollouts.py``, ``EffortLevelsConfig``; `grpo.gym_rewards.apply_effort_shaping`):
+
+        length_reward = min(1, low_weight * (1 - response_len / low_ub))
+        reward'       = reward + reward * max(length_reward, 0) + low_penalty * min(length_reward, 0)
+
+    for samples whose last user message contains ``low_string``; off when low_weight <= 0 or low_string is empty."""
+
+    low_weight: float = Field(0.0, description="Weight of the length-reward term (0: shaping off).")
+    low_penalty: float = Field(1.0, description="Coefficient of the negative length-reward term.")
+    low_ub: int = Field(64000, gt=0, description="Response length (tokens) that normalises the term.")
+    low_string: str = Field("", description="Substring of the last user message that turns shaping on ('' : off).")
+
+
 class NemoGymConfig(BaseModel):
     """``env.nemo_gym`` (``env.should_use_nemo_gym: true``): NeMo-RL's section, its own keys typed, every other key
     Gym's global config (kept as given and handed to the launcher), plus grpo-ds's keys for where the Gym servers
@@ -1040,8 +1055,8 @@ class NemoGymConfig(BaseModel):
         "NeMo-RL's <tool_call>, </tool_call>, <function_call>, </function_call>); read by the reward penalties."))
     thinking_tags: Optional[list[str]] = Field(None, description=(
         "NeMo-RL's key: the thinking tags checked for malformed thinking (null: <think>, </think>)."))
-    effort_levels: Optional[dict[str, Any]] = Field(None, description=(
-        "NeMo-RL's key: effort-level length shaping of Gym results (read by the reward penalties; never sent to Gym)."))
+    effort_levels: Optional[EffortLevelsConfig] = Field(None, description=(
+        "NeMo-RL's key: effort-level length shaping of Gym results (grpo.gym_rewards; never sent to Gym)."))
     port_range_low: int = Field(5000, gt=0, lt=65536, description=(
         "NeMo-RL's key: the Gym servers' ports (the head server grpo-ds starts takes the first free one); passed to "
         "Gym as its port_range_low."))
@@ -1420,21 +1435,6 @@ class RewardPenaltyConfig(_Section):
                 "reward_penalties.penalize_unwanted_tokens=true"
             )
         return self
-
-
-class EffortLevelsConfig(_Section):
-    """``env.nemo_gym.effort_levels``: NeMo-RL's length shaping of NeMo-Gym rewards for low-effort prompts
-    (``nemo_rl/experience/rollouts.py``, ``EffortLevelsConfig``; `grpo.gym_rewards.apply_effort_shaping`):
-
-        length_reward = min(1, low_weight * (1 - response_len / low_ub))
-        reward'       = reward + reward * max(length_reward, 0) + low_penalty * min(length_reward, 0)
-
-    for samples whose last user message contains ``low_string``; off when low_weight <= 0 or low_string is empty."""
-
-    low_weight: float = Field(0.0, description="Weight of the length-reward term (0: shaping off).")
-    low_penalty: float = Field(1.0, description="Coefficient of the negative length-reward term.")
-    low_ub: int = Field(64000, gt=0, description="Response length (tokens) that normalises the term.")
-    low_string: str = Field("", description="Substring of the last user message that turns shaping on ('' : off).")
 
 
 def reward_penalties_without_nemo_gym(rp: RewardPenaltyConfig, enable_nemo_gym: bool) -> Optional[str]:

@@ -25,6 +25,7 @@ import traceback
 
 import httpx
 
+from grpo.gym_rewards import annotate_gym_items
 from grpo.tasks.failures import DATA, INFRA, Failure, RetryPolicy, failure_of_exception
 from grpo.tasks.nemo_gym import (NemoGymEnvironment, check_result, mask_of, numeric_fields, prepare_row, regroup,
                                  reward_of, trajectory_messages)
@@ -81,8 +82,11 @@ async def run_rows(env: NemoGymEnvironment, rows: list[dict], retry: RetryPolicy
     return regroup(indexed, len(rows))
 
 
-def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int, weight_version: int) -> None:
-    """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its row's ``(result, failure, retries)``."""
+def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int, weight_version: int,
+                        env: NemoGymEnvironment | None = None) -> None:
+    """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its row's ``(result, failure, retries)``. Each model call's
+    assistant message gets NeMo-RL's flags (invalid tool call, malformed thinking: `grpo.gym_rewards`, read by the
+    reward penalties) from ``env``'s ``invalid_tool_call_patterns`` / ``thinking_tags``."""
     result, failure, retries = outcome
     t.retries, t.done = retries, True
     t.metadata = {**(t.metadata or {}), "agent_name": row["agent_ref"]["name"]}
@@ -90,7 +94,10 @@ def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int
         t.error, t.error_detail, t.failure_kind = failure.reason, failure.detail, failure.kind
         t.reward, t.reward_components = 0.0, None
         return
-    messages, stripped = trajectory_messages(result, decode)
+    flags = annotate_gym_items(result, decode, env and env.invalid_tool_call_patterns, env and env.thinking_tags)
+    messages, stripped = trajectory_messages(result, decode)  # (a copy, token fields stripped, generation_str kept)
+    for message, f in zip([m for m in messages if m.role == "assistant"], flags):
+        message.flags = f
     t.messages, t.num_prompt_messages = messages, 1
     t.turns = len(messages) // 2
     t.reward, t.reward_components = reward_of(result)
@@ -117,7 +124,7 @@ def play_gym(env: NemoGymEnvironment, trajs: list, seed_keys: list[tuple], endpo
         outcomes = asyncio.run(run_rows(env, rows, retry))
     decode = endpoint.tokenizer.decode
     for t, row, outcome in zip(trajs, rows, outcomes):
-        fill_gym_trajectory(t, row, outcome, decode, endpoint.max_len, weight_version)
+        fill_gym_trajectory(t, row, outcome, decode, endpoint.max_len, weight_version, env)
     if env.log_responses and env.responses_dir is not None:
         log_responses(env.responses_dir, trajs, seed_keys)
 

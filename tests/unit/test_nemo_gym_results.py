@@ -26,12 +26,12 @@ def _item(prompt, generated, logprobs=None):
 
 def test_the_config_keeps_nemo_rls_keys_typed_and_gyms_free():
     cfg = MasterConfig.model_validate({"env": {**GYM, "nemo_gym": {
-        **GYM["nemo_gym"], "thinking_tags": ["<t>", "</t>"], "effort_levels": {"low": {}},
+        **GYM["nemo_gym"], "thinking_tags": ["<t>", "</t>"], "effort_levels": {"low_weight": 0.5},
         "policy_model": {"responses_api_models": {"vllm_model": {"uses_reasoning_parser": False}}},
         "is_trajectory_collection": False}}})
     g = cfg.env.nemo_gym
     assert cfg.env.name == "nemo_gym" and cfg.data.input_key == "responses_create_params"
-    assert g.thinking_tags == ["<t>", "</t>"] and g.effort_levels == {"low": {}}
+    assert g.thinking_tags == ["<t>", "</t>"] and g.effort_levels.low_weight == 0.5
     assert g.gym_keys() == {"policy_model": {"responses_api_models": {"vllm_model": {"uses_reasoning_parser": False}}}}
 
 
@@ -42,6 +42,7 @@ def test_the_config_keeps_nemo_rls_keys_typed_and_gyms_free():
     ({**GYM, "nemo_gym": {"agent_urls": {"a": "http://x:1"}, "config_paths": ["c.yaml"]}}, "keep one"),
     ({**GYM, "nemo_gym": {"agent_urls": {"a": "x:1"}}}, "expected an http"),
     ({**GYM, "name": "arithmetic"}, "exactly when"),
+    ({**GYM, "nemo_gym": {**GYM["nemo_gym"], "effort_levels": {"low": {}}}}, "effort_levels.low"),
 ])
 def test_config_errors_name_the_key(env, message):
     with pytest.raises(ValidationError, match=message):
@@ -114,3 +115,24 @@ def test_metrics_are_nemo_rls_over_the_scored_samples():
     assert m["turns_per_sample/mean"] == 1.5 and m["turns_per_sample/max"] == 2.0
     assert (m["natural_termination_rate"], m["truncation_rate"]) == (0.5, 0.5)
     assert m["a/reward/mean"] == 0.5 and m["total_reward/mean"] == 0.5 and m["gen_tokens_per_sample/mean"] == 1.5
+
+
+def test_each_model_calls_message_carries_nemo_rls_flags_for_the_penalties():
+    """fill_gym_trajectory flags an assistant message whose text holds an unexecuted tool call or broken thinking
+    (`grpo.gym_rewards.annotate_gym_items`), and keeps the decoded text in the stored result (penalty 4c reads it)."""
+    from types import SimpleNamespace
+
+    from grpo.system.nemo_gym_rollout import fill_gym_trajectory
+
+    def call(prompt, gen, text):
+        return {**_item(prompt, gen), "content": [{"type": "output_text", "text": text}]}
+
+    result = {"response": {"output": [call([1, 2], [3], "<tool_call>{}"), {"type": "function_call_output"},
+                                      call([1, 2, 3, 4], [5], "<think>no end")]}, "reward": 1.0}
+    env = SimpleNamespace(invalid_tool_call_patterns=None, thinking_tags=None)
+    t = Trajectory(messages=[], group_id=0, prompt_index=0, task_name="nemo_gym", question="", answer="", metadata={})
+    fill_gym_trajectory(t, {"agent_ref": {"name": "a"}}, (result, None, 0), decode=lambda ids: f"<{ids}>",
+                        max_total_len=100, weight_version=0, env=env)
+    assert [m.flags for m in t.messages if m.role == "assistant"] == [["invalid_tool_call"], ["malformed_thinking"]]
+    assert [m.flags for m in t.messages if m.role != "assistant"] == [[], []]
+    assert t.metadata["nemo_gym_result"]["response"]["output"][0]["generation_str"] == "<[3]>"

@@ -108,7 +108,7 @@ def test_gym_recipe_loads_into_the_config(tmp_path):
     nrl = gym_recipe(tmp_path, effort_levels={"low_weight": 0.1, "low_string": "{e}"})
     path.write_text(yaml.safe_dump(nrl))
     cfg, _ = load_recipe(path)
-    assert cfg.env.should_use_nemo_gym and cfg.env.nemo_gym.effort_levels["low_weight"] == 0.1
+    assert cfg.env.should_use_nemo_gym and cfg.env.nemo_gym.effort_levels.low_weight == 0.1
     assert cfg.data.input_key == "responses_create_params" and cfg.grpo.val_batch_size is None
 
 
