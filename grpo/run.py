@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # for the types only: a config error must exit before torch (
     from grpo.system.training import LogprobEngines
     from grpo.tasks.router import Environments
     from grpo.tasks.rows import PromptRow
+    from grpo.trajectory import Trajectory
 
 
 class RunError(Exception):
@@ -60,7 +62,8 @@ class Run:
     (``envs`` themselves unless ``env.val_tasks`` is set or the loop is asynchronous: its generation thread
     owns ``envs``); ``resume`` holds what the newest checkpoint restored for the loop to use
     (``loader_state``, ``extra``), or None; ``exit_status`` is a stop signal's (set by `stop_requested`);
-    ``closables`` are closed in order by `finish`."""
+    ``closables`` are closed in order by `finish`; ``turn_stop``: a fork's turn-level stopping rule for multi-turn
+    rollouts (`grpo.system.rollout.TurnSettings.stop`; ``setup(..., turn_stop=...)``), or None."""
 
     cfg: MasterConfig
     args: argparse.Namespace
@@ -90,6 +93,7 @@ class Run:
     closables: list[Closable]
     exit_status: int | None = None
     agents: Any = None  # grpo.system.agent_rollout.AgentPlayer over the run's endpoint (start_endpoint), or None
+    turn_stop: Callable[[Trajectory], bool] | None = None
 
 
 class Closable(Protocol):
@@ -139,25 +143,28 @@ def claim_on_rank0(rank: int, claim) -> tuple[list[RunLock], str | None]:
     return claimed[0], run_id
 
 
-def turn_settings(cfg, greedy: bool = False):
-    """The rollout's limits from the config (`grpo.system.rollout.TurnSettings`)."""
+def turn_settings(cfg, greedy: bool = False, stop: Callable[[Trajectory], bool] | None = None):
+    """The rollout's limits from the config, and a fork's turn-level stopping rule ``stop``
+    (`grpo.system.rollout.TurnSettings`)."""
     from grpo.system.rollout import TurnSettings
 
     p = cfg.policy
     return TurnSettings(max_turns=cfg.grpo.max_rollout_turns, max_total_len=p.max_total_sequence_length,
-                        chunk_size=p.generation_batch_size, greedy=greedy, max_new_tokens=p.generation.max_new_tokens)
+                        chunk_size=p.generation_batch_size, greedy=greedy, max_new_tokens=p.generation.max_new_tokens,
+                        stop=stop)
 
 
 def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, gen_batch: int, *,
                 stream: str = "train", num_generations: int | None = None, weights=None, group=None):
-    """`grpo.system.rollout.generate_rollout` of a prompt batch with the run's settings (a collective)."""
+    """`grpo.system.rollout.generate_rollout` of a prompt batch with the run's settings and turn-level stopping rule
+    (a collective)."""
     from grpo.system.rollout import generate_rollout
 
     cfg = run.cfg
     return generate_rollout(prompts, num_generations or cfg.grpo.num_generations_per_prompt, generator, envs,
-                            run.chat, turn_settings(cfg), base_seed=cfg.grpo.seed, step=step, gen_batch=gen_batch,
-                            stream=stream, rank=run.rank, world_size=run.world_size, weights=weights, group=group,
-                            agents=run.agents)
+                            run.chat, turn_settings(cfg, stop=run.turn_stop), base_seed=cfg.grpo.seed, step=step,
+                            gen_batch=gen_batch, stream=stream, rank=run.rank, world_size=run.world_size,
+                            weights=weights, group=group, agents=run.agents)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from grpo.cli import exporting, load_run_config
@@ -19,17 +20,22 @@ from grpo.system.chat import load_tokenizer
 
 if TYPE_CHECKING:
     from grpo.system.rundir import RunLock
+    from grpo.trajectory import Trajectory
 
 
 def setup(argv, default_config: str, *, asynchronous: bool, description: str | None = None,
-          config_cls: type[MasterConfig] = MasterConfig) -> Run | None:
+          config_cls: type[MasterConfig] = MasterConfig, turn_stop: Callable[[Trajectory], bool] | None = None,
+          ) -> Run | None:
     """Parse, validate, start the process group, build data, environments, engines, the generation backend
     (synchronous loop) and the logger, and resume from the newest checkpoint. Returns the `Run`, or None after
     ``--export-hf`` and on a generation rank (``policy.generation.colocated.enabled=false``: it serves the trainers
     here until they close the bridge; ``main`` returns at once); raises `RunError` (on every rank) for a run that
     cannot start.
     ``config_cls``: a fork's subclass of `grpo.config.MasterConfig` (new sections and fields, validated, shown by
-    ``--help-config`` and recorded in the run fingerprint like the others); ``run.cfg`` is an instance of it."""
+    ``--help-config`` and recorded in the run fingerprint like the others); ``run.cfg`` is an instance of it.
+    ``turn_stop``: a fork's turn-level stopping rule for multi-turn rollouts, ``turn_stop(trajectory) -> bool``
+    after each environment step (`grpo.system.rollout.TurnSettings.stop`): training and validation rollouts of
+    both loops end a sample where it says True."""
     args, cfg = load_run_config(argv, default_config, asynchronous, description, config_cls)
     started_at = time.monotonic()  # checkpointing.checkpoint_must_save_by counts from here
     export = exporting(args)
@@ -177,7 +183,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
-               agents=agents)
+               agents=agents, turn_stop=turn_stop)
 
 
 def require_vllm() -> None:

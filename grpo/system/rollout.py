@@ -12,8 +12,9 @@ Token in, token out: an assistant message holds exactly the generated token ids 
 logprobs; observations are tokenised by `grpo.system.chat.ChatFormat`, appended at the end: their content alone
 (NeMo-RL's way) or rendered by the chat template, as the environment's ``observation_format`` says
 (`grpo.tasks.router.Environments.observation_format`). A sample ends when
-its environment says so, when it has used ``max_rollout_turns`` turns, or when the next turn would not fit
-``policy.max_total_sequence_length`` (then it counts as truncated).
+its environment says so, when it has used ``max_rollout_turns`` turns, when the next turn would not fit
+``policy.max_total_sequence_length`` (then it counts as truncated), or when a fork's turn-level stopping rule
+says so (`TurnSettings.stop`: ``setup(..., turn_stop=my_rule)`` in a copy of a training script).
 
 Data parallelism: every rank runs the conversations of its contiguous share of the samples
 (`rank_slice`), then `generate_rollout` gathers them, so every rank holds the whole rollout.
@@ -27,6 +28,7 @@ import hashlib
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from grpo.trajectory import Message, Rollout, Trajectory
@@ -106,13 +108,24 @@ def single_turn(outputs: list) -> list[Trajectory]:
 @dataclass
 class TurnSettings:
     """What `run_conversations` needs from the config: ``grpo.max_rollout_turns``,
-    ``policy.max_total_sequence_length``, ``policy.generation_batch_size`` (prompts per generate call)."""
+    ``policy.max_total_sequence_length``, ``policy.generation_batch_size`` (prompts per generate call).
+
+    ``stop``: a turn-level stopping rule, the fork point of multi-turn rollouts (None: none). Called with a
+    sample after each environment step that left it going (not done, not failed, turns left); True ends the
+    sample there, as running out of turns does (no observation appended, its reward so far kept)::
+
+        def stop_when_answered(t: Trajectory) -> bool:        # in a copy of train_grpo.py
+            return "ANSWER:" in t.messages[-1].content
+        run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__, turn_stop=stop_when_answered)
+
+    Samples that agents play over the endpoint (env.name=agent) end as their agents say."""
 
     max_turns: int
     max_total_len: int
     chunk_size: int
     greedy: bool = False
     max_new_tokens: int | None = None
+    stop: Callable[[Trajectory], bool] | None = None
 
 
 def _room(traj: Trajectory, settings: TurnSettings) -> int:
@@ -174,6 +187,9 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
                     continue
                 _apply_step(t, ret, j)
                 if t.done:
+                    continue
+                if settings.stop is not None and settings.stop(t):  # the fork's rule ends it here
+                    t.done = True
                     continue
                 if turn == settings.max_turns - 1:
                     t.done = t.max_turns_reached = True  # out of turns: no observation is appended

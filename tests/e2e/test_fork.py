@@ -1,7 +1,7 @@
 """Fork points: a copy of train_grpo.py that registers its own advantage estimator runs it through the unchanged
 config system; a copy that adds a config section, an estimator reading it and an entropy bonus in the loss
-(`tests.helpers.fork_algo`) trains without an edit of grpo/; the config reference (--help-config) covers every
-field."""
+(`tests.helpers.fork_algo`) trains without an edit of grpo/; a copy that adds a turn-level stopping rule for
+multi-turn rollouts passes it to ``setup``; the config reference (--help-config) covers every field."""
 
 import sys
 from pathlib import Path
@@ -87,6 +87,33 @@ def test_a_fork_adds_a_config_section_an_estimator_and_an_entropy_bonus(tmp_path
     drop = first0["train/loss"] - first["train/loss"]
     assert 0.5 * 0.5 * first["train/entropy"] < drop < 2 * 0.5 * first["train/entropy"], (drop, first["train/entropy"])
     assert bonus[2]["train/loss"] != plain[2]["train/loss"]
+
+
+TURN_STOP = '''
+
+def stop_after_the_first_turn(t) -> bool:
+    """The fork's turn-level stopping rule: a sample ends after its first environment step."""
+    return t.turns >= 1
+
+'''
+MULTITURN = ["grpo.max_rollout_turns=3", "env.name=class", "env.env_class=tests.helpers.multiturn_envs:HintThenCheck",
+             "policy.max_total_sequence_length=32"]
+
+
+def test_a_fork_adds_a_turn_level_stopping_rule_in_its_copy_of_the_script(tmp_path):
+    """HintThenCheck always takes two turns (a hint, then the scored answer): with the fork's rule every sample ends
+    after the first, so no sample is scored (reward 0) and each has one turn."""
+    source = (REPO / "train_grpo.py").read_text()
+    old = "description=__doc__)"
+    assert source.count(old) == 1, f"train_grpo.py no longer reads {old!r} once: update the fork test and README"
+    head, sep, rest = source.replace(old, "description=__doc__, turn_stop=stop_after_the_first_turn)").partition(
+        "DEFAULT_CONFIG = ")
+    fork = tmp_path / "my_train.py"
+    fork.write_text(head + TURN_STOP + sep + rest.replace("os.path.dirname(os.path.abspath(__file__))", repr(str(REPO))))
+    run([sys.executable, str(fork), "--config", TINY, *MULTITURN,
+         *paths(tmp_path, "grpo.max_num_steps=1", "checkpointing.enabled=false")], timeout=600)
+    row = train_rows(tmp_path)[1]
+    assert row["train/avg_turns_per_sample"] == 1.0 and row["train/mean_total_reward"] == 0.0, row
 
 
 def test_both_scripts_have_the_lines_a_fork_changes():

@@ -116,6 +116,26 @@ def test_turn_limits_and_room_end_samples_and_count_truncation():
     assert gen.caps == [[3, 3, 3, 3]]  # per-sample caps: min(max_new_tokens, room)
 
 
+def test_a_turn_level_stopping_rule_ends_a_sample_after_its_environment_step():
+    """The fork point of multi-turn rollouts (TurnSettings.stop): asked after each environment step that left the
+    sample going; True ends it there like running out of turns, with the rewards it has."""
+    asked = []
+
+    def two_turns_are_enough(t) -> bool:
+        asked.append(t.turns)
+        return t.turns >= 2
+
+    settings = TurnSettings(max_turns=4, max_total_len=64, chunk_size=8, max_new_tokens=8, stop=two_turns_are_enough)
+    trajs, _, _ = play(Echo(turns=10), settings=settings)
+    assert all(t.turns == 2 and t.done and t.reward == 2.0 for t in trajs)
+    assert not any(t.max_turns_reached or t.terminated or t.truncated for t in trajs)
+    assert [m.role for m in trajs[0].messages][-1] == "assistant"  # no observation appended after the stop
+    assert asked == [1, 1, 1, 1, 2, 2, 2, 2]
+    trajs, _, _ = play(Echo(turns=10), settings=TurnSettings(max_turns=4, max_total_len=64, chunk_size=8,
+                                                               max_new_tokens=8))
+    assert all(t.turns == 4 and t.max_turns_reached for t in trajs)  # without the rule: every turn
+
+
 def test_a_mask_sample_flag_is_kept_and_seeds_depend_on_sample_and_turn():
     trajs, _, _ = play(Echo(turns=2), questions=("mask", "ab"))
     assert [t.mask_sample for t in trajs] == [True, True, False, False]
