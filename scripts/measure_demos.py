@@ -24,7 +24,7 @@ DEMOS = {"default": "configs/cpu_demo.yaml", "multiturn": "configs/cpu_demo_mult
 
 
 def validation_curve(metrics_path: str, key: str = "validation/accuracy") -> list[tuple[int, float]]:
-    """``(step, reward)`` of every validation row of a run's metrics.jsonl, in order."""
+    """``(step, value)`` of every row of a run's metrics.jsonl that has ``key`` (validation reward by default), in order."""
     rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
     return [(row["step"], row[key]) for row in rows if key in row]
 
@@ -39,10 +39,12 @@ def measure(demo: str, seed: int, extra: list[str]) -> str:
         if proc.returncode != 0:
             return f"{demo} seed {seed}: exit {proc.returncode}\n{proc.stdout[-2000:]}"
         curve = validation_curve(os.path.join(tmp, "logs", "metrics.jsonl"))
+        turns = validation_curve(os.path.join(tmp, "logs", "metrics.jsonl"), "train/avg_turns_per_sample")
     (s0, r0), (s1, r1) = curve[0], curve[-1]
     readings = " ".join(f"{r:.2f}" for _, r in curve)
+    turns_moved = f"; turns per game {turns[0][1]:.1f} -> {turns[-1][1]:.1f}" if demo == "multiturn" else ""
     return (f"{demo} seed {seed}: validation reward {r0:.2f} (step {s0}) -> {r1:.2f} (step {s1}), {r1 - r0:+.2f}; "
-            f"{seconds:.0f} s; every reading: {readings}")
+            f"{seconds:.0f} s; every reading: {readings}{turns_moved}")
 
 
 def main() -> None:

@@ -85,12 +85,13 @@ def test_two_ranks_of_a_multi_turn_run_match_one(tmp_path):
 
 @pytest.mark.slow
 def test_the_multi_turn_demo_learns_to_read_the_environment(tmp_path):
-    """README's multi-turn demo as shipped: the guessing game's validation reward ends above what any policy
-    that ignores the environment's answers can reach (0.4), and well above where it starts."""
+    """README's multi-turn demo as shipped, at seed 0: the guessing game's validation reward ends at 0.6 or more,
+    well above the 0.4 that any policy ignoring the environment's answers can reach (issue 35: on a fresh install
+    it moved 0.42 -> 0.44). scripts/measure_demos.py --demo multiturn prints README's runs at seeds 0, 1, 2."""
     from tests.helpers.e2e import metrics
 
     config = str(REPO / "configs" / "cpu_demo_multiturn.yaml")
-    run([sys.executable, "train_grpo.py", "--config", config, *paths(tmp_path), "logger.progress_bar=false"],
-        timeout=2400)
+    run([sys.executable, "train_grpo.py", "--config", config, *paths(tmp_path), "grpo.seed=0",
+         "logger.progress_bar=false"], timeout=2400)
     curve = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]
-    assert curve[-1] >= curve[0] + 0.15 and curve[-1] > 0.45, curve
+    assert curve[-1] >= 0.6 and curve[-1] >= curve[0] + 0.15, curve
