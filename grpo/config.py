@@ -512,6 +512,9 @@ class HttpServerConfig(_Section):
     max_body_bytes: int = Field(8 * 2**20, gt=0, description="A request body over this many bytes is answered 413.")
     batch_window_s: float = Field(0.02, ge=0, description=(
         "hf backend: requests that arrive within this window of the first waiting one generate in one batch."))
+    max_wait_s: float = Field(30.0, gt=0, description=(
+        "How long a request waits for a generation window (the run generates only during rollouts; weights change "
+        "between them) before it is answered 503 with a Retry-After header."))
     model_name: Optional[str] = Field(None, description=(
         "The model name /v1/models lists and requests send (null: policy.model_name)."))
 

@@ -14,7 +14,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering an
   ``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call, so
   concurrent agents generate together. It generates only while the endpoint is open (`Endpoint.serving`: the
   rollout opens it; weights change while it is closed, and requests wait); every answer carries the weight
-  version that produced it (``weight_version``).
+  version that produced it (``weight_version``). A request that finds no window within ``http_server.max_wait_s``
+  (the run is training or checkpointing) is answered 503 with ``Retry-After`` (the last pause's length), never left
+  hanging. While the rollout's own samples generate, `Endpoint.shared` makes them and the batches take turns.
 - **Limits**: ``http_server.max_concurrent_requests`` in flight (429 beyond), ``max_body_bytes`` (413), wrong
   key (401), unknown model (404), anything malformed or a prompt with no room left (400); a failure of the backend
   answers 500 to the requests of that batch and the server goes on. Errors use OpenAI's body.
@@ -29,6 +31,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import math
 import os
 import queue
 import secrets
@@ -76,6 +79,22 @@ class _Pending:
     stops: list[str]
     profile: str
     future: concurrent.futures.Future
+    deadline: float  # time.monotonic() by which a window must have taken it, else 503
+
+
+class _Shared:
+    """``backend`` whose ``generate`` takes the endpoint's generation lock, so the rollout's own samples and the
+    endpoint's batches take turns on one backend (`Endpoint.shared`); everything else is ``backend``'s."""
+
+    def __init__(self, backend, lock: threading.Lock):
+        self._backend, self._lock = backend, lock
+
+    def generate(self, *args, **kwargs):
+        with self._lock:
+            return self._backend.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
 
 
 def seed_of(*parts) -> int:
@@ -140,6 +159,8 @@ class Endpoint:
         self._open = threading.Event()
         self._generating = threading.Lock()
         self._inflight = 0
+        self._closed_at: float | None = None  # when the last window closed
+        self._last_pause_s: float | None = None  # how long the last pause between two windows lasted
         self._stop = threading.Event()
         self._server = self._thread = self._batcher = None
         self.base_url: str | None = None
@@ -184,13 +205,29 @@ class Endpoint:
         the weights can change. ``weight_version``: the version its answers record."""
         if weight_version is not None:
             self.weight_version = int(weight_version)
+        if self._closed_at is not None:
+            self._last_pause_s = time.monotonic() - self._closed_at
         self._open.set()
         try:
             yield self
         finally:
             self._open.clear()
             with self._generating:  # the batch in flight finishes on these weights
-                pass
+                self._closed_at = time.monotonic()
+
+    def shared(self, backend):
+        """``backend`` (the one the endpoint serves) for the rollout's own generation while the endpoint is open:
+        its ``generate`` calls and the endpoint's batches take turns (`_Shared`)."""
+        return _Shared(backend, self._generating)
+
+    def unavailable(self) -> RequestError:
+        """The 503 of a request that no generation window took within ``http_server.max_wait_s``; Retry-After is the
+        last pause between two windows (rounded up), or max_wait_s before any pause was seen."""
+        retry = math.ceil(max(1.0, self._last_pause_s if self._last_pause_s is not None else self.settings.max_wait_s))
+        return RequestError(503, f"the run is not generating now (training, checkpointing or between rollouts): no "
+                                 f"generation window opened within policy.generation.http_server.max_wait_s="
+                                 f"{self.settings.max_wait_s:g} s; retry after {retry} s", kind="server_error",
+                            code="generation_paused", headers={"Retry-After": str(retry)})
 
     def sampling(self, profile: str) -> dict[str, float]:
         """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
@@ -211,6 +248,24 @@ class Endpoint:
             return self._sessions.pop(key).records
 
     # ---------------------------------------------------------------- the batcher
+    def _drain(self) -> list[_Pending]:
+        items = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _expire(self, batch: list[_Pending]) -> list[_Pending]:
+        """``batch`` less the requests past their deadline (answered 503, `unavailable`)."""
+        now, keep = time.monotonic(), []
+        for item in batch:
+            if now >= item.deadline:
+                item.future.set_exception(self.unavailable())
+            else:
+                keep.append(item)
+        return keep
+
     def _batch_loop(self) -> None:
         batch: list[_Pending] = []
         while not self._stop.is_set():
@@ -219,20 +274,18 @@ class Endpoint:
                     batch.append(self._queue.get(timeout=0.2))
                 except queue.Empty:
                     continue
-            if not self._open.wait(timeout=0.2):
+            if not self._open.wait(timeout=0.2):  # no window: everything waiting is checked against its deadline
+                batch = self._expire(batch + self._drain())
                 continue
             time.sleep(self.settings.batch_window_s)
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch += self._drain()
             with self._generating:
                 if self._stop.is_set():
-                    for item in batch:
+                    for item in batch + self._drain():
                         item.future.set_exception(RuntimeError("the endpoint is shutting down"))
                     return
                 if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
+                    batch = self._expire(batch)
                     continue
                 for profile in ("train", "val"):
                     items = [b for b in batch if b.profile == profile]
@@ -322,7 +375,8 @@ class Endpoint:
         futures = []
         for s in seeds:
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._queue.put(_Pending(prompt, s, max_new, stops, profile, fut))
+            self._queue.put(_Pending(prompt, s, max_new, stops, profile, fut,
+                                     time.monotonic() + self.settings.max_wait_s))
             futures.append(fut)
         results = [await asyncio.wrap_future(f) for f in futures]
         choices = []
@@ -381,7 +435,7 @@ class Endpoint:
         app = FastAPI(title="grpo-ds endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
         def refuse(err: RequestError) -> JSONResponse:
-            return JSONResponse(err.body(), status_code=err.status)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
         async def guarded(request: Request, model_cls, handle):
             if self._inflight >= self.settings.max_concurrent_requests:
