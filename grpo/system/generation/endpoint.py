@@ -10,7 +10,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering an
 - **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
   random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
   (`CallRecord`) for the agent environment to build that sample's trajectory from.
-- **Batching**: handlers put their prompts on a queue; one batcher thread takes everything waiting within
+- **Batching** (`grpo.system.generation.endpoint_batching`): handlers put their prompts on a queue; one batcher thread takes everything waiting within
   ``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call, so
   concurrent agents generate together. It generates only while the endpoint is open (`Endpoint.serving`: the
   rollout opens it; weights change while it is closed, and requests wait); every answer carries the weight
@@ -31,7 +31,6 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import math
 import os
 import queue
 import secrets
@@ -39,12 +38,12 @@ import socket
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from these globals
 from fastapi.responses import JSONResponse
 
+from grpo.system.generation.endpoint_batching import Batching, _Pending
 from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
                                                 check_sampling, cut_at_stop, error_body, extract_tool_calls,
                                                 parse_request, replace_prefix_tokens, required_prefix,
@@ -70,31 +69,6 @@ class _Session:
     calls: int = 0
     records: list[CallRecord] = field(default_factory=list)
 
-
-@dataclass
-class _Pending:
-    prompt_ids: list[int]
-    seed: int
-    max_new_tokens: int
-    stops: list[str]
-    profile: str
-    future: concurrent.futures.Future
-    deadline: float  # time.monotonic() by which a window must have taken it, else 503
-
-
-class _Shared:
-    """``backend`` whose ``generate`` takes the endpoint's generation lock, so the rollout's own samples and the
-    endpoint's batches take turns on one backend (`Endpoint.shared`); everything else is ``backend``'s."""
-
-    def __init__(self, backend, lock: threading.Lock):
-        self._backend, self._lock = backend, lock
-
-    def generate(self, *args, **kwargs):
-        with self._lock:
-            return self._backend.generate(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
 
 
 def seed_of(*parts) -> int:
@@ -125,7 +99,7 @@ def load_template(spec: str | None) -> str | None:
     return spec
 
 
-class Endpoint:
+class Endpoint(Batching):
     """The endpoint over ``backend`` (a `grpo.system.generation.base.GenerationBackend` with ``gen_cfg``).
 
     ``cfg``: the run's `grpo.config.MasterConfig` (policy.generation, policy.tokenizer, max_total_sequence_length).
@@ -199,36 +173,6 @@ class Endpoint:
         if self._batcher is not None:
             self._batcher.join(timeout=10)
 
-    @contextmanager
-    def serving(self, weight_version: int | None = None):
-        """Generation open for the block (a rollout); closed again after, once the batch in flight is done, so
-        the weights can change. ``weight_version``: the version its answers record."""
-        if weight_version is not None:
-            self.weight_version = int(weight_version)
-        if self._closed_at is not None:
-            self._last_pause_s = time.monotonic() - self._closed_at
-        self._open.set()
-        try:
-            yield self
-        finally:
-            self._open.clear()
-            with self._generating:  # the batch in flight finishes on these weights
-                self._closed_at = time.monotonic()
-
-    def shared(self, backend):
-        """``backend`` (the one the endpoint serves) for the rollout's own generation while the endpoint is open:
-        its ``generate`` calls and the endpoint's batches take turns (`_Shared`)."""
-        return _Shared(backend, self._generating)
-
-    def unavailable(self) -> RequestError:
-        """The 503 of a request that no generation window took within ``http_server.max_wait_s``; Retry-After is the
-        last pause between two windows (rounded up), or max_wait_s before any pause was seen."""
-        retry = math.ceil(max(1.0, self._last_pause_s if self._last_pause_s is not None else self.settings.max_wait_s))
-        return RequestError(503, f"the run is not generating now (training, checkpointing or between rollouts): no "
-                                 f"generation window opened within policy.generation.http_server.max_wait_s="
-                                 f"{self.settings.max_wait_s:g} s; retry after {retry} s", kind="server_error",
-                            code="generation_paused", headers={"Retry-After": str(retry)})
-
     def sampling(self, profile: str) -> dict[str, float]:
         """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
         temperature, top_p = self.train_pair if profile == "train" else self.val_pair
@@ -246,70 +190,6 @@ class Endpoint:
         """Forget the key; returns its calls' records in the order they were answered."""
         with self._lock:
             return self._sessions.pop(key).records
-
-    # ---------------------------------------------------------------- the batcher
-    def _drain(self) -> list[_Pending]:
-        items = []
-        while True:
-            try:
-                items.append(self._queue.get_nowait())
-            except queue.Empty:
-                return items
-
-    def _expire(self, batch: list[_Pending]) -> list[_Pending]:
-        """``batch`` less the requests past their deadline (answered 503, `unavailable`)."""
-        now, keep = time.monotonic(), []
-        for item in batch:
-            if now >= item.deadline:
-                item.future.set_exception(self.unavailable())
-            else:
-                keep.append(item)
-        return keep
-
-    def _batch_loop(self) -> None:
-        batch: list[_Pending] = []
-        while not self._stop.is_set():
-            if not batch:
-                try:
-                    batch.append(self._queue.get(timeout=0.2))
-                except queue.Empty:
-                    continue
-            if not self._open.wait(timeout=0.2):  # no window: everything waiting is checked against its deadline
-                batch = self._expire(batch + self._drain())
-                continue
-            time.sleep(self.settings.batch_window_s)
-            batch += self._drain()
-            with self._generating:
-                if self._stop.is_set():
-                    for item in batch + self._drain():
-                        item.future.set_exception(RuntimeError("the endpoint is shutting down"))
-                    return
-                if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
-                    batch = self._expire(batch)
-                    continue
-                for profile in ("train", "val"):
-                    items = [b for b in batch if b.profile == profile]
-                    if items:
-                        self._generate(items, profile)
-                batch = []
-
-    def _generate(self, items: list[_Pending], profile: str) -> None:
-        before = self.backend.gen_cfg
-        try:
-            if profile == "val":
-                self.backend.gen_cfg = self.gen_cfg.for_validation()
-            outs = self.backend.generate([i.prompt_ids for i in items], [i.seed for i in items],
-                                         max_new_tokens=[i.max_new_tokens for i in items],
-                                         stop_strings=[i.stops or None for i in items])
-        except Exception as err:  # this batch's requests answer 500; the server goes on
-            logger.warning("endpoint: generation failed: %s", err, exc_info=True)
-            for i in items:
-                i.future.set_exception(err)
-            return
-        finally:
-            self.backend.gen_cfg = before
-        for i, out in zip(items, outs):
-            i.future.set_result((out, self.weight_version))
 
     # ---------------------------------------------------------------- requests
     def _authorize(self, header: str | None) -> _Session | None:
