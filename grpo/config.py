@@ -512,6 +512,9 @@ class HttpServerConfig(_Section):
     max_body_bytes: int = Field(8 * 2**20, gt=0, description="A request body over this many bytes is answered 413.")
     batch_window_s: float = Field(0.02, ge=0, description=(
         "hf backend: requests that arrive within this window of the first waiting one generate in one batch."))
+    max_wait_s: float = Field(30.0, gt=0, description=(
+        "How long a request waits for a generation window (the run generates only during rollouts; weights change "
+        "between them) before it is answered 503 with a Retry-After header."))
     model_name: Optional[str] = Field(None, description=(
         "The model name /v1/models lists and requests send (null: policy.model_name)."))
 
@@ -1612,6 +1615,13 @@ class MasterConfig(_Section):
                 f"env.name={self.env.name!r} needs data.dataset_name='{self.env.name}:<task>' "
                 f"(got {self.data.dataset_name!r})"
             )
+        if g.async_grpo.enabled and (self.env.name == "agent" or p.generation.vllm_cfg.expose_http_server):
+            raise ValueError(  # refused before any model loads; the sync loop serves it (grpo.run.start_endpoint)
+                f"env.name={self.env.name!r} / policy.generation.vllm_cfg.expose_http_server="
+                f"{p.generation.vllm_cfg.expose_http_server} with grpo.async_grpo.enabled=true: the async loop does not "
+                "serve the endpoint yet (its generation thread loads new weights between chunks, and the endpoint's "
+                "generation windows and per-answer weight versions are not wired to that or to "
+                "max_trajectory_age_steps); run it with train_grpo.py")
         colocated = p.generation.colocated
         if g.async_grpo.enabled and p.generation.backend == "vllm" and colocated.enabled:
             raise ValueError(  # NeMo-RL's async_grpo_train asserts non-colocated vLLM inference the same way

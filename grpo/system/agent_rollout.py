@@ -18,6 +18,7 @@ fails (`grpo.tasks.failures`: ``Trajectory.error``, masked by the step, never sc
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 from grpo.trajectory import Failure, Message
 from grpo.tasks.agent import AgentEnvironment, agent_row
@@ -89,6 +90,13 @@ class AgentPlayer:
 
     def tasks(self, envs) -> set[str]:
         return agent_tasks(envs)
+
+    @contextmanager
+    def sharing(self, generator):
+        """A generation window for the rollout's own samples: the endpoint is open for outside requests (served
+        between the rollout's batches, `Endpoint.shared`), so they are answered while the run generates."""
+        with self.endpoint.serving():
+            yield self.endpoint.shared(generator)
 
     def play(self, trajs: list, seed_keys: list[tuple], envs, weight_version: int = 0) -> float:
         """Play the agent samples ``trajs`` (in place); returns the seconds taken."""

@@ -29,6 +29,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from grpo.trajectory import Message, Rollout, Trajectory
@@ -288,12 +289,14 @@ AGENT_TIMING = ("agent_s",)  # seconds the agents took (env.name=agent), in the 
 
 
 def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) -> dict[str, float]:
-    """`run_conversations` for the samples of environments stepped here, ``agents.play`` for the agents' ones."""
+    """`run_conversations` for the samples of environments stepped here, ``agents.play`` for the agents' ones. With
+    the endpoint served (``agents``), outside requests generate between the rollout's own batches."""
     tasks = agents.tasks(envs) if agents is not None else set()
     played = [i for i, t in enumerate(trajs) if t.task_name in tasks]
     rest = [i for i in range(len(trajs)) if i not in set(played)]
-    timing = run_conversations([trajs[i] for i in rest], [seed_keys[i] for i in rest], generator, envs, chat,
-                               settings, weights)
+    with agents.sharing(generator) if agents is not None else nullcontext(generator) as shared:
+        timing = run_conversations([trajs[i] for i in rest], [seed_keys[i] for i in rest], shared, envs, chat,
+                                   settings, weights)
     if played:
         version = weights.load_newest() if weights is not None else 0
         timing["agent_s"] = agents.play([trajs[i] for i in played], [seed_keys[i] for i in played], envs, version)

@@ -135,14 +135,16 @@ AGENT_CHAT_TEMPLATE = (
 )
 
 
-def make_calculator_agent_model(out_dir: str, steps: int = 400) -> str:
+def make_calculator_agent_model(out_dir: str, steps: int = 1200) -> str:
     """The agent demo's starting policy (``toy:calc_agent``): `make_calculator_demo_model` whose tool calls end
     their turn with ``<eos>`` and whose tokenizer carries `AGENT_CHAT_TEMPLATE`.
 
-    Known problem (measured 2026-12-03, one thread, greedy, 8 products after a correct tool result): with the
-    ``<eos>`` after the call this build copies the result 0 times in 8, the tools demo's plain format 7 in 8 with the
-    same 400 steps; so the agent demo starts at validation reward 0 (train reward ~0.01) and has nothing to learn
-    from. Not yet understood; the demo needs this fixed (more steps, or another turn end) before it can learn."""
+    Why 1200 supervised steps and not the tools demo's 400: copying the tool's result (a 2-layer model's induction
+    circuit) appears abruptly during supervision, and later with the ``<eos>`` after the call. Measured 2026-12-03
+    (seed 0, one thread, greedy, the answer after a correct tool result, 32 products): the plain format copies at
+    400 steps; with ``<eos>`` 0/32 up to step 600, 6/32 at 700-800, 18/32 at 900, 22/32 at 1000. At 400 steps the
+    agent demo started at validation reward 0 with nothing to learn from (GRPO cannot reinforce a copy it never
+    samples)."""
     return make_calculator_demo_model(out_dir, steps=steps, call_end="<eos>", chat_template=AGENT_CHAT_TEMPLATE)
 
 

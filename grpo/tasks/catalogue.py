@@ -87,11 +87,14 @@ def in_process_reward(spec: str) -> bool:
     return any(task.reward_fn == spec and not task.reward_in_workers for task in TASKS.values())
 
 
+# Toy models that no task names (TASKS' toy_model), as "package.module:builder".
+EXTRA_TOY_MODELS = {"calc_agent": "grpo.tasks.calculator:make_calculator_agent_model"}  # the agent demo
+
 # "toy:<name>" in policy.model_name -> builder(out_dir): the tasks' demo models and two untrained sizes.
 TOY_MODELS: dict[str, Callable[[str], str]] = {
     **{task.toy_model[0]: (lambda out, spec=task.toy_model[1]: load(spec)(out))
        for task in TASKS.values() if task.toy_model},
-    "calc_agent": lambda out: load("grpo.tasks.calculator:make_calculator_agent_model")(out),  # the agent demo
+    **{key: (lambda out, spec=spec: load(spec)(out)) for key, spec in EXTRA_TOY_MODELS.items()},
     "tiny": lambda out: save_tiny_model(out, size="tiny"),
     "small": lambda out: save_tiny_model(out, size="small"),
 }
@@ -129,7 +132,8 @@ def builder_stamp(key: str) -> str:
     from grpo.tasks import toy
 
     builder = TOY_MODELS[key]
-    spec = next((t.toy_model[1] for t in TASKS.values() if t.toy_model and t.toy_model[0] == key), None)
+    spec = next((t.toy_model[1] for t in TASKS.values() if t.toy_model and t.toy_model[0] == key),
+                EXTRA_TOY_MODELS.get(key))
     source = inspect.getsource(inspect.getmodule(load(spec)) if spec else builder) + inspect.getsource(toy)
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers.e2e import REPO, paths, run, train_rows
+from tests.helpers.e2e import REPO, metrics, paths, run, train_rows
 
 CONFIG = str(REPO / "configs" / "cpu_demo_agent.yaml")
 SMALL = ["grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
@@ -31,3 +31,14 @@ def test_the_agent_demo_trains_on_the_recorded_tokens(tmp_path):
     info = json.loads((tmp_path / "logs" / "endpoint.json").read_text())
     assert info["base_url"].startswith("http://127.0.0.1:") and info["api_key"].startswith("sk-grpo-")
     assert oct((tmp_path / "logs" / "endpoint.json").stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.slow
+def test_the_agent_demo_learns(tmp_path):
+    """The agent demo as shipped raises validation reward by 0.2 or more (issue 32's bar: within 15 minutes on 2
+    cores; README's numbers come from scripts/measure_demos.py --demo agent). It learns to call the calculator
+    (sampled in about half the answers at the start) and to copy its result."""
+    run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path, "logger.progress_bar=false")],
+        timeout=3600)
+    val = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]
+    assert len(val) >= 2 and val[-1] >= val[0] + 0.2, val

@@ -178,6 +178,37 @@ def test_too_many_requests_in_flight_is_a_429():
         ep.close()
 
 
+def test_a_request_that_finds_no_generation_window_gets_a_503_with_retry_after():
+    """While the run trains or checkpoints the endpoint is closed: a request waits http_server.max_wait_s for a window,
+    then gets OpenAI's error body, a 503 and Retry-After (the last pause, rounded up); a window in time serves it."""
+    cfg = _cfg(max_wait_s=0.5)
+    tok = build_char_tokenizer(SIMPLE_CHAT_TEMPLATE)
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, ["ok"]), tok)
+    ep.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as err:  # no window yet: Retry-After is max_wait_s, at least 1
+            _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0)
+        assert 0.5 <= time.monotonic() - t0 < 5
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
+        assert err.value.body["type"] == "server_error" and "max_wait_s=0.5" in err.value.body["message"]
+        with ep.serving():
+            pass
+        time.sleep(2.2)  # a pause of 2.2 s between two windows
+        with ep.serving():
+            assert _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0).choices
+        with pytest.raises(openai.InternalServerError) as err:
+            _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0)
+        assert err.value.response.headers["retry-after"] == "3"
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(  # a window opening in time serves the request
+            _client(ep).chat.completions.create, model=MODEL, messages=USER, top_p=1.0)
+        time.sleep(0.2)
+        with ep.serving():
+            assert waiting.result(timeout=30).choices[0].message.content == "ok"
+    finally:
+        ep.close()
+
+
 def test_tool_calls_and_reasoning_over_the_wire(qwen25):
     cfg = _cfg()
     cfg.policy.max_total_sequence_length = 2048

@@ -10,11 +10,13 @@ Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering an
 - **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
   random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
   (`CallRecord`) for the agent environment to build that sample's trajectory from.
-- **Batching**: handlers put their prompts on a queue; one batcher thread takes everything waiting within
+- **Batching** (`grpo.system.generation.endpoint_batching`): handlers put their prompts on a queue; one batcher thread takes everything waiting within
   ``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call, so
   concurrent agents generate together. It generates only while the endpoint is open (`Endpoint.serving`: the
   rollout opens it; weights change while it is closed, and requests wait); every answer carries the weight
-  version that produced it (``weight_version``).
+  version that produced it (``weight_version``). A request that finds no window within ``http_server.max_wait_s``
+  (the run is training or checkpointing) is answered 503 with ``Retry-After`` (the last pause's length), never left
+  hanging. While the rollout's own samples generate, `Endpoint.shared` makes them and the batches take turns.
 - **Limits**: ``http_server.max_concurrent_requests`` in flight (429 beyond), ``max_body_bytes`` (413), wrong
   key (401), unknown model (404), anything malformed or a prompt with no room left (400); a failure of the backend
   answers 500 to the requests of that batch and the server goes on. Errors use OpenAI's body.
@@ -36,12 +38,12 @@ import socket
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from these globals
 from fastapi.responses import JSONResponse
 
+from grpo.system.generation.endpoint_batching import Batching, _Pending
 from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
                                                 check_sampling, cut_at_stop, error_body, extract_tool_calls,
                                                 parse_request, replace_prefix_tokens, required_prefix,
@@ -67,15 +69,6 @@ class _Session:
     calls: int = 0
     records: list[CallRecord] = field(default_factory=list)
 
-
-@dataclass
-class _Pending:
-    prompt_ids: list[int]
-    seed: int
-    max_new_tokens: int
-    stops: list[str]
-    profile: str
-    future: concurrent.futures.Future
 
 
 def seed_of(*parts) -> int:
@@ -106,7 +99,7 @@ def load_template(spec: str | None) -> str | None:
     return spec
 
 
-class Endpoint:
+class Endpoint(Batching):
     """The endpoint over ``backend`` (a `grpo.system.generation.base.GenerationBackend` with ``gen_cfg``).
 
     ``cfg``: the run's `grpo.config.MasterConfig` (policy.generation, policy.tokenizer, max_total_sequence_length).
@@ -140,6 +133,8 @@ class Endpoint:
         self._open = threading.Event()
         self._generating = threading.Lock()
         self._inflight = 0
+        self._closed_at: float | None = None  # when the last window closed
+        self._last_pause_s: float | None = None  # how long the last pause between two windows lasted
         self._stop = threading.Event()
         self._server = self._thread = self._batcher = None
         self.base_url: str | None = None
@@ -178,20 +173,6 @@ class Endpoint:
         if self._batcher is not None:
             self._batcher.join(timeout=10)
 
-    @contextmanager
-    def serving(self, weight_version: int | None = None):
-        """Generation open for the block (a rollout); closed again after, once the batch in flight is done, so
-        the weights can change. ``weight_version``: the version its answers record."""
-        if weight_version is not None:
-            self.weight_version = int(weight_version)
-        self._open.set()
-        try:
-            yield self
-        finally:
-            self._open.clear()
-            with self._generating:  # the batch in flight finishes on these weights
-                pass
-
     def sampling(self, profile: str) -> dict[str, float]:
         """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
         temperature, top_p = self.train_pair if profile == "train" else self.val_pair
@@ -209,54 +190,6 @@ class Endpoint:
         """Forget the key; returns its calls' records in the order they were answered."""
         with self._lock:
             return self._sessions.pop(key).records
-
-    # ---------------------------------------------------------------- the batcher
-    def _batch_loop(self) -> None:
-        batch: list[_Pending] = []
-        while not self._stop.is_set():
-            if not batch:
-                try:
-                    batch.append(self._queue.get(timeout=0.2))
-                except queue.Empty:
-                    continue
-            if not self._open.wait(timeout=0.2):
-                continue
-            time.sleep(self.settings.batch_window_s)
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            with self._generating:
-                if self._stop.is_set():
-                    for item in batch:
-                        item.future.set_exception(RuntimeError("the endpoint is shutting down"))
-                    return
-                if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
-                    continue
-                for profile in ("train", "val"):
-                    items = [b for b in batch if b.profile == profile]
-                    if items:
-                        self._generate(items, profile)
-                batch = []
-
-    def _generate(self, items: list[_Pending], profile: str) -> None:
-        before = self.backend.gen_cfg
-        try:
-            if profile == "val":
-                self.backend.gen_cfg = self.gen_cfg.for_validation()
-            outs = self.backend.generate([i.prompt_ids for i in items], [i.seed for i in items],
-                                         max_new_tokens=[i.max_new_tokens for i in items],
-                                         stop_strings=[i.stops or None for i in items])
-        except Exception as err:  # this batch's requests answer 500; the server goes on
-            logger.warning("endpoint: generation failed: %s", err, exc_info=True)
-            for i in items:
-                i.future.set_exception(err)
-            return
-        finally:
-            self.backend.gen_cfg = before
-        for i, out in zip(items, outs):
-            i.future.set_result((out, self.weight_version))
 
     # ---------------------------------------------------------------- requests
     def _authorize(self, header: str | None) -> _Session | None:
@@ -322,7 +255,8 @@ class Endpoint:
         futures = []
         for s in seeds:
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._queue.put(_Pending(prompt, s, max_new, stops, profile, fut))
+            self._queue.put(_Pending(prompt, s, max_new, stops, profile, fut,
+                                     time.monotonic() + self.settings.max_wait_s))
             futures.append(fut)
         results = [await asyncio.wrap_future(f) for f in futures]
         choices = []
@@ -381,7 +315,7 @@ class Endpoint:
         app = FastAPI(title="grpo-ds endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
         def refuse(err: RequestError) -> JSONResponse:
-            return JSONResponse(err.body(), status_code=err.status)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
         async def guarded(request: Request, model_cls, handle):
             if self._inflight >= self.settings.max_concurrent_requests:

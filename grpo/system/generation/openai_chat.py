@@ -42,9 +42,10 @@ class RequestError(Exception):
     """A request the endpoint refuses: HTTP ``status`` and OpenAI's error body (`error_body`)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.message, self.kind, self.param, self.code)

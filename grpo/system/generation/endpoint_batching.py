@@ -1,0 +1,150 @@
+"""The endpoint's generation windows and batcher (`Batching`, mixed into
+`grpo.system.generation.endpoint.Endpoint`).
+
+Handlers put their prompts on a queue (`_Pending`); one batcher thread takes everything waiting within
+``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call. It generates
+only while the endpoint is open (`Batching.serving`: the rollout opens it; weights change while it is closed); a
+request no window takes within ``http_server.max_wait_s`` is answered 503 (`Batching.unavailable`). While the
+rollout's own samples generate, `Batching.shared` makes them and the batches take turns on the backend.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from grpo.system.generation.openai_chat import RequestError
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class _Pending:
+    prompt_ids: list[int]
+    seed: int
+    max_new_tokens: int
+    stops: list[str]
+    profile: str
+    future: concurrent.futures.Future
+    deadline: float  # time.monotonic() by which a window must have taken it, else 503
+
+
+class _Shared:
+    """``backend`` whose ``generate`` takes the endpoint's generation lock, so the rollout's own samples and the
+    endpoint's batches take turns on one backend (`Endpoint.shared`); everything else is ``backend``'s."""
+
+    def __init__(self, backend, lock: threading.Lock):
+        self._backend, self._lock = backend, lock
+
+    def generate(self, *args, **kwargs):
+        with self._lock:
+            return self._backend.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+class Batching:
+    """The windows and the batcher of `grpo.system.generation.endpoint.Endpoint` (its state: ``_queue``, ``_open``,
+    ``_generating``, ``_closed_at``, ``_last_pause_s``, ``_stop``, ``backend``, ``gen_cfg``, ``settings``,
+    ``weight_version``)."""
+
+    @contextmanager
+    def serving(self, weight_version: int | None = None):
+        """Generation open for the block (a rollout); closed again after, once the batch in flight is done, so
+        the weights can change. ``weight_version``: the version its answers record."""
+        if weight_version is not None:
+            self.weight_version = int(weight_version)
+        if self._closed_at is not None:
+            self._last_pause_s = time.monotonic() - self._closed_at
+        self._open.set()
+        try:
+            yield self
+        finally:
+            self._open.clear()
+            with self._generating:  # the batch in flight finishes on these weights
+                self._closed_at = time.monotonic()
+
+    def shared(self, backend):
+        """``backend`` (the one the endpoint serves) for the rollout's own generation while the endpoint is open:
+        its ``generate`` calls and the endpoint's batches take turns (`_Shared`)."""
+        return _Shared(backend, self._generating)
+
+    def unavailable(self) -> RequestError:
+        """The 503 of a request that no generation window took within ``http_server.max_wait_s``; Retry-After is the
+        last pause between two windows (rounded up), or max_wait_s before any pause was seen."""
+        retry = math.ceil(max(1.0, self._last_pause_s if self._last_pause_s is not None else self.settings.max_wait_s))
+        return RequestError(503, f"the run is not generating now (training, checkpointing or between rollouts): no "
+                                 f"generation window opened within policy.generation.http_server.max_wait_s="
+                                 f"{self.settings.max_wait_s:g} s; retry after {retry} s", kind="server_error",
+                            code="generation_paused", headers={"Retry-After": str(retry)})
+
+    # ---------------------------------------------------------------- the batcher
+    def _drain(self) -> list[_Pending]:
+        items = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _expire(self, batch: list[_Pending]) -> list[_Pending]:
+        """``batch`` less the requests past their deadline (answered 503, `unavailable`)."""
+        now, keep = time.monotonic(), []
+        for item in batch:
+            if now >= item.deadline:
+                item.future.set_exception(self.unavailable())
+            else:
+                keep.append(item)
+        return keep
+
+    def _batch_loop(self) -> None:
+        batch: list[_Pending] = []
+        while not self._stop.is_set():
+            if not batch:
+                try:
+                    batch.append(self._queue.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+            if not self._open.wait(timeout=0.2):  # no window: everything waiting is checked against its deadline
+                batch = self._expire(batch + self._drain())
+                continue
+            time.sleep(self.settings.batch_window_s)
+            batch += self._drain()
+            with self._generating:
+                if self._stop.is_set():
+                    for item in batch + self._drain():
+                        item.future.set_exception(RequestError(503, "the run is ending: its endpoint is shutting "
+                                                               "down", kind="server_error", code="shutting_down"))
+                    return
+                if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
+                    batch = self._expire(batch)
+                    continue
+                for profile in ("train", "val"):
+                    items = [b for b in batch if b.profile == profile]
+                    if items:
+                        self._generate(items, profile)
+                batch = []
+
+    def _generate(self, items: list[_Pending], profile: str) -> None:
+        before = self.backend.gen_cfg
+        try:
+            if profile == "val":
+                self.backend.gen_cfg = self.gen_cfg.for_validation()
+            outs = self.backend.generate([i.prompt_ids for i in items], [i.seed for i in items],
+                                         max_new_tokens=[i.max_new_tokens for i in items],
+                                         stop_strings=[i.stops or None for i in items])
+        except Exception as err:  # this batch's requests answer 500; the server goes on
+            logger.warning("endpoint: generation failed: %s", err, exc_info=True)
+            for i in items:
+                i.future.set_exception(err)
+            return
+        finally:
+            self.backend.gen_cfg = before
+        for i, out in zip(items, outs):
+            i.future.set_result((out, self.weight_version))
