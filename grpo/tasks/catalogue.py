@@ -92,6 +92,7 @@ TOY_MODELS: dict[str, Callable[[str], str]] = {
     **{task.toy_model[0]: (lambda out, spec=task.toy_model[1]: load(spec)(out))
        for task in TASKS.values() if task.toy_model},
     "calc_agent": lambda out: load("grpo.tasks.calculator:make_calculator_agent_model")(out),  # the agent demo
+    "demo_rm": lambda out: load("grpo.tasks.demo_reward_model:make_demo_reward_model")(out),  # env.reward_model
     "tiny": lambda out: save_tiny_model(out, size="tiny"),
     "small": lambda out: save_tiny_model(out, size="small"),
 }
