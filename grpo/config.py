@@ -971,7 +971,14 @@ class RewardModelConfig(_Section):
     conversation rendered with its own chat template (grpo/tasks/reward_model.py, grpo/system/reward_model.py)."""
 
     model_name: str = Field(description="The reward model: a local directory or a hub name of a "
-                            "ForSequenceClassification checkpoint (num_labels is set to 1, as NeMo-RL does).")
+                            "ForSequenceClassification checkpoint (num_labels is set to 1, as NeMo-RL does), or "
+                            "toy:demo_rm (built locally: the reward-model demo's).")
+
+    @field_validator("model_name")
+    @classmethod
+    def _toy_model(cls, v):
+        return check_toy_model(v, "env.reward_model.model_name")
+
     tokenizer: RewardModelTokenizerConfig = Field(default_factory=RewardModelTokenizerConfig, description=(
         "tokenizer.name: the reward model's tokenizer (null: model_name)."))
     precision: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="The reward model's dtype.")

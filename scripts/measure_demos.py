@@ -4,6 +4,7 @@ start and at the end of the run, and the wall time.
     python scripts/measure_demos.py                       # the default demo (configs/cpu_demo.yaml), seeds 0 1 2
     python scripts/measure_demos.py --demo multiturn --seeds 0 1 2
     python scripts/measure_demos.py --demo agent --seeds 0   # the agent demo (the endpoint and an openai agent)
+    python scripts/measure_demos.py --demo reward_model  # validation reward = the reward model's score
 
 Each run is `python train_grpo.py --config <demo> grpo.seed=<N>` as README's first command runs it, in fresh
 log and checkpoint directories; one at a time (on a shared machine prefix `nice`: times grow, rewards do not).
@@ -21,7 +22,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMOS = {"default": "configs/cpu_demo.yaml", "multiturn": "configs/cpu_demo_multiturn.yaml",
-         "tools": "configs/cpu_demo_tools.yaml", "agent": "configs/cpu_demo_agent.yaml"}
+         "tools": "configs/cpu_demo_tools.yaml", "agent": "configs/cpu_demo_agent.yaml",
+         "reward_model": "configs/cpu_demo_reward_model.yaml"}
 
 
 def validation_curve(metrics_path: str, key: str = "validation/accuracy") -> list[tuple[int, float]]:

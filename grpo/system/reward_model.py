@@ -31,8 +31,12 @@ class RewardModelScorer:
     def __init__(self, rm_cfg, device: torch.device, padding_side: str = "right"):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-        path = rm_cfg.checkpoint_path or rm_cfg.model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(rm_cfg.tokenizer.name or rm_cfg.model_name)
+        from grpo.tasks.catalogue import resolve_model_name
+
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        model_name = resolve_model_name(rm_cfg.model_name, rank)  # "toy:demo_rm": rank 0 builds it on first use
+        path = rm_cfg.checkpoint_path or model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(rm_cfg.tokenizer.name or model_name)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         config = AutoConfig.from_pretrained(path)

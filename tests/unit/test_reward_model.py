@@ -147,3 +147,21 @@ def test_the_config_section_is_nemo_rl_s():
         RewardModelConfig(model_name="m", reward_model_cfg={"reward_model_type": "regression"})
     with pytest.raises(ValidationError, match="needs an env.reward_model section"):
         EnvSpec(name="reward_model")
+
+
+def test_a_toy_reward_model_name_is_checked_at_load():
+    """``toy:demo_rm`` (the reward-model demo's, built locally) is a reward model name; a toy name that is not built
+    fails at load, naming the key."""
+    from pydantic import ValidationError
+
+    assert RewardModelConfig(model_name="toy:demo_rm").model_name == "toy:demo_rm"
+    with pytest.raises(ValidationError, match=r"env.reward_model.model_name='toy:nope': no such toy model"):
+        RewardModelConfig(model_name="toy:nope")
+
+
+def test_the_reward_model_demo_config_loads():
+    from grpo.config_load import load_config
+
+    cfg = load_config("configs/cpu_demo_reward_model.yaml", [])
+    assert cfg.env.name == "reward_model" and cfg.env.reward_model.model_name == "toy:demo_rm"
+    assert cfg.policy.model_name == "toy:demo"

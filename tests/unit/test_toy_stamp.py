@@ -18,3 +18,12 @@ def test_every_toy_models_stamp_follows_its_builders_module(monkeypatch):
     after = {key: catalogue.builder_stamp(key) for key in before}
     assert after["calc_agent"] != before["calc_agent"] and after["calc_demo"] != before["calc_demo"]
     assert after["demo"] == before["demo"]
+
+
+def test_the_reward_model_demos_stamp_follows_its_builders_module(monkeypatch):
+    from grpo.tasks import demo_reward_model
+
+    before = catalogue.builder_stamp("demo_rm")
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj) + ("\n# edited" if obj is demo_reward_model else ""))
+    assert catalogue.builder_stamp("demo_rm") != before
