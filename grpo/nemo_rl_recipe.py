@@ -256,7 +256,7 @@ def apply_overrides(cfg, overrides: list[str]):
         except yaml.YAMLError as err:
             raise ConfigError(f"override {key}={text!r}: invalid YAML ({err})") from None
         with omegaconf_errors(f"override {key}"):
-            exists = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False) is not _ABSENT
+            exists = _has_key(cfg, key)
         if add and exists:
             raise ConfigError(f"override +{key}: the recipe already has {key} (hydra: drop the + to change it, or "
                               f"use ++{key}=...)")
@@ -273,7 +273,22 @@ def apply_overrides(cfg, overrides: list[str]):
     return cfg
 
 
-_ABSENT = object()
+def _has_key(cfg, key: str) -> bool:
+    """Whether the unresolved recipe has the dotted ``key``, without resolving any value on the way (a key whose
+    value is ``${mul:...}`` exists before the resolvers are registered, as in hydra)."""
+    from omegaconf import OmegaConf
+
+    node = cfg
+    for part in key.split("."):
+        if OmegaConf.is_dict(node):
+            node = node._get_node(part, throw_on_missing_key=False)
+        elif OmegaConf.is_list(node) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+            node = node._get_node(int(part))
+        else:
+            return False
+        if node is None:
+            return False
+    return True
 
 
 def resolve(cfg) -> dict:

@@ -44,6 +44,15 @@ def config_paths(argv: list[str]) -> tuple[list[str], dict]:
     return paths, overrides
 
 
+def is_server(entry) -> bool:
+    """``{<kind>: {<type>: {entrypoint, ...}}}``: a server to start. Without an entrypoint it only configures one that
+    another file defines (NeMo-RL's recipes set ``policy_model`` and ``code_gen`` keys so), as Gym's
+    ``is_almost_server`` decides."""
+    return (OmegaConf.is_dict(entry) and len(entry) == 1 and next(iter(entry)) in KINDS
+            and OmegaConf.is_dict(next(iter(entry.values())))
+            and any(OmegaConf.is_dict(c) and "entrypoint" in c for c in next(iter(entry.values())).values()))
+
+
 def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -55,7 +64,7 @@ def main(argv: list[str]) -> None:
     for path in paths:
         loaded = OmegaConf.load(path)
         for name, entry in loaded.items():
-            if OmegaConf.is_dict(entry) and len(entry) == 1 and next(iter(entry)) in KINDS:
+            if is_server(entry):
                 where[name] = os.path.dirname(os.path.abspath(path))
         configs.append(loaded)
     merged = OmegaConf.to_container(OmegaConf.merge(*configs, OmegaConf.create(overrides)), resolve=True)

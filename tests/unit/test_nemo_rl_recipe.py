@@ -96,6 +96,15 @@ def test_overrides_apply_before_interpolation():
     assert cfg.policy.generation.val_temperature == 0.7
 
 
+def test_an_override_replaces_an_interpolation_without_resolving_it_first(tmp_path):
+    """NeMo-RL's Gym recipes set ``train_global_batch_size: ${mul:...}``: overriding such a key must not resolve the
+    value it replaces (it failed with 'Unsupported interpolation type mul' before the resolvers were registered)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"defaults: {CHILD}\npolicy:\n  train_global_batch_size: ${{mul:${{grpo.no_such_key}}, 2}}\n")
+    cfg, _ = load_recipe(recipe, ["policy.train_global_batch_size=16"])
+    assert cfg.policy.train_global_batch_size == 16
+
+
 def test_hydra_override_forms():
     with pytest.raises(ConfigError, match=r"policy.max_total_seq_length: the recipe has no such key.*\+policy"):
         load_recipe(BASE, ["policy.max_total_seq_length=8"])
