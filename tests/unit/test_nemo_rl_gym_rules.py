@@ -115,9 +115,20 @@ def test_gym_recipe_loads_into_the_config(tmp_path):
 CHECKOUT = Path(os.environ["NEMO_RL_CHECKOUT"]) if os.environ.get("NEMO_RL_CHECKOUT") else None
 # NeMo-RL's Gym GRPO recipes that load (7ea279a); the others name what grpo-ds cannot do for another reason.
 LOADING = ["examples/configs/recipes/llm/gdpo-qwen2.5-1.5b-1n8g-gym-multireward.yaml",
-           "examples/nemo_gym/grpo_qwen3_30ba3b_instruct.yaml", "examples/nemo_gym/grpo_qwen3_30ba3b_thinking_swe1.yaml",
-           "examples/nemo_gym/grpo_qwen3_30ba3b_thinking_swe2.yaml",
-           "examples/swe_bench/grpo_qwen3_30b_async_swe_trtllm.yaml"]
+           "examples/nemo_gym/grpo_qwen3_30ba3b_instruct.yaml"]
+# Asynchronous Gym recipes: refused at load, naming the reason (grpo-ds's async loop does not serve the endpoint).
+ASYNC = ["examples/nemo_gym/grpo_qwen3_30ba3b_thinking_swe1.yaml", "examples/nemo_gym/grpo_qwen3_30ba3b_thinking_swe2.yaml",
+         "examples/swe_bench/grpo_qwen3_30b_async_swe_trtllm.yaml"]
+
+
+@pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT")
+@pytest.mark.parametrize("rel", ASYNC)
+def test_asynchronous_gym_recipes_are_refused_with_the_reason(rel, monkeypatch):
+    from grpo.config_load import ConfigError
+
+    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
+    with pytest.raises(ConfigError, match=r"grpo.async_grpo.enabled=true: the async loop does not serve the endpoint"):
+        load_recipe(CHECKOUT / rel)
 
 
 @pytest.mark.skipif(CHECKOUT is None or not HAS_GYM_CONFIG,
