@@ -94,6 +94,6 @@ def test_the_multi_turn_demo_learns_to_read_the_environment(tmp_path, seed):
 
     config = str(REPO / "configs" / "cpu_demo_multiturn.yaml")
     run([sys.executable, "train_grpo.py", "--config", config, *paths(tmp_path), f"grpo.seed={seed}",
-         "logger.progress_bar=false"], timeout=2400)
+         "logger.progress_bar=false"], timeout=2400, threads=1)  # one torch thread, as README's runs were measured
     curve = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]
     assert curve[-1] >= 0.6 and curve[-1] >= curve[0] + 0.15, curve
