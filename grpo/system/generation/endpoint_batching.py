@@ -104,6 +104,7 @@ class Batching:
         return keep
 
     def _batch_loop(self) -> None:
+        http_server = self.settings  # policy.generation.http_server
         batch: list[_Pending] = []
         while not self._stop.is_set():
             if not batch:
@@ -114,7 +115,7 @@ class Batching:
             if not self._open.wait(timeout=0.2):  # no window: everything waiting is checked against its deadline
                 batch = self._expire(batch + self._drain())
                 continue
-            time.sleep(self.settings.batch_window_s)
+            time.sleep(http_server.batch_window_s)
             batch += self._drain()
             with self._generating:
                 if self._stop.is_set():
