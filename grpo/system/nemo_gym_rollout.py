@@ -83,7 +83,7 @@ async def run_rows(env: NemoGymEnvironment, rows: list[dict], retry: RetryPolicy
 
 
 def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int, weight_version: int,
-                        env: NemoGymEnvironment | None = None) -> None:
+                        env: NemoGymEnvironment) -> None:
     """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its row's ``(result, failure, retries)``. Each model call's
     assistant message gets NeMo-RL's flags (invalid tool call, malformed thinking: `grpo.gym_rewards`, read by the
     reward penalties) from ``env``'s ``invalid_tool_call_patterns`` / ``thinking_tags``."""
@@ -94,7 +94,7 @@ def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int
         t.error, t.error_detail, t.failure_kind = failure.reason, failure.detail, failure.kind
         t.reward, t.reward_components = 0.0, None
         return
-    flags = annotate_gym_items(result, decode, env and env.invalid_tool_call_patterns, env and env.thinking_tags)
+    flags = annotate_gym_items(result, decode, env.invalid_tool_call_patterns, env.thinking_tags)
     messages, stripped = trajectory_messages(result, decode)  # (a copy, token fields stripped, generation_str kept)
     for message, f in zip([m for m in messages if m.role == "assistant"], flags):
         message.flags = f
