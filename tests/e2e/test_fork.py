@@ -6,6 +6,8 @@ multi-turn rollouts passes it to ``setup``; the config reference (--help-config)
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.e2e import REPO, TINY, paths, run, train_rows
 
 ESTIMATOR = '''
@@ -56,6 +58,7 @@ def fork_script(tmp_path: Path) -> Path:
     return fork
 
 
+@pytest.mark.slow  # default-suite twin: test_a_forked_script_registers_an_estimator_and_trains_with_it
 def test_a_fork_adds_a_config_section_an_estimator_and_an_entropy_bonus(tmp_path):
     fork = fork_script(tmp_path)
     recipe = tmp_path / "my.yaml"  # the fork's keys in a YAML recipe beside the built-in ones

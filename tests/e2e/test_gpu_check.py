@@ -171,6 +171,7 @@ def _check_on_the_cpu(tmp_path, *extra) -> tuple[subprocess.CompletedProcess, di
     return p, summary
 
 
+@pytest.mark.slow  # default-suite twin: test_without_cuda_every_check_is_not_covered_and_the_check_fails_unless_that_is_expected
 def test_the_check_sequence_passes_on_the_cpu(tmp_path):
     """scripts/gpu_check.py end to end on the CPU (fp32, gloo; about a minute): the runs, the startup line it
     parses (ZeRO-3 forced on one rank, reference on), the resume, the auto config, one line per check and the

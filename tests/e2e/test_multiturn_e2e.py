@@ -46,6 +46,7 @@ def test_a_user_environment_class_trains_multi_turn_in_the_synchronous_loop(tmp_
     assert sum(r["reward"] for r in dump) / len(dump) == pytest.approx(rows[2]["train/mean_total_reward"])
 
 
+@pytest.mark.slow  # default-suite twin: the synchronous loop's
 def test_a_user_environment_class_trains_multi_turn_in_the_async_loop(tmp_path):
     rows = train(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false", *ASYNC,
                  script="train_async_grpo.py")
@@ -62,6 +63,7 @@ def test_multi_turn_with_the_vllm_backend(tmp_path):
     check_multiturn(rows)
 
 
+@pytest.mark.slow  # default-suite twin: tests/e2e/test_train_grpo.py::test_resume_gives_the_same_steps_as_an_uninterrupted_run
 def test_a_multi_turn_run_resumes_to_the_same_numbers(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     a = train(full, "grpo.max_num_steps=4", "checkpointing.save_period=2")

@@ -52,6 +52,7 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_with_its_last_error(t
     assert not (tmp_path / "ckpt" / "hf_final").exists()
 
 
+@pytest.mark.slow  # default-suite twin: tests/integration/test_export_guard.py and tests/unit/test_rundir.py
 def test_one_run_per_directory_and_a_resume_must_match_the_run(tmp_path):
     a = subprocess.Popen(cmd(tmp_path, "grpo.max_num_steps=200", "checkpointing.save_period=1"), cwd=REPO,
                          env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -45,7 +45,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-@pytest.mark.parametrize("script", ["train_grpo.py", "train_async_grpo.py"])
+@pytest.mark.parametrize("script", ["train_grpo.py", pytest.param("train_async_grpo.py", marks=pytest.mark.slow)])  # one path
 def test_samples_failing_for_good_are_masked_and_the_run_trains(tmp_path, script):
     extra = ASYNC if script == "train_async_grpo.py" else []
     train(tmp_path, "env.reward_fn=tests.helpers.flaky_envs:sometimes_broken",
@@ -61,7 +61,7 @@ def test_samples_failing_for_good_are_masked_and_the_run_trains(tmp_path, script
     check_no_fabricated_reward(dumped(tmp_path))
 
 
-@pytest.mark.parametrize("script", ["train_grpo.py", "train_async_grpo.py"])
+@pytest.mark.parametrize("script", ["train_grpo.py", pytest.param("train_async_grpo.py", marks=pytest.mark.slow)])  # one path
 def test_an_environment_down_for_good_stops_with_a_checkpoint_and_one_line_then_resumes(tmp_path, script, monkeypatch):
     extra = [*(ASYNC if script == "train_async_grpo.py" else []), "env.reward_fn=tests.helpers.flaky_envs:down_while_flagged",
              "grpo.rollout_failure.max_consecutive_skipped_steps=2", "checkpointing.save_period=2"]

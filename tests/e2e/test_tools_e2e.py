@@ -42,6 +42,7 @@ def test_the_tool_environment_trains_in_the_synchronous_loop(tmp_path):
         assert {"train/env/tools/invalid_call_rate", "train/env/tools/tool_error_rate"} <= set(r)
 
 
+@pytest.mark.slow  # default-suite twin: the synchronous loop's
 def test_the_tool_environment_trains_in_the_async_loop(tmp_path):
     check(train(tmp_path, "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
                 script="train_async_grpo.py"), on_policy=False)

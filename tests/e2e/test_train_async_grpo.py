@@ -158,7 +158,7 @@ def uninterrupted(tmp_path_factory):
     return trained_prompts(tmp)
 
 
-@pytest.mark.parametrize("load_replay_buffer", [True, False])
+@pytest.mark.parametrize("load_replay_buffer", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_resume_trains_the_same_prompts_as_an_uninterrupted_run(stopped_at_step_2, uninterrupted, tmp_path,
                                                                   load_replay_buffer):
     part = tmp_path / "part"
@@ -197,6 +197,7 @@ def failing_data(tmp_path):
 GOOD_BATCHES = [[0, 1, 2, 3], [12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22, 23]]  # batches 0, 3, 4, 5
 
 
+@pytest.mark.slow  # default-suite twin: tests/e2e/test_rollout_failures_e2e.py (the sync loop's limit)
 def test_generation_failures_are_tolerated_up_to_the_limit_then_stop_cleanly_and_resume(tmp_path, failing_data):
     # Limit 1 (consecutive failures, as NeMo-RL counts): batch 1 fails and is tolerated, batch 2 is the second
     # failure in a row: the run stops after step 1 with a checkpoint.
@@ -217,6 +218,7 @@ def test_generation_failures_are_tolerated_up_to_the_limit_then_stop_cleanly_and
 # ---------------------------------------------------------------------------------------------
 # Two ranks: each rank's generation thread gathers over its own gloo group
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow  # default-suite twin: tests/e2e/test_train_grpo.py::test_one_and_two_processes_give_the_same_loss
 def test_two_ranks_train_the_same_groups_as_one(one_rank, tmp_path):
     """Also with in-flight weight updates between chunks of 4 samples (2 per rank and prompt batch)."""
     run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "2", "train_async_grpo.py", "--config",

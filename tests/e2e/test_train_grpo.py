@@ -232,7 +232,11 @@ KNOBS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(KNOBS))
+# The default suite runs three; the loss and advantage math of the others is in tests/unit (test_loss*.py, test_advantages.py).
+DEFAULT_KNOBS = {"dapo", "gdpo_components", "on_policy_distillation"}
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_KNOBS else pytest.param(n, marks=pytest.mark.slow) for n in sorted(KNOBS)])
 def test_algorithm_knobs_run_end_to_end(tmp_path, name):
     python_train(tmp_path, "grpo.max_num_steps=2", "checkpointing.enabled=false", *KNOBS[name])
     rows = train_rows(tmp_path)
@@ -292,6 +296,7 @@ def test_cpu_demo_raises_validation_reward_by_03_at_every_seed(tmp_path):
     assert all(gain >= 0.3 for gain in gains.values()), gains
 
 
+@pytest.mark.slow  # default-suite twin: tests/unit/test_step.py (the same steps on tensors)
 def test_previous_policy_logprobs_from_the_training_forward_train_the_same_steps(tmp_path):
     """One optimizer step per step: the training forward's own logprobs (detached) are the previous policy's,
     so skipping their separate pass (the default here) trains the same steps as computing them. The second
