@@ -18,6 +18,7 @@ in the file only say who holds it.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -180,18 +181,25 @@ MAX_DIR_FILES = 1000
 
 def file_fingerprint(path: str | os.PathLike) -> dict:
     """``{"size", "sha256"}`` of a file: the sha256 of its content up to `FULL_HASH_BYTES`, else of its first and
-    last `HEAD_TAIL_BYTES` (``"hashed": "head+tail"``; with the size, a change anywhere but the middle shows)."""
-    path = Path(path)
-    size = path.stat().st_size
+    last `HEAD_TAIL_BYTES` (``"hashed": "head+tail"``; with the size, a change anywhere but the middle shows).
+    Read once per process for a given (path, size, mtime, inode): the claim and the record at setup hash it once."""
+    st = Path(path).stat()
+    return dict(_file_fingerprint(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino, FULL_HASH_BYTES,
+                                  HEAD_TAIL_BYTES))
+
+
+@functools.lru_cache(maxsize=64)
+def _file_fingerprint(path: str, size: int, mtime_ns: int, inode: int, full_hash_bytes: int,
+                      head_tail_bytes: int) -> dict:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        if size <= FULL_HASH_BYTES:
+        if size <= full_hash_bytes:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
             return {"size": size, "sha256": h.hexdigest()}
-        h.update(f.read(HEAD_TAIL_BYTES))
-        f.seek(size - HEAD_TAIL_BYTES)
-        h.update(f.read(HEAD_TAIL_BYTES))
+        h.update(f.read(head_tail_bytes))
+        f.seek(size - head_tail_bytes)
+        h.update(f.read(head_tail_bytes))
     return {"size": size, "sha256": h.hexdigest(), "hashed": "head+tail"}
 
 

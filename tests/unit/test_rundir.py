@@ -272,3 +272,29 @@ def test_an_export_checks_the_checkpoint_s_own_record_before_the_fingerprint(tmp
     (tmp_path / "ckpt" / "step_000001" / WEIGHT_CONFIG_FILE).write_text(json.dumps(weight_config(dumped(4))))
     assert export_config_diff(d, dumped(4)) == []
     assert export_config_diff(d, dumped(8)) == ["policy.lora.dim: 4 -> 8"]
+
+
+def test_setup_reads_each_data_file_once_and_a_changed_file_again(tmp_path, monkeypatch):
+    """The claim and the record of one setup fingerprint the same data: the file is read once, not twice; a file
+    rewritten since (other size or mtime) is read again, so a changed dataset is never taken for the old one."""
+    import builtins
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"input": "1+1=", "output": "2"}\n')
+    reads, real_open = [], builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if os.fspath(file) == str(data.resolve()):
+            reads.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    cfg = _cfg(("data.train_data_path", str(data)))
+    locks, run_id = claim_run_dirs(tmp_path / "ckpt", tmp_path / "logs", cfg, resume=True)
+    record_run_dirs(tmp_path / "ckpt", tmp_path / "logs", cfg, run_id)
+    assert len(reads) == 1
+    data.write_text('{"input": "2+2=", "output": "4"}\n{"input": "1+1=", "output": "2"}\n')
+    assert run_fingerprint(cfg)["data_files"] != json.loads((tmp_path / "logs" / FINGERPRINT_FILE).read_text())["data_files"]
+    assert len(reads) == 2
+    for lock in locks:
+        lock.release()
