@@ -990,6 +990,16 @@ class RewardModelConfig(_Section):
         "Weights to load instead of model_name's (a local ForSequenceClassification directory); null: model_name."))
     reward_model_cfg: RewardModelTypeConfig = Field(default_factory=RewardModelTypeConfig, description=(
         "NeMo-RL's reward_model_cfg: enabled must be true, reward_model_type bradley_terry."))
+    placement: Literal["auto", "plain", "zero3"] = Field("auto", description=(
+        "grpo-ds's (NeMo-RL gives the reward model GPUs of its own: resources): plain, a frozen copy on each "
+        "training rank; zero3, a ZeRO-3 inference engine sharded over the training ranks "
+        "(policy.reference_deepspeed_config), scored collectively once per rollout; auto: as "
+        "policy.reference_placement's auto (plain on one rank or when its weights take at most 1/4 of the free "
+        "device memory, else zero3)."))
+    offload: bool = Field(False, description=(
+        "grpo-ds's: keep the reward model's weights in host memory while the policy trains (GPU runs; no effect on "
+        "the CPU): a plain copy moves to the device only to score; a zero3 engine keeps its shards on the host "
+        "(ZeRO's offload_param) and fetches each layer as it runs."))
 
     @model_validator(mode="after")
     def _enabled(self) -> "RewardModelConfig":
