@@ -26,10 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from grpo.tasks.interface import Environment, EnvironmentReturn, check_return
-from grpo.tasks.reward_model import PENDING
-
-# Metadata key holding each environment's reward of the sample, for the environments' own metrics.
-OWN_REWARDS = "combined_rewards"
+from grpo.tasks.reward_model import OWN_REWARDS, PENDING  # (OWN_REWARDS: the parts' rewards, for their metrics)
 
 
 def combine(rewards: dict[str, list[float]], mode: str, weights: dict[str, float]) -> list[float] | dict:

@@ -49,6 +49,9 @@ class Scorer(Protocol):
 
 # The metadata key under which a sample's pending reward-model scores wait for the rollout's collective point.
 PENDING = "reward_model_pending"
+# The metadata key under which a combined environment (grpo.tasks.combined) keeps each of its parts' reward of the
+# sample, for the parts' own metrics; a pending score fills its part's in.
+OWN_REWARDS = "combined_rewards"
 
 
 @dataclass
@@ -79,8 +82,6 @@ def add_score(t, p: PendingScore, score: float) -> None:
         >>> t.reward, t.reward_components, t.metadata
         (1.5, {'math': 1.0, 'rm': 0.5}, {'combined_rewards': {'math': 1.0, 'rm': 0.5}})
     """
-    from grpo.tasks.combined import OWN_REWARDS
-
     t.reward += p.weight * score
     if p.component is not None:
         t.reward_components = {**(t.reward_components or {}),
