@@ -30,6 +30,7 @@ mean_reward, std_reward, min_reward, max_reward}``, over the samples that did no
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +41,8 @@ from grpo.tasks.interface import Environment, EnvironmentReturn
 class Scorer(Protocol):
     """What scores one batch of rendered conversations (`grpo.system.reward_model.RewardModelScorer`). ``deferred``
     (optional, False when absent): scores are computed at the rollout's collective point, not in `score` calls from
-    the environment; ``index``: the scorer's number in the run (which model a `PendingScore` needs)."""
+    the environment; ``index``: the scorer's number in the run (which model a `PendingScore` needs); ``on_device()``
+    (optional): a context around a scoring pass (an offloaded model on the device inside)."""
 
     tokenizer: Any
 
@@ -167,10 +169,11 @@ class RewardModelEnvironment(Environment):
             out_meta = [{**(md or {}), PENDING: [PendingScore(self.scorer.index, ids[b])]} if failures[b] is None
                         else None for b, md in enumerate(metadata)]
             return self._return(message_logs, rewards_b, failures, out_meta)
-        for r in batches(len(scored), self.batch_size):
-            idx = [scored[i] for i in r]
-            scores = torch.as_tensor(self.scorer.score([ids[b] for b in idx]), dtype=torch.float32).reshape(-1)
-            rewards_b[idx] = scores.cpu()
+        with getattr(self.scorer, "on_device", nullcontext)():  # an offloaded copy comes to the device to score
+            for r in batches(len(scored), self.batch_size):
+                idx = [scored[i] for i in r]
+                scores = torch.as_tensor(self.scorer.score([ids[b] for b in idx]), dtype=torch.float32).reshape(-1)
+                rewards_b[idx] = scores.cpu()
         return self._return(message_logs, rewards_b, failures, [None] * n)
 
     @staticmethod

@@ -115,6 +115,25 @@ def test_the_zero3_config_is_the_reference_s_filled_for_the_reward_model():
         ["none"] * 4 + ["none", "none", "move", "offload_param"]
 
 
+def test_offload_on_the_cpu_never_touches_cuda(rm_cfg, monkeypatch):
+    from grpo.system.reward_model import RewardModels
+    from grpo.tasks.reward_model import RewardModelEnvironment
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("the CPU path touched CUDA")
+
+    for name in ("empty_cache", "synchronize", "current_device", "mem_get_info", "set_device"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    models = RewardModels(torch.device("cpu"))
+    scorer = models(rm_cfg.model_copy(update={"offload": True}))
+    assert scorer.plan == "none"
+    trajs = _trajectories(RewardModelEnvironment(scorer, 2).step(CONVERSATIONS, [{"answer": ""}] * 3))
+    models.score_pending(trajs)
+    assert all(t.reward != 0.0 for t in trajs)
+    assert {p.device.type for p in scorer.engine.module.parameters()} == {"cpu"}
+    models.close()
+
+
 def test_placement_auto_is_plain_on_one_rank_and_forced_values_stand(rm_cfg):
     from grpo.system.reward_model import RewardModels
 
