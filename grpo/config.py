@@ -1001,6 +1001,19 @@ class RewardModelConfig(_Section):
         "the CPU): a plain copy moves to the device only to score; a zero3 engine keeps its shards on the host "
         "(ZeRO's offload_param) and fetches each layer as it runs."))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _own_resources(cls, data):
+        """NeMo-RL's ``resources`` (GPUs of the reward model's own) in a native config: refused with the reason (a
+        NeMo-RL recipe's is translated: its GPUs join the training ranks, grpo/nemo_rl_rules.py)."""
+        if isinstance(data, dict) and "resources" in data:
+            raise ValueError(f"env.reward_model.resources={data['resources']!r}: grpo-ds has no ranks of the reward "
+                             "model's own; it runs on the training ranks beside the policy (with generation on ranks "
+                             "of its own, on the trainers), a frozen copy on each or a ZeRO-3 engine sharded over them: "
+                             "remove resources and choose env.reward_model.placement (auto, plain, zero3), launching "
+                             "the GPUs you meant for it as training ranks")
+        return data
+
     @model_validator(mode="after")
     def _enabled(self) -> "RewardModelConfig":
         if not self.reward_model_cfg.enabled:

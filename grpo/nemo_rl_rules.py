@@ -1036,7 +1036,9 @@ def _reward_model(w: Walk) -> None:
         w.refuse(key, "a reward-model tokenizer key grpo-ds does not translate (tokenizer.name is the one it reads)")
     resources = w.get(f"{k}.resources") or {}
     w.ignore(f"{k}.resources", f"NeMo-RL's own GPUs for the reward model ({resources.get('gpus_per_node')} per node x "
-             f"{resources.get('num_nodes')} nodes); grpo-ds runs it on the training ranks, beside the policy: a frozen "
+             f"{resources.get('num_nodes')} nodes, which NeMo-RL takes out of cluster.gpus_per_node on one node and as whole "
+             "nodes on several); grpo-ds has no reward-model ranks: every launched rank trains (generates, with "
+             "colocated.enabled=false), and grpo-ds runs it on the training ranks, beside the policy: a frozen "
              "copy on each, or a ZeRO-3 engine sharded over them (env.reward_model.placement, auto: by size), scored "
              "at one point of each rollout; with cluster.gpus_per_node=1 it shares the one rank, with generation on "
              "ranks of its own the trainers score (grpo/system/reward_model.py)")

@@ -188,3 +188,19 @@ def test_an_error_of_handed_over_work_reaches_the_producer_and_close_releases_it
     assert out[1][0] == "error" and "stopped" in str(out[1][1]) and not thread.is_alive()
     with pytest.raises(RuntimeError):
         desk.run(1, lambda: 1)
+
+
+def test_own_reward_model_ranks_are_refused_in_a_native_config_and_translated_from_nemo_rl():
+    """``resources`` (NeMo-RL's GPUs of the reward model's own) has no grpo-ds meaning in a native config: refused at
+    load with where the reward model runs instead; a NeMo-RL recipe's is translated (its GPUs train, the reward model
+    shares the training ranks)."""
+    from pydantic import ValidationError
+
+    from grpo.nemo_rl_recipe import load_recipe
+
+    with pytest.raises(ValidationError, match=r"env.reward_model.resources=.*runs on the training ranks.*placement"):
+        RewardModelConfig(model_name="m", resources={"gpus_per_node": 1, "num_nodes": 1})
+    cfg, rows = load_recipe("tests/fixtures/nemo_rl/grpo_rm.yaml", ["+env.reward_model.placement=zero3"])
+    assert cfg.env.reward_model.placement == "zero3"
+    why = {key: note for _, key, note in rows}["env.reward_model.resources"]
+    assert "runs it on the training ranks" in why and "cluster.gpus_per_node=1 it shares the one rank" in why
