@@ -135,7 +135,7 @@ class RewardModelScorer:
             self.engine.eval()
         else:
             self.engine = FrozenModel(module, torch.device("cpu") if self.plan == "move" else device)
-        self.device = device
+        self.device, self.name = device, rm_cfg.model_name
         self.placement, self.collective = placement, placement == "zero3"
         self.deferred, self.index = deferred, index
         self.batch_size = rm_cfg.batch_size
@@ -243,6 +243,19 @@ class RewardModels:
                                          free_device_bytes(self.device))
             placement = "zero3" if any_rank(placement == "zero3") else "plain"
         return "plain" if placement == "auto" else placement
+
+    def describe(self) -> str:
+        """One startup line: where each reward model runs.
+
+            >>> RewardModels(torch.device("cpu")).describe()
+            'reward models: none'
+        """
+        where = {"plain": "a frozen copy on each rank", "zero3": f"a ZeRO-3 engine over {self.world_size} rank(s)"}
+        offload = {"none": "", "move": ", in host memory between scorings", "offload_param": ", shards in host memory"}
+        parts = [f"{s.name} ({where[s.placement]}{offload[s.plan]}, batches of {s.batch_size})"
+                 for s in sorted(self._built.values(), key=lambda s: s.index)]
+        return "reward models: " + ("; ".join(parts) or "none") + (
+            ", scored once per rollout after its conversations" if parts else "")
 
     def __len__(self) -> int:
         """How many reward models the run has (0: nothing to score, no scoring point)."""
