@@ -74,7 +74,8 @@ class RolloutProducer:
 
     def take(self, step: int, n: int) -> tuple[list, float]:
         """The trainer's `ReplayBuffer.take` of step ``step``'s ``n`` groups; with a `TrainerDesk`, the scoring handed
-        over for rollouts meant for ``step`` or before runs here while it waits (the groups cannot come before)."""
+        over for rollouts meant for ``step`` or before runs here while it waits (the groups cannot come before); the
+        seconds returned (``async/trainer_wait_s``) include that scoring."""
         if self.desk is None:
             return self.buffer.take(step, n)
         start = time.perf_counter()
