@@ -106,7 +106,7 @@ def main(argv=None) -> int | None:
         # ---- 1-3. the step's prompt groups from the replay deque; penalties, scaling, shaping; failed samples
         #           masked (they are in the deque as they came back: failed, never with a made-up reward) ----
         try:
-            entries, wait_s = buffer.take(step, g.num_prompts_per_step)
+            entries, wait_s = producer.take(step, g.num_prompts_per_step)  # (a ZeRO-3 reward model scores here)
         except ReplayClosed as err:
             closed = err
             break

@@ -990,6 +990,29 @@ class RewardModelConfig(_Section):
         "Weights to load instead of model_name's (a local ForSequenceClassification directory); null: model_name."))
     reward_model_cfg: RewardModelTypeConfig = Field(default_factory=RewardModelTypeConfig, description=(
         "NeMo-RL's reward_model_cfg: enabled must be true, reward_model_type bradley_terry."))
+    placement: Literal["auto", "plain", "zero3"] = Field("auto", description=(
+        "grpo-ds's (NeMo-RL gives the reward model GPUs of its own: resources): plain, a frozen copy on each "
+        "training rank; zero3, a ZeRO-3 inference engine sharded over the training ranks "
+        "(policy.reference_deepspeed_config), scored collectively once per rollout; auto: as "
+        "policy.reference_placement's auto (plain on one rank or when its weights take at most 1/4 of the free "
+        "device memory, else zero3)."))
+    offload: bool = Field(False, description=(
+        "grpo-ds's: keep the reward model's weights in host memory while the policy trains (GPU runs; no effect on "
+        "the CPU): a plain copy moves to the device only to score; a zero3 engine keeps its shards on the host "
+        "(ZeRO's offload_param) and fetches each layer as it runs."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_resources(cls, data):
+        """NeMo-RL's ``resources`` (GPUs of the reward model's own) in a native config: refused with the reason (a
+        NeMo-RL recipe's is translated: its GPUs join the training ranks, grpo/nemo_rl_rules.py)."""
+        if isinstance(data, dict) and "resources" in data:
+            raise ValueError(f"env.reward_model.resources={data['resources']!r}: grpo-ds has no ranks of the reward "
+                             "model's own; it runs on the training ranks beside the policy (with generation on ranks "
+                             "of its own, on the trainers), a frozen copy on each or a ZeRO-3 engine sharded over them: "
+                             "remove resources and choose env.reward_model.placement (auto, plain, zero3), launching "
+                             "the GPUs you meant for it as training ranks")
+        return data
 
     @model_validator(mode="after")
     def _enabled(self) -> "RewardModelConfig":

@@ -1029,16 +1029,21 @@ def _reward_model(w: Walk) -> None:
             w.refuse(f"{k}.{sub}", f"expected {expected!r}: {why} (NeMo-RL asserts it)")
         w.take(f"{k}.{sub}")
     for key in ("model_name", "precision", "batch_size", "max_model_len", "checkpoint_path", "tokenizer.name",
-                "reward_model_cfg.enabled", "reward_model_cfg.reward_model_type"):
+                "reward_model_cfg.enabled", "reward_model_cfg.reward_model_type",
+                "placement", "offload"):  # (the last two are grpo-ds's own: grpo.config.RewardModelConfig)
         w.honor(f"{k}.{key}")
     for key in w.open_keys(f"{k}.tokenizer"):
         w.refuse(key, "a reward-model tokenizer key grpo-ds does not translate (tokenizer.name is the one it reads)")
     resources = w.get(f"{k}.resources") or {}
     w.ignore(f"{k}.resources", f"NeMo-RL's own GPUs for the reward model ({resources.get('gpus_per_node')} per node x "
-             f"{resources.get('num_nodes')} nodes); grpo-ds keeps a frozen copy on every training rank, beside the "
-             "policy (with cluster.gpus_per_node=1 it shares the one rank; grpo/system/reward_model.py)")
+             f"{resources.get('num_nodes')} nodes, which NeMo-RL takes out of cluster.gpus_per_node on one node and as whole "
+             "nodes on several); grpo-ds has no reward-model ranks: every launched rank trains (generates, with "
+             "colocated.enabled=false), and grpo-ds runs it on the training ranks, beside the policy: a frozen "
+             "copy on each, or a ZeRO-3 engine sharded over them (env.reward_model.placement, auto: by size), scored "
+             "at one point of each rollout; with cluster.gpus_per_node=1 it shares the one rank, with generation on "
+             "ranks of its own the trainers score (grpo/system/reward_model.py)")
     w.ignore(f"{k}.dtensor_cfg", "DTensor parallel sizes and plans: grpo-ds's reward model is a frozen copy per rank "
-             "(no tensor or context parallelism)")
+             "or ZeRO-3 data-parallel shards (no tensor or context parallelism)")
     w.ignore(f"{k}.offload_optimizer_for_logprob", "the reward model has no optimizer")
     w.ignore(f"{k}.processor", "NeMo-RL's RewardModelEnvironment reads no processor (data.default.processor formats "
              "the prompts)")

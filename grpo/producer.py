@@ -10,6 +10,11 @@ newest ones; with ``in_flight_weight_updates`` it also loads newer weights betwe
 Each rank runs one producer; they agree over their own gloo process group (the default group belongs to
 the main thread), so every rank puts the same groups in the same order.
 
+A ZeRO-3 reward model (`grpo.system.reward_model`) scores with collectives on the default group, which belongs to
+the trainer thread: the producer hands its scoring to the trainer through a `TrainerDesk` and waits; the trainer
+runs it while it waits for the groups of the step the rollout is for (`RolloutProducer.take`), so on every rank
+the same scoring passes run at the same point between two training steps.
+
 Samples whose environment or reward failed (`grpo.trajectory.Trajectory.error`) enter the deque as they came
 back, failed and without a made-up reward: the trainer masks them and applies the step budget
 (``grpo.rollout_failure``). A rollout that fails as a whole (`grpo.system.rollout.RolloutError`) is retried on the
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 from grpo.system.replay import (
     GroupInfo, ReplayBuffer, ReplayClosed, ReplayEntry, StopKind, WeightStage, groups_from_trajectories,
@@ -48,6 +55,8 @@ class RolloutProducer:
         self._busy_mark = (0.0, time.perf_counter())
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="grpo-generation", daemon=True)
+        rms = run.reward_models
+        self.desk = TrainerDesk() if rms and rms.collective else None  # ZeRO-3 reward models score in the trainer
         a = run.cfg.grpo.async_grpo
         if a.in_flight_weight_updates and generator.loads_staged_weights:  # generation ranks: mid-request too
             generator.in_flight = self._load_mid_request
@@ -58,7 +67,25 @@ class RolloutProducer:
         self._ready.wait()
 
     def join(self, timeout: float | None = None) -> None:
+        """Wait for the thread to end (the trainer is done: a hand-over still waiting fails, ending the thread)."""
+        if self.desk is not None:
+            self.desk.close()
         self._thread.join(timeout)
+
+    def take(self, step: int, n: int) -> tuple[list, float]:
+        """The trainer's `ReplayBuffer.take` of step ``step``'s ``n`` groups; with a `TrainerDesk`, the scoring handed
+        over for rollouts meant for ``step`` or before runs here while it waits (the groups cannot come before); the
+        seconds returned (``async/trainer_wait_s``) include that scoring."""
+        if self.desk is None:
+            return self.buffer.take(step, n)
+        start = time.perf_counter()
+        while True:
+            self.desk.serve(step)
+            try:
+                entries, _ = self.buffer.take(step, n, timeout=TrainerDesk.POLL_S)
+                return entries, time.perf_counter() - start
+            except TimeoutError:
+                continue
 
     def step_metrics(self, step: int, entries: list[ReplayEntry], wait_s: float) -> dict:
         """The ``async/*`` metrics of a trainer step that took ``entries`` (replay entries) after waiting
@@ -90,6 +117,10 @@ class RolloutProducer:
         else:
             self.version = self.stage.load_into(self.generator.model, self.version)
         return self.version
+
+    def _score_in_trainer(self, target: int) -> Callable[[list], float]:
+        """The reward models' scoring point of a rollout for step ``target``, run by the trainer thread."""
+        return lambda trajectories: self.desk.run(target, self.run.reward_models.score_pending, trajectories)
 
     def _load_mid_request(self) -> int:
         """The generation ranks' safe point between two rounds of unfinished requests (in-flight updates)."""
@@ -138,7 +169,8 @@ class RolloutProducer:
             t0, wall0 = time.perf_counter(), time.time()
             try:
                 r = run_rollout(self.run, self.generator, self.envs, rows, self.target, 0, group=self.group,
-                            weights=self if a.in_flight_weight_updates else _Fixed(self.version))
+                                weights=self if a.in_flight_weight_updates else _Fixed(self.version),
+                                score_pending=self._score_in_trainer(self.target) if self.desk else None)
             except RolloutError as err:
                 self.busy_s += time.perf_counter() - t0
                 self.failures += 1
@@ -166,6 +198,63 @@ class RolloutProducer:
             except ReplayClosed:  # the trainer stopped (end of run, early stop)
                 return
             self.target += 1
+
+
+class TrainerDesk:
+    """Work the generation thread hands to the trainer thread: collectives on the default group (a ZeRO-3 reward
+    model's forwards), which only the trainer thread may issue.
+
+    ``run(target, fn, *args)`` (generation thread) queues ``fn(*args)`` for step ``target`` and blocks until the
+    trainer has run it: its result, or its exception raised here. ``serve(step)`` (trainer thread) runs, in order,
+    the queued work for ``step`` or earlier, waiting up to `POLL_S` for some to come. Work for a later step waits
+    for that step: every rank's trainer runs the same work between the same two steps, whatever its timing.
+    ``close()``: nothing will be served any more; waiting and later `run` calls raise `RuntimeError`."""
+
+    POLL_S = 0.05
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._queue: deque = deque()
+        self._closed = False
+
+    def run(self, target: int, fn: Callable, *args):
+        job = {"target": target, "call": (fn, args), "done": False}
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the trainer has stopped: no reward-model scoring any more")
+            self._queue.append(job)
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: job["done"] or self._closed)
+            if not job["done"]:
+                raise RuntimeError("the trainer stopped before this rollout's reward-model scoring")
+        if "error" in job:
+            raise job["error"]
+        return job["result"]
+
+    def serve(self, step: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._due(step), self.POLL_S)
+        while True:
+            with self._cond:
+                if not self._due(step):
+                    return
+                job = self._queue.popleft()
+            fn, args = job["call"]
+            try:
+                job["result"] = fn(*args)
+            except Exception as err:  # raised in the generation thread, which reports it as a rollout failure
+                job["error"] = err
+            with self._cond:
+                job["done"] = True
+                self._cond.notify_all()
+
+    def _due(self, step: int) -> bool:
+        return bool(self._queue) and self._queue[0]["target"] <= step
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 class _Fixed:

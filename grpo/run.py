@@ -93,6 +93,7 @@ class Run:
     closables: list[Closable]
     exit_status: int | None = None
     agents: Any = None  # grpo.system.agent_rollout.AgentPlayer over the run's endpoint (start_endpoint), or None
+    reward_models: Any = None  # grpo.system.reward_model.RewardModels (env.name=reward_model scores at its point)
     turn_stop: Callable[[Trajectory], bool] | None = None
 
 
@@ -155,16 +156,19 @@ def turn_settings(cfg, greedy: bool = False, stop: Callable[[Trajectory], bool] 
 
 
 def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, gen_batch: int, *,
-                stream: str = "train", num_generations: int | None = None, weights=None, group=None):
+                stream: str = "train", num_generations: int | None = None, weights=None, group=None,
+                score_pending=None):
     """`grpo.system.rollout.generate_rollout` of a prompt batch with the run's settings and turn-level stopping rule
-    (a collective)."""
+    (a collective). ``score_pending``: the reward models' scoring point (default: the run's reward models, in this
+    thread; the async producer passes its hand-over to the trainer thread)."""
     from grpo.system.rollout import generate_rollout
 
     cfg = run.cfg
     return generate_rollout(prompts, num_generations or cfg.grpo.num_generations_per_prompt, generator, envs,
                             run.chat, turn_settings(cfg, stop=run.turn_stop), base_seed=cfg.grpo.seed, step=step,
                             gen_batch=gen_batch, stream=stream, rank=run.rank, world_size=run.world_size,
-                            weights=weights, group=group, agents=run.agents)
+                            weights=weights, group=group, agents=run.agents,
+                            score_pending=score_pending or (run.reward_models.score_pending if run.reward_models else None))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -88,9 +88,9 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     skip_prev, skip_ref = resolve_skip_flags(cfg)
 
     tokenizer = load_tokenizer(cfg.policy)
-    from grpo.system.reward_model import RewardModels  # env.name=reward_model: a frozen copy on each rank
+    from grpo.system.reward_model import RewardModels  # env.name=reward_model: a copy per rank, or ZeRO-3 over them
 
-    reward_models = RewardModels(device)
+    reward_models = RewardModels(device, cfg.policy, world_size)
     envs = build_environments(cfg.env, cfg.data, rollout_failure=g.rollout_failure, reward_models=reward_models)
     formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks, envs.tool_schemas())
     per_batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
@@ -160,6 +160,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                               val_ds=val_ds, num_malformed=train_rows.report.num_skipped, total_steps=total_steps,
                               policy=policy, reference=reference, skip_ref=skip_ref, skip_prev=skip_prev,
                               tasks=envs.tasks, packing_note=packing_note))
+    if reward_models:  # where the reward model runs (grpo/system/reward_model.py)
+        logger.write(reward_models.describe())
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val", g.rollout_failure,
                                                                                    reward_models)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
@@ -183,7 +185,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
-               agents=agents, turn_stop=turn_stop)
+               agents=agents, turn_stop=turn_stop, reward_models=reward_models)
 
 
 def require_vllm() -> None:

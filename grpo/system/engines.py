@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from contextlib import contextmanager
 from functools import partial
 from typing import NoReturn
 
@@ -114,18 +115,26 @@ def _load_model(policy, ds_config: dict):
     ZeRO-3 a live HfDeepSpeedConfig makes it load straight into partitioned parameters (no rank ever holds the
     whole model). It is dropped right after, so later plain models (the generation copy) are not partitioned."""
     from transformers import AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from grpo.system.model_config import load_model_config
 
-    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
-    live = HfDeepSpeedConfig(ds_config) if zero3 else None
-    try:
+    with zero3_loading(ds_config):
         return AutoModelForCausalLM.from_pretrained(
             policy.model_name, config=load_model_config(policy), dtype=DTYPES[policy.precision],
             trust_remote_code=policy.trust_remote_code
         )
+
+
+@contextmanager
+def zero3_loading(ds_config: dict):
+    """Inside: under a ZeRO-3 ``ds_config``, transformers' ``from_pretrained`` loads straight into partitioned
+    parameters (a live HfDeepSpeedConfig); outside, later plain models are not partitioned. No-op below stage 3."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    live = HfDeepSpeedConfig(ds_config) if ds_config.get("zero_optimization", {}).get("stage", 0) == 3 else None
+    try:
+        yield
     finally:
         del live
         unset_hf_deepspeed_config()
@@ -366,11 +375,22 @@ def reference_placement(policy, world_size: int, num_params: int, free_bytes: in
         >>> reference_placement(PolicyConfig(precision="bfloat16"), 8, num_params=70_000_000_000, free_bytes=80 * 2**30)
         'zero3'
     """
-    if policy.reference_placement != "auto":
-        return policy.reference_placement
+    return frozen_placement(policy.reference_placement, policy.precision, world_size, num_params, free_bytes)
+
+
+def frozen_placement(placement: str, precision: str, world_size: int, num_params: int, free_bytes: int | None) -> str:
+    """`reference_placement`'s rule for any frozen model (the reward model's ``env.reward_model.placement`` too):
+    ``placement`` unless it is ``auto``; then plain on one rank or when the weights in ``precision`` take at most a
+    quarter of ``free_bytes``, else zero3.
+
+        >>> frozen_placement("auto", "float32", 2, num_params=1000, free_bytes=None)
+        'zero3'
+    """
+    if placement != "auto":
+        return placement
     if world_size == 1:
         return "plain"
-    nbytes = num_params * DTYPES[policy.precision].itemsize
+    nbytes = num_params * DTYPES[precision].itemsize
     return "plain" if free_bytes is not None and nbytes <= free_bytes / 4 else "zero3"
 
 

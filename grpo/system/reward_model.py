@@ -1,34 +1,107 @@
 """The reward model's engine: a Bradley-Terry sequence classifier (``AutoModelForSequenceClassification``,
 ``num_labels=1``) that `grpo.tasks.reward_model.RewardModelEnvironment` scores conversations with.
 
-Placement. NeMo-RL gives its reward model GPUs of its own (``env.reward_model.resources``: a Ray placement group of
-``gpus_per_node`` x ``num_nodes``; with one node, the policy still gets all of ``cluster.gpus_per_node``). Here the
-reward model is a frozen copy on every training rank, on the rank's device, beside the policy (the reference's
-``plain`` placement, `grpo.system.engines.FrozenModel`): each rank scores its own slice of the rollout with no
-collective, so it works unchanged in the synchronous loop, in the asynchronous loop's producer thread and with
-generation on ranks of its own (the trainers score). With ``cluster.gpus_per_node=1`` it shares the one rank;
-``resources`` is read only for the translation table. A model too large for a copy per rank (ZeRO-3 sharding over
-the ranks) is not supported yet: a ZeRO-3 forward is a collective, and environment steps run per rank, in threads,
-retried per sample, so the ranks' calls do not line up.
+Placement (``env.reward_model.placement``). NeMo-RL gives its reward model GPUs of its own
+(``env.reward_model.resources``: a Ray placement group of ``gpus_per_node`` x ``num_nodes``). Here the reward model
+lives on the training ranks, as the reference does (`grpo.system.engines.frozen_placement`):
+
+- ``plain``: a frozen copy on every training rank (`grpo.system.engines.FrozenModel`); each rank scores its own
+  samples, no collective;
+- ``zero3``: a ZeRO-3 inference engine sharded over the training ranks (``deepspeed.initialize`` without an
+  optimizer, the reference's ZeRO config ``policy.reference_deepspeed_config``, in the run's process group). Every
+  forward is a collective: all ranks must run as many forwards, in the same order.
+
+So scoring happens at one point of the rollout, not in the environment's step (which runs per rank, in a worker
+thread, retried per sample): the environment leaves a `grpo.tasks.reward_model.PendingScore` per sample, and
+`RewardModels.score_pending` scores them after the rank's conversations end, on every rank (even one whose
+conversations failed: it scores nothing). Under ZeRO-3 the ranks first agree on the largest count n of pending
+samples (one all-reduce), then each runs ceil(n / batch_size) forwards over its own samples, a one-token dummy batch
+when it has run out (`grpo.system.generation.base.chunk_slices`, as lockstep generation does). The synchronous loop
+and validation call it in the main thread; the asynchronous loop's producer thread hands it to the trainer thread
+(`grpo.producer.TrainerDesk`), which runs it between two training steps: no two threads ever drive DeepSpeed
+collectives on one group at once (DeepSpeed's ZeRO-3 hooks also keep process-global state,
+``parameter_offload.FWD_MODULE_STACK``, that two concurrent forwards would interleave). With generation on ranks of
+its own the trainers play and score the conversations, so the same holds. ``cluster.gpus_per_node=1``: the reward
+model shares the one rank.
+
+Offload (``env.reward_model.offload``, CUDA only): a plain copy lives in host memory and moves to the device for
+`RewardModels.score_pending` only; a ZeRO-3 engine keeps its shards in host memory (ZeRO's ``offload_param``) and
+fetches each layer when it runs (`offload_plan`).
 
 Scoring. ``score`` pads a batch (``padding_side``: right as NeMo-RL, or left), runs the base model with the
 attention mask and position ids counted over the real tokens (so padding on either side changes nothing), applies
 the classification head and reads it at each conversation's last real token, in float32 (NeMo-RL's
-``ScorePostProcessor``). Reading the head at the last real token by the mask, not by looking for the pad id as
-transformers' pooling does, keeps a conversation that ends in the pad token (EOS used as pad) scored at its end.
+``ScorePostProcessor``; `ScoreAtLastToken`). Reading the head at the last real token by the mask, not by looking
+for the pad id as transformers' pooling does, keeps a conversation that ends in the pad token (EOS used as pad)
+scored at its end.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager
+
 import torch
 
-from grpo.system.engines import DTYPES, FrozenModel
+from grpo.system.engines import DTYPES, FrozenModel, frozen_placement, free_device_bytes, release_params, zero3_loading
+
+
+class ScoreAtLastToken(torch.nn.Module):
+    """A ForSequenceClassification model read at each row's last real token: ``forward(input_ids [B, T],
+    attention_mask [B, T]) -> [B]`` float32 head logits. One module, so a ZeRO-3 engine wraps the whole forward
+    (its hooks gather each submodule's shards as it runs)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        base = getattr(self.model, self.model.base_model_prefix)
+        positions_bt = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        hidden_btd = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_bt).last_hidden_state
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return self.model.score(hidden_btd[rows, last_token_index(attention_mask)]).float()[:, 0]
+
+
+def offload_plan(offload: bool, device_type: str, placement: str) -> str:
+    """How ``env.reward_model.offload`` keeps the weights off the accelerator while the policy trains: ``none``
+    (not asked, or no accelerator: on the CPU the weights are in host memory already), ``move`` (a plain copy:
+    to the device to score, back to the host after) or ``offload_param`` (a ZeRO-3 engine: ZeRO keeps the shards
+    on the host and fetches each layer's for its forward).
+
+        >>> offload_plan(True, "cuda", "plain"), offload_plan(True, "cuda", "zero3"), offload_plan(True, "cpu", "zero3")
+        ('move', 'offload_param', 'none')
+    """
+    if not offload or device_type != "cuda":
+        return "none"
+    return "move" if placement == "plain" else "offload_param"
+
+
+def reward_model_ds_config(rm_cfg, policy, world_size: int, hidden_size: int | None, param_offload: bool) -> dict:
+    """The reward model's ZeRO-3 inference config: the reference's JSON (``policy.reference_deepspeed_config``)
+    with its auto values filled for the reward model (its precision, ``batch_size`` as the micro batch), and ZeRO's
+    ``offload_param`` to pinned host memory when ``param_offload``."""
+    from grpo.system.ds_config import build_ds_config
+
+    as_policy = policy.model_copy(update={"precision": rm_cfg.precision, "logprob_batch_size": rm_cfg.batch_size})
+    ds = build_ds_config(policy.reference_deepspeed_config, as_policy, world_size, for_training=False,
+                         hidden_size=hidden_size)
+    if param_offload:
+        ds.setdefault("zero_optimization", {})["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return ds
 
 
 class RewardModelScorer:
-    """A frozen reward model on ``device`` and its tokenizer; `score` returns ``[B]`` float32 logits."""
+    """A frozen reward model and its tokenizer; `score` returns ``[B]`` float32 logits (one forward).
 
-    def __init__(self, rm_cfg, device: torch.device, padding_side: str = "right"):
+    ``placement``: ``plain`` (a `FrozenModel` on ``device``) or ``zero3`` (a ZeRO-3 inference engine over the
+    ranks; needs ``policy``, the run's policy config, for the reference's DeepSpeed JSON, and ``world_size``).
+    ``deferred``: the environment leaves its samples to `RewardModels.score_pending` instead of calling `score`
+    (the run's scorers are; a scorer used alone is not). ``index``: its number among the run's reward models."""
+
+    def __init__(self, rm_cfg, device: torch.device, padding_side: str = "right", *, placement: str = "plain",
+                 policy=None, world_size: int = 1, deferred: bool = False, index: int = 0):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         from grpo.tasks.catalogue import resolve_model_name
@@ -41,32 +114,76 @@ class RewardModelScorer:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         config = AutoConfig.from_pretrained(path)
         config.num_labels = 1  # NeMo-RL sets it for a Bradley-Terry model: the head's single output
-        model = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=DTYPES[rm_cfg.precision])
-        self.base = getattr(model, model.base_model_prefix, None)
-        self.head = getattr(model, "score", None)
-        if self.base is None or not isinstance(self.head, torch.nn.Module):
+        self.plan = offload_plan(rm_cfg.offload, device.type, placement)
+        ds_config = None
+        if placement == "zero3":
+            hidden = getattr(config.get_text_config(), "hidden_size", None)
+            ds_config = reward_model_ds_config(rm_cfg, policy, world_size, hidden, self.plan == "offload_param")
+        with zero3_loading(ds_config or {}):  # under ZeRO-3 each rank loads its shards only
+            model = AutoModelForSequenceClassification.from_pretrained(path, config=config,
+                                                                       dtype=DTYPES[rm_cfg.precision])
+        if getattr(model, model.base_model_prefix, None) is None or not isinstance(getattr(model, "score", None),
+                                                                                  torch.nn.Module):
             raise ValueError(f"env.reward_model.model_name={rm_cfg.model_name!r}: {type(model).__name__} has no "
                              "'score' head over its base model (the ForSequenceClassification layout of Llama, Qwen2, "
                              "Qwen3, Mistral, Gemma)")
-        self.engine = FrozenModel(model, device)
-        self.device = device
+        module = ScoreAtLastToken(model).requires_grad_(False)
+        if placement == "zero3":
+            import deepspeed
+
+            self.engine, *_ = deepspeed.initialize(model=module, config=ds_config)
+            self.engine.eval()
+        else:
+            self.engine = FrozenModel(module, torch.device("cpu") if self.plan == "move" else device)
+        self.device, self.name = device, rm_cfg.model_name
+        self.placement, self.collective = placement, placement == "zero3"
+        self.deferred, self.index = deferred, index
+        self.batch_size = rm_cfg.batch_size
+        self._lock = threading.Lock()
         self.padding_side = padding_side
         self.pad_id = int(self.tokenizer.pad_token_id)
 
     @torch.no_grad()
     def score(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """The head's logit at each conversation's last token, ``[B]`` float32 on the CPU (one forward)."""
+        """The head's logit at each conversation's last token, ``[B]`` float32 on the CPU (one forward; under ZeRO-3
+        a collective)."""
         ids_bt, mask_bt = pad(token_ids, self.pad_id, self.padding_side)
-        ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
-        positions_bt = (mask_bt.cumsum(-1) - 1).clamp(min=0)
-        hidden_btd = self.base(input_ids=ids_bt, attention_mask=mask_bt, position_ids=positions_bt).last_hidden_state
-        last_b = last_token_index(mask_bt)
-        rows = torch.arange(len(token_ids), device=self.device)
-        return self.head(hidden_btd[rows, last_b]).float()[:, 0].cpu()
+        return self.engine(input_ids=ids_bt.to(self.device), attention_mask=mask_bt.to(self.device)).cpu()
+
+    @contextmanager
+    def on_device(self):
+        """Around a scoring pass: with offload ``move``, the copy on the device inside and back in host memory after;
+        otherwise nothing moves."""
+        with self._lock:  # one scoring pass at a time (the async loop's validation and producer share scorers)
+            if self.plan != "move":
+                yield
+                return
+            self.engine.module.to(self.device)
+            try:
+                yield
+            finally:
+                self.engine.module.to("cpu")
+                torch.cuda.empty_cache()
+
+    def score_lockstep(self, token_ids: list[list[int]], n_most: int) -> torch.Tensor:
+        """``[len(token_ids)]`` scores in batches of ``batch_size``; under ZeRO-3 in ceil(n_most / batch_size)
+        forwards, ``n_most`` being the largest count over the ranks (a one-token dummy batch once this rank's
+        run out), so every rank runs the same forwards."""
+        from grpo.system.generation.base import chunk_slices
+
+        out = []
+        for sl in chunk_slices(len(token_ids), n_most if self.collective else len(token_ids), self.batch_size):
+            chunk = token_ids[sl]
+            scores = self.score(chunk or [[self.pad_id]])
+            if chunk:
+                out.append(scores)
+        if self.collective:
+            release_params(self.engine)  # nothing left gathered or in flight
+        return torch.cat(out) if out else torch.zeros(0)
 
     def close(self) -> None:
         """Drop the model (idempotent: a training and a validation environment may share one scorer)."""
-        self.engine = self.base = self.head = None
+        self.engine = None
 
 
 def pad(token_ids: list[list[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,19 +216,99 @@ def last_token_index(mask_bt: torch.Tensor) -> torch.Tensor:
 
 class RewardModels:
     """The run's reward models by section: one scorer per ``env.reward_model`` section, shared by the training
-    and validation environments that name it (built on first use, closed with the run)."""
+    and validation environments that name it (built on first use, in the same order on every rank; closed with the
+    run). ``policy``, ``world_size``: the run's, for the ZeRO-3 placement. The scorers are `deferred`: their samples
+    are scored by `score_pending`, the rollout's collective point."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, policy=None, world_size: int = 1):
+        self.device, self.policy, self.world_size = device, policy, world_size
         self._built: dict[int, RewardModelScorer] = {}
 
     def __call__(self, rm_cfg) -> RewardModelScorer:
         key = id(rm_cfg)
         if key not in self._built:
-            self._built[key] = RewardModelScorer(rm_cfg, self.device)
+            self._built[key] = RewardModelScorer(rm_cfg, self.device, placement=self.placement(rm_cfg),
+                                                 policy=self.policy, world_size=self.world_size, deferred=True,
+                                                 index=len(self._built))
         return self._built[key]
+
+    def placement(self, rm_cfg) -> str:
+        """``env.reward_model.placement``, auto resolved as the reference's (`frozen_placement`) and agreed over the
+        ranks (zero3 when any rank needs it: free memory is per rank). A collective when there are several ranks."""
+        from grpo.system.dist import any_rank
+
+        placement = rm_cfg.placement
+        if placement == "auto" and self.world_size > 1:
+            placement = frozen_placement("auto", rm_cfg.precision, self.world_size, num_params(rm_cfg),
+                                         free_device_bytes(self.device))
+            placement = "zero3" if any_rank(placement == "zero3") else "plain"
+        return "plain" if placement == "auto" else placement
+
+    def describe(self) -> str:
+        """One startup line: where each reward model runs.
+
+            >>> RewardModels(torch.device("cpu")).describe()
+            'reward models: none'
+        """
+        where = {"plain": "a frozen copy on each rank", "zero3": f"a ZeRO-3 engine over {self.world_size} rank(s)"}
+        offload = {"none": "", "move": ", in host memory between scorings", "offload_param": ", shards in host memory"}
+        parts = [f"{s.name} ({where[s.placement]}{offload[s.plan]}, batches of {s.batch_size})"
+                 for s in sorted(self._built.values(), key=lambda s: s.index)]
+        return "reward models: " + ("; ".join(parts) or "none") + (
+            ", scored once per rollout after its conversations" if parts else "")
+
+    def __len__(self) -> int:
+        """How many reward models the run has (0: nothing to score, no scoring point)."""
+        return len(self._built)
+
+    @property
+    def collective(self) -> bool:
+        """Whether `score_pending` runs collectives (a ZeRO-3 reward model)."""
+        return any(s.collective for s in self._built.values())
+
+    def score_pending(self, trajectories: list) -> float:
+        """Score every `grpo.tasks.reward_model.PendingScore` of these trajectories (this rank's) and add the scores
+        to their rewards (`grpo.tasks.reward_model.add_score`); returns the seconds it took. With a ZeRO-3 reward
+        model a collective over the default group: every rank calls it once per rollout, with its samples or none."""
+        from grpo.system.dist import all_reduce
+        from grpo.tasks.reward_model import PENDING, add_score
+
+        t0 = time.perf_counter()
+        scorers = sorted(self._built.values(), key=lambda s: s.index)
+        todo: list[list] = [[] for _ in scorers]
+        for t in trajectories:
+            for p in (t.metadata.pop(PENDING, None) if isinstance(t.metadata, dict) else None) or []:
+                if t.error is None:
+                    todo[p.model].append((t, p))
+        counts = torch.tensor([len(items) for items in todo], dtype=torch.long)
+        if self.collective:
+            from grpo.system.dist import comm_device
+
+            counts = all_reduce(counts.to(comm_device()), op="max").cpu()
+        for scorer, items, n_most in zip(scorers, todo, counts.tolist()):
+            if n_most == 0:
+                continue
+            with scorer.on_device():
+                scores = scorer.score_lockstep([p.token_ids for _, p in items], n_most)
+            for (t, p), s in zip(items, scores.tolist()):
+                add_score(t, p, s)
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         for scorer in self._built.values():
             scorer.close()
         self._built.clear()
+
+
+def num_params(rm_cfg) -> int:
+    """The reward model's parameter count, from its config alone (the meta device: nothing allocated)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from grpo.tasks.catalogue import resolve_model_name
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    config = AutoConfig.from_pretrained(rm_cfg.checkpoint_path or resolve_model_name(rm_cfg.model_name, rank))
+    config.num_labels = 1
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    return sum(p.numel() for p in model.parameters())

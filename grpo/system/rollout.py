@@ -285,7 +285,8 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
     t.done = t.terminated = bool(ret.terminateds[j])
 
 
-AGENT_TIMING = ("agent_s",)  # seconds the agents took (env.name=agent), in the timing of rollouts that had some
+# Seconds the agents took (env.name=agent) and the reward models' scoring, in the timing of rollouts that had some.
+OPTIONAL_TIMING = ("agent_s", "reward_model_s")
 
 
 def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) -> dict[str, float]:
@@ -306,9 +307,16 @@ def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) ->
 # --------------------------------------------------------------------------------------------------
 # A prompt batch across ranks
 # --------------------------------------------------------------------------------------------------
+def _failed(rank: int, step: int, err: Exception) -> str:
+    """Log a rank's rollout failure with its traceback; the line every rank's `RolloutError` will carry."""
+    logger.warning("rank %d: rollout of step %d failed:\n%s", rank, step, traceback.format_exc())
+    return f"rank {rank}: {type(err).__name__}: {err}"
+
+
 def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, envs, chat,
                      settings: TurnSettings, *, base_seed: int, step: int, gen_batch: int, stream: str, rank: int,
-                     world_size: int, weights=None, group=None, agents=None) -> Rollout:
+                     world_size: int, weights=None, group=None, agents=None,
+                     score_pending: Callable[[list[Trajectory]], float] | None = None) -> Rollout:
     """Every sample of a prompt batch played to its end and scored; the same `Rollout` on every rank.
 
     Sample i (of P x G) is seeded with ``sample_seed(base_seed, step, gen_batch * P * G + i, stream, turn)``.
@@ -319,7 +327,10 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     with more or fewer than P x G samples. Samples whose environment failed after its retries are in it, failed
     (``Trajectory.error``): the trainer masks them. ``agents``: the run's
     `grpo.system.agent_rollout.AgentPlayer` (env.name=agent): its tasks' samples are played by their agents over
-    the endpoint instead of `run_conversations`.
+    the endpoint instead of `run_conversations`. ``score_pending``: the reward models' collective point
+    (`grpo.system.reward_model.RewardModels.score_pending`), called once on every rank after its conversations end
+    (with none when they failed), before the environments' metrics; its seconds are ``reward_model_s``, also
+    counted in ``env_step_s``.
     """
     trajs = new_trajectories(prompts, num_generations)
     n = len(trajs)
@@ -332,10 +343,16 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
             timing = _play(local, keys[mine], generator, envs, chat, settings, weights, agents)
         finally:
             generator.sleep()  # vLLM's order: free the device for training
-        local, metrics = envs.post_process(local)
     except Exception as err:  # reported to every rank below; the caller decides whether to go on
-        logger.warning("rank %d: rollout of step %d failed:\n%s", rank, step, traceback.format_exc())
-        error = f"rank {rank}: {type(err).__name__}: {err}"
+        error = _failed(rank, step, err)
+    try:
+        if score_pending is not None:  # every rank, in step: a ZeRO-3 reward model's forwards are collectives
+            timing["reward_model_s"] = score_pending(local if error is None else [])
+            timing["env_step_s"] = timing.get("env_step_s", 0.0) + timing["reward_model_s"]  # scoring is the env's
+        if error is None:
+            local, metrics = envs.post_process(local)
+    except Exception as err:
+        error = error or _failed(rank, step, err)
     parts = all_gather_objects([(local, error, timing, metrics)], group)
     errors = [p[1] for p in parts if p[1] is not None]
     if errors:
@@ -345,8 +362,8 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
         raise RolloutError(f"the rollout returned {len(gathered)} samples for {len(prompts)} prompts x "
                            f"{num_generations} generations = {n} (per rank: {[len(p[0]) for p in parts]}): a "
                            "rollout that comes back short is an error, never a shorter batch")
-    slowest = {k: max(p[2].get(k, 0.0) for p in parts) for k in ("generate_s", "env_step_s", *AGENT_TIMING)
-               if k not in AGENT_TIMING or any(k in p[2] for p in parts)}
+    slowest = {k: max(p[2].get(k, 0.0) for p in parts) for k in ("generate_s", "env_step_s", *OPTIONAL_TIMING)
+               if k not in OPTIONAL_TIMING or any(k in p[2] for p in parts)}
     merged: dict[str, float] = {}
     for p in parts:
         for k, v in p[3].items():

@@ -6,6 +6,9 @@
   (``grpo.adv_estimator.name: gdpo``, which normalises each component per group; ``grpo.adv_estimator.reward_weights``
   weighs them in the names' sorted order); the scalar reward is their sum.
 
+A reward model whose scores are computed at the rollout's collective point (`grpo.tasks.reward_model.PendingScore`)
+counts 0 here and leaves its pending score, weighted and named, for that point to add.
+
 Each environment must end every sample in one turn (a reward function, a reward model). A sample that any of them
 failed fails (`grpo.tasks.failures`: retried, then masked, never scored 0). Each environment's own metrics
 (``global_post_process_and_metrics``) are computed on its own rewards and logged under its key.
@@ -20,10 +23,10 @@ failed fails (`grpo.tasks.failures`: retried, then masked, never scored 0). Each
 
 from __future__ import annotations
 
-from grpo.tasks.interface import Environment, EnvironmentReturn, check_return
+import dataclasses
 
-# Metadata key holding each environment's reward of the sample, for the environments' own metrics.
-OWN_REWARDS = "combined_rewards"
+from grpo.tasks.interface import Environment, EnvironmentReturn, check_return
+from grpo.tasks.reward_model import OWN_REWARDS, PENDING  # (OWN_REWARDS: the parts' rewards, for their metrics)
 
 
 def combine(rewards: dict[str, list[float]], mode: str, weights: dict[str, float]) -> list[float] | dict:
@@ -53,6 +56,7 @@ class CombinedEnvironment(Environment):
         n = len(message_logs)
         own: dict[str, list[float]] = {}
         failures = [None] * n
+        pending: list[list] = [[] for _ in range(n)]
         for name, env in self.envs.items():
             ret = check_return(env.step([list(m) for m in message_logs], [dict(md) if isinstance(md, dict) else md
                                                                             for md in metadata]), n)
@@ -64,10 +68,17 @@ class CombinedEnvironment(Environment):
                                  "are single-turn)")
             own[name] = ret.rewards.tolist()
             failures = [f or g for f, g in zip(failures, ret.failures)]
+            for i, md in enumerate(ret.metadata):  # a reward model scored later: its share of the combination
+                for p in (md or {}).get(PENDING, []) if isinstance(md, dict) else []:
+                    pending[i].append(dataclasses.replace(
+                        p, weight=p.weight * (1.0 if self.mode == "components" else self.weights.get(name, 1.0)),
+                        component=name if self.mode == "components" else None, own=name))
         combined = combine(own, self.mode, self.weights)
         rewards = ({k: torch.tensor(v) for k, v in combined.items()} if isinstance(combined, dict)
                    else torch.tensor(combined))
-        out_meta = [{**(md or {}), OWN_REWARDS: {k: own[k][i] for k in own}} for i, md in enumerate(metadata)]
+        out_meta = [{**(md or {}), OWN_REWARDS: {k: own[k][i] for k in own}, **({PENDING: pending[i]} if pending[i]
+                                                                                else {})}
+                    for i, md in enumerate(metadata)]
         return EnvironmentReturn(observations=[{"role": "user", "content": ""}] * n, metadata=out_meta,
                                  next_stop_strings=[None] * n, rewards=rewards,
                                  terminateds=torch.ones(n, dtype=torch.bool), answers=[None] * n, failures=failures)

@@ -16,6 +16,12 @@ float32 tensor`` (one batch); `grpo.system.reward_model` builds it. A conversati
 tokens is not cut (that would score another text): the sample fails (``env_malformed``, retried, then masked;
 `grpo.tasks.failures`), and counted; NeMo-RL has no such bound in its scoring path.
 
+Deferred scoring. A scorer with ``deferred = True`` (a ZeRO-3 engine sharded over the ranks, whose every forward is a
+collective) is not run in `RewardModelEnvironment.step`, which runs per rank, in a worker thread, retried per sample:
+the step checks and renders each conversation and leaves a `PendingScore` in the sample's metadata (under
+`PENDING`), reward 0 for now; the rollout scores every rank's pending samples together at one collective point
+after its conversations end (`grpo.system.reward_model.RewardModels.score_pending`), adding the score to the reward.
+
 `global_post_process_and_metrics` gives what NeMo-RL computes there: ``reward_model_env/{num_samples,
 mean_reward, std_reward, min_reward, max_reward}``, over the samples that did not fail (logged here as
 ``train/env/<task>/reward_model_env/...``; NeMo-RL's loop drops these metrics).
@@ -24,6 +30,8 @@ mean_reward, std_reward, min_reward, max_reward}``, over the samples that did no
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from grpo.tasks.failures import Failure
@@ -31,11 +39,57 @@ from grpo.tasks.interface import Environment, EnvironmentReturn
 
 
 class Scorer(Protocol):
-    """What scores one batch of rendered conversations (`grpo.system.reward_model.RewardModelScorer`)."""
+    """What scores one batch of rendered conversations (`grpo.system.reward_model.RewardModelScorer`). ``deferred``
+    (optional, False when absent): scores are computed at the rollout's collective point, not in `score` calls from
+    the environment; ``index``: the scorer's number in the run (which model a `PendingScore` needs); ``on_device()``
+    (optional): a context around a scoring pass (an offloaded model on the device inside)."""
 
     tokenizer: Any
 
     def score(self, token_ids: list[list[int]]) -> Any: ...
+
+
+# The metadata key under which a sample's pending reward-model scores wait for the rollout's collective point.
+PENDING = "reward_model_pending"
+# The metadata key under which a combined environment (grpo.tasks.combined) keeps each of its parts' reward of the
+# sample, for the parts' own metrics; a pending score fills its part's in.
+OWN_REWARDS = "combined_rewards"
+
+
+@dataclass
+class PendingScore:
+    """A reward-model score still to compute: ``model`` (the scorer's ``index``) over ``token_ids``. When scored as s,
+    the sample's reward grows by ``weight`` * s; with ``component``, its reward component of that name grows by s
+    (a combined environment's GDPO component); with ``own``, the combined environment's record of its parts'
+    rewards (`grpo.tasks.combined.OWN_REWARDS`) gets s under that name.
+
+    The sum of the parts is what the combined environment would have computed with the score in hand:
+    Σ_k w_k · r_k with r_rm = s (`grpo.tasks.combined.combine`)."""
+
+    model: int
+    token_ids: list[int]
+    weight: float = 1.0
+    component: str | None = None
+    own: str | None = None
+
+
+def add_score(t, p: PendingScore, score: float) -> None:
+    """Fold the score of pending ``p`` into trajectory ``t`` (`grpo.trajectory.Trajectory`): reward += weight *
+    score; its component (if named) += score; its combined environment's record of its parts (if named) = score.
+
+        >>> from grpo.trajectory import Trajectory
+        >>> t = Trajectory(0, 0, "t", "q", "a", [], {"combined_rewards": {"math": 1.0, "rm": 0.0}}, reward=1.0,
+        ...                reward_components={"math": 1.0, "rm": 0.0})
+        >>> add_score(t, PendingScore(0, [5, 6], component="rm", own="rm"), 0.5)
+        >>> t.reward, t.reward_components, t.metadata
+        (1.5, {'math': 1.0, 'rm': 0.5}, {'combined_rewards': {'math': 1.0, 'rm': 0.5}})
+    """
+    t.reward += p.weight * score
+    if p.component is not None:
+        t.reward_components = {**(t.reward_components or {}),
+                               p.component: (t.reward_components or {}).get(p.component, 0.0) + score}
+    if p.own is not None:
+        t.metadata.setdefault(OWN_REWARDS, {})[p.own] = score
 
 
 def first_difference(a: str, b: str) -> int:
@@ -111,13 +165,25 @@ class RewardModelEnvironment(Environment):
                                              f"{self.max_model_len}: not scored (a cut text would score another one)")
         scored = [b for b in range(n) if failures[b] is None]
         rewards_b = torch.zeros(n, dtype=torch.float32)
-        for r in batches(len(scored), self.batch_size):
-            idx = [scored[i] for i in r]
-            scores = torch.as_tensor(self.scorer.score([ids[b] for b in idx]), dtype=torch.float32).reshape(-1)
-            rewards_b[idx] = scores.cpu()
+        if getattr(self.scorer, "deferred", False):  # scored at the rollout's collective point (module docstring)
+            out_meta = [{**(md or {}), PENDING: [PendingScore(self.scorer.index, ids[b])]} if failures[b] is None
+                        else None for b, md in enumerate(metadata)]
+            return self._return(message_logs, rewards_b, failures, out_meta)
+        with getattr(self.scorer, "on_device", nullcontext)():  # an offloaded copy comes to the device to score
+            for r in batches(len(scored), self.batch_size):
+                idx = [scored[i] for i in r]
+                scores = torch.as_tensor(self.scorer.score([ids[b] for b in idx]), dtype=torch.float32).reshape(-1)
+                rewards_b[idx] = scores.cpu()
+        return self._return(message_logs, rewards_b, failures, [None] * n)
+
+    @staticmethod
+    def _return(message_logs: list, rewards_b, failures: list, metadata: list) -> EnvironmentReturn:
+        import torch
+
+        n = len(message_logs)
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": f"Environment: {float(r)}"} for r in rewards_b],
-            metadata=[None] * n, next_stop_strings=[None] * n, rewards=rewards_b,
+            metadata=metadata, next_stop_strings=[None] * n, rewards=rewards_b,
             terminateds=torch.ones(n, dtype=torch.bool), answers=[log[-1]["content"] for log in message_logs],
             failures=failures)
 

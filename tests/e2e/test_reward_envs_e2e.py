@@ -57,6 +57,39 @@ def test_reward_model_recipe_trains_two_steps_in_one_process(tmp_path, script, e
         assert r[prefix + "mean_reward"] == pytest.approx(r["train/mean_total_reward"], abs=1e-4)
 
 
+@pytest.mark.slow  # ~3 minutes on a loaded 2-core machine; the scores alone: tests/integration/test_reward_model_zero3.py
+def test_a_zero3_reward_model_over_two_ranks_trains_as_a_copy_in_one_process(tmp_path):
+    """env.reward_model.placement=zero3: a ZeRO-3 engine over the two ranks scored at the rollout's collective point,
+    in both loops (the async loop's producer hands the scoring to the trainer thread)."""
+    from tests.helpers.e2e import launcher
+    from tests.helpers.reward_models import save_tiny_reward_model
+
+    rm = save_tiny_reward_model(str(tmp_path / "rm"))
+    data = addition_jsonl(tmp_path)
+    common = [*(o for o in SMALL if not o.startswith("cluster.")), f"env.reward_model.model_name={rm}", "env.reward_model.precision=float32",
+              "data.default.prompt_file=null", "data.train.dataset_name=ResponseDataset", f"+data.train.data_path={data}"]
+
+    def train(out, *extra, script="train_grpo.py", ranks=1):
+        cmd = [sys.executable, script] if ranks == 1 else [*launcher("torchrun"), "--standalone", "--nproc_per_node",
+                                                           str(ranks), script]
+        p = run([*cmd, "--config", str(FIX / "grpo_rm.yaml"), *common, f"cluster.gpus_per_node={ranks}",
+                 f"logger.log_dir={out}/logs", f"checkpointing.checkpoint_dir={out}/ckpt", *extra], threads=1, timeout=600)
+        assert "done: " in p.stdout, p.stdout[-3000:]
+        return train_rows(out)
+
+    one = train(tmp_path / "one")
+    two = train(tmp_path / "two", "+env.reward_model.placement=zero3", ranks=2)
+    for step in (1, 2):
+        assert abs(one[step]["train/loss"] - two[step]["train/loss"]) < 1e-5, (step, one[step], two[step])
+        assert one[step]["train/mean_total_reward"] == pytest.approx(two[step]["train/mean_total_reward"], abs=1e-5)
+    rows = train(tmp_path / "async", "+env.reward_model.placement=zero3", "grpo.async_grpo.enabled=true",
+                 "loss_fn.use_importance_sampling_correction=true", "grpo.max_num_steps=3", script="train_async_grpo.py",
+                 ranks=2)
+    assert sorted(rows) == [1, 2, 3] and rows[1]["train/mean_total_reward"] == pytest.approx(
+        one[1]["train/mean_total_reward"], abs=1e-5)  # step 1 generates with the same weights in every loop
+    assert all(r["timing/train/reward_model_s"] > 0 for r in rows.values())
+
+
 @pytest.mark.slow  # a few minutes on a loaded 2-core machine; the combination itself: tests/unit/test_combined_rewards.py
 def test_a_reward_model_and_a_verifier_train_as_gdpo_components(tmp_path):
     from tests.helpers.reward_models import save_tiny_reward_model

@@ -258,3 +258,26 @@ def test_a_prompt_batch_across_ranks_equals_one_rank_and_a_failure_is_a_rollout_
     with pytest.raises(RolloutError, match="rank 0: ValueError: prompt 0 has 99 tokens"):
         generate_rollout(rows(["ab"]), 2, FakeGenerator(fail_on_call=1), Environments({"echo": Echo()}, 5),
                          ChatFormat(TOK), settings, **kw)
+
+
+def test_the_reward_models_scoring_point_runs_once_on_every_rank_even_one_whose_rollout_failed():
+    """A ZeRO-3 reward model's forwards are collectives: a rank whose conversations broke still joins the scoring
+    point (with nothing to score), before the rollout error every rank raises."""
+    settings = TurnSettings(max_turns=1, max_total_len=64, chunk_size=4, max_new_tokens=8)
+    kw = dict(base_seed=3, step=2, gen_batch=0, stream="train", rank=0, world_size=1)
+    calls = []
+
+    def score_pending(trajs):
+        calls.append([t.metadata["question"] for t in trajs])
+        for t in trajs:
+            t.reward += 10.0  # what the point adds comes back in the rollout, before the environments' metrics
+        return 0.25
+
+    r = generate_rollout(rows(["ab", "cd"]), 1, FakeGenerator(), Environments({"echo": Echo()}, 5), ChatFormat(TOK),
+                         settings, score_pending=score_pending, **kw)
+    assert calls == [["ab", "cd"]] and all(t.reward >= 10.0 for t in r.trajectories)
+    assert r.timing["reward_model_s"] == 0.25 and r.timing["env_step_s"] >= 0.25
+    with pytest.raises(RolloutError, match="rank 0: ValueError"):
+        generate_rollout(rows(["ab"]), 2, FakeGenerator(fail_on_call=1), Environments({"echo": Echo()}, 5),
+                         ChatFormat(TOK), settings, score_pending=score_pending, **kw)
+    assert calls[-1] == []
