@@ -364,8 +364,45 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
                            "rollout that comes back short is an error, never a shorter batch")
     slowest = {k: max(p[2].get(k, 0.0) for p in parts) for k in ("generate_s", "env_step_s", *OPTIONAL_TIMING)
                if k not in OPTIONAL_TIMING or any(k in p[2] for p in parts)}
-    merged: dict[str, float] = {}
-    for p in parts:
-        for k, v in p[3].items():
-            merged.setdefault(k, []).append(v)
-    return Rollout(gathered, slowest, {k: sum(v) / len(v) for k, v in merged.items()})
+    return Rollout(gathered, slowest, merge_rank_metrics([p[3] for p in parts]))
+
+
+def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The environments' metrics of the whole rollout from each rank's (each computed on that rank's samples), by
+    the metric's name (its last ``/`` part): ``num_*`` summed, ``min_*`` / ``max_*`` the smallest / largest, and
+    where a ``num_samples`` sits beside them (NeMo-RL's ``reward_model_env/*``) ``mean_*`` weighted by it and
+    ``std_*`` pooled with its ``mean_*`` (the sample std of the union); any other metric is the mean over ranks.
+
+        >>> m = merge_rank_metrics([{"e/num_samples": 2.0, "e/mean_r": 0.0, "e/std_r": 0.0, "e/min_r": 0.0, "e/max_r": 0.0},
+        ...                         {"e/num_samples": 2.0, "e/mean_r": 2.0, "e/std_r": 0.0, "e/min_r": 2.0, "e/max_r": 2.0,
+        ...                          "e/rate": 1.0}])
+        >>> m["e/num_samples"], m["e/mean_r"], round(m["e/std_r"], 4), m["e/min_r"], m["e/max_r"], m["e/rate"]
+        (4.0, 1.0, 1.1547, 0.0, 2.0, 1.0)
+    """
+    keys = list(dict.fromkeys(k for metrics in per_rank for k in metrics))
+    out: dict[str, float] = {}
+    for k in keys:
+        prefix, _, name = k.rpartition("/")
+        ranks = [m for m in per_rank if k in m]
+        values = [m[k] for m in ranks]
+        count_key = f"{prefix}/num_samples" if prefix else "num_samples"
+        counts = [m.get(count_key) for m in ranks]
+        counted = all(c is not None for c in counts) and sum(counts) > 0
+        if name.startswith("num_"):
+            out[k] = float(sum(values))
+        elif name.startswith("min_"):
+            out[k] = min(values)
+        elif name.startswith("max_"):
+            out[k] = max(values)
+        elif name.startswith("mean_") and counted:
+            out[k] = sum(c * v for c, v in zip(counts, values)) / sum(counts)
+        elif name.startswith("std_") and counted and all(f"{prefix}/mean_{name[4:]}" in m for m in ranks):
+            means = [m[f"{prefix}/mean_{name[4:]}"] for m in ranks]
+            n = sum(counts)
+            mean = sum(c * mu for c, mu in zip(counts, means)) / n
+            within = sum((c - 1) * sd ** 2 for c, sd in zip(counts, values) if c > 1)
+            between = sum(c * (mu - mean) ** 2 for c, mu in zip(counts, means))
+            out[k] = ((within + between) / (n - 1)) ** 0.5 if n > 1 else 0.0
+        else:
+            out[k] = sum(values) / len(values)
+    return out

@@ -132,6 +132,25 @@ def test_metrics_are_nemo_rl_s_over_the_samples_that_did_not_fail():
                  "reward_model_env/max_reward": 3.0}
 
 
+
+@pytest.mark.parametrize("split", [[3, 3], [1, 5], [2, 4], [0, 6]])
+def test_metrics_of_a_rollout_over_ranks_equal_one_process_s(split):
+    """Each rank computes ``reward_model_env/*`` on its share; merged over ranks (`merge_rank_metrics`) they equal
+    the metrics of the whole batch in one process (were averages of per-rank values, e.g. num_samples halved)."""
+    from grpo.system.rollout import merge_rank_metrics
+    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.tasks.router import rollout_batch
+    from grpo.trajectory import Message, Trajectory
+
+    rewards = [0.5, -1.0, 2.0, 3.0, 0.25, 1.0]
+    ts = [Trajectory(0, i, "reward_model", "q", "", [Message("user", "q", [1]), Message("assistant", "a", [2], [0.0])],
+                     {}, reward=r, num_prompt_messages=1) for i, r in enumerate(rewards)]
+    env = RewardModelEnvironment(None, 1)
+    whole = env.global_post_process_and_metrics(rollout_batch(ts))[1]
+    shares = [ts[:split[0]], ts[split[0]:]]
+    merged = merge_rank_metrics([env.global_post_process_and_metrics(rollout_batch(s))[1] for s in shares])
+    assert merged == {k: pytest.approx(v) for k, v in whole.items()}
+
 def test_the_config_section_is_nemo_rl_s():
     from pydantic import ValidationError
 
