@@ -996,10 +996,12 @@ class RewardModelConfig(_Section):
         "(policy.reference_deepspeed_config), scored collectively once per rollout; auto: as "
         "policy.reference_placement's auto (plain on one rank or when its weights take at most 1/4 of the free "
         "device memory, else zero3)."))
-    offload: bool = Field(False, description=(
+    offload: bool | Literal["auto"] = Field("auto", description=(
         "grpo-ds's: keep the reward model's weights in host memory while the policy trains (GPU runs; no effect on "
         "the CPU): a plain copy moves to the device only to score; a zero3 engine keeps its shards on the host "
-        "(ZeRO's offload_param) and fetches each layer as it runs."))
+        "(ZeRO's offload_param) and fetches each layer as it runs. auto: offload when the weights a rank holds "
+        "(the whole copy, or its ZeRO-3 shard) take more than 1/4 of its free device memory once the policy is "
+        "built, agreed over the ranks."))
 
     @model_validator(mode="before")
     @classmethod

@@ -26,7 +26,8 @@ model shares the one rank.
 
 Offload (``env.reward_model.offload``, CUDA only): a plain copy lives in host memory and moves to the device for
 `RewardModels.score_pending` only; a ZeRO-3 engine keeps its shards in host memory (ZeRO's ``offload_param``) and
-fetches each layer when it runs (`offload_plan`).
+fetches each layer when it runs (`offload_plan`). ``auto`` (the default) offloads when the weights a rank holds take
+more than a quarter of its free device memory once the policy is built (`needs_offload`), agreed over the ranks.
 
 Scoring. ``score`` pads a batch (``padding_side``: right as NeMo-RL, or left), runs the base model with the
 attention mask and position ids counted over the real tokens (so padding on either side changes nothing), applies
@@ -62,6 +63,34 @@ class ScoreAtLastToken(torch.nn.Module):
         hidden_btd = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_bt).last_hidden_state
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self.model.score(hidden_btd[rows, last_token_index(attention_mask)]).float()[:, 0]
+
+
+def needs_offload(offload: bool | str, device_type: str, placement: str, nbytes: int, world_size: int,
+                  free_bytes: int | None) -> bool:
+    """``env.reward_model.offload`` resolved: ``auto`` offloads on an accelerator when the weights this rank holds
+    (all of them for a plain copy, a 1/world_size shard under ZeRO-3) take more than a quarter of its free memory
+    once the policy is built (the rule `frozen_placement` places by); never on the CPU.
+
+        >>> needs_offload("auto", "cuda", "plain", nbytes=40, world_size=1, free_bytes=100)
+        True
+        >>> needs_offload("auto", "cuda", "zero3", nbytes=40, world_size=2, free_bytes=100), needs_offload(True, "cpu", "plain", 1, 1, 1)
+        (False, False)
+    """
+    if device_type != "cuda":
+        return False
+    if offload != "auto":
+        return bool(offload)
+    held = nbytes if placement == "plain" else -(-nbytes // world_size)
+    return free_bytes is not None and held > free_bytes / 4
+
+
+def resolve_offload(rm_cfg, device: torch.device, placement: str, world_size: int) -> bool:
+    """`needs_offload` for ``rm_cfg`` on ``device`` (its weights' size read from its config only when ``auto`` on
+    an accelerator must weigh them)."""
+    if rm_cfg.offload != "auto" or device.type != "cuda":
+        return needs_offload(rm_cfg.offload, device.type, placement, 0, world_size, None)
+    nbytes = num_params(rm_cfg) * DTYPES[rm_cfg.precision].itemsize
+    return needs_offload("auto", device.type, placement, nbytes, world_size, free_device_bytes(device))
 
 
 def offload_plan(offload: bool, device_type: str, placement: str) -> str:
@@ -101,7 +130,8 @@ class RewardModelScorer:
     (the run's scorers are; a scorer used alone is not). ``index``: its number among the run's reward models."""
 
     def __init__(self, rm_cfg, device: torch.device, padding_side: str = "right", *, placement: str = "plain",
-                 policy=None, world_size: int = 1, deferred: bool = False, index: int = 0):
+                 policy=None, world_size: int = 1, deferred: bool = False, index: int = 0,
+                 offload: bool | None = None):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         from grpo.tasks.catalogue import resolve_model_name
@@ -114,7 +144,9 @@ class RewardModelScorer:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         config = AutoConfig.from_pretrained(path)
         config.num_labels = 1  # NeMo-RL sets it for a Bradley-Terry model: the head's single output
-        self.plan = offload_plan(rm_cfg.offload, device.type, placement)
+        if offload is None:  # a scorer used alone: auto by this rank's free memory now
+            offload = resolve_offload(rm_cfg, device, placement, world_size)
+        self.plan = offload_plan(offload, device.type, placement)
         ds_config = None
         if placement == "zero3":
             hidden = getattr(config.get_text_config(), "hidden_size", None)
@@ -227,9 +259,10 @@ class RewardModels:
     def __call__(self, rm_cfg) -> RewardModelScorer:
         key = id(rm_cfg)
         if key not in self._built:
-            self._built[key] = RewardModelScorer(rm_cfg, self.device, placement=self.placement(rm_cfg),
-                                                 policy=self.policy, world_size=self.world_size, deferred=True,
-                                                 index=len(self._built))
+            placement = self.placement(rm_cfg)
+            self._built[key] = RewardModelScorer(rm_cfg, self.device, placement=placement, policy=self.policy,
+                                                 world_size=self.world_size, deferred=True, index=len(self._built),
+                                                 offload=self.offload(rm_cfg, placement))
         return self._built[key]
 
     def placement(self, rm_cfg) -> str:
@@ -243,6 +276,16 @@ class RewardModels:
                                          free_device_bytes(self.device))
             placement = "zero3" if any_rank(placement == "zero3") else "plain"
         return "plain" if placement == "auto" else placement
+
+    def offload(self, rm_cfg, placement: str) -> bool:
+        """``env.reward_model.offload`` resolved on this rank (`needs_offload`; ``auto`` agreed over the ranks: all
+        offload when any must). A collective when ``auto`` on several ranks."""
+        mine = resolve_offload(rm_cfg, self.device, placement, self.world_size)
+        if rm_cfg.offload != "auto" or self.device.type != "cuda" or self.world_size == 1:
+            return mine
+        from grpo.system.dist import any_rank
+
+        return any_rank(mine)
 
     def describe(self) -> str:
         """One startup line: where each reward model runs.

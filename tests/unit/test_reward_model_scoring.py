@@ -134,6 +134,25 @@ def test_offload_on_the_cpu_never_touches_cuda(rm_cfg, monkeypatch):
     models.close()
 
 
+def test_offload_auto_follows_the_memory_a_rank_has_left_and_never_weighs_on_the_cpu(rm_cfg, monkeypatch):
+    import grpo.system.reward_model as rm_mod
+
+    # the rule: the weights this rank holds (whole copy, or its ZeRO-3 shard) against a quarter of its free memory
+    table = [(p, w, free) for p in ("plain", "zero3") for w in (1, 4) for free in (100, 400, None)]
+    got = [rm_mod.needs_offload("auto", "cuda", p, 200, w, free) for p, w, free in table]
+    assert got == [True, True, False, True, True, False, True, True, False, True, False, False]
+    assert not any(rm_mod.needs_offload(o, "cpu", "plain", 10 ** 12, 1, 1) for o in ("auto", True))
+    assert rm_mod.needs_offload(True, "cuda", "zero3", 0, 8, 10 ** 12) and not rm_mod.needs_offload(False, "cuda", "plain", 10 ** 12, 1, 1)
+    # on the CPU, auto resolves without loading the model's config to weigh it
+    monkeypatch.setattr(rm_mod, "num_params", lambda cfg: (_ for _ in ()).throw(AssertionError("weighed on the CPU")))
+    models = rm_mod.RewardModels(torch.device("cpu"))
+    assert rm_cfg.offload == "auto" and models.offload(rm_cfg, "plain") is False
+    # on an accelerator, auto weighs the model and asks its free memory (here: 4 bytes free -> offload)
+    monkeypatch.setattr(rm_mod, "num_params", lambda cfg: 1000)
+    monkeypatch.setattr(rm_mod, "free_device_bytes", lambda device: 4)
+    assert rm_mod.resolve_offload(rm_cfg, torch.device("cuda"), "plain", 1) is True
+
+
 def test_placement_auto_is_plain_on_one_rank_and_forced_values_stand(rm_cfg):
     from grpo.system.reward_model import RewardModels
 
