@@ -131,6 +131,7 @@ class Endpoint(Batching):
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Pending] = queue.Queue()
         self._open = threading.Event()
+        self._windows, self._window_lock = 0, threading.Lock()  # open generation windows (`serving`)
         self._generating = threading.Lock()
         self._inflight = 0
         self._closed_at: float | None = None  # when the last window closed
