@@ -121,7 +121,7 @@ class Batching:
         now, keep = time.monotonic(), []
         for item in batch:
             if now >= item.deadline:
-                item.future.set_exception(self.unavailable())
+                _answer(item.future, error=self.unavailable())
             else:
                 keep.append(item)
         return keep
@@ -142,10 +142,7 @@ class Batching:
             batch += self._drain()
             with self._generating:
                 if self._stop.is_set():
-                    for item in batch + self._drain():
-                        item.future.set_exception(RequestError(503, "the run is ending: its endpoint is shutting "
-                                                               "down", kind="server_error", code="shutting_down"))
-                    return
+                    break
                 if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
                     batch = self._expire(batch)
                     continue
@@ -154,6 +151,13 @@ class Batching:
                     if items:
                         self._generate(items, profile)
                 batch = []
+        self._shut(batch + self._drain())
+
+    def _shut(self, items: list[_Pending]) -> None:
+        """Answer ``items`` 503 ``shutting_down`` (the run is ending)."""
+        for item in items:
+            _answer(item.future, error=RequestError(503, "the run is ending: its endpoint is shutting down",
+                                                    kind="server_error", code="shutting_down"))
 
     def _generate(self, items: list[_Pending], profile: str) -> None:
         before, version = self.backend.gen_cfg, self.weight_version  # (an in-flight update may raise it meanwhile)
@@ -165,9 +169,21 @@ class Batching:
         except Exception as err:  # this batch's requests answer 500; the server goes on
             logger.warning("endpoint: generation failed: %s", err, exc_info=True)
             for i in items:
-                i.future.set_exception(err)
+                _answer(i.future, error=err)
             return
         finally:
             self.backend.gen_cfg = before
         for i, out in zip(items, outs):
-            i.future.set_result((out, version))
+            _answer(i.future, (out, version))
+
+
+def _answer(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Set ``future``'s result or error, unless its request is gone (cancelled): the batcher must outlive any
+    request."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
