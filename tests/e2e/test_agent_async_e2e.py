@@ -21,20 +21,26 @@ ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correc
 
 
 @pytest.mark.slow
-def test_an_async_agent_run_trains_on_the_recorded_tokens_within_the_bound(tmp_path):
+@pytest.mark.parametrize("lr", ["1.0e-3", "1.0e-12"])
+def test_an_async_agent_run_trains_on_the_recorded_tokens_within_the_bound(tmp_path, lr):
+    """With the demo's learning rate a step trains samples up to one step old, and those of age 0 (step 1 always)
+    score exactly as recorded; with lr 1e-12 (> 0 is required) every version holds the same float32 weights, so
+    every step must score the recorded tokens exactly, through the thread's weight loads, the endpoint's windows and
+    validation's."""
     # validation at step 2 plays its agent samples over the same endpoint while the thread generates step 3's
     run([sys.executable, "train_async_grpo.py", "--config", CONFIG, *paths(tmp_path, *SMALL, *ASYNC),
-         "grpo.max_num_steps=3", "grpo.val_period=2", "grpo.max_val_samples=4", "grpo.val_batch_size=4"],
-        timeout=1200)
+         "grpo.max_num_steps=3", "grpo.val_period=2", "grpo.max_val_samples=4", "grpo.val_batch_size=4",
+         f"policy.optimizer.lr={lr}"], timeout=1200)
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2, 3]
     for r in rows.values():
         assert r["train/env/agent/failed_samples"] == 0 and r["train/env/agent/noncontiguous_samples"] == 0
         assert 1 <= r["train/env/agent/calls_per_sample"] <= 3
         assert r["async/trajectory_age_max"] <= 1 and r["async/evicted_groups"] == 0
-        if r["async/trajectory_age_max"] == 0:  # trained by the weights that generated it: the very tokens recorded
+        if r["async/trajectory_age_max"] == 0 or lr == "1.0e-12":  # the weights that generated them: the tokens recorded
             assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, r["step"]
     assert rows[1]["async/trajectory_age_max"] == 0  # step 1 always trains the initial weights' samples
+    assert max(r["async/trajectory_age_max"] for r in rows.values()) == 1  # the thread ran a step ahead
     val = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
            if "validation/accuracy" in line]
     assert val and all(v["validation/failed_samples"] == 0 for v in val)
