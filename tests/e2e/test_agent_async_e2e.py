@@ -37,7 +37,7 @@ def test_an_async_agent_run_trains_on_the_recorded_tokens_within_the_bound(tmp_p
         assert r["train/env/agent/failed_samples"] == 0 and r["train/env/agent/noncontiguous_samples"] == 0
         assert 1 <= r["train/env/agent/calls_per_sample"] <= 3
         assert r["async/trajectory_age_max"] <= 1 and r["async/evicted_groups"] == 0
-        if r["async/trajectory_age_max"] == 0 or lr == "1.0e-12":  # the weights that generated them: the tokens recorded
+        if r["async/trajectory_age_max"] == 0 or lr == "1.0e-12":  # the weights that made them: the tokens recorded
             assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, r["step"]
     assert rows[1]["async/trajectory_age_max"] == 0  # step 1 always trains the initial weights' samples
     assert max(r["async/trajectory_age_max"] for r in rows.values()) == 1  # the thread ran a step ahead
