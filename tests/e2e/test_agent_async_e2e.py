@@ -1,6 +1,6 @@
 """End to end, train_async_grpo.py serving the endpoint (issue 32): the agent demo shrunk (an openai-package agent
 over the run's endpoint, the endpoint over the generation thread's weight copy) trains a few steps on the tokens the
-endpoint recorded, within the staleness bound; an outside client (the official ``openai`` package, a real process on
+endpoint recorded, within the staleness bound (NeMo-Gym's agent servers too); an outside client (the official ``openai`` package, a real process on
 loopback) is answered or refused with the bounded 503 all through an async run, never left hanging (slow)."""
 
 from __future__ import annotations
@@ -93,3 +93,15 @@ def test_outside_requests_during_an_async_run_are_answered_or_refused_never_left
         assert body["type"] == "server_error" and body["code"] in ("generation_paused", "shutting_down"), body
         if body["code"] == "generation_paused":  # bounded: the wait, plus a loaded machine's slack
             assert max_wait_s <= waited < max_wait_s + 10 and int(retry_after) >= 1
+
+
+@pytest.mark.slow
+def test_an_async_nemo_gym_run_trains_on_the_token_fields(tmp_path):
+    """NeMo-Gym's agent servers over the async loop's endpoint (NeMo-RL's async Gym recipes load for it)."""
+    run([sys.executable, "train_async_grpo.py", "--config", str(REPO / "configs" / "cpu_demo_gym.yaml"),
+         *paths(tmp_path, *ASYNC, *SMALL)], timeout=1200)
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2]
+    assert all(r["train/env/nemo_gym/failed_samples"] == 0 and r["async/trajectory_age_max"] <= 1
+               for r in rows.values())
+    assert abs(rows[1]["train/token_mult_prob_error"] - 1.0) < 1e-3  # age 0: the very tokens the servers returned
