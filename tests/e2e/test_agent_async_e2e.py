@@ -1,7 +1,8 @@
 """End to end, train_async_grpo.py serving the endpoint (issue 32): the agent demo shrunk (an openai-package agent
 over the run's endpoint, the endpoint over the generation thread's weight copy) trains a few steps on the tokens the
-endpoint recorded, within the staleness bound (NeMo-Gym's agent servers too); an outside client (the official ``openai`` package, a real process on
-loopback) is answered or refused with the bounded 503 all through an async run, never left hanging (slow)."""
+endpoint recorded, within the staleness bound, and so do NeMo-Gym's agent servers; an outside client (the official
+``openai`` package, a real process on loopback) is answered or refused with the bounded 503 all through an async
+run, never left hanging (slow)."""
 
 from __future__ import annotations
 
