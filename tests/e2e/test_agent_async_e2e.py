@@ -7,15 +7,13 @@ run, never left hanging (slow)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 
-import openai
 import pytest
 
 from tests.e2e.test_agent_e2e import CONFIG, SMALL
-from tests.helpers.e2e import REPO, TINY, child_env, paths, run, train_rows
+from tests.helpers.e2e import REPO, paths, run, train_rows
+from tests.helpers.outside_client import ask_while_it_runs, check_answered_or_refused
 
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
          "grpo.async_grpo.max_trajectory_age_steps=1"]
@@ -49,51 +47,10 @@ def test_an_async_agent_run_trains_on_the_recorded_tokens_within_the_bound(tmp_p
 
 @pytest.mark.slow
 def test_outside_requests_during_an_async_run_are_answered_or_refused_never_left_hanging(tmp_path):
-    max_wait_s = 0.5
-    template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    cmd = [sys.executable, "train_async_grpo.py", "--config", TINY, *ASYNC, *paths(
-        tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=2",
-        "policy.generation.vllm_cfg.expose_http_server=true",
-        f"policy.generation.vllm_cfg.http_server_serving_chat_kwargs.chat_template={template}",
-        f"policy.generation.http_server.max_wait_s={max_wait_s}")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    info_path, results = tmp_path / "logs" / "endpoint.json", []
-    try:
-        deadline = time.monotonic() + 600
-        while not info_path.exists() or not info_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.1)
-        time.sleep(0.2)
-        info = json.loads(info_path.read_text())
-        client = openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0, timeout=60)
-        while proc.poll() is None:
-            t0 = time.monotonic()
-            try:
-                r = client.chat.completions.create(model=info["model"], messages=[{"role": "user", "content": "1+2="}],
-                                                   temperature=1.0, top_p=1.0, max_tokens=3)
-                results.append(("answered", time.monotonic() - t0, r.model_extra["weight_version"]))
-            except openai.APIStatusError as err:
-                results.append((err.status_code, time.monotonic() - t0, err.response.headers.get("retry-after"),
-                                err.body))
-            except openai.APIConnectionError:  # the run has ended and its server with it
-                results.append(("gone", time.monotonic() - t0))
-        out = proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    assert proc.returncode == 0, out[-4000:]
-    answered = [r for r in results if r[0] == "answered"]
-    assert answered, results
-    assert not [r for r in results if r[0] not in ("answered", 503, "gone")], results
-    versions = [r[2] for r in answered]  # the generation thread's weights: never newer than the steps trained
-    assert versions == sorted(versions) and 0 <= versions[0] and versions[-1] <= 6, versions
-    for _, waited, retry_after, body in [r for r in results if r[0] == 503]:
-        assert body["type"] == "server_error" and body["code"] in ("generation_paused", "shutting_down"), body
-        if body["code"] == "generation_paused":  # bounded: the wait, plus a loaded machine's slack
-            assert max_wait_s <= waited < max_wait_s + 10 and int(retry_after) >= 1
+    results, out, status = ask_while_it_runs("train_async_grpo.py", tmp_path, *ASYNC, "grpo.max_num_steps=6",
+                                             "checkpointing.save_period=2", max_wait_s=0.5)
+    assert status == 0, out[-4000:]
+    check_answered_or_refused(results, max_wait_s=0.5, steps=6)
 
 
 @pytest.mark.slow
