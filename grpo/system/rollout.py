@@ -309,7 +309,7 @@ def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) ->
     tasks = agents.tasks(envs) if agents is not None else set()
     played = [i for i, t in enumerate(trajs) if t.task_name in tasks]
     rest = [i for i in range(len(trajs)) if i not in set(played)]
-    version = weights.load_newest() if weights is not None else None
+    version = weights.load_newest() if weights is not None and agents is not None else None  # the window's
     with agents.sharing(generator, version) if agents is not None else nullcontext(generator) as shared:
         timing = run_conversations([trajs[i] for i in rest], [seed_keys[i] for i in rest], shared, envs, chat,
                                    settings, weights)
