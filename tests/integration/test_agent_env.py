@@ -154,3 +154,21 @@ def test_an_agent_sample_whose_calls_span_weight_versions_is_aged_by_its_oldest_
     with pytest.raises(RuntimeError, match="older than max_age_steps=1"):
         buf.take(8, 1)
     assert buf.num_evicted == 1 and len(buf) == 0
+
+
+def test_the_synchronous_loop_labels_agent_samples_with_the_steps_trained(endpoint):
+    """train_grpo.py's generator holds the weights of the steps trained so far (refit after each): its rollouts, and
+    the endpoint's answers in them, record that version (not 0)."""
+    from types import SimpleNamespace
+
+    from grpo.run import run_rollout
+
+    cfg = _cfg({"fn": f"{FNS}:calc_agent"})
+    envs = build_environments(cfg.env)
+    ids = endpoint.tokenizer("37*58=")["input_ids"]
+    rows = [PromptRow(0, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)]
+    run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(current_step=4), chat=None, turn_stop=None, rank=0,
+                          world_size=1, agents=AgentPlayer(endpoint), reward_models=None)
+    r = run_rollout(run, endpoint.backend, envs, rows, 5, 0)
+    assert [t.generation_version for t in r.trajectories] == [4] * cfg.grpo.num_generations_per_prompt
+    assert endpoint.weight_version == 4
