@@ -6,13 +6,12 @@ run, never left hanging (slow)."""
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 
 from tests.e2e.test_agent_e2e import CONFIG, SMALL
-from tests.helpers.e2e import REPO, paths, run, train_rows
+from tests.helpers.e2e import REPO, metrics, paths, run, train_rows
 from tests.helpers.outside_client import ask_while_it_runs, check_answered_or_refused
 
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
@@ -40,8 +39,7 @@ def test_an_async_agent_run_trains_on_the_recorded_tokens_within_the_bound(tmp_p
             assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, r["step"]
     assert rows[1]["async/trajectory_age_max"] == 0  # step 1 always trains the initial weights' samples
     assert max(r["async/trajectory_age_max"] for r in rows.values()) == 1  # the thread ran a step ahead
-    val = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
-           if "validation/accuracy" in line]
+    val = [r for r in metrics(tmp_path) if "validation/accuracy" in r]
     assert val and all(v["validation/failed_samples"] == 0 for v in val)
 
 
@@ -73,7 +71,8 @@ def test_an_async_agent_run_on_a_generation_rank_with_in_flight_updates(tmp_path
     from tests.e2e.test_noncolocated_e2e import torchrun
 
     torchrun("train_async_grpo.py", CONFIG, tmp_path, *SMALL, *ASYNC, "grpo.max_num_steps=3",
-             "grpo.async_grpo.in_flight_weight_updates=true", timeout=1200)
+             "grpo.async_grpo.in_flight_weight_updates=true", "grpo.val_period=2", "grpo.max_val_samples=4",
+             "grpo.val_batch_size=4", timeout=1200)  # validation's agents reach the generation rank too
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2, 3]
     for r in rows.values():
@@ -81,3 +80,5 @@ def test_an_async_agent_run_on_a_generation_rank_with_in_flight_updates(tmp_path
         assert r["async/trajectory_age_max"] <= 1 and r["async/evicted_groups"] == 0
         if r["async/trajectory_age_max"] == 0:
             assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, r["step"]
+    val = [r for r in metrics(tmp_path) if "validation/accuracy" in r]
+    assert val and all(v["validation/failed_samples"] == 0 for v in val)
