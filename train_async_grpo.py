@@ -21,6 +21,10 @@ generation for step t + 1 overlaps training step t. On a CPU the two threads sha
 leaves the cores idle (slow rewards, GPUs), not for tiny CPU models. Generation runs on the hf backend, or, with
 policy.generation.colocated.enabled=false, on generation ranks of its own (vLLM or hf), which the thread drives
 over the bridge and to which it pushes the newest staged weights (grpo.system.generation.remote).
+
+Agents (env.name=agent) and policy.generation.vllm_cfg.expose_http_server: the OpenAI-compatible endpoint serves the
+thread's backend; its weights change only between its batches, every answer records the version that made it, and
+an agent sample is aged by its OLDEST call's version, so the staleness bound holds for it too.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def main(argv=None) -> int | None:
     from grpo.metrics import rollout_counts
     from grpo.producer import RolloutProducer, weight_copy
     from grpo.system.rollout import RolloutError
+    from grpo.serving import start_async_endpoint
     from grpo.rollout_metrics import step_summary
     from grpo.system.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
     from grpo.step import (
@@ -77,6 +82,7 @@ def main(argv=None) -> int | None:
     # The generation ranks' engines (colocated.enabled=false; the producer pushes the staged weights to them, and
     # only it uses the bridge), else a transformers copy of the weights in the thread.
     generator = run.generator if run.generator is not None else weight_copy(run, stage)
+    start_async_endpoint(run, generator)  # env.name=agent / expose_http_server: the endpoint over the thread's backend
     producer = RolloutProducer(run, stage, buffer, generator, run.envs,
                                PromptStream(run.loader, g.max_num_epochs, gen_mark["epoch"], gen_mark["loader"]),
                                first_target, group, a.generation_threads or max(1, trainer_threads // 2))

@@ -1647,13 +1647,6 @@ class MasterConfig(_Section):
                 f"env.name={self.env.name!r} needs data.dataset_name='{self.env.name}:<task>' "
                 f"(got {self.data.dataset_name!r})"
             )
-        if g.async_grpo.enabled and (self.env.name == "agent" or p.generation.vllm_cfg.expose_http_server):
-            raise ValueError(  # refused before any model loads; the sync loop serves it (grpo.run.start_endpoint)
-                f"env.name={self.env.name!r} / policy.generation.vllm_cfg.expose_http_server="
-                f"{p.generation.vllm_cfg.expose_http_server} with grpo.async_grpo.enabled=true: the async loop does not "
-                "serve the endpoint yet (its generation thread loads new weights between chunks, and the endpoint's "
-                "generation windows and per-answer weight versions are not wired to that or to "
-                "max_trajectory_age_steps); run it with train_grpo.py")
         colocated = p.generation.colocated
         if g.async_grpo.enabled and p.generation.backend == "vllm" and colocated.enabled:
             raise ValueError(  # NeMo-RL's async_grpo_train asserts non-colocated vLLM inference the same way

@@ -111,11 +111,14 @@ class RolloutProducer:
     def load_newest(self) -> int:
         """A safe point: load the newest published weights into the copy, or into the generation ranks
         (``policy.generation.colocated.enabled=false``: `RemoteGeneration.load_staged`, a collective of the
-        trainers); returns the version it holds."""
-        if self.generator.loads_staged_weights:
-            self.version = self.generator.load_staged(self.stage)
-        else:
-            self.version = self.stage.load_into(self.generator.model, self.version)
+        trainers); returns the version it holds. With the endpoint served over this backend (``run.agents``), the
+        load waits for its batch in flight and its later answers record the new version."""
+        def load() -> int:
+            if self.generator.loads_staged_weights:
+                return self.generator.load_staged(self.stage)
+            return self.stage.load_into(self.generator.model, self.version)
+
+        self.version = self.run.agents.load_weights(load) if self.run.agents is not None else load()
         return self.version
 
     def _score_in_trainer(self, target: int) -> Callable[[list], float]:
@@ -123,8 +126,11 @@ class RolloutProducer:
         return lambda trajectories: self.desk.run(target, self.run.reward_models.score_pending, trajectories)
 
     def _load_mid_request(self) -> int:
-        """The generation ranks' safe point between two rounds of unfinished requests (in-flight updates)."""
+        """The generation ranks' safe point between two rounds of unfinished requests (in-flight updates; inside a
+        `generate` call, the endpoint's batch or the rollout's own)."""
         self.version = self.generator.load_staged(self.stage, mid_request=True)
+        if self.run.agents is not None:  # the batch in flight keeps the version it started with (the oldest)
+            self.run.agents.endpoint.weight_version = self.version
         return self.version
 
     # ---------------------------------------------------------------- the thread
@@ -148,7 +154,7 @@ class RolloutProducer:
     def _loop(self) -> None:
         from grpo.run import run_rollout
         from grpo.system.dist import all_gather_objects
-        from grpo.system.rollout import RolloutError
+        from grpo.system.rollout import FixedWeights, RolloutError
 
         a = self.run.cfg.grpo.async_grpo
         while self.target <= self.run.total_steps:
@@ -169,7 +175,7 @@ class RolloutProducer:
             t0, wall0 = time.perf_counter(), time.time()
             try:
                 r = run_rollout(self.run, self.generator, self.envs, rows, self.target, 0, group=self.group,
-                                weights=self if a.in_flight_weight_updates else _Fixed(self.version),
+                                weights=self if a.in_flight_weight_updates else FixedWeights(self.version),
                                 score_pending=self._score_in_trainer(self.target) if self.desk else None)
             except RolloutError as err:
                 self.busy_s += time.perf_counter() - t0
@@ -255,17 +261,6 @@ class TrainerDesk:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-
-class _Fixed:
-    """The weight source of a rollout without in-flight updates: every chunk uses the version loaded
-    before the batch."""
-
-    def __init__(self, version: int):
-        self.version = version
-
-    def load_newest(self) -> int:
-        return self.version
 
 
 def weight_copy(run, stage: WeightStage):

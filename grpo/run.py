@@ -160,10 +160,15 @@ def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, 
                 score_pending=None):
     """`grpo.system.rollout.generate_rollout` of a prompt batch with the run's settings and turn-level stopping rule
     (a collective). ``score_pending``: the reward models' scoring point (default: the run's reward models, in this
-    thread; the async producer passes its hand-over to the trainer thread)."""
-    from grpo.system.rollout import generate_rollout
+    thread; the async producer passes its hand-over to the trainer thread). ``weights``: the async loop's weight
+    source; None in the synchronous loop, whose generator holds the weights of the steps trained so far (refit after
+    each): that is the version its samples and the endpoint's answers record. (None in the async loop: its
+    validation copy, which the endpoint does not version.)"""
+    from grpo.system.rollout import FixedWeights, generate_rollout
 
     cfg = run.cfg
+    if weights is None and not cfg.grpo.async_grpo.enabled:
+        weights = FixedWeights(run.state.current_step)
     return generate_rollout(prompts, num_generations or cfg.grpo.num_generations_per_prompt, generator, envs,
                             run.chat, turn_settings(cfg, stop=run.turn_stop), base_seed=cfg.grpo.seed, step=step,
                             gen_batch=gen_batch, stream=stream, rank=run.rank, world_size=run.world_size,

@@ -78,15 +78,19 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
     """The OpenAI-compatible endpoint over ``generator`` (`grpo.system.generation.endpoint`), when
     ``policy.generation.vllm_cfg.expose_http_server`` is set or an environment is an agent (env.name=agent); its
     base URL, key and model name go to ``<log_dir>/endpoint.json`` (``endpoint_rank<r>.json`` on other ranks;
-    owner-only) for agents outside the run. Returns the `grpo.system.agent_rollout.AgentPlayer`, or None."""
+    owner-only) for agents outside the run. Returns the `grpo.system.agent_rollout.AgentPlayer`, or None.
+    ``asynchronous`` without a ``generator`` (the async loop's own weight copy, built once its weights are staged):
+    None; the loop serves it with `start_async_endpoint`."""
     from grpo.system.agent_rollout import AgentPlayer, agent_tasks
 
     agent = sorted({t for envs in envs_list for t in agent_tasks(envs)})
     if not cfg.policy.generation.vllm_cfg.expose_http_server and not agent:
         return None
-    if asynchronous or generator is None:
-        raise RunError("the endpoint (policy.generation.vllm_cfg.expose_http_server, env.name=agent) is served by "
-                       "train_grpo.py only; train_async_grpo.py does not serve it yet")
+    if generator is None:
+        if asynchronous:
+            return None
+        raise RunError("the endpoint (policy.generation.vllm_cfg.expose_http_server, env.name=agent) needs the run's "
+                       "generation backend")
     from grpo.system.generation.endpoint import Endpoint
 
     endpoint = Endpoint(cfg, generator, tokenizer)
@@ -106,3 +110,13 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
     except GymServerError as err:
         raise RunError(str(err)) from None
     return AgentPlayer(endpoint)
+
+
+def start_async_endpoint(run, generator) -> None:
+    """The async loop's endpoint (``run.agents``) over its generation thread's backend ``generator`` (the thread's
+    weight copy), when the run serves one and setup has not (over the generation ranks' backend, which the thread
+    drives too). Weights change through the endpoint (`grpo.producer.RolloutProducer.load_newest`); the trainer's
+    validation plays its agent samples over it as well, on the thread's weights."""
+    if run.agents is None and run.generator is None:
+        run.agents = start_endpoint(run.cfg, generator, run.tokenizer, [run.envs, run.val_envs], run.closables,
+                                    run.logger, run.rank, asynchronous=True)

@@ -51,6 +51,18 @@ def trajectory_messages(records, decode) -> tuple[list, bool]:
     return messages, True
 
 
+def oldest_version(records) -> int:
+    """A sample's generation version: the OLDEST weight version among its calls (``CallRecord.weight_version``), so
+    the async loop's staleness bound (``grpo.async_grpo.max_trajectory_age_steps``, age = step - 1 - version) holds
+    for every token it trains, as a multi-turn sample of its own is aged by its oldest turn.
+
+        >>> from grpo.system.generation.endpoint import CallRecord
+        >>> oldest_version([CallRecord([1], [2], [-.1], "stop", v) for v in (4, 3, 5)])
+        3
+    """
+    return min(r.weight_version for r in records)
+
+
 def fill_trajectory(t, records, outcome, decode) -> None:
     """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its agent's ``outcome`` and its recorded calls."""
     failure = outcome.failure
@@ -63,7 +75,7 @@ def fill_trajectory(t, records, outcome, decode) -> None:
     if records:
         t.finish_reason = records[-1].finish_reason
         t.truncated = any(r.finish_reason == "length" for r in records)
-        t.generation_version = min(r.weight_version for r in records)
+        t.generation_version = oldest_version(records)
     t.done = t.terminated = True
     if failure is not None:
         t.error, t.error_detail, t.failure_kind = failure.reason, failure.detail, failure.kind
@@ -92,14 +104,22 @@ class AgentPlayer:
         return agent_tasks(envs)
 
     @contextmanager
-    def sharing(self, generator):
+    def sharing(self, generator, weight_version: int | None = None):
         """A generation window for the rollout's own samples: the endpoint is open for outside requests (served
-        between the rollout's batches, `Endpoint.shared`), so they are answered while the run generates."""
-        with self.endpoint.serving():
+        between the rollout's batches, `Endpoint.shared`), so they are answered while the run generates.
+        ``weight_version``: the version of the weights the endpoint serves (None: the one it has)."""
+        with self.endpoint.serving(weight_version):
             yield self.endpoint.shared(generator)
 
-    def play(self, trajs: list, seed_keys: list[tuple], envs, weight_version: int = 0) -> float:
-        """Play the agent samples ``trajs`` (in place); returns the seconds taken."""
+    def load_weights(self, load) -> int:
+        """The async loop's weight change of the served backend (`Endpoint.load_weights`): ``load()`` runs while no
+        batch generates; returns the version it loaded."""
+        return self.endpoint.load_weights(load)
+
+    def play(self, trajs: list, seed_keys: list[tuple], envs, weight_version: int | None = None) -> float:
+        """Play the agent samples ``trajs`` (in place); returns the seconds taken. ``weight_version``: the version of
+        the weights the endpoint serves (None: the one it has); each sample is aged by its oldest call's
+        (`oldest_version`)."""
         endpoint = self.endpoint
         t0 = time.perf_counter()
         by_task: dict[str, list[int]] = {}
@@ -110,7 +130,7 @@ class AgentPlayer:
             env = envs.envs[task]
             if isinstance(env, NemoGymEnvironment):
                 play_gym(env, [trajs[i] for i in idx], [seed_keys[i] for i in idx], endpoint, envs.retry,
-                         weight_version)
+                         endpoint.weight_version if weight_version is None else weight_version)
                 continue
             keys = [endpoint.open_session(":".join(str(p) for p in seed_keys[i])) for i in idx]
             rows = [agent_row(trajs[i].question, trajs[i].answer, trajs[i].metadata.get("meta", {}), task,

@@ -289,17 +289,32 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
 OPTIONAL_TIMING = ("agent_s", "reward_model_s")
 
 
+class FixedWeights:
+    """A weight source whose version never changes during the rollout (``weights`` of `generate_rollout`): the
+    synchronous loop's (the weights of ``version`` = steps trained), and the async loop's without in-flight
+    updates."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def load_newest(self) -> int:
+        return self.version
+
+
 def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) -> dict[str, float]:
     """`run_conversations` for the samples of environments stepped here, ``agents.play`` for the agents' ones. With
-    the endpoint served (``agents``), outside requests generate between the rollout's own batches."""
+    the endpoint served (``agents``), outside requests generate between the rollout's own batches. ``weights``
+    None: a rollout on a backend whose weights the endpoint does not version (the async loop's validation copy):
+    the endpoint keeps the version it has."""
     tasks = agents.tasks(envs) if agents is not None else set()
     played = [i for i, t in enumerate(trajs) if t.task_name in tasks]
     rest = [i for i in range(len(trajs)) if i not in set(played)]
-    with agents.sharing(generator) if agents is not None else nullcontext(generator) as shared:
+    version = weights.load_newest() if weights is not None and agents is not None else None  # the window's
+    with agents.sharing(generator, version) if agents is not None else nullcontext(generator) as shared:
         timing = run_conversations([trajs[i] for i in rest], [seed_keys[i] for i in rest], shared, envs, chat,
                                    settings, weights)
     if played:
-        version = weights.load_newest() if weights is not None else 0
+        version = weights.load_newest() if weights is not None else None
         timing["agent_s"] = agents.play([trajs[i] for i in played], [seed_keys[i] for i in played], envs, version)
     return timing
 

@@ -115,3 +115,60 @@ def test_generate_rollout_hands_agent_samples_to_the_agents(endpoint):
                          gen_batch=0, stream="train", rank=0, world_size=1, agents=AgentPlayer(endpoint))
     assert [t.reward for t in r.trajectories] == [1.0] * 4 and r.timing["agent_s"] > 0
     assert r.metrics["env/agent/calls_per_sample"] == 2.0
+
+
+def test_an_agent_sample_whose_calls_span_weight_versions_is_aged_by_its_oldest_call():
+    """The async loop's staleness bound for agent samples: weights that change between a sample's calls (an in-flight
+    update on generation ranks lands during its first call) leave it the version of its OLDEST call, as its group
+    in the replay deque; trained at a step where that call is over ``max_trajectory_age_steps`` old, the group is
+    never trained (as any group of the async loop's own), though its newest call alone would pass."""
+    from grpo.system.replay import ReplayBuffer, groups_from_trajectories
+
+    class UpdatedMidCall(ScriptedBackend):  # its first generate ends on newer weights
+        def generate(self, prompt_ids, seeds, **kw):
+            outs = super().generate(prompt_ids, seeds, **kw)
+            if len(self.calls) == 1:
+                ep.weight_version += 1  # what RolloutProducer._load_mid_request does inside a generate call
+            return outs
+
+    tok = build_char_tokenizer(AGENT_CHAT_TEMPLATE)
+    cfg = _cfg({"fn": f"{FNS}:calc_agent"})
+    ep = Endpoint(cfg, UpdatedMidCall(tok, cfg.policy.generation, _model_writes), tok)
+    ep.start()
+    try:
+        ids = tok("37*58=")["input_ids"]
+        row = PromptRow(0, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)
+        version_first = new_trajectories([row], 1)  # played over weights of version 5 (the thread's load)
+        AgentPlayer(ep).play(version_first, [(1, 0, 0, "train")], build_environments(cfg.env), weight_version=5)
+    finally:
+        ep.close()
+    t = version_first[0]
+    assert t.turns == 2 and t.error is None and ep.weight_version == 6  # its calls: versions 5, then 6
+    assert t.generation_version == 5
+    group = groups_from_trajectories([t])[0]
+    assert group.version == 5
+    buf = ReplayBuffer(max_age_steps=1)
+    buf.put([group], [group.version], target_version=7)  # trained at step 7: age (7 - 1) - 5 = 1, within the bound
+    assert buf.take(7, 1)[0][0].generation_version == 5
+    buf.put([group], [group.version], target_version=8)  # at step 8 its first call is 2 steps old (its second, 1)
+    with pytest.raises(RuntimeError, match="older than max_age_steps=1"):
+        buf.take(8, 1)
+    assert buf.num_evicted == 1 and len(buf) == 0
+
+
+def test_the_synchronous_loop_labels_agent_samples_with_the_steps_trained(endpoint):
+    """train_grpo.py's generator holds the weights of the steps trained so far (refit after each): its rollouts, and
+    the endpoint's answers in them, record that version (not 0)."""
+    from types import SimpleNamespace
+
+    from grpo.run import run_rollout
+
+    cfg = _cfg({"fn": f"{FNS}:calc_agent"})
+    envs = build_environments(cfg.env)
+    ids = endpoint.tokenizer("37*58=")["input_ids"]
+    rows = [PromptRow(0, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)]
+    run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(current_step=4), chat=None, turn_stop=None, rank=0,
+                          world_size=1, agents=AgentPlayer(endpoint), reward_models=None)
+    r = run_rollout(run, endpoint.backend, envs, rows, 5, 0)
+    assert [t.generation_version for t in r.trajectories] == [4] * cfg.grpo.num_generations_per_prompt
+    assert endpoint.weight_version == 4

@@ -75,9 +75,6 @@ def test_every_shipped_recipe_loads(path):
     (["grpo.adv_estimator.name=ppo"], "grpo.adv_estimator.name", "['gdpo', 'grpo', 'reinforce_plus_plus'"),
     (["grpo.advantage_clip_low=2", "grpo.advantage_clip_high=1"], "grpo.advantage_clip_low", "expected <"),
     (["grpo.async_grpo.enabled=true"], "grpo.async_grpo.enabled", "use_importance_sampling_correction=true"),
-    (["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
-      "policy.generation.vllm_cfg.expose_http_server=true"], "policy.generation.vllm_cfg.expose_http_server=True",
-     "async loop does not serve the endpoint yet"),
     (["reward_penalties.penalize_unwanted_tokens=true"], "reward_penalties.token_ids.unwanted", "list of token ids"),
     (["loss_fn.truncated_importance_sampling_type=icepop", "loss_fn.use_importance_sampling_correction=true",
       "loss_fn.truncated_importance_sampling_ratio=2"], "truncated_importance_sampling_ratio_min", "expected a number"),
@@ -96,6 +93,13 @@ def test_every_shipped_recipe_loads(path):
 def test_bad_values_name_the_key_and_what_was_expected(overrides, key, expected):
     msg = bad(*overrides)
     assert key in msg and expected in msg, msg
+
+
+def test_the_async_loop_takes_agents_and_the_endpoint():
+    """train_async_grpo.py serves the endpoint (issue 32): an agent recipe and expose_http_server load with it."""
+    on = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
+    assert load_config(REPO / "configs" / "cpu_demo_agent.yaml", on).env.name == "agent"
+    assert load_config(None, [*on, "policy.generation.vllm_cfg.expose_http_server=true"]).grpo.async_grpo.enabled
 
 
 @pytest.mark.parametrize("nodes, gpus, world, local, expected", [

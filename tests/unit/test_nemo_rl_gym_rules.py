@@ -116,19 +116,17 @@ CHECKOUT = Path(os.environ["NEMO_RL_CHECKOUT"]) if os.environ.get("NEMO_RL_CHECK
 # NeMo-RL's Gym GRPO recipes that load (7ea279a); the others name what grpo-ds cannot do for another reason.
 LOADING = ["examples/configs/recipes/llm/gdpo-qwen2.5-1.5b-1n8g-gym-multireward.yaml",
            "examples/nemo_gym/grpo_qwen3_30ba3b_instruct.yaml"]
-# Asynchronous Gym recipes: refused at load, naming the reason (grpo-ds's async loop does not serve the endpoint).
+# Asynchronous Gym recipes: they load for train_async_grpo.py, which serves the endpoint too.
 ASYNC = ["examples/nemo_gym/grpo_qwen3_30ba3b_thinking_swe1.yaml", "examples/nemo_gym/grpo_qwen3_30ba3b_thinking_swe2.yaml",
          "examples/swe_bench/grpo_qwen3_30b_async_swe_trtllm.yaml"]
 
 
 @pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT")
 @pytest.mark.parametrize("rel", ASYNC)
-def test_asynchronous_gym_recipes_are_refused_with_the_reason(rel, monkeypatch):
-    from grpo.config_load import ConfigError
-
+def test_asynchronous_gym_recipes_load_for_the_async_loop(rel, monkeypatch):
     monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
-    with pytest.raises(ConfigError, match=r"grpo.async_grpo.enabled=true: the async loop does not serve the endpoint"):
-        load_recipe(CHECKOUT / rel)
+    cfg, _ = load_recipe(CHECKOUT / rel)
+    assert cfg.grpo.async_grpo.enabled and cfg.env.should_use_nemo_gym
 
 
 @pytest.mark.skipif(CHECKOUT is None or not HAS_GYM_CONFIG,

@@ -131,6 +131,7 @@ class Endpoint(Batching):
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Pending] = queue.Queue()
         self._open = threading.Event()
+        self._windows, self._window_lock = 0, threading.Lock()  # open generation windows (`serving`)
         self._generating = threading.Lock()
         self._inflight = 0
         self._closed_at: float | None = None  # when the last window closed
@@ -165,13 +166,15 @@ class Endpoint(Batching):
         return self.base_url
 
     def close(self) -> None:
+        """Stop: the batch in flight is answered, every later request gets 503 ``shutting_down``; then the server
+        stops (after the batcher, so no handler is cancelled into a bare 500)."""
         self._stop.set()
         self._open.set()  # let the batcher see the stop
+        if self._batcher is not None:
+            self._batcher.join(timeout=60)
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(timeout=10)
-        if self._batcher is not None:
-            self._batcher.join(timeout=10)
 
     def sampling(self, profile: str) -> dict[str, float]:
         """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
@@ -258,6 +261,8 @@ class Endpoint(Batching):
             self._queue.put(_Pending(prompt, s, max_new, stops, profile, fut,
                                      time.monotonic() + self.settings.max_wait_s))
             futures.append(fut)
+        if self._stop.is_set():  # the batcher may have ended before these were queued: nothing else answers them
+            self._shut(self._drain())
         results = [await asyncio.wrap_future(f) for f in futures]
         choices = []
         for i, (out, version) in enumerate(results):

@@ -3,9 +3,15 @@
 
 Handlers put their prompts on a queue (`_Pending`); one batcher thread takes everything waiting within
 ``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call. It generates
-only while the endpoint is open (`Batching.serving`: the rollout opens it; weights change while it is closed); a
-request no window takes within ``http_server.max_wait_s`` is answered 503 (`Batching.unavailable`). While the
-rollout's own samples generate, `Batching.shared` makes them and the batches take turns on the backend.
+only while the endpoint is open (`Batching.serving`: a rollout opens it; the synchronous loop changes the weights while
+it is closed); a request no window takes within ``http_server.max_wait_s`` is answered 503 (`Batching.unavailable`).
+While the rollout's own samples generate, `Batching.shared` makes them and the batches take turns on the backend.
+
+Weight versions: a batch records the version the backend held when it started (``weight_version``); the async loop's
+generation thread changes the weights through `Batching.load_weights`, which waits for the batch in flight, so no
+batch generates while weights change and an answer is never labelled newer than the oldest weights that made it.
+Windows nest and overlap (the generation thread's rollout and the trainer's validation in the async loop): the
+endpoint is open while any window is.
 """
 
 from __future__ import annotations
@@ -51,24 +57,41 @@ class _Shared:
 
 class Batching:
     """The windows and the batcher of `grpo.system.generation.endpoint.Endpoint` (its state: ``_queue``, ``_open``,
-    ``_generating``, ``_closed_at``, ``_last_pause_s``, ``_stop``, ``backend``, ``gen_cfg``, ``settings``,
-    ``weight_version``)."""
+    ``_windows`` and ``_window_lock``, ``_generating``, ``_closed_at``, ``_last_pause_s``, ``_stop``, ``backend``,
+    ``gen_cfg``, ``settings``, ``weight_version``)."""
 
     @contextmanager
     def serving(self, weight_version: int | None = None):
-        """Generation open for the block (a rollout); closed again after, once the batch in flight is done, so
-        the weights can change. ``weight_version``: the version its answers record."""
-        if weight_version is not None:
-            self.weight_version = int(weight_version)
-        if self._closed_at is not None:
-            self._last_pause_s = time.monotonic() - self._closed_at
-        self._open.set()
+        """Generation open for the block (a rollout); closed again after the last open window ends, once the batch
+        in flight is done, so the weights can change. ``weight_version``: the version the backend holds (its answers
+        record it); None: unchanged (a window over weights someone else versions, `load_weights`)."""
+        with self._window_lock:
+            if weight_version is not None:
+                with self._generating:  # never relabel a batch in flight
+                    self.weight_version = int(weight_version)
+            if self._windows == 0 and self._closed_at is not None:
+                self._last_pause_s = time.monotonic() - self._closed_at
+            self._windows += 1
+            self._open.set()
         try:
             yield self
         finally:
-            self._open.clear()
-            with self._generating:  # the batch in flight finishes on these weights
-                self._closed_at = time.monotonic()
+            with self._window_lock:
+                self._windows -= 1
+                last = self._windows == 0
+                if last:
+                    self._open.clear()
+            if last:
+                with self._generating:  # the batch in flight finishes on these weights
+                    self._closed_at = time.monotonic()
+
+    def load_weights(self, load) -> int:
+        """Change the served backend's weights: ``load()`` runs while no batch generates (it waits for the one in
+        flight) and returns the version it loaded, which later answers record. The async loop's generation thread
+        loads through this (`grpo.producer.RolloutProducer.load_newest`), inside a window or not."""
+        with self._generating:
+            self.weight_version = int(load())
+            return self.weight_version
 
     def shared(self, backend):
         """``backend`` (the one the endpoint serves) for the rollout's own generation while the endpoint is open:
@@ -98,7 +121,7 @@ class Batching:
         now, keep = time.monotonic(), []
         for item in batch:
             if now >= item.deadline:
-                item.future.set_exception(self.unavailable())
+                _answer(item.future, error=self.unavailable())
             else:
                 keep.append(item)
         return keep
@@ -119,10 +142,7 @@ class Batching:
             batch += self._drain()
             with self._generating:
                 if self._stop.is_set():
-                    for item in batch + self._drain():
-                        item.future.set_exception(RequestError(503, "the run is ending: its endpoint is shutting "
-                                                               "down", kind="server_error", code="shutting_down"))
-                    return
+                    break
                 if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
                     batch = self._expire(batch)
                     continue
@@ -131,21 +151,39 @@ class Batching:
                     if items:
                         self._generate(items, profile)
                 batch = []
+        self._shut(batch + self._drain())
+
+    def _shut(self, items: list[_Pending]) -> None:
+        """Answer ``items`` 503 ``shutting_down`` (the run is ending)."""
+        for item in items:
+            _answer(item.future, error=RequestError(503, "the run is ending: its endpoint is shutting down",
+                                                    kind="server_error", code="shutting_down"))
 
     def _generate(self, items: list[_Pending], profile: str) -> None:
-        before = self.backend.gen_cfg
-        try:
-            if profile == "val":
-                self.backend.gen_cfg = self.gen_cfg.for_validation()
+        before, version = self.backend.gen_cfg, self.weight_version  # (an in-flight update may raise it meanwhile)
+        try:  # the request's own profile, whatever the backend is set to now (validation sets it to val's)
+            self.backend.gen_cfg = self.gen_cfg.for_validation() if profile == "val" else self.gen_cfg
             outs = self.backend.generate([i.prompt_ids for i in items], [i.seed for i in items],
                                          max_new_tokens=[i.max_new_tokens for i in items],
                                          stop_strings=[i.stops or None for i in items])
         except Exception as err:  # this batch's requests answer 500; the server goes on
             logger.warning("endpoint: generation failed: %s", err, exc_info=True)
             for i in items:
-                i.future.set_exception(err)
+                _answer(i.future, error=err)
             return
         finally:
             self.backend.gen_cfg = before
         for i, out in zip(items, outs):
-            i.future.set_result((out, self.weight_version))
+            _answer(i.future, (out, version))
+
+
+def _answer(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Set ``future``'s result or error, unless its request is gone (cancelled): the batcher must outlive any
+    request."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
