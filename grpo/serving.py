@@ -32,11 +32,10 @@ def start_split(cfg):
 
 def serves_endpoint(cfg) -> bool:
     """Whether the run serves the endpoint (`start_endpoint`): ``expose_http_server``, or an environment played
-    over it (env.name=agent in env / env.tasks / env.val_tasks, or NeMo-Gym's servers)."""
+    over it (env.name agent or nemo_gym, in env / env.tasks / env.val_tasks)."""
     env = cfg.env
     specs = [env, *(env.tasks or {}).values(), *(env.val_tasks or {}).values()]
-    return (cfg.policy.generation.vllm_cfg.expose_http_server or env.should_use_nemo_gym
-            or any(getattr(s, "name", None) == "agent" for s in specs))
+    return cfg.policy.generation.vllm_cfg.expose_http_server or any(s.name in ("agent", "nemo_gym") for s in specs)
 
 
 def endpoint_split_problem(cfg, trainers: int) -> str | None:
