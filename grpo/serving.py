@@ -111,7 +111,10 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
                        "train_grpo.py only; train_async_grpo.py does not serve it yet")
     from grpo.system.generation.endpoint import Endpoint
 
-    endpoint = Endpoint(cfg, generator, tokenizer)
+    try:
+        endpoint = Endpoint(cfg, generator, tokenizer)
+    except ValueError as err:  # vLLM's parsers refuse the tokenizer (grpo.system.generation.vllm_chat_parsers)
+        raise RunError(str(err)) from None
     url = endpoint.start()
     closables.insert(0, endpoint)  # closed first: no request reaches a closed backend
     path = os.path.join(cfg.logger.log_dir, "endpoint.json" if rank == 0 else f"endpoint_rank{rank}.json")
