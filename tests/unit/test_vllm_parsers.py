@@ -39,7 +39,8 @@ CORPUS = {
     "think, no content": "<think>hm</think>", "think twice closed": "<think>a</think>b</think>c",
     "think opened mid": "a<think>b</think>c", "think opened twice": "<think>a<think>b</think>c",
     "only close": "</think>", "only open": "<think>", "think then call": "<think>hm</think>" + GOOD,
-    "think then text and call": "<think>hm</think>ok " + GOOD + " c</think>d", "call inside think": "<think>a" + GOOD + "</think>b",
+    "think then text and call": "<think>hm</think>ok " + GOOD + " c</think>d",
+    "call inside think": "<think>a" + GOOD + "</think>b",
     "call then think": "x" + GOOD + "<think>y</think>z", "think, two calls": "<think>hm</think>" + GOOD + OTHER,
 }
 PAIRS = [("hermes", None), (None, "qwen3"), (None, "deepseek_r1"), ("hermes", "qwen3"), ("hermes", "deepseek_r1")]

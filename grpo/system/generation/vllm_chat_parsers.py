@@ -18,7 +18,8 @@ from typing import Any, Optional
 from grpo.config import vllm_parser_names
 
 
-def vllm_chat_parser(tokenizer, tool_parser: Optional[str], reasoning_parser: Optional[str]) -> Optional["VllmChatParser"]:
+def vllm_chat_parser(tokenizer, tool_parser: Optional[str],
+                     reasoning_parser: Optional[str]) -> Optional["VllmChatParser"]:
     """vLLM's parser of the names it registers (the others, e.g. ``compact``, stay grpo-ds's); None when it
     registers neither. Raises ValueError (naming the keys) when vLLM finds a parser unfit for the tokenizer (its
     markers are not tokens of it), as vLLM's server refuses to start then."""
