@@ -11,6 +11,8 @@ loaded, with an error naming the dotted key, the value and what was expected.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -464,22 +466,71 @@ VLLM_LORA_KWARGS = frozenset({"enable_lora", "max_lora_rank", "max_loras", "max_
 VLLM_MAX_LORA_RANK = 512
 
 
-# NeMo-RL passes these to vLLM's OpenAIServingChat; the endpoint implements the ones listed here.
+# NeMo-RL passes these to vLLM's OpenAIServingChat. grpo-ds's own parsers (the hf backend's; compact on both); on the
+# vLLM backend the endpoint uses vLLM's, any name the installed vLLM registers (`vllm_parser_names`).
 TOOL_PARSERS = ("hermes", "compact")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+_VLLM_PARSER_TABLES = {"tool_parser": ("tool_parsers", "_TOOL_PARSERS_TO_REGISTER"),
+                       "reasoning_parser": ("reasoning", "_REASONING_PARSERS_TO_REGISTER")}
+
+
+@functools.cache
+def vllm_parser_names(kind: str) -> Optional[tuple[str, ...]]:
+    """The parser names the installed vLLM registers (``kind``: "tool_parser" or "reasoning_parser"), read from its
+    registry's source (``vllm/tool_parsers/__init__.py``, ``vllm/reasoning/__init__.py``) without importing vLLM
+    (15-30 s); None when vLLM is not installed (or its registry has moved)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package, table = _VLLM_PARSER_TABLES[kind]
+    try:
+        with open(os.path.join(list(spec.submodule_search_locations)[0], package, "__init__.py")) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id == table
+                and isinstance(node.value, ast.Dict)):
+            return tuple(sorted(k.value for k in node.value.keys if isinstance(k, ast.Constant)))
+    return None
+
+
+def parser_problem(kind: str, name: Optional[str], backend: str) -> Optional[str]:
+    """Why ``http_server_serving_chat_kwargs.<kind>=name`` cannot parse on ``backend``, or None: the hf backend
+    has grpo-ds's parsers; the vLLM backend vLLM's (those the installed vLLM registers; any name when vLLM is not
+    installed here, as the run then fails at the engine) and ``compact``.
+
+        >>> parser_problem("tool_parser", "mistral", "hf")
+        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser='mistral': the hf backend's endpoint parses with grpo-ds's parsers: expected one of ['compact', 'hermes'] (policy.generation.backend=vllm uses vLLM's)"
+    """
+    ours = TOOL_PARSERS if kind == "tool_parser" else REASONING_PARSERS
+    if name is None or name in ours:
+        return None
+    key = f"policy.generation.vllm_cfg.http_server_serving_chat_kwargs.{kind}={name!r}"
+    if backend == "hf":
+        return (f"{key}: the hf backend's endpoint parses with grpo-ds's parsers: expected one of {sorted(ours)} "
+                "(policy.generation.backend=vllm uses vLLM's)")
+    names = vllm_parser_names(kind)
+    if names is None or name in names:
+        return None
+    return f"{key}: neither vLLM nor grpo-ds has that parser: expected one of {sorted(set(names) | set(ours))}"
 
 
 class ServingChatKwargs(_Section):
     """NeMo-RL's ``policy.generation.vllm_cfg.http_server_serving_chat_kwargs`` (vLLM's OpenAIServingChat
     arguments): the endpoint's chat rendering and output parsing, on every backend."""
 
-    tool_parser: Optional[Literal[TOOL_PARSERS]] = Field(None, description=(
-        "How the model's tool-call text becomes OpenAI tool_calls: hermes (<tool_call>{json}</tool_call>: Qwen2.5, "
-        "Qwen3, Hermes), compact (<name>argument</name>: the char-level toy); null: no parsing (the text is "
-        "the content)."))
-    reasoning_parser: Optional[Literal[REASONING_PARSERS]] = Field(None, description=(
-        "Split <think>...</think> into message.reasoning_content: qwen3 (no <think> yet: all content), "
-        "deepseek_r1 (no </think> yet: all reasoning); null: no split."))
+    tool_parser: Optional[str] = Field(None, description=(
+        "How the model's tool-call text becomes OpenAI tool_calls. backend=vllm: any parser vLLM registers (vLLM's "
+        "own code parses); hf: hermes (<tool_call>{json}</tool_call>: Qwen2.5, Qwen3, Hermes); both: compact "
+        "(<name>argument</name>: the char-level toy); null: no parsing (the text is the content)."))
+    reasoning_parser: Optional[str] = Field(None, description=(
+        "Split <think>...</think> into message.reasoning_content. backend=vllm: any parser vLLM registers; hf: "
+        "qwen3 (thinking on unless enable_thinking=false: no </think> yet, all reasoning) and deepseek_r1, as the "
+        "installed vLLM's; null: no split."))
     chat_template: Optional[str] = Field(None, description=(
         "The endpoint's chat template: a Jinja string or a file path (null: policy.tokenizer.chat_template, else "
         "the tokenizer's own)."))
@@ -620,6 +671,15 @@ class GenerationConfig(_Section):
         "grpo-ds's endpoint settings: bind address, concurrency and body limits, batching window."))
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig, description=(
         "Generation on the training ranks (default) or on ranks of its own (NeMo-RL's colocated section)."))
+
+    @model_validator(mode="after")
+    def _parsers(self) -> "GenerationConfig":
+        serving = self.vllm_cfg.http_server_serving_chat_kwargs
+        for kind in ("tool_parser", "reasoning_parser"):
+            problem = parser_problem(kind, getattr(serving, kind) if serving else None, self.backend)
+            if problem is not None:
+                raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _port_range(self) -> "GenerationConfig":

@@ -20,13 +20,35 @@ def start_split(cfg):
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     problem = (cluster_mismatch(cfg.cluster, launched, local_world_size())
-               or generation_split_problem(cfg.policy.generation, launched))
+               or generation_split_problem(cfg.policy.generation, launched)
+               or endpoint_split_problem(cfg, launched - generation_ranks(cfg.policy.generation)))
     if problem is not None:
         raise RunError(problem.removeprefix("error: "))
     try:
         return init_split(generation_ranks(cfg.policy.generation))
     except EnvMismatch as err:
         raise RunError(str(err)) from None
+
+
+def serves_endpoint(cfg) -> bool:
+    """Whether the run serves the endpoint (`start_endpoint`): ``expose_http_server``, or an environment played
+    over it (env.name agent or nemo_gym, in env / env.tasks / env.val_tasks)."""
+    env = cfg.env
+    specs = [env, *(env.tasks or {}).values(), *(env.val_tasks or {}).values()]
+    return cfg.policy.generation.vllm_cfg.expose_http_server or any(s.name in ("agent", "nemo_gym") for s in specs)
+
+
+def endpoint_split_problem(cfg, trainers: int) -> str | None:
+    """Why a run with generation on ranks of its own cannot serve the endpoint with ``trainers`` training ranks, or
+    None. Each trainer serves its own agents' endpoint, and every generation there is a collective of the trainers
+    (`grpo.system.generation.remote.RemoteGeneration.generate`): the endpoints' batches would have to be in lockstep
+    across trainers, which they are not (each answers its own agents as their requests come); so one trainer."""
+    if trainers <= 1 or not serves_endpoint(cfg):
+        return None
+    return (f"the endpoint (policy.generation.vllm_cfg.expose_http_server, env.name=agent, NeMo-Gym) with generation "
+            f"on ranks of its own serves one training rank only; this launch has {trainers} training ranks: launch "
+            f"{generation_ranks(cfg.policy.generation) + 1} ranks (the generation ranks and one trainer), or colocate "
+            "generation (policy.generation.colocated.enabled=true)")
 
 
 def serve_generation(cfg, layout, device) -> None:
@@ -93,7 +115,10 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
                        "generation backend")
     from grpo.system.generation.endpoint import Endpoint
 
-    endpoint = Endpoint(cfg, generator, tokenizer)
+    try:
+        endpoint = Endpoint(cfg, generator, tokenizer)
+    except ValueError as err:  # vLLM's parsers refuse the tokenizer (grpo.system.generation.vllm_chat_parsers)
+        raise RunError(str(err)) from None
     url = endpoint.start()
     closables.insert(0, endpoint)  # closed first: no request reaches a closed backend
     path = os.path.join(cfg.logger.log_dir, "endpoint.json" if rank == 0 else f"endpoint_rank{rank}.json")

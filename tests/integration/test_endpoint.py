@@ -233,7 +233,10 @@ def test_tool_calls_and_reasoning_over_the_wire(qwen25):
             # the agent hands the message back as the client gives it: its token fields ride along
             messages += [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id,
                                                              "content": "2146"}]
-            r2 = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, top_p=1.0, logprobs=True)
+            # vLLM's qwen3 parser (as installed) reads a text with no </think> as reasoning while thinking is on;
+            # a request turns thinking off with its template variables, and the answer is content
+            r2 = c.chat.completions.create(model=MODEL, messages=messages, tools=tools, top_p=1.0, logprobs=True,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         prompt2 = r2.choices[0].message.model_extra["prompt_token_ids"]
         first = msg.model_extra["prompt_token_ids"] + msg.model_extra["generation_token_ids"]
         assert prompt2[:len(first)] == first  # contiguous: the model's own tokens, then the tool turn

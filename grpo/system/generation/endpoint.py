@@ -46,8 +46,8 @@ from fastapi.responses import JSONResponse
 from grpo.system.generation.endpoint_batching import Batching, _Pending
 from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
                                                 check_sampling, cut_at_stop, error_body, extract_tool_calls,
-                                                parse_request, replace_prefix_tokens, required_prefix,
-                                                split_reasoning, template_messages)
+                                                parse_message, parse_request, replace_prefix_tokens,
+                                                required_prefix, template_messages)
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,11 @@ class Endpoint(Batching):
                                "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.chat_template")
         self.template_kwargs = {**(p.tokenizer.chat_template_kwargs or {}),
                                 **(serving.template_kwargs() if serving else {})}
+        self.vllm_parser = None  # vLLM's parsers of the names it registers, on the vLLM backend
+        if g.backend == "vllm" and (self.tool_parser or self.reasoning_parser):
+            from grpo.system.generation.vllm_chat_parsers import vllm_chat_parser
+
+            self.vllm_parser = vllm_chat_parser(tokenizer, self.tool_parser, self.reasoning_parser)
         self.model_name = self.settings.model_name or p.model_name
         self.max_len = p.max_total_sequence_length
         val = g.for_validation()
@@ -281,9 +286,7 @@ class Endpoint(Batching):
 
     def _choice(self, index: int, req: ChatRequest, out, logprobs: list[float], stops: list[str]) -> dict:
         text = cut_at_stop(self.tokenizer.decode(out.completion_ids, skip_special_tokens=True), stops)
-        reasoning, text = split_reasoning(text, self.reasoning_parser)
-        parser = None if req.tool_choice == "none" else self.tool_parser
-        content, calls = extract_tool_calls(text, parser, req.tools) if text is not None else (None, [])
+        reasoning, content, calls = self.parse(text, list(out.completion_ids), req)
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -297,6 +300,19 @@ class Endpoint(Batching):
             choice["logprobs"] = {"content": [self._token_logprob(t, lp, req.top_logprobs)
                                               for t, lp in zip(out.completion_ids, logprobs)]}
         return choice
+
+    def parse(self, text: str, token_ids: list[int], req: ChatRequest) -> tuple[str | None, str | None, list[dict]]:
+        """``(reasoning_content, content, tool_calls)`` of a generated text: vLLM's parsers on the vLLM backend
+        (`grpo.system.generation.vllm_chat_parsers`, the names vLLM registers), else grpo-ds's
+        (`grpo.system.generation.openai_chat`: the hf backend, and ``compact`` on both)."""
+        kwargs = {**self.template_kwargs, **(req.chat_template_kwargs or {})}
+        tools = None if req.tool_choice == "none" else req.tools
+        if self.vllm_parser is None:
+            return parse_message(text, self.tool_parser, self.reasoning_parser, tools, kwargs)
+        reasoning, content, calls = self.vllm_parser.parse(text, token_ids, tools, req.tool_choice, kwargs)
+        if self.vllm_parser.tool_parser is None and self.tool_parser is not None and content is not None:
+            content, calls = extract_tool_calls(content, self.tool_parser, tools)  # compact: grpo-ds's own
+        return reasoning, content, calls
 
     def _token_logprob(self, token_id: int, logprob: float, top: int | None) -> dict:
         """OpenAI's per-token entry. The backends return the sampled token's logprob only: ``top_logprobs`` holds

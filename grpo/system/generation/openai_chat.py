@@ -17,25 +17,34 @@ Parsers (``http_server_serving_chat_kwargs``; vLLM's names and behaviour):
   before the first ``<tool_call>``; a call that is not valid JSON leaves the whole text as content (no tool
   calls), as vLLM's parser does; ``compact`` (the char-level toy: ``<calc>37*58</calc>``, tags of the request's
   tools only).
-- reasoning_parser ``qwen3``: text up to ``</think>`` (a leading ``<think>`` removed) is ``reasoning_content``,
-  the rest content; without ``</think>`` all of it is content. ``deepseek_r1``: the same, except that without
+- reasoning_parser ``qwen3`` (the installed vLLM's Qwen3Parser, whose thinking starts open): text up to
+  ``</think>`` or to the first ``<tool_call>`` is ``reasoning_content`` (``<think>`` dropped), the rest content
+  (a stray ``</think>`` dropped outside tool calls); with ``enable_thinking: false`` in the request's (or the
+  default) template variables there is no reasoning and the text is the content. ``deepseek_r1``: the text after
+  the first ``<think>`` (all of it without one), up to ``</think>``, is reasoning, the rest content; without
   ``</think>`` all of it is reasoning.
+
+On ``policy.generation.backend=vllm`` the endpoint uses vLLM's own parsers instead
+(`grpo.system.generation.vllm_chat_parsers`), any that vLLM registers; these are the hf backend's (and
+``compact`` on both).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from grpo.tasks.tool_calls import HERMES_OPEN, parse_tool_calls
+from grpo.tasks.tool_calls import HERMES_CLOSE, HERMES_OPEN, parse_tool_calls
 
 # NeMo-RL's floor of a returned logprob (nemo_rl/models/generation/vllm/utils.py VLLM_LOGPROB_FLOOR).
 LOGPROB_FLOOR = -9999.0
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_SPAN = re.compile(f"({re.escape(HERMES_OPEN)}.*?(?:{re.escape(HERMES_CLOSE)}|\\Z))", re.DOTALL)
 
 
 class RequestError(Exception):
@@ -240,20 +249,38 @@ def replace_prefix_tokens(eos_token_id: int, model_prefix_token_ids: list[int], 
 # --------------------------------------------------------------------------------------------------
 # Output parsing
 # --------------------------------------------------------------------------------------------------
-def split_reasoning(text: str, parser: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """``(reasoning_content, content)`` of a generated text (module docstring).
+def split_reasoning(text: str, parser: Optional[str], thinking: bool = True) -> tuple[Optional[str], Optional[str]]:
+    """``(reasoning_content, content)`` of a generated text, as the installed vLLM's parser of that name splits it
+    (module docstring; tests/unit/test_vllm_parsers.py compares them). ``thinking``: the request's
+    ``enable_thinking`` template variable (only qwen3 reads it). Empty parts are None, except deepseek_r1's reasoning.
 
-        >>> split_reasoning("<think>hm</think>42", "qwen3"), split_reasoning("42", "qwen3")
-        (('hm', '42'), (None, '42'))
+        >>> split_reasoning("<think>hm</think>42", "qwen3"), split_reasoning("hm", "qwen3")
+        (('hm', '42'), ('hm', None))
+        >>> split_reasoning("<think>hm</think>42", "qwen3", thinking=False)
+        (None, '<think>hm</think>42')
         >>> split_reasoning("hm", "deepseek_r1"), split_reasoning("x", None)
         (('hm', None), (None, 'x'))
     """
     if parser is None:
         return None, text
-    if THINK_CLOSE not in text:
-        return (None, text) if parser == "qwen3" else (text.removeprefix(THINK_OPEN), None)
-    reasoning, _, content = text.partition(THINK_CLOSE)
-    return reasoning.removeprefix(THINK_OPEN), content or None
+    if parser == "deepseek_r1":  # vLLM's BaseThinkingReasoningParser.extract_reasoning
+        before, start, after = text.partition(THINK_OPEN)
+        text = after if start else before
+        if THINK_CLOSE not in text:
+            return text, None
+        reasoning, _, content = text.partition(THINK_CLOSE)
+        return reasoning, content or None
+    if not thinking:  # qwen3 without thinking: no reasoning, the text unchanged
+        return None, text
+    # qwen3 (vLLM's Qwen3Parser): reasoning until </think> or a <tool_call> (which it leaves to the content); <think>
+    # is dropped from the reasoning, a stray </think> from the content outside tool calls.
+    ends = [i for i in (text.find(THINK_CLOSE), text.find(HERMES_OPEN)) if i >= 0]
+    cut = min(ends) if ends else len(text)
+    reasoning = text[:cut].replace(THINK_OPEN, "")
+    rest = text[cut:].removeprefix(THINK_CLOSE)
+    parts = _TOOL_SPAN.split(rest)  # odd items: the tool calls' spans, kept as they are
+    content = "".join(p if i % 2 else p.replace(THINK_CLOSE, "") for i, p in enumerate(parts))
+    return reasoning or None, content or None
 
 
 def extract_tool_calls(text: str, parser: Optional[str], tools: Optional[list[dict]]) -> tuple[Optional[str], list[dict]]:
@@ -282,6 +309,22 @@ def extract_tool_calls(text: str, parser: Optional[str], tools: Optional[list[di
     calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
               "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in parsed]
     return text[:start] or None, calls
+
+
+def parse_message(text: str, tool_parser: Optional[str], reasoning_parser: Optional[str], tools: Optional[list[dict]],
+                  template_kwargs: dict) -> tuple[Optional[str], Optional[str], list[dict]]:
+    """``(reasoning_content, content, tool_calls)`` of a generated text, as vLLM's chat serving makes them: the
+    reasoning split first (`split_reasoning`, ``enable_thinking`` read from ``template_kwargs``), then the tool calls
+    parsed out of the content (`extract_tool_calls`; ``tools`` None when tool_choice is "none").
+
+        >>> parse_message("<think>a</think>b", None, "qwen3", None, {"enable_thinking": True})
+        ('a', 'b', [])
+    """
+    reasoning, content = split_reasoning(text, reasoning_parser, bool(template_kwargs.get("enable_thinking", True)))
+    if content is None:
+        return reasoning, None, []
+    content, calls = extract_tool_calls(content, tool_parser, tools)
+    return reasoning, content, calls
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:
