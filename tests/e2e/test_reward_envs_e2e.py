@@ -60,7 +60,8 @@ def test_reward_model_recipe_trains_two_steps_in_one_process(tmp_path, script, e
 @pytest.mark.slow  # ~3 minutes on a loaded 2-core machine; the scores alone: tests/integration/test_reward_model_zero3.py
 def test_a_zero3_reward_model_over_two_ranks_trains_as_a_copy_in_one_process(tmp_path):
     """env.reward_model.placement=zero3: a ZeRO-3 engine over the two ranks scored at the rollout's collective point,
-    in both loops (the async loop's producer hands the scoring to the trainer thread)."""
+    in both loops (the async loop's producer hands the scoring to the trainer thread), and with generation on a rank
+    of its own (two trainers score)."""
     from tests.helpers.e2e import launcher
     from tests.helpers.reward_models import save_tiny_reward_model
 
@@ -88,6 +89,12 @@ def test_a_zero3_reward_model_over_two_ranks_trains_as_a_copy_in_one_process(tmp
     assert sorted(rows) == [1, 2, 3] and rows[1]["train/mean_total_reward"] == pytest.approx(
         one[1]["train/mean_total_reward"], abs=1e-5)  # step 1 generates with the same weights in every loop
     assert all(r["timing/train/reward_model_s"] > 0 for r in rows.values())
+    # generation on a rank of its own: the two trainers play and score (the ZeRO-3 engine over the trainers only)
+    split = train(tmp_path / "split", "+env.reward_model.placement=zero3", "policy.generation.colocated.enabled=false",
+                  "policy.generation.colocated.resources.gpus_per_node=1", ranks=3)
+    for step in (1, 2):
+        assert abs(one[step]["train/loss"] - split[step]["train/loss"]) < 1e-5, (step, one[step], split[step])
+        assert split[step]["train/mean_total_reward"] == pytest.approx(one[step]["train/mean_total_reward"], abs=1e-5)
 
 
 @pytest.mark.slow  # a few minutes on a loaded 2-core machine; the combination itself: tests/unit/test_combined_rewards.py
