@@ -1,8 +1,9 @@
 """The endpoint's generation windows and batcher (`Batching`, mixed into
 `grpo.system.generation.endpoint.Endpoint`).
 
-Handlers put their prompts on a queue (`_Pending`); one batcher thread takes everything waiting within
-``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call. It generates
+Handlers put their prompts on a queue (`_Pending`); one batcher thread takes them while they keep coming (until none
+has come for ``http_server.batch_window_s``, or a full ``policy.generation_batch_size``: `Batching._gather`) and
+generates them in one `GenerationBackend.generate` call. It generates
 only while the endpoint is open (`Batching.serving`: the rollout opens it; weights change while it is closed); a
 request no window takes within ``http_server.max_wait_s`` is answered 503 (`Batching.unavailable`). While the
 rollout's own samples generate, `Batching.shared` makes them and the batches take turns on the backend.
@@ -50,7 +51,7 @@ class _Shared:
 
 
 class Batching:
-    """The windows and the batcher of `grpo.system.generation.endpoint.Endpoint` (its state: ``_queue``, ``_open``,
+    """The windows and the batcher of `grpo.system.generation.endpoint.Endpoint` (its state: ``cfg``, ``_queue``, ``_open``,
     ``_generating``, ``_closed_at``, ``_last_pause_s``, ``_stop``, ``backend``, ``gen_cfg``, ``settings``,
     ``weight_version``)."""
 
@@ -103,8 +104,21 @@ class Batching:
                 keep.append(item)
         return keep
 
-    def _batch_loop(self) -> None:
+    def _gather(self, batch: list[_Pending]) -> list[_Pending]:
+        """``batch`` and the requests that keep coming: it closes once none has come for ``http_server.batch_window_s``
+        or once it holds ``policy.generation_batch_size`` (a full generation chunk: waiting gains nothing). Agents
+        whose answers came back together send their next calls over more than one window (each is parsed and
+        rendered in turn), so a window counted from the first would split them into two batches (each turn
+        decoding twice); a full chunk bounds the wait under a steady stream."""
         http_server = self.settings  # policy.generation.http_server
+        while len(batch) < self.cfg.policy.generation_batch_size:
+            try:
+                batch.append(self._queue.get(timeout=http_server.batch_window_s))
+            except queue.Empty:
+                break
+        return batch
+
+    def _batch_loop(self) -> None:
         batch: list[_Pending] = []
         while not self._stop.is_set():
             if not batch:
@@ -115,8 +129,7 @@ class Batching:
             if not self._open.wait(timeout=0.2):  # no window: everything waiting is checked against its deadline
                 batch = self._expire(batch + self._drain())
                 continue
-            time.sleep(http_server.batch_window_s)
-            batch += self._drain()
+            batch = self._gather(batch)
             with self._generating:
                 if self._stop.is_set():
                     for item in batch + self._drain():
