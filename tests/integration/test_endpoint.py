@@ -15,6 +15,7 @@ import pytest
 
 from grpo.config import MasterConfig
 from grpo.system.generation.endpoint import Endpoint
+from grpo.system.generation.endpoint_batching import BUSY_WAIT_S
 from grpo.system.generation.hf import HFGeneration
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 from tests.helpers.scripted_backend import ScriptedBackend
@@ -135,6 +136,38 @@ def test_requests_that_keep_coming_generate_together_up_to_a_full_chunk():
     try:
         assert batches(3, every_s=0.6) == [3]  # 1.2 s from the first to the last: one batch
         assert batches(7, every_s=0.2) == [3, 3, 1]  # full chunks go at once; the last one after a quiet window
+    finally:
+        ep.close()
+
+
+def test_a_batch_waits_for_a_request_the_server_is_still_reading():
+    """A request still being read when the window after the last arrival ends (as the agents' next calls come while
+    the server writes the last batch's answers): the batch waits for it instead of splitting the turn in two, for
+    BUSY_WAIT_S at most (a client that never finishes its body holds no one back)."""
+    cfg = _cfg(batch_window_s=0.3)
+    tok = build_char_tokenizer(SIMPLE_CHAT_TEMPLATE)
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, ["ok"]), tok)
+    ep.start()
+    body = json.dumps({"model": MODEL, "messages": USER, "top_p": 1.0}).encode()
+
+    def slow_body(pause_s: float):
+        yield body[:10]
+        time.sleep(pause_s)  # the server has the headers: it is handling this request
+        yield body[10:]
+
+    def batches(pause_s: float) -> tuple[list[int], bool]:
+        ep.backend.calls = []
+        with ep.serving(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(_post, ep, "/v1/chat/completions", slow_body(pause_s))
+            time.sleep(0.3)
+            fast = _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0)
+            slow_done_first = slow.done()
+            assert fast.choices[0].message.content == "ok" and slow.result(timeout=60).status_code == 200
+        return [len(call) for call in ep.backend.calls], slow_done_first
+
+    try:
+        assert batches(0.8) == ([2], True)
+        assert BUSY_WAIT_S < 3 and batches(4.0) == ([1, 1], False)  # answered before the slow body ends
     finally:
         ep.close()
 
