@@ -161,7 +161,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256, help="policy.max_total_sequence_length")
     ap.add_argument("--batch-window-s", type=float, default=0.02, help="policy.generation.http_server.batch_window_s")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1, help="rounds of both sides run first and not counted")
+    ap.add_argument("--warmup", type=int, default=1, help=(
+        "rounds of both sides run first and not counted (the process's first turns generate ~3x slower, whichever "
+        "side plays them: measured with the order swapped)"))
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
