@@ -562,7 +562,8 @@ class HttpServerConfig(_Section):
         "Requests in flight at once; one more is answered 429."))
     max_body_bytes: int = Field(8 * 2**20, gt=0, description="A request body over this many bytes is answered 413.")
     batch_window_s: float = Field(0.02, ge=0, description=(
-        "hf backend: requests that arrive within this window of the first waiting one generate in one batch."))
+        "Requests generate in one batch while they keep coming: a batch closes once no request has come for this "
+        "long while the server reads or answers no other, or once it holds policy.generation_batch_size."))
     max_wait_s: float = Field(30.0, gt=0, description=(
         "How long a request waits for a generation window (the run generates only during rollouts; weights change "
         "between them) before it is answered 503 with a Retry-After header."))

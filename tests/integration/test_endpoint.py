@@ -15,6 +15,7 @@ import pytest
 
 from grpo.config import MasterConfig
 from grpo.system.generation.endpoint import Endpoint
+from grpo.system.generation.endpoint_batching import BUSY_WAIT_S
 from grpo.system.generation.hf import HFGeneration
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 from tests.helpers.scripted_backend import ScriptedBackend
@@ -23,9 +24,10 @@ MODEL = "toy:tiny"
 USER = [{"role": "user", "content": "1+2="}]
 
 
-def _cfg(**http_server) -> MasterConfig:
+def _cfg(generation_batch_size: int = 32, **http_server) -> MasterConfig:
     return MasterConfig.model_validate({"policy": {
         "model_name": MODEL, "precision": "float32", "max_total_sequence_length": 64,
+        "generation_batch_size": generation_batch_size,
         "generation": {"max_new_tokens": 6, "val_temperature": 0.5, "port_range_low": 23000, "port_range_high": 23999,
                        "http_server": {"batch_window_s": 0.05, **http_server}}}})
 
@@ -109,6 +111,65 @@ def test_requests_that_arrive_together_generate_together(served):
         with served.serving():
             answers = [f.result(timeout=60) for f in futures]
     assert served.backend.batches == [4] and len(answers) == 4
+
+
+def test_requests_that_keep_coming_generate_together_up_to_a_full_chunk():
+    """Agents whose answers came back together send their next calls one after another, over more than one
+    batch_window_s: a batch takes requests while each comes within the window of the one before, and closes at a
+    full policy.generation_batch_size (a steady stream never waits for ever)."""
+    cfg = _cfg(generation_batch_size=3, batch_window_s=1.0)
+    tok = build_char_tokenizer(SIMPLE_CHAT_TEMPLATE)
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, ["ok"]), tok)
+    ep.start()
+
+    def batches(n: int, every_s: float) -> list[int]:
+        ep.backend.calls = []
+        with ep.serving(), concurrent.futures.ThreadPoolExecutor(n) as pool:
+            futures = []
+            for i in range(n):
+                futures.append(pool.submit(_client(ep).chat.completions.create, model=MODEL, messages=USER,
+                                           top_p=1.0, seed=i))
+                time.sleep(every_s)
+            assert all(f.result(timeout=60).choices[0].message.content == "ok" for f in futures)
+        return [len(call) for call in ep.backend.calls]
+
+    try:
+        assert batches(3, every_s=0.6) == [3]  # 1.2 s from the first to the last: one batch
+        assert batches(7, every_s=0.2) == [3, 3, 1]  # full chunks go at once; the last one after a quiet window
+    finally:
+        ep.close()
+
+
+def test_a_batch_waits_for_a_request_the_server_is_still_reading():
+    """A request still being read when the window after the last arrival ends (as the agents' next calls come while
+    the server writes the last batch's answers): the batch waits for it instead of splitting the turn in two, for
+    BUSY_WAIT_S at most (a client that never finishes its body holds no one back)."""
+    cfg = _cfg(batch_window_s=0.3)
+    tok = build_char_tokenizer(SIMPLE_CHAT_TEMPLATE)
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, ["ok"]), tok)
+    ep.start()
+    body = json.dumps({"model": MODEL, "messages": USER, "top_p": 1.0}).encode()
+
+    def slow_body(pause_s: float):
+        yield body[:10]
+        time.sleep(pause_s)  # the server has the headers: it is handling this request
+        yield body[10:]
+
+    def batches(pause_s: float) -> tuple[list[int], bool]:
+        ep.backend.calls = []
+        with ep.serving(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(_post, ep, "/v1/chat/completions", slow_body(pause_s))
+            time.sleep(0.3)
+            fast = _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0)
+            slow_done_first = slow.done()
+            assert fast.choices[0].message.content == "ok" and slow.result(timeout=60).status_code == 200
+        return [len(call) for call in ep.backend.calls], slow_done_first
+
+    try:
+        assert batches(0.8)[0] == [2]
+        assert BUSY_WAIT_S < 3 and batches(4.0) == ([1, 1], False)  # answered before the slow body ends
+    finally:
+        ep.close()
 
 
 def test_a_sessions_calls_are_recorded(served):

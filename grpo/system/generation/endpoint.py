@@ -10,9 +10,10 @@ Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering an
 - **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
   random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
   (`CallRecord`) for the agent environment to build that sample's trajectory from.
-- **Batching** (`grpo.system.generation.endpoint_batching`): handlers put their prompts on a queue; one batcher thread takes everything waiting within
-  ``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call, so
-  concurrent agents generate together. It generates only while the endpoint is open (`Endpoint.serving`: the
+- **Batching** (`grpo.system.generation.endpoint_batching`): handlers put their prompts on a queue; one batcher thread
+  takes them while they keep coming (until none has come for ``http_server.batch_window_s`` while the server reads or
+  answers no other, or a full ``policy.generation_batch_size``) and generates them in one `GenerationBackend.generate` call, so concurrent
+  agents generate together. It generates only while the endpoint is open (`Endpoint.serving`: the
   rollout opens it; weights change while it is closed, and requests wait); every answer carries the weight
   version that produced it (``weight_version``). A request that finds no window within ``http_server.max_wait_s``
   (the run is training or checkpointing) is answered 503 with ``Retry-After`` (the last pause's length), never left

@@ -1,11 +1,13 @@
 """The endpoint's generation windows and batcher (`Batching`, mixed into
 `grpo.system.generation.endpoint.Endpoint`).
 
-Handlers put their prompts on a queue (`_Pending`); one batcher thread takes everything waiting within
-``http_server.batch_window_s`` of the first and generates it in one `GenerationBackend.generate` call. It generates
-only while the endpoint is open (`Batching.serving`: a rollout opens it; the synchronous loop changes the weights while
-it is closed); a request no window takes within ``http_server.max_wait_s`` is answered 503 (`Batching.unavailable`).
-While the rollout's own samples generate, `Batching.shared` makes them and the batches take turns on the backend.
+Handlers put their prompts on a queue (`_Pending`); one batcher thread takes them while they keep coming (until none
+has come for ``http_server.batch_window_s`` while the server reads or answers no other, or a full
+``policy.generation_batch_size``: `Batching._gather`) and generates them in one `GenerationBackend.generate` call. It
+generates only while the endpoint is open (`Batching.serving`: a rollout opens it; the synchronous loop changes the
+weights while it is closed); a request no window takes within ``http_server.max_wait_s`` is answered 503
+(`Batching.unavailable`). While the rollout's own samples generate, `Batching.shared` makes them and the batches take
+turns on the backend.
 
 Weight versions: a batch records the version the backend held when it started (``weight_version``); the async loop's
 generation thread changes the weights through `Batching.load_weights`, which waits for the batch in flight, so no
@@ -28,6 +30,10 @@ from dataclasses import dataclass
 from grpo.system.generation.openai_chat import RequestError
 
 logger = logging.getLogger(__name__)
+
+# A batch waits for the requests the server is still reading or answering this long at most (`Batching._gather`).
+BUSY_WAIT_S = 1.0
+
 
 @dataclass
 class _Pending:
@@ -56,9 +62,9 @@ class _Shared:
 
 
 class Batching:
-    """The windows and the batcher of `grpo.system.generation.endpoint.Endpoint` (its state: ``_queue``, ``_open``,
-    ``_windows`` and ``_window_lock``, ``_generating``, ``_closed_at``, ``_last_pause_s``, ``_stop``, ``backend``,
-    ``gen_cfg``, ``settings``, ``weight_version``)."""
+    """The windows and the batcher of `grpo.system.generation.endpoint.Endpoint` (its state: ``cfg``, ``_queue``,
+    ``_inflight``, ``_open``, ``_windows`` and ``_window_lock``, ``_generating``, ``_closed_at``, ``_last_pause_s``,
+    ``_stop``, ``backend``, ``gen_cfg``, ``settings``, ``weight_version``)."""
 
     @contextmanager
     def serving(self, weight_version: int | None = None):
@@ -126,8 +132,30 @@ class Batching:
                 keep.append(item)
         return keep
 
-    def _batch_loop(self) -> None:
+    def _gather(self, batch: list[_Pending]) -> list[_Pending]:
+        """``batch`` and the requests that keep coming: it closes once none has come for ``http_server.batch_window_s``
+        while the server handles no other request (`_busy`; for `BUSY_WAIT_S` at most: a client that sends its body
+        slowly cannot hold the others back), or once it holds ``policy.generation_batch_size`` (a
+        full generation chunk: waiting gains nothing; it bounds the wait under a steady stream). Agents whose
+        answers came back together send their next calls one by one while the server still writes the others'
+        answers, over more than one window: a window counted from the first request split each turn of 64 agents
+        into two batches ([1, 63], [14, 50]), each decoding in full (bench/bench_agents.py)."""
         http_server = self.settings  # policy.generation.http_server
+        busy_until = time.monotonic() + BUSY_WAIT_S
+        while len(batch) < self.cfg.policy.generation_batch_size:
+            try:
+                batch.append(self._queue.get(timeout=http_server.batch_window_s))
+            except queue.Empty:
+                if not self._busy(len(batch)) or time.monotonic() >= busy_until:
+                    break
+        return batch
+
+    def _busy(self, gathered: int) -> bool:
+        """Whether the server is handling a request that is not in the batch being gathered nor queued: one being
+        read and rendered (it is coming) or an answer being written (its agent's next call likely is)."""
+        return self._inflight > gathered + self._queue.qsize()
+
+    def _batch_loop(self) -> None:
         batch: list[_Pending] = []
         while not self._stop.is_set():
             if not batch:
@@ -138,8 +166,7 @@ class Batching:
             if not self._open.wait(timeout=0.2):  # no window: everything waiting is checked against its deadline
                 batch = self._expire(batch + self._drain())
                 continue
-            time.sleep(http_server.batch_window_s)
-            batch += self._drain()
+            batch = self._gather(batch)
             with self._generating:
                 if self._stop.is_set():
                     break
