@@ -21,7 +21,8 @@ def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torc
 
     Launchers: torchrun, the ``deepspeed`` launcher and ``accelerate launch`` set RANK / LOCAL_RANK /
     WORLD_SIZE / MASTER_ADDR / MASTER_PORT; a plain ``python script.py`` sets none, and we fill in a
-    one-process group on a free port. ``local_rank`` is the ``--local_rank=N`` argument the deepspeed
+    one-process launch. A one-process group rendezvouses in memory (a ``HashStore``), not over a TCP port: a port
+    picked free and bound later could be taken meanwhile by another process on the machine (runs side by side). ``local_rank`` is the ``--local_rank=N`` argument the deepspeed
     launcher appends (it also sets LOCAL_RANK). Backend: nccl with CUDA, gloo without. Idempotent.
     """
     import deepspeed
@@ -29,7 +30,9 @@ def init_distributed(local_rank: int | None = None) -> tuple[int, int, int, torc
 
     local_rank, device, backend = _launch_settings(local_rank)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        if os.environ["WORLD_SIZE"] == "1":  # one process: an in-memory store, no port another process can take
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)  # joins a group made here, else makes it
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
