@@ -34,7 +34,7 @@ from grpo.tasks.catalogue import TASKS, load
 from grpo.tasks.failures import RetryPolicy
 from grpo.tasks.function import EnvError
 from grpo.tasks.interface import Environment
-from grpo.tasks.pool import check_reward_fn
+from grpo.tasks.pool import MIN_IMPORT_TIMEOUT_S, check_reward_fn
 from grpo.tasks.reward import RewardEnvironment
 from grpo.tasks.router import Environments
 
@@ -110,7 +110,7 @@ def build_environment(env_spec, data_cfg=None, key: str = "env", reward_models=N
 
         return NemoGymEnvironment(env_spec.nemo_gym, env_spec.should_log_nemo_gym_responses)
     if env_spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
-        check_reward_fn(env_spec.reward_fn, env_spec.timeout_s)
+        check_reward_fn(env_spec.reward_fn, max(env_spec.timeout_s, MIN_IMPORT_TIMEOUT_S))
         return RewardEnvironment(env_spec.reward_fn, in_process=False, num_workers=env_spec.num_workers,
                                  timeout_s=env_spec.timeout_s)
     task = TASKS[env_spec.name]

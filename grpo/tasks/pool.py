@@ -446,10 +446,17 @@ def _remove_entries(fd: int) -> list[str]:
 ScoringPool = WorkerPool
 
 
+# Seconds at least that `check_reward_fn` gives a worker to start at setup, whatever env.timeout_s (one call's
+# limit) says: a spawned Python importing torch or a verifier takes seconds, more on a loaded machine (a 1 s
+# env.timeout_s made a run fail at startup under load), and the pool's own workers get 300.
+MIN_IMPORT_TIMEOUT_S = 60.0
+
+
 def check_reward_fn(spec: str, timeout_s: float) -> None:
     """Import the scorer ``spec`` ("package.module:function") in a spawned worker process and raise `EnvError`
     when that fails (the message carries the module's traceback summary) or takes more than ``timeout_s``
-    seconds (a module that hangs at import): the trainer itself never imports user reward code."""
+    seconds (a module that hangs at import): the trainer itself never imports user reward code. Setup passes
+    ``max(env.timeout_s, MIN_IMPORT_TIMEOUT_S)``."""
     pool = ScoringPool(spec, num_workers=1, timeout_s=timeout_s, start_timeout_s=timeout_s)
     try:
         pool.start(wait=True)

@@ -96,3 +96,15 @@ def test_a_pool_worker_reports_the_import_error_summary(modules):
     with pytest.raises(EnvError, match=r"(?s)cannot load 'raises_at_import_mod:reward':.*line 11, in <module>"):
         pool.run([{"question": "q", "completion": "c", "answer": "a", "meta": {}}])
     assert pool.pids() == []
+
+
+def test_a_short_env_timeout_does_not_fail_a_module_that_takes_seconds_to_import(modules):
+    """env.timeout_s limits one call; the import check at setup gives a worker at least MIN_IMPORT_TIMEOUT_S to start
+    (it used env.timeout_s: with 1 s a run failed at startup on a loaded machine)."""
+    from grpo.config import EnvConfig
+    from grpo.tasks.factory import build_environment
+
+    (modules / "slow_import_mod.py").write_text("import time\n\ntime.sleep(2)\n\n\n"
+                                                "def reward(question, completion, answer, meta):\n    return 1.0\n")
+    env = build_environment(EnvConfig(name="function", reward_fn="slow_import_mod:reward", timeout_s=1.0))
+    env.shutdown()
