@@ -27,14 +27,21 @@ MAX_TURNS = 3
 
 
 async def calculator_agent(row: dict, base_url: str, api_key: str, model: str) -> dict:
-    """Ask the question, run the calc calls the model makes, score the final answer (1 if right)."""
+    """Ask the question, run the calc calls the model makes, score the final answer (1 if right). A conversation
+    that outgrows the model's context (the endpoint's 400 ``context_length_exceeded``) ends there, unanswered: the
+    policy spent its budget, which is a reward of 0 to learn from, not a failure of the environment to mask."""
     sampling = row.get("sampling", {"temperature": 1.0, "top_p": 1.0})  # the run's (training or validation)
     messages: list[dict] = [{"role": "user", "content": row["question"]}]
     answer = ""
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         for _ in range(MAX_TURNS):
-            r = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, logprobs=True,
-                                                     **sampling)
+            try:
+                r = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, logprobs=True,
+                                                         **sampling)
+            except openai.BadRequestError as err:
+                if err.code != "context_length_exceeded":
+                    raise
+                break  # the conversation has used up the model's context: the episode ends unanswered (reward 0)
             msg = r.choices[0].message
             messages.append(msg.model_dump(exclude_none=True))  # the token fields ride along: the endpoint splices
             if not msg.tool_calls:

@@ -172,3 +172,25 @@ def test_the_synchronous_loop_labels_agent_samples_with_the_steps_trained(endpoi
     r = run_rollout(run, endpoint.backend, envs, rows, 5, 0)
     assert [t.generation_version for t in r.trajectories] == [4] * cfg.grpo.num_generations_per_prompt
     assert endpoint.weight_version == 4
+
+
+def test_the_demo_agent_ends_a_conversation_that_outgrows_the_context_unanswered_not_failed():
+    """examples/calculator_agent.py: when its history leaves no room under policy.max_total_sequence_length (the
+    endpoint's 400 context_length_exceeded) the episode ends with reward 0, trained on the calls it made; masking it
+    as a failure would hide the policy's rambling from the gradient (and skipped the demo's steps)."""
+    tok = build_char_tokenizer(AGENT_CHAT_TEMPLATE)
+    agent = {"fn": "examples.calculator_agent:calculator_agent"}
+    cfg = _cfg(agent).model_copy(deep=True)
+    cfg.policy.max_total_sequence_length = 40
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, lambda prompt: "<calc>37*58</calc>"), tok)
+    ep.start()
+    try:
+        trajs, envs = _play(ep, agent, n=1)
+    finally:
+        ep.close()
+    t = trajs[0]
+    assert (t.error, t.reward, t.mask_sample) == (None, 0.0, False)
+    # two calls fit (their tokens trained); the third (of MAX_TURNS=3), with both tool results, had no room
+    assert [m.role for m in t.messages] == ["user", "assistant", "user", "assistant"]
+    _, metrics = envs.post_process(trajs)
+    assert metrics["env/agent/failed_samples"] == 0.0
