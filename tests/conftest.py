@@ -1,6 +1,7 @@
 """Shared fixtures: a char-level tokenizer and tiny models saved locally (nothing is downloaded)."""
 
 import os
+import signal
 import sys
 
 import pytest
@@ -15,6 +16,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The suite sends these signals and checks what the trainer does with them; a suite started under nohup (SIGHUP
+# ignored) or in the background of a script (SIGINT ignored) passes the ignore on to every child, and the trainer
+# rightly keeps an inherited SIGHUP ignore (grpo.system.signals). Tests start from the default dispositions.
+for _sig in (signal.SIGHUP, signal.SIGINT):
+    if signal.getsignal(_sig) is signal.SIG_IGN:
+        signal.signal(_sig, signal.SIG_DFL if _sig != signal.SIGINT else signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
