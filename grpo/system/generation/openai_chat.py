@@ -306,9 +306,14 @@ def extract_tool_calls(text: str, parser: Optional[str], tools: Optional[list[di
         start = min(text.index(f"<{c.name}>") for c in parsed if c.name and f"<{c.name}>" in text)
     if not parsed or any(c.problem for c in parsed):  # vLLM's parser: a broken call leaves the text as content
         return text, []
-    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in parsed]
+    calls = [tool_call(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in parsed]
     return text[:start] or None, calls
+
+
+def tool_call(name: str, arguments: str, call_id: Optional[str] = None) -> dict:
+    """One OpenAI ``tool_calls`` entry (``arguments``: a JSON string), with a fresh ``call_...`` id unless given."""
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def parse_message(text: str, tool_parser: Optional[str], reasoning_parser: Optional[str], tools: Optional[list[dict]],

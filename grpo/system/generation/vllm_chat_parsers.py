@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from grpo.config import vllm_parser_names
+from grpo.system.generation.openai_chat import tool_call
 
 
 def vllm_chat_parser(tokenizer, tool_parser: Optional[str],
@@ -65,12 +66,5 @@ class VllmChatParser:
                                                  model_output_token_ids=token_ids)
         if not use_tools:
             calls = []
-        out = [{"id": getattr(c, "id", None) or _call_id(), "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments}} for c in (calls or [])]
+        out = [tool_call(c.name, c.arguments, getattr(c, "id", None)) for c in (calls or [])]
         return reasoning, content, out
-
-
-def _call_id() -> str:
-    import uuid
-
-    return f"call_{uuid.uuid4().hex[:24]}"
