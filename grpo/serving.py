@@ -20,8 +20,7 @@ def start_split(cfg):
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     problem = (cluster_mismatch(cfg.cluster, launched, local_world_size())
-               or generation_split_problem(cfg.policy.generation, launched)
-               or endpoint_split_problem(cfg, launched - generation_ranks(cfg.policy.generation)))
+               or generation_split_problem(cfg.policy.generation, launched))
     if problem is not None:
         raise RunError(problem.removeprefix("error: "))
     try:
@@ -36,19 +35,6 @@ def serves_endpoint(cfg) -> bool:
     env = cfg.env
     specs = [env, *(env.tasks or {}).values(), *(env.val_tasks or {}).values()]
     return cfg.policy.generation.vllm_cfg.expose_http_server or any(s.name in ("agent", "nemo_gym") for s in specs)
-
-
-def endpoint_split_problem(cfg, trainers: int) -> str | None:
-    """Why a run with generation on ranks of its own cannot serve the endpoint with ``trainers`` training ranks, or
-    None. Each trainer serves its own agents' endpoint, and every generation there is a collective of the trainers
-    (`grpo.system.generation.remote.RemoteGeneration.generate`): the endpoints' batches would have to be in lockstep
-    across trainers, which they are not (each answers its own agents as their requests come); so one trainer."""
-    if trainers <= 1 or not serves_endpoint(cfg):
-        return None
-    return (f"the endpoint (policy.generation.vllm_cfg.expose_http_server, env.name=agent, NeMo-Gym) with generation "
-            f"on ranks of its own serves one training rank only; this launch has {trainers} training ranks: launch "
-            f"{generation_ranks(cfg.policy.generation) + 1} ranks (the generation ranks and one trainer), or colocate "
-            "generation (policy.generation.colocated.enabled=true)")
 
 
 def serve_generation(cfg, layout, device) -> None:
@@ -67,7 +53,9 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
     """`policy.generation.backend`: "hf" (transformers generate, any device) or "vllm" (colocated). With hf and
     whole weights on every rank (ZeRO-1/2), generation runs on the policy module itself (no copy to refit). With a
     ``layout`` (`grpo.system.dist.Layout`, ``colocated.enabled=false``): `RemoteGeneration`, the generation
-    ranks' engines behind the bridge (a collective of the trainers)."""
+    ranks' engines behind the bridge (a collective of the trainers); with several trainers that serve the endpoint,
+    wrapped in `grpo.system.generation.lockstep.LockstepGeneration` (each trainer's endpoint generates when its
+    agents call, the trainers still generate together)."""
     if layout is not None:
         from grpo.system.bridge import Bridge, BridgeError
         from grpo.system.generation.remote import RemoteGeneration
@@ -81,8 +69,13 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
                 bridge = Bridge(layout.store, 0, 1 + layout.num_generation, timeout, comm_device())
             except BridgeError as err:  # a generation rank never joined: every trainer stops with it
                 error = str(err)
-        return RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device, tokenizer,
-                                getattr(policy_engine.module.config, "eos_token_id", None), bridge_error=error)
+        remote = RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device, tokenizer,
+                                  getattr(policy_engine.module.config, "eos_token_id", None), bridge_error=error)
+        if layout.world_size > 1 and serves_endpoint(cfg):  # each trainer's endpoint: generation agreed by rounds
+            from grpo.system.generation.lockstep import LockstepGeneration
+
+            return LockstepGeneration(remote, cfg.policy.generation)
+        return remote
     if cfg.policy.generation.backend == "hf":
         from grpo.system.generation.hf import HFGeneration
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from tests.e2e.test_agent_e2e import CONFIG, SMALL
-from tests.helpers.e2e import REPO, metrics, paths, run, train_rows
+from tests.e2e.test_agent_backends_e2e import SPLIT
+from tests.helpers.e2e import REPO, launcher, metrics, paths, run, train_rows
 from tests.helpers.outside_client import ask_while_it_runs, check_answered_or_refused
 
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
@@ -39,6 +40,25 @@ def test_an_async_agent_run_trains_on_the_recorded_tokens_within_the_bound(tmp_p
             assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, r["step"]
     assert rows[1]["async/trajectory_age_max"] == 0  # step 1 always trains the initial weights' samples
     assert max(r["async/trajectory_age_max"] for r in rows.values()) == 1  # the thread ran a step ahead
+    val = [r for r in metrics(tmp_path) if "validation/accuracy" in r]
+    assert val and all(v["validation/failed_samples"] == 0 for v in val)
+
+
+@pytest.mark.slow  # 24 s
+def test_an_async_agent_run_with_two_trainers_and_a_generation_rank_loads_weights_mid_request(tmp_path):
+    """2 trainers, each serving its own agents, over 1 generation rank (grpo/system/generation/lockstep.py): the
+    producers' weight loads, in-flight loads inside the endpoints' batches and validation's agent samples; lr 1e-12
+    (every version holds the same float32 weights), so every step scores the recorded tokens exactly."""
+    run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "3", "train_async_grpo.py", "--config", CONFIG,
+         *paths(tmp_path, *SMALL, *ASYNC), *SPLIT, "grpo.max_num_steps=3", "grpo.val_period=2",
+         "grpo.max_val_samples=4", "grpo.val_batch_size=4", "grpo.async_grpo.in_flight_weight_updates=true",
+         "policy.optimizer.lr=1.0e-12"], timeout=1200, threads=1)
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2, 3]
+    for r in rows.values():
+        assert r["train/env/agent/failed_samples"] == 0 and r["train/env/agent/noncontiguous_samples"] == 0
+        assert abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3, r["step"]
+    assert rows[3]["async/in_flight_weight_updates"] >= 1  # weights changed inside a batch at least once
     val = [r for r in metrics(tmp_path) if "validation/accuracy" in r]
     assert val and all(v["validation/failed_samples"] == 0 for v in val)
 

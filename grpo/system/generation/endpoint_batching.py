@@ -27,6 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from grpo.system.generation.lockstep import LockstepGeneration
 from grpo.system.generation.openai_chat import RequestError
 
 logger = logging.getLogger(__name__)
@@ -187,21 +188,31 @@ class Batching:
                                                     kind="server_error", code="shutting_down"))
 
     def _generate(self, items: list[_Pending], profile: str) -> None:
-        before, version = self.backend.gen_cfg, self.weight_version  # (an in-flight update may raise it meanwhile)
-        try:  # the request's own profile, whatever the backend is set to now (validation sets it to val's)
-            self.backend.gen_cfg = self.gen_cfg.for_validation() if profile == "val" else self.gen_cfg
-            outs = self.backend.generate([i.prompt_ids for i in items], [i.seed for i in items],
-                                         max_new_tokens=[i.max_new_tokens for i in items],
-                                         stop_strings=[i.stops or None for i in items])
+        version = self.weight_version  # (an in-flight update may raise it meanwhile)
+        prompts, seeds = [i.prompt_ids for i in items], [i.seed for i in items]
+        caps, stops = [i.max_new_tokens for i in items], [i.stops or None for i in items]
+        try:
+            if isinstance(self.backend, LockstepGeneration):  # several trainers' endpoints: in the next solo round
+                outs = self.backend.generate_solo(profile, prompts, seeds, caps, stops)
+            else:
+                outs = self._generate_profile(profile, prompts, seeds, caps, stops)
         except Exception as err:  # this batch's requests answer 500; the server goes on
             logger.warning("endpoint: generation failed: %s", err, exc_info=True)
             for i in items:
                 _answer(i.future, error=err)
             return
-        finally:
-            self.backend.gen_cfg = before
         for i, out in zip(items, outs):
             _answer(i.future, (out, version))
+
+    def _generate_profile(self, profile: str, prompts, seeds, caps, stops):
+        """``backend.generate`` with the request's own profile, whatever the backend is set to now (validation sets
+        it to val's)."""
+        before = self.backend.gen_cfg
+        try:
+            self.backend.gen_cfg = self.gen_cfg.for_validation() if profile == "val" else self.gen_cfg
+            return self.backend.generate(prompts, seeds, max_new_tokens=caps, stop_strings=stops)
+        finally:
+            self.backend.gen_cfg = before
 
 
 def _answer(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:

@@ -1,0 +1,140 @@
+"""A trainer for tests/unit/test_lockstep.py: ``python -m tests.helpers.lockstep_peer PORT RANK WORLD MODE``.
+
+Each process is one trainer with `grpo.system.generation.lockstep.LockstepGeneration` over `Collective`, a stand-in
+for `RemoteGeneration` whose every call is a real collective of the trainers over its own gloo group (and which
+fails loudly when the trainers do not agree on a call or on its sampling profile). It prints one JSON line.
+
+busy: the main thread makes the rollout's calls (lockstep_max, then generate, at rank-dependent moments), a thread
+named like the async producer loads weights, and the endpoint batches (`generate_solo`) come from two threads on
+rank 0 only, plus one validation batch on the last rank; every generate makes an in-flight load inside it (a call
+made from inside a section or a solo round).
+close-early: the last rank closes at once; the others' next section must fail with RolloutError, not hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from grpo.config import GenerationConfig
+from grpo.system.generation.base import GenerationBackend, GenerationOutput
+from grpo.system.generation.lockstep import LockstepGeneration
+from grpo.system.rollout import RolloutError
+
+
+class Collective(GenerationBackend):
+    """Every call is a collective of the trainers; ``log`` is what it saw (the same on every trainer)."""
+
+    def __init__(self, gen_cfg):
+        self.group = dist.new_group(backend="gloo")
+        self.gen_cfg, self.version, self.log = gen_cfg, 0, []
+
+    def _gather(self, item):
+        parts = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, item, group=self.group)
+        return parts
+
+    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None):
+        parts = self._gather(("generate", self.gen_cfg.temperature, list(map(list, prompt_ids)), list(seeds)))
+        if len({(p[0], p[1]) for p in parts}) != 1:
+            raise AssertionError(f"the trainers disagree on the call: {[(p[0], p[1]) for p in parts]}")
+        self.log.append(("generate", parts[0][1], [len(p[2]) for p in parts]))
+        if self.in_flight is not None:
+            self.in_flight()
+        temp = int(self.gen_cfg.temperature * 10)
+        return [GenerationOutput(list(p), [s, temp, self.version], [0.0] * 3, "stop", "") for p, s in
+                zip(prompt_ids, seeds)]
+
+    def lockstep_max(self, n_local):
+        parts = self._gather(("lockstep_max", n_local))
+        if {p[0] for p in parts} != {"lockstep_max"}:
+            raise AssertionError(f"the trainers disagree on the call: {parts}")
+        self.log.append(("lockstep_max",))
+        return max(p[1] for p in parts)
+
+    def load_staged(self, stage, mid_request=False):
+        parts = self._gather(("load_staged", mid_request))
+        if len(set(parts)) != 1:
+            raise AssertionError(f"the trainers disagree on the call: {parts}")
+        self.version += 1
+        self.log.append(("load_staged", mid_request))
+        return self.version
+
+
+def busy(rank: int, world: int, gen: LockstepGeneration, inner: Collective) -> dict:
+    gen.in_flight = lambda: gen.load_staged(None, mid_request=True)  # as the async producer hooks it
+    out: dict = {"solo": [], "rollout": [], "loads": []}
+    rng = random.Random(rank)
+
+    def endpoint(name: str, profile: str, n: int, delay: float) -> None:
+        time.sleep(delay)
+        for k in range(n):
+            outs = gen.generate_solo(profile, [[rank, k]], [100 * rank + k], [4], [None])
+            out["solo"].append((name, [o.completion_ids[:2] for o in outs]))
+            time.sleep(rng.random() * 0.05)
+
+    def producer() -> None:
+        for _ in range(3):
+            out["loads"].append(gen.load_staged(None))
+            time.sleep(rng.random() * 0.05)
+
+    threads = [threading.Thread(target=producer, name="grpo-generation")]
+    if rank == 0:
+        threads += [threading.Thread(target=endpoint, args=("a", "train", 3, 0.0)),
+                    threading.Thread(target=endpoint, args=("b", "train", 2, 0.03))]
+    if rank == world - 1:
+        threads.append(threading.Thread(target=endpoint, args=("v", "val", 1, 0.05)))
+    for t in threads:
+        t.start()
+    for step in range(5):
+        time.sleep(rng.random() * 0.05)
+        most = gen.lockstep_max(rank + 1)
+        outs = gen.generate([[step, rank]] * (rank + 1), [10 * step + rank] * (rank + 1))
+        out["rollout"].append((most, [o.completion_ids[:2] for o in outs]))
+    for t in threads:
+        t.join()
+    dist.barrier()  # every trainer's calls are done: a trainer that closes stops every driver
+    gen.close()
+    try:
+        gen.generate([[0]], [0])
+        out["after_close"] = "generated"
+    except RolloutError as err:
+        out["after_close"] = str(err)
+    out["log"] = inner.log
+    return out
+
+
+def close_early(rank: int, world: int, gen: LockstepGeneration) -> dict:
+    if rank == world - 1:
+        gen.close()
+        return {"closed": True}
+    t0 = time.monotonic()
+    try:
+        gen.generate([[1]], [1])
+        return {"error": None}
+    except RolloutError as err:
+        return {"error": str(err), "seconds": time.monotonic() - t0}
+
+
+def main() -> None:
+    port, rank, world, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    cfg = GenerationConfig(temperature=1.0, val_temperature=0.5)
+    inner = Collective(cfg)
+    gen = LockstepGeneration(inner, cfg)
+    result = busy(rank, world, gen, inner) if mode == "busy" else close_early(rank, world, gen)
+    print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
