@@ -88,9 +88,10 @@ def test_agent_demo_on_colocated_vllm_trains_on_the_recorded_tokens(vllm_colocat
 
 
 @needs_vllm
-@pytest.mark.slow  # 48 s (100 s with the 2 cores shared)
-def test_agent_demo_on_a_vllm_generation_rank_samples_what_colocated_vllm_samples(tmp_path, vllm_colocated):
-    out, rows = split_run(tmp_path, *VLLM)
-    assert "2 ranks: 1 train, 1 generate (vllm" in out
+@pytest.mark.slow  # 48 s (100 s with the 2 cores shared); 2 trainers: 60 s
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_agent_demo_on_a_vllm_generation_rank_samples_what_colocated_vllm_samples(tmp_path, vllm_colocated, trainers):
+    out, rows = split_run(tmp_path, *VLLM, trainers=trainers)
+    assert f"{trainers + 1} ranks: {trainers} train, 1 generate (vllm" in out
     for key in ("train/mean_total_reward", "train/num_completion_tokens", "train/env/agent/calls_per_sample"):
         assert rows[1][key] == vllm_colocated[1][key], key  # per-sample seeds, the same weights: the same samples

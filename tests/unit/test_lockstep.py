@@ -67,4 +67,5 @@ def test_rounds_alternate_sections_and_solo_batches():
     both = [(False, ["MainThread", "grpo-generation"], []), (False, ["grpo-generation", "MainThread"], [])]
     assert [pick_round(both, k, False)[1] for k in range(2)] == ["MainThread", "grpo-generation"]
     assert pick_round([(False, ["MainThread"], []), (False, ["grpo-generation"], [])], 0, False) == ("idle", None)
-    assert pick_round([(False, [], ["val", "train"]), idle], 0, False) == ("solo", "train")
+    both_profiles = [(False, [], ["train", "val"]), (False, [], ["val"])]
+    assert [pick_round(both_profiles, k, False) for k in range(2)] == [("solo", "train"), ("solo", "val")]

@@ -59,7 +59,7 @@ def pick_round(states: list[tuple[bool, list[str], list[str]]], round_no: int, l
     """What every trainer does this round from every trainer's ``(closing, waiting sections' threads, waiting solo
     profiles)``: ``("stop", None)``, ``("section", thread name)``, ``("solo", profile)`` or ``("idle", None)``. A section
     needs its thread waiting on every trainer (several: taken in turn by ``round_no``); a solo round runs when any
-    trainer has a batch; with both, they alternate (``last_was_section``).
+    trainer has a batch (both profiles: in turn); with both kinds, they alternate (``last_was_section``).
 
         >>> pick_round([(False, ["MainThread"], []), (False, [], ["val"])], 0, False)
         ('solo', 'val')
@@ -77,7 +77,7 @@ def pick_round(states: list[tuple[bool, list[str], list[str]]], round_no: int, l
     if common and not (profiles and last_was_section):
         return "section", common[round_no % len(common)]
     if profiles:
-        return "solo", profiles[0]
+        return "solo", profiles[round_no % len(profiles)]
     return "idle", None
 
 
