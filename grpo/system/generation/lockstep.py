@@ -204,6 +204,11 @@ class LockstepGeneration(GenerationBackend):
 
     # ---------------------------------------------------------------- the driver
     def _drive(self) -> None:
+        import torch
+
+        device = getattr(self.inner, "device", None)
+        if device is not None and device.type == "cuda":  # the current device is per thread (a solo round's NCCL)
+            torch.cuda.set_device(device)
         round_no, last_was_section, why = 0, False, "the run is ending: no generation any more"
         try:
             while True:
