@@ -130,6 +130,9 @@ def load(args):
 
         tok = build_char_tokenizer()
         return tok, build_tiny_model(tok), [f"what is {a}+{b}? answer:" for a, b in zip(range(11, 99, 7), range(5, 99))]
+    from bench.bench_step import build_workload  # the one builder of the shared workload (no download)
+
+    build_workload(Path(args.workload))
     tok = AutoTokenizer.from_pretrained(f"{args.workload}/tokenizer")
     with open(f"{args.workload}/data/train.jsonl") as f:
         prompts = [json.loads(line)["prompt"] for line in f]

@@ -41,6 +41,9 @@ def main() -> None:
     from grpo.system.rollout import sample_seed
 
     torch.set_num_threads(args.threads)
+    from bench.bench_step import build_workload  # the one builder of the shared workload (no download)
+
+    build_workload(Path(args.workload))
     tok = AutoTokenizer.from_pretrained(f"{args.workload}/tokenizer")
     with open(f"{args.workload}/data/train.jsonl") as f:
         prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in f][:8]
