@@ -164,7 +164,8 @@ class Batching:
                     batch.append(self._queue.get(timeout=0.2))
                 except queue.Empty:
                     continue
-            if not self._open.wait(timeout=0.2):  # no window: everything waiting is checked against its deadline
+            # No window: everything waiting is checked against its deadline, the first one's when it comes.
+            if not self._open.wait(timeout=min(0.2, max(0.0, min(b.deadline for b in batch) - time.monotonic()))):
                 batch = self._expire(batch + self._drain())
                 continue
             batch = self._gather(batch)
