@@ -129,10 +129,12 @@ def test_kill_9_mid_step_resumes_from_last_checkpoint(tmp_path):
         pytest.fail("no checkpoint at step 2 in time")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    # The resume point is the newest complete step directory. The status file is written just after
+    # The resume point is the newest intact step directory. The status file is written just after
     # that directory is renamed into place, so a kill between the two leaves the status one step behind.
-    done = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "ckpt").glob("step_*") if p.name[5:].isdigit())
-    last = done[-1]
+    from grpo.config import CheckpointingConfig
+    from grpo.system.checkpoint import CheckpointManager
+
+    last = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"))).latest_step()
     assert last - json.loads(status.read_text())["step"] in (0, 1)
     p = python_train(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=1")
     assert f"step {last}" in p.stdout + p.stderr
