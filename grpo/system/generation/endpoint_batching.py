@@ -164,8 +164,8 @@ class Batching:
                     batch.append(self._queue.get(timeout=0.2))
                 except queue.Empty:
                     continue
-            # No window: everything waiting is checked against its deadline, the first one's when it comes.
-            if not self._open.wait(timeout=min(0.2, max(0.0, min(b.deadline for b in batch) - time.monotonic()))):
+            first_deadline_s = max(0.0, min(b.deadline for b in batch) - time.monotonic())
+            if not self._open.wait(timeout=min(0.2, first_deadline_s)):  # no window by then: deadlines are checked
                 batch = self._expire(batch + self._drain())
                 continue
             batch = self._gather(batch)
