@@ -94,6 +94,12 @@ LORA_OVERRIDES = ["policy.lora.enabled=true", "policy.lora.match_all_linear=true
                   "policy.lora.lora_A_init=uniform"]
 
 
+def trainer_env(threads: int) -> dict:
+    """The trainer's environment: ``threads`` OpenMP / MKL threads, DeepSpeed on the CPU, nothing from a hub."""
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu",
+                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default=str(REPO / "bench_workload"))
@@ -120,14 +126,14 @@ def main() -> None:
     if args.async_:
         cmd += ["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1",
                 "loss_fn.use_importance_sampling_correction=true"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = trainer_env(args.threads)
     t_start = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-5000:])
         raise SystemExit(f"trainer exited {proc.returncode}")
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_rss_mb = usage.ru_maxrss / 1024.0
 
     with open(Path(log_dir) / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -147,6 +153,8 @@ def main() -> None:
         "completion_tokens_per_step": tokens,
         "step_s": [round(s, 3) for s in step_s],
         "peak_rss_mb": round(peak_rss_mb, 1),
+        "cpu_s": {"user": round(usage.ru_utime, 1), "sys": round(usage.ru_stime, 1)},  # the whole trainer process
+        "minor_page_faults": usage.ru_minflt,
         "time_to_first_step_s": round(train[0]["time"] - t_start, 2),
         "phase_s_median": {k: statistics.median(r[k] for r in train[1:] or train)
                            for k in ("timing/train/generate_s", "timing/train/policy_and_reference_logprobs",
