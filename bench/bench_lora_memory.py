@@ -10,25 +10,30 @@ Each case is train_grpo.py on the bench workload exactly as ``bench/bench_step.p
 ``lora`` adds its ``LORA_OVERRIDES``), in a fresh process (peak RSS only grows), with the loop instrumented from
 outside (`Ledger`): nothing in the trainer changes. At the end of each loop phase (rollout, logprobs, train, refit),
 at the end of every forward of the policy's module, and after each backward and optimizer step, it counts the
-tensors the process holds, each storage once (by its address), in the first kind that claims it:
+tensors the process holds, each storage once (by its address), in the first kind (column) that claims it:
 
-    policy weights   the policy module's parameters and buffers (with LoRA: the frozen base), ZeRO-3 partitions too
-    adapters         with LoRA: the parameters that require grad
-    gradients        ``.grad`` of the policy's parameters, and the ZeRO optimizer's gradient buffers
-    optimizer        the optimizer's states (Adam's moments) and DeepSpeed's fp32 master partitions / flat buffers
-    reference        a separate reference model's parameters and buffers (with LoRA: none, it is the adapters-off pass)
-    generation copy  the hf generation backend's own model, when it is not the policy's module
-    kv cache         tensors held by transformers' Cache objects (generation)
-    activations      tensors autograd saved for the backward (``torch.autograd.graph.saved_tensors_hooks``), still held
-    other tensors    every other tensor the garbage collector can reach (batches, logits, ...)
-    rest             RSS minus all of the above: the interpreter, libraries, and memory freed to malloc but not
-                     returned to the system
-    malloc free      (part of rest) what glibc's malloc holds free in its arenas (``mallinfo2``)
+    weights    the policy module's parameters and buffers (with LoRA: the frozen base), ZeRO-3 partitions too
+    adapters   with LoRA: the adapters (parameters named ``.lora_``)
+    grads      ``.grad`` of the policy's parameters, and the tensors of DeepSpeed's optimizer named for gradients
+    optimizer  the optimizer's states (Adam's moments) and DeepSpeed's other tensors (fp32 masters, flat buffers)
+    reference  a separate reference model's parameters and buffers (with LoRA: none, it is the adapters-off pass)
+    gen copy   the hf generation backend's own model, when it is not the policy's module (an in-process vLLM
+               engine's weights are not walked: they count as "tensors")
+    kv cache   tensors held by transformers' Cache objects (generation, shared-prompt forwards)
+    activs     tensors autograd saved for a backward (``torch.autograd.graph.saved_tensors_hooks``), still held
+    tensors    every other tensor the garbage collector reaches (batches, logits, ...)
+    rest       RSS minus all of the above: the interpreter, libraries, and memory freed to malloc but not
+               returned to the system
+    (mfree)    part of rest: what glibc's malloc holds free in its arenas (``mallinfo2().fordblks``)
 
-Per phase it prints the peak RSS within the phase (VmHWM, reset at each phase start through
-``/proc/self/clear_refs``) and the ledger of the phase's largest snapshot; "peak" is the snapshot with the highest
-RSS of the run. ``--trim`` calls glibc's ``malloc_trim(0)`` at every phase end (how much of "rest" is freed memory
-the allocator kept); set ``MALLOC_ARENA_MAX`` etc. in the environment to compare allocator settings.
+Per case and phase (setup, rollout, logprobs, train, refit) it prints the peak RSS within the phase (VmHWM, reset
+at each phase start through ``/proc/self/clear_refs``) and the ledger of the phase's largest snapshot; then the
+ledger at the run's highest RSS (PEAK) and where it held the most weight state (MOST STATE: weights to gen copy,
+what scales with the model); at the end, the peak RSS of every run, LoRA / full per pair, and the weight state in
+bytes per base parameter with what it projects for larger models (``--project``). ``--trim`` calls glibc's
+``malloc_trim(0)`` at every phase end and reports the RSS after it (how much of "rest" is freed memory the allocator
+kept); allocator settings (``MALLOC_MMAP_THRESHOLD_``, ``LD_PRELOAD`` of another malloc) pass through the environment.
+A bench-model case takes 3-5 minutes (the snapshots walk the garbage collector's objects at every forward).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ sys.path.insert(0, str(REPO))
 
 KINDS = ("policy weights", "adapters", "gradients", "optimizer", "reference", "generation copy", "kv cache",
          "activations", "other tensors")
+STATE = KINDS[:6]  # what scales with the model's parameters (activations and caches scale with the batch)
 MB = 2**20
 
 
@@ -166,6 +172,8 @@ class Ledger:
         self.phase = "setup"
         self.phases: dict[str, dict] = {}  # phase -> {"peak_rss_mb", "ledger" (its largest snapshot)}
         self.peak: dict | None = None    # the snapshot with the highest RSS
+        self.most_state: dict | None = None  # the snapshot with the most weight state (STATE) held at once
+        self.params = (0, 0)             # (base, adapter) parameters of the policy
         self._saved: list = []           # weakrefs to what autograd saved for backward
         self._peak_rss = 0               # VmHWM before each reset: the run's peak (a reset lowers ru_maxrss too)
         self._reset_peak()
@@ -233,6 +241,8 @@ class Ledger:
             entry["ledger"] = snap
         if self.peak is None or rss >= self.peak["rss"]:
             self.peak = snap
+        if self.most_state is None or sum(snap[k] for k in STATE) > sum(self.most_state[k] for k in STATE):
+            self.most_state = snap
 
     def end_phase(self) -> None:
         self.snapshot("end")
@@ -248,7 +258,8 @@ class Ledger:
 
     def result(self) -> dict:
         return {"peak_rss": max(self._peak_rss, proc_status_kb("VmHWM") * 1024), "phases": self.phases,
-                "peak": self.peak}
+                "peak": self.peak, "most_state": self.most_state, "base_params": self.params[0],
+                "adapter_params": self.params[1]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,6 +291,9 @@ def run_case(argv: list[str], out_path: str, trim: bool) -> None:
     def setup_with_ledger(*args, **kwargs):
         run = setup(*args, **kwargs)
         ledger.run = run
+        named = [(n, getattr(p, "ds_numel", p.numel())) for n, p in run.policy.module.named_parameters()]
+        adapters = sum(k for n, k in named if ".lora_" in n)
+        ledger.params = (sum(k for _, k in named) - adapters, adapters)
         ledger.end_phase()
         run.policy.module.register_forward_hook(lambda *_: ledger.snapshot("forward"))
         gen = getattr(run.generator, "model", None)
@@ -347,28 +361,50 @@ def _mb(n: int) -> str:
     return f"{n / MB:9.1f}"
 
 
+COLUMNS = {"policy weights": "weights", "adapters": "adapters", "gradients": "grads", "optimizer": "optimizer",
+           "reference": "reference", "generation copy": "gen copy", "kv cache": "kv cache", "activations": "activs",
+           "other tensors": "tensors", "rest": "rest", "malloc free": "(mfree)", "rss": "rss"}
+
+
 def table(results: list[dict]) -> str:
-    """Per case: each phase's peak RSS and its largest snapshot by kind; then the peak's ledger."""
+    """Per case, in MB: each phase's peak RSS and its largest snapshot by kind; then the ledgers of the run's peak
+    RSS and of its most weight state held at once."""
     lines = []
-    head = f"{'':24}" + "".join(f"{k[:9]:>10}" for k in (*KINDS, "rest", "malloc free", "rss"))
+    head = f"{'':24}" + "".join(f"{label:>10}" for label in COLUMNS.values())
     for r in results:
         lines.append(f"== {r['case']}: peak RSS {r['peak_rss'] / MB:.1f} MB")
         lines.append(head)
         rows = [(f"{phase} (peak {e['peak_rss'] / MB:.0f})", e["ledger"]) for phase, e in r["phases"].items()]
         rows.append((f"PEAK @ {r['peak']['phase']}/{r['peak']['point']}", r["peak"]))
+        rows.append((f"MOST STATE @ {r['most_state']['phase']}", r["most_state"]))
         for label, snap in rows:
-            lines.append(f"{label[:24]:24}" + "".join(f" {_mb(snap[k])}" for k in (*KINDS, "rest", "malloc free", "rss")))
+            lines.append(f"{label[:24]:24}" + "".join(f" {_mb(snap[k])}" for k in COLUMNS))
         trimmed = {p: e["rss_after_trim"] for p, e in r["phases"].items() if "rss_after_trim" in e}
         if trimmed:
             lines.append("rss after malloc_trim: " + ", ".join(f"{p} {v / MB:.0f}" for p, v in trimmed.items()))
     return "\n".join(lines)
 
 
-def per_parameter_bytes(result: dict, num_params: int) -> dict:
-    """The peak's weight state in bytes per base parameter: what scales with the model (activations do not)."""
-    peak = result["peak"]
-    state = ("policy weights", "adapters", "gradients", "optimizer", "reference", "generation copy")
-    return {k: round(peak[k] / num_params, 3) for k in state}
+def per_parameter_bytes(result: dict) -> dict[str, float]:
+    """The most weight state the run held at once (`STATE`), in bytes per base parameter: what scales with the
+    model (activations and KV caches scale with the batch and the sequence instead)."""
+    return {k: result["most_state"][k] / result["base_params"] for k in STATE}
+
+
+def projections(results: list[dict], sizes: list[float]) -> list[str]:
+    """Weight state per case for models of ``sizes`` base parameters: the median bytes per base parameter of its
+    runs (`per_parameter_bytes`; the adapters keep the bench model's share of the parameters)."""
+    import statistics
+
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in results):
+        per_kind = [per_parameter_bytes(r) for r in results if r["case"] == case]
+        median = {k: statistics.median(b[k] for b in per_kind) for k in STATE}
+        total = sum(median.values())
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in median.items() if v >= 0.005)
+        lines.append(f"{case}: {total:.2f} bytes of weight state per base parameter ({parts}); "
+                     + ", ".join(f"{n / 1e9:g}B -> {total * n / 2**30:.1f} GiB" for n in sizes))
+    return lines
 
 
 def main() -> None:
@@ -381,6 +417,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) at each phase end, RSS after it reported")
     ap.add_argument("--json", action="store_true", help="print every ledger as JSON lines too")
+    ap.add_argument("--project", default="1.5e9,7e9", help="base parameter counts to project the weight state to")
     ap.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="more dotted overrides for both cases")
     args = ap.parse_args()
@@ -402,8 +439,10 @@ def main() -> None:
     peaks = {case: [r["peak_rss"] / MB for r in results if r["case"] == case] for case in cases}
     print("peak RSS MB: " + "; ".join(f"{c} " + " ".join(f"{v:.1f}" for v in vs) for c, vs in peaks.items()))
     if {"full", "lora"} <= set(cases):
-        ratio = max(peaks["lora"]) / min(peaks["full"])
-        print(f"LoRA / full, worst pair of the runs (max LoRA / min full): {ratio:.3f}")
+        ratios = [lo / fu for fu, lo in zip(peaks["full"], peaks["lora"])]
+        print("LoRA / full peak RSS per pair: " + " ".join(f"{r:.3f}" for r in ratios)
+              + f"; worst of the runs (max LoRA / min full) {max(peaks['lora']) / min(peaks['full']):.3f}")
+    print("\n".join(projections(results, [float(n) for n in args.project.split(",")])))
 
 
 if __name__ == "__main__":
