@@ -233,16 +233,18 @@ def in_place_lora_linear() -> type:
     gives peft for every adapted ``torch.nn.Linear``).
 
     peft computes ``result = result + lora_B(lora_A(dropout(x))) * scaling``: three new [tokens, out_features]
-    tensors per adapted layer and forward (the product, the scaled product, the sum), two of them freed at once.
-    Here ``result.add_(lora_B(lora_A(dropout(x))).mul_(scaling))`` runs the same kernels on the same values in place:
-    one new tensor, bit for bit the same result and gradients. On the CPU those freed temporaries are what glibc's
-    heap could not reuse: on the bench model they made a LoRA step's peak RSS 260 MB higher (README "LoRA").
-    Anything else (adapters off, merged, mixed adapter batches, a peft variant such as DoRA) is peft's forward."""
+    tensors per adapted layer and forward (the product, the scaled product, the sum), freed again at once with the
+    base layer's output. Here ``result.add_(lora_B(lora_A(dropout(x))).mul_(scaling))`` runs the same kernels on the
+    same values in place: one new tensor, bit for bit the same output and gradients. On the CPU, glibc's heap keeps
+    such short-lived blocks it cannot reuse: on the bench model peft's layers made a LoRA step's peak RSS 250-300 MB
+    higher (bench/bench_lora_memory.py). Anything else (adapters off, merged, mixed adapter batches, a peft variant
+    such as DoRA) is peft's own forward."""
     from peft.tuners.lora import Linear as LoraLinear
 
     class InPlaceLoraLinear(LoraLinear):
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            if self.disable_adapters or self.merged or "adapter_names" in kwargs or self.lora_variant:
+            variant = getattr(self, "lora_variant", None)  # DoRA and peft's other variants
+            if self.disable_adapters or self.merged or "adapter_names" in kwargs or variant:
                 return super().forward(x, *args, **kwargs)
             result = self.base_layer(x, *args, **kwargs)
             dtype = result.dtype

@@ -36,7 +36,8 @@ def lora_engine(model_dir: str, stage: str, world_size: int = 1, **lora):
 
     cfg = lora_cfg(model_dir, stage, **lora)
     if stage == "zero1":
-        cfg = type(cfg).model_validate({**cfg.model_dump(), "policy": {**cfg.policy.model_dump(), "precision": "bfloat16"}})
+        policy = {**cfg.policy.model_dump(), "precision": "bfloat16"}
+        cfg = type(cfg).model_validate({**cfg.model_dump(), "policy": policy})
     return engines.build_policy_engine(cfg, world_size, total_optimizer_steps=8), cfg
 
 
@@ -88,7 +89,8 @@ def audit_state(engine) -> dict:
     optimizer steps; ``held``: `optimizer_held_elements`; ``base`` / ``adapters``: `numels`)."""
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
-    groups = [g for name in ("fp16_groups", "bit16_groups", "bf16_groups") for g in getattr(opt, name, [])]  # ZeRO-3, -1/2, BF16
+    # the parameters DeepSpeed's wrapper steps: ZeRO-3's fp16_groups, ZeRO-1/2's bit16_groups, BF16_Optimizer's
+    groups = [g for name in ("fp16_groups", "bit16_groups", "bf16_groups") for g in getattr(opt, name, [])]
     stepped = {id(p) for g in groups for p in g} | {id(p) for g in inner.param_groups for p in g["params"]}
     frozen = [(n, p) for n, p in engine.module.named_parameters() if ".lora_" not in n]
     base, adapters = numels(engine)
@@ -277,7 +279,8 @@ def _new_tensors_of_numel(fn, numel: int) -> int:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            leaves = tree_leaves((args, kwargs))
+            inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
             if (isinstance(out, torch.Tensor) and out.numel() == numel
                     and out.untyped_storage().data_ptr() not in inputs):
                 Count.n += 1
