@@ -30,14 +30,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import math
 import os
 import signal
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.tasks.failures import classify_exception
+from grpo.tasks.failures import classify_exception, reward_problem
 from grpo.tasks.function import EnvError, resolve_function
 from grpo.tasks.interface import Environment
 from grpo.trajectory import DATA, Failure
@@ -65,12 +64,13 @@ def parse_result(value: Any) -> AgentOutcome:
         return AgentOutcome(failure=Failure.of("env_malformed", f"the agent returned {str(value)[:300]!r}: {why}"))
 
     def number(x) -> float | None:
-        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+        return float(x) if reward_problem(x) is None else None  # finite in float32, the dtype rewards train in
 
     if number(value) is not None:
         return AgentOutcome(reward=number(value))
     if not isinstance(value, dict) or number(value.get("reward")) is None:
-        return bad("expected a finite number or a dict with a finite 'reward'")
+        return bad("expected a finite number or a dict with a finite 'reward' (finite in float32, the dtype rewards "
+                   "train in)")
     unknown = sorted(set(value) - {"reward", "reward_components", "mask_sample"})
     if unknown:
         return bad(f"unknown keys {unknown} (expected reward, reward_components, mask_sample)")

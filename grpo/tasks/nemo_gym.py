@@ -33,6 +33,7 @@ import math
 import statistics
 from collections import defaultdict
 
+from grpo.tasks.failures import reward_problem
 from grpo.tasks.function import EnvError
 from grpo.tasks.interface import Environment
 from grpo.trajectory import Message
@@ -155,17 +156,17 @@ def check_result(result) -> str | None:
         >>> check_result({"response": {"output": []}, "reward": 1}) is None
         True
         >>> check_result({"reward": 1})
-        "expected a verify response with 'response' (its 'output' list) and a finite 'reward'"
+        "expected a verify response with 'response' (its 'output' list) and a finite 'reward' (in float32)"
     """
     reward = result.get("reward") if isinstance(result, dict) else None
     if not (isinstance(result, dict) and isinstance(result.get("response"), dict)
             and isinstance(result["response"].get("output"), list)
-            and isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward)):
-        return "expected a verify response with 'response' (its 'output' list) and a finite 'reward'"
+            and reward_problem(reward) is None):  # finite in float32, the dtype rewards train in
+        return "expected a verify response with 'response' (its 'output' list) and a finite 'reward' (in float32)"
     comps = result.get("reward_components")
     if comps is not None and (not isinstance(comps, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in comps.values())):
-        return f"reward_components must map names to numbers, got {str(comps)[:200]}"
+            reward_problem(v) is None for v in comps.values())):
+        return f"reward_components must map names to finite numbers (in float32), got {str(comps)[:200]}"
     return None
 
 
