@@ -53,6 +53,33 @@ def check_toy_model(name: Optional[str], key: str) -> Optional[str]:
     return name
 
 
+def model_path_problem(name: Optional[str], key: str) -> Optional[str]:
+    """Why ``name`` cannot be a model (or tokenizer) for ``from_pretrained``, as far as the file system tells before
+    anything loads, else None. A name that is there must be a directory; a name that is not there can only be a hub
+    name (``name`` or ``namespace/name``, huggingface_hub's rule), so anything else (an absolute path, ``./``,
+    ``../``, ``~/``, more than one ``/``) is a local path that does not exist. Whether a hub name exists, or is in
+    the cache under ``HF_HUB_OFFLINE=1``, is known only when it loads; ``toy:`` names are `check_toy_model`'s.
+
+        >>> model_path_problem("Skywork/Skywork-Reward-V2-Qwen3-0.6B", "k") is None
+        True
+        >>> model_path_problem("/no/such/rm", "env.reward_model.model_name")[:74]
+        "env.reward_model.model_name='/no/such/rm': no such directory (a local path"
+    """
+    if name is None or name.startswith("toy:") or os.path.isdir(name):
+        return None
+    if os.path.exists(name):
+        return (f"{key}={name!r}: a file, not a directory (a model is a from_pretrained directory: config.json and "
+                "its weights)")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+        return None  # a hub name: checked when it loads
+    except HFValidationError:
+        tilde = "; ~ is not expanded: give the whole path" if name.startswith("~") else ""
+        return f"{key}={name!r}: no such directory (a local path; a hub name is 'name' or 'namespace/name'{tilde})"
+
+
 # --------------------------------------------------------------------------------------------------
 # loss_fn
 # --------------------------------------------------------------------------------------------------
@@ -1383,6 +1410,26 @@ class EnvConfig(EnvSpec):
         if gym_tasks:
             raise ValueError(f"env.tasks.{gym_tasks[0]}.name=nemo_gym: NeMo-Gym is the top-level environment only "
                              "(env.should_use_nemo_gym=true)")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_model_paths(self) -> "EnvConfig":
+        """Every reward model's local paths (weights, checkpoint, tokenizer) are there, each named by its key when
+        not (`model_path_problem`); a hub name is checked when it loads."""
+        def specs(key: str, spec: EnvSpec):
+            yield key, spec
+            for name, part in spec.rewards.items():
+                yield from specs(f"{key}.rewards.{name}", part)
+
+        sections = [("env", self), *((f"env.tasks.{t}", s) for t, s in self.tasks.items()),
+                    *((f"env.val_tasks.{t}", s) for t, s in (self.val_tasks or {}).items())]
+        for key, spec in (found for k, s in sections for found in specs(k, s)):
+            rm = spec.reward_model
+            for field, name in (("model_name", rm.model_name), ("checkpoint_path", rm.checkpoint_path),
+                                ("tokenizer.name", rm.tokenizer.name)) if rm is not None else ():
+                problem = model_path_problem(name, f"{key}.reward_model.{field}")
+                if problem is not None:
+                    raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

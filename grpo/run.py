@@ -274,14 +274,16 @@ def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
 
 def known_error_message(err: BaseException) -> str | None:
     """The ``error:`` line of an exception whose message is written for people (bad data, a checkpoint that
-    cannot be written or read, a run directory that cannot be used, a rollout that broke, a file system that
-    refuses a write), or None for any other exception (a bug: its traceback matters)."""
+    cannot be written or read, a run directory that cannot be used, a rollout that broke, an environment that
+    cannot be built (a reward model that is none), a file system that refuses a write), or None for any other
+    exception (a bug: its traceback matters)."""
     from grpo.system.write_errors import describe_os_error
 
     known: list[type] = [ConfigError]
     for module, names in (("grpo.system.data", ("DataError",)), ("grpo.system.chat", ("ChatFormatError",)),
                           ("grpo.system.checkpoint", ("CheckpointError",)), ("grpo.system.rundir", ("RunDirError",)),
-                          ("grpo.system.weights", ("ExportError",)), ("grpo.system.rollout", ("RolloutError",))):
+                          ("grpo.system.weights", ("ExportError",)), ("grpo.system.rollout", ("RolloutError",)),
+                          ("grpo.tasks.function", ("EnvError",))):
         mod = sys.modules.get(module)  # an error of a module never imported cannot have been raised
         known += [getattr(mod, n) for n in names if mod is not None and hasattr(mod, n)]
     if isinstance(err, tuple(known)):

@@ -39,6 +39,7 @@ scored at its end.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -46,6 +47,9 @@ from contextlib import contextmanager
 import torch
 
 from grpo.system.engines import DTYPES, FrozenModel, frozen_placement, free_device_bytes, release_params, zero3_loading
+from grpo.tasks.function import EnvError
+
+logger = logging.getLogger(__name__)
 
 
 class ScoreAtLastToken(torch.nn.Module):
@@ -132,18 +136,14 @@ class RewardModelScorer:
     def __init__(self, rm_cfg, device: torch.device, padding_side: str = "right", *, placement: str = "plain",
                  policy=None, world_size: int = 1, deferred: bool = False, index: int = 0,
                  offload: bool | None = None):
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from grpo.tasks.catalogue import resolve_model_name
-
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        model_name = resolve_model_name(rm_cfg.model_name, rank)  # "toy:demo_rm": rank 0 builds it on first use
-        path = rm_cfg.checkpoint_path or model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(rm_cfg.tokenizer.name or model_name)
+        key, path, config = reward_model_config(rm_cfg)
+        tok_key, tok_name = (("env.reward_model.tokenizer.name", rm_cfg.tokenizer.name) if rm_cfg.tokenizer.name
+                             else ("env.reward_model.model_name", resolve_toy(rm_cfg.model_name)))
+        self.tokenizer = from_hub(AutoTokenizer.from_pretrained, tok_name, tok_key)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        config = AutoConfig.from_pretrained(path)
-        config.num_labels = 1  # NeMo-RL sets it for a Bradley-Terry model: the head's single output
         if offload is None:  # a scorer used alone: auto by this rank's free memory now
             offload = resolve_offload(rm_cfg, device, placement, world_size)
         self.plan = offload_plan(offload, device.type, placement)
@@ -152,13 +152,16 @@ class RewardModelScorer:
             hidden = getattr(config.get_text_config(), "hidden_size", None)
             ds_config = reward_model_ds_config(rm_cfg, policy, world_size, hidden, self.plan == "offload_param")
         with zero3_loading(ds_config or {}):  # under ZeRO-3 each rank loads its shards only
-            model = AutoModelForSequenceClassification.from_pretrained(path, config=config,
-                                                                       dtype=DTYPES[rm_cfg.precision])
+            model, info = AutoModelForSequenceClassification.from_pretrained(  # what is untrained: refused below
+                path, config=config, dtype=DTYPES[rm_cfg.precision], output_loading_info=True,
+                ignore_mismatched_sizes=True)
         if getattr(model, model.base_model_prefix, None) is None or not isinstance(getattr(model, "score", None),
                                                                                   torch.nn.Module):
-            raise ValueError(f"env.reward_model.model_name={rm_cfg.model_name!r}: {type(model).__name__} has no "
-                             "'score' head over its base model (the ForSequenceClassification layout of Llama, Qwen2, "
-                             "Qwen3, Mistral, Gemma)")
+            raise EnvError(f"{key}={path!r}: {type(model).__name__} has no 'score' head over its base model (the "
+                           "ForSequenceClassification layout of Llama, Qwen2, Qwen3, Mistral, Gemma)")
+        untrained = untrained_weights(info)
+        if untrained:  # every rank read the whole state dict's names: all refuse together, none waits
+            raise EnvError(untrained_message(key, path, untrained, config.architectures))
         module = ScoreAtLastToken(model).requires_grad_(False)
         if placement == "zero3":
             import deepspeed
@@ -333,8 +336,11 @@ class RewardModels:
                 continue
             with scorer.on_device():
                 scores = scorer.score_lockstep([p.token_ids for _, p in items], n_most)
-            for (t, p), s in zip(items, scores.tolist()):
-                add_score(t, p, s)
+            problems = [add_score(t, p, s) for (t, p), s in zip(items, scores.tolist())]
+            failed = [x for x in problems if x is not None]
+            if failed:  # each such sample failed (env_malformed), counted in rollout/failed_samples
+                logger.warning("reward model %s: %d of %d samples failed: %s", scorer.name, len(failed), len(items),
+                               failed[0])
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -345,13 +351,84 @@ class RewardModels:
 
 def num_params(rm_cfg) -> int:
     """The reward model's parameter count, from its config alone (the meta device: nothing allocated)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    from grpo.tasks.catalogue import resolve_model_name
-
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    config = AutoConfig.from_pretrained(rm_cfg.checkpoint_path or resolve_model_name(rm_cfg.model_name, rank))
-    config.num_labels = 1
+    _, _, config = reward_model_config(rm_cfg)
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
     return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: what to load, and a checkpoint that is no reward model refused by name
+# --------------------------------------------------------------------------------------------------
+def resolve_toy(name: str) -> str:
+    """``toy:demo_rm`` -> its local directory (rank 0 builds it on first use, the others wait); others unchanged."""
+    from grpo.tasks.catalogue import resolve_model_name
+
+    return resolve_model_name(name, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+
+
+def reward_model_config(rm_cfg):
+    """``(key, path, config)``: where the weights come from (``env.reward_model.checkpoint_path``, else
+    ``model_name``), named by its key for messages, and their transformers config with ``num_labels = 1`` (NeMo-RL
+    sets it for a Bradley-Terry model: the head's single output)."""
+    from transformers import AutoConfig
+
+    key, path = (("env.reward_model.checkpoint_path", rm_cfg.checkpoint_path) if rm_cfg.checkpoint_path
+                 else ("env.reward_model.model_name", resolve_toy(rm_cfg.model_name)))
+    config = from_hub(AutoConfig.from_pretrained, path, key)
+    config.num_labels = 1
+    return key, path, config
+
+
+def from_hub(load, name: str, key: str):
+    """``load(name)`` (a transformers ``from_pretrained``); a name it cannot find (a local path not there, a hub
+    name not in the cache under ``HF_HUB_OFFLINE=1``, no such repository) is an `EnvError`: one line naming the
+    key, the name and transformers' first line, not transformers' traceback and its message without the key."""
+    from grpo.config import model_path_problem
+
+    problem = model_path_problem(name, key)  # checked at config load too; here for a scorer built by hand
+    if problem is not None:
+        raise EnvError(problem)
+    try:
+        return load(name)
+    except OSError as err:
+        import huggingface_hub
+
+        why = ("not in the Hugging Face cache, and HF_HUB_OFFLINE=1 downloads nothing"
+               if huggingface_hub.is_offline_mode() else (str(err).strip().splitlines() or [type(err).__name__])[0])
+        raise EnvError(f"{key}={name!r}: not a local directory, and it cannot be loaded as a hub name: {why}") from None
+
+
+def untrained_weights(loading_info: dict) -> dict[str, str]:
+    """The weights ``from_pretrained(..., output_loading_info=True, ignore_mismatched_sizes=True)`` did not take from
+    the checkpoint, which transformers initialised at random: name -> why (missing, or its shape there), sorted.
+
+        >>> untrained_weights({"missing_keys": {"score.weight"}, "mismatched_keys": set(), "unexpected_keys": {"x"}})
+        {'score.weight': 'is not in it'}
+        >>> untrained_weights({"missing_keys": set(), "mismatched_keys": {("score.weight", (2, 64), (1, 64))}})
+        {'score.weight': 'is [2, 64] in it, [1, 64] here'}
+    """
+    out = {k: "is not in it" for k in loading_info.get("missing_keys") or ()}
+    for k in loading_info.get("mismatched_keys") or ():
+        name, theirs, ours = k if isinstance(k, tuple) else (k, None, None)
+        out[name] = f"is {list(theirs)} in it, {list(ours)} here" if theirs is not None else "has another shape there"
+    return dict(sorted(out.items()))
+
+
+def untrained_message(key: str, path: str, untrained: dict[str, str], architectures: list[str] | None) -> str:
+    """The refusal of a checkpoint whose weights ``untrained`` (`untrained_weights`) were initialised at random: a
+    reward model that scores noise.
+
+        >>> untrained_message("k", "/m", {"score.weight": "is not in it"}, ["Qwen2ForCausalLM"]).split(" (transformers")[0]
+        "k='/m': a Qwen2ForCausalLM checkpoint, not a reward model: score.weight is not in it"
+    """
+    saved = f"a {', '.join(architectures)} checkpoint" if architectures else "this checkpoint"
+    head = all(k.startswith("score.") for k in untrained)
+    names = list(untrained)
+    shown = "; ".join(f"{k} {untrained[k]}" for k in names[:4]) + (f"; {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"{key}={path!r}: {saved}{', not a reward model' if head else ''}: {shown} (transformers initialised "
+            f"{'it' if len(names) == 1 else 'them'} at random: the run would train on noise); give a "
+            "ForSequenceClassification checkpoint with one output, trained as a reward model (NeMo-RL's Bradley-Terry "
+            "model)")
