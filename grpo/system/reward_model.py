@@ -383,9 +383,12 @@ def reward_model_config(rm_cfg):
 
 
 def from_hub(load, name: str, key: str):
-    """``load(name)`` (a transformers ``from_pretrained``); a name it cannot find (a local path not there, a hub
-    name not in the cache under ``HF_HUB_OFFLINE=1``, no such repository) is an `EnvError`: one line naming the
-    key, the name and transformers' first line, not transformers' traceback and its message without the key."""
+    """``load(name)`` (a transformers ``from_pretrained``); a name it cannot load (a local path not there, a
+    directory that holds no model or tokenizer, a hub name not in the cache under ``HF_HUB_OFFLINE=1``, no such
+    repository) is an `EnvError`: one line naming the key, the name and transformers' first line, not transformers'
+    traceback and its message without the key."""
+    import os
+
     from grpo.config import model_path_problem
 
     problem = model_path_problem(name, key)  # checked at config load too; here for a scorer built by hand
@@ -393,11 +396,14 @@ def from_hub(load, name: str, key: str):
         raise EnvError(problem)
     try:
         return load(name)
-    except OSError as err:
+    except (OSError, ValueError) as err:
         import huggingface_hub
 
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        if os.path.isdir(name):
+            raise EnvError(f"{key}={name!r}: a directory transformers cannot load from: {first}") from None
         why = ("not in the Hugging Face cache, and HF_HUB_OFFLINE=1 downloads nothing"
-               if huggingface_hub.is_offline_mode() else (str(err).strip().splitlines() or [type(err).__name__])[0])
+               if huggingface_hub.is_offline_mode() else first)
         raise EnvError(f"{key}={name!r}: not a local directory, and it cannot be loaded as a hub name: {why}") from None
 
 

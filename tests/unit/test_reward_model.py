@@ -252,9 +252,10 @@ def test_a_missing_reward_model_path_fails_the_config_check_in_one_line(override
     assert ok.returncode == 0, ok.stderr
 
 
-def test_a_hub_name_that_cannot_load_is_one_line_naming_its_key():
-    """Offline (HF_HUB_OFFLINE=1, as the tests run) a hub name not in the cache cannot load: one line naming the key
-    and the name, shown by the scripts without a traceback (`grpo.run.known_error_message`)."""
+def test_a_name_that_cannot_load_is_one_line_naming_its_key(tmp_path):
+    """Offline (HF_HUB_OFFLINE=1, as the tests run) a hub name not in the cache cannot load, nor can a directory that
+    holds no model: one line naming the key and the name, shown by the scripts without a traceback
+    (`grpo.run.known_error_message`)."""
     from grpo.run import known_error_message
     from grpo.system.reward_model import RewardModelScorer
     from grpo.tasks.function import EnvError
@@ -265,3 +266,6 @@ def test_a_hub_name_that_cannot_load_is_one_line_naming_its_key():
                               "be loaded as a hub name: not in the Hugging Face cache, and HF_HUB_OFFLINE=1 downloads "
                               "nothing")
     assert known_error_message(err.value) == f"error: {err.value}"
+    with pytest.raises(EnvError, match=rf"^env.reward_model.model_name='{tmp_path}': a directory transformers cannot "
+                                       "load from: Unrecognized model"):
+        RewardModelScorer(RewardModelConfig(model_name=str(tmp_path)), torch.device("cpu"))
