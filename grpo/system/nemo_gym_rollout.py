@@ -238,7 +238,7 @@ def play_gym(env: NemoGymEnvironment, trajs: list, seed_keys: list[tuple], endpo
         raise RuntimeError("NeMo-Gym samples need the servers' ledger (env.ledger: GymLedger, set where the servers "
                            "are found: grpo.system.nemo_gym_servers.start_gym_servers)")
     vocab_size = len(endpoint.tokenizer)
-    labels = [f"data row {t.prompt_index}" for t in trajs]
+    labels = [f"{key[3]} data row {t.prompt_index}" for t, key in zip(trajs, seed_keys)]  # e.g. "train data row 17"
     with env.ledger.opened(), endpoint.serving(weight_version):
         outcomes = asyncio.run(run_rows(env, rows, retry, lambda r: result_problem(r, vocab_size, env.ledger),
                                         labels))

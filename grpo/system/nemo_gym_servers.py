@@ -228,8 +228,8 @@ class GymServers:
             self.foreign_ports.append(port)
         raise GymServerError(
             f"env.nemo_gym: on each of the ports {self.foreign_ports} picked for the NeMo-Gym head server, a server "
-            f"this run did not launch answered first (its global config lacks this launch's {LAUNCH_KEY}): another run's or "
-            f"another user's Gym, or something else, took the port; give this run a port range of its own "
+            f"this run did not launch answered first (its global config lacks this launch's {LAUNCH_KEY}): another "
+            "run's or another user's Gym, or something else, took the port; give this run a port range of its own "
             f"(env.nemo_gym.port_range_low..high = {cfg.port_range_low}..{cfg.port_range_high})")
 
     def _launch_on(self, policy: dict, host: str, port: int, deadline: float) -> dict | None:
@@ -264,7 +264,7 @@ class GymServers:
                 config = read_global_config(self.head_url)
             except httpx.TransportError:  # nothing answers yet (refused, reset, timed out)
                 config = None
-            except (httpx.HTTPStatusError, ValueError, yaml.YAMLError):
+            except (httpx.HTTPError, ValueError, yaml.YAMLError):
                 config = {}  # something answered, not a Gym head server: not this launch's either
             if config is not None:
                 if launched_by(config, key):

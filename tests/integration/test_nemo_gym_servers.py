@@ -222,7 +222,8 @@ def test_servers_you_started_are_found_through_the_head_server(gym, tmp_path):
 def _refused(t, *words: str) -> None:
     """Sample ``t`` failed as env_malformed (never trained), its detail naming the fault agent's server and row."""
     assert (t.error, t.failure_kind, t.reward) == ("env_malformed", "data", 0.0), (t.error, t.error_detail)
-    assert "'fault_agent' (http://127.0.0.1:" in t.error_detail and f"data row {t.prompt_index}" in t.error_detail
+    assert "'fault_agent' (http://127.0.0.1:" in t.error_detail
+    assert f"train data row {t.prompt_index}:" in t.error_detail
     for word in words:
         assert word in t.error_detail, t.error_detail
 
