@@ -155,7 +155,7 @@ class GymServers:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 yaml.safe_dump(policy, f)
-            urls = self._wait_for_started(path)
+            urls = self._wait_for_started(path, api_key)
             where = f"the head server env.nemo_gym.head_server_url={self.head_url}"
         if not self.agents:
             self.close()
@@ -165,21 +165,26 @@ class GymServers:
         return urls
 
     # ---------------------------------------------------------------- servers you started
-    def _wait_for_started(self, env_yaml: str) -> dict[str, str]:
+    def _wait_for_started(self, env_yaml: str, api_key: str) -> dict[str, str]:
+        """The servers of ``head_server_url`` (once its global config carries no other ``policy_api_key`` than
+        ``api_key``: servers started for an earlier run are waited on until restarted) or ``agent_urls``, up."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         if self.cfg.head_server_url:
             self.head_url = self.cfg.head_server_url.rstrip("/")
             while True:
                 try:
                     config = read_global_config(self.head_url)
+                    if isinstance(config, dict) and config.get("policy_api_key", api_key) != api_key:
+                        raise ValueError("its servers call the policy with another policy_api_key than this run's")
                     urls, self.agents = server_urls(config), agent_names(config)
                     break
                 except (httpx.HTTPError, ValueError, yaml.YAMLError) as err:
                     if time.monotonic() > deadline:
                         raise GymServerError(
-                            f"env.nemo_gym.head_server_url={self.head_url}: no Gym head server answered within "
-                            f"env.nemo_gym.startup_timeout_s={self.cfg.startup_timeout_s} ({type(err).__name__}: "
-                            f"{err}); start the servers with the run's endpoint from {env_yaml}") from None
+                            f"env.nemo_gym.head_server_url={self.head_url}: no Gym head server of this run answered "
+                            f"within env.nemo_gym.startup_timeout_s={self.cfg.startup_timeout_s} "
+                            f"({type(err).__name__}: {err}); start the servers with the run's endpoint and key from "
+                            f"{env_yaml}") from None
                     time.sleep(1.0)
         else:
             urls = dict(self.cfg.agent_urls)

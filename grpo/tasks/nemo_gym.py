@@ -236,20 +236,31 @@ def check_token_fields(result: dict, vocab_size: int) -> str | None:
         for name, ids in fields.items():
             if not isinstance(ids, list):
                 return f"model call {call}: {name} must be a list of token ids, got {str(ids)[:100]}"
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                    return (f"model call {call}: {name}[{i}]={str(t)[:40]} is not a token id of the policy's tokenizer "
-                            f"(ints in [0, {vocab_size}))")
+            if not _all_token_ids(ids, vocab_size):
+                i, t = next((i, t) for i, t in enumerate(ids) if not _all_token_ids([t], vocab_size))
+                return (f"model call {call}: {name}[{i}]={str(t)[:40]} is not a token id of the policy's tokenizer "
+                        f"(ints in [0, {vocab_size}))")
         logprobs = item.get("generation_log_probs")
         if not isinstance(logprobs, list) or len(logprobs) != len(fields["generation_token_ids"]):
             got = len(logprobs) if isinstance(logprobs, list) else str(logprobs)[:100]
             return (f"model call {call}: {len(fields['generation_token_ids'])} generation_token_ids but "
                     f"generation_log_probs {got}")
-        for i, x in enumerate(logprobs):
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x <= 0):
-                return (f"model call {call}: generation_log_probs[{i}]={str(x)[:40]} is not a log-probability "
-                        "(finite and <= 0)")
+        if not _all_log_probabilities(logprobs):
+            i, x = next((i, x) for i, x in enumerate(logprobs) if not _all_log_probabilities([x]))
+            return (f"model call {call}: generation_log_probs[{i}]={str(x)[:40]} is not a log-probability "
+                    "(finite and <= 0)")
     return None
+
+
+def _all_token_ids(values: list, vocab_size: int) -> bool:
+    """Every value an int (not a bool) in ``[0, vocab_size)``; C-speed over long prompts (a bool's type is bool)."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0 and max(values) < vocab_size)
+
+
+def _all_log_probabilities(values: list) -> bool:
+    """Every value an int or float (not a bool), finite and <= 0."""
+    return not values or (set(map(type, values)) <= {int, float} and all(map(math.isfinite, values))
+                          and max(values) <= 0)
 
 
 def trajectory_messages(result: dict, decode) -> tuple[list[Message], dict]:

@@ -209,11 +209,15 @@ def test_servers_you_started_are_found_through_the_head_server(gym, tmp_path):
     endpoint, env, servers = gym
     cfg = _cfg({"head_server_url": servers.head_url, "startup_timeout_s": 10})
     mine = GymServers(cfg.env.nemo_gym, str(tmp_path))
-    urls = mine.start(endpoint.base_url, endpoint.api_key, endpoint.model_name)
+    urls = mine.start(endpoint.base_url, env.ledger.key, endpoint.model_name)
     assert urls["calc_simple_agent"] == env.agent_urls["calc_simple_agent"] and mine.proc is None
     import yaml
 
-    assert yaml.safe_load((tmp_path / "nemo_gym_env.yaml").read_text())["policy_api_key"] == endpoint.api_key
+    assert yaml.safe_load((tmp_path / "nemo_gym_env.yaml").read_text())["policy_api_key"] == env.ledger.key
+    # servers started with another run's key (an earlier run's, another user's) are not this run's
+    cfg = _cfg({"head_server_url": servers.head_url, "startup_timeout_s": 1})
+    with pytest.raises(GymServerError, match="another policy_api_key than this run's.*start the servers with"):
+        GymServers(cfg.env.nemo_gym, str(tmp_path)).start(endpoint.base_url, "sk-grpo-s-another", "m")
     cfg = _cfg({"agent_urls": {"a": "http://127.0.0.1:9"}, "startup_timeout_s": 1})
     with pytest.raises(GymServerError, match="did not answer"):
         GymServers(cfg.env.nemo_gym, str(tmp_path)).start(endpoint.base_url, "k", "m")
