@@ -200,6 +200,14 @@ class Endpoint(Batching):
         with self._lock:
             return self._sessions.pop(key).records
 
+    def take_records(self, key: str) -> list[CallRecord]:
+        """The calls recorded under session ``key`` since the last take, in the order they were answered; the key
+        stays valid (a long-lived session: the NeMo-Gym servers', `grpo.system.nemo_gym_rollout.GymLedger`)."""
+        with self._lock:
+            session = self._sessions[key]
+            records, session.records = session.records, []
+        return records
+
     # ---------------------------------------------------------------- requests
     def _authorize(self, header: str | None) -> _Session | None:
         key = (header or "").removeprefix("Bearer ").strip()
