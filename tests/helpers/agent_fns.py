@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import os
 import signal
@@ -133,17 +132,21 @@ async def stalling_agent(row, base_url, api_key, model):
 
 
 async def signal_then_block(row, base_url, api_key, model):
-    """At the ``GRPO_TEST_SIGNAL_AT``-th call (counted in the file ``GRPO_TEST_COUNTER``) sends SIGTERM to the trainer
-    (this process) and blocks its event loop for 10 minutes in sync code; every other call plays as calc_agent."""
-    with open(os.environ["GRPO_TEST_COUNTER"], "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        calls = len(f.read()) + 1
-        f.write(".")
-    if calls == int(os.environ["GRPO_TEST_SIGNAL_AT"]):
+    """Asks the question once (reward 0: whatever an untrained model answers); the first sample answered by weights
+    of version ``GRPO_TEST_SIGNAL_AT_VERSION`` or newer (a step after that many were trained) then sends SIGTERM to the
+    trainer (this process) and blocks its event loop for 10 minutes in sync code. ``GRPO_TEST_FLAG``: a file that
+    says it was sent."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["question"]}],
+                                                 **row["sampling"])
+    if (r.model_extra or {}).get("weight_version", 0) >= int(os.environ["GRPO_TEST_SIGNAL_AT_VERSION"]):
+        try:
+            os.close(os.open(os.environ["GRPO_TEST_FLAG"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return 0.0
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(600)
-    return await calc_agent(row, base_url, api_key, model)
+    return 0.0
 
 
 if __name__ == "__main__":  # the program form: env.agent.command = [python, this file]
