@@ -4,20 +4,21 @@ run's OpenAI-compatible endpoint (`grpo.system.generation.endpoint`), and says w
 An agent is an async Python function (``env.agent.fn: package.module:function``)::
 
     async def agent(row: dict, base_url: str, api_key: str, model: str) -> float | dict:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
-        ...                                   # any number of chat completions, tools run by the agent
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
+            ...                               # any number of chat completions, tools run by the agent
         return {"reward": 1.0, "reward_components": {"correct": 1.0}, "mask_sample": False}
 
 or a program (``env.agent.command: [argv...]``) that reads the row as JSON on stdin, finds ``GRPO_BASE_URL``,
 ``GRPO_API_KEY``, ``GRPO_MODEL`` (and the ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` the openai package reads) in its
-environment, and prints the result as JSON on the last line of its stdout. ``row`` is
+environment, and prints the result as JSON on the last line of its stdout (what it prints before is read and
+dropped, its last megabyte kept: `grpo.tasks.agent_call.run_program`). ``row`` is
 ``{"question", "answer", "meta", "task_name", "messages", "sampling"}`` (``messages``: the prompt as the data
 formatted it, role / content dicts; ``sampling``: the ``temperature`` and ``top_p`` to send, the run's training or
 validation pair: the endpoint refuses others). A number is the reward; a dict has ``reward`` and optionally ``reward_components`` (named
 finite numbers) and ``mask_sample`` (keep the sample out of the loss).
 
-Every sample gets its own API key, so the endpoint records each call it makes; the trainer builds the sample's
-trajectory from those records (`grpo.system.agent_rollout`), never from what the agent says it saw.
+Every attempt of a sample gets its own API key, so the endpoint records each call it makes; the trainer builds the
+sample's trajectory from those records (`grpo.system.agent_rollout`), never from what the agent says it saw.
 
 Each call of the function runs on an event loop of its own, in a thread of its own (`grpo.tasks.agent_call`: so
 that the timeout and stop signals hold whatever the agent does); make clients inside the function, as above, not at

@@ -12,7 +12,7 @@ from grpo.tasks.calculator import AGENT_CHAT_TEMPLATE
 from tests.e2e.test_agent_e2e import CONFIG
 from tests.helpers.e2e import REPO, child_env, paths, train_rows
 
-TINY_AGENT_RUN = ["grpo.max_num_steps=3", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+TINY_AGENT_RUN = ["grpo.max_num_steps=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
                   "policy.train_global_batch_size=4", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=4",
                   "policy.generation_batch_size=4", "grpo.val_period=0", "grpo.val_at_start=false",
                   "grpo.val_at_end=false", "checkpointing.save_period=100", "logger.progress_bar=false",
@@ -34,7 +34,7 @@ def test_sigterm_while_an_agent_blocks_its_loop_stops_the_run_with_a_checkpoint_
     env = {**child_env(), "GRPO_TEST_FLAG": str(tmp_path / "signalled"), "GRPO_TEST_SIGNAL_AT_VERSION": "1"}
     args = [sys.executable, "train_grpo.py", "--config", tiny_agent_config(tmp_path),
             *paths(tmp_path, *TINY_AGENT_RUN, "env.agent.fn=tests.helpers.agent_fns:signal_then_block",
-                   "env.agent.timeout_s=5")]
+                   "env.agent.timeout_s=3")]
     p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # < the agent's 600 s
     out = p.stdout + p.stderr
     assert p.returncode == 143, out[-4000:]
