@@ -9,7 +9,9 @@ import asyncio
 import gc
 import logging
 import sys
+import time
 import tracemalloc
+from pathlib import Path
 
 import openai
 import pytest
@@ -53,6 +55,26 @@ def test_an_agent_that_never_yields_is_abandoned_at_its_timeout(endpoint, agent)
     assert envs.post_process(trajs)[1]["env/agent/failed_samples"] == 2.0
     if agent == "spinning_agent":  # it never awaits, so only an exception raised inside its thread ends it
         assert agent_fns.SPUN_OUT.wait(10)
+
+
+def test_a_program_that_ignores_sigterm_is_killed_with_its_children_at_its_timeout(endpoint, tmp_path):
+    """A program agent that ignores SIGTERM and whose child keeps its stdout open: killed with its process group."""
+    pids = tmp_path / "pids"
+    script = f"trap '' TERM; sleep 1000 & echo $$ $! > {pids}; wait"
+    trajs, _ = _play(endpoint, {"command": ["bash", "-c", script], "timeout_s": 1.0}, n=1)
+    assert trajs[0].error == "env_timeout"
+    running = [int(p) for p in pids.read_text().split()]
+    deadline = time.monotonic() + 10
+    while (running := [p for p in running if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_a_timed_out_agent_is_retried_until_a_stop_is_requested(endpoint):
