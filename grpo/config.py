@@ -1027,8 +1027,9 @@ class AgentConfig(_Section):
         "on stdout."))
     max_concurrency: int = Field(64, gt=0, description="Agents running at once on a rank.")
     timeout_s: float = Field(300.0, gt=0, description=(
-        "Per-sample deadline in seconds: an agent still running is cancelled (a program killed) and its sample "
-        "fails (env_timeout: masked, never scored 0)."))
+        "Per-attempt deadline in seconds, whatever the agent does: an agent still running is abandoned (cancelled, "
+        "a program killed) and the attempt fails (env_timeout: retried within grpo.rollout_failure, then masked, "
+        "never scored 0)."))
 
     @model_validator(mode="after")
     def _one(self) -> "AgentConfig":

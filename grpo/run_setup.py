@@ -179,6 +179,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
             generator.refit(policy)
     agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
+    if agents is not None:  # a stop signal ends the agents' retries
+        agents.stop_requested = stop.requested
     closables.append(stop)
     return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
                chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
