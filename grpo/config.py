@@ -569,6 +569,9 @@ class HttpServerConfig(_Section):
         "between them) before it is answered 503 with a Retry-After header."))
     model_name: Optional[str] = Field(None, description=(
         "The model name /v1/models lists and requests send (null: policy.model_name)."))
+    read_timeout_s: float = Field(30.0, gt=0, description=(
+        "A request body that has not arrived in full this long after its headers is answered 408; until its body "
+        "is read a request holds none of the max_concurrent_requests slots."))
 
 
 class VllmConfig(_Section):

@@ -18,9 +18,11 @@ Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering an
   version that produced it (``weight_version``). A request that finds no window within ``http_server.max_wait_s``
   (the run is training or checkpointing) is answered 503 with ``Retry-After`` (the last pause's length), never left
   hanging. While the rollout's own samples generate, `Endpoint.shared` makes them and the batches take turns.
-- **Limits**: ``http_server.max_concurrent_requests`` in flight (429 beyond), ``max_body_bytes`` (413), wrong
-  key (401), unknown model (404), anything malformed or a prompt with no room left (400); a failure of the backend
-  answers 500 to the requests of that batch and the server goes on. Errors use OpenAI's body.
+- **Limits**: ``http_server.max_concurrent_requests`` in flight once their bodies are read (429 beyond),
+  ``max_body_bytes`` (413, read no further), ``read_timeout_s`` for the body (408;
+  `grpo.system.generation.endpoint_limits`), wrong key (401), unknown model (404), anything malformed or a prompt
+  with no room left (400). A failure of the backend answers 500 to the requests of that batch and the server goes on;
+  a client gone mid-request is one line of log. Errors use OpenAI's body.
 
 Seeds: a sample's call k, choice i is seeded by hash(session seed key, k, i), so an agent that makes the same calls
 gets the same tokens; requests under the run's key use their ``seed`` (or a random one).
@@ -43,8 +45,10 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from these globals
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
-from grpo.system.generation.endpoint_batching import Batching, _Pending
+from grpo.system.generation.endpoint_batching import Batching, _Pending, shutting_down
+from grpo.system.generation.endpoint_limits import read_body
 from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
                                                 check_sampling, cut_at_stop, error_body, extract_tool_calls,
                                                 parse_message, parse_request, replace_prefix_tokens,
@@ -139,7 +143,8 @@ class Endpoint(Batching):
         self._open = threading.Event()
         self._windows, self._window_lock = 0, threading.Lock()  # open generation windows (`serving`)
         self._generating = threading.Lock()
-        self._inflight = 0
+        self._inflight = 0  # requests the server handles, from their headers on (the batcher's `_busy`)
+        self._admitted = 0  # of them, those whose body is read: what max_concurrent_requests bounds
         self._closed_at: float | None = None  # when the last window closed
         self._last_pause_s: float | None = None  # how long the last pause between two windows lasted
         self._stop = threading.Event()
@@ -340,29 +345,33 @@ class Endpoint(Batching):
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
         async def guarded(request: Request, model_cls, handle):
-            if self._inflight >= self.settings.max_concurrent_requests:
-                return refuse(RequestError(429, f"more than {self.settings.max_concurrent_requests} requests in "
-                                                "flight (policy.generation.http_server.max_concurrent_requests)",
-                                           kind="rate_limit_error", code="rate_limit_exceeded"))
+            settings, admitted = self.settings, False
             self._inflight += 1
             try:
                 session = self._authorize(request.headers.get("authorization"))
-                limit = self.settings.max_body_bytes
-                if int(request.headers.get("content-length") or 0) > limit:
-                    raise RequestError(413, f"the request body is over {limit} bytes "
-                                            "(policy.generation.http_server.max_body_bytes)")
-                body = await request.body()
-                if len(body) > limit:
-                    raise RequestError(413, f"the request body is over {limit} bytes "
-                                            "(policy.generation.http_server.max_body_bytes)")
+                body = await read_body(request, settings.max_body_bytes, settings.read_timeout_s)
+                if self._admitted >= settings.max_concurrent_requests:
+                    raise RequestError(429, f"more than {settings.max_concurrent_requests} requests in flight "
+                                            "(policy.generation.http_server.max_concurrent_requests)",
+                                       kind="rate_limit_error", code="rate_limit_exceeded")
+                self._admitted, admitted = self._admitted + 1, True
                 return JSONResponse(await handle(parse_request(model_cls, body), session))
             except RequestError as err:
                 return refuse(err)
+            except ClientDisconnect:  # nobody to answer
+                logger.warning("endpoint: a client of %s disconnected before its request body was complete",
+                               request.url.path)
+                return refuse(RequestError(400, "the client disconnected"))
+            except asyncio.CancelledError:  # the server stops (`close`) and cancels what is still being read
+                if not self._stop.is_set():
+                    raise
+                return refuse(shutting_down())
             except Exception as err:  # a bug or a backend failure: this request fails, the run goes on
                 logger.warning("endpoint: %s failed", request.url.path, exc_info=True)
                 return JSONResponse(error_body(f"{type(err).__name__}: {err}", "server_error"), status_code=500)
             finally:
                 self._inflight -= 1
+                self._admitted -= admitted
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
