@@ -1,10 +1,12 @@
 """The endpoint against hostile or broken clients (issue 43), on loopback: the official ``openai`` client for
 requests it can send, raw sockets for bodies it cannot (chunked past the limit, slow, abandoned). Each test is a
-fault the endpoint had: a chunked body read whole before the 413, slow clients holding every slot and disconnects
-logged as tracebacks."""
+fault the endpoint had: a bad token id failing its whole batch, a chunked body read whole before the 413, slow
+clients holding every slot and disconnects logged as tracebacks, client garbage answered 500, tool_choice values
+accepted and ignored, image parts silently dropped."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import socket
@@ -12,10 +14,13 @@ import time
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
+import openai
+import pytest
+
 from grpo.system.generation.endpoint import Endpoint
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 from tests.helpers.scripted_backend import ScriptedBackend
-from tests.integration.test_endpoint import MODEL, USER, _cfg, _client
+from tests.integration.test_endpoint import MODEL, USER, _cfg, _client, _hf_endpoint, _post
 
 BODY = json.dumps({"model": MODEL, "messages": USER, "top_p": 1.0}).encode()
 
@@ -53,6 +58,44 @@ def _answer(sock: socket.socket) -> tuple[int, str]:
     sock.close()
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body.decode()
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. token ids in a history
+# --------------------------------------------------------------------------------------------------
+# SIMPLE_CHAT_TEMPLATE with an end-of-turn token after assistant turns, where NeMo-RL's splice resumes the template
+SPLICE_TEMPLATE = SIMPLE_CHAT_TEMPLATE.replace("{{ m['content'] }}",
+                                               "{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The endpoint over the hf backend and a tiny model: an out-of-vocabulary id fails inside it."""
+    ep = _hf_endpoint(_cfg(), SPLICE_TEMPLATE)
+    yield ep
+    ep.close()
+
+
+@pytest.mark.parametrize("field, bad", [("generation_token_ids", 10_000), ("prompt_token_ids", -1)])
+def test_a_bad_token_id_in_a_history_is_a_400_naming_it_and_fails_no_other_request(tiny, field, bad):
+    """An agent hands back its history with the endpoint's token fields; one agent's history holds an id that is not
+    the model's. Its request is refused by name before batching; the request queued beside it is answered."""
+    with tiny.serving():
+        first = _client(tiny).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, logprobs=True, seed=1)
+    history = [*USER, first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "2+2="}]
+    broken = json.loads(json.dumps(history))
+    broken[1][field][1] = bad
+    tiny.backend.batches = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both wait while the endpoint is closed
+        good = pool.submit(_client(tiny).chat.completions.create, model=MODEL, messages=history, top_p=1.0)
+        refused = pool.submit(_client(tiny).chat.completions.create, model=MODEL, messages=broken, top_p=1.0)
+        time.sleep(1.0)
+        with tiny.serving():
+            assert good.result(timeout=60).choices[0].message.role == "assistant"
+            with pytest.raises(openai.BadRequestError) as err:
+                refused.result(timeout=60)
+    assert f"messages.1.{field}.1 = {bad} is not a token id" in err.value.body["message"]
+    assert err.value.body["param"] == f"messages.1.{field}" and tiny.backend.batches == [1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,3 +145,71 @@ def test_clients_gone_mid_body_or_cut_off_by_the_runs_end_log_no_traceback(caplo
     assert "disconnected before its request body was complete" in gone.getMessage()
     assert all(r.exc_info is None for r in caplog.records), caplog.text
     assert [status for status, _ in answers] == [503] * 3
+
+
+# --------------------------------------------------------------------------------------------------
+# 13. client garbage
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, words", [
+    (json.dumps({"model": MODEL, "top_p": 1.0, "messages": [{"role": "user", "content": "1+\ud800"}]}),
+     "messages.0.content: '\\ud800' at character 2 is a lone surrogate"),
+    (json.dumps({"model": MODEL, "top_p": 1.0, "messages": USER, "user": "\udfff"}), "user:"),
+    ('{"model": "%s", "top_p": 1.0, "messages": %s, "metadata": %s}' % (MODEL, json.dumps(USER),
+                                                                          "[" * 100_000 + "]" * 100_000),
+     "nested more than 64 levels"),
+    ('{"model": "%s", "top_p": 1.0, "messages": %s, "metadata": %s}' % (MODEL, json.dumps(USER), "[" * 70 + "]" * 70),
+     "metadata.0.0.0"),
+])
+def test_client_garbage_is_a_400_naming_it(body, words):
+    with _scripted(max_body_bytes=1_000_000) as ep, ep.serving():
+        r = _post(ep, "/v1/chat/completions", body)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+# --------------------------------------------------------------------------------------------------
+# 17. tool_choice; image parts
+# --------------------------------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(tools=TOOLS, tool_choice="bogus"), "invalid value for tool_choice: 'bogus'"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "search"}}),
+     "'search', which is not one of the request's tools ['calc']"),
+    (dict(tool_choice="auto"), "needs tools"),
+    (dict(tools=TOOLS, tool_choice="required"), "constrained decoding"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "calc"}}), "constrained decoding"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools:"),
+])
+def test_tool_choice_is_checked_as_vllm_does_and_forcing_a_call_is_refused(kw, words):
+    with _scripted(tool_parser="compact") as ep, ep.serving():
+        with pytest.raises(openai.BadRequestError) as err:
+            _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, **kw)
+    assert words in err.value.body["message"], err.value.body
+
+
+def test_tools_are_parsed_with_auto_and_need_a_tool_parser():
+    with _scripted(texts=["<calc>1+2</calc>"], tool_parser="compact") as ep, ep.serving():
+        for choice in ({}, {"tool_choice": "auto"}):
+            r = _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, tools=TOOLS, **choice)
+            assert r.choices[0].message.tool_calls[0].function.name == "calc"
+    with _scripted(texts=["<calc>1+2</calc>"]) as ep, ep.serving():  # no tool parser: vLLM refuses "auto" too
+        with pytest.raises(openai.BadRequestError) as err:
+            _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, tools=TOOLS)
+        assert "need a tool parser" in err.value.body["message"]
+        r = _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, tools=TOOLS, tool_choice="none")
+        assert r.choices[0].message.content == "<calc>1+2</calc>"
+
+
+def test_an_image_part_is_a_400_naming_it_never_dropped():
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+             {"type": "text", "text": "1+2="}]
+    with _scripted() as ep, ep.serving():
+        with pytest.raises(openai.BadRequestError) as err:
+            _client(ep).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], top_p=1.0)
+        assert "content part 0 is of type 'image_url'" in err.value.body["message"]
+        assert err.value.body["param"] == "messages.0.content"
+        r = _client(ep).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts[1:]}],
+                                                top_p=1.0)
+        assert r.choices[0].message.content == "ok"

@@ -1,8 +1,8 @@
 """The run's OpenAI-compatible endpoint over the policy being trained (NeMo-RL's ``expose_http_server``).
 
 Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering and splice as chat), ``GET
-/v1/models``, ``GET /health``. Requests and answers, the checks and the prefix splice are
-`grpo.system.generation.openai_chat`'s; this module serves them and feeds the generation backend.
+/v1/models``, ``GET /health``. Requests and answers and the prefix splice are `grpo.system.generation.openai_chat`'s,
+the checks `grpo.system.generation.openai_checks`'; this module serves them and feeds the generation backend.
 
 - **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
   way; FastAPI gives pydantic request models and OpenAI's JSON for free, and uvicorn runs on a socket we bind in
@@ -20,9 +20,12 @@ Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering an
   hanging. While the rollout's own samples generate, `Endpoint.shared` makes them and the batches take turns.
 - **Limits**: ``http_server.max_concurrent_requests`` in flight once their bodies are read (429 beyond),
   ``max_body_bytes`` (413, read no further), ``read_timeout_s`` for the body (408;
-  `grpo.system.generation.endpoint_limits`), wrong key (401), unknown model (404), anything malformed or a prompt
-  with no room left (400). A failure of the backend answers 500 to the requests of that batch and the server goes on;
-  a client gone mid-request is one line of log. Errors use OpenAI's body.
+  `grpo.system.generation.endpoint_limits`), wrong key (401), unknown model (404), anything malformed, a token id
+  that is not the model's, a prompt with no room left (400), all decided before the request joins a batch. A failure
+  of the backend answers 500 to the requests of that batch and the server goes on; a client gone mid-request is one
+  line of log. Errors use OpenAI's body.
+- **Tools**: ``tools`` / ``tool_choice`` as vLLM validates them, "required" and named functions refused
+  (`openai_checks.check_tools` says why).
 
 Seeds: a sample's call k, choice i is seeded by hash(session seed key, k, i), so an agent that makes the same calls
 gets the same tokens; requests under the run's key use their ``seed`` (or a random one).
@@ -50,9 +53,9 @@ from starlette.requests import ClientDisconnect
 from grpo.system.generation.endpoint_batching import Batching, _Pending, shutting_down
 from grpo.system.generation.endpoint_limits import read_body
 from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
-                                                check_sampling, cut_at_stop, error_body, extract_tool_calls,
-                                                parse_message, parse_request, replace_prefix_tokens,
-                                                required_prefix, template_messages)
+                                                cut_at_stop, error_body, extract_tool_calls, parse_message,
+                                                replace_prefix_tokens, required_prefix, template_messages)
+from grpo.system.generation.openai_checks import check_sampling, check_token_ids, check_tools, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +135,9 @@ class Endpoint(Batching):
             self.vllm_parser = vllm_chat_parser(tokenizer, self.tool_parser, self.reasoning_parser)
         self.model_name = self.settings.model_name or p.model_name
         self.max_len = p.max_total_sequence_length
+        # The ids a request may carry: the tokenizer's (vLLM also takes a padded model vocabulary's extra ids; the
+        # backends do not say theirs).
+        self.vocab_size = len(tokenizer)
         val = g.for_validation()
         self.train_pair, self.val_pair = (g.temperature, g.top_p), (val.temperature, val.top_p)
         self.gen_cfg = g
@@ -234,8 +240,10 @@ class Endpoint(Batching):
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(self, req) -> list[int]:
-        """The request's prompt tokens: rendered, then spliced onto the model's own earlier tokens when the history
-        carries them (`openai_chat.replace_prefix_tokens`)."""
+        """The request's prompt tokens: its token ids checked (`openai_checks.check_token_ids`), rendered, then
+        spliced onto the model's own earlier tokens when the history carries them
+        (`openai_chat.replace_prefix_tokens`)."""
+        check_token_ids(req, self.vocab_size)
         ids = self.render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
         prefix = required_prefix(req)
         if prefix is None:
@@ -251,6 +259,7 @@ class Endpoint(Batching):
         if req.stream:
             raise RequestError(400, "stream=true is not supported by this endpoint", param="stream")
         profile = check_sampling(req, self.train_pair, self.val_pair)
+        check_tools(req, self.tool_parser)
         prompt = self.prompt_ids(req)
         room = self.max_len - len(prompt)
         if room <= 0:
