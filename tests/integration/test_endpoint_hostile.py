@@ -1,8 +1,9 @@
 """The endpoint against hostile or broken clients (issue 43), on loopback: the official ``openai`` client for
 requests it can send, raw sockets for bodies it cannot (chunked past the limit, slow, abandoned). Each test is a
-fault the endpoint had: a bad token id failing its whole batch, a chunked body read whole before the 413, slow
-clients holding every slot and disconnects logged as tracebacks, client garbage answered 500, tool_choice values
-accepted and ignored, image parts silently dropped."""
+fault the endpoint had: a bad token id failing its whole batch, a request replacing the run's chat template or
+freezing the event loop with one, a chunked body read whole before the 413, slow clients holding every slot and
+disconnects logged as tracebacks, client garbage answered 500, tool_choice values accepted and ignored, image parts
+silently dropped."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
+import httpx
 import openai
 import pytest
 
@@ -96,6 +98,54 @@ def test_a_bad_token_id_in_a_history_is_a_400_naming_it_and_fails_no_other_reque
                 refused.result(timeout=60)
     assert f"messages.1.{field}.1 = {bad} is not a token id" in err.value.body["message"]
     assert err.value.body["param"] == f"messages.1.{field}" and tiny.backend.batches == [1]
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. a request's chat template; rendering off the event loop, bounded
+# --------------------------------------------------------------------------------------------------
+OWN = "X{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def test_a_requests_chat_template_is_refused_unless_the_run_trusts_it():
+    """The run renders with the tokenizer's own template; a request may not replace it (vLLM's
+    --trust-request-chat-template is off by default), in either spelling."""
+    with _scripted() as ep, ep.serving():
+        c = _client(ep)
+        for extra, param in (({"chat_template_kwargs": {"chat_template": OWN}}, "chat_template_kwargs"),
+                             ({"chat_template": OWN}, "chat_template")):
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(model=MODEL, messages=USER, top_p=1.0, extra_body=extra)
+            assert err.value.body["param"] == param, err.value.body
+        assert "trust_request_chat_template" in err.value.body["message"]
+        r = c.chat.completions.create(model=MODEL, messages=USER, top_p=1.0, logprobs=True)
+        assert ep.tokenizer.decode(r.choices[0].message.model_extra["prompt_token_ids"]) != "X1+2="
+    with _scripted(trust_request_chat_template=True) as ep, ep.serving():
+        r = _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, logprobs=True,
+                                                extra_body={"chat_template": OWN})
+        assert ep.tokenizer.decode(r.choices[0].message.model_extra["prompt_token_ids"]) == "X1+2="
+
+
+# 10^8 loop steps: most of a minute of Python, unless stopped
+HEAVY = "{% for i in range(100000) %}{% for j in range(1000) %}{% set x = j %}{% endfor %}{% endfor %}x"
+
+
+def test_rendering_runs_off_the_event_loop_and_stops_at_render_timeout_s():
+    """A heavy (trusted) template: /health answers while it renders, and the rendering is stopped after
+    render_timeout_s with a 400; a rendering longer than the context could hold is refused before it is encoded."""
+    with _scripted(trust_request_chat_template=True, render_timeout_s=2.0) as ep, ep.serving():
+        root = ep.base_url.removesuffix("/v1")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            heavy = pool.submit(_post, ep, "/v1/chat/completions",
+                                json.dumps({"model": MODEL, "messages": USER, "top_p": 1.0, "chat_template": HEAVY}))
+            time.sleep(0.5)  # it renders now
+            assert httpx.get(root + "/health", timeout=30).json()["status"] == "ok"
+            assert not heavy.done()
+            r = heavy.result(timeout=60)
+        assert r.status_code == 400 and "render_timeout_s" in r.json()["error"]["message"]
+        with pytest.raises(openai.BadRequestError) as err:
+            _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0,
+                                                extra_body={"chat_template": "{{ 'x' * 100000 }}"})
+        assert "characters, more than policy.max_total_sequence_length=64" in err.value.body["message"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,12 +19,13 @@ the checks `grpo.system.generation.openai_checks`'; this module serves them and 
   (the run is training or checkpointing) is answered 503 with ``Retry-After`` (the last pause's length), never left
   hanging. While the rollout's own samples generate, `Endpoint.shared` makes them and the batches take turns.
 - **Limits**: ``http_server.max_concurrent_requests`` in flight once their bodies are read (429 beyond),
-  ``max_body_bytes`` (413, read no further), ``read_timeout_s`` for the body (408;
-  `grpo.system.generation.endpoint_limits`), wrong key (401), unknown model (404), anything malformed, a token id
-  that is not the model's, a prompt with no room left (400), all decided before the request joins a batch. A failure
-  of the backend answers 500 to the requests of that batch and the server goes on; a client gone mid-request is one
-  line of log. Errors use OpenAI's body.
-- **Tools**: ``tools`` / ``tool_choice`` as vLLM validates them, "required" and named functions refused
+  ``max_body_bytes`` (413, read no further), ``read_timeout_s`` for the body (408), wrong key (401), unknown model
+  (404), anything malformed, a token id that is not the model's, a prompt with no room left (400), all decided before
+  the request joins a batch; rendering runs off the event loop within ``render_timeout_s``
+  (`grpo.system.generation.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
+  the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
+- **Chat templates**: the run's (a request's own ``chat_template`` only with ``http_server.trust_request_chat_template``,
+  vLLM's rule); ``tools`` / ``tool_choice`` as vLLM validates them, "required" and named functions refused
   (`openai_checks.check_tools` says why).
 
 Seeds: a sample's call k, choice i is seeded by hash(session seed key, k, i), so an agent that makes the same calls
@@ -51,13 +52,17 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from grpo.system.generation.endpoint_batching import Batching, _Pending, shutting_down
-from grpo.system.generation.endpoint_limits import read_body
+from grpo.system.generation.endpoint_limits import TemplateTimeout, read_body, template_deadline
 from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
                                                 cut_at_stop, error_body, extract_tool_calls, parse_message,
                                                 replace_prefix_tokens, required_prefix, template_messages)
-from grpo.system.generation.openai_checks import check_sampling, check_token_ids, check_tools, parse_request
+from grpo.system.generation.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
+                                                  request_template)
 
 logger = logging.getLogger(__name__)
+
+# Threads that render requests with the chat template (off the event loop); each rendering is bounded in time.
+RENDER_THREADS = 4
 
 
 @dataclass
@@ -136,8 +141,11 @@ class Endpoint(Batching):
         self.model_name = self.settings.model_name or p.model_name
         self.max_len = p.max_total_sequence_length
         # The ids a request may carry: the tokenizer's (vLLM also takes a padded model vocabulary's extra ids; the
-        # backends do not say theirs).
+        # backends do not say theirs). A rendering over max_render_chars could not fit the context twice over.
         self.vocab_size = len(tokenizer)
+        self.max_render_chars = 2 * self.max_len * max(map(len, tokenizer.get_vocab()))
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(RENDER_THREADS,
+                                                                  thread_name_prefix="grpo-endpoint-render")
         val = g.for_validation()
         self.train_pair, self.val_pair = (g.temperature, g.top_p), (val.temperature, val.top_p)
         self.gen_cfg = g
@@ -192,6 +200,7 @@ class Endpoint(Batching):
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(timeout=10)
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     def sampling(self, profile: str) -> dict[str, float]:
         """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
@@ -223,34 +232,51 @@ class Endpoint(Batching):
                                     "sample's", kind="authentication_error", code="invalid_api_key")
         return session
 
-    def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool) -> list[int]:
+    def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool,
+               template: str | None = None) -> list[int]:
         """The chat template's tokens for ``messages`` (vLLM's way: render to text, encode without adding special
-        tokens)."""
+        tokens); ``template``: a request's own (trusted) template, else the run's. The template's code stops after
+        ``http_server.render_timeout_s``; a text too long for the context is refused before it is encoded."""
         extra = {**self.template_kwargs, **(kwargs or {})}
-        if self.chat_template is not None:
-            extra["chat_template"] = self.chat_template
+        if template is not None or self.chat_template is not None:
+            extra["chat_template"] = template if template is not None else self.chat_template
+        limit_s = self.settings.render_timeout_s
         try:
-            text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **extra)
+            with template_deadline(limit_s):
+                text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt, **extra)
         except RequestError:
             raise
+        except TemplateTimeout:
+            raise RequestError(400, f"rendering the chat template took over {limit_s:g} s "
+                                    "(policy.generation.http_server.render_timeout_s)", param="messages") from None
         except Exception as err:
             raise RequestError(400, f"the chat template cannot render these messages: {type(err).__name__}: {err}",
                                param="messages") from None
+        if len(text) > self.max_render_chars:
+            raise RequestError(400, f"the rendered prompt has {len(text)} characters, more than "
+                                    f"policy.max_total_sequence_length={self.max_len} tokens can hold",
+                               param="messages", code="context_length_exceeded")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(self, req) -> list[int]:
         """The request's prompt tokens: its token ids checked (`openai_checks.check_token_ids`), rendered, then
         spliced onto the model's own earlier tokens when the history carries them
-        (`openai_chat.replace_prefix_tokens`)."""
+        (`openai_chat.replace_prefix_tokens`). Blocking: the server calls it on a render thread (`_rendered`)."""
         check_token_ids(req, self.vocab_size)
-        ids = self.render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
+        template = request_template(req, self.settings.trust_request_chat_template)
+        kwargs = req.chat_template_kwargs
+        ids = self.render(req.messages, req.tools, kwargs, req.add_generation_prompt, template)
         prefix = required_prefix(req)
         if prefix is None:
             return ids
         last = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=len(req.messages) - 1)
-        template_prefix = self.render(req.messages[:last + 1], req.tools, req.chat_template_kwargs, False)
+        template_prefix = self.render(req.messages[:last + 1], req.tools, kwargs, False, template)
         return replace_prefix_tokens(self.tokenizer.eos_token_id, prefix, template_prefix, ids)
+
+    async def _rendered(self, req) -> list[int]:
+        """`prompt_ids` on a render thread: the event loop goes on serving (/health, other requests' bodies)."""
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool, self.prompt_ids, req)
 
     async def chat(self, req: ChatRequest, session: _Session | None) -> dict:
         if req.model != self.model_name:
@@ -260,7 +286,7 @@ class Endpoint(Batching):
             raise RequestError(400, "stream=true is not supported by this endpoint", param="stream")
         profile = check_sampling(req, self.train_pair, self.val_pair)
         check_tools(req, self.tool_parser)
-        prompt = self.prompt_ids(req)
+        prompt = await self._rendered(req)
         room = self.max_len - len(prompt)
         if room <= 0:
             raise RequestError(400, f"the prompt has {len(prompt)} tokens, leaving no room under "
@@ -337,9 +363,9 @@ class Endpoint(Batching):
         entry["top_logprobs"] = [dict(entry)] if top else []
         return entry
 
-    def tokenize(self, req: TokenizeRequest) -> dict:
+    async def tokenize(self, req: TokenizeRequest) -> dict:
         if req.messages is not None:
-            ids = self.prompt_ids(req)
+            ids = await self._rendered(req)
         elif req.prompt is not None:
             ids = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
         else:
@@ -387,7 +413,7 @@ class Endpoint(Batching):
             return await guarded(request, ChatRequest, self.chat)
 
         async def tokenize_handler(req, session):
-            return self.tokenize(req)
+            return await self.tokenize(req)
 
         @app.post("/tokenize")
         async def tokenize(request: Request):

@@ -114,6 +114,7 @@ class ChatRequest(BaseModel):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     required_prefix_token_ids: Optional[list[int]] = None
@@ -151,6 +152,7 @@ class TokenizeRequest(BaseModel):
     messages: Optional[list[ChatMessage]] = None
     prompt: Optional[str] = None
     tools: Optional[list[dict[str, Any]]] = None
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False

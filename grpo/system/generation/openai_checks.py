@@ -6,7 +6,8 @@ field, so one client's bad request fails that request only, never the batch it w
   the schema (content parts must be text: images are not supported, never dropped);
 - sampling: the run's training or validation parameters (`check_sampling`);
 - token ids of a history: the model's (`check_token_ids`);
-- tools and ``tool_choice``: as vLLM validates them, forcing a call refused (`check_tools`).
+- tools and ``tool_choice``: as vLLM validates them, forcing a call refused (`check_tools`);
+- the chat template: the run's, a request's own only where the run trusts it (`request_template`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from grpo.config import CHAT_TEMPLATE_ARGS_SET_BY_GRPO
 from grpo.system.generation.openai_chat import ChatRequest, RequestError
 
 # A request body nested deeper than this (arrays and objects) is refused: no real request comes near it (a tool's
@@ -173,3 +175,19 @@ def check_tools(req: ChatRequest, tool_parser: Optional[str]) -> None:
                                 "(policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser); "
                                 "tool_choice=\"none\" renders the tools and leaves the answer as text",
                            param="tool_choice")
+
+
+def request_template(req, trusted: bool) -> Optional[str]:
+    """The request's own chat template (its ``chat_template`` field), or None. vLLM's rules: without
+    ``trusted`` (``http_server.trust_request_chat_template``) a request that sends one is refused; the template
+    never comes in ``chat_template_kwargs``, nor does another argument the endpoint sets itself (``tokenize``,
+    ``tools``, ...)."""
+    taken = sorted(set(req.chat_template_kwargs or ()) & CHAT_TEMPLATE_ARGS_SET_BY_GRPO)
+    if taken:
+        raise RequestError(400, f"chat_template_kwargs: {taken} are not template variables (a template is the "
+                                "request's chat_template field)", param="chat_template_kwargs")
+    if req.chat_template is not None and not trusted:
+        raise RequestError(400, "the request sends a chat_template, and this run does not take one from a request "
+                                "(policy.generation.http_server.trust_request_chat_template=false, as vLLM's "
+                                "--trust-request-chat-template)", param="chat_template")
+    return req.chat_template
