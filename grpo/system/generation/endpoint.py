@@ -21,7 +21,7 @@ the checks `grpo.system.generation.openai_checks`'; this module serves them and 
 - **Limits**: ``http_server.max_concurrent_requests`` in flight once their bodies are read (429 beyond),
   ``max_body_bytes`` (413, read no further), ``read_timeout_s`` for the body (408), wrong key (401), unknown model
   (404), anything malformed, a token id that is not the model's, a prompt with no room left (400), all decided before
-  the request joins a batch; rendering runs off the event loop within ``render_timeout_s``
+  the request joins a batch; parsing and rendering run off the event loop, rendering within ``render_timeout_s``
   (`grpo.system.generation.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
   the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
 - **Chat templates**: the run's (a request's own ``chat_template`` only with ``http_server.trust_request_chat_template``,
@@ -61,8 +61,9 @@ from grpo.system.generation.openai_checks import (check_sampling, check_token_id
 
 logger = logging.getLogger(__name__)
 
-# Threads that render requests with the chat template (off the event loop); each rendering is bounded in time.
-RENDER_THREADS = 4
+# Threads that parse and render requests (`Endpoint._off_loop`), so the event loop only moves bytes; each rendering
+# is bounded in time.
+WORK_THREADS = 4
 
 
 @dataclass
@@ -144,8 +145,7 @@ class Endpoint(Batching):
         # backends do not say theirs). A rendering over max_render_chars could not fit the context twice over.
         self.vocab_size = len(tokenizer)
         self.max_render_chars = 2 * self.max_len * max(map(len, tokenizer.get_vocab()))
-        self._render_pool = concurrent.futures.ThreadPoolExecutor(RENDER_THREADS,
-                                                                  thread_name_prefix="grpo-endpoint-render")
+        self._work_pool = concurrent.futures.ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="grpo-endpoint-work")
         val = g.for_validation()
         self.train_pair, self.val_pair = (g.temperature, g.top_p), (val.temperature, val.top_p)
         self.gen_cfg = g
@@ -200,7 +200,7 @@ class Endpoint(Batching):
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(timeout=10)
-        self._render_pool.shutdown(wait=False, cancel_futures=True)
+        self._work_pool.shutdown(wait=False, cancel_futures=True)
 
     def sampling(self, profile: str) -> dict[str, float]:
         """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
@@ -262,7 +262,7 @@ class Endpoint(Batching):
     def prompt_ids(self, req) -> list[int]:
         """The request's prompt tokens: its token ids checked (`openai_checks.check_token_ids`), rendered, then
         spliced onto the model's own earlier tokens when the history carries them
-        (`openai_chat.replace_prefix_tokens`). Blocking: the server calls it on a render thread (`_rendered`)."""
+        (`openai_chat.replace_prefix_tokens`). Blocking: the server calls it off the event loop (`_off_loop`)."""
         check_token_ids(req, self.vocab_size)
         template = request_template(req, self.settings.trust_request_chat_template)
         kwargs = req.chat_template_kwargs
@@ -274,9 +274,10 @@ class Endpoint(Batching):
         template_prefix = self.render(req.messages[:last + 1], req.tools, kwargs, False, template)
         return replace_prefix_tokens(self.tokenizer.eos_token_id, prefix, template_prefix, ids)
 
-    async def _rendered(self, req) -> list[int]:
-        """`prompt_ids` on a render thread: the event loop goes on serving (/health, other requests' bodies)."""
-        return await asyncio.get_running_loop().run_in_executor(self._render_pool, self.prompt_ids, req)
+    async def _off_loop(self, fn, *args):
+        """``fn(*args)`` on a work thread: the event loop goes on serving (/health, other requests' bodies) while a
+        request is parsed and rendered."""
+        return await asyncio.get_running_loop().run_in_executor(self._work_pool, fn, *args)
 
     async def chat(self, req: ChatRequest, session: _Session | None) -> dict:
         if req.model != self.model_name:
@@ -286,7 +287,7 @@ class Endpoint(Batching):
             raise RequestError(400, "stream=true is not supported by this endpoint", param="stream")
         profile = check_sampling(req, self.train_pair, self.val_pair)
         check_tools(req, self.tool_parser)
-        prompt = await self._rendered(req)
+        prompt = await self._off_loop(self.prompt_ids, req)
         room = self.max_len - len(prompt)
         if room <= 0:
             raise RequestError(400, f"the prompt has {len(prompt)} tokens, leaving no room under "
@@ -363,9 +364,10 @@ class Endpoint(Batching):
         entry["top_logprobs"] = [dict(entry)] if top else []
         return entry
 
-    async def tokenize(self, req: TokenizeRequest) -> dict:
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        """``POST /tokenize``'s answer (blocking: the server calls it off the event loop)."""
         if req.messages is not None:
-            ids = await self._rendered(req)
+            ids = self.prompt_ids(req)
         elif req.prompt is not None:
             ids = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
         else:
@@ -390,7 +392,7 @@ class Endpoint(Batching):
                                             "(policy.generation.http_server.max_concurrent_requests)",
                                        kind="rate_limit_error", code="rate_limit_exceeded")
                 self._admitted, admitted = self._admitted + 1, True
-                return JSONResponse(await handle(parse_request(model_cls, body), session))
+                return JSONResponse(await handle(await self._off_loop(parse_request, model_cls, body), session))
             except RequestError as err:
                 return refuse(err)
             except ClientDisconnect:  # nobody to answer
@@ -413,7 +415,7 @@ class Endpoint(Batching):
             return await guarded(request, ChatRequest, self.chat)
 
         async def tokenize_handler(req, session):
-            return await self.tokenize(req)
+            return await self._off_loop(self.tokenize, req)
 
         @app.post("/tokenize")
         async def tokenize(request: Request):
