@@ -3,8 +3,8 @@
 - its body is read as it arrives (`read_body`): the first byte over ``http_server.max_body_bytes`` is a 413 and the
   rest is never read (a chunked body declares no length); a body not in full ``http_server.read_timeout_s`` after
   the headers is a 408. Both answers close the connection.
-- its chat template renders on a worker thread, off the server's event loop, and stops after
-  ``http_server.render_timeout_s`` (`template_deadline`).
+- it is parsed and rendered on a work thread, off the server's event loop (`Endpoint._off_loop`), and its chat
+  template stops after ``http_server.render_timeout_s`` (`template_deadline`).
 """
 
 from __future__ import annotations
