@@ -596,6 +596,15 @@ class HttpServerConfig(_Section):
         "between them) before it is answered 503 with a Retry-After header."))
     model_name: Optional[str] = Field(None, description=(
         "The model name /v1/models lists and requests send (null: policy.model_name)."))
+    read_timeout_s: float = Field(30.0, gt=0, description=(
+        "A request body that has not arrived in full this long after its headers is answered 408; until its body "
+        "is read a request holds none of the max_concurrent_requests slots."))
+    trust_request_chat_template: bool = Field(False, description=(
+        "vLLM's --trust-request-chat-template: a request's own chat_template replaces the run's; false (default): "
+        "a request that sends one is answered 400 (the run's template is what the policy trains on)."))
+    render_timeout_s: float = Field(10.0, gt=0, description=(
+        "Rendering a request with the chat template (off the server's event loop) is stopped after this long and "
+        "the request answered 400."))
 
 
 class VllmConfig(_Section):

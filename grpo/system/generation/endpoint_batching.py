@@ -185,8 +185,7 @@ class Batching:
     def _shut(self, items: list[_Pending]) -> None:
         """Answer ``items`` 503 ``shutting_down`` (the run is ending)."""
         for item in items:
-            _answer(item.future, error=RequestError(503, "the run is ending: its endpoint is shutting down",
-                                                    kind="server_error", code="shutting_down"))
+            _answer(item.future, error=shutting_down())
 
     def _generate(self, items: list[_Pending], profile: str) -> None:
         version = self.weight_version  # (an in-flight update may raise it meanwhile)
@@ -214,6 +213,12 @@ class Batching:
             return self.backend.generate(prompts, seeds, max_new_tokens=caps, stop_strings=stops)
         finally:
             self.backend.gen_cfg = before
+
+
+def shutting_down() -> RequestError:
+    """The 503 of a request the endpoint cannot answer because the run is ending."""
+    return RequestError(503, "the run is ending: its endpoint is shutting down", kind="server_error",
+                        code="shutting_down")
 
 
 def _answer(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
