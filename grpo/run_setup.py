@@ -177,7 +177,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         closables.append(generator)
         if not asynchronous:  # (the async producer pushes the staged weights to generation ranks itself)
             generator.refit(policy)
-    agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous)
+    agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous,
+                            vocab_size=policy.module.config.vocab_size)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
     if agents is not None:  # a stop signal ends the agents' retries
         agents.stop_requested = stop.requested

@@ -237,7 +237,7 @@ def play_gym(env: NemoGymEnvironment, trajs: list, seed_keys: list[tuple], endpo
     if env.ledger is None:
         raise RuntimeError("NeMo-Gym samples need the servers' ledger (env.ledger: GymLedger, set where the servers "
                            "are found: grpo.system.nemo_gym_servers.start_gym_servers)")
-    vocab_size = len(endpoint.tokenizer)
+    vocab_size = endpoint.vocab_size  # the tokenizer's ids and a padded embedding's rows
     labels = [f"{key[3]} data row {t.prompt_index}" for t, key in zip(trajs, seed_keys)]  # e.g. "train data row 17"
     with env.ledger.opened(), endpoint.serving(weight_version):
         outcomes = asyncio.run(run_rows(env, rows, retry, lambda r: result_problem(r, vocab_size, env.ledger),

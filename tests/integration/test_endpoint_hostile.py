@@ -100,6 +100,26 @@ def test_a_bad_token_id_in_a_history_is_a_400_naming_it_and_fails_no_other_reque
     assert err.value.body["param"] == f"messages.1.{field}" and tiny.backend.batches == [1]
 
 
+def test_a_padded_embeddings_extra_ids_are_the_models_too():
+    """A model whose embedding has more rows than its tokenizer has tokens (Qwen2.5: 151,936 for 151,665) can sample
+    an id past the tokenizer's: a history holding one is the policy's own and is served; one past the rows is not."""
+    cfg = _cfg()
+    tok = build_char_tokenizer(SPLICE_TEMPLATE)
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, ["ok"] * 3), tok, vocab_size=len(tok) + 8)
+    ep.start()
+    try:
+        with ep.serving():
+            first = _client(ep).chat.completions.create(model=MODEL, messages=USER, top_p=1.0, logprobs=True, seed=1)
+            history = [*USER, first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "x"}]
+            history[1]["generation_token_ids"][0] = len(tok) + 7  # a padded row: the model's
+            assert _client(ep).chat.completions.create(model=MODEL, messages=history, top_p=1.0).choices
+            history[1]["generation_token_ids"][0] = len(tok) + 8
+            with pytest.raises(openai.BadRequestError, match=f"= {len(tok) + 8} is not a token id"):
+                _client(ep).chat.completions.create(model=MODEL, messages=history, top_p=1.0)
+    finally:
+        ep.close()
+
+
 # --------------------------------------------------------------------------------------------------
 # 4. a request's chat template; rendering off the event loop, bounded
 # --------------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ class Endpoint(Batching):
     `start` serves it; `serving` opens it for generation; `close` stops it.
     """
 
-    def __init__(self, cfg, backend, tokenizer):
+    def __init__(self, cfg, backend, tokenizer, vocab_size: int = 0):
         p, g = cfg.policy, cfg.policy.generation
         self.cfg, self.backend, self.tokenizer = cfg, backend, tokenizer
         self.settings = g.http_server
@@ -141,9 +141,10 @@ class Endpoint(Batching):
             self.vllm_parser = vllm_chat_parser(tokenizer, self.tool_parser, self.reasoning_parser)
         self.model_name = self.settings.model_name or p.model_name
         self.max_len = p.max_total_sequence_length
-        # The ids a request may carry: the tokenizer's (vLLM also takes a padded model vocabulary's extra ids; the
-        # backends do not say theirs). A rendering over max_render_chars could not fit the context twice over.
-        self.vocab_size = len(tokenizer)
+        # The ids a request may carry: the tokenizer's and a padded embedding's extra rows (Qwen2.5: 151,936 rows for
+        # 151,665 tokens; the policy can sample those, and vLLM takes them too). A rendering over max_render_chars
+        # could not fit the context twice over.
+        self.vocab_size = max(len(tokenizer), vocab_size)  # vocab_size: the policy's embedding rows
         self.max_render_chars = 2 * self.max_len * max(map(len, tokenizer.get_vocab()))
         self._work_pool = concurrent.futures.ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="grpo-endpoint-work")
         val = g.for_validation()
