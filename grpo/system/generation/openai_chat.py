@@ -163,9 +163,13 @@ class TokenizeRequest(BaseModel):
 # Rendering and NeMo-RL's prefix splice
 # --------------------------------------------------------------------------------------------------
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template reads them: list content joined into text, a tool call's
-    ``arguments`` string parsed into an object (vLLM does the same; Qwen's template writes them with tojson),
-    the token fields left out.
+    """The messages as the chat template reads them: list content joined into text (a newline between text parts,
+    as vLLM joins them for a template that reads strings), a tool call's ``arguments`` string parsed into an object
+    (vLLM does the same; Qwen's template writes them with tojson), the token fields left out.
+
+        >>> parts = [{"type": "text", "text": "2+2"}, {"type": "text", "text": "="}]
+        >>> template_messages([ChatMessage(role="user", content=parts)])[0]["content"].splitlines()
+        ['2+2', '=']
 
         >>> m = ChatMessage(role="assistant", content=None, tool_calls=[{"id": "c", "type": "function",
         ...     "function": {"name": "calc", "arguments": '{"x": 1}'}}])
@@ -178,7 +182,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
              if k not in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
         content = d.get("content")
         if isinstance(content, list):
-            d["content"] = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            d["content"] = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))  # vLLM's
         d.setdefault("content", "")
         if d.get("tool_calls"):
             calls = []
