@@ -777,8 +777,8 @@ class SequencePackingConfig(_Section):
     enabled: bool = Field(True, description=(
         "Micro-batches of up to *_mb_tokens tokens, their samples packed back to back where that runs fewer tokens "
         "(on by default, as in NeMo-RL's recipes: 0.26x TRL's step on the long-tail workload against 0.68x padded, "
-        "and a micro-batch whose lengths are even runs padded or with shared prompts as before; README 'Sequence "
-        "packing'). Left at its default it gives way to dynamic_batching.enabled=true, and to a model whose "
+        "and a micro-batch whose lengths are even runs padded or with shared prompts as before; docs/packing.md). "
+        "Left at its default it gives way to dynamic_batching.enabled=true, and to a model whose "
         "attention cannot take packed rows (the startup line says so); set explicitly, both are errors."))
     train_mb_tokens: Optional[int] = Field(None, gt=0, description=(
         "Real tokens per training micro-batch (sdpa / eager rows of the longest sample can hold up to twice that in "
