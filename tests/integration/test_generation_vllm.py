@@ -222,6 +222,36 @@ def test_prefix_cache_is_reset_by_refit(backend, policy, tok):
     assert err <= FRESH, err
 
 
+def test_a_generation_that_fails_mid_way_leaves_nothing_behind_and_the_refit_resets_the_cache(backend, policy, tok,
+                                                                                             monkeypatch):
+    """Issue 52, finding 6: vLLM's reset_prefix_cache() returns False (and only warns) while a request holds KV blocks.
+    A generate whose engine step fails mid-way left its requests in the engine: the refit's reset then failed
+    unnoticed, and the next generate ran the old requests too and answered with their outputs."""
+    gen, _, _ = backend
+    engine = gen.llm.llm_engine
+    real_step, steps = engine.step, []
+
+    def fails_at_the_second_step():
+        steps.append(1)
+        if len(steps) == 2:
+            raise RuntimeError("the engine failed mid-way")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", fails_at_the_second_step)
+    with pytest.raises(RuntimeError, match="mid-way"):
+        gen.generate(encode(tok, PROMPTS[:2]), SEEDS[:2])
+    monkeypatch.setattr(engine, "step", real_step)
+    real_reset, resets = gen.llm.reset_prefix_cache, []
+    monkeypatch.setattr(gen.llm, "reset_prefix_cache", lambda *a, **kw: resets.append(real_reset(*a, **kw)) or resets[-1])
+    gen.sleep()
+    gen.refit(policy)
+    assert resets and resets[-1] is True, resets  # the reset after the new weights took effect
+    first = gen.generate(encode(tok, PROMPTS[2:4]), SEEDS[2:4])
+    again = gen.generate(encode(tok, PROMPTS[2:4]), SEEDS[2:4])
+    assert [o.completion_ids for o in first] == [o.completion_ids for o in again]  # its own requests' outputs
+    assert engine.get_num_unfinished_requests() == 0
+
+
 def test_same_seed_same_sample_whatever_the_batch(backend, tok):
     gen, _, _ = backend
     full = gen.generate(encode(tok, PROMPTS), SEEDS)
