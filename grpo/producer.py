@@ -137,19 +137,20 @@ class RolloutProducer:
     def _main(self) -> None:
         import torch
 
+        from grpo.system.generation import base
+
         device = self.run.device
-        if device.type == "cuda":  # the current device and stream are per thread
-            torch.cuda.set_device(device)
-            torch.cuda.set_stream(torch.cuda.Stream(device))  # generation kernels overlap training's
-        torch.set_num_threads(self.threads)  # OpenMP threads are per thread: the trainer keeps its own
-        self._ready.set()
-        try:
-            self._loop()
-        except BaseException as err:
-            self.buffer.close(StopKind.CRASHED, f"{type(err).__name__}: {err}")
-            raise
-        finally:  # a step whose groups will never come must not wait forever
-            self.buffer.close(StopKind.ENDED, f"the generation thread ended before step {self.target}")
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # generation kernels overlap training's
+        with base.on_device(device, stream):  # the current device and stream are per thread
+            torch.set_num_threads(self.threads)  # OpenMP threads are per thread: the trainer keeps its own
+            self._ready.set()
+            try:
+                self._loop()
+            except BaseException as err:
+                self.buffer.close(StopKind.CRASHED, f"{type(err).__name__}: {err}")
+                raise
+            finally:  # a step whose groups will never come must not wait forever
+                self.buffer.close(StopKind.ENDED, f"the generation thread ended before step {self.target}")
 
     def _loop(self) -> None:
         from grpo.run import run_rollout

@@ -183,6 +183,10 @@ class Batching:
         return self._inflight > gathered + self._queue.qsize()
 
     def _batch_loop(self) -> None:
+        with self.backend.device_context():  # the backend's device and stream (this thread's own start as cuda:0's)
+            self._batches()
+
+    def _batches(self) -> None:
         batch: list[_Pending] = []
         while not self._stop.is_set():
             if not batch:

@@ -479,6 +479,8 @@ class VllmGeneration(GenerationBackend):
                 kw["distributed_executor_backend"] = "external_launcher"  # executor would take cuda:0)
             check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
             self.llm = LLM(**kw)
+        if self.device.type == "cuda":  # what another thread makes current to call it (`device_context`)
+            self.stream = torch.cuda.current_stream(self.device)
         if self.lora:
             self.adapters = AdapterSync(self.llm, self.rank)
             logging.getLogger("vllm.v1.engine.input_processor").addFilter(_DropLoraTokenizerWarning())
