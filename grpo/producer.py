@@ -11,9 +11,10 @@ Each rank runs one producer; they agree over their own gloo process group (the d
 the main thread), so every rank puts the same groups in the same order.
 
 A ZeRO-3 reward model (`grpo.system.reward_model`) scores with collectives on the default group, which belongs to
-the trainer thread: the producer hands its scoring to the trainer through a `TrainerDesk` and waits; the trainer
-runs it while it waits for the groups of the step the rollout is for (`RolloutProducer.take`), so on every rank
-the same scoring passes run at the same point between two training steps.
+the trainer thread, and an offloaded copy moves onto the device to score (``offload`` ``move``), which must not
+happen while the trainer trains: the producer hands their scoring to the trainer through a `TrainerDesk` and waits;
+the trainer runs it while it waits for the groups of the step the rollout is for (`RolloutProducer.take`), so on
+every rank the same scoring passes run at the same point between two training steps.
 
 Samples whose environment or reward failed (`grpo.trajectory.Trajectory.error`) enter the deque as they came
 back, failed and without a made-up reward: the trainer masks them and applies the step budget
@@ -56,7 +57,9 @@ class RolloutProducer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="grpo-generation", daemon=True)
         rms = run.reward_models
-        self.desk = TrainerDesk() if rms and rms.collective else None  # ZeRO-3 reward models score in the trainer
+        if rms:  # the thread's weight copy exists now: the reward models go where memory is left (setup's, if built)
+            rms.place(run.logger.write)
+        self.desk = TrainerDesk() if rms and rms.on_trainer_thread else None  # they score in the trainer thread
         a = run.cfg.grpo.async_grpo
         if a.in_flight_weight_updates and generator.loads_staged_weights:  # generation ranks: mid-request too
             generator.in_flight = self._load_mid_request
@@ -209,7 +212,7 @@ class RolloutProducer:
 
 class TrainerDesk:
     """Work the generation thread hands to the trainer thread: collectives on the default group (a ZeRO-3 reward
-    model's forwards), which only the trainer thread may issue.
+    model's forwards), which only the trainer thread may issue, and an offloaded reward model's trip to the device.
 
     ``run(target, fn, *args)`` (generation thread) queues ``fn(*args)`` for step ``target`` and blocks until the
     trainer has run it: its result, or its exception raised here. ``serve(step)`` (trainer thread) runs, in order,
