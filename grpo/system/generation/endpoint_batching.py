@@ -130,12 +130,14 @@ class Batching:
         wait), and its backend call is still waited for."""
         self._stop.set()
         self._open.set()  # let the batcher see the stop
-        if not self._generating.acquire(timeout=CLOSE_WAIT_S):
+        waited = 0.0
+        while not self._generating.acquire(timeout=CLOSE_WAIT_S):  # a batch (or the rollout's own call) generates
+            waited += CLOSE_WAIT_S
             running = list(self._running)
-            logger.warning("endpoint: the batch in flight still generates after %g s: its %d request(s) are answered "
-                           "503; waiting for the backend to return before it is closed", CLOSE_WAIT_S, len(running))
+            logger.warning("endpoint: closing, the backend still generates after %g s (%d request(s) of the batch in "
+                           "flight answered 503); it is not closed under that call: waiting for it", waited,
+                           len(running))
             self._shut(running)
-            self._generating.acquire()
         self._generating.release()  # from here on the batcher sees the stop before it could generate
         if self._batcher is not None:
             self._batcher.join()
