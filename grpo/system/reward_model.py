@@ -279,12 +279,11 @@ class RewardModels:
     """The run's reward models by section: one per ``env.reward_model`` section, shared by the training and
     validation environments that name it (a `ScorerSlot` each, in the same order on every rank), built by `place`
     once the engines are (module docstring), closed with the run. ``policy``, ``world_size``: the run's, for the
-    ZeRO-3 placement. ``free_bytes``: reads a device's free memory (default `free_device_bytes`; tests inject
-    figures). The scorers are deferred: their samples are scored by `score_pending`, the rollout's collective point."""
+    ZeRO-3 placement. The scorers are deferred: their samples are scored by `score_pending`, the rollout's
+    collective point."""
 
-    def __init__(self, device: torch.device, policy=None, world_size: int = 1, free_bytes=None):
+    def __init__(self, device: torch.device, policy=None, world_size: int = 1):
         self.device, self.policy, self.world_size = device, policy, world_size
-        self._free_bytes = free_bytes
         self._slots: dict[int, ScorerSlot] = {}
 
     def __call__(self, rm_cfg) -> ScorerSlot:
@@ -300,17 +299,13 @@ class RewardModels:
         `describe`'s line when something was built."""
         todo = [slot for slot in self._slots.values() if slot.scorer is None]
         for slot in todo:
-            slot.free_bytes = self.free_device_bytes()
+            slot.free_bytes = free_device_bytes(self.device)
             placement = self.placement(slot.cfg, slot.free_bytes)
             slot.scorer = RewardModelScorer(slot.cfg, self.device, placement=placement, policy=self.policy,
                                             world_size=self.world_size, deferred=True, index=slot.index,
                                             offload=self.offload(slot.cfg, placement, slot.free_bytes))
         if todo and log is not None:
             log(self.describe())
-
-    def free_device_bytes(self) -> int | None:
-        """This rank's free memory on its device now (`free_device_bytes`, or the injected reader)."""
-        return (self._free_bytes or free_device_bytes)(self.device)
 
     def placement(self, rm_cfg, free_bytes: int | None) -> str:
         """``env.reward_model.placement``, auto resolved as the reference's (`frozen_placement`, against
