@@ -1773,9 +1773,24 @@ class MasterConfig(_Section):
                 "colocated.resources.gpus_per_node of them); or use policy.generation.backend=hf (a transformers "
                 "copy in a thread), or train_grpo.py for colocated vLLM"
             )
+        tp = p.generation.vllm_cfg.tensor_parallel_size
+        if p.generation.backend == "vllm" and colocated.enabled and tp > 1 and serves_endpoint(self):
+            raise ValueError(  # each rank's endpoint generates when its own agents call: its TP group never agrees
+                f"policy.generation.vllm_cfg.tensor_parallel_size={tp} with colocated vLLM and the endpoint "
+                "(policy.generation.vllm_cfg.expose_http_server or an agent / nemo_gym task): expected "
+                "tensor_parallel_size=1, or policy.generation.colocated.enabled=false (generation ranks, which the "
+                "trainers' endpoints share)")
         if not colocated.enabled:
             check_generation_resources(self)
         return self
+
+
+def serves_endpoint(cfg: "MasterConfig") -> bool:
+    """Whether the run serves the OpenAI-compatible endpoint: ``expose_http_server``, or an environment played over
+    it (env.name agent or nemo_gym, in env / env.tasks / env.val_tasks)."""
+    env = cfg.env
+    specs = [env, *(env.tasks or {}).values(), *(env.val_tasks or {}).values()]
+    return cfg.policy.generation.vllm_cfg.expose_http_server or any(s.name in ("agent", "nemo_gym") for s in specs)
 
 
 def check_generation_resources(cfg: "MasterConfig") -> None:

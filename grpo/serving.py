@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from grpo.config import cluster_mismatch, generation_ranks
+from grpo.config import cluster_mismatch, generation_ranks, serves_endpoint  # noqa: F401 (serves_endpoint: here too)
 from grpo.run import RunError
 
 
@@ -27,14 +27,6 @@ def start_split(cfg):
         return init_split(generation_ranks(cfg.policy.generation))
     except EnvMismatch as err:
         raise RunError(str(err)) from None
-
-
-def serves_endpoint(cfg) -> bool:
-    """Whether the run serves the endpoint (`start_endpoint`): ``expose_http_server``, or an environment played
-    over it (env.name agent or nemo_gym, in env / env.tasks / env.val_tasks)."""
-    env = cfg.env
-    specs = [env, *(env.tasks or {}).values(), *(env.val_tasks or {}).values()]
-    return cfg.policy.generation.vllm_cfg.expose_http_server or any(s.name in ("agent", "nemo_gym") for s in specs)
 
 
 def serve_generation(cfg, layout, device) -> None:

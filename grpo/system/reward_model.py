@@ -29,6 +29,12 @@ Offload (``env.reward_model.offload``, CUDA only): a plain copy lives in host me
 fetches each layer when it runs (`offload_plan`). ``auto`` (the default) offloads when the weights a rank holds take
 more than a quarter of its free device memory once the policy is built (`needs_offload`), agreed over the ranks.
 
+When. The environments are built before the engines (the data needs them), but a reward model is placed and built
+only by `RewardModels.place`, which setup calls once the policy, the reference and the generation backend exist
+(vLLM's ``gpu_memory_utilization`` reserved) and the async loop once its generation thread's weight copy does: the
+free memory ``auto`` weighs is what is left for the reward model (measured on an empty GPU, a 7-8B reward model
+stayed resident and training, or vLLM's start, ran out of memory). Until then an environment holds a `ScorerSlot`.
+
 Scoring. ``score`` pads a batch (``padding_side``: right as NeMo-RL, or left), runs the base model with the
 attention mask and position ids counted over the real tokens (so padding on either side changes nothing), applies
 the classification head and reads it at each conversation's last real token, in float32 (NeMo-RL's
@@ -88,13 +94,15 @@ def needs_offload(offload: bool | str, device_type: str, placement: str, nbytes:
     return free_bytes is not None and held > free_bytes / 4
 
 
-def resolve_offload(rm_cfg, device: torch.device, placement: str, world_size: int) -> bool:
+def resolve_offload(rm_cfg, device: torch.device, placement: str, world_size: int,
+                    free_bytes: int | None = None) -> bool:
     """`needs_offload` for ``rm_cfg`` on ``device`` (its weights' size read from its config only when ``auto`` on
-    an accelerator must weigh them)."""
+    an accelerator must weigh them) against ``free_bytes`` (None: the device's free memory now)."""
     if rm_cfg.offload != "auto" or device.type != "cuda":
         return needs_offload(rm_cfg.offload, device.type, placement, 0, world_size, None)
     nbytes = num_params(rm_cfg) * DTYPES[rm_cfg.precision].itemsize
-    return needs_offload("auto", device.type, placement, nbytes, world_size, free_device_bytes(device))
+    free = free_bytes if free_bytes is not None else free_device_bytes(device)
+    return needs_offload("auto", device.type, placement, nbytes, world_size, free)
 
 
 def offload_plan(offload: bool, device_type: str, placement: str) -> str:
@@ -249,68 +257,115 @@ def last_token_index(mask_bt: torch.Tensor) -> torch.Tensor:
     return (positions_bt * mask_bt).argmax(-1)
 
 
+class ScorerSlot:
+    """What an environment holds of one of the run's reward models (a `grpo.tasks.reward_model.Scorer`) from the
+    environments' build on: ``deferred`` and ``index`` at once, everything else (``tokenizer``, ``score``,
+    ``on_device``, ...) the `RewardModelScorer`'s, which `RewardModels.place` builds once the engines exist."""
+
+    deferred = True  # scored at the rollout's scoring point (`RewardModels.score_pending`)
+
+    def __init__(self, rm_cfg, index: int):
+        self.cfg, self.index = rm_cfg, index
+        self.scorer: RewardModelScorer | None = None
+        self.free_bytes: int | None = None  # the free memory its placement weighed (`RewardModels.place`)
+
+    def __getattr__(self, name):
+        if name in ("cfg", "index", "scorer", "free_bytes"):  # not set yet
+            raise AttributeError(name)
+        if self.scorer is None:
+            raise RuntimeError(f"env.reward_model {self.cfg.model_name!r} is not placed yet: RewardModels.place() builds "
+                               "it once the policy and the generation backend are built")
+        return getattr(self.scorer, name)
+
+
 class RewardModels:
-    """The run's reward models by section: one scorer per ``env.reward_model`` section, shared by the training
-    and validation environments that name it (built on first use, in the same order on every rank; closed with the
-    run). ``policy``, ``world_size``: the run's, for the ZeRO-3 placement. The scorers are `deferred`: their samples
-    are scored by `score_pending`, the rollout's collective point."""
+    """The run's reward models by section: one per ``env.reward_model`` section, shared by the training and
+    validation environments that name it (a `ScorerSlot` each, in the same order on every rank), built by `place`
+    once the engines are (module docstring), closed with the run. ``policy``, ``world_size``: the run's, for the
+    ZeRO-3 placement. The scorers are deferred: their samples are scored by `score_pending`, the rollout's
+    collective point."""
 
     def __init__(self, device: torch.device, policy=None, world_size: int = 1):
         self.device, self.policy, self.world_size = device, policy, world_size
-        self._built: dict[int, RewardModelScorer] = {}
+        self._slots: dict[int, ScorerSlot] = {}
 
-    def __call__(self, rm_cfg) -> RewardModelScorer:
+    def __call__(self, rm_cfg) -> ScorerSlot:
         key = id(rm_cfg)
-        if key not in self._built:
-            placement = self.placement(rm_cfg)
-            self._built[key] = RewardModelScorer(rm_cfg, self.device, placement=placement, policy=self.policy,
-                                                 world_size=self.world_size, deferred=True, index=len(self._built),
-                                                 offload=self.offload(rm_cfg, placement))
-        return self._built[key]
+        if key not in self._slots:
+            self._slots[key] = ScorerSlot(rm_cfg, index=len(self._slots))
+        return self._slots[key]
 
-    def placement(self, rm_cfg) -> str:
-        """``env.reward_model.placement``, auto resolved as the reference's (`frozen_placement`) and agreed over the
-        ranks (zero3 when any rank needs it: free memory is per rank). A collective when there are several ranks."""
+    def place(self, log=None) -> None:
+        """Build every reward model asked for and not built yet, in order (the same on every rank), each placed and
+        offloaded by the device's free memory read just before it (`placement`, `offload`; collectives with several
+        ranks): call it once the policy, the reference and the generation backend take their memory. ``log``: gets
+        `describe`'s line when something was built."""
+        todo = [slot for slot in self._slots.values() if slot.scorer is None]
+        for slot in todo:
+            slot.free_bytes = free_device_bytes(self.device)
+            placement = self.placement(slot.cfg, slot.free_bytes)
+            slot.scorer = RewardModelScorer(slot.cfg, self.device, placement=placement, policy=self.policy,
+                                            world_size=self.world_size, deferred=True, index=slot.index,
+                                            offload=self.offload(slot.cfg, placement, slot.free_bytes))
+        if todo and log is not None:
+            log(self.describe())
+
+    def placement(self, rm_cfg, free_bytes: int | None) -> str:
+        """``env.reward_model.placement``, auto resolved as the reference's (`frozen_placement`, against
+        ``free_bytes``) and agreed over the ranks (zero3 when any rank needs it: free memory is per rank). A
+        collective when there are several ranks."""
         from grpo.system.dist import any_rank
 
         placement = rm_cfg.placement
         if placement == "auto" and self.world_size > 1:
-            placement = frozen_placement("auto", rm_cfg.precision, self.world_size, num_params(rm_cfg),
-                                         free_device_bytes(self.device))
+            placement = frozen_placement("auto", rm_cfg.precision, self.world_size, num_params(rm_cfg), free_bytes)
             placement = "zero3" if any_rank(placement == "zero3") else "plain"
         return "plain" if placement == "auto" else placement
 
-    def offload(self, rm_cfg, placement: str) -> bool:
-        """``env.reward_model.offload`` resolved on this rank (`needs_offload`; ``auto`` agreed over the ranks: all
-        offload when any must). A collective when ``auto`` on several ranks."""
-        mine = resolve_offload(rm_cfg, self.device, placement, self.world_size)
+    def offload(self, rm_cfg, placement: str, free_bytes: int | None) -> bool:
+        """``env.reward_model.offload`` resolved on this rank against ``free_bytes`` (`needs_offload`; ``auto``
+        agreed over the ranks: all offload when any must). A collective when ``auto`` on several ranks."""
+        mine = resolve_offload(rm_cfg, self.device, placement, self.world_size, free_bytes)
         if rm_cfg.offload != "auto" or self.device.type != "cuda" or self.world_size == 1:
             return mine
         from grpo.system.dist import any_rank
 
         return any_rank(mine)
 
+    @property
+    def _built(self) -> list[RewardModelScorer]:
+        return [slot.scorer for slot in self._slots.values() if slot.scorer is not None]
+
     def describe(self) -> str:
-        """One startup line: where each reward model runs.
+        """One startup line: where each built reward model runs, and the free memory its placement weighed.
 
             >>> RewardModels(torch.device("cpu")).describe()
             'reward models: none'
         """
         where = {"plain": "a frozen copy on each rank", "zero3": f"a ZeRO-3 engine over {self.world_size} rank(s)"}
         offload = {"none": "", "move": ", in host memory between scorings", "offload_param": ", shards in host memory"}
-        parts = [f"{s.name} ({where[s.placement]}{offload[s.plan]}, batches of {s.batch_size})"
-                 for s in sorted(self._built.values(), key=lambda s: s.index)]
+        parts = [f"{slot.scorer.name} ({where[slot.scorer.placement]}{offload[slot.scorer.plan]}, batches of "
+                 f"{slot.scorer.batch_size}; placed with {free_gib(slot.free_bytes)} free on {self.device})"
+                 for slot in self._slots.values() if slot.scorer is not None]
         return "reward models: " + ("; ".join(parts) or "none") + (
             ", scored once per rollout after its conversations" if parts else "")
 
     def __len__(self) -> int:
-        """How many reward models the run has (0: nothing to score, no scoring point)."""
-        return len(self._built)
+        """How many reward models the run has, built or not (0: nothing to score, no scoring point)."""
+        return len(self._slots)
 
     @property
     def collective(self) -> bool:
         """Whether `score_pending` runs collectives (a ZeRO-3 reward model)."""
-        return any(s.collective for s in self._built.values())
+        return any(s.collective for s in self._built)
+
+    @property
+    def on_trainer_thread(self) -> bool:
+        """Whether the async loop's producer hands `score_pending` to the trainer thread (`grpo.producer.TrainerDesk`):
+        a ZeRO-3 engine (collectives on the default group, which is the trainer's) or a copy that moves to the device
+        to score (``offload`` ``move``: from the producer thread it would come onto the device while the trainer
+        trains, and empty the allocator's cache under it)."""
+        return any(s.collective or s.plan == "move" for s in self._built)
 
     def score_pending(self, trajectories: list) -> float:
         """Score every `grpo.tasks.reward_model.PendingScore` of these trajectories (this rank's) and add the scores
@@ -320,7 +375,7 @@ class RewardModels:
         from grpo.tasks.reward_model import PENDING, add_score
 
         t0 = time.perf_counter()
-        scorers = sorted(self._built.values(), key=lambda s: s.index)
+        scorers = list(self._slots.values())  # by index (each placed by now: its environment rendered with it)
         todo: list[list] = [[] for _ in scorers]
         for t in trajectories:
             for p in (t.metadata.pop(PENDING, None) if isinstance(t.metadata, dict) else None) or []:
@@ -344,9 +399,18 @@ class RewardModels:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        for scorer in self._built.values():
+        for scorer in self._built:
             scorer.close()
-        self._built.clear()
+        self._slots.clear()
+
+
+def free_gib(nbytes: int | None) -> str:
+    """``nbytes`` as GiB for a log line.
+
+        >>> free_gib(3 * 2**30 // 2), free_gib(None)
+        ('1.50 GiB', 'unknown memory')
+    """
+    return "unknown memory" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
 
 
 def num_params(rm_cfg) -> int:

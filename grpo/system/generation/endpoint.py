@@ -192,12 +192,10 @@ class Endpoint(Batching):
         return self.base_url
 
     def close(self) -> None:
-        """Stop: the batch in flight is answered, every later request gets 503 ``shutting_down``; then the server
-        stops (after the batcher, so no handler is cancelled into a bare 500)."""
-        self._stop.set()
-        self._open.set()  # let the batcher see the stop
-        if self._batcher is not None:
-            self._batcher.join(timeout=60)
+        """Stop: the batch in flight is answered, every later request gets 503 ``shutting_down``, and no batch
+        generates once this returns (`Batching.stop_batching`: the backend is closed after the endpoint); then the
+        server stops (after the batcher, so no handler is cancelled into a bare 500)."""
+        self.stop_batching()
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(timeout=10)
