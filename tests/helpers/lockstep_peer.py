@@ -183,7 +183,8 @@ def agents(rank: int, world: int, gen: LockstepGeneration, inner: Collective) ->
         "model_name": "toy:tiny", "max_total_sequence_length": 64,
         "generation": {"max_new_tokens": 4, "temperature": 1.0, "val_temperature": 0.5,
                        "port_range_low": 26000, "port_range_high": 26999,
-                       "http_server": {"batch_window_s": 0.01, "max_wait_s": 30.0}}}})
+                       "http_server": {"batch_window_s": 0.01, "max_wait_s": 30.0},
+                       "vllm_cfg": {"http_server_serving_chat_kwargs": {"tool_parser": "compact"}}}}})  # calc_agent's
     endpoint = Endpoint(cfg, gen, tok)
     endpoint.start()
     player = AgentPlayer(endpoint)
