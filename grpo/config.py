@@ -53,6 +53,33 @@ def check_toy_model(name: Optional[str], key: str) -> Optional[str]:
     return name
 
 
+def model_path_problem(name: Optional[str], key: str) -> Optional[str]:
+    """Why ``name`` cannot be a model (or tokenizer) for ``from_pretrained``, as far as the file system tells before
+    anything loads, else None. A name that is there must be a directory; a name that is not there can only be a hub
+    name (``name`` or ``namespace/name``, huggingface_hub's rule), so anything else (an absolute path, ``./``,
+    ``../``, ``~/``, more than one ``/``) is a local path that does not exist. Whether a hub name exists, or is in
+    the cache under ``HF_HUB_OFFLINE=1``, is known only when it loads; ``toy:`` names are `check_toy_model`'s.
+
+        >>> model_path_problem("Skywork/Skywork-Reward-V2-Qwen3-0.6B", "k") is None
+        True
+        >>> model_path_problem("/no/such/rm", "env.reward_model.model_name")[:74]
+        "env.reward_model.model_name='/no/such/rm': no such directory (a local path"
+    """
+    if name is None or name.startswith("toy:") or os.path.isdir(name):
+        return None
+    if os.path.exists(name):
+        return (f"{key}={name!r}: a file, not a directory (a model is a from_pretrained directory: config.json and "
+                "its weights)")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+        return None  # a hub name: checked when it loads
+    except HFValidationError:
+        tilde = "; ~ is not expanded: give the whole path" if name.startswith("~") else ""
+        return f"{key}={name!r}: no such directory (a local path; a hub name is 'name' or 'namespace/name'{tilde})"
+
+
 # --------------------------------------------------------------------------------------------------
 # loss_fn
 # --------------------------------------------------------------------------------------------------
@@ -569,6 +596,15 @@ class HttpServerConfig(_Section):
         "between them) before it is answered 503 with a Retry-After header."))
     model_name: Optional[str] = Field(None, description=(
         "The model name /v1/models lists and requests send (null: policy.model_name)."))
+    read_timeout_s: float = Field(30.0, gt=0, description=(
+        "A request body that has not arrived in full this long after its headers is answered 408; until its body "
+        "is read a request holds none of the max_concurrent_requests slots."))
+    trust_request_chat_template: bool = Field(False, description=(
+        "vLLM's --trust-request-chat-template: a request's own chat_template replaces the run's; false (default): "
+        "a request that sends one is answered 400 (the run's template is what the policy trains on)."))
+    render_timeout_s: float = Field(10.0, gt=0, description=(
+        "Rendering a request with the chat template (off the server's event loop) is stopped after this long and "
+        "the request answered 400."))
 
 
 class VllmConfig(_Section):
@@ -741,8 +777,8 @@ class SequencePackingConfig(_Section):
     enabled: bool = Field(True, description=(
         "Micro-batches of up to *_mb_tokens tokens, their samples packed back to back where that runs fewer tokens "
         "(on by default, as in NeMo-RL's recipes: 0.26x TRL's step on the long-tail workload against 0.68x padded, "
-        "and a micro-batch whose lengths are even runs padded or with shared prompts as before; README 'Sequence "
-        "packing'). Left at its default it gives way to dynamic_batching.enabled=true, and to a model whose "
+        "and a micro-batch whose lengths are even runs padded or with shared prompts as before; docs/packing.md). "
+        "Left at its default it gives way to dynamic_batching.enabled=true, and to a model whose "
         "attention cannot take packed rows (the startup line says so); set explicitly, both are errors."))
     train_mb_tokens: Optional[int] = Field(None, gt=0, description=(
         "Real tokens per training micro-batch (sdpa / eager rows of the longest sample can hold up to twice that in "
@@ -1000,8 +1036,9 @@ class AgentConfig(_Section):
         "on stdout."))
     max_concurrency: int = Field(64, gt=0, description="Agents running at once on a rank.")
     timeout_s: float = Field(300.0, gt=0, description=(
-        "Per-sample deadline in seconds: an agent still running is cancelled (a program killed) and its sample "
-        "fails (env_timeout: masked, never scored 0)."))
+        "Per-attempt deadline in seconds, whatever the agent does: an agent still running is abandoned (cancelled, "
+        "a program killed) and the attempt fails (env_timeout: retried within grpo.rollout_failure, then masked, "
+        "never scored 0)."))
 
     @model_validator(mode="after")
     def _one(self) -> "AgentConfig":
@@ -1386,6 +1423,26 @@ class EnvConfig(EnvSpec):
         return self
 
     @model_validator(mode="after")
+    def _reward_model_paths(self) -> "EnvConfig":
+        """Every reward model's local paths (weights, checkpoint, tokenizer) are there, each named by its key when
+        not (`model_path_problem`); a hub name is checked when it loads."""
+        def specs(key: str, spec: EnvSpec):
+            yield key, spec
+            for name, part in spec.rewards.items():
+                yield from specs(f"{key}.rewards.{name}", part)
+
+        sections = [("env", self), *((f"env.tasks.{t}", s) for t, s in self.tasks.items()),
+                    *((f"env.val_tasks.{t}", s) for t, s in (self.val_tasks or {}).items())]
+        for key, spec in (found for k, s in sections for found in specs(k, s)):
+            rm = spec.reward_model
+            for field, name in (("model_name", rm.model_name), ("checkpoint_path", rm.checkpoint_path),
+                                ("tokenizer.name", rm.tokenizer.name)) if rm is not None else ():
+                problem = model_path_problem(name, f"{key}.reward_model.{field}")
+                if problem is not None:
+                    raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _tasks(self) -> "EnvConfig":
         main = self.task_name or self.name
         if main in self.tasks:
@@ -1716,9 +1773,24 @@ class MasterConfig(_Section):
                 "colocated.resources.gpus_per_node of them); or use policy.generation.backend=hf (a transformers "
                 "copy in a thread), or train_grpo.py for colocated vLLM"
             )
+        tp = p.generation.vllm_cfg.tensor_parallel_size
+        if p.generation.backend == "vllm" and colocated.enabled and tp > 1 and serves_endpoint(self):
+            raise ValueError(  # each rank's endpoint generates when its own agents call: its TP group never agrees
+                f"policy.generation.vllm_cfg.tensor_parallel_size={tp} with colocated vLLM and the endpoint "
+                "(policy.generation.vllm_cfg.expose_http_server or an agent / nemo_gym task): expected "
+                "tensor_parallel_size=1, or policy.generation.colocated.enabled=false (generation ranks, which the "
+                "trainers' endpoints share)")
         if not colocated.enabled:
             check_generation_resources(self)
         return self
+
+
+def serves_endpoint(cfg: "MasterConfig") -> bool:
+    """Whether the run serves the OpenAI-compatible endpoint: ``expose_http_server``, or an environment played over
+    it (env.name agent or nemo_gym, in env / env.tasks / env.val_tasks)."""
+    env = cfg.env
+    specs = [env, *(env.tasks or {}).values(), *(env.val_tasks or {}).values()]
+    return cfg.policy.generation.vllm_cfg.expose_http_server or any(s.name in ("agent", "nemo_gym") for s in specs)
 
 
 def check_generation_resources(cfg: "MasterConfig") -> None:

@@ -141,6 +141,18 @@ _FILE_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a charact
                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
 
+def recipe_paths(path: str | os.PathLike) -> tuple[Path, Path]:
+    """``(named, real)``: the recipe as named, made absolute (what is opened and named when it cannot be read:
+    ``/dev/stdin`` stays itself, where resolving it gives ``/proc/<pid>/fd/pipe:[N]``, a name nothing can open, so a
+    pipe read "file not found"), and its real path (which file it is: inheritance loops are found by it, and a
+    relative ``defaults:`` entry is relative to its folder).
+
+        >>> recipe_paths("/dev/stdin")[0]
+        PosixPath('/dev/stdin')
+    """
+    return Path(os.path.abspath(path)), Path(path).resolve()
+
+
 def read_config_text(path: Path) -> str:
     """The text of the recipe file at ``path``: only a regular file is read (a FIFO, a device or a socket is
     refused at once, without waiting for a writer: opened non-blocking, checked with fstat), up to
@@ -164,6 +176,27 @@ def read_config_text(path: Path) -> str:
         raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, which no config is (is it a data "
                           "file?); a recipe holds a few hundred values")
     return _utf8(data, str(path))
+
+
+def null_key_error(node, where: str, path: str = "") -> str | None:
+    """The error of the first null key under ``node`` (YAML's ``~:`` or ``null:``: a key that reads as nothing, which
+    neither pydantic nor OmegaConf takes), naming ``where`` (the file) and the dotted key path that holds it, or None.
+
+        >>> null_key_error({"policy": {"optimizer": {None: 3}}}, "run.yaml")
+        "run.yaml: policy.optimizer: a null key (~: or null:, holding 3): keys are names; quote 'null' for the word"
+        >>> null_key_error({"a": [{"b": 1}]}, "run.yaml") is None
+        True
+    """
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        if k is None and isinstance(node, dict):
+            return (f"{where}: {path or 'the top level'}: a null key (~: or null:, holding {_short_repr(v)}): keys "
+                    "are names; quote 'null' for the word")
+        found = null_key_error(v, where, f"{path}.{k}" if path and isinstance(node, dict) else
+                               f"{path}[{k}]" if isinstance(node, list) else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def defaults_entries(path: Path, parents) -> list[str]:
@@ -194,10 +227,10 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
     """Read a recipe; ``defaults: other.yaml`` (or a list of them), relative to this file, is merged under it.
     An empty file, bytes that are not UTF-8, a file that is not a regular file, YAML syntax errors and a malformed
     ``defaults:`` are `ConfigError`s naming the file (and line)."""
-    path = Path(path).resolve()
+    named, path = recipe_paths(path)
     if path in _seen:
         raise ConfigError(f"defaults: recipe inheritance loops through {path}")
-    text = read_config_text(path)
+    text = read_config_text(named)
     try:
         raw = bounded_yaml(text, str(path))
     except yaml.YAMLError as err:
@@ -209,6 +242,8 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
             "configs/cpu_demo.yaml, or inherit a recipe with `defaults: <recipe>.yaml` and change what differs")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    if (null := null_key_error(raw, str(path))) is not None:
+        raise ConfigError(null)
     parents = defaults_entries(path, raw.pop("defaults", None))
     if not parents:
         return raw
@@ -254,6 +289,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         except yaml.YAMLError as err:
             raise ConfigError(yaml_error(f"override {key}={_short_repr(value)}", err, value).replace(", line 1,", ",") +
                               "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
+        if (null := null_key_error(node[parts[-1]], "override", key)) is not None:
+            raise ConfigError(null)
     return raw
 
 

@@ -27,7 +27,9 @@ from pathlib import Path
 import yaml
 
 from grpo.config import MasterConfig
-from grpo.config_load import ConfigError, build_config, defaults_entries, load_yaml, parent_recipe
+from grpo.config_load import (
+    ConfigError, build_config, defaults_entries, load_yaml, null_key_error, parent_recipe, recipe_paths,
+)
 
 # NeMo-RL's resolvers on numbers: a chain of ${mul:...} squares its way to integers of billions of digits (Python
 # computes them exactly, for good); strings and lists grow by add / mul the same way. A config's numbers are far
@@ -177,10 +179,10 @@ def load_unresolved(path: str | os.PathLike, _seen: tuple = ()):
     yet interpolated. Its YAML is read through grpo-ds's bounded reader (size, depth and alias limits)."""
     from omegaconf import DictConfig, OmegaConf
 
-    path = Path(path).resolve()
+    named, path = recipe_paths(path)
     if path in _seen:
         raise ConfigError(f"defaults: recipe inheritance loops through {path}")
-    raw = _read_one(path)
+    raw = _read_one(named)
     parents = defaults_entries(path, raw.pop("defaults", None))
     with omegaconf_errors(str(path)):
         cfg = OmegaConf.create(raw)
@@ -225,6 +227,8 @@ def _read_one(path: Path) -> dict:
         raise ConfigError(yaml_error(str(path), err, text)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    if (null := null_key_error(raw, str(path))) is not None:  # OmegaConf's words: "Incompatible key type 'NoneType'"
+        raise ConfigError(null)
     return raw
 
 
@@ -255,6 +259,8 @@ def apply_overrides(cfg, overrides: list[str]):
             value = _omegaconf_yaml(text) if text != "" else None
         except yaml.YAMLError as err:
             raise ConfigError(f"override {key}={text!r}: invalid YAML ({err})") from None
+        if (null := null_key_error(value, "override", key)) is not None:
+            raise ConfigError(null)
         with omegaconf_errors(f"override {key}"):
             exists = _has_key(cfg, key)
         if add and exists:

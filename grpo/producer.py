@@ -11,9 +11,10 @@ Each rank runs one producer; they agree over their own gloo process group (the d
 the main thread), so every rank puts the same groups in the same order.
 
 A ZeRO-3 reward model (`grpo.system.reward_model`) scores with collectives on the default group, which belongs to
-the trainer thread: the producer hands its scoring to the trainer through a `TrainerDesk` and waits; the trainer
-runs it while it waits for the groups of the step the rollout is for (`RolloutProducer.take`), so on every rank
-the same scoring passes run at the same point between two training steps.
+the trainer thread, and an offloaded copy moves onto the device to score (``offload`` ``move``), which must not
+happen while the trainer trains: the producer hands their scoring to the trainer through a `TrainerDesk` and waits;
+the trainer runs it while it waits for the groups of the step the rollout is for (`RolloutProducer.take`), so on
+every rank the same scoring passes run at the same point between two training steps.
 
 Samples whose environment or reward failed (`grpo.trajectory.Trajectory.error`) enter the deque as they came
 back, failed and without a made-up reward: the trainer masks them and applies the step budget
@@ -56,7 +57,9 @@ class RolloutProducer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="grpo-generation", daemon=True)
         rms = run.reward_models
-        self.desk = TrainerDesk() if rms and rms.collective else None  # ZeRO-3 reward models score in the trainer
+        if rms:  # the thread's weight copy exists now: the reward models go where memory is left (setup's, if built)
+            rms.place(run.logger.write)
+        self.desk = TrainerDesk() if rms and rms.on_trainer_thread else None  # they score in the trainer thread
         a = run.cfg.grpo.async_grpo
         if a.in_flight_weight_updates and generator.loads_staged_weights:  # generation ranks: mid-request too
             generator.in_flight = self._load_mid_request
@@ -137,19 +140,20 @@ class RolloutProducer:
     def _main(self) -> None:
         import torch
 
+        from grpo.system.generation import base
+
         device = self.run.device
-        if device.type == "cuda":  # the current device and stream are per thread
-            torch.cuda.set_device(device)
-            torch.cuda.set_stream(torch.cuda.Stream(device))  # generation kernels overlap training's
-        torch.set_num_threads(self.threads)  # OpenMP threads are per thread: the trainer keeps its own
-        self._ready.set()
-        try:
-            self._loop()
-        except BaseException as err:
-            self.buffer.close(StopKind.CRASHED, f"{type(err).__name__}: {err}")
-            raise
-        finally:  # a step whose groups will never come must not wait forever
-            self.buffer.close(StopKind.ENDED, f"the generation thread ended before step {self.target}")
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # generation kernels overlap training's
+        with base.on_device(device, stream):  # the current device and stream are per thread
+            torch.set_num_threads(self.threads)  # OpenMP threads are per thread: the trainer keeps its own
+            self._ready.set()
+            try:
+                self._loop()
+            except BaseException as err:
+                self.buffer.close(StopKind.CRASHED, f"{type(err).__name__}: {err}")
+                raise
+            finally:  # a step whose groups will never come must not wait forever
+                self.buffer.close(StopKind.ENDED, f"the generation thread ended before step {self.target}")
 
     def _loop(self) -> None:
         from grpo.run import run_rollout
@@ -208,7 +212,7 @@ class RolloutProducer:
 
 class TrainerDesk:
     """Work the generation thread hands to the trainer thread: collectives on the default group (a ZeRO-3 reward
-    model's forwards), which only the trainer thread may issue.
+    model's forwards), which only the trainer thread may issue, and an offloaded reward model's trip to the device.
 
     ``run(target, fn, *args)`` (generation thread) queues ``fn(*args)`` for step ``target`` and blocks until the
     trainer has run it: its result, or its exception raised here. ``serve(step)`` (trainer thread) runs, in order,

@@ -12,6 +12,7 @@ it once, prints its ``error:`` line and exits 1.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -272,16 +273,33 @@ def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
     return reason
 
 
+def done_line(steps: int, val_reward: float) -> str:
+    """The run's closing line: its steps and the accuracy of its last saved validation (``val_reward``: NeMo-RL's
+    ``GRPOSaveState.val_reward``, -99999999 when there was none); NaN is a validation whose samples all failed,
+    said as failed, never as a number (`grpo.validation.validate`).
+
+        >>> done_line(3, 0.5), done_line(3, -99999999.0)
+        ('done: 3 steps, last validation/accuracy 0.5', 'done: 3 steps')
+        >>> done_line(3, float("nan"))
+        'done: 3 steps, last validation failed (none of its samples was scored)'
+    """
+    if math.isnan(val_reward):
+        return f"done: {steps} steps, last validation failed (none of its samples was scored)"
+    return f"done: {steps} steps" + (f", last validation/accuracy {val_reward:.4g}" if val_reward > -99999999.0 else "")
+
+
 def known_error_message(err: BaseException) -> str | None:
     """The ``error:`` line of an exception whose message is written for people (bad data, a checkpoint that
-    cannot be written or read, a run directory that cannot be used, a rollout that broke, a file system that
-    refuses a write), or None for any other exception (a bug: its traceback matters)."""
+    cannot be written or read, a run directory that cannot be used, a rollout that broke, an environment that
+    cannot be built (a reward model that is none), a file system that refuses a write), or None for any other
+    exception (a bug: its traceback matters)."""
     from grpo.system.write_errors import describe_os_error
 
     known: list[type] = [ConfigError]
     for module, names in (("grpo.system.data", ("DataError",)), ("grpo.system.chat", ("ChatFormatError",)),
                           ("grpo.system.checkpoint", ("CheckpointError",)), ("grpo.system.rundir", ("RunDirError",)),
-                          ("grpo.system.weights", ("ExportError",)), ("grpo.system.rollout", ("RolloutError",))):
+                          ("grpo.system.weights", ("ExportError",)), ("grpo.system.rollout", ("RolloutError",)),
+                          ("grpo.tasks.function", ("EnvError",))):
         mod = sys.modules.get(module)  # an error of a module never imported cannot have been raised
         known += [getattr(mod, n) for n in names if mod is not None and hasattr(mod, n)]
     if isinstance(err, tuple(known)):
@@ -346,8 +364,7 @@ def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None
     if failure is None and run.exit_status is None and not run.deadline.reached and cfg.checkpointing.enabled:
         weights.export_hf(run.policy, os.path.join(cfg.checkpointing.checkpoint_dir, "hf_final"), run.tokenizer,
                           run_id=run.run_id)
-    run.logger.write(f"done: {state.current_step} steps" + (f", last validation/accuracy {state.val_reward:.4g}"
-                                                             if state.val_reward > -99999999.0 else ""))
+    run.logger.write(done_line(state.current_step, state.val_reward))
     for closable in run.closables:
         closable.close()
     engines.shutdown()

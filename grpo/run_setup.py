@@ -160,8 +160,6 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                               val_ds=val_ds, num_malformed=train_rows.report.num_skipped, total_steps=total_steps,
                               policy=policy, reference=reference, skip_ref=skip_ref, skip_prev=skip_prev,
                               tasks=envs.tasks, packing_note=packing_note))
-    if reward_models:  # where the reward model runs (grpo/system/reward_model.py)
-        logger.write(reward_models.describe())
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val", g.rollout_failure,
                                                                                    reward_models)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
@@ -177,8 +175,13 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         closables.append(generator)
         if not asynchronous:  # (the async producer pushes the staged weights to generation ranks itself)
             generator.refit(policy)
-    agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous)
+    if generator is not None:  # reward models go where the engines left memory (the async loop's copy: its producer)
+        reward_models.place(logger.write)
+    agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous,
+                            vocab_size=policy.module.config.vocab_size)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
+    if agents is not None:  # a stop signal ends the agents' retries
+        agents.stop_requested = stop.requested
     closables.append(stop)
     return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
                chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,

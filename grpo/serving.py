@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from grpo.config import cluster_mismatch, generation_ranks
+from grpo.config import cluster_mismatch, generation_ranks, serves_endpoint  # noqa: F401 (serves_endpoint: here too)
 from grpo.run import RunError
 
 
@@ -27,14 +27,6 @@ def start_split(cfg):
         return init_split(generation_ranks(cfg.policy.generation))
     except EnvMismatch as err:
         raise RunError(str(err)) from None
-
-
-def serves_endpoint(cfg) -> bool:
-    """Whether the run serves the endpoint (`start_endpoint`): ``expose_http_server``, or an environment played
-    over it (env.name agent or nemo_gym, in env / env.tasks / env.val_tasks)."""
-    env = cfg.env
-    specs = [env, *(env.tasks or {}).values(), *(env.val_tasks or {}).values()]
-    return cfg.policy.generation.vllm_cfg.expose_http_server or any(s.name in ("agent", "nemo_gym") for s in specs)
 
 
 def serve_generation(cfg, layout, device) -> None:
@@ -89,11 +81,13 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
                           refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
 
 
-def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger, rank: int, asynchronous: bool):
+def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger, rank: int, asynchronous: bool,
+                   vocab_size: int):
     """The OpenAI-compatible endpoint over ``generator`` (`grpo.system.generation.endpoint`), when
     ``policy.generation.vllm_cfg.expose_http_server`` is set or an environment is an agent (env.name=agent); its
     base URL, key and model name go to ``<log_dir>/endpoint.json`` (``endpoint_rank<r>.json`` on other ranks;
-    owner-only) for agents outside the run. Returns the `grpo.system.agent_rollout.AgentPlayer`, or None.
+    owner-only) for agents outside the run. ``vocab_size``: the policy's embedding rows (token ids a request may
+    carry, with the tokenizer's). Returns the `grpo.system.agent_rollout.AgentPlayer`, or None.
     ``asynchronous`` without a ``generator`` (the async loop's own weight copy, built once its weights are staged):
     None; the loop serves it with `start_async_endpoint`."""
     from grpo.system.agent_rollout import AgentPlayer, agent_tasks
@@ -109,7 +103,7 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
     from grpo.system.generation.endpoint import Endpoint
 
     try:
-        endpoint = Endpoint(cfg, generator, tokenizer)
+        endpoint = Endpoint(cfg, generator, tokenizer, vocab_size)
     except ValueError as err:  # vLLM's parsers refuse the tokenizer (grpo.system.generation.vllm_chat_parsers)
         raise RunError(str(err)) from None
     url = endpoint.start()
@@ -137,4 +131,7 @@ def start_async_endpoint(run, generator) -> None:
     validation plays its agent samples over it as well, on the thread's weights."""
     if run.agents is None and run.generator is None:
         run.agents = start_endpoint(run.cfg, generator, run.tokenizer, [run.envs, run.val_envs], run.closables,
-                                    run.logger, run.rank, asynchronous=True)
+                                    run.logger, run.rank, asynchronous=True,
+                                    vocab_size=run.policy.module.config.vocab_size)
+        if run.agents is not None:  # a stop signal ends the agents' retries
+            run.agents.stop_requested = run.stop.requested

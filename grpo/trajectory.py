@@ -131,6 +131,12 @@ class Trajectory:
     def completion_ids(self) -> list[int]:
         return [t for m in self.messages if m.trained for t in m.token_ids]
 
+    def fail(self, failure: Failure) -> None:
+        """End this sample as failed: its reason, class and detail; no reward, neither this turn's nor the earlier
+        turns' (the trainer masks it, `grpo.tasks.failures`)."""
+        self.error, self.failure_kind, self.error_detail = failure.reason, failure.kind, failure.detail
+        self.reward, self.reward_components, self.done = 0.0, None, True
+
     def to_dict(self) -> dict:
         """Plain python (checkpoints load it with ``torch.load(weights_only=True)``)."""
         return asdict(self)

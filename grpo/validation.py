@@ -21,6 +21,10 @@ def validate(run: Run, generator, envs, step: int) -> dict:
         failed_samples  samples whose environment or reward call failed (`grpo.tasks.failures`): left out of
                         accuracy and pass_k (a prompt whose samples all failed is not counted), never scored 0
 
+    A validation in which every sample failed scored nothing: its accuracy and pass_k are NaN, never 0 (a
+    checkpoint then ranks lowest by them, `grpo.system.checkpoint.state_json`; early stopping reads no threshold
+    reached), and a line says so (`failed_validation_note`).
+
     Seeds depend only on the sample's index (not the step), so successive validations differ only by the
     weights. A collective: every rank calls it.
     """
@@ -48,8 +52,9 @@ def validate(run: Run, generator, envs, step: int) -> dict:
                                                    run.cfg.reward_penalties, run.tokenizer, run.cfg.env)
     rollout = rollout_summary(trajs)  # {} without samples
     scored_b = torch.tensor([t.error is None for t in trajs], dtype=torch.bool)
+    nothing_scored = not scored_b.any()  # a score of nothing is no score: NaN, never 0 (`failed_validation_note`)
     metrics = {
-        "accuracy": rewards_b[scored_b].mean().item() if scored_b.any() else 0.0,
+        "accuracy": float("nan") if nothing_scored else rewards_b[scored_b].mean().item(),
         "avg_length": rollout.get("mean_gen_tokens_per_sample", 0.0),
         "truncation_rate": rollout.get("truncation_rate", 0.0),
         "avg_turns_per_sample": rollout.get("avg_turns_per_sample", 0.0),
@@ -58,13 +63,37 @@ def validate(run: Run, generator, envs, step: int) -> dict:
         **penalty_metrics,
     }
     if k > 1:
-        metrics["pass_k"] = pass_at_k(rewards_b[scored_b], torch.tensor(group_ids, dtype=torch.long)[scored_b])
+        metrics["pass_k"] = float("nan") if nothing_scored else pass_at_k(
+            rewards_b[scored_b], torch.tensor(group_ids, dtype=torch.long)[scored_b])
+    if nothing_scored:
+        run.logger.write(failed_validation_note(step, trajs))
     timing["total_validation_time"] = time.perf_counter() - t0
     run.logger.log({**{f"validation/{key}": v for key, v in metrics.items()},
                     **{f"timing/validation/{key}": v for key, v in timing.items()}}, step)
     run.logger.print_samples(trajs, run.cfg.logger.num_val_samples_to_print)
     dump_rollouts(run, "val", step, trajs)
     return metrics
+
+
+def failed_validation_note(step: int, trajs: list) -> str:
+    """The line of a validation whose samples all failed: how many, by reason, and the first one's detail.
+
+        >>> from types import SimpleNamespace as T
+        >>> failed = T(error="reward_error", error_detail="Traceback ...\\nValueError: down", retries=1)
+        >>> note = failed_validation_note(3, [failed, failed])
+        >>> note[:84]
+        'validation at step 3 failed: all 2 samples failed (reward_error: 2), none was scored'
+        >>> note[84:]
+        ': validation/accuracy is NaN, not 0; the first: ValueError: down'
+    """
+    from grpo.step import failure_counts
+
+    prefix = "rollout/failed_samples/"
+    reasons = ", ".join(f"{k[len(prefix):]}: {v}" for k, v in failure_counts(trajs).items() if k.startswith(prefix))
+    detail = next((t.error_detail for t in trajs if t.error_detail), "") or ""
+    last = detail.strip().splitlines()[-1][:300] if detail.strip() else ""
+    return (f"validation at step {step} failed: all {len(trajs)} samples failed ({reasons}), none was scored: "
+            f"validation/accuracy is NaN, not 0" + (f"; the first: {last}" if last else ""))
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 # Write constraints.txt: the exact version of every package in the environment of $PYTHON (default: python), for
 # `pip install -r requirements*.txt -c constraints.txt` to rebuild the same environment on another machine.
 #
-# Upgrade (README "Install"): in a fresh virtual environment, install without the constraints, then freeze:
+# Upgrade (docs/install.md): in a fresh virtual environment, install without the constraints, then freeze:
 #   python -m venv /tmp/up && PYTHON=/tmp/up/bin/python
 #   $PYTHON -m pip install -U -r requirements-dev.txt && PYTHON=$PYTHON bash scripts/install_vllm_cpu.sh
 #   PYTHON=$PYTHON bash scripts/freeze_constraints.sh && $PYTHON -m pytest -q    # then commit constraints.txt

@@ -13,7 +13,10 @@ steps), <out>/gpu_check.json (the verdict), and "GPU CHECK: PASS" (exit 0) or "G
      advantages on the GPU (startup line, token_mult_prob_error, gpu/* and memory/* plausible); then the same
      command to step 3 resumes from step 2;
   3. the same run with deepspeed_config auto (one GPU in bf16: ZeRO-1): step-1 loss equal to ZeRO-3's;
-  4. 2 processes (ZeRO-3) when the device has 2 GPUs: step-1 loss equal to 1 process.
+  4. 2 processes (ZeRO-3) when the device has 2 GPUs: step-1 loss equal to 1 process;
+  5. (in the pytest process of 1, where vllm is installed) the agentic paths of issue 52 with colocated vLLM: endpoint
+     answers equal the engine's own tokens, a chat request to local rank 1's endpoint (2 GPUs), the reward model's
+     free-memory reading taken after vLLM's reservation (printed: INFO reward model placed with ...).
 
 Tolerances. Step 1 of every run generates from the same checkpoint with the same seeds, so its samples are the
 same unless rounding (another ZeRO stage, another GPU count) flips a sampled token: step-1 losses must agree
@@ -67,6 +70,12 @@ CHECKS = (
                        "(sdpa; flash-attention 2 where flash_attn is installed)"),
     ("lora_zero3", "train_grpo.py with LoRA on ZeRO-3: 2 steps, checkpoint, resume to step 3, --export-adapter"),
     ("bridge_nccl", "tests/gpu: the weight bridge's NCCL group in one process: broadcast, acknowledgment, abort"),
+    ("endpoint_token_exact", "tests/gpu: endpoint answers over colocated vLLM are the engine's own tokens (the "
+                             "batcher thread on the engine's device and stream; only where vllm is installed)"),
+    ("endpoint_local_rank_1", "tests/gpu: a chat request to the endpoint of local rank 1 with colocated vLLM is "
+                              "answered with that engine's tokens (2 GPUs, vllm installed)"),
+    ("reward_model_after_vllm", "tests/gpu: the reward model's free-memory reading, logged when it is placed, is "
+                                "taken after vLLM's reservation (vllm installed)"),
 )
 PYTEST_CHECKS = {  # check -> pytest node ids (prefixes) that make it
     "zero3_bf16_fp32_accumulation": ["tests/gpu/test_gpu_engines.py::test_bf16_zero3_engine_accumulates_gradients"],
@@ -78,6 +87,9 @@ PYTEST_CHECKS = {  # check -> pytest node ids (prefixes) that make it
     "packing_canary": ["tests/gpu/test_gpu_packing.py"],
     "bridge_nccl": ["tests/gpu/test_gpu_bridge.py"],
     "vllm": ["tests/integration/test_generation_vllm.py", "tests/integration/test_generation_vllm_qwen2.py"],
+    "endpoint_token_exact": ["tests/gpu/test_gpu_agentic.py::test_endpoint_answers_are_the_engines_own_tokens"],
+    "endpoint_local_rank_1": ["tests/gpu/test_gpu_agentic.py::test_a_chat_request_to_local_rank_1s_endpoint"],
+    "reward_model_after_vllm": ["tests/gpu/test_gpu_agentic.py::test_the_reward_model_is_placed_by_the_memory_vllm_left"],
 }
 ZERO3 = "ds_configs/zero3.json"
 NOT_COVERED = "NOT COVERED"  # a check that did not run here, with why (no CUDA, one GPU, no vLLM wheel, ...)
@@ -332,7 +344,8 @@ def main(argv=None) -> int:
     if args.cpu:
         for name in pytest_names:
             say(name, NOT_COVERED, "--cpu: needs CUDA (its CPU twin is in the default suite: tests/e2e/test_gpu_check.py, "
-                              "tests/integration/test_offload.py, tests/integration/test_device_rules.py)")
+                              "tests/integration/test_offload.py, tests/integration/test_device_rules.py, "
+                              "tests/integration/test_reward_model_placement.py)")
     else:
         nodes = [n for name in pytest_names for n in PYTEST_CHECKS[name]]
         junit = out / "pytest_gpu.xml"

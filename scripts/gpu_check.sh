@@ -3,7 +3,9 @@
 # (ZeRO-3 bf16 with fp32 accumulation, optimizer offload on ZeRO-1/2/3, refit gather = export bit for bit,
 # mem_get_info metrics, NCCL collectives and the TP lockstep, bf16 vs fp32), a real 3-step loop with ZeRO-3 on one
 # GPU, a checkpoint and a resume, the auto config, LoRA on ZeRO-3 (resume, adapter export), the packed-vs-padded
-# logprob canary, the bridge's NCCL broadcast, 2 processes with 2 GPUs, the vLLM tests where vllm is installed.
+# logprob canary, the bridge's NCCL broadcast, 2 processes with 2 GPUs, the vLLM tests where vllm is installed, and
+# with colocated vLLM (issue 52): endpoint answers equal the engine's own tokens, a chat request to local rank 1's
+# endpoint (2 GPUs), the reward model's free-memory reading taken after vLLM's reservation.
 # One line per check, a JSON verdict. At most 8 minutes (GPU_CHECK_BUDGET_S, default 480).
 #
 # How to run it on a lent GPU machine (torch, transformers and accelerate installed; no deepspeed, no

@@ -1,5 +1,5 @@
-"""Rerun the CPU demos and print the lines README quotes: each demo at each seed, its validation reward at the
-start and at the end of the run, and the wall time.
+"""Rerun the CPU demos and print the lines README and docs/measurements.md quote: each demo at each seed, its
+validation reward at the start and at the end of the run, and the wall time.
 
     python scripts/measure_demos.py                       # the default demo (configs/cpu_demo.yaml), seeds 0 1 2
     python scripts/measure_demos.py --demo multiturn --seeds 0 1 2

@@ -305,7 +305,8 @@ def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) ->
     """`run_conversations` for the samples of environments stepped here, ``agents.play`` for the agents' ones. With
     the endpoint served (``agents``), outside requests generate between the rollout's own batches. ``weights``
     None: a rollout on a backend whose weights the endpoint does not version (the async loop's validation copy):
-    the endpoint keeps the version it has."""
+    the endpoint keeps the version it has. Every rank makes the same ``weights.load_newest`` calls, whatever its share
+    of agent samples: with generation ranks each is a collective of the trainers."""
     tasks = agents.tasks(envs) if agents is not None else set()
     played = [i for i, t in enumerate(trajs) if t.task_name in tasks]
     rest = [i for i in range(len(trajs)) if i not in set(played)]
@@ -313,8 +314,9 @@ def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) ->
     with agents.sharing(generator, version) if agents is not None else nullcontext(generator) as shared:
         timing = run_conversations([trajs[i] for i in rest], [seed_keys[i] for i in rest], shared, envs, chat,
                                    settings, weights)
+    if agents is not None and weights is not None:  # every rank, agent samples or none (a trainer that skipped
+        version = weights.load_newest()                 # this collective left the others waiting in it for ever)
     if played:
-        version = weights.load_newest() if weights is not None else None
         timing["agent_s"] = agents.play([trajs[i] for i in played], [seed_keys[i] for i in played], envs, version)
     return timing
 

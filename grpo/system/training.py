@@ -132,7 +132,7 @@ def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float 
     ``prompt_lens_b`` lets them share prompts, the shared-prompt plan (the distinct prompts plus every row's padded
     continuation, `grpo.system.shared_prefix.SharedPrefixPlan.tokens`); packed slots: Σ over packed rows of their
     length (`grpo.system.packed.packed_row_tokens`). The time of these forwards follows the slots they run
-    (measured on the bench model: README "Sequence packing and dynamic batching"); ``packing.always``: packed
+    (measured on the bench model: docs/measurements.md, "Sequence packing"); ``packing.always``: packed
     regardless."""
     device = engine.device
     ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)

@@ -4,40 +4,42 @@ run's OpenAI-compatible endpoint (`grpo.system.generation.endpoint`), and says w
 An agent is an async Python function (``env.agent.fn: package.module:function``)::
 
     async def agent(row: dict, base_url: str, api_key: str, model: str) -> float | dict:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
-        ...                                   # any number of chat completions, tools run by the agent
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
+            ...                               # any number of chat completions, tools run by the agent
         return {"reward": 1.0, "reward_components": {"correct": 1.0}, "mask_sample": False}
 
 or a program (``env.agent.command: [argv...]``) that reads the row as JSON on stdin, finds ``GRPO_BASE_URL``,
 ``GRPO_API_KEY``, ``GRPO_MODEL`` (and the ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` the openai package reads) in its
-environment, and prints the result as JSON on the last line of its stdout. ``row`` is
+environment, and prints the result as JSON on the last line of its stdout (what it prints before is read and
+dropped, its last megabyte kept: `grpo.tasks.agent_call.run_program`). ``row`` is
 ``{"question", "answer", "meta", "task_name", "messages", "sampling"}`` (``messages``: the prompt as the data
 formatted it, role / content dicts; ``sampling``: the ``temperature`` and ``top_p`` to send, the run's training or
 validation pair: the endpoint refuses others). A number is the reward; a dict has ``reward`` and optionally ``reward_components`` (named
 finite numbers) and ``mask_sample`` (keep the sample out of the loss).
 
-Every sample gets its own API key, so the endpoint records each call it makes; the trainer builds the sample's
-trajectory from those records (`grpo.system.agent_rollout`), never from what the agent says it saw.
+Every attempt of a sample gets its own API key, so the endpoint records each call it makes; the trainer builds the
+sample's trajectory from those records (`grpo.system.agent_rollout`), never from what the agent says it saw.
 
-A sample *fails* (`grpo.tasks.failures`: masked, never scored 0) when its agent raises (its class from the
-exception: a dropped connection or a 5xx is infra, the agent's own bug data), runs past ``env.agent.timeout_s``
-(``env_timeout``; a program is killed), exits non-zero, or returns something that is not a result
-(``env_malformed``). Up to ``env.agent.max_concurrency`` agents run at once.
+Each call of the function runs on an event loop of its own, in a thread of its own (`grpo.tasks.agent_call`: so
+that the timeout and stop signals hold whatever the agent does); make clients inside the function, as above, not at
+module level: a connection does not outlive the loop it was opened on.
+
+An attempt *fails* (`grpo.tasks.failures`) when its agent raises (its class from the exception: a dropped connection
+or a 5xx is infra, the agent's own bug data), runs past ``env.agent.timeout_s`` (``env_timeout``; it is abandoned, a
+program killed), exits non-zero, or returns something that is not a result (``env_malformed``). A failed attempt is
+retried within ``grpo.rollout_failure``'s budgets under a fresh key (`grpo.system.agent_rollout`); a sample whose
+attempts all failed is masked, never scored 0. Up to ``env.agent.max_concurrency`` agents run at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import json
-import math
 import os
-import signal
-import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from grpo.tasks.failures import classify_exception
+from grpo.tasks.agent_call import AgentCall, ProgramFailed, ProgramOutputError, run_program
+from grpo.tasks.failures import failure_of_exception, reward_problem
 from grpo.tasks.function import EnvError, resolve_function
 from grpo.tasks.interface import Environment
 from grpo.trajectory import DATA, Failure
@@ -65,12 +67,13 @@ def parse_result(value: Any) -> AgentOutcome:
         return AgentOutcome(failure=Failure.of("env_malformed", f"the agent returned {str(value)[:300]!r}: {why}"))
 
     def number(x) -> float | None:
-        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+        return float(x) if reward_problem(x) is None else None  # finite in float32, the dtype rewards train in
 
     if number(value) is not None:
         return AgentOutcome(reward=number(value))
     if not isinstance(value, dict) or number(value.get("reward")) is None:
-        return bad("expected a finite number or a dict with a finite 'reward'")
+        return bad("expected a finite number or a dict with a finite 'reward' (finite in float32, the dtype rewards "
+                   "train in)")
     unknown = sorted(set(value) - {"reward", "reward_components", "mask_sample"})
     if unknown:
         return bad(f"unknown keys {unknown} (expected reward, reward_components, mask_sample)")
@@ -85,8 +88,8 @@ def parse_result(value: Any) -> AgentOutcome:
 
 
 class AgentEnvironment(Environment):
-    """``env.name: agent``. Its samples are played by `run`, never stepped: `grpo.system.rollout.generate_rollout`
-    hands them to `grpo.system.agent_rollout.play_agents`."""
+    """``env.name: agent``. Its samples are played by their agents (`start`), never stepped:
+    `grpo.system.rollout.generate_rollout` hands them to `grpo.system.agent_rollout.play_agents`."""
 
     def __init__(self, fn: str | None = None, command: list[str] | None = None, max_concurrency: int = 64,
                  timeout_s: float = 300.0, key: str = "env.agent"):
@@ -112,61 +115,34 @@ class AgentEnvironment(Environment):
                                                     for t in trajs),
                        "calls_per_sample": sum(t.turns for t in trajs) / n}
 
-    def run(self, rows: list[dict], base_url: str, api_keys: list[str], model: str) -> list[AgentOutcome]:
-        """Every sample's agent, ``max_concurrency`` at a time, each within ``timeout_s``; one outcome per row."""
-        return asyncio.run(self._run_all(rows, base_url, api_keys, model))
-
-    async def _run_all(self, rows, base_url, api_keys, model) -> list[AgentOutcome]:
-        gate = asyncio.Semaphore(self.max_concurrency)
-
-        async def one(row, key):
-            async with gate:
-                return await self._one(row, base_url, key, model)
-
-        return list(await asyncio.gather(*(one(r, k) for r, k in zip(rows, api_keys, strict=True))))
-
-    async def _one(self, row: dict, base_url: str, api_key: str, model: str) -> AgentOutcome:
-        try:
-            if self.fn is not None:
-                value = await asyncio.wait_for(self.fn(row, base_url, api_key, model), self.timeout_s)
-            else:
-                value = await self._program(row, base_url, api_key, model)
-        except (asyncio.TimeoutError, TimeoutError):
-            return AgentOutcome(failure=Failure.of("env_timeout", f"the agent ran past env.agent.timeout_s="
-                                                                  f"{self.timeout_s}"))
-        except _ProgramFailed as err:
-            return AgentOutcome(failure=Failure.of("env_error", str(err), kind=DATA))
-        except Exception as err:  # noqa: BLE001 - the agent's own code or its HTTP client
-            return AgentOutcome(failure=Failure.of("env_error", traceback.format_exc(), kind=classify_exception(err)))
-        return parse_result(value)
-
-    async def _program(self, row: dict, base_url: str, api_key: str, model: str):
+    def start(self, row: dict, base_url: str, api_key: str, model: str,
+              on_done: Callable[[AgentCall], None]) -> AgentCall:
+        """One attempt of ``row``'s agent, started in its own thread (`grpo.tasks.agent_call.AgentCall`); its
+        `outcome_of` once ``on_done(call)`` is called."""
+        if self.fn is not None:
+            return AgentCall(lambda call: self.fn(row, base_url, api_key, model), on_done)
         env = {**os.environ, "GRPO_BASE_URL": base_url, "GRPO_API_KEY": api_key, "GRPO_MODEL": model,
                "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
-        proc = await asyncio.create_subprocess_exec(*self.command, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                    env=env, start_new_session=True)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(json.dumps(row).encode()), self.timeout_s)
-        except BaseException:  # the deadline, or the rollout cancelled: the program and its children go
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await proc.wait()
-            raise
-        if proc.returncode != 0:
-            raise _ProgramFailed(f"env.agent.command {self.command} exited with status {proc.returncode}; stderr:\n"
-                                 f"{err.decode(errors='replace')[-2000:]}")
-        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
-        try:
-            return json.loads(lines[-1]) if lines else None
-        except json.JSONDecodeError:
-            return {"unparsed stdout": lines[-1][:300]}
+        return AgentCall(lambda call: run_program(self.command, row, env, call), on_done)
 
 
-class _ProgramFailed(RuntimeError):
-    pass
+def outcome_of(call: AgentCall) -> AgentOutcome:
+    """The `AgentOutcome` of an attempt that ended: its return value parsed (`parse_result`), or the failure of what
+    it raised: a program's non-zero exit ``env_error`` (data), its unreadable result ``env_malformed``, any other
+    exception ``env_error`` or its HTTP status's reason, classed by `grpo.tasks.failures.failure_of_exception`."""
+    err = call.error
+    if err is None:
+        return parse_result(call.value)
+    if isinstance(err, ProgramFailed):
+        return AgentOutcome(failure=Failure.of("env_error", str(err), kind=DATA))
+    if isinstance(err, ProgramOutputError):
+        return AgentOutcome(failure=Failure.of("env_malformed", str(err)))
+    return AgentOutcome(failure=failure_of_exception(err, "env_error", call.traceback))
+
+
+def timed_out(timeout_s: float) -> AgentOutcome:
+    """The outcome of an attempt abandoned at its deadline."""
+    return AgentOutcome(failure=Failure.of("env_timeout", f"the agent ran past env.agent.timeout_s={timeout_s}"))
 
 
 def agent_row(question: str, answer: str, meta: dict, task_name: str, messages: list[dict],

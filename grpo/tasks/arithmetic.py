@@ -56,7 +56,7 @@ def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.15,
     {-3..3} \\ {0}: the demo until issue 35) leave GRPO a per-prompt sharpening of 100 prompts, which a
     0.4M-parameter model learns slowly (about +0.1 validation reward in 100 steps) and a larger learning rate
     turns into a collapse onto the answers' shared first digit; one shared slip is unlearned in tens of steps
-    (+0.3 or more in 100 steps at seeds 0, 1, 2: scripts/measure_demos.py, README "Measured"). 800 supervised steps,
+    (+0.3 or more in 100 steps at seeds 0, 1, 2: scripts/measure_demos.py, docs/measurements.md). 800 supervised steps,
     not 400: the sums themselves must be known precisely, or GRPO trades the +1 slip for -1 and +-2 errors (seed 1
     stopped at 0.45 with 400). Deterministic for a given seed and thread count.
     """

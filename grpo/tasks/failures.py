@@ -22,7 +22,9 @@ where the exception still exists (in the worker process that raised it), then ca
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Real
 
 from grpo.trajectory import DATA, INFRA, Failure
 
@@ -36,6 +38,9 @@ _INFRA_TYPE_NAMES = frozenset({
     "APIConnectionError", "APITimeoutError",  # openai
 })
 _MAX_CAUSE_DEPTH = 8
+# The smallest magnitude that rounds to inf as float32: halfway between the largest float32, (2 - 2^-23) * 2^127,
+# and 2^128; a tie rounds to even, here up (the largest float32's mantissa is odd).
+FLOAT32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
 
 
 def http_status_is_infra(status: int) -> bool:
@@ -102,6 +107,32 @@ def classify_exception(exc: BaseException) -> str:
             return INFRA
         current = current.__cause__ or current.__context__
     return DATA
+
+
+def reward_problem(value, what: str = "the reward") -> str | None:
+    """Why ``value`` is not a reward, or None. A reward is a real number (not a bool) that stays finite in float32,
+    the dtype rewards are trained in: NaN and inf are not, nor is 1e300 (finite in float64, inf as float32 under
+    IEEE round-to-nearest-even, as torch converts). Every source of rewards (environments' returns, reward
+    functions, judges, reward models, agents, NeMo-Gym) applies this one rule where it reads the value, and a value
+    it refuses fails that sample (``env_malformed``), never its batch or its step.
+
+        >>> reward_problem(1.5) is None, reward_problem(-3.4e38) is None
+        (True, True)
+        >>> reward_problem(float("nan"))
+        'the reward is nan: expected a finite number'
+        >>> reward_problem(1e300, "the judge's score")
+        "the judge's score is 1e+300: inf as float32, the dtype rewards train in; expected a finite float32 number"
+        >>> reward_problem(True), reward_problem("1")
+        ('the reward is True: expected a finite number', "the reward is '1': expected a finite number")
+    """
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return f"{what} is {value if isinstance(value, bool) else repr(value)[:100]}: expected a finite number"
+    x = float(value)
+    if not math.isfinite(x):
+        return f"{what} is {x}: expected a finite number"
+    if abs(x) >= FLOAT32_OVERFLOW:
+        return f"{what} is {x:g}: inf as float32, the dtype rewards train in; expected a finite float32 number"
+    return None
 
 
 def backoff_s(retry: int, base_s: float, max_s: float) -> float:

@@ -23,12 +23,12 @@ and free of side effects. Workers are daemon processes: a reward function may ru
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import traceback
 from collections.abc import Callable
-from numbers import Real
 from typing import Any
+
+from grpo.tasks.failures import reward_problem
 
 RewardFn = Callable[[str, str, str, dict], Any]
 
@@ -76,15 +76,12 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return resolve_function(spec, "env.reward_fn")
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
 def _finite(value: Any, what: str) -> float:
-    """A finite number, also as float32 (rewards are trained in float32: 1e39 would be inf there)."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
-    if abs(float(value)) > _FLOAT32_MAX:
-        raise ValueError(f"{what} must be a finite float32 number (|x| <= 3.4e38), got {value!r}")
+    """``value`` as a float when it is a reward (`grpo.tasks.failures.reward_problem`: finite in float32), else
+    ValueError saying why (the sample fails, as any reward function error)."""
+    problem = reward_problem(value, what)
+    if problem is not None:
+        raise ValueError(problem)
     return float(value)
 
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
+from grpo.tasks.failures import reward_problem
 from grpo.trajectory import Failure
 
 if TYPE_CHECKING:  # torch is imported where it is used: reward worker processes import this package
@@ -131,8 +132,10 @@ def check_return(ret: Any, n: int) -> EnvironmentReturn:
 
     Normalises what NeMo-RL allows: ``next_stop_strings`` / ``answers`` may be None (all None); rewards and
     terminateds may be lists; a plain tuple of NeMo-RL's six fields has no ``failures``. Each observation
-    becomes a list of messages; rewards become float32, terminateds bool; non-finite rewards are rejected;
-    ``failures`` becomes one entry per sample (None: did not fail).
+    becomes a list of messages; rewards become float32, terminateds bool; ``failures`` becomes one entry per sample
+    (None: did not fail). A reward (or component) that is no reward (`grpo.tasks.failures.reward_problem`: NaN, inf,
+    1e300 that float32 makes inf) fails its sample alone (``env_malformed``, retried, then masked), as a failure the
+    environment reported would; the call's other samples keep their rewards.
 
         >>> r = check_return(EnvironmentReturn([{"role": "user", "content": "hi"}], [{}], None, [1.0], [True], None), 1)
         >>> r.observations, r.rewards, r.terminateds, r.next_stop_strings, r.failures
@@ -167,12 +170,16 @@ def check_return(ret: Any, n: int) -> EnvironmentReturn:
             raise ValueError(f"EnvironmentReturn.next_stop_strings[{i}]={s!r}: expected a list of strings or None")
 
     def as_rewards(value, what: str) -> torch.Tensor:
-        t = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        """``[n]`` float32; a sample whose value is no reward (`reward_problem`) fails, its placeholder 0."""
+        t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)  # as given: 1e300 is still 1e300 here
         if t.numel() != n:
             raise ValueError(f"EnvironmentReturn.{what} has {t.numel()} values for {n} samples")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"EnvironmentReturn.{what} holds non-finite values (as float32): {t.tolist()}")
-        return t
+        for b, x in enumerate(t.tolist()):
+            problem = reward_problem(x, f"EnvironmentReturn.{what}[{b}]")
+            if problem is not None:
+                failures[b] = failures[b] or Failure.of("env_malformed", problem)
+                t[b] = 0.0
+        return t.to(torch.float32)
 
     if isinstance(rewards, dict):
         rewards = {str(k): as_rewards(v, f"rewards[{k!r}]") for k, v in rewards.items()}

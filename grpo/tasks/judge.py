@@ -14,7 +14,9 @@ and the judge's answer gives the reward.
 The judge is outside the policy, so what goes wrong there is a failure of the sample, never a score
 (`grpo.tasks.failures`; NeMo-Gym's judges turn their errors into reward 0, the bias this avoids): a request past
 ``timeout_s`` (``env_timeout``, infra), no connection (``connection``, infra), an HTTP error (``http_5xx`` /
-``http_429`` / ``http_408``: infra; another 4xx: data), an answer with no score in it (``env_malformed``, data).
+``http_429`` / ``http_408``: infra; another 4xx: data), an answer with no score in it, or a score that is no reward
+(NaN, or so large that float32 makes it inf: `grpo.tasks.failures.reward_problem`) (``env_malformed``, data): only
+that sample fails.
 The router retries them within ``grpo.rollout_failure``'s budgets, then the sample is masked and counted. The
 client itself does not retry (``max_retries=0``): the budgets are the router's. Requests run ``max_concurrency`` at
 a time; the API key is read from the environment variable ``api_key_env`` (never written into the config).
@@ -26,7 +28,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-from grpo.tasks.failures import Failure, classify_exception, http_reason, http_status
+from grpo.tasks.failures import Failure, classify_exception, http_reason, http_status, reward_problem
 from grpo.tasks.interface import Environment, EnvironmentReturn
 
 
@@ -91,6 +93,10 @@ class JudgeEnvironment(Environment):
         if score is None:
             return 0.0, Failure.of("env_malformed", f"the judge's answer has no score ({self.cfg.score_pattern!r}): "
                                    f"{(text or '')[:500]!r}")
+        problem = reward_problem(score / self.cfg.max_score, f"the judge's score {score:g} / max_score "
+                                                            f"{self.cfg.max_score:g}")
+        if problem is not None:  # "Score: nan", or 400 digits: this sample fails, the others keep their scores
+            return 0.0, Failure.of("env_malformed", f"{problem}; the judge's answer: {(text or '')[:500]!r}")
         return score / self.cfg.max_score, None
 
     def step(self, message_logs: list, metadata: list) -> EnvironmentReturn:

@@ -19,10 +19,12 @@ The protocol (NeMo-Gym's schema, which the example servers of ``examples/gym/`` 
   tokens as an untrained ``user`` message and its generated tokens as a trained ``assistant`` message with their
   logprobs; a call whose prompt does not start with everything seen before is NeMo-RL's non-contiguous error.
 
-What NeMo-RL asserts (a short or duplicated stream, a non-contiguous trajectory, a result without generation, NaN
-logprobs, ``reward`` unequal to the sum of ``reward_components``) raises `GymResultError` here and stops the rollout:
-each means the servers and the trainer disagree about the protocol. What fails for one sample (no answer, 5xx, a
-timeout, an answer that is not a result) is a `grpo.tasks.failures` failure: retried, then masked, never scored 0.
+What NeMo-RL asserts (a short or duplicated stream, a non-contiguous trajectory, a result without generation,
+``reward`` unequal to the sum of ``reward_components``) raises `GymResultError` here and stops the rollout: each means
+the servers and the trainer disagree about the protocol. What fails for one sample (no answer, 5xx, a timeout, an
+answer that is not a result, token fields that cannot be trained: `check_token_fields`, a generation the run's
+endpoint did not make: `grpo.system.nemo_gym_rollout.GymLedger`) is a `grpo.tasks.failures` failure: retried, then
+masked, never scored 0.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import math
 import statistics
 from collections import defaultdict
 
+from grpo.tasks.failures import reward_problem
 from grpo.tasks.function import EnvError
 from grpo.tasks.interface import Environment
 from grpo.trajectory import Message
@@ -101,6 +104,38 @@ def gym_record_to_row(record: dict, source: str) -> dict:
             "meta": record}
 
 
+def data_agents(rows) -> dict[str, str]:
+    """Agent server name -> the ``source`` of the first row naming it, over grpo-ds rows of Gym records
+    (`gym_record_to_row`).
+
+        >>> data_agents([{"source": "d.jsonl:1", "meta": {"agent_ref": {"name": "calc"}}},
+        ...              {"source": "d.jsonl:2", "meta": {"agent_ref": {"name": "calc"}}}])
+        {'calc': 'd.jsonl:1'}
+    """
+    first: dict[str, str] = {}
+    for row in rows:
+        first.setdefault(row["meta"]["agent_ref"]["name"], row["source"])
+    return first
+
+
+def check_data_agents(first_row: dict[str, str], known) -> str | None:
+    """The problem, in one line, when the data names agent servers not among ``known`` (the servers' agents), or
+    None. ``first_row``: `data_agents`.
+
+        >>> check_data_agents({"calc": "d.jsonl:1"}, ["calc", "other"]) is None
+        True
+        >>> check_data_agents({"calc": "d.jsonl:1", "calk": "d.jsonl:4"}, ["calc"])
+        "the data's agent_ref.name ['calk'] (first at d.jsonl:4) names no agent server of the NeMo-Gym servers (agents: ['calc']): fix the data, or give the servers of that agent (env.nemo_gym.config_paths, agent_urls or head_server_url)"
+    """
+    unknown = sorted(set(first_row) - set(known))
+    if not unknown:
+        return None
+    where = ", ".join(first_row[a] for a in unknown)
+    return (f"the data's agent_ref.name {unknown} (first at {where}) names no agent server of the NeMo-Gym servers "
+            f"(agents: {sorted(known)}): fix the data, or give the servers of that agent (env.nemo_gym.config_paths, "
+            "agent_urls or head_server_url)")
+
+
 def prepare_row(row: dict, row_index: int, temperature: float, top_p: float, max_new_tokens: int) -> dict:
     """A copy of ``row`` as NeMo-RL posts it (``_prepare_nemo_gym_rows``): the sampling profile on its
     ``responses_create_params`` (``max_output_tokens``: the row's, capped by ``max_new_tokens``), ``_rowidx`` set.
@@ -155,18 +190,78 @@ def check_result(result) -> str | None:
         >>> check_result({"response": {"output": []}, "reward": 1}) is None
         True
         >>> check_result({"reward": 1})
-        "expected a verify response with 'response' (its 'output' list) and a finite 'reward'"
+        "expected a verify response with 'response' (its 'output' list) and a finite 'reward' (in float32)"
     """
     reward = result.get("reward") if isinstance(result, dict) else None
     if not (isinstance(result, dict) and isinstance(result.get("response"), dict)
             and isinstance(result["response"].get("output"), list)
-            and isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward)):
-        return "expected a verify response with 'response' (its 'output' list) and a finite 'reward'"
+            and reward_problem(reward) is None):  # finite in float32, the dtype rewards train in
+        return "expected a verify response with 'response' (its 'output' list) and a finite 'reward' (in float32)"
     comps = result.get("reward_components")
     if comps is not None and (not isinstance(comps, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in comps.values())):
-        return f"reward_components must map names to numbers, got {str(comps)[:200]}"
+            reward_problem(v) is None for v in comps.values())):
+        return f"reward_components must map names to finite numbers (in float32), got {str(comps)[:200]}"
     return None
+
+
+def model_call_items(result: dict) -> list[dict]:
+    """The output items of a result that are model calls: those with non-empty ``generation_token_ids`` (the last
+    item of each call carries its token fields, as Gym's model server writes them).
+
+        >>> len(model_call_items({"response": {"output": [{"type": "message", "generation_token_ids": [3]},
+        ...                                               {"type": "function_call_output"}]}}))
+        1
+    """
+    return [item for item in result["response"]["output"]
+            if isinstance(item, dict) and item.get("generation_token_ids")]
+
+
+def check_token_fields(result: dict, vocab_size: int) -> str | None:
+    """Why a result's token fields cannot be trained (an ``env_malformed`` failure of its sample), or None. In each
+    model call (`model_call_items`): ``prompt_token_ids`` (absent: none) and ``generation_token_ids`` are lists of
+    token ids of the policy's tokenizer, ints in ``[0, vocab_size)``; ``generation_log_probs`` holds one number per
+    generated token, each a log-probability: finite and <= 0 (no tolerance above 0: no peer of grpo-ds allows one, and
+    a log-softmax never rounds above 0).
+
+        >>> ok = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-0.5]}
+        >>> check_token_fields({"response": {"output": [ok]}}, vocab_size=10) is None
+        True
+        >>> check_token_fields({"response": {"output": [{**ok, "generation_token_ids": [12]}]}}, vocab_size=10)
+        "model call 1: generation_token_ids[0]=12 is not a token id of the policy's tokenizer (ints in [0, 10))"
+        >>> check_token_fields({"response": {"output": [{**ok, "generation_log_probs": [float("inf")]}]}}, 10)
+        'model call 1: generation_log_probs[0]=inf is not a log-probability (finite and <= 0)'
+    """
+    for call, item in enumerate(model_call_items(result), 1):
+        fields = {"prompt_token_ids": item.get("prompt_token_ids") or [], "generation_token_ids":
+                  item["generation_token_ids"]}
+        for name, ids in fields.items():
+            if not isinstance(ids, list):
+                return f"model call {call}: {name} must be a list of token ids, got {str(ids)[:100]}"
+            if not _all_token_ids(ids, vocab_size):
+                i, t = next((i, t) for i, t in enumerate(ids) if not _all_token_ids([t], vocab_size))
+                return (f"model call {call}: {name}[{i}]={str(t)[:40]} is not a token id of the policy's tokenizer "
+                        f"(ints in [0, {vocab_size}))")
+        logprobs = item.get("generation_log_probs")
+        if not isinstance(logprobs, list) or len(logprobs) != len(fields["generation_token_ids"]):
+            got = len(logprobs) if isinstance(logprobs, list) else str(logprobs)[:100]
+            return (f"model call {call}: {len(fields['generation_token_ids'])} generation_token_ids but "
+                    f"generation_log_probs {got}")
+        if not _all_log_probabilities(logprobs):
+            i, x = next((i, x) for i, x in enumerate(logprobs) if not _all_log_probabilities([x]))
+            return (f"model call {call}: generation_log_probs[{i}]={str(x)[:40]} is not a log-probability "
+                    "(finite and <= 0)")
+    return None
+
+
+def _all_token_ids(values: list, vocab_size: int) -> bool:
+    """Every value an int (not a bool) in ``[0, vocab_size)``; C-speed over long prompts (a bool's type is bool)."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0 and max(values) < vocab_size)
+
+
+def _all_log_probabilities(values: list) -> bool:
+    """Every value an int or float (not a bool), finite and <= 0."""
+    return not values or (set(map(type, values)) <= {int, float} and all(map(math.isfinite, values))
+                          and max(values) <= 0)
 
 
 def trajectory_messages(result: dict, decode) -> tuple[list[Message], dict]:
@@ -176,7 +271,7 @@ def trajectory_messages(result: dict, decode) -> tuple[list[Message], dict]:
     Every output item with non-empty ``generation_token_ids`` is one model call: its ``prompt_token_ids`` must start
     with every token seen so far (else `GymResultError`, NeMo-RL's non-contiguous assertion); the rest of its prompt
     becomes an untrained ``user`` message, its generated tokens a trained ``assistant`` message with their logprobs.
-    A result with no such item, or with a NaN logprob, is a `GymResultError` too.
+    A result with no such item is a `GymResultError` too. ``result`` is one `check_token_fields` passed.
 
         >>> item = lambda p, g: {"type": "message", "prompt_token_ids": p, "generation_token_ids": g,
         ...                      "generation_log_probs": [-0.1] * len(g)}
@@ -195,22 +290,14 @@ def trajectory_messages(result: dict, decode) -> tuple[list[Message], dict]:
     stripped = copy.deepcopy(result)
     seen: list[int] = []
     messages: list[Message] = []
-    for item in stripped["response"]["output"]:
-        if not isinstance(item, dict) or not item.get("generation_token_ids"):
-            continue
+    for call, item in enumerate(model_call_items(stripped), 1):
         prompt, generated = list(item.pop("prompt_token_ids", None) or []), list(item.pop("generation_token_ids"))
-        logprobs = [float(x) for x in (item.pop("generation_log_probs", None) or [])]
-        call = len(messages) // 2 + 1
+        logprobs = [float(x) for x in item.pop("generation_log_probs")]
         if prompt[:len(seen)] != seen:
             raise GymResultError(
                 f"non-contiguous messages in a NeMo-Gym result (model call {call}): its prompt does not start with "
                 f"the {len(seen)} tokens seen before it: a tokenization that merges tokens across messages, or a "
                 "history the agent cut or rewrote (reasoning stripped)")
-        if len(logprobs) != len(generated):
-            raise GymResultError(f"a NeMo-Gym output item (model call {call}) has {len(generated)} generated tokens "
-                                 f"and {len(logprobs)} generation_log_probs")
-        if any(math.isnan(x) for x in logprobs):
-            raise GymResultError(f"generation logprobs contain NaN (model call {call})")
         new = prompt[len(seen):]
         messages.append(Message("user", decode(new), new))
         messages.append(Message("assistant", decode(generated), generated, logprobs))
@@ -319,12 +406,14 @@ class NemoGymEnvironment(Environment):
     """``env.should_use_nemo_gym``: its samples are played by NeMo-Gym's agent servers over HTTP
     (`grpo.system.nemo_gym_rollout`), never stepped. ``cfg``: the ``env.nemo_gym`` section
     (`grpo.config.NemoGymConfig`); ``agent_urls``: agent name -> base URL, filled when the servers are found
-    (`grpo.system.nemo_gym_servers`); ``log_responses``: ``env.should_log_nemo_gym_responses``."""
+    (`grpo.system.nemo_gym_servers`), with ``ledger``, what the run's endpoint generated for them
+    (`grpo.system.nemo_gym_rollout.GymLedger`); ``log_responses``: ``env.should_log_nemo_gym_responses``."""
 
     def __init__(self, cfg, log_responses: bool = False):
         self.cfg, self.log_responses = cfg, log_responses
         self.agent_urls: dict[str, str] = dict(cfg.agent_urls)
         self.responses_dir: str | None = None  # <log_dir>/nemo_gym_responses, set by the run
+        self.ledger = None  # the endpoint's generations for the servers (grpo.system.nemo_gym_rollout.GymLedger)
         self.invalid_tool_call_patterns = cfg.invalid_tool_call_patterns
         self.thinking_tags = cfg.thinking_tags
         self.effort_levels = cfg.effort_levels

@@ -34,7 +34,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from grpo.tasks.failures import Failure
+from grpo.tasks.failures import Failure, reward_problem
 from grpo.tasks.interface import Environment, EnvironmentReturn
 
 
@@ -73,9 +73,11 @@ class PendingScore:
     own: str | None = None
 
 
-def add_score(t, p: PendingScore, score: float) -> None:
+def add_score(t, p: PendingScore, score: float) -> str | None:
     """Fold the score of pending ``p`` into trajectory ``t`` (`grpo.trajectory.Trajectory`): reward += weight *
     score; its component (if named) += score; its combined environment's record of its parts (if named) = score.
+    A score that is no reward (NaN or inf out of the model, `grpo.tasks.failures.reward_problem`) fails the sample
+    instead (``env_malformed``; masked, counted), as an environment's NaN reward does; returns why, else None.
 
         >>> from grpo.trajectory import Trajectory
         >>> t = Trajectory(0, 0, "t", "q", "a", [], {"combined_rewards": {"math": 1.0, "rm": 0.0}}, reward=1.0,
@@ -83,13 +85,23 @@ def add_score(t, p: PendingScore, score: float) -> None:
         >>> add_score(t, PendingScore(0, [5, 6], component="rm", own="rm"), 0.5)
         >>> t.reward, t.reward_components, t.metadata
         (1.5, {'math': 1.0, 'rm': 0.5}, {'combined_rewards': {'math': 1.0, 'rm': 0.5}})
+        >>> add_score(t, PendingScore(0, [5, 6]), float("nan")), t.error, t.reward
+        ("the reward model's score is nan: expected a finite number", 'env_malformed', 0.0)
     """
+    if t.error is not None:  # failed already (by another reward model's score): nothing to add to
+        return None
+    problem = reward_problem(score, "the reward model's score") or reward_problem(t.reward + p.weight * score,
+                                                                                 "the sample's reward with it")
+    if problem is not None:
+        t.fail(Failure.of("env_malformed", problem))
+        return problem
     t.reward += p.weight * score
     if p.component is not None:
         t.reward_components = {**(t.reward_components or {}),
                                p.component: (t.reward_components or {}).get(p.component, 0.0) + score}
     if p.own is not None:
         t.metadata.setdefault(OWN_REWARDS, {})[p.own] = score
+    return None
 
 
 def first_difference(a: str, b: str) -> int:

@@ -36,8 +36,8 @@ def test_the_agent_demo_trains_on_the_recorded_tokens(tmp_path):
 @pytest.mark.slow
 def test_the_agent_demo_learns(tmp_path):
     """The agent demo as shipped raises validation reward by 0.2 or more (issue 32's bar: within 15 minutes on 2
-    cores; README's numbers come from scripts/measure_demos.py --demo agent). It learns to call the calculator
-    (sampled in about half the answers at the start) and to copy its result."""
+    cores; docs/measurements.md's numbers come from scripts/measure_demos.py --demo agent). It learns to call the
+    calculator (sampled in about half the answers at the start) and to copy its result."""
     run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path, "logger.progress_bar=false")],
         timeout=3600)
     val = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]

@@ -49,7 +49,7 @@ def fork_script(tmp_path: Path) -> Path:
     """The user's copy of train_grpo.py: the real script with `FORK_EDITS` and `FORK_IMPORT`."""
     source = (REPO / "train_grpo.py").read_text()
     for old, new in FORK_EDITS.items():
-        assert source.count(old) == 1, f"train_grpo.py no longer reads {old!r} once: update the fork test and README"
+        assert source.count(old) == 1, f"train_grpo.py no longer reads {old!r} once: update the fork test and docs"
         source = source.replace(old, new)
     head, sep, rest = source.partition("DEFAULT_CONFIG = ")
     fork = tmp_path / "my_train.py"
@@ -108,7 +108,7 @@ def test_a_fork_adds_a_turn_level_stopping_rule_in_its_copy_of_the_script(tmp_pa
     after the first, so no sample is scored (reward 0) and each has one turn."""
     source = (REPO / "train_grpo.py").read_text()
     old = "description=__doc__)"
-    assert source.count(old) == 1, f"train_grpo.py no longer reads {old!r} once: update the fork test and README"
+    assert source.count(old) == 1, f"train_grpo.py no longer reads {old!r} once: update the fork test and docs"
     head, sep, rest = source.replace(old, "description=__doc__, turn_stop=stop_after_the_first_turn)").partition(
         "DEFAULT_CONFIG = ")
     fork = tmp_path / "my_train.py"
@@ -124,7 +124,7 @@ def test_both_scripts_have_the_lines_a_fork_changes():
     for script in ("train_grpo.py", "train_async_grpo.py"):
         source = (REPO / script).read_text()
         for old in FORK_EDITS:
-            assert source.count(old) == 1, f"{script} no longer reads {old!r} once: update the fork test and README"
+            assert source.count(old) == 1, f"{script} no longer reads {old!r} once: update the fork test and docs"
         assert "with timed(timing, \"train\"):" in source
 
 
@@ -144,9 +144,11 @@ def test_help_config_prints_every_field_with_a_description():
     assert p.returncode == 2 and "sections:" in p.stderr
 
 
-def test_the_readme_config_reference_matches_the_config():
-    """README's config reference is generated from the models: regenerate it with scripts/config_reference.py."""
-    from scripts.config_reference import reference_markdown
+def test_the_docs_config_reference_matches_the_config():
+    """docs/configs.md's config reference is generated from the models: regenerate it with
+    `python scripts/config_reference.py --write`."""
+    from scripts.config_reference import PAGE, reference_markdown
 
-    readme = (REPO / "README.md").read_text()
-    assert reference_markdown() in readme, "README's config reference is stale: run python scripts/config_reference.py"
+    page = (REPO / PAGE).read_text()
+    assert reference_markdown() in page, (
+        f"{PAGE}'s config reference is stale: run python scripts/config_reference.py --write")

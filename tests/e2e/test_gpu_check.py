@@ -36,7 +36,7 @@ def test_without_cuda_every_check_is_not_covered_and_the_check_fails_unless_that
     """It used to list every check as skipped and exit 0, which read as a pass on a machine that checked nothing."""
     p = sh()
     assert p.returncode == 2 and p.stdout == NOT_COVERED + VERDICT + "\n", p.stdout + p.stderr
-    assert len(gpu_check.CHECKS) == 14 and set(gpu_check.PYTEST_CHECKS) <= {n for n, _ in gpu_check.CHECKS}
+    assert len(gpu_check.CHECKS) == 17 and set(gpu_check.PYTEST_CHECKS) <= {n for n, _ in gpu_check.CHECKS}
     expected = NOT_COVERED + VERDICT + " (expected: --expect-no-cuda)\n"
     assert (p := sh("--expect-no-cuda")).returncode == 0 and p.stdout == expected, p.stdout
     assert (p := sh(GPU_CHECK_EXPECT_NO_CUDA="1")).returncode == 0 and p.stdout == expected, p.stdout

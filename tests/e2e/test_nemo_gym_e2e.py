@@ -46,6 +46,21 @@ def test_a_missing_gym_launcher_is_one_error_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_data_naming_an_unknown_agent_is_one_error_line_at_startup(tmp_path):
+    """Before the first step, not when the loader reaches the row: the agent, the known ones and the row's file."""
+    rows = (REPO / "examples" / "gym" / "data" / "arithmetic_train.jsonl").read_text().splitlines()
+    rows[40] = rows[40].replace('"calc_simple_agent"', '"calc_agent"')
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    p = run([sys.executable, "train_grpo.py", "--config", CONFIG,
+             *paths(tmp_path, "grpo.max_num_steps=1", f"data.train_data_path={tmp_path / 'train.jsonl'}", *QUICK)],
+            timeout=600, check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    [error] = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert f"['calc_agent'] (first at {tmp_path / 'train.jsonl'}:41)" in error and "['calc_simple_agent']" in error
+    assert not (tmp_path / "logs" / "metrics.jsonl").exists() or not train_rows(tmp_path)  # no step ran
+
+
+@pytest.mark.slow
 def test_the_gym_demo_learns(tmp_path):
     """The demo as shipped: validation reward up by at least 0.2 within 10 steps (15 minutes on 2 cores)."""
     run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path, "checkpointing.enabled=false")],

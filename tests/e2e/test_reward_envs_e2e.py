@@ -129,7 +129,7 @@ env:
 def test_reward_model_demo_raises_validation_reward_by_02(tmp_path):
     """configs/cpu_demo_reward_model.yaml as shipped: the default demo scored only by a reward model (toy:demo_rm,
     built locally) raises validation reward, which is the reward model's own score, by at least 0.2 (issue 34's
-    "Done when"). scripts/measure_demos.py --demo reward_model prints the same run for README."""
+    "Done when"). scripts/measure_demos.py --demo reward_model prints the same run for docs/measurements.md."""
     sys.path.insert(0, str(REPO / "scripts"))
     from measure_demos import validation_curve
 

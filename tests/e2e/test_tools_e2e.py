@@ -56,7 +56,7 @@ def test_the_tool_environment_trains_with_the_vllm_backend(tmp_path):
 
 @pytest.mark.slow
 def test_the_tools_demo_learns_and_its_ablation_does_not(tmp_path):
-    """The README's tools demo as shipped (~4 min each on 2 cores) and the same run with tools disabled."""
+    """The tools demo (README's table) as shipped (~4 min each on 2 cores) and the same run with tools disabled."""
     curves = {}
     for name, extra in (("tools", []), ("ablation", ["env.disable_tools=true"])):
         run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path / name),

@@ -288,7 +288,7 @@ def test_early_stop_on_validation_metric_and_hf_export(tmp_path):
 def test_cpu_demo_raises_validation_reward_by_03_at_every_seed(tmp_path):
     """README's first command as shipped (configs/cpu_demo.yaml, 50 steps), at seeds 0, 1 and 2: each run's last
     validation reward is at least 0.3 above its first (issue 35: the demo used to move 0.30 -> 0.41, by 0.1 with
-    the seed). scripts/measure_demos.py prints the same runs for README."""
+    the seed). scripts/measure_demos.py prints the same runs for README and docs/measurements.md."""
     sys.path.insert(0, str(REPO / "scripts"))
     from measure_demos import validation_curve
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
+import threading
+import time
+from collections import Counter
 
 import openai
 
@@ -63,10 +67,99 @@ def not_async(row, base_url, api_key, model):
     return 1.0
 
 
+# ---- agents that misbehave (issue 43): each blocks, spins, leaks or fails only while the test wants it to -------
+RELEASE = threading.Event()  # set by a test when it is done: blocked and spinning agents end
+WOKE: list[str] = []  # what blocked agents did once released
+SPUN_OUT = threading.Event()  # set when a spinning agent was stopped from outside
+LEAKED: list = []  # clients an agent never closed
+ATTEMPTS: Counter = Counter()  # attempts per question
+FIRST_KEYS: list[str] = []  # the keys first attempts were given
+
+
+async def blocking_agent(row, base_url, api_key, model):
+    """Blocks its event loop in sync code (a 30 s wait inside async def, as time.sleep would) unless released."""
+    RELEASE.wait(30)
+    WOKE.append("woke")
+    return 1.0
+
+
+async def spinning_agent(row, base_url, api_key, model):
+    """Spins in Python code, never awaiting, for 30 s unless released."""
+    try:
+        deadline = time.monotonic() + 30
+        while not RELEASE.is_set() and time.monotonic() < deadline:
+            pass
+    except BaseException:
+        SPUN_OUT.set()
+        raise
+    return 1.0
+
+
+async def leaky_agent(row, base_url, api_key, model):
+    """Never closes its client (no ``async with``), which outlives the call (as in a cache, or a reference cycle)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    LEAKED.append(client)
+    await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["question"]}],
+                                         **row["sampling"])
+    return 1.0
+
+
+async def _first_attempt_calls(row, base_url, api_key, model) -> bool:
+    """On a question's first attempt: one call with another prompt, and True; later attempts: False."""
+    ATTEMPTS[row["question"]] += 1
+    if ATTEMPTS[row["question"]] > 1:
+        return False
+    FIRST_KEYS.append(api_key)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "FIRST TRY"}],
+                                             **row["sampling"])
+    return True
+
+
+async def flaky_agent(row, base_url, api_key, model):
+    """First attempt: a call, then the connection to its tool server drops (infra); later: calc_agent."""
+    if await _first_attempt_calls(row, base_url, api_key, model):
+        raise ConnectionResetError("the tool server went away")
+    return await calc_agent(row, base_url, api_key, model)
+
+
+async def stalling_agent(row, base_url, api_key, model):
+    """First attempt: a call, then blocked in sync code past any deadline; later: calc_agent."""
+    if await _first_attempt_calls(row, base_url, api_key, model):
+        RELEASE.wait(30)
+        return 1.0
+    return await calc_agent(row, base_url, api_key, model)
+
+
+async def signal_then_block(row, base_url, api_key, model):
+    """Asks the question once (reward 0: whatever an untrained model answers); the first sample answered by weights
+    of version ``GRPO_TEST_SIGNAL_AT_VERSION`` or newer (a step after that many were trained) then sends SIGTERM to the
+    trainer (this process) and blocks its event loop for 10 minutes in sync code. ``GRPO_TEST_FLAG``: a file that
+    says it was sent."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["question"]}],
+                                                 **row["sampling"])
+    if (r.model_extra or {}).get("weight_version", 0) >= int(os.environ["GRPO_TEST_SIGNAL_AT_VERSION"]):
+        try:
+            os.close(os.open(os.environ["GRPO_TEST_FLAG"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return 0.0
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(600)
+    return 0.0
+
+
 if __name__ == "__main__":  # the program form: env.agent.command = [python, this file]
     row = json.load(sys.stdin)
     if row["question"] == "crash":
         sys.exit("the program fell over")
     answer = asyncio.run(_turns(row, os.environ["GRPO_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ["GRPO_MODEL"]))
     print("some log line")
+    if row["question"].startswith("chatty"):  # 32 MB of log lines on stdout and on stderr before its result
+        line = "x" * 1023 + "\n"
+        for _ in range(32 * 1024):
+            sys.stdout.write(line)
+            sys.stderr.write(line)
+        sys.stderr.write("the last words on stderr\n")
     print(json.dumps({"reward": float(answer.strip() == row["answer"])}))
+    sys.exit(3 if row["question"] == "chatty and failing" else 0)

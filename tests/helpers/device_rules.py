@@ -11,14 +11,20 @@ communicates device tensors only; on the CPU every group is gloo and takes anyth
 - an object collective (all_gather_object, broadcast_object_list, ...) over a device group raises unless the
   calling thread has set its device (NCCL pickles into ``cuda:current_device()``, and the current device is
   per thread: a thread that never called ``torch.cuda.set_device`` talks from cuda:0 on every rank);
-- ``monitored_barrier`` (gloo only) over a device group raises.
+- ``monitored_barrier`` (gloo only) over a device group raises;
+- a thread that calls a generation backend (`grpo.system.generation.base.GenerationBackend`'s ``BACKEND_CALLS`` of
+  every backend class, the tests' included) raises unless it has set its device: ``torch.cuda.set_device``, or the
+  backend's device context (`grpo.system.generation.base.on_device`, which `GenerationBackend.device_context`
+  enters). On GPUs a thread that never did launches the engine's kernels on cuda:0 with cuda:k pointers (vLLM sets
+  its device only on the thread that built it).
 
 The simulated accelerator is ``rules.device``: a CPU device object that the harness recognises by identity.
 ``grpo.system.dist.comm_device()`` returns it (where grpo's collectives put their tensors); a tensor made with ``device=rules.device``, moved with
 ``.to(rules.device)`` or ``.cuda()``, or computed from such tensors is "on the accelerator"; a tensor made
 without a device (or with "cpu") is a host tensor, and ``.cpu()`` makes one. ``rules.set_device()`` is
 ``torch.cuda.set_device`` for the calling thread (``activate`` does it for the thread that enters, as
-`grpo.system.dist.init_distributed` does on GPUs); ``torch.cuda.set_device`` itself is recorded too.
+`grpo.system.dist.init_distributed` does on GPUs); ``torch.cuda.set_device`` itself is recorded too, and so is the
+block of `grpo.system.generation.base.on_device` (a no-op on the CPU).
 Host groups (``backend="gloo"``) take CPU tensors, as on GPUs.
 
 Only collectives called through the ``torch.distributed`` namespace are checked (torch's own object
@@ -52,6 +58,8 @@ TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_ga
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list")
 GLOO_ONLY = ("monitored_barrier",)
+# The generation backends' calls that run on the device (a thread that makes them must have set its device).
+BACKEND_CALLS = ("generate", "refit", "wake_up", "sleep", "load_staged", "load_buckets")
 LIBRARIES = ("deepspeed", "torch", "transformers", "accelerate", "vllm")  # their collectives are not checked
 _MARK = "_device_rules_on_accelerator"
 
@@ -136,6 +144,12 @@ class NcclRules:
         if host:
             self._fail(f"{name} over a group that is NCCL on GPUs got host (CPU) tensors of shapes {host}: "
                        "NCCL communicates device tensors only (use the rank's device, or a gloo group)")
+
+    def check_backend_call(self, backend, name: str) -> None:
+        if not self.device_set():
+            self._fail(f"{type(backend).__name__}.{name} from thread {threading.current_thread().name!r}, which never "
+                       "set its CUDA device: on GPUs its kernels would launch on cuda:0 (enter the backend's "
+                       "device_context)")
 
     def check_object(self, name: str, group) -> None:
         if self.is_device_group(group) and not self.device_set():
@@ -241,6 +255,7 @@ def nccl_rules() -> Iterator[NcclRules]:
 
     patch(threading.Thread, "run", run_tracked)
     patch(torch.cuda, "set_device", rules.set_device)
+    _check_backends(rules, patch)
     for module in (grpo.system.dist, grpo.system.engines, grpo.system.training):  # each holds the name
         patch(module, "comm_device", lambda: rules.device)
     tracker = _Tracker(rules.device)
@@ -250,6 +265,53 @@ def nccl_rules() -> Iterator[NcclRules]:
     finally:
         for (owner, name), value in saved.items():
             setattr(owner, name, value)
+
+
+def _backend_classes() -> list[type]:
+    """Every generation backend class defined so far (grpo's own imported first)."""
+    import grpo.system.generation.hf  # noqa: F401
+    import grpo.system.generation.lockstep  # noqa: F401
+    import grpo.system.generation.remote  # noqa: F401
+    import grpo.system.generation.vllm  # noqa: F401
+    from grpo.system.generation.base import GenerationBackend
+
+    out, todo = [], [GenerationBackend]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo += cls.__subclasses__()
+    return out
+
+
+def _check_backends(rules: NcclRules, patch) -> None:
+    """The backends' device rule: their calls checked (`NcclRules.check_backend_call`), their device context
+    recorded as the calling thread's device for its block."""
+    import grpo.system.generation.base as base
+
+    for cls in _backend_classes():
+        for name in BACKEND_CALLS:
+            method = cls.__dict__.get(name)
+            if method is None:
+                continue
+
+            def checked(self, *args, _method=method, _name=name, **kwargs):
+                rules.check_backend_call(self, _name)
+                return _method(self, *args, **kwargs)
+
+            patch(cls, name, checked)
+    original_on_device = base.on_device
+
+    @contextmanager
+    def on_device(device, stream=None):
+        before = rules.device_set()
+        rules.set_device()
+        try:
+            with original_on_device(device, stream):
+                yield
+        finally:
+            rules._local.device_set = before
+
+    patch(base, "on_device", on_device)
 
 
 if __name__ == "__main__":  # python tests/helpers/device_rules.py SCRIPT ARGS...: SCRIPT under NCCL's rules

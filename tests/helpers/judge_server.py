@@ -5,7 +5,9 @@
 - ``MALFORMED`` -> an answer with no score;
 - ``SLOW`` -> sleeps 5 s first (past the tests' timeout), then "Score: 5";
 - ``ERR500`` -> HTTP 500; ``ERR404`` -> HTTP 404;
-- ``FLAKY`` -> HTTP 503 the first time this prompt is seen, then "Score: 6".
+- ``FLAKY`` -> HTTP 503 the first time this prompt is seen, then "Score: 6";
+- ``NAN`` -> "Score: nan"; ``HUGE`` -> a 300-digit score (finite in float64, inf in float32); ``INF`` -> a 400-digit
+  one (inf in float64 too).
 
 Every request is counted per prompt (GET /counts returns them).
 """
@@ -49,6 +51,9 @@ async def chat(request: Request):
         return reply("I would rather not say.")
     if "FLAKY" in prompt:
         return reply("Score: 6")
+    for word, score in (("NAN", "nan"), ("HUGE", "9" * 300), ("INF", "1" + "0" * 400)):
+        if word in prompt:
+            return reply(f"Score: {score}")
     return reply("Reasoning... Score: 8" if "GOOD" in prompt else "Score: 2")
 
 

@@ -9,6 +9,10 @@ named like the async producer loads weights, and the endpoint batches (`generate
 rank 0 only, plus one validation batch on the last rank; every generate makes an in-flight load inside it (a call
 made from inside a section or a solo round).
 close-early: the last rank closes at once; the others' next section must fail with RolloutError, not hang.
+agents: one async-loop rollout (`grpo.system.rollout.generate_rollout` with in-flight weight updates) per trainer,
+each with its real endpoint and `AgentPlayer` over the lockstep; the agent sample falls to trainer 0 only (the other
+plays a one-turn environment), and the weights come through the async producer's `load_newest` (a collective of the
+trainers with generation ranks: every trainer must make the same loads).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from grpo.system.rollout import RolloutError
 
 class Collective(GenerationBackend):
     """Every call is a collective of the trainers; ``log`` is what it saw (the same on every trainer)."""
+
+    loads_staged_weights = True  # as RemoteGeneration: weights come from the stage, in a collective
 
     def __init__(self, gen_cfg):
         self.group = dist.new_group(backend="gloo")
@@ -123,15 +129,102 @@ def close_early(rank: int, world: int, gen: LockstepGeneration) -> dict:
         return {"error": str(err), "seconds": time.monotonic() - t0}
 
 
+class AgentCollective(Collective):
+    """`Collective` whose completions are tokens of the char tokenizer ("7", then EOS), as an endpoint decodes them."""
+
+    def __init__(self, gen_cfg, tokenizer):
+        super().__init__(gen_cfg)
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_ids, seeds, **kw):
+        outs = super().generate(prompt_ids, seeds, **kw)
+        ids = self.tokenizer("7", add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return [GenerationOutput(o.prompt_ids, list(ids), [-0.5] * len(ids), "stop", "7") for o in outs]
+
+
+class ProducerWeights:
+    """The async producer's weight source with generation ranks: `grpo.producer.RolloutProducer.load_newest` itself,
+    over this trainer's backend and endpoint (a load through the endpoint, a collective of the trainers)."""
+
+    from grpo.producer import RolloutProducer
+
+    load_newest = RolloutProducer.load_newest
+
+    def __init__(self, generator, agents):
+        import types
+
+        self.generator, self.stage, self.version = generator, None, -1
+        self.run = types.SimpleNamespace(agents=agents)
+
+
+class OneTurn:
+    """Ends every sample after its first turn, rewarding 1."""
+
+    def step(self, message_logs, metadata):
+        from grpo.tasks.interface import EnvironmentReturn
+
+        n = len(message_logs)
+        return EnvironmentReturn([{"role": "user", "content": ""}] * n, metadata, [None] * n, torch.ones(n),
+                                 torch.ones(n, dtype=torch.bool), [None] * n)
+
+
+def agents(rank: int, world: int, gen: LockstepGeneration, inner: Collective) -> dict:
+    from grpo.config import MasterConfig
+    from grpo.system.agent_rollout import AgentPlayer
+    from grpo.system.chat import ChatFormat
+    from grpo.system.generation.endpoint import Endpoint
+    from grpo.system.rollout import TurnSettings, generate_rollout
+    from grpo.tasks.agent import AgentEnvironment
+    from grpo.tasks.router import Environments
+    from grpo.tasks.rows import PromptRow
+
+    tok = inner.tokenizer
+    cfg = MasterConfig.model_validate({"policy": {
+        "model_name": "toy:tiny", "max_total_sequence_length": 64,
+        "generation": {"max_new_tokens": 4, "temperature": 1.0, "val_temperature": 0.5,
+                       "port_range_low": 26000, "port_range_high": 26999,
+                       "http_server": {"batch_window_s": 0.01, "max_wait_s": 30.0},
+                       "vllm_cfg": {"http_server_serving_chat_kwargs": {"tool_parser": "compact"}}}}})  # calc_agent's
+    endpoint = Endpoint(cfg, gen, tok)
+    endpoint.start()
+    player = AgentPlayer(endpoint)
+    gen.in_flight = lambda: gen.load_staged(None, mid_request=True)  # as the async producer hooks it
+    envs = Environments({"echo": OneTurn(), "agent": AgentEnvironment(fn="tests.helpers.agent_fns:calc_agent")},
+                        step_timeout_s=30)
+
+    def row(i: int, task: str) -> PromptRow:
+        ids = tok(f"q{i}")["input_ids"]
+        return PromptRow(index=i, question=f"q{i}", answer="7", task_name=task,
+                         prompt_messages=[{"role": "user", "content": f"q{i}", "token_ids": ids}], prompt_ids=ids)
+
+    # sample 0 (an agent's) is trainer 0's share, sample 1 (a one-turn environment's) trainer 1's (rank_slice)
+    rollout = generate_rollout([row(0, "agent"), row(1, "echo")], 1, gen, envs, ChatFormat(tok),
+                               TurnSettings(max_turns=1, max_total_len=64, chunk_size=4, max_new_tokens=4),
+                               base_seed=3, step=1, gen_batch=0, stream="train", rank=rank, world_size=world,
+                               weights=ProducerWeights(gen, player), agents=player)
+    dist.barrier()  # every trainer's rollout is done: a trainer that closes stops every driver
+    endpoint.close()
+    gen.close()
+    return {"samples": [(t.task_name, t.error, t.reward, t.generation_version) for t in rollout.trajectories],
+            "log": inner.log}
+
+
 def main() -> None:
     port, rank, world, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     cfg = GenerationConfig(temperature=1.0, val_temperature=0.5)
-    inner = Collective(cfg)
+    if mode == "agents":
+        from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
+
+        inner = AgentCollective(cfg, build_char_tokenizer(SIMPLE_CHAT_TEMPLATE))
+    else:
+        inner = Collective(cfg)
     gen = LockstepGeneration(inner, cfg)
-    result = busy(rank, world, gen, inner) if mode == "busy" else close_early(rank, world, gen)
+    modes = {"busy": lambda: busy(rank, world, gen, inner), "close-early": lambda: close_early(rank, world, gen),
+             "agents": lambda: agents(rank, world, gen, inner)}
+    result = modes[mode]()
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()
 

@@ -44,8 +44,9 @@ def main(rm_dir: str, out: str, placement: str, shares: str) -> None:
     rm_cfg = RewardModelConfig(model_name=rm_dir, precision="float32", batch_size=2, placement=placement)
     models = RewardModels(device, PolicyConfig(precision="float32"), world_size)
     env = RewardModelEnvironment(models(rm_cfg), rm_cfg.batch_size)
+    models.place()  # as setup does, once the engines are built
     forwards = []
-    scorer = models(rm_cfg)
+    scorer = models(rm_cfg).scorer
     inner = scorer.score
     scorer.score = lambda ids: forwards.append(len(ids)) or inner(ids)
     logs = [CONVERSATIONS[i] for i in mine]

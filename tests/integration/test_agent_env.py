@@ -45,13 +45,16 @@ def endpoint():
     ep.close()
 
 
-def _play(endpoint, agent: dict, n: int = 2, question: str = "37*58="):
-    envs = build_environments(_cfg(agent).env)
+def _play(endpoint, agent: dict, n: int = 2, question: str = "37*58=", player: AgentPlayer | None = None,
+          rollout_failure=None):
+    """``n`` samples of ``question`` played by ``agent`` (an env.agent section) over ``endpoint``; ``rollout_failure``:
+    the retry budgets (None: one attempt)."""
+    envs = build_environments(_cfg(agent).env, rollout_failure=rollout_failure)
     tok = endpoint.tokenizer
     ids = tok(question)["input_ids"]
     rows = [PromptRow(0, question, "2146", "agent", [{"role": "user", "content": question, "token_ids": ids}], ids)]
     trajs = new_trajectories(rows, n)
-    AgentPlayer(endpoint).play(trajs, [(1, 0, i, "train") for i in range(n)], envs)
+    (player or AgentPlayer(endpoint)).play(trajs, [(1, 0, i, "train") for i in range(n)], envs)
     return trajs, envs
 
 

@@ -132,6 +132,48 @@ def test_vllm_tensor_parallel_lockstep_and_gather_follow_nccl_rules(ranks):
         assert r["tp_outputs"] == [f"{[rank]}/{10 + rank}"]
 
 
+def test_a_thread_that_calls_a_backend_without_its_device_breaks_the_rule_and_the_endpoint_batcher_keeps_it():
+    """Issue 52, finding 1: the endpoint's batcher thread called the backend (colocated vLLM) without ever setting the
+    CUDA device, so on local rank k >= 1 its kernels went to cuda:0. Under the rules such a call raises; the batcher
+    now enters the backend's device context, and a request over the wire is answered."""
+    import openai
+
+    from grpo.config import MasterConfig
+    from grpo.system.generation.endpoint import Endpoint
+    from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
+    from tests.helpers.device_rules import nccl_rules
+    from tests.helpers.scripted_backend import ScriptedBackend
+
+    cfg = MasterConfig.model_validate({"policy": {
+        "model_name": "toy:tiny", "max_total_sequence_length": 64,
+        "generation": {"max_new_tokens": 6, "port_range_low": 28000, "port_range_high": 28999,
+                       "http_server": {"batch_window_s": 0.01, "max_wait_s": 10.0}}}})
+    tok = build_char_tokenizer(SIMPLE_CHAT_TEMPLATE)
+    with nccl_rules() as rules:
+        backend = ScriptedBackend(tok, cfg.policy.generation, ["ok"])
+        bare = _in_thread(lambda: backend.generate([[5]], [0]), False, rules)
+        assert bare.startswith("DeviceRuleError: ScriptedBackend.generate from thread 'producer', which never set its "
+                               "CUDA device"), bare
+        assert _in_thread(lambda: backend.generate([[5]], [0]), True, rules) == "ok"  # torch.cuda.set_device
+
+        def in_context():
+            with backend.device_context():
+                backend.generate([[5]], [0])
+
+        assert _in_thread(in_context, False, rules) == "ok"
+        ep = Endpoint(cfg, backend, tok)
+        ep.start()
+        try:
+            client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0, timeout=30)
+            with ep.serving():
+                answer = client.chat.completions.create(model="toy:tiny", messages=[{"role": "user", "content": "hi"}],
+                                                        top_p=1.0)
+        finally:
+            ep.close()
+        assert answer.choices[0].message.content == "ok"
+        assert len(rules.violations) == 1  # the bare thread's only
+
+
 # --------------------------------------------------------------------------------------------------
 # Whole runs on two ranks under the rules: ZeRO-3, multi-turn rollouts, refits, checkpoints, the async producer
 # --------------------------------------------------------------------------------------------------

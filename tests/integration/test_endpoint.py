@@ -40,13 +40,19 @@ class CountingHF(HFGeneration):
         return super().generate(prompt_ids, seeds, **kw)
 
 
-@pytest.fixture(scope="module")
-def served():
-    cfg = _cfg(max_body_bytes=20_000)
-    tok = build_char_tokenizer(SIMPLE_CHAT_TEMPLATE)
+def _hf_endpoint(cfg: MasterConfig, template: str = SIMPLE_CHAT_TEMPLATE) -> Endpoint:
+    """The endpoint over the hf backend (`CountingHF`) and a tiny model, started; the char tokenizer's chat template
+    is ``template``."""
+    tok = build_char_tokenizer(template)
     model = build_tiny_model(tok)
     ep = Endpoint(cfg, CountingHF(cfg.policy, tok, model.config, "cpu", model=model), tok)
     ep.start()
+    return ep
+
+
+@pytest.fixture(scope="module")
+def served():
+    ep = _hf_endpoint(_cfg(max_body_bytes=20_000))
     yield ep
     ep.close()
 

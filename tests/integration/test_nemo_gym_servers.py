@@ -13,8 +13,8 @@ import pytest
 
 from grpo.config import MasterConfig
 from grpo.system.generation.endpoint import Endpoint
-from grpo.system.nemo_gym_rollout import play_gym
-from grpo.system.nemo_gym_servers import GymServerError, GymServers
+from grpo.system.nemo_gym_rollout import GymLedger, play_gym
+from grpo.system.nemo_gym_servers import LAUNCH_KEY, GymServerError, GymServers, read_global_config, start_gym_servers
 from grpo.system.rollout import new_trajectories
 from grpo.tasks.calculator import AGENT_CHAT_TEMPLATE
 from grpo.tasks.failures import RetryPolicy
@@ -22,6 +22,7 @@ from grpo.tasks.nemo_gym import GymResultError, NemoGymEnvironment, gym_record_t
 from grpo.tasks.rows import PromptRow
 from grpo.tasks.toy import build_char_tokenizer
 from tests.helpers.e2e import REPO
+from tests.helpers.gym.decoy import Decoys
 from tests.helpers.scripted_backend import ScriptedBackend
 
 CALC_TOOL = {"type": "function", "name": "calc", "description": "Evaluate an arithmetic expression.",
@@ -32,8 +33,8 @@ CONFIGS = ["examples/gym/configs/calculator.yaml", "tests/helpers/gym/faults.yam
 RETRY = RetryPolicy(max_infra_attempts=2, max_data_attempts=1, backoff_base_s=0.05, max_backoff_s=0.05)
 
 
-def _cfg(nemo_gym: dict) -> MasterConfig:
-    return MasterConfig.model_validate({
+def _cfg(nemo_gym: dict, data: dict | None = None) -> MasterConfig:
+    return MasterConfig.model_validate({**({"data": data} if data else {}),
         "policy": {"model_name": "toy:tiny", "max_total_sequence_length": 96, "generation": {
             "max_new_tokens": 24, "port_range_low": 25000, "port_range_high": 25999,
             "vllm_cfg": {"http_server_serving_chat_kwargs": {"tool_parser": "compact"}}}},
@@ -51,7 +52,8 @@ def _model_writes(prompt: str) -> str:
 
 @pytest.fixture(scope="module")
 def gym(tmp_path_factory):
-    """(endpoint, environment, servers): the endpoint over the scripted backend, the launched Gym servers."""
+    """(endpoint, environment, servers): the endpoint over the scripted backend, the launched Gym servers calling it
+    with the key of the environment's ledger."""
     tok = build_char_tokenizer(AGENT_CHAT_TEMPLATE)
     cfg = _cfg({"config_paths": CONFIGS, "launcher": LAUNCHER, "launcher_cwd": str(REPO),
                 "port_range_low": 26000, "port_range_high": 26999, "startup_timeout_s": 120})
@@ -59,8 +61,9 @@ def gym(tmp_path_factory):
     endpoint.start()
     servers = GymServers(cfg.env.nemo_gym, str(tmp_path_factory.mktemp("gym_logs")))
     try:
-        urls = servers.start(endpoint.base_url, endpoint.api_key, endpoint.model_name)
         env = NemoGymEnvironment(cfg.env.nemo_gym)
+        env.ledger = GymLedger.of(endpoint)
+        urls = servers.start(endpoint.base_url, env.ledger.key, endpoint.model_name)
         env.agent_urls.update(urls)
         yield endpoint, env, servers
     finally:
@@ -90,11 +93,15 @@ def _play(gym, records: list[dict], n: int = 1, stream: str = "train"):
 def test_the_launcher_reports_the_servers_and_the_policy_keys(gym):
     _, env, servers = gym
     assert set(env.agent_urls) == {"calculator", "calc_simple_agent", "fault_agent"}
+    assert servers.agents == ["calc_simple_agent", "fault_agent"] and servers.foreign_ports == []
     written = (servers.log_path.rsplit("/", 1)[0]) + "/global_config.yaml"
     import yaml
 
     config = yaml.safe_load(open(written))
-    assert config["policy_base_url"] == [gym[0].base_url] and config["policy_api_key"] == gym[0].api_key
+    # the servers call with a key of their own (the ledger's session), never the run's
+    assert config["policy_base_url"] == [gym[0].base_url] and config["policy_api_key"] == env.ledger.key
+    assert env.ledger.key != gym[0].api_key
+    assert read_global_config(servers.head_url)[LAUNCH_KEY] == config[LAUNCH_KEY]  # the head server is this launch's
     assert config["policy_model_name"] == gym[0].model_name and config["head_server"]["port"] >= 26000
 
 
@@ -202,14 +209,175 @@ def test_servers_you_started_are_found_through_the_head_server(gym, tmp_path):
     endpoint, env, servers = gym
     cfg = _cfg({"head_server_url": servers.head_url, "startup_timeout_s": 10})
     mine = GymServers(cfg.env.nemo_gym, str(tmp_path))
-    urls = mine.start(endpoint.base_url, endpoint.api_key, endpoint.model_name)
+    urls = mine.start(endpoint.base_url, env.ledger.key, endpoint.model_name)
     assert urls["calc_simple_agent"] == env.agent_urls["calc_simple_agent"] and mine.proc is None
     import yaml
 
-    assert yaml.safe_load((tmp_path / "nemo_gym_env.yaml").read_text())["policy_api_key"] == endpoint.api_key
+    assert yaml.safe_load((tmp_path / "nemo_gym_env.yaml").read_text())["policy_api_key"] == env.ledger.key
+    # servers started with another run's key (an earlier run's, another user's) are not this run's
+    cfg = _cfg({"head_server_url": servers.head_url, "startup_timeout_s": 1})
+    with pytest.raises(GymServerError, match="another policy_api_key than this run's.*start the servers with"):
+        GymServers(cfg.env.nemo_gym, str(tmp_path)).start(endpoint.base_url, "sk-grpo-s-another", "m")
     cfg = _cfg({"agent_urls": {"a": "http://127.0.0.1:9"}, "startup_timeout_s": 1})
     with pytest.raises(GymServerError, match="did not answer"):
         GymServers(cfg.env.nemo_gym, str(tmp_path)).start(endpoint.base_url, "k", "m")
+
+
+def _refused(t, *words: str) -> None:
+    """Sample ``t`` failed as env_malformed (never trained), its detail naming the fault agent's server and row."""
+    assert (t.error, t.failure_kind, t.reward) == ("env_malformed", "data", 0.0), (t.error, t.error_detail)
+    assert "'fault_agent' (http://127.0.0.1:" in t.error_detail
+    assert f"train data row {t.prompt_index}:" in t.error_detail
+    for word in words:
+        assert word in t.error_detail, t.error_detail
+
+
+def test_a_result_of_tokens_the_endpoint_never_generated_is_refused(gym):
+    trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault="forged"), _row("3+4=", "7", tools=False)])
+    _refused(trajs[0], "no generation the run's endpoint made")
+    assert (trajs[1].error, trajs[1].reward) == (None, 1.0)
+
+
+def test_a_generation_backs_one_sample_only(gym):
+    """The fault agent answers a second row with the first row's result (a replay): one of the two is refused, in
+    the same rollout or a later one."""
+    trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", tag="same"),
+                        _row("1+1=", "2", agent="fault_agent", fault="replay", tag="same")])
+    assert sorted(t.error is None for t in trajs) == [False, True]
+    _refused(next(t for t in trajs if t.error is not None), "another sample claimed")
+    [first] = _play(gym, [_row("5+2=", "7", agent="fault_agent", tag="later")])
+    [replayed] = _play(gym, [_row("5+2=", "7", agent="fault_agent", fault="replay", tag="later")])
+    assert first.error is None
+    _refused(replayed, "no generation the run's endpoint made")
+
+
+@pytest.mark.parametrize("fault", ["token_generation_100000", "token_generation_-1", "token_prompt_-5",
+                                   "token_prompt_89"])
+def test_token_ids_outside_the_vocabulary_fail_their_sample_only(gym, fault):
+    field, token = fault.split("_")[1:]
+    trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault=fault), _row("3+4=", "7", tools=False)])
+    _refused(trajs[0], f"{field}_token_ids[0]={token} is not a token id of the policy's tokenizer (ints in [0, 89))")
+    assert (trajs[1].error, trajs[1].reward) == (None, 1.0)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0.5", "-inf"])
+def test_a_logprob_must_be_finite_and_not_above_zero(gym, value):
+    trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault=f"logprob_{value}"), _row("3+4=", "7",
+                                                                                              tools=False)])
+    _refused(trajs[0], f"generation_log_probs[0]={float(value)} is not a log-probability (finite and <= 0)")
+    assert (trajs[1].error, trajs[1].reward) == (None, 1.0)
+
+
+def _gated_cfg(low: int, data: dict | None = None):
+    launcher = [sys.executable, "tests/helpers/gym/gated_launch.py", "{config_file}", "examples/gym/launch.py",
+                "+config_paths=[{config_paths}]"]
+    return _cfg({"config_paths": ["examples/gym/configs/calculator.yaml"], "launcher": launcher,
+                 "launcher_cwd": str(REPO), "port_range_low": low, "port_range_high": low + 99,
+                 "startup_timeout_s": 120}, data)
+
+
+def test_a_server_bound_on_the_head_servers_port_first_is_not_trusted(gym, tmp_path):
+    """A decoy takes the port picked for the head server before the launcher binds it: its agent is never used (no
+    row reaches it), the launcher starts again on another port, and the run's own servers play the samples."""
+    endpoint, _, _ = gym
+    cfg = _gated_cfg(28000)
+    servers = GymServers(cfg.env.nemo_gym, str(tmp_path))
+    decoys = Decoys(str(tmp_path / "nemo_gym" / "global_config.yaml"), strikes=1)
+    try:
+        env = NemoGymEnvironment(cfg.env.nemo_gym)
+        env.ledger = GymLedger.of(endpoint)
+        env.agent_urls.update(servers.start(endpoint.base_url, env.ledger.key, endpoint.model_name))
+        [decoy] = decoys.decoys
+        assert servers.foreign_ports == [int(decoy.url.rsplit(":", 1)[1])]
+        assert servers.head_url != decoy.url and env.agent_urls["calc_simple_agent"] != decoy.url
+        trajs = _play((endpoint, env, servers), [_row("3+4=", "7", tools=False)])
+        assert (trajs[0].error, trajs[0].reward) == (None, 1.0) and decoy.runs == 0
+    finally:
+        servers.close()
+        decoys.close()
+
+
+def test_a_decoy_on_every_port_picked_stops_the_start_with_one_line(gym, tmp_path):
+    endpoint, _, _ = gym
+    servers = GymServers(_gated_cfg(28100).env.nemo_gym, str(tmp_path))
+    decoys = Decoys(str(tmp_path / "nemo_gym" / "global_config.yaml"), strikes=99)
+    try:
+        with pytest.raises(GymServerError) as err:
+            servers.start(endpoint.base_url, "k", endpoint.model_name)
+        ports = [int(d.url.rsplit(":", 1)[1]) for d in decoys.decoys]
+        assert len(ports) == 3 and f"ports {ports}" in str(err.value) and "\n" not in str(err.value)
+        assert "a server this run did not launch answered first" in str(err.value)
+        assert sum(d.runs for d in decoys.decoys) == 0 and servers.proc.poll() is not None
+    finally:
+        servers.close()
+        decoys.close()
+
+
+def test_a_launch_of_files_that_are_not_gym_server_configs_stops_the_start(gym, tmp_path):
+    endpoint, _, _ = gym
+    cfg = _cfg({"config_paths": ["configs/cpu_demo.yaml"], "launcher": LAUNCHER, "launcher_cwd": str(REPO),
+                "port_range_low": 28200, "port_range_high": 28299, "startup_timeout_s": 120})
+    servers = GymServers(cfg.env.nemo_gym, str(tmp_path))
+    with pytest.raises(GymServerError, match=r"config_paths=\['configs/cpu_demo.yaml'\] include no agent server"):
+        servers.start(endpoint.base_url, "k", endpoint.model_name)
+    assert servers.proc.poll() is not None  # the launcher is stopped
+
+
+def _gym_data(tmp_path, agents: list[str]) -> dict:
+    for split, names in (("train", agents), ("val", agents[:1])):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(_row("3+4=", "7", agent=a, tools=False)) + "\n"
+                                                         for a in names))
+    return {"train_data_path": str(tmp_path / "train.jsonl"), "val_data_path": str(tmp_path / "val.jsonl")}
+
+
+class _Lines:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, line: str) -> None:
+        self.lines.append(line)
+
+
+def test_data_naming_an_unknown_agent_stops_the_start_with_one_line(gym, tmp_path):
+    from types import SimpleNamespace
+
+    endpoint, _, _ = gym
+    cfg = _gated_cfg(28300, _gym_data(tmp_path, ["calc_simple_agent", "calc_simple_agnet"]))
+    envs = SimpleNamespace(envs={"nemo_gym": NemoGymEnvironment(cfg.env.nemo_gym)})
+    decoys = Decoys(str(tmp_path / "logs" / "nemo_gym" / "global_config.yaml"), strikes=0)  # the go-ahead only
+    closables = []
+    try:
+        with pytest.raises(GymServerError) as err:
+            start_gym_servers(cfg, [envs], endpoint, str(tmp_path / "logs"), closables, _Lines())
+    finally:
+        decoys.close()
+    assert str(err.value) == (
+        f"the data's agent_ref.name ['calc_simple_agnet'] (first at {tmp_path}/train.jsonl:2) names no agent server "
+        "of the NeMo-Gym servers (agents: ['calc_simple_agent']): fix the data, or give the servers of that agent "
+        "(env.nemo_gym.config_paths, agent_urls or head_server_url)")
+    assert not closables[0].alive()  # the launcher is stopped
+
+
+def test_the_run_gives_its_gym_servers_their_own_key_and_its_environments_the_ledger(gym, tmp_path):
+    from types import SimpleNamespace
+
+    endpoint, _, _ = gym
+    cfg = _gated_cfg(28400, _gym_data(tmp_path, ["calc_simple_agent"]))
+    train, val = (NemoGymEnvironment(cfg.env.nemo_gym) for _ in range(2))
+    decoys = Decoys(str(tmp_path / "logs" / "nemo_gym" / "global_config.yaml"), strikes=0)
+    closables, logger = [], _Lines()
+    try:
+        start_gym_servers(cfg, [SimpleNamespace(envs={"nemo_gym": train}), SimpleNamespace(envs={"nemo_gym": val})],
+                          endpoint, str(tmp_path / "logs"), closables, logger)
+        assert train.ledger is val.ledger and train.ledger.key not in (None, endpoint.api_key)
+        assert read_global_config(closables[0].head_url)["policy_api_key"] == train.ledger.key
+        assert set(train.agent_urls) == {"calculator", "calc_simple_agent"} and "servers launched" in logger.lines[-1]
+        trajs = _play((endpoint, train, closables[0]), [_row("3+4=", "7", tools=False)], stream="val")
+        assert (trajs[0].error, trajs[0].reward) == (None, 1.0)
+    finally:
+        for c in closables:
+            c.close()
+        decoys.close()
 
 
 def test_a_server_killed_mid_rollout_costs_its_samples_only(gym):

@@ -73,6 +73,26 @@ def test_an_omegaconf_failure_of_a_nemo_rl_recipe_is_a_config_error(tmp_path, li
         load_recipe(recipe, [])
 
 
+@pytest.mark.parametrize("nemo_rl", [True, False], ids=["nemo_rl", "native"])
+@pytest.mark.parametrize("null", ["~", "null"])
+def test_a_null_key_is_one_line_naming_the_file_and_the_key_path(tmp_path, nemo_rl, null):
+    """Issue 43 (a): the null key's ConfigError carried OmegaConf's words ("KeyValidationError: Incompatible key type
+    'NoneType'"), pydantic's read "policy.None=None: Keys should be strings"; both loaders now name the file and
+    the key path that holds it, and say what to write instead. So does an override that holds one."""
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("policy:\n" + ("  dtensor_cfg: {enabled: true}\n" if nemo_rl else "")
+                      + f"  optimizer:\n    {null}: 3\n")
+    expected = (f"{recipe}: policy.optimizer: a null key (~: or null:, holding 3): keys are names; quote 'null' for "
+                "the word")
+    from grpo.nemo_rl_recipe import load_recipe
+
+    assert error_of(_load_either, recipe) == expected  # what the scripts do
+    assert error_of(load_recipe, recipe, []) == expected  # NeMo-RL's reader (OmegaConf) on its own
+    recipe.write_text(NEMO_RL_BODY)
+    assert error_of(load_recipe, recipe, ["++policy.optimizer={~: 3}"]) == expected.replace(f"{recipe}:", "override:")
+    assert error_of(load_config, None, ["policy.optimizer={~: 3}"]) == expected.replace(f"{recipe}:", "override:")
+
+
 def _chain(op: str, first: str, n: int) -> str:
     return NEMO_RL_BODY + f"  x0: {first}\n" + "".join(
         f"  x{i}: ${{{op}:${{policy.x{i - 1}}},${{policy.x{i - 1}}}}}\n" for i in range(1, n))
@@ -110,6 +130,26 @@ def test_a_fifo_named_as_a_recipe_is_refused_at_once(tmp_path, body):
         assert p.returncode == 2 and p.stderr.strip().splitlines() == [
             f"error: {tmp_path / 'base.yaml'}: a FIFO (named pipe), not a regular file: a recipe is a YAML file on "
             "disk"], p.stderr
+
+
+@pytest.mark.parametrize("as_parent", [False, True], ids=["config", "parent"])
+def test_a_pipe_is_named_for_what_it_is_never_file_not_found(tmp_path, as_parent):
+    """Issue 43 (b): a pipe named as the config or as a recipe's parent (``--config <(...)``, ``/dev/stdin``) read
+    "--config /proc/<pid>/fd/pipe:[N]: file not found": the path was resolved through /dev/fd's link to a name
+    nothing can open. It is read as named: one line saying it is a pipe, at once (nothing waits for a writer)."""
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("defaults: /dev/stdin\n" + NATIVE_BODY)
+    config = str(recipe) if as_parent else "/dev/stdin"
+    p = subprocess.Popen([sys.executable, "train_grpo.py", "--config", config, "--check-config"], cwd=REPO,
+                         env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        p.wait(timeout=60)  # stdin stays open: a reader that waited for a writer's end would hang here
+    finally:
+        p.kill()
+    err = p.stderr.read()
+    assert p.returncode == 2 and err.strip().splitlines() == [
+        "error: /dev/stdin: a FIFO (named pipe), not a regular file: a recipe is a YAML file on disk"], err
 
 
 def test_a_yaml_alias_bomb_in_a_file_is_refused_at_once(tmp_path):

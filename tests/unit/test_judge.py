@@ -86,6 +86,27 @@ def test_the_router_retries_then_masks_and_counts(judge_url):
     assert envs.num_failures == 1 + 2 + 3
 
 
+def test_a_score_that_is_no_reward_fails_its_sample_alone(judge_url):
+    """Issue 43 (8): one non-finite judge score (NaN, or 1e299 that float32 makes inf) failed the whole call, so every
+    sample of the batch, and the step was skipped. Only that sample fails (env_malformed, naming the judge's answer);
+    the others keep their scores."""
+    from grpo.tasks.factory import build_environments
+
+    envs = build_environments(EnvConfig.model_validate(spec(judge_url, score_pattern=r"Score:\s*(\S+)")),
+                              rollout_failure=RolloutFailureConfig(max_data_attempts_per_prompt=2))
+    try:
+        result = envs.step("judge", *logs("GOOD", "NAN", "HUGE", "INF", "BAD"))
+    finally:
+        envs.close()
+    ret = result.ret
+    assert [f and f.reason for f in ret.failures] == [None, "env_malformed", "env_malformed", "env_malformed", None]
+    assert ret.rewards[[0, 4]].tolist() == pytest.approx([0.8, 0.2])
+    assert result.retries == [0, 1, 1, 1, 0]  # data failures: retried once, then masked
+    assert "the judge's score nan / max_score 10 is nan" in ret.failures[1].detail
+    assert "inf as float32" in ret.failures[2].detail and "'Score: 999" in ret.failures[2].detail
+    assert "is inf" in ret.failures[3].detail
+
+
 def test_config_checks_the_template_and_the_pattern():
     base = {"base_url": "http://x/v1", "model": "m"}
     with pytest.raises(ValidationError, match="no {completion}"):

@@ -61,6 +61,20 @@ def test_a_trainer_that_closes_ends_the_others_calls_with_an_error():
     assert outs[0]["error"].startswith("the run is ending") and outs[0]["seconds"] < 30
 
 
+def test_trainers_with_and_without_agent_samples_make_the_same_weight_loads():
+    """Issue 52, finding 4: the rollout loaded the newest weights before its agent samples only where it had some; with
+    generation ranks a load is a collective of the trainers, so the trainer with none went on to the rollout's
+    gather and the other waited in its load for ever."""
+    outs = trainers(2, "agents")
+    assert outs[0]["log"] == outs[1]["log"]  # the same calls in the same order on both trainers
+    assert outs[0]["samples"] == outs[1]["samples"]  # the same rollout, gathered
+    (task0, error0, reward0, version0), (task1, error1, reward1, version1) = outs[0]["samples"]
+    assert (task0, error0, reward0) == ("agent", None, 1.0) and (task1, error1, reward1) == ("echo", None, 1.0)
+    loads = [e for e in outs[0]["log"] if e == ["load_staged", False]]
+    # the window's load (version 1), the chunk's (2; the in-flight load inside its generate makes 3), the agents' (4)
+    assert len(loads) == 3 and (version1, version0) == (2, 4)
+
+
 def test_rounds_alternate_sections_and_solo_batches():
     idle = (False, [], [])
     assert pick_round([idle, idle], 0, False) == ("idle", None)

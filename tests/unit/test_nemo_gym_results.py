@@ -12,8 +12,11 @@ from pydantic import ValidationError
 
 from grpo.config import MasterConfig
 from grpo.system.data import LoadReport, read_file_rows
-from grpo.tasks.nemo_gym import (GymResultError, check_result, gym_metrics, prepare_row, regroup, reward_of,
-                                 trajectory_messages)
+from grpo.system.generation.endpoint import CallRecord
+from grpo.system.nemo_gym_rollout import GymLedger
+from grpo.system.nemo_gym_servers import agent_names, launched_by
+from grpo.tasks.nemo_gym import (GymResultError, check_data_agents, check_result, check_token_fields, data_agents,
+                                 gym_metrics, prepare_row, regroup, reward_of, trajectory_messages)
 from grpo.trajectory import Trajectory
 
 GYM = {"should_use_nemo_gym": True, "nemo_gym": {"agent_urls": {"a": "http://127.0.0.1:5001"}}}
@@ -88,8 +91,6 @@ def test_a_short_or_broken_stream_raises(pairs, message):
 def test_results_nemo_rl_refuses_raise():
     with pytest.raises(GymResultError, match="no generation data"):
         trajectory_messages({"response": {"output": [{"type": "message", "generation_token_ids": []}]}}, str)
-    with pytest.raises(GymResultError, match="NaN"):
-        trajectory_messages({"response": {"output": [_item([1], [2], [math.nan])]}}, str)
     with pytest.raises(GymResultError, match="non-contiguous"):
         trajectory_messages({"response": {"output": [_item([1, 2], [3]), _item([1, 2], [4])]}}, str)
     with pytest.raises(GymResultError, match="reward_components sum"):
@@ -101,6 +102,111 @@ def test_answers_that_are_not_results_are_failures_not_errors():
     assert "finite 'reward'" in check_result({"response": {"output": []}, "reward": math.nan})
     assert "finite 'reward'" in check_result(["not", "a", "dict"])
     assert "reward_components" in check_result({"response": {"output": []}, "reward": 1, "reward_components": [1]})
+
+
+def _result(*items) -> dict:
+    return {"response": {"output": list(items)}, "reward": 1.0}
+
+
+@pytest.mark.parametrize("item, problem", [
+    (_item([1, 2], [3]), None),
+    (_item(None, [3]), None),  # no prompt tokens: nothing to check (the ledger refuses what the endpoint never saw)
+    (_item([1, 2], [10]), "generation_token_ids[0]=10 is not a token id of the policy's tokenizer (ints in [0, 10))"),
+    (_item([1, -1], [3]), "prompt_token_ids[1]=-1 is not a token id"),
+    (_item([1, 2], [3.0]), "generation_token_ids[0]=3.0 is not a token id"),
+    (_item([1, 2], [True]), "generation_token_ids[0]=True is not a token id"),
+    (_item("12", [3]), "prompt_token_ids must be a list of token ids"),
+    (_item([1], [3], [math.inf]), "generation_log_probs[0]=inf is not a log-probability (finite and <= 0)"),
+    (_item([1], [3], [-math.inf]), "generation_log_probs[0]=-inf is not a log-probability"),
+    (_item([1], [3], [math.nan]), "generation_log_probs[0]=nan is not a log-probability"),
+    (_item([1], [3], [1e-9]), "generation_log_probs[0]=1e-09 is not a log-probability"),
+    (_item([1], [3], ["-0.5"]), "generation_log_probs[0]=-0.5 is not a log-probability"),
+    (_item([1], [3, 4], [-0.5]), "2 generation_token_ids but generation_log_probs 1"),
+    (_item([1], [3], None) | {"generation_log_probs": None}, "1 generation_token_ids but generation_log_probs None"),
+])
+def test_token_fields_must_be_token_ids_and_log_probabilities(item, problem):
+    """A result's token fields are checked before anything reads them (a bad id fails its sample, never the run:
+    IndexError / OverflowError / a device-side assert before); a logprob is finite and <= 0, with no tolerance."""
+    got = check_token_fields(_result(_item([1], [2]), item), vocab_size=10)
+    assert got is None if problem is None else got.startswith("model call 2: " + problem), got
+    assert check_token_fields(_result(_item([1], [3], [0.0])), vocab_size=10) is None  # a certain token: log 1 = 0
+
+
+def _records(*calls) -> list:
+    return [CallRecord(list(p), list(g), [-0.5] * len(g) if lp is None else lp, "stop", 0) for p, g, lp in calls]
+
+
+def _pending():
+    """(take, add): the records a ledger takes, as the endpoint would hand them over."""
+    waiting: list = []
+
+    def take():
+        out = list(waiting)
+        waiting.clear()
+        return out
+
+    return take, lambda *calls: waiting.extend(_records(*calls))
+
+
+def test_a_result_is_claimed_only_from_generations_no_other_sample_claimed():
+    take, generated = _pending()
+    ledger = GymLedger(take)
+    with ledger.opened():
+        generated(([1, 2], [3], None), ([1, 2, 3, 4], [5], None), ([1, 2], [3], None))
+        two_calls = _result(_item([1, 2], [3]), {"type": "function_call_output"}, _item([1, 2, 3, 4], [5]))
+        assert ledger.claim(two_calls) is None
+        assert "model call 2" in ledger.claim(two_calls)  # its second call is claimed already
+        assert ledger.claim(_result(_item([1, 2], [3]))) is None  # ...but nothing of a refused claim was taken
+        assert "another sample claimed" in ledger.claim(_result(_item([1, 2], [3])))
+        assert "no generation" in ledger.claim(_result(_item([9, 2], [3])))  # another prompt
+        generated(([7], [8], [-0.25]))
+        assert "generation_log_probs are not the ones" in ledger.claim(_result(_item([7], [8], [-0.5])))
+        assert ledger.claim(_result(_item([7], [8], [-0.25 * (1 + 1e-8)]))) is None  # a float32 round trip
+
+
+def test_generations_no_open_rollout_can_claim_are_forgotten():
+    take, generated = _pending()
+    ledger = GymLedger(take)
+    generated(([1], [2], None))  # before any rollout (a straggler of an earlier run of the servers)
+    with ledger.opened():
+        assert "no generation" in ledger.claim(_result(_item([1], [2])))
+        generated(([3], [4], None), ([5], [6], None))
+        assert ledger.claim(_result(_item([3], [4]))) is None
+    with ledger.opened():  # the unclaimed generation of the rollout before
+        assert "no generation" in ledger.claim(_result(_item([5], [6])))
+
+
+def test_overlapping_rollouts_keep_each_others_generations():
+    """The async loop's validation may play while the producer does: one rollout ending forgets nothing the other
+    may still claim."""
+    take, generated = _pending()
+    ledger = GymLedger(take)
+    training = ledger.opened()
+    training.__enter__()
+    generated(([1], [2], None))
+    with ledger.opened():
+        generated(([3], [4], None))
+    assert ledger.claim(_result(_item([1], [2]))) is None and ledger.claim(_result(_item([3], [4]))) is None
+    training.__exit__(None, None, None)
+
+
+def test_the_launched_head_server_is_known_by_its_key_and_its_agents_by_their_kind():
+    assert launched_by({"grpo_ds_launch_key": "k1"}, "k1") and not launched_by({"grpo_ds_launch_key": "k2"}, "k1")
+    assert not launched_by("grpo_ds_launch_key: k1", "k1") and not launched_by(None, "k1")
+    config = {"calc": {"responses_api_agents": {"simple_agent": {"host": "h", "port": 1}}},
+              "calculator": {"resources_servers": {"calc": {"host": "h", "port": 2}}}, "head_server": {"port": 3}}
+    assert agent_names(config) == ["calc"] and agent_names({"policy": {"x": 1}}) == [] and agent_names("x") == []
+
+
+def test_the_datas_agents_are_checked_against_the_servers():
+    rows = [{"source": f"d.jsonl:{n}", "meta": {"agent_ref": {"name": a}}}
+            for n, a in enumerate(["calc", "calk", "calc", "mathh"], 1)]
+    assert data_agents(rows) == {"calc": "d.jsonl:1", "calk": "d.jsonl:2", "mathh": "d.jsonl:4"}
+    assert check_data_agents(data_agents(rows), ["calc", "calk", "mathh", "other"]) is None
+    problem = check_data_agents(data_agents(rows), ["calc"])
+    assert problem.startswith("the data's agent_ref.name ['calk', 'mathh'] (first at d.jsonl:2, d.jsonl:4) names no "
+                              "agent server of the NeMo-Gym servers (agents: ['calc'])") and "\n" not in problem
+    assert "(agents: [])" in check_data_agents({"calc": "d.jsonl:1"}, [])
 
 
 def test_metrics_are_nemo_rls_over_the_scored_samples():

@@ -10,8 +10,9 @@ import pytest
 
 from grpo.config import MasterConfig
 from grpo.system.generation.endpoint import Endpoint
-from grpo.system.generation.openai_chat import (ChatRequest, RequestError, check_sampling, extract_tool_calls,
-                                                replace_prefix_tokens, split_reasoning)
+from grpo.system.generation.openai_chat import (ChatRequest, RequestError, extract_tool_calls, replace_prefix_tokens,
+                                                split_reasoning)
+from grpo.system.generation.openai_checks import check_sampling
 
 CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.",
                                               "parameters": {"type": "object", "properties": {

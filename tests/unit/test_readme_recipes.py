@@ -1,7 +1,7 @@
-"""README's NeMo-RL recipe summary (counts, refused keys, translated keys) is what the code gives on NeMo-RL's own
-recipes (a NeMo-RL checkout at 7ea279a, given as NEMO_RL_CHECKOUT: its recipes are not copied here): regenerate it with
-`python scripts/check_nemo_rl_recipes.py --readme /path/to/NeMo-RL` when the rules change. Translating 138 recipes
-takes ~20 s."""
+"""docs/nemo_rl.md's NeMo-RL recipe summary (counts, refused keys, translated keys) is what the code gives on NeMo-RL's
+own recipes (a NeMo-RL checkout at 7ea279a, given as NEMO_RL_CHECKOUT: its recipes are not copied here): regenerate
+it with `python scripts/check_nemo_rl_recipes.py --readme /path/to/NeMo-RL` when the rules change and paste it into
+the page. Translating the 140 recipes takes ~20 s."""
 
 import sys
 from pathlib import Path
@@ -16,10 +16,11 @@ import check_nemo_rl_recipes as check  # noqa: E402
 @pytest.mark.slow  # 20-60 s: every recipe translated
 @pytest.mark.skipif(check.CHECKOUT is None, reason="NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a) is not set")
 def test_readme_recipe_summary_is_what_the_code_gives():
-    readme = (REPO / "README.md").read_text()
-    start, end = readme.index(check.README_BEGIN), readme.index(check.README_END) + len(check.README_END)
-    assert readme[start:end] == check.readme_summary(), (
-        "README's recipe summary is stale: rerun `python scripts/check_nemo_rl_recipes.py --readme` and paste it")
+    page = (REPO / check.SUMMARY_PAGE).read_text()
+    start, end = page.index(check.README_BEGIN), page.index(check.README_END) + len(check.README_END)
+    assert page[start:end] == check.readme_summary(), (
+        f"{check.SUMMARY_PAGE}'s recipe summary is stale: rerun `python scripts/check_nemo_rl_recipes.py --readme` "
+        "and paste it")
 
 
 def test_the_summary_parses_refused_keys_with_values_that_hold_colons():

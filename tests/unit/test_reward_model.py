@@ -1,13 +1,18 @@
 """The reward model as an environment (grpo.tasks.reward_model, grpo.system.reward_model): NeMo-RL's rendering with
 the reward model's own template, scores equal to AutoModelForSequenceClassification's logits on the same text for
-batch sizes 1 and 4 and padding on either side, batching, max_model_len, NeMo-RL's metrics."""
+batch sizes 1 and 4 and padding on either side, batching, max_model_len, NeMo-RL's metrics; a checkpoint that is no
+reward model (a causal LM, another head) and a path that is not there refused by name."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from grpo.config import RewardModelConfig
+from tests.helpers.e2e import REPO, child_env
 
 pytest.importorskip("tiktoken")
 
@@ -184,3 +189,83 @@ def test_the_reward_model_demo_config_loads():
     cfg = load_config("configs/cpu_demo_reward_model.yaml", [])
     assert cfg.env.name == "reward_model" and cfg.env.reward_model.model_name == "toy:demo_rm"
     assert cfg.policy.model_name == "toy:demo"
+
+
+# ---- what is no reward model, refused by name (issue 43, items 6 and 18) ------------------------------------------
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    from tests.helpers.reward_models import save_tiny_qwen2_lm
+
+    return save_tiny_qwen2_lm(str(tmp_path_factory.mktemp("lm")))
+
+
+def test_a_causal_lm_is_refused_as_a_reward_model_by_its_key(lm_dir, rm_dir):
+    """A causal LM loads as ForSequenceClassification with its score head initialised at random (the only sign was
+    transformers' load report) and the run trained on noise. transformers' own loading info says the head was not
+    in the checkpoint: refused, naming the key that gave the weights."""
+    from grpo.system.reward_model import RewardModelScorer
+    from grpo.tasks.function import EnvError
+
+    with pytest.raises(EnvError) as err:
+        RewardModelScorer(RewardModelConfig(model_name=lm_dir, precision="float32"), torch.device("cpu"))
+    assert str(err.value).startswith(f"env.reward_model.model_name={lm_dir!r}: a Qwen2ForCausalLM checkpoint, not a "
+                                     "reward model: score.weight is not in it (transformers initialised it at random")
+    with pytest.raises(EnvError, match=rf"^env.reward_model.checkpoint_path='{lm_dir}': a Qwen2ForCausalLM checkpoint"):
+        RewardModelScorer(RewardModelConfig(model_name=rm_dir, checkpoint_path=lm_dir, precision="float32"),
+                          torch.device("cpu"))
+
+
+def test_a_classifier_with_another_number_of_outputs_is_refused_not_a_traceback(tmp_path):
+    """A two-label classifier's head does not fit the one output of a Bradley-Terry model: transformers raised its
+    RuntimeError (a traceback); now the same refusal, with the shapes."""
+    from transformers import Qwen2ForSequenceClassification
+
+    from grpo.system.reward_model import RewardModelScorer
+    from grpo.tasks.function import EnvError
+    from tests.helpers.reward_models import _tiny_qwen2_config
+
+    tok, config = _tiny_qwen2_config(num_labels=2)
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(EnvError, match=r"score.weight is \[2, 64\] in it, \[1, 64\] here \(transformers initialised"):
+        RewardModelScorer(RewardModelConfig(model_name=str(tmp_path), precision="float32"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("env.reward_model.model_name=/no/such/rm", "env.reward_model.model_name='/no/such/rm': no such directory"),
+    ("env.reward_model.checkpoint_path=./no/such/dir", "env.reward_model.checkpoint_path='./no/such/dir': no such"),
+    ("env.reward_model.tokenizer.name=README.md", "env.reward_model.tokenizer.name='README.md': a file, not a dir"),
+    ("env.tasks={rm: {name: reward_model, reward_model: {model_name: ~/rm}}}",
+     "env.tasks.rm.reward_model.model_name='~/rm': no such directory"),
+])
+def test_a_missing_reward_model_path_fails_the_config_check_in_one_line(override, message):
+    """It passed --check-config and failed at load with four tracebacks and Hugging Face's repo-id message, which
+    names no key. A name that is not there and cannot be a hub name is a local path that does not exist: refused at
+    config load (so --check-config), naming the key and the path; a hub name still passes (checked when it loads)."""
+    cmd = [sys.executable, "train_grpo.py", "--config", "configs/cpu_demo_reward_model.yaml", "--check-config"]
+    p = subprocess.run([*cmd, override], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[1].strip().startswith(message), p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 2  # "error: invalid config:" + it
+    ok = subprocess.run([*cmd, "env.reward_model.model_name=some-org/some-rm"], cwd=REPO, env=child_env(),
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_name_that_cannot_load_is_one_line_naming_its_key(tmp_path):
+    """Offline (HF_HUB_OFFLINE=1, as the tests run) a hub name not in the cache cannot load, nor can a directory that
+    holds no model: one line naming the key and the name, shown by the scripts without a traceback
+    (`grpo.run.known_error_message`)."""
+    from grpo.run import known_error_message
+    from grpo.system.reward_model import RewardModelScorer
+    from grpo.tasks.function import EnvError
+
+    with pytest.raises(EnvError) as err:
+        RewardModelScorer(RewardModelConfig(model_name="some-org/no-such-rm"), torch.device("cpu"))
+    assert str(err.value) == ("env.reward_model.model_name='some-org/no-such-rm': not a local directory, and it cannot "
+                              "be loaded as a hub name: not in the Hugging Face cache, and HF_HUB_OFFLINE=1 downloads "
+                              "nothing")
+    assert known_error_message(err.value) == f"error: {err.value}"
+    with pytest.raises(EnvError, match=rf"^env.reward_model.model_name='{tmp_path}': a directory transformers cannot "
+                                       "load from: Unrecognized model"):
+        RewardModelScorer(RewardModelConfig(model_name=str(tmp_path)), torch.device("cpu"))

@@ -49,6 +49,7 @@ def test_the_run_s_scorers_defer_and_the_point_adds_what_the_step_would_have(rm_
 
     models = RewardModels(torch.device("cpu"))
     deferred = RewardModelEnvironment(models(rm_cfg), rm_cfg.batch_size)
+    models.place()
     ret = deferred.step(CONVERSATIONS, [{"answer": ""}] * 3)
     assert ret.rewards.tolist() == [0.0] * 3 and all(len(md[PENDING]) == 1 for md in ret.metadata)
     trajs = _trajectories(ret)
@@ -86,6 +87,7 @@ def test_a_combined_environment_weights_and_names_the_pending_score(rm_cfg, mode
     scorer = models(rm_cfg)
     env = CombinedEnvironment({"rm": RewardModelEnvironment(scorer, rm_cfg.batch_size), "math": Constant(1.0)}, mode,
                               {"rm": 2.0, "math": 0.5})
+    models.place()
     trajs = _trajectories(env.step(CONVERSATIONS, [{"answer": ""}] * 3))
     models.score_pending(trajs)
     scores = scorer.score([RewardModelEnvironment(scorer, 1).render([c])[0] for c in CONVERSATIONS]).tolist()
@@ -127,6 +129,7 @@ def test_offload_on_the_cpu_never_touches_cuda(rm_cfg, monkeypatch):
         monkeypatch.setattr(torch.cuda, name, no_cuda)
     models = RewardModels(torch.device("cpu"))
     scorer = models(rm_cfg.model_copy(update={"offload": True}))
+    models.place()
     assert scorer.plan == "none"
     trajs = _trajectories(RewardModelEnvironment(scorer, 2).step(CONVERSATIONS, [{"answer": ""}] * 3))
     models.score_pending(trajs)
@@ -147,7 +150,7 @@ def test_offload_auto_follows_the_memory_a_rank_has_left_and_never_weighs_on_the
     # on the CPU, auto resolves without loading the model's config to weigh it
     monkeypatch.setattr(rm_mod, "num_params", lambda cfg: (_ for _ in ()).throw(AssertionError("weighed on the CPU")))
     models = rm_mod.RewardModels(torch.device("cpu"))
-    assert rm_cfg.offload == "auto" and models.offload(rm_cfg, "plain") is False
+    assert rm_cfg.offload == "auto" and models.offload(rm_cfg, "plain", None) is False
     # on an accelerator, auto weighs the model and asks its free memory (here: 4 bytes free -> offload)
     monkeypatch.setattr(rm_mod, "num_params", lambda cfg: 1000)
     monkeypatch.setattr(rm_mod, "free_device_bytes", lambda device: 4)
@@ -158,8 +161,8 @@ def test_placement_auto_is_plain_on_one_rank_and_forced_values_stand(rm_cfg):
     from grpo.system.reward_model import RewardModels
 
     models = RewardModels(torch.device("cpu"))
-    assert models.placement(rm_cfg) == "plain"
-    assert models.placement(rm_cfg.model_copy(update={"placement": "zero3"})) == "zero3"
+    assert models.placement(rm_cfg, None) == "plain"
+    assert models.placement(rm_cfg.model_copy(update={"placement": "zero3"}), None) == "zero3"
 
 
 # ---- the async loop's hand-over (grpo.producer.TrainerDesk) -------------------------------------------------

@@ -206,7 +206,8 @@ def test_python_tool_in_a_tool_environment():
     env = ToolEnvironment(["grpo.tasks.sandbox:python"], "grpo.tasks.arithmetic:arithmetic_reward", num_workers=1,
                           timeout_s=30, max_result_chars=200)
     try:
-        call = {"name": "python", "arguments": {"code": "print(6 * 7)\nopen('/tmp/x', 'w')"}}
+        outside = f"/tmp/grpo-sandbox-test-{os.getpid()}-{time.monotonic_ns()}"  # a new name: refused, not found
+        call = {"name": "python", "arguments": {"code": f"print(6 * 7)\nopen({outside!r}, 'w')"}}
         message = "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
         ret = env.step([[{"role": "assistant", "content": message}]], [{"question": "q", "answer": "42"}])
         (obs,) = ret.observations[0]

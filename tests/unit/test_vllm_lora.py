@@ -195,7 +195,7 @@ class FakeLLM:
         pass
 
     def reset_prefix_cache(self):
-        pass
+        return True  # vLLM's answer when no request holds a KV block
 
     def generate(self, prompts, params, use_tqdm=False, lora_request=None):
         self.generated_with.append(lora_request.lora_int_id)

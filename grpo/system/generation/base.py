@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
@@ -43,6 +44,10 @@ class GenerationBackend:
     ``async/<name>`` (generation ranks' weight loads, ...). ``broken``: why the backend can no longer generate
     (generation ranks gone), else None: no retry can help then. ``in_flight``: the async producer's mid-request
     safe point (a callable, or None), for backends that can load weights between decode rounds.
+
+    ``device`` (where the backend runs; None: nowhere in particular) and ``stream`` (the CUDA stream its engine was
+    built on, None: the device's current one): `device_context` makes them the calling thread's, which every thread
+    that calls a backend enters (CUDA's current device and stream are per thread).
     """
 
     gen_cfg: Any
@@ -51,6 +56,13 @@ class GenerationBackend:
     broken: str | None = None
     in_flight: Callable[[], None] | None = None
     loads_staged_weights: bool = False  # load_staged works (generation ranks): weights come from the stage
+    device: Any = None
+    stream: Any = None
+
+    def device_context(self):
+        """The backend's device and stream made the calling thread's current ones for a block (`on_device`): a
+        thread other than the one that built the backend enters it before calling it (the endpoint's batcher)."""
+        return on_device(self.device, self.stream)
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
                  max_new_tokens: int | Sequence[int] | None = None,
@@ -84,6 +96,29 @@ class GenerationBackend:
 
     def close(self) -> None:
         """Release the backend."""
+
+
+@contextmanager
+def on_device(device, stream=None) -> Iterator[None]:
+    """For the block, ``device`` is the calling thread's current CUDA device and ``stream`` (one of its streams;
+    None: the one current there now) its current stream; nothing where ``device`` is not a CUDA device.
+
+    Both are per thread, and a thread that never set them launches on cuda:0: an in-process vLLM engine sets its device
+    only on the thread that built it (``vllm/v1/worker/gpu_worker.py``), launches its input-preparation kernels on
+    the current device, and its runner caches the stream of its first step as its main stream, which the async copy
+    of the sampled tokens waits for (``vllm/v1/worker/gpu/model_runner.py``, ``async_utils.py``): a thread that calls
+    it must have the engine's device and the stream it was built on current."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            yield
 
 
 def length_caps(prompt_lens: Sequence[int], max_new_tokens: int | Sequence[int],

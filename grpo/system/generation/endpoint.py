@@ -1,8 +1,8 @@
 """The run's OpenAI-compatible endpoint over the policy being trained (NeMo-RL's ``expose_http_server``).
 
 Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering and splice as chat), ``GET
-/v1/models``, ``GET /health``. Requests and answers, the checks and the prefix splice are
-`grpo.system.generation.openai_chat`'s; this module serves them and feeds the generation backend.
+/v1/models``, ``GET /health``. Requests and answers and the prefix splice are `grpo.system.generation.openai_chat`'s,
+the checks `grpo.system.generation.openai_checks`'; this module serves them and feeds the generation backend.
 
 - **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
   way; FastAPI gives pydantic request models and OpenAI's JSON for free, and uvicorn runs on a socket we bind in
@@ -18,9 +18,15 @@ Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering an
   version that produced it (``weight_version``). A request that finds no window within ``http_server.max_wait_s``
   (the run is training or checkpointing) is answered 503 with ``Retry-After`` (the last pause's length), never left
   hanging. While the rollout's own samples generate, `Endpoint.shared` makes them and the batches take turns.
-- **Limits**: ``http_server.max_concurrent_requests`` in flight (429 beyond), ``max_body_bytes`` (413), wrong
-  key (401), unknown model (404), anything malformed or a prompt with no room left (400); a failure of the backend
-  answers 500 to the requests of that batch and the server goes on. Errors use OpenAI's body.
+- **Limits**: ``http_server.max_concurrent_requests`` in flight once their bodies are read (429 beyond),
+  ``max_body_bytes`` (413, read no further), ``read_timeout_s`` for the body (408), wrong key (401), unknown model
+  (404), anything malformed, a token id that is not the model's, a prompt with no room left (400), all decided before
+  the request joins a batch; parsing and rendering run off the event loop, rendering within ``render_timeout_s``
+  (`grpo.system.generation.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
+  the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
+- **Chat templates**: the run's (a request's own ``chat_template`` only with ``http_server.trust_request_chat_template``,
+  vLLM's rule); ``tools`` / ``tool_choice`` as vLLM validates them, "required" and named functions refused
+  (`openai_checks.check_tools` says why).
 
 Seeds: a sample's call k, choice i is seeded by hash(session seed key, k, i), so an agent that makes the same calls
 gets the same tokens; requests under the run's key use their ``seed`` (or a random one).
@@ -43,14 +49,21 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from these globals
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
-from grpo.system.generation.endpoint_batching import Batching, _Pending
+from grpo.system.generation.endpoint_batching import Batching, _Pending, shutting_down
+from grpo.system.generation.endpoint_limits import TemplateTimeout, read_body, template_deadline
 from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
-                                                check_sampling, cut_at_stop, error_body, extract_tool_calls,
-                                                parse_message, parse_request, replace_prefix_tokens,
-                                                required_prefix, template_messages)
+                                                cut_at_stop, error_body, extract_tool_calls, parse_message,
+                                                replace_prefix_tokens, required_prefix, template_messages)
+from grpo.system.generation.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
+                                                  request_template)
 
 logger = logging.getLogger(__name__)
+
+# Threads that parse and render requests (`Endpoint._off_loop`), so the event loop only moves bytes; each rendering
+# is bounded in time.
+WORK_THREADS = 4
 
 
 @dataclass
@@ -107,7 +120,7 @@ class Endpoint(Batching):
     `start` serves it; `serving` opens it for generation; `close` stops it.
     """
 
-    def __init__(self, cfg, backend, tokenizer):
+    def __init__(self, cfg, backend, tokenizer, vocab_size: int = 0):
         p, g = cfg.policy, cfg.policy.generation
         self.cfg, self.backend, self.tokenizer = cfg, backend, tokenizer
         self.settings = g.http_server
@@ -128,6 +141,12 @@ class Endpoint(Batching):
             self.vllm_parser = vllm_chat_parser(tokenizer, self.tool_parser, self.reasoning_parser)
         self.model_name = self.settings.model_name or p.model_name
         self.max_len = p.max_total_sequence_length
+        # The ids a request may carry: the tokenizer's and a padded embedding's extra rows (Qwen2.5: 151,936 rows for
+        # 151,665 tokens; the policy can sample those, and vLLM takes them too). A rendering over max_render_chars
+        # could not fit the context twice over.
+        self.vocab_size = max(len(tokenizer), vocab_size)  # vocab_size: the policy's embedding rows
+        self.max_render_chars = 2 * self.max_len * max(map(len, tokenizer.get_vocab()))
+        self._work_pool = concurrent.futures.ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="grpo-endpoint-work")
         val = g.for_validation()
         self.train_pair, self.val_pair = (g.temperature, g.top_p), (val.temperature, val.top_p)
         self.gen_cfg = g
@@ -139,7 +158,8 @@ class Endpoint(Batching):
         self._open = threading.Event()
         self._windows, self._window_lock = 0, threading.Lock()  # open generation windows (`serving`)
         self._generating = threading.Lock()
-        self._inflight = 0
+        self._inflight = 0  # requests the server handles, from their headers on (the batcher's `_busy`)
+        self._admitted = 0  # of them, those whose body is read: what max_concurrent_requests bounds
         self._closed_at: float | None = None  # when the last window closed
         self._last_pause_s: float | None = None  # how long the last pause between two windows lasted
         self._stop = threading.Event()
@@ -172,15 +192,14 @@ class Endpoint(Batching):
         return self.base_url
 
     def close(self) -> None:
-        """Stop: the batch in flight is answered, every later request gets 503 ``shutting_down``; then the server
-        stops (after the batcher, so no handler is cancelled into a bare 500)."""
-        self._stop.set()
-        self._open.set()  # let the batcher see the stop
-        if self._batcher is not None:
-            self._batcher.join(timeout=60)
+        """Stop: the batch in flight is answered, every later request gets 503 ``shutting_down``, and no batch
+        generates once this returns (`Batching.stop_batching`: the backend is closed after the endpoint); then the
+        server stops (after the batcher, so no handler is cancelled into a bare 500)."""
+        self.stop_batching()
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(timeout=10)
+        self._work_pool.shutdown(wait=False, cancel_futures=True)
 
     def sampling(self, profile: str) -> dict[str, float]:
         """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
@@ -200,6 +219,14 @@ class Endpoint(Batching):
         with self._lock:
             return self._sessions.pop(key).records
 
+    def take_records(self, key: str) -> list[CallRecord]:
+        """The calls recorded under session ``key`` since the last take, in the order they were answered; the key
+        stays valid (a long-lived session: the NeMo-Gym servers', `grpo.system.nemo_gym_rollout.GymLedger`)."""
+        with self._lock:
+            session = self._sessions[key]
+            records, session.records = session.records, []
+        return records
+
     # ---------------------------------------------------------------- requests
     def _authorize(self, header: str | None) -> _Session | None:
         key = (header or "").removeprefix("Bearer ").strip()
@@ -212,32 +239,52 @@ class Endpoint(Batching):
                                     "sample's", kind="authentication_error", code="invalid_api_key")
         return session
 
-    def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool) -> list[int]:
+    def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool,
+               template: str | None = None) -> list[int]:
         """The chat template's tokens for ``messages`` (vLLM's way: render to text, encode without adding special
-        tokens)."""
+        tokens); ``template``: a request's own (trusted) template, else the run's. The template's code stops after
+        ``http_server.render_timeout_s``; a text too long for the context is refused before it is encoded."""
         extra = {**self.template_kwargs, **(kwargs or {})}
-        if self.chat_template is not None:
-            extra["chat_template"] = self.chat_template
+        if template is not None or self.chat_template is not None:
+            extra["chat_template"] = template if template is not None else self.chat_template
+        limit_s = self.settings.render_timeout_s
         try:
-            text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **extra)
+            with template_deadline(limit_s):
+                text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt, **extra)
         except RequestError:
             raise
+        except TemplateTimeout:
+            raise RequestError(400, f"rendering the chat template took over {limit_s:g} s "
+                                    "(policy.generation.http_server.render_timeout_s)", param="messages") from None
         except Exception as err:
             raise RequestError(400, f"the chat template cannot render these messages: {type(err).__name__}: {err}",
                                param="messages") from None
+        if len(text) > self.max_render_chars:
+            raise RequestError(400, f"the rendered prompt has {len(text)} characters, more than "
+                                    f"policy.max_total_sequence_length={self.max_len} tokens can hold",
+                               param="messages", code="context_length_exceeded")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(self, req) -> list[int]:
-        """The request's prompt tokens: rendered, then spliced onto the model's own earlier tokens when the history
-        carries them (`openai_chat.replace_prefix_tokens`)."""
-        ids = self.render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
+        """The request's prompt tokens: its token ids checked (`openai_checks.check_token_ids`), rendered, then
+        spliced onto the model's own earlier tokens when the history carries them
+        (`openai_chat.replace_prefix_tokens`). Blocking: the server calls it off the event loop (`_off_loop`)."""
+        check_token_ids(req, self.vocab_size)
+        template = request_template(req, self.settings.trust_request_chat_template)
+        kwargs = req.chat_template_kwargs
+        ids = self.render(req.messages, req.tools, kwargs, req.add_generation_prompt, template)
         prefix = required_prefix(req)
         if prefix is None:
             return ids
         last = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=len(req.messages) - 1)
-        template_prefix = self.render(req.messages[:last + 1], req.tools, req.chat_template_kwargs, False)
+        template_prefix = self.render(req.messages[:last + 1], req.tools, kwargs, False, template)
         return replace_prefix_tokens(self.tokenizer.eos_token_id, prefix, template_prefix, ids)
+
+    async def _off_loop(self, fn, *args):
+        """``fn(*args)`` on a work thread: the event loop goes on serving (/health, other requests' bodies) while a
+        request is parsed and rendered."""
+        return await asyncio.get_running_loop().run_in_executor(self._work_pool, fn, *args)
 
     async def chat(self, req: ChatRequest, session: _Session | None) -> dict:
         if req.model != self.model_name:
@@ -246,7 +293,8 @@ class Endpoint(Batching):
         if req.stream:
             raise RequestError(400, "stream=true is not supported by this endpoint", param="stream")
         profile = check_sampling(req, self.train_pair, self.val_pair)
-        prompt = self.prompt_ids(req)
+        check_tools(req, self.tool_parser)
+        prompt = await self._off_loop(self.prompt_ids, req)
         room = self.max_len - len(prompt)
         if room <= 0:
             raise RequestError(400, f"the prompt has {len(prompt)} tokens, leaving no room under "
@@ -324,6 +372,7 @@ class Endpoint(Batching):
         return entry
 
     def tokenize(self, req: TokenizeRequest) -> dict:
+        """``POST /tokenize``'s answer (blocking: the server calls it off the event loop)."""
         if req.messages is not None:
             ids = self.prompt_ids(req)
         elif req.prompt is not None:
@@ -340,36 +389,40 @@ class Endpoint(Batching):
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
         async def guarded(request: Request, model_cls, handle):
-            if self._inflight >= self.settings.max_concurrent_requests:
-                return refuse(RequestError(429, f"more than {self.settings.max_concurrent_requests} requests in "
-                                                "flight (policy.generation.http_server.max_concurrent_requests)",
-                                           kind="rate_limit_error", code="rate_limit_exceeded"))
+            settings, admitted = self.settings, False
             self._inflight += 1
             try:
                 session = self._authorize(request.headers.get("authorization"))
-                limit = self.settings.max_body_bytes
-                if int(request.headers.get("content-length") or 0) > limit:
-                    raise RequestError(413, f"the request body is over {limit} bytes "
-                                            "(policy.generation.http_server.max_body_bytes)")
-                body = await request.body()
-                if len(body) > limit:
-                    raise RequestError(413, f"the request body is over {limit} bytes "
-                                            "(policy.generation.http_server.max_body_bytes)")
-                return JSONResponse(await handle(parse_request(model_cls, body), session))
+                body = await read_body(request, settings.max_body_bytes, settings.read_timeout_s)
+                if self._admitted >= settings.max_concurrent_requests:
+                    raise RequestError(429, f"more than {settings.max_concurrent_requests} requests in flight "
+                                            "(policy.generation.http_server.max_concurrent_requests)",
+                                       kind="rate_limit_error", code="rate_limit_exceeded")
+                self._admitted, admitted = self._admitted + 1, True
+                return JSONResponse(await handle(await self._off_loop(parse_request, model_cls, body), session))
             except RequestError as err:
                 return refuse(err)
+            except ClientDisconnect:  # nobody to answer
+                logger.warning("endpoint: a client of %s disconnected before its request body was complete",
+                               request.url.path)
+                return refuse(RequestError(400, "the client disconnected"))
+            except asyncio.CancelledError:  # the server stops (`close`) and cancels what is still being read
+                if not self._stop.is_set():
+                    raise
+                return refuse(shutting_down())
             except Exception as err:  # a bug or a backend failure: this request fails, the run goes on
                 logger.warning("endpoint: %s failed", request.url.path, exc_info=True)
                 return JSONResponse(error_body(f"{type(err).__name__}: {err}", "server_error"), status_code=500)
             finally:
                 self._inflight -= 1
+                self._admitted -= admitted
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             return await guarded(request, ChatRequest, self.chat)
 
         async def tokenize_handler(req, session):
-            return self.tokenize(req)
+            return await self._off_loop(self.tokenize, req)
 
         @app.post("/tokenize")
         async def tokenize(request: Request):

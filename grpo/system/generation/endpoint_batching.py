@@ -14,6 +14,10 @@ generation thread changes the weights through `Batching.load_weights`, which wai
 batch generates while weights change and an answer is never labelled newer than the oldest weights that made it.
 Windows nest and overlap (the generation thread's rollout and the trainer's validation in the async loop): the
 endpoint is open while any window is.
+
+Closing (`Batching.stop_batching`): no batch starts any more; the batch in flight ends on the backend (its requests
+answered), or, past ``CLOSE_WAIT_S``, its requests are answered 503 while the backend call is still waited for: the
+run closes the backend after the endpoint, never under a running batch.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 # A batch waits for the requests the server is still reading or answering this long at most (`Batching._gather`).
 BUSY_WAIT_S = 1.0
+# How long `Batching.stop_batching` (the endpoint's close) waits for the batch in flight before it answers that
+# batch's requests 503; it still waits for the backend call itself to return (the backend is closed after it).
+CLOSE_WAIT_S = 60.0
 
 
 @dataclass
@@ -65,7 +72,9 @@ class _Shared:
 class Batching:
     """The windows and the batcher of `grpo.system.generation.endpoint.Endpoint` (its state: ``cfg``, ``_queue``,
     ``_inflight``, ``_open``, ``_windows`` and ``_window_lock``, ``_generating``, ``_closed_at``, ``_last_pause_s``,
-    ``_stop``, ``backend``, ``gen_cfg``, ``settings``, ``weight_version``)."""
+    ``_stop``, ``_batcher``, ``backend``, ``gen_cfg``, ``settings``, ``weight_version``)."""
+
+    _running: list[_Pending] = []  # the batch the backend is generating now (set under ``_generating``)
 
     @contextmanager
     def serving(self, weight_version: int | None = None):
@@ -114,6 +123,25 @@ class Batching:
                                  f"{self.settings.max_wait_s:g} s; retry after {retry} s", kind="server_error",
                             code="generation_paused", headers={"Retry-After": str(retry)})
 
+    def stop_batching(self) -> None:
+        """The end of the endpoint's generation (its close): no batch starts any more, and this returns once none
+        generates, so the backend can be closed after it. The batch in flight ends and is answered; one still
+        generating after `CLOSE_WAIT_S` gets its requests answered 503 ``shutting_down`` (their clients need not
+        wait), and its backend call is still waited for."""
+        self._stop.set()
+        self._open.set()  # let the batcher see the stop
+        waited = 0.0
+        while not self._generating.acquire(timeout=CLOSE_WAIT_S):  # a batch (or the rollout's own call) generates
+            waited += CLOSE_WAIT_S
+            running = list(self._running)
+            logger.warning("endpoint: closing, the backend still generates after %g s (%d request(s) of the batch in "
+                           "flight answered 503); it is not closed under that call: waiting for it", waited,
+                           len(running))
+            self._shut(running)
+        self._generating.release()  # from here on the batcher sees the stop before it could generate
+        if self._batcher is not None:
+            self._batcher.join()
+
     # ---------------------------------------------------------------- the batcher
     def _drain(self) -> list[_Pending]:
         items = []
@@ -157,6 +185,10 @@ class Batching:
         return self._inflight > gathered + self._queue.qsize()
 
     def _batch_loop(self) -> None:
+        with self.backend.device_context():  # the backend's device and stream (this thread's own start as cuda:0's)
+            self._batches()
+
+    def _batches(self) -> None:
         batch: list[_Pending] = []
         while not self._stop.is_set():
             if not batch:
@@ -175,18 +207,18 @@ class Batching:
                 if not self._open.is_set():  # closed meanwhile (weights may change): the batch waits
                     batch = self._expire(batch)
                     continue
+                self._running = batch
                 for profile in ("train", "val"):
                     items = [b for b in batch if b.profile == profile]
                     if items:
                         self._generate(items, profile)
-                batch = []
+                batch = self._running = []
         self._shut(batch + self._drain())
 
     def _shut(self, items: list[_Pending]) -> None:
         """Answer ``items`` 503 ``shutting_down`` (the run is ending)."""
         for item in items:
-            _answer(item.future, error=RequestError(503, "the run is ending: its endpoint is shutting down",
-                                                    kind="server_error", code="shutting_down"))
+            _answer(item.future, error=shutting_down())
 
     def _generate(self, items: list[_Pending], profile: str) -> None:
         version = self.weight_version  # (an in-flight update may raise it meanwhile)
@@ -214,6 +246,12 @@ class Batching:
             return self.backend.generate(prompts, seeds, max_new_tokens=caps, stop_strings=stops)
         finally:
             self.backend.gen_cfg = before
+
+
+def shutting_down() -> RequestError:
+    """The 503 of a request the endpoint cannot answer because the run is ending."""
+    return RequestError(503, "the run is ending: its endpoint is shutting down", kind="server_error",
+                        code="shutting_down")
 
 
 def _answer(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:

@@ -158,6 +158,8 @@ class LockstepGeneration(GenerationBackend):
     broken = property(lambda self: self.inner.broken or self._stopped)
     stats = property(lambda self: self.inner.stats)
     memory = property(lambda self: self.inner.memory)
+    device = property(lambda self: self.inner.device)
+    stream = property(lambda self: self.inner.stream)
 
     @property
     def in_flight(self):
@@ -204,11 +206,10 @@ class LockstepGeneration(GenerationBackend):
 
     # ---------------------------------------------------------------- the driver
     def _drive(self) -> None:
-        import torch
+        with self.inner.device_context():  # the current device is per thread (a solo round's NCCL)
+            self._rounds()
 
-        device = getattr(self.inner, "device", None)
-        if device is not None and device.type == "cuda":  # the current device is per thread (a solo round's NCCL)
-            torch.cuda.set_device(device)
+    def _rounds(self) -> None:
         round_no, last_was_section, why = 0, False, "the run is ending: no generation any more"
         try:
             while True:

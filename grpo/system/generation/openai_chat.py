@@ -1,6 +1,6 @@
-"""OpenAI chat completions over token ids, without a server: the request schema, the checks, NeMo-RL's prefix
-splice, and the parsers that turn generated text into an OpenAI message. `grpo.system.generation.endpoint`
-serves them.
+"""OpenAI chat completions over token ids, without a server: the request schema, NeMo-RL's prefix splice, and the
+parsers that turn generated text into an OpenAI message (what a request must pass before it is generated:
+`grpo.system.generation.openai_checks`). `grpo.system.generation.endpoint` serves them.
 
 Token in, token out (NeMo-RL's ``vllm_worker_async.py`` and ``openai_server_utils.py``): a history whose
 assistant message carries the endpoint's token fields (``prompt_token_ids`` + ``generation_token_ids``), or a
@@ -36,7 +36,7 @@ import re
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grpo.tasks.tool_calls import HERMES_CLOSE, HERMES_OPEN, parse_tool_calls
 
@@ -83,6 +83,17 @@ class ChatMessage(BaseModel):
     prompt_token_ids: Optional[list[int]] = None
     generation_token_ids: Optional[list[int]] = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v):
+        """Content parts must be text (``{"type": "text", "text": ...}``): the endpoint renders text only, and
+        dropping an image would answer another prompt than the one sent."""
+        for i, part in enumerate(v if isinstance(v, list) else ()):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} is of type {part.get('type')!r}: this endpoint takes text parts "
+                                 "only ({'type': 'text', 'text': ...}); images and other media are not supported")
+        return v
+
 
 class ChatRequest(BaseModel):
     """``POST /v1/chat/completions``: OpenAI's fields that change the answer, NeMo-RL's extras; other OpenAI
@@ -103,6 +114,7 @@ class ChatRequest(BaseModel):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     required_prefix_token_ids: Optional[list[int]] = None
@@ -112,6 +124,21 @@ class ChatRequest(BaseModel):
     @classmethod
     def _stops(cls, v):
         return [v] if isinstance(v, str) else v
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, v):
+        """vLLM's ``ChatCompletionToolsParam``: each tool is ``{"type": "function", "function": {"name": ...}}``
+        (the dicts are kept as sent: the chat template reads them)."""
+        if v == []:
+            raise ValueError("tools must not be an empty array: send at least one tool or leave tools out")
+        for i, tool in enumerate(v or ()):
+            fn = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not (
+                    isinstance(fn.get("name"), str) and fn["name"]):
+                raise ValueError(f"tool {i} is not a function tool with a name: expected "
+                                 "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
+        return v
 
     def wanted_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -125,61 +152,24 @@ class TokenizeRequest(BaseModel):
     messages: Optional[list[ChatMessage]] = None
     prompt: Optional[str] = None
     tools: Optional[list[dict[str, Any]]] = None
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     required_prefix_token_ids: Optional[list[int]] = None
 
 
-def parse_request(model_cls, body: bytes):
-    """The request of ``body`` (JSON), or a `RequestError` 400 naming the first bad field."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(400, f"the request body is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise RequestError(400, f"{where}: {first['msg']} (got {str(first.get('input'))[:200]!r})",
-                           param=where) from None
-
-
-def check_sampling(req: ChatRequest, train: tuple[float, float], val: tuple[float, float]) -> str:
-    """Which of the run's sampling profiles the request asks for: ``"train"`` or ``"val"`` (NeMo-RL's assertions,
-    answered as a 400 here). ``top_p`` must be given; ``(temperature, top_p)`` must equal the training pair or the
-    validation pair (a missing temperature means the training one); ``top_k`` unset or -1.
-
-        >>> r = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], top_p=1.0)
-        >>> check_sampling(r, (1.0, 1.0), (0.5, 1.0))
-        'train'
-    """
-    if req.top_k not in (None, -1):
-        raise RequestError(400, f"top_k={req.top_k}: the endpoint samples as the run does; top_k must be unset or -1",
-                           param="top_k")
-    if req.top_p is None:
-        raise RequestError(400, f"top_p must be set explicitly (training: top_p={train[1]}, validation: "
-                                f"top_p={val[1]})", param="top_p")
-    temperature = train[0] if req.temperature is None else req.temperature
-    if (temperature, req.top_p) == tuple(train):
-        return "train"
-    if (temperature, req.top_p) == tuple(val):
-        return "val"
-    raise RequestError(400, f"sampling (temperature={temperature}, top_p={req.top_p}) matches neither the training "
-                            f"parameters (temperature={train[0]}, top_p={train[1]}) nor the validation ones "
-                            f"(temperature={val[0]}, top_p={val[1]})", param="temperature")
-
-
 # --------------------------------------------------------------------------------------------------
 # Rendering and NeMo-RL's prefix splice
 # --------------------------------------------------------------------------------------------------
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template reads them: list content joined into text, a tool call's
-    ``arguments`` string parsed into an object (vLLM does the same; Qwen's template writes them with tojson),
-    the token fields left out.
+    """The messages as the chat template reads them: list content joined into text (a newline between text parts,
+    as vLLM joins them for a template that reads strings), a tool call's ``arguments`` string parsed into an object
+    (vLLM does the same; Qwen's template writes them with tojson), the token fields left out.
+
+        >>> parts = [{"type": "text", "text": "2+2"}, {"type": "text", "text": "="}]
+        >>> template_messages([ChatMessage(role="user", content=parts)])[0]["content"].splitlines()
+        ['2+2', '=']
 
         >>> m = ChatMessage(role="assistant", content=None, tool_calls=[{"id": "c", "type": "function",
         ...     "function": {"name": "calc", "arguments": '{"x": 1}'}}])
@@ -192,7 +182,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
              if k not in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
         content = d.get("content")
         if isinstance(content, list):
-            d["content"] = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            d["content"] = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))  # vLLM's
         d.setdefault("content", "")
         if d.get("tool_calls"):
             calls = []

@@ -143,6 +143,37 @@ def reprocess_shared_weight_layers(worker) -> list[str]:
     return redone
 
 
+def abort_unfinished(llm) -> int:
+    """Abort every request still in the engine; returns how many there were. ``LLM.generate`` runs its requests to
+    the end, and aborts them when adding them fails, but not when a step fails mid-way (vLLM 0.32
+    ``entrypoints/common/offline.py``): those stay in the engine, hold their KV blocks, and the next ``generate``
+    would run them and return their outputs before its own."""
+    engine = llm.llm_engine
+    ids = list(engine.output_processor.request_states)
+    if ids:
+        engine.abort_request(ids, internal=True)
+    return len(ids)
+
+
+def reset_prefix_cache(llm) -> None:
+    """Drop the engine's prefix cache (its KV blocks were computed with the old weights), or raise.
+
+    vLLM's ``reset_prefix_cache()`` returns False, and only warns, while any KV block is still held by a request
+    (``BlockPool.reset_prefix_cache``: every block but the null one must be free); a request's blocks are freed when
+    it finishes or is aborted. Every generation here runs its requests to the end, so a held block belongs to a
+    request a failed generation left in the engine (`abort_unfinished`): those are aborted and the reset is tried
+    again. A reset that still fails raises: generating after it could reuse prefixes of the old weights."""
+    if llm.reset_prefix_cache():
+        return
+    left = abort_unfinished(llm)
+    if not llm.reset_prefix_cache():
+        raise RuntimeError(f"vLLM could not reset its prefix cache after a weight change: KV blocks are still held "
+                           f"({left} unfinished request(s) aborted); generating now could reuse prefixes computed with "
+                           "the old weights")
+    logging.getLogger(__name__).warning("vLLM's prefix cache reset failed while %d request(s) left by a failed "
+                                        "generation held KV blocks: aborted them, the reset then succeeded", left)
+
+
 def memory_gb() -> float:
     """Memory in use, in GiB: on a GPU the whole device's (total - free from ``mem_get_info``, which sees
     vLLM's sleep pools and other processes; torch's ``memory_reserved`` does not), else this process's
@@ -448,6 +479,8 @@ class VllmGeneration(GenerationBackend):
                 kw["distributed_executor_backend"] = "external_launcher"  # executor would take cuda:0)
             check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
             self.llm = LLM(**kw)
+        if self.device.type == "cuda":  # what another thread makes current to call it (`device_context`)
+            self.stream = torch.cuda.current_stream(self.device)
         if self.lora:
             self.adapters = AdapterSync(self.llm, self.rank)
             logging.getLogger("vllm.v1.engine.input_processor").addFilter(_DropLoraTokenizerWarning())
@@ -488,7 +521,7 @@ class VllmGeneration(GenerationBackend):
                 self._push_all(engine, per_parameter)
             self._refitted, self._weights_discarded = True, False
             self._record("load_weights")
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        reset_prefix_cache(self.llm)  # cached KV blocks were computed with the old weights
         self._record("reset_prefix_cache")
         if asleep:
             self._empty_cuda_cache()
@@ -553,7 +586,11 @@ class VllmGeneration(GenerationBackend):
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
         lora_request = self.adapters.request if self.adapters is not None else None  # the newest version
         with preserved_host_state():
-            results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+            try:
+                results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+            except BaseException:  # a step failed mid-way: its requests must not hold blocks nor answer the next call
+                abort_unfinished(self.llm)
+                raise
         return [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
 
     def close(self) -> None:
@@ -603,7 +640,7 @@ class VllmGeneration(GenerationBackend):
         weights' blocks for the requests it continues)."""
         self._load(buckets, expected, "the trainers")
         if reset_cache:
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            reset_prefix_cache(self.llm)  # cached KV blocks were computed with the old weights
         self._refitted = True
         self._record("load_weights")
 
