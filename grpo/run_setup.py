@@ -52,6 +52,11 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     if not torch.cuda.is_available():  # DeepSpeed would otherwise warn that it falls back to its CPU accelerator
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from grpo.system import engines
+
+    if not torch.cuda.is_available():  # the tensors live in malloc's memory: a freed large one goes back to the system
+        from grpo.system.host_memory import map_large_allocations
+
+        map_large_allocations()
     from grpo.system.dist import init_distributed
     from grpo.system.checkpoint import CheckpointError, CheckpointManager, GRPOSaveState, SaveDeadline
     from grpo.system.data import build_dataloader
