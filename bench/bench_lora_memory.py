@@ -33,6 +33,8 @@ what scales with the model); at the end, the peak RSS of every run, LoRA / full 
 bytes per base parameter with what it projects for larger models (``--project``). ``--trim`` calls glibc's
 ``malloc_trim(0)`` at every phase end and reports the RSS after it (how much of "rest" is freed memory the allocator
 kept); allocator settings (``MALLOC_MMAP_THRESHOLD_``, ``LD_PRELOAD`` of another malloc) pass through the environment.
+A CPU run's setup has malloc map every block of 1 MiB or more (`grpo.system.host_memory.map_large_allocations`), so
+"rest" is the process's own memory; ``MALLOC_MMAP_THRESHOLD_=33554432`` shows glibc's default behaviour after warm-up.
 A bench-model case takes 3-5 minutes (the snapshots walk the garbage collector's objects at every forward).
 """
 
