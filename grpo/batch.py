@@ -63,6 +63,8 @@ class TrainBatch:
     teacher_logprobs_bt: Optional[torch.Tensor] = None
     advantages_bt: Optional[torch.Tensor] = None
     unfiltered_logprobs_bt: Optional[torch.Tensor] = None  # set on micro-batches by grpo.system.training.train_on_batch
+    media: Optional[list] = None          # per sample, its images' tensors or None (a VLM's; None: no sample has
+    #                                       any): a list, so every row operation keeps each sample's own
 
     def __len__(self) -> int:
         return self.input_ids_bt.shape[0]
@@ -135,6 +137,7 @@ def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> T
         sample_mask_b=valid_b.float(), message_spans=spans, task_names=[t.task_name for t in trajectories],
         trajectories=list(trajectories),
         reward_components_bk=comps, task_components_bk=comps, component_names=names,
+        media=[t.media for t in trajectories] if any(t.media is not None for t in trajectories) else None,
     )
 
 

@@ -114,15 +114,16 @@ def _load_model(policy, ds_config: dict):
     """``from_pretrained`` (the config with ``policy.hf_config_overrides``: `grpo.system.model_config`); under
     ZeRO-3 a live HfDeepSpeedConfig makes it load straight into partitioned parameters (no rank ever holds the
     whole model). It is dropped right after, so later plain models (the generation copy) are not partitioned."""
-    from transformers import AutoModelForCausalLM
-
     from grpo.system.model_config import load_model_config
+    from grpo.system.vision import auto_model_class, prepare_model
 
+    config = load_model_config(policy)  # a vision-language checkpoint loads as image-text-to-text (vision.py)
     with zero3_loading(ds_config):
-        return AutoModelForCausalLM.from_pretrained(
-            policy.model_name, config=load_model_config(policy), dtype=DTYPES[policy.precision],
+        model = auto_model_class(config).from_pretrained(
+            policy.model_name, config=config, dtype=DTYPES[policy.precision],
             trust_remote_code=policy.trust_remote_code
         )
+    return prepare_model(model, policy.vision.train_vision_tower)
 
 
 @contextmanager
@@ -418,11 +419,11 @@ def build_reference_engine(cfg, world_size: int, device: torch.device | None = N
     mc = load_model_config(policy)  # with policy.hf_config_overrides, as the policy's
     placement = reference_placement(policy, world_size, _num_params(mc), free_device_bytes(device))
     if placement == "plain":
-        from transformers import AutoModelForCausalLM
+        from grpo.system.vision import auto_model_class, prepare_model
 
-        model = AutoModelForCausalLM.from_pretrained(policy.model_name, config=mc, dtype=DTYPES[policy.precision],
+        model = auto_model_class(mc).from_pretrained(policy.model_name, config=mc, dtype=DTYPES[policy.precision],
                                                      trust_remote_code=policy.trust_remote_code)
-        return FrozenModel(model, device)
+        return FrozenModel(prepare_model(model), device)
     ds_config = build_ds_config(policy.reference_deepspeed_config, policy, world_size, for_training=False,
                                 hidden_size=_hidden_size(policy))
     model = _load_model(policy, ds_config)
@@ -434,10 +435,10 @@ def build_reference_engine(cfg, world_size: int, device: torch.device | None = N
 
 def _num_params(model_config) -> int:
     """Parameters of a model, from its config alone (the meta device: nothing allocated)."""
-    from transformers import AutoModelForCausalLM
+    from grpo.system.vision import auto_model_class
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = auto_model_class(model_config).from_config(model_config)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -89,7 +89,8 @@ def in_process_reward(spec: str) -> bool:
 
 # Toy models that no task names (TASKS' toy_model), as "package.module:builder".
 EXTRA_TOY_MODELS = {"calc_agent": "grpo.tasks.calculator:make_calculator_agent_model",  # the agent demo
-                    "demo_rm": "grpo.tasks.demo_reward_model:make_demo_reward_model"}  # env.reward_model's demo
+                    "demo_rm": "grpo.tasks.demo_reward_model:make_demo_reward_model",  # env.reward_model's demo
+                    "tiny_vlm": "grpo.tasks.visual:save_tiny_vlm"}  # an untrained vision-language model
 
 # "toy:<name>" in policy.model_name -> builder(out_dir): the tasks' demo models and two untrained sizes.
 TOY_MODELS: dict[str, Callable[[str], str]] = {
