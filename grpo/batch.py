@@ -218,10 +218,12 @@ def concat_batches(batches: Sequence[TrainBatch], pad_values: Optional[dict[str,
 
     Tensors whose trailing dims differ (``[B, T]`` with different T) are right-padded to the largest size
     with ``pad_values.get(name, 0)``. Per-batch values (tuples) come from the first batch; a field that is None
-    in some batches and set in others cannot be concatenated (ValueError).
+    in some batches and set in others cannot be concatenated (ValueError), but ``media`` (None: no row has images).
     """
     if not batches:
         raise ValueError("concat_batches: no batches")
+    if any(b.media is not None for b in batches):  # a batch without images holds none for each of its rows
+        batches = [b if b.media is not None else b.replace(media=[None] * len(b)) for b in batches]
     keys = list(_row_fields(batches[0]))
     if any(list(_row_fields(b)) != keys for b in batches):
         raise ValueError(f"concat_batches: batches have different fields: {[sorted(_row_fields(b)) for b in batches]}")

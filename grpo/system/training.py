@@ -103,7 +103,7 @@ def describe_batching(policy_cfg) -> str:
 # --------------------------------------------------------------------------------------------------
 def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
                      top_k: int | None = None, top_p: float = 1.0, return_unfiltered: bool = False,
-                     prompt_lens_b: torch.Tensor | None = None):
+                     prompt_lens_b: torch.Tensor | None = None, media: list | None = None):
     """Aligned token logprobs [B, T] with grad: 0 at position 0 and on padding, and at t
 
         log softmax_K(logits[t - 1] / temperature)[input_ids[t]]   (right-padded batches)
@@ -115,10 +115,11 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
 
     ``prompt_lens_b``: the rows' prompt lengths (`grpo.system.shared_prefix.prompt_lengths`); given, a prompt that
     several rows share goes through the model once (`grpo.system.shared_prefix`: same values up to rounding). Not
-    under ZeRO-3, where every forward is a collective and ranks would have to agree on sharing.
+    under ZeRO-3, where every forward is a collective and ranks would have to agree on sharing. ``media``: the rows'
+    images (`logprob_forward`).
     """
     lp_bt, full_bt, _ = logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature, chunk_size, top_k=top_k,
-                                 top_p=top_p, prompt_lens_b=prompt_lens_b)
+                                 top_p=top_p, prompt_lens_b=prompt_lens_b, media=media)
     return (lp_bt, full_bt) if return_unfiltered else lp_bt
 
 

@@ -4,7 +4,6 @@ take them, and the batch keeps each sample's images."""
 
 from __future__ import annotations
 
-import base64
 import copy
 import io
 import os
@@ -19,20 +18,8 @@ from grpo.config import MasterConfig
 from grpo.system import vision
 from grpo.tasks.rows import DataError
 from grpo.tasks.visual import IMAGE_TOKEN, IMAGE_TOKENS
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    from grpo.tasks.visual import save_tiny_vlm
-
-    return save_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")))
-
-
-@pytest.fixture(scope="module")
-def processor(vlm_dir):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(vlm_dir)
+from tests.helpers.vision_rows import data_url, dataset, image_row, png, sample_prompts
+from tests.helpers.vision_rows import processor, vlm_dir  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -45,34 +32,10 @@ def vlm(vlm_dir):
     return vision.prepare_model(model).eval()
 
 
-def png(colour, size=(20, 12)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, colour).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def data_url(colour) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(colour)).decode()
-
-
 def policy_cfg(vlm_dir, **policy):
     base = {"model_name": vlm_dir, "precision": "float32", "generation_batch_size": 8, "max_total_sequence_length": 128,
             "tokenizer": {"chat_template": "default"}, "generation": {"max_new_tokens": 12, "temperature": 1.0}}
     return MasterConfig.model_validate({"policy": {**base, **policy}}).policy
-
-
-def dataset(vlm_dir, processor, rows, **kw):
-    from grpo.system.chat import load_tokenizer
-    from grpo.system.data import PromptDataset, PromptFormatter
-
-    cfg = MasterConfig.model_validate({"policy": {"model_name": vlm_dir, "tokenizer": {"chat_template": "default"}}})
-    formatter = PromptFormatter(load_tokenizer(cfg.policy), cfg.data, "default", processor=processor)
-    return PromptDataset(rows, formatter, **kw)
-
-
-def image_row(source, *images, text="what colour?"):
-    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
-    return {"question": [{"role": "user", "content": parts}], "answer": "red", "source": source, "meta": {}}
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -145,15 +108,6 @@ def test_file_rows_accept_content_parts_and_name_a_bad_part():
 
 
 # ------------------------------------------------------------------------------------------------ generation
-def prompts_and_media(vlm_dir, processor):
-    colours = [(255, 0, 0), (0, 0, 255), (0, 200, 0)]
-    rows = [image_row(f"r:{i}", data_url(c), text="colour" + "?" * i) for i, c in enumerate(colours)]
-    rows.append(image_row("r:3", data_url((255, 255, 0)), data_url((0, 0, 0)), text="two"))
-    rows.append({"question": [{"role": "user", "content": "text only"}], "answer": "x", "source": "r:4", "meta": {}})
-    ds = dataset(vlm_dir, processor, rows)
-    return [ds[i].prompt_ids for i in range(len(ds))], [ds[i].media for i in range(len(ds))]
-
-
 def hf_gen(vlm_dir, vlm, **policy):
     from grpo.system.generation.hf import HFGeneration
 
@@ -174,7 +128,7 @@ def test_hf_generation_logprobs_equal_teacher_forced_ones_on_image_prompts(vlm_d
     from grpo.system.rollout import single_turn
     from grpo.system.training import compute_logprobs
 
-    prompts, media = prompts_and_media(vlm_dir, processor)
+    prompts, media = sample_prompts(vlm_dir, processor)
     gen = hf_gen(vlm_dir, vlm, generation={"max_new_tokens": 12, "temperature": 1.0,
                                            "hf_drop_finished_rows": drop_finished})
     outs = gen.generate(prompts, seeds=list(range(len(prompts))), media=media)
@@ -197,7 +151,7 @@ def test_hf_generation_logprobs_equal_teacher_forced_ones_on_image_prompts(vlm_d
 
 def test_a_prompt_expanded_twice_is_refused_by_the_model(vlm_dir, vlm, processor):
     """The guard behind "expanded once": a prompt whose placeholders were expanded again does not reach sampling."""
-    prompts, media = prompts_and_media(vlm_dir, processor)
+    prompts, media = sample_prompts(vlm_dir, processor)
     image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     twice = [t for tok in prompts[0] for t in ([tok] * IMAGE_TOKENS if tok == image_id else [tok])]
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
@@ -209,7 +163,7 @@ def test_image_placeholder_ids_are_never_sampled(vlm_dir, vlm, processor):
     model = copy.deepcopy(vlm)
     with torch.no_grad():  # the placeholder made the likeliest token everywhere
         model.lm_head.weight[image_id] = model.lm_head.weight.abs().max(dim=0).values * 50
-    prompts, media = prompts_and_media(vlm_dir, processor)
+    prompts, media = sample_prompts(vlm_dir, processor)
     unbanned = copy.deepcopy(model)
     unbanned.lm_head._forward_hooks.clear()
     from grpo.system.generation.hf import HFGeneration

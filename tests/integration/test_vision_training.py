@@ -1,0 +1,172 @@
+"""A vision-language policy on the real DeepSpeed engine (one rank, gloo): the training step gets each sample's
+images (the plain-PyTorch gradient), the vision tower trains or stays frozen as ``policy.vision`` says, deduplicated
+and copied media train the same, the batch's row operations keep each sample's images, and packing / shared prompts
+refuse a VLM by name."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest
+import torch
+
+from grpo.batch import build_batch, concat_batches
+from grpo.config import MasterConfig
+from grpo.system import engines, vision
+from grpo.system.dist import init_distributed
+from grpo.system.training import compute_logprobs, forward_logprobs, train_on_batch
+from grpo.trajectory import Message, Trajectory
+from tests.helpers.vision_rows import processor, sample_prompts, vlm_dir  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def dist_group():
+    rank, _, world, device = init_distributed()
+    assert (rank, world, device.type) == (0, 1, "cpu")
+
+
+def make_cfg(model_dir, **policy) -> MasterConfig:
+    base = {"model_name": model_dir, "precision": "float32", "train_global_batch_size": 6,
+            "train_micro_batch_size": 2, "logprob_batch_size": 2, "max_grad_norm": 1e6,
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.0}}
+    return MasterConfig.model_validate({"policy": {**base, **policy},
+                                        "grpo": {"num_prompts_per_step": 3, "num_generations_per_prompt": 2}})
+
+
+@pytest.fixture(scope="module")
+def batch(vlm_dir, processor):
+    """Six samples, two per prompt (sharing the prompt's media): the one-image rows, a two-image row, a text row."""
+    prompts, media = sample_prompts(vlm_dir, processor)
+    order = [0, 0, 3, 3, 4, 4]
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i, p in enumerate(order):
+        gen = torch.randint(3, 80, (3 + i % 3,), generator=g).tolist()
+        trajs.append(Trajectory(i // 2, p, "t", "", "", [Message("user", "", list(prompts[p])),
+                                                         Message("assistant", "", gen, [-1.0] * len(gen))],
+                                {}, media=media[p]))
+    return build_batch(trajs, pad_id=0)
+
+
+def closure(lp_bt, mb):
+    return -(lp_bt * mb.token_mask_bt).sum() / 30.0, {}
+
+
+def plain_loss_and_grad_norm(model, batch):
+    """The same loss by plain autograd, row by row unpadded, each row with its own images."""
+    model.zero_grad()
+    total = 0.0
+    for b in range(len(batch)):
+        n = int(batch.attention_mask_bt[b].sum())
+        ids = batch.input_ids_bt[b: b + 1, :n]
+        kw = vision.collate_media([batch.media[b]])
+        logits = model(input_ids=ids, **kw).logits[0, :-1]
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        loss = -(lp * batch.token_mask_bt[b, 1:n]).sum() / 30.0
+        loss.backward()
+        total += float(loss.detach())
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return total, float(norm)
+
+
+def tower_params(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in vision.vision_tower(module).named_parameters()}
+
+
+@pytest.mark.parametrize("train_tower", [True, False])
+def test_the_training_step_gets_each_samples_images_and_trains_the_tower_as_configured(vlm_dir, batch, dist_group,
+                                                                                      train_tower):
+    from transformers import AutoModelForImageTextToText
+
+    engine = engines.build_policy_engine(make_cfg(vlm_dir, vision={"train_vision_tower": train_tower}), 1, 1)
+    before = tower_params(engine.module)
+    projector = engine.module.model.multi_modal_projector.linear_1.weight.detach().clone()
+    out = train_on_batch(engine, batch.micro_batches(2), closure)
+    plain = vision.prepare_model(AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32),
+                                 train_vision_tower=train_tower)
+    loss, norm = plain_loss_and_grad_norm(plain, batch)
+    assert out["loss"] == pytest.approx(loss, rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    # LLaVA reads the last layer's hidden states before the tower's post_layernorm: every other tower weight is used
+    used = [n for n in before if "post_layernorm" not in n]
+    tower_grads = dict(vision.vision_tower(plain).named_parameters())
+    after = tower_params(engine.module)
+    if train_tower:   # the gradient reaches the tower, and the step moves it
+        assert all(tower_grads[n].grad is not None and tower_grads[n].grad.abs().sum() > 0 for n in used)
+        assert all(not torch.equal(before[n], after[n]) for n in used)
+    else:             # frozen: no gradient, not in the optimizer, unchanged
+        assert all(p.grad is None for p in tower_grads.values())
+        assert all(torch.equal(before[n], after[n]) for n in before)
+    assert not torch.equal(projector, engine.module.model.multi_modal_projector.linear_1.weight)
+
+
+def test_deduplicated_and_copied_media_train_the_same(vlm_dir, batch, dist_group):
+    shared = batch
+    assert shared.media[0] is shared.media[1]                            # stored once per prompt group
+    copied = batch.replace(media=vision.share_media(batch.media, dedup=False))
+    assert copied.media[0] is not copied.media[1]
+    assert vision.media_bytes(copied.media) > vision.media_bytes(shared.media)
+    outs = []
+    for b in (shared, copied):
+        engine = engines.build_policy_engine(make_cfg(vlm_dir), 1, 1)
+        outs.append(train_on_batch(engine, b.micro_batches(2), closure))
+    assert outs[0]["loss"] == outs[1]["loss"] and outs[0]["grad_norm"] == outs[1]["grad_norm"]
+
+
+def test_row_operations_keep_each_samples_images(batch):
+    media = batch.media
+    picked = batch.select([5, 2, 0])
+    assert [id(m) if m is not None else None for m in picked.media] == [None, id(media[2]), id(media[0])]
+    assert [id(m) if m is not None else None for m in batch.shard(1, 2).media] == [id(media[3]), None, None]
+    mbs = batch.micro_batches(4)
+    assert [m for mb in mbs for m in mb.media] == media
+    text_only = build_batch([t for t in batch.trajectories if t.media is None], pad_id=0)
+    assert text_only.media is None
+    joined = concat_batches([text_only, batch.select([0, 1])])          # a batch without images joins one with
+    assert joined.media == [None, None, media[0], media[1]]
+
+
+def test_zero3_logprobs_with_images_equal_the_plain_models(vlm_dir, batch, dist_group):
+    from transformers import AutoModelForImageTextToText
+
+    engine = engines.build_policy_engine(make_cfg(vlm_dir, deepspeed_config="ds_configs/zero3.json"), 1, 1)
+    assert any(getattr(p, "ds_numel", 0) > 0 and p.numel() == 0 for p in engine.module.parameters())
+    got = compute_logprobs(engine, batch.input_ids_bt, batch.attention_mask_bt, 1.0, micro_batch_size=4,
+                           media=batch.media)
+    plain = vision.prepare_model(AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32)).eval()
+    wrapped = engines.FrozenModel(plain, torch.device("cpu"))
+    with torch.no_grad():
+        want = forward_logprobs(wrapped, batch.input_ids_bt, batch.attention_mask_bt, media=batch.media)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_packing_and_shared_prompts_refuse_rows_with_images(vlm_dir, batch, dist_group):
+    from grpo.system.packed import Packing, check_packable, unpackable_reason
+    from grpo.system.shared_prefix import prompt_lengths, shares_prompts
+
+    engine = engines.build_policy_engine(make_cfg(vlm_dir), 1, 1)
+    assert "vision-language" in unpackable_reason(engine.module)  # the default gives way at startup
+    with pytest.raises(ValueError, match="policy.sequence_packing.enabled: .*vision-language.*dynamic_batching"):
+        check_packable(engine.module)
+    assert not shares_prompts("auto", engine.module)
+    mb = batch.select([0, 1])
+    with pytest.raises(ValueError, match="policy.sequence_packing and policy.shared_prompt_forward"):
+        forward_logprobs(engine, mb.input_ids_bt, mb.attention_mask_bt, media=mb.media,
+                         prompt_lens_b=prompt_lengths(mb.token_mask_bt, mb.attention_mask_bt))
+    from grpo.system.training import logprob_forward
+
+    with pytest.raises(ValueError, match="policy.sequence_packing and policy.shared_prompt_forward"):
+        logprob_forward(engine, mb.input_ids_bt, mb.attention_mask_bt, media=mb.media, packing=Packing(1, True))
+
+
+def test_a_vlm_refuses_other_backends_and_asked_for_shared_prompts(vlm_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(vlm_dir)
+    with pytest.raises(ValueError, match="policy.generation.backend='vllm': a vision-language model"):
+        vision.check_policy(make_cfg(vlm_dir, generation={"backend": "vllm"}).policy, config)
+    with pytest.raises(ValueError, match="policy.shared_prompt_forward=true"):
+        vision.check_policy(make_cfg(vlm_dir, shared_prompt_forward=True).policy, config)
+    vision.check_policy(make_cfg(vlm_dir).policy, config)
