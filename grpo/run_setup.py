@@ -164,7 +164,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val", g.rollout_failure,
                                                                                    reward_models)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
-    checks = StepChecks(cfg, policy.module.config.vocab_size)
+    checks = StepChecks(cfg, policy.module.config.get_text_config().vocab_size)
     checks.rollouts.load_state_dict(state.rollout_failures)  # skipped steps, failures: counted across resumes
     dumper = RolloutDumper(cfg.logger.log_dir, cfg.logger.dump_rollouts_every, cfg.logger.dump_rollouts_max_samples,
                            rank, enabled=cfg.logger.dump_rollouts)
@@ -179,7 +179,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     if generator is not None:  # reward models go where the engines left memory (the async loop's copy: its producer)
         reward_models.place(logger.write)
     agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous,
-                            vocab_size=policy.module.config.vocab_size)
+                            vocab_size=policy.module.config.get_text_config().vocab_size)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
     if agents is not None:  # a stop signal ends the agents' retries
         agents.stop_requested = stop.requested

@@ -296,3 +296,13 @@ def check_policy(policy_cfg, model_config) -> None:
     if policy_cfg.shared_prompt_forward is True:
         raise ValueError("policy.shared_prompt_forward=true: a shared prompt's KV cache does not carry a "
                          "vision-language model's images yet; set it to auto or false")
+
+
+def save_processor(model_config, out_dir) -> None:
+    """Beside an export of a vision-language model: the processor it was loaded with (its image processor, chat
+    template and placeholder settings), from the directory the model came from; nothing for a text model."""
+    if not is_vision_config(model_config):
+        return
+    from transformers import AutoProcessor
+
+    AutoProcessor.from_pretrained(model_config._name_or_path).save_pretrained(out_dir)

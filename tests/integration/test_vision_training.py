@@ -170,3 +170,34 @@ def test_a_vlm_refuses_other_backends_and_asked_for_shared_prompts(vlm_dir):
     with pytest.raises(ValueError, match="policy.shared_prompt_forward=true"):
         vision.check_policy(make_cfg(vlm_dir, shared_prompt_forward=True).policy, config)
     vision.check_policy(make_cfg(vlm_dir).policy, config)
+
+
+def test_an_export_of_a_vlm_holds_its_processor_and_loads_as_one(vlm_dir, dist_group, tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from grpo.system.chat import load_tokenizer
+    from grpo.system.weights import export_hf
+
+    cfg = make_cfg(vlm_dir)
+    engine = engines.build_policy_engine(cfg, 1, 1)
+    export_hf(engine, str(tmp_path / "hf"), load_tokenizer(cfg.policy))
+    proc = AutoProcessor.from_pretrained(tmp_path / "hf")
+    assert type(proc.image_processor).__name__ == "CLIPImageProcessorPil" and proc.chat_template
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+
+
+def test_rollout_dumps_show_images_as_placeholders_never_their_bytes(vlm_dir, processor):
+    import json
+
+    from grpo.system.dumps import rollout_records
+    from grpo.system.rollout import new_trajectories
+    from tests.helpers.vision_rows import data_url, dataset, image_row
+
+    url = data_url((250, 10, 10))
+    row = dataset(vlm_dir, processor, [image_row("r:0", url, url)])[0]
+    trajs = new_trajectories([row], 2)
+    assert trajs[0].media is trajs[1].media is row.media              # one copy of the pixels for the group
+    text = json.dumps(rollout_records(trajs, "train", 1))
+    assert "<image><image>what colour?" in text
+    assert url.split(",")[1][:40] not in text and "pixel_values" not in text

@@ -17,7 +17,7 @@ from PIL import Image
 from grpo.config import MasterConfig
 from grpo.system import vision
 from grpo.tasks.rows import DataError
-from grpo.tasks.visual import IMAGE_TOKEN, IMAGE_TOKENS
+from grpo.tasks.visual import IMAGE_SIZE, IMAGE_TOKEN, IMAGE_TOKENS
 from tests.helpers.vision_rows import data_url, dataset, image_row, png, sample_prompts
 from tests.helpers.vision_rows import processor, vlm_dir  # noqa: F401 (fixtures)
 
@@ -70,7 +70,7 @@ def test_a_row_with_images_gives_the_processors_ids_and_tensors(vlm_dir, process
     assert two.prompt_ids == expected["input_ids"][0].tolist()
     assert torch.equal(two.media["pixel_values"], expected["pixel_values"])
     assert two.prompt_ids.count(image_id) == 2 * IMAGE_TOKENS            # each image expanded once
-    assert one.prompt_ids.count(image_id) == IMAGE_TOKENS and one.media["pixel_values"].shape == (1, 3, 32, 32)
+    assert one.prompt_ids.count(image_id) == IMAGE_TOKENS and one.media["pixel_values"].shape == (1, 3, IMAGE_SIZE, IMAGE_SIZE)
     assert text.media is None and image_id not in text.prompt_ids
     assert two.prompt_messages[0]["content"] == "<image><image>what colour?"  # text shows placeholders, no bytes
     assert two.question == "<image><image>what colour?"
