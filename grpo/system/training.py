@@ -30,7 +30,7 @@ from grpo.system.packed import (Packing, attention_implementation, packed_forwar
                                 unpack_rows)
 from grpo.system.rollout import single_turn
 from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths, shares_prompts
-from grpo.system.vision import image_keywords
+from grpo.system.vision import image_keywords, with_dummy_image
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,8 +166,19 @@ def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float 
     if shared is not None:
         lp_bt, full_bt = shared
     else:
-        logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False, **images).logits
+        dummy = None  # ZeRO-3, a VLM, no image here: a dummy picture runs the tower as on the ranks with images
+        if not images and plan is None and engine.zero_optimization_stage() == 3:
+            dummy = with_dummy_image(engine.module, ids_bt, mask_bt)
+        if dummy is None:
+            logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False, **images).logits
+        else:
+            B, T = ids_bt.shape
+            logits_btv = engine(input_ids=dummy[0], attention_mask=dummy[1], use_cache=False, **dummy[2]).logits
+            anchor = 0.0 * logits_btv[B:].sum()  # the tower's (zero) gradient reaches every rank's reduction
+            logits_btv = logits_btv[:B, :T]
         lp_bt, full_bt = logprobs(logits_btv, ids_bt)
+        if dummy is not None:
+            lp_bt, full_bt = lp_bt + anchor, full_bt + anchor
         if "entropy" in needs:
             extras["entropy_bt"] = aligned_entropy_from_logits(logits_btv, mask_bt, temperature, chunk_size)
         if "logits" in needs:

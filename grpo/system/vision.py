@@ -306,3 +306,43 @@ def save_processor(model_config, out_dir) -> None:
     from transformers import AutoProcessor
 
     AutoProcessor.from_pretrained(model_config._name_or_path).save_pretrained(out_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-3: every rank runs the vision tower in every forward
+# --------------------------------------------------------------------------------------------------
+def dummy_image(processor) -> tuple[list[int], dict]:
+    """One black picture as ``processor`` makes it: its placeholder ids (expanded) and its media."""
+    from PIL import Image
+
+    image = Image.new("RGB", (64, 64))
+    enc = processor(text=[processor.image_token], images=[image], add_special_tokens=False, return_tensors="pt")
+    return enc["input_ids"][0].tolist(), {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+
+
+def attach_dummy_image(model, processor) -> None:
+    """Keep `dummy_image` on ``model`` for `with_dummy_image` (a ZeRO-3 engine's forwards without images)."""
+    if processor is not None and is_vision_config(model.config):
+        model._grpo_dummy_image = dummy_image(processor)
+
+
+def with_dummy_image(module, ids_bt: torch.Tensor, mask_bt: torch.Tensor, pad_id: int = 0):
+    """``(ids, mask, images)`` with one more row: the dummy picture's placeholders (`attach_dummy_image`), its
+    columns right-padded to fit; None when ``module`` has no dummy picture.
+
+    Under ZeRO-3 a module's forward gathers its parameters from every rank: a rank whose micro-batch has no
+    image would skip the vision tower while another waits in its gather (DeepSpeed#7170). With the extra row every
+    forward runs the tower, in the same module order as a micro-batch with images; the caller drops the row's
+    outputs and adds 0 x their sum to what it keeps, so the tower's gradient (zero) is reduced on every rank too."""
+    dummy = getattr(module, "_grpo_dummy_image", None)
+    if dummy is None:
+        return None
+    ids, media = dummy
+    B, T = ids_bt.shape
+    width = max(T, len(ids))
+    ids_out = torch.full((B + 1, width), pad_id, dtype=ids_bt.dtype, device=ids_bt.device)
+    mask_out = torch.zeros((B + 1, width), dtype=mask_bt.dtype, device=mask_bt.device)
+    ids_out[:B, :T], mask_out[:B, :T] = ids_bt, mask_bt
+    ids_out[B, :len(ids)] = torch.tensor(ids, dtype=ids_bt.dtype, device=ids_bt.device)
+    mask_out[B, :len(ids)] = 1
+    return ids_out, mask_out, collate_media([media], ids_bt.device, model_dtype(module))

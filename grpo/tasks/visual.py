@@ -1,7 +1,7 @@
 """A tiny vision-language model built locally, and the visual CPU demo's task (configs/cpu_demo_vlm.yaml).
 
-The task (``data.dataset_name=visual:images``, ``env.name=visual``): a 16x16 picture drawn with PIL, each shape in
-one of its four 8x8 cells (one patch each), and one of three questions about it: ``colour?`` (a square in red, green,
+The task (``data.dataset_name=visual:images``, ``env.name=visual``): a 16x16 picture drawn with PIL (four 8x8
+cells, one patch each), and one of three questions about it: ``colour?`` (a square in red, green,
 blue or yellow), ``count?`` (1 to 3 white squares) and ``shape?`` (a filled ``box`` or a hollow ``ring``); the answer
 is one word. ``visual:blank`` asks the same questions over black pictures: the text-only baseline, whose best policy
 answers each question's likeliest answer (1/4, 1/3 and 1/2 right: 0.36 on average). Which side a shape is on was
@@ -111,17 +111,16 @@ FIRST_WORD = re.compile(r"[a-z0-9]+")
 
 
 def draw(kind: str, rng: random.Random):
-    """(a 16x16 RGB picture, its answer) for one question ``kind``; each shape fills one 8x8 cell (a patch) but its
-    border."""
+    """(a 16x16 RGB picture, its answer) for one question ``kind``; a count's or a shape's square fills one 8x8 cell
+    (a patch) but its border, a colour's the whole picture but its border."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (0, 0, 0))
     pen = ImageDraw.Draw(img)
     cells = [(x, y) for x in range(0, IMAGE_SIZE, PATCH_SIZE) for y in range(0, IMAGE_SIZE, PATCH_SIZE)]
-    if kind == "colour":
+    if kind == "colour":  # a square over the whole picture but its border
         name = rng.choice(sorted(COLOURS))
-        x, y = rng.choice(cells)
-        pen.rectangle([x + 1, y + 1, x + PATCH_SIZE - 2, y + PATCH_SIZE - 2], fill=COLOURS[name])
+        pen.rectangle([1, 1, IMAGE_SIZE - 2, IMAGE_SIZE - 2], fill=COLOURS[name])
         return img, name
     if kind == "count":
         n = rng.randint(1, MAX_COUNT)

@@ -53,6 +53,46 @@ def sample_prompts(vlm_dir, processor):
     return [ds[i].prompt_ids for i in range(len(ds))], [ds[i].media for i in range(len(ds))]
 
 
+def sample_batch(prompts, media, order, seed: int = 0):
+    """A `grpo.batch.TrainBatch` of one sample per entry of ``order`` (an index into ``prompts`` / ``media``): the
+    prompt, then 3 to 5 random generated tokens; consecutive samples of the same prompt share its media."""
+    import torch
+
+    from grpo.batch import build_batch
+    from grpo.trajectory import Message, Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i, p in enumerate(order):
+        gen = torch.randint(3, 80, (3 + i % 3,), generator=g).tolist()
+        trajs.append(Trajectory(i // 2, p, "t", "", "", [Message("user", "", list(prompts[p])),
+                                                         Message("assistant", "", gen, [-1.0] * len(gen))],
+                                {}, media=media[p]))
+    return build_batch(trajs, pad_id=0)
+
+
+def plain_loss_and_grad_norm(model, batch, scale: float = 30.0):
+    """``-Σ mask · logprob / scale`` of ``batch`` by plain autograd on ``model``, row by row unpadded, each row with
+    its own images; returns (loss, gradient norm)."""
+    import torch
+
+    from grpo.system import vision
+
+    model.zero_grad()
+    total = 0.0
+    for b in range(len(batch)):
+        n = int(batch.attention_mask_bt[b].sum())
+        ids = batch.input_ids_bt[b: b + 1, :n]
+        kw = vision.collate_media([batch.media[b]])
+        logits = model(input_ids=ids, **kw).logits[0, :-1]
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        loss = -(lp * batch.token_mask_bt[b, 1:n]).sum() / scale
+        loss.backward()
+        total += float(loss.detach())
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return total, float(norm)
+
+
 # Fixtures for the test modules that import them: the tiny VLM saved once per module, and its processor.
 import pytest  # noqa: E402
 

@@ -17,8 +17,8 @@ from grpo.config import MasterConfig
 from grpo.system import engines, vision
 from grpo.system.dist import init_distributed
 from grpo.system.training import compute_logprobs, forward_logprobs, train_on_batch
-from grpo.trajectory import Message, Trajectory
-from tests.helpers.vision_rows import processor, sample_prompts, vlm_dir  # noqa: F401 (fixtures)
+from tests.helpers.vision_rows import plain_loss_and_grad_norm, sample_batch, sample_prompts
+from tests.helpers.vision_rows import processor, vlm_dir  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -39,36 +39,11 @@ def make_cfg(model_dir, **policy) -> MasterConfig:
 def batch(vlm_dir, processor):
     """Six samples, two per prompt (sharing the prompt's media): the one-image rows, a two-image row, a text row."""
     prompts, media = sample_prompts(vlm_dir, processor)
-    order = [0, 0, 3, 3, 4, 4]
-    g = torch.Generator().manual_seed(0)
-    trajs = []
-    for i, p in enumerate(order):
-        gen = torch.randint(3, 80, (3 + i % 3,), generator=g).tolist()
-        trajs.append(Trajectory(i // 2, p, "t", "", "", [Message("user", "", list(prompts[p])),
-                                                         Message("assistant", "", gen, [-1.0] * len(gen))],
-                                {}, media=media[p]))
-    return build_batch(trajs, pad_id=0)
+    return sample_batch(prompts, media, [0, 0, 3, 3, 4, 4])
 
 
 def closure(lp_bt, mb):
     return -(lp_bt * mb.token_mask_bt).sum() / 30.0, {}
-
-
-def plain_loss_and_grad_norm(model, batch):
-    """The same loss by plain autograd, row by row unpadded, each row with its own images."""
-    model.zero_grad()
-    total = 0.0
-    for b in range(len(batch)):
-        n = int(batch.attention_mask_bt[b].sum())
-        ids = batch.input_ids_bt[b: b + 1, :n]
-        kw = vision.collate_media([batch.media[b]])
-        logits = model(input_ids=ids, **kw).logits[0, :-1]
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-        loss = -(lp * batch.token_mask_bt[b, 1:n]).sum() / 30.0
-        loss.backward()
-        total += float(loss.detach())
-    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None))
-    return total, float(norm)
 
 
 def tower_params(module) -> dict[str, torch.Tensor]:
@@ -201,3 +176,38 @@ def test_rollout_dumps_show_images_as_placeholders_never_their_bytes(vlm_dir, pr
     text = json.dumps(rollout_records(trajs, "train", 1))
     assert "<image><image>what colour?" in text
     assert url.split(",")[1][:40] not in text and "pixel_values" not in text
+
+
+@pytest.mark.slow  # two processes under torchrun (about a minute on 2 shared cores)
+def test_two_ranks_one_with_images_one_without_train_as_one_process(vlm_dir, processor, tmp_path):
+    """ZeRO-3 on 2 ranks, rank 0's micro-batches with images and rank 1's text only: no hang, and the loss, the
+    gradient norm and the logprobs of one process on the whole batch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForImageTextToText
+
+    from tests.helpers.vision_dist_step import ORDER
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "two.pt"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(repo)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(repo / "tests" / "helpers" / "vision_dist_step.py"), vlm_dir, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saved = torch.load(out)
+    prompts, media = sample_prompts(vlm_dir, processor)
+    batch = sample_batch(prompts, media, ORDER)
+    plain = vision.prepare_model(AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32))
+    loss, norm = plain_loss_and_grad_norm(plain, batch)
+    assert saved["world"] == 2
+    assert saved["loss"] == pytest.approx(loss, abs=1e-5)
+    assert saved["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    with torch.no_grad():
+        want = forward_logprobs(engines.FrozenModel(plain, torch.device("cpu")), batch.input_ids_bt,
+                                batch.attention_mask_bt, media=batch.media)
+    torch.testing.assert_close(saved["logprobs"], want, atol=1e-5, rtol=0)
