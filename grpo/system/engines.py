@@ -171,7 +171,8 @@ def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     if policy.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if policy.lora.enabled:  # before DeepSpeed: its optimizer and ZeRO partitions see the adapters only as trainable
-        model = apply_lora(model, policy.lora, seed=getattr(getattr(cfg, "grpo", None), "seed", 0))
+        model = apply_lora(model, policy.lora, seed=getattr(getattr(cfg, "grpo", None), "seed", 0),
+                           vision_tower=policy.vision.lora_vision_tower)
     trainable = [p for p in model.parameters() if p.requires_grad]
     o, s = policy.optimizer, policy.scheduler
     adamw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -239,20 +240,26 @@ class _PostDropout:
         return torch.nn.functional.dropout(output, self.p, training=self.owner.training)
 
 
-def apply_lora(model, lora, seed: int = 0, adapter: str = "default"):
+def apply_lora(model, lora, seed: int = 0, adapter: str = "default", vision_tower: bool = False):
     """``model`` as a peft model with LoRA adapters (`peft_lora_config`); only the adapters require grad.
 
     What peft cannot say is done here: A is initialized with ``lora.lora_A_init`` (xavier: xavier_normal_;
     uniform: kaiming_uniform_(a=sqrt(5))) from a generator seeded with ``seed``, so every rank and every resume
     starts from the same adapters; ``dropout_position: post`` moves the dropout from A's input to B's output
     (`_PostDropout`). The adapters keep the model's dtype (DeepSpeed holds the fp32 master copy). Only linear
-    layers can be adapted (the merged export folds B @ A into their weights): another target is an error."""
+    layers can be adapted (the merged export folds B @ A into their weights): another target is an error. A
+    vision-language model's vision tower is never adapted unless ``vision_tower`` (``policy.vision.lora_vision_tower``).
+    """
     import math
 
     from peft import get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
+    if not vision_tower:
+        from grpo.system.vision import lora_without_tower
+
+        lora = lora_without_tower(model, lora)
     model = get_peft_model(model, peft_lora_config(lora), adapter_name=adapter, autocast_adapter_dtype=False)
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
     if not layers:

@@ -85,10 +85,22 @@ def ban_token_ids(model, ids: list[int]) -> None:
 
 def vision_tower(model) -> torch.nn.Module | None:
     """The vision encoder of a VLM (LLaVA's ``vision_tower``, Qwen-VL's ``visual``), None for a text model."""
-    for name, module in model.named_modules():
-        if name.split(".")[-1] in VISION_TOWER_NAMES:
-            return module
-    return None
+    path = vision_tower_path(model)
+    return None if path is None else model.get_submodule(path)
+
+
+def vision_tower_path(model) -> str | None:
+    """The dotted name of `vision_tower` in ``model`` (``"model.vision_tower"``), None for a text model."""
+    return next((name for name, _ in model.named_modules() if name.split(".")[-1] in VISION_TOWER_NAMES), None)
+
+
+def lora_without_tower(model, lora):
+    """``policy.lora`` for ``model`` with its vision tower excluded (peft's all-linear would adapt the tower's linear
+    layers too); unchanged for a text model."""
+    path = vision_tower_path(model)
+    if path is None:
+        return lora
+    return lora.model_copy(update={"exclude_modules": [*lora.exclude_modules, f"*{path}.*"]})
 
 
 def prepare_model(model, train_vision_tower: bool = True):

@@ -211,3 +211,14 @@ def test_two_ranks_one_with_images_one_without_train_as_one_process(vlm_dir, pro
         want = forward_logprobs(engines.FrozenModel(plain, torch.device("cpu")), batch.input_ids_bt,
                                 batch.attention_mask_bt, media=batch.media)
     torch.testing.assert_close(saved["logprobs"], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("lora_tower", [False, True])
+def test_lora_adapts_the_vision_tower_only_when_asked(vlm_dir, dist_group, lora_tower):
+    cfg = make_cfg(vlm_dir, lora={"enabled": True, "dim": 4}, vision={"lora_vision_tower": lora_tower})
+    engine = engines.build_policy_engine(cfg, 1, 1)
+    adapted = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    in_tower = {n for n in adapted if ".vision_tower." in n}
+    assert adapted and all(".lora_" in n for n in adapted)
+    assert bool(in_tower) == lora_tower
+    assert any(".language_model." in n for n in adapted)

@@ -167,7 +167,7 @@ class HFGeneration(GenerationBackend):
             model = prepare_model(auto_model_class(model_config).from_config(
                 model_config, dtype=DTYPES[self.cfg.precision], trust_remote_code=self.cfg.trust_remote_code))
             if self.cfg.lora.enabled:  # the same adapters as the policy's: refit moves only them after the first
-                model = apply_lora(model, self.cfg.lora)
+                model = apply_lora(model, self.cfg.lora, vision_tower=self.cfg.vision.lora_vision_tower)
         self.model = model if shared else model.to(self.device).eval().requires_grad_(False)
         cfg_eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
         self.stop_token_ids = sorted(set(_as_list(tokenizer.eos_token_id) + _as_list(cfg_eos)
