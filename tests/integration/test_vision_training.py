@@ -182,23 +182,14 @@ def test_rollout_dumps_show_images_as_placeholders_never_their_bytes(vlm_dir, pr
 def test_two_ranks_one_with_images_one_without_train_as_one_process(vlm_dir, processor, tmp_path):
     """ZeRO-3 on 2 ranks, rank 0's micro-batches with images and rank 1's text only: no hang, and the loss, the
     gradient norm and the logprobs of one process on the whole batch."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from transformers import AutoModelForImageTextToText
 
+    from tests.helpers.e2e import REPO, launcher, run
     from tests.helpers.vision_dist_step import ORDER
 
-    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "two.pt"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(repo)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(repo / "tests" / "helpers" / "vision_dist_step.py"), vlm_dir, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "2",
+         str(REPO / "tests" / "helpers" / "vision_dist_step.py"), vlm_dir, str(out)], timeout=300, threads=1)
     saved = torch.load(out)
     prompts, media = sample_prompts(vlm_dir, processor)
     batch = sample_batch(prompts, media, ORDER)

@@ -183,3 +183,13 @@ def test_the_copy_a_hf_backend_builds_bans_the_placeholders(vlm_dir, vlm):
     gen = HFGeneration(policy_cfg(vlm_dir), _tokenizer(vlm_dir), vlm.config, "cpu")
     assert type(gen.model).__name__ == "LlavaForConditionalGeneration"
     assert gen.model._grpo_banned_ids == vision.vision_token_ids(vlm.config)
+
+
+def test_a_trajectory_with_images_round_trips_a_checkpoint_without_pickle(vlm_dir, processor, tmp_path):
+    from grpo.system.rollout import new_trajectories
+
+    row = dataset(vlm_dir, processor, [image_row("r:0", data_url((1, 2, 3)))])[0]
+    traj = new_trajectories([row], 1)[0]
+    torch.save({"t": traj.to_dict()}, tmp_path / "t.pt")
+    back = type(traj).from_dict(torch.load(tmp_path / "t.pt", weights_only=True)["t"])
+    assert torch.equal(back.media["pixel_values"], row.media["pixel_values"]) and back.token_ids() == row.prompt_ids
