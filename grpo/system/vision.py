@@ -300,11 +300,14 @@ def image_keywords(model, media: list | None, device) -> dict:
 
 def check_policy(policy_cfg, model_config) -> None:
     """What a vision-language policy cannot be run with yet, as one ValueError naming the key: another generation
-    backend (`check_generation_backend`), shared prompts asked for (``policy.shared_prompt_forward=true``), and
-    LoRA on the vision tower. Nothing for a text model."""
+    backend (`check_generation_backend`), generation ranks of their own, shared prompts asked for
+    (``policy.shared_prompt_forward=true``). Nothing for a text model."""
     if not is_vision_config(model_config):
         return
     check_generation_backend(model_config, policy_cfg.generation.backend)
+    if not policy_cfg.generation.colocated.enabled:
+        raise ValueError("policy.generation.colocated.enabled=false: generation ranks do not receive a "
+                         "vision-language model's images yet; generate on the training ranks (colocated)")
     if policy_cfg.shared_prompt_forward is True:
         raise ValueError("policy.shared_prompt_forward=true: a shared prompt's KV cache does not carry a "
                          "vision-language model's images yet; set it to auto or false")
