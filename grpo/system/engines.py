@@ -115,7 +115,7 @@ def _load_model(policy, ds_config: dict):
     ZeRO-3 a live HfDeepSpeedConfig makes it load straight into partitioned parameters (no rank ever holds the
     whole model). It is dropped right after, so later plain models (the generation copy) are not partitioned."""
     from grpo.system.model_config import load_model_config
-    from grpo.system.vision import attach_dummy_image, auto_model_class, load_processor, prepare_model
+    from grpo.system.vision import attach_dummy_image, auto_model_class, check_positions, load_processor, prepare_model
 
     config = load_model_config(policy)  # a vision-language checkpoint loads as image-text-to-text (vision.py)
     with zero3_loading(ds_config):
@@ -123,6 +123,7 @@ def _load_model(policy, ds_config: dict):
             policy.model_name, config=config, dtype=DTYPES[policy.precision],
             trust_remote_code=policy.trust_remote_code
         )
+    check_positions(model)  # M-RoPE (Qwen-VL) positions are not computed yet: refused by name
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:  # forwards without images run a dummy one
         attach_dummy_image(model, load_processor(policy, config))
     return prepare_model(model, policy.vision.train_vision_tower)
