@@ -161,6 +161,21 @@ def visual_rows(n: int, seed: int, split: str, blank: bool = False) -> list[Row]
     return rows
 
 
+def best_blind_accuracy(rows: list[Row]) -> float:
+    """The most a policy that cannot see scores on ``rows`` in expectation: per question kind, its commonest answer's
+    share (its answers depend on the kind alone). 0.36 over many rows; a finite set's draws can lift it.
+
+        >>> best_blind_accuracy([{"meta": {"kind": "shape"}, "answer": a} for a in ("box", "box", "ring")])
+        0.6666666666666666
+    """
+    from collections import Counter
+
+    counts: dict[str, Counter] = {}
+    for row in rows:
+        counts.setdefault(row["meta"]["kind"], Counter())[row["answer"]] += 1
+    return sum(max(c.values()) for c in counts.values()) / max(len(rows), 1)
+
+
 def rows(name: str, data_cfg, n: int, seed: int, split: str) -> list[Row]:
     """``data.dataset_name=visual:images`` (pictures) or ``visual:blank`` (black pictures: the text-only baseline)."""
     variant = name.split(":", 1)[1]

@@ -215,3 +215,18 @@ def test_lora_adapts_the_vision_tower_only_when_asked(vlm_dir, dist_group, lora_
     assert adapted and all(".lora_" in n for n in adapted)
     assert bool(in_tower) == lora_tower
     assert any(".language_model." in n for n in adapted)
+
+
+def test_dynamic_batching_keeps_each_samples_images(vlm_dir, batch, dist_group):
+    """NeMo-RL's VLM recipes batch by token budget (dynamic batching): rows regrouped by length keep their images."""
+    from transformers import AutoModelForImageTextToText
+
+    from grpo.system.training import TokenBatching, token_micro_batches
+
+    engine = engines.build_policy_engine(make_cfg(vlm_dir), 1, 1)
+    mbs = token_micro_batches(batch, TokenBatching(False, 70, 4))
+    assert len(mbs) > 1 and sorted(id(m) for mb in mbs for m in mb.media) == sorted(id(m) for m in batch.media)
+    out = train_on_batch(engine, mbs, closure, variable=True)
+    plain = vision.prepare_model(AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32))
+    loss, norm = plain_loss_and_grad_norm(plain, batch)
+    assert out["loss"] == pytest.approx(loss, rel=1e-5) and out["grad_norm"] == pytest.approx(norm, rel=1e-4)

@@ -208,3 +208,28 @@ def test_a_model_with_multimodal_rope_positions_is_refused_by_name():
                                          r"\(M-RoPE\) positions"):
         vision.check_positions(Qwen2VLForConditionalGeneration(config))
     assert vision.vision_tower_path(Qwen2VLForConditionalGeneration(config)) == "model.visual"
+
+
+def test_a_local_jsonl_of_nemo_rl_image_rows_loads_through_the_data_path(vlm_dir, processor, tmp_path):
+    """NeMo-RL's VLM row format in a local file (a user message of image and text parts; an image as a path next to
+    the file, or a data: URL) goes through `load_rows` and `PromptDataset` like any other file; a missing image names
+    the file's line."""
+    import json
+
+    from grpo.system.data import load_rows
+
+    (tmp_path / "img.png").write_bytes(png((0, 0, 200)))
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "img.png")},
+                                                       {"type": "text", "text": "colour?"}]}], "answer": "blue"},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": data_url((200, 0, 0))},
+                                                       {"type": "text", "text": "colour?"}]}], "answer": "red"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = MasterConfig.model_validate({"data": {"dataset_name": str(path), "input_key": "messages",
+                                                "output_key": "answer", "num_train_samples": 2}}).data
+    loaded = load_rows(cfg, "train", seed=0)
+    ds = dataset(vlm_dir, processor, loaded)
+    assert [r.answer for r in ds] == ["blue", "red"] and all(r.media["pixel_values"].shape[0] == 1 for r in ds)
+    (tmp_path / "img.png").unlink()
+    with pytest.raises(DataError, match=r"train.jsonl:1: image .*img.png.*: no such file"):
+        dataset(vlm_dir, processor, load_rows(cfg, "train", seed=0))
