@@ -63,6 +63,8 @@ class TrainBatch:
     teacher_logprobs_bt: Optional[torch.Tensor] = None
     advantages_bt: Optional[torch.Tensor] = None
     unfiltered_logprobs_bt: Optional[torch.Tensor] = None  # set on micro-batches by grpo.system.training.train_on_batch
+    media: Optional[list] = None          # per sample, its images' tensors or None (a VLM's; None: no sample has
+    #                                       any): a list, so every row operation keeps each sample's own
 
     def __len__(self) -> int:
         return self.input_ids_bt.shape[0]
@@ -135,6 +137,7 @@ def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> T
         sample_mask_b=valid_b.float(), message_spans=spans, task_names=[t.task_name for t in trajectories],
         trajectories=list(trajectories),
         reward_components_bk=comps, task_components_bk=comps, component_names=names,
+        media=[t.media for t in trajectories] if any(t.media is not None for t in trajectories) else None,
     )
 
 
@@ -215,10 +218,12 @@ def concat_batches(batches: Sequence[TrainBatch], pad_values: Optional[dict[str,
 
     Tensors whose trailing dims differ (``[B, T]`` with different T) are right-padded to the largest size
     with ``pad_values.get(name, 0)``. Per-batch values (tuples) come from the first batch; a field that is None
-    in some batches and set in others cannot be concatenated (ValueError).
+    in some batches and set in others cannot be concatenated (ValueError), but ``media`` (None: no row has images).
     """
     if not batches:
         raise ValueError("concat_batches: no batches")
+    if any(b.media is not None for b in batches):  # a batch without images holds none for each of its rows
+        batches = [b if b.media is not None else b.replace(media=[None] * len(b)) for b in batches]
     keys = list(_row_fields(batches[0]))
     if any(list(_row_fields(b)) != keys for b in batches):
         raise ValueError(f"concat_batches: batches have different fields: {[sorted(_row_fields(b)) for b in batches]}")

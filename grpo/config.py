@@ -399,6 +399,10 @@ class GRPOConfig(_Section):
         "Advantage written over the tokens of an assistant message with malformed think tags (null: off)."))
     adv_estimator: AdvEstimatorConfig = Field(
         default_factory=AdvEstimatorConfig, description="The advantage estimator.")
+    deduplicate_multimodal_data: bool = Field(False, description=(
+        "NeMo-RL's key, accepted either way: grpo-ds always stores a prompt's images once for its group's samples "
+        "(they reference the row's tensors, which nothing writes; grpo/system/vision.py), which trains exactly as "
+        "a copy per sample would."))
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":
@@ -810,6 +814,16 @@ class DynamicBatchingConfig(_Section):
         "Each micro-batch is padded to a multiple of this many columns (NeMo-RL's recipes say 64); 1: none."))
 
 
+class VisionConfig(_Section):
+    """A vision-language policy (a checkpoint whose config has a vision_config; grpo/system/vision.py): its vision
+    tower, and LoRA on it. NeMo-RL names this freeze_config.freeze_vision_tower under its automodel kwargs."""
+
+    train_vision_tower: bool = Field(True, description=(
+        "Train the vision tower's weights (false: frozen, gradients reach the projector and the text model only)."))
+    lora_vision_tower: bool = Field(False, description=(
+        "With policy.lora: adapt the vision tower's linear layers too (false: LoRA never adapts it)."))
+
+
 class PolicyConfig(_Section):
     model_name: str = Field(
         "Qwen/Qwen2.5-1.5B", description="Local directory, hub name (needs network), or toy:<name> (built locally).")
@@ -868,6 +882,8 @@ class PolicyConfig(_Section):
         "Samples packed into rows by token budget in the logprob and training forwards (NeMo-RL's)."))
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig, description=(
         "Micro-batches by token budget in the logprob and training forwards (NeMo-RL's)."))
+    vision: VisionConfig = Field(default_factory=VisionConfig, description=(
+        "A vision-language policy's vision tower (ignored for a text model)."))
 
     def mb_tokens(self, phase: Literal["train", "logprob"]) -> Optional[int]:
         """The token budget of a ``phase`` micro-batch under packing or dynamic batching (None: both off)."""

@@ -270,17 +270,17 @@ class TrainerDesk:
 def weight_copy(run, stage: WeightStage):
     """A plain transformers copy of the policy holding the staged weights, as an hf generation backend (the
     generation thread's, and the async loop's validation)."""
-    from transformers import AutoModelForCausalLM
-
     from grpo.system.engines import DTYPES
     from grpo.system.generation.hf import HFGeneration
+    from grpo.system.vision import auto_model_class, prepare_model
 
     p = run.cfg.policy
-    model = AutoModelForCausalLM.from_config(run.policy.module.config, dtype=DTYPES[p.precision],
-                                             trust_remote_code=p.trust_remote_code)
+    config = run.policy.module.config  # a vision-language policy's copy is one too (grpo/system/vision.py)
+    model = prepare_model(auto_model_class(config).from_config(config, dtype=DTYPES[p.precision],
+                                                               trust_remote_code=p.trust_remote_code))
     if p.lora.enabled:  # the policy's peft layout (the staged names); generates with the adapters on
         from grpo.system.engines import apply_lora
 
-        model = apply_lora(model, p.lora)
+        model = apply_lora(model, p.lora, vision_tower=p.vision.lora_vision_tower)
     stage.load_into(model)
     return HFGeneration(p, run.tokenizer, run.policy.module.config, run.device, model=model)

@@ -97,7 +97,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
 
     reward_models = RewardModels(device, cfg.policy, world_size)
     envs = build_environments(cfg.env, cfg.data, rollout_failure=g.rollout_failure, reward_models=reward_models)
-    formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks, envs.tool_schemas())
+    formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks, envs.tool_schemas(),
+                                                             vision_processor(cfg.policy))
     per_batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
     loader = build_dataloader(train_ds, batch_size=per_batch, shuffle=cfg.data.shuffle, seed=g.seed,
                               num_workers=cfg.data.num_workers)
@@ -168,7 +169,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val", g.rollout_failure,
                                                                                    reward_models)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
-    checks = StepChecks(cfg, policy.module.config.vocab_size)
+    checks = StepChecks(cfg, policy.module.config.get_text_config().vocab_size)
     checks.rollouts.load_state_dict(state.rollout_failures)  # skipped steps, failures: counted across resumes
     dumper = RolloutDumper(cfg.logger.log_dir, cfg.logger.dump_rollouts_every, cfg.logger.dump_rollouts_max_samples,
                            rank, enabled=cfg.logger.dump_rollouts)
@@ -183,7 +184,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     if generator is not None:  # reward models go where the engines left memory (the async loop's copy: its producer)
         reward_models.place(logger.write)
     agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous,
-                            vocab_size=policy.module.config.vocab_size)
+                            vocab_size=policy.module.config.get_text_config().vocab_size)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
     if agents is not None:  # a stop signal ends the agents' retries
         agents.stop_requested = stop.requested
@@ -194,6 +195,19 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
                agents=agents, turn_stop=turn_stop, reward_models=reward_models)
+
+
+def vision_processor(policy_cfg):
+    """A vision-language policy's processor (checked: `grpo.system.vision.check_policy`); None for a text model."""
+    from grpo.system.model_config import load_model_config
+    from grpo.system.vision import check_policy, load_processor
+
+    model_config = load_model_config(policy_cfg)
+    try:
+        check_policy(policy_cfg, model_config)
+    except ValueError as err:
+        raise RunError(str(err)) from None
+    return load_processor(policy_cfg, model_config)
 
 
 def require_vllm() -> None:
@@ -232,13 +246,13 @@ def record_dirs(cfg: MasterConfig, cfg_given: dict, run_id: str) -> None:
     record_run_dirs(c.checkpoint_dir if c.enabled else None, cfg.logger.log_dir, cfg_given, run_id)
 
 
-def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = None):
+def build_datasets(cfg, tokenizer, tasks: list[str], tools: list[dict] | None = None, processor=None):
     """(formatter, train rows, train PromptDataset, val PromptDataset): prompts formatted and tokenised once;
-    ``tools``: JSON schemas the chat template shows the model."""
+    ``tools``: JSON schemas the chat template shows the model; ``processor``: a vision-language policy's."""
     from grpo.system.data import PromptDataset, PromptFormatter, load_rows
 
     formatter = PromptFormatter(tokenizer, cfg.data, cfg.policy.tokenizer.chat_template, tools,
-                                cfg.policy.tokenizer.chat_template_kwargs)
+                                cfg.policy.tokenizer.chat_template_kwargs, processor)
     train_rows = load_rows(cfg.data, "train", seed=cfg.grpo.seed)
     val_rows = load_rows(cfg.data, "val", seed=cfg.grpo.seed)
     kw = dict(max_input_seq_length=cfg.data.max_input_seq_length, default_task=cfg.env.task_name or cfg.env.name,

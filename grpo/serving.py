@@ -132,6 +132,6 @@ def start_async_endpoint(run, generator) -> None:
     if run.agents is None and run.generator is None:
         run.agents = start_endpoint(run.cfg, generator, run.tokenizer, [run.envs, run.val_envs], run.closables,
                                     run.logger, run.rank, asynchronous=True,
-                                    vocab_size=run.policy.module.config.vocab_size)
+                                    vocab_size=run.policy.module.config.get_text_config().vocab_size)
         if run.agents is not None:  # a stop signal ends the agents' retries
             run.agents.stop_requested = run.stop.requested

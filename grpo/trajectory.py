@@ -110,6 +110,7 @@ class Trajectory:
     terminated: bool = False
     max_turns_reached: bool = False
     stop_strings: list[str] | None = None
+    media: dict | None = None  # its images as the model's tensors (grpo.system.vision), shared by its prompt group
 
     @property
     def observation_tokens(self) -> int:

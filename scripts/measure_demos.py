@@ -23,7 +23,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMOS = {"default": "configs/cpu_demo.yaml", "multiturn": "configs/cpu_demo_multiturn.yaml",
          "tools": "configs/cpu_demo_tools.yaml", "agent": "configs/cpu_demo_agent.yaml",
-         "reward_model": "configs/cpu_demo_reward_model.yaml"}
+         "reward_model": "configs/cpu_demo_reward_model.yaml", "vlm": "configs/cpu_demo_vlm.yaml"}
 
 
 def validation_curve(metrics_path: str, key: str = "validation/accuracy") -> list[tuple[int, float]]:

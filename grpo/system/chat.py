@@ -96,15 +96,22 @@ class ChatFormat:
                 raise ChatFormatError(f"a prompt of {len(messages)} messages needs a chat template "
                                       "(set policy.tokenizer.chat_template)")
             return [self.encode(messages[0]["content"], special_tokens=True)]
-        ids, prev = [], ""
+        return [self.encode(text) for text in self.prompt_texts(messages)]
+
+    def prompt_texts(self, messages: list[dict[str, Any]]) -> list[str]:
+        """Chat template: the text rendering messages[:i + 1] adds to messages[:i], for each message i (the last
+        with the generation prompt); `prompt_token_ids` tokenises them (a VLM's processor does, with its images)."""
+        if self.plain:
+            raise ChatFormatError("a prompt with images needs a chat template (set policy.tokenizer.chat_template)")
+        texts, prev = [], ""
         for i in range(len(messages)):
             text = self.render(messages[: i + 1], add_generation_prompt=i == len(messages) - 1)
             if not text.startswith(prev):
                 raise ChatFormatError(f"the chat template renders message {i} by rewriting the messages before it; "
                                       "grpo-ds needs a template whose text only grows at the end")
-            ids.append(self.encode(text[len(prev):]))
+            texts.append(text[len(prev):])
             prev = text
-        return ids
+        return texts
 
     # ---------------------------------------------------------------- observations
     def _assistant_tail(self) -> str:

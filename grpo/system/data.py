@@ -42,6 +42,7 @@ from grpo.config import DataConfig
 from grpo.tasks.catalogue import dataset_task, load
 from grpo.tasks.nemo_gym import GYM_INPUT_KEY, check_gym_record, gym_record_to_row
 from grpo.tasks.rows import ROW_KEYS, DataError, PromptRow, Row
+from grpo.system.vision import content_problem, content_text, has_images, render_prompt
 
 logger = logging.getLogger(__name__)
 FILE_EXTENSIONS = (".jsonl", ".json", ".parquet", ".arrow")
@@ -115,9 +116,12 @@ def check_record(record: Any, input_key: str, output_key: str) -> str | None:
         return f"missing output key {output_key!r} (keys: {sorted(record)})"
     if isinstance(question, list):  # a conversation so far
         bad = next((m for m in question if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                and isinstance(m.get("content"), str))), None)
+                                                and isinstance(m.get("content"), (str, list)))), None)
         if bad is not None or not question:
             return f"prompt {input_key!r}: expected a string or a non-empty list of {{role, content}} messages"
+        for i, m in enumerate(question):  # content: text, or NeMo-RL's parts (text and images: grpo.system.vision)
+            if (problem := content_problem(m["content"])) is not None:
+                return f"prompt {input_key!r}: message {i}: {problem}"
         if question[-1]["role"] != "user":
             return f"prompt {input_key!r}: a conversation must end with a user message (got {question[-1]['role']!r})"
     elif not isinstance(question, str):
@@ -497,10 +501,11 @@ class PromptFormatter:
     """
 
     def __init__(self, tokenizer, cfg: DataConfig, chat_template: str | None = None, tools: list[dict] | None = None,
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, processor=None):
         from grpo.system.chat import ChatFormat, ChatFormatError
 
         self.tokenizer = tokenizer
+        self.processor = processor  # a vision-language model's (grpo.system.vision.load_processor), else None
         self.chat_template = chat_template
         try:
             self.chat = ChatFormat(tokenizer, chat_template, tools, chat_template_kwargs)
@@ -569,12 +574,25 @@ class PromptFormatter:
         messages = self.messages(question)
         return [{**m, "token_ids": ids} for m, ids in zip(messages, self.chat.prompt_token_ids(messages))]
 
+    def prompt_messages_and_media(self, question: str | list[dict], where: str) -> tuple[list[dict], dict | None]:
+        """`prompt_messages` and the prompt's media (None without images). Messages with image parts are rendered
+        by ``processor`` (`grpo.system.vision.render_prompt`: the processor-expanded ids); a row with images for a
+        text model, or an image that cannot be read, is a `DataError` naming ``where``."""
+        messages = self.messages(question)
+        if not has_images(messages):
+            return self.prompt_messages(question), None
+        if self.processor is None:
+            raise DataError(f"{where}: the row has images but policy.model_name is a text model (no vision_config)")
+        if self.chat.plain:
+            raise DataError(f"{where}: a row with images needs a chat template (set policy.tokenizer.chat_template)")
+        return render_prompt(self.processor, self.chat, messages, where)
+
 
 def question_text(question: str | list[dict]) -> str:
     """A question for logs: the text, or the last user message of a conversation."""
     if isinstance(question, str):
         return question
-    return next((m["content"] for m in reversed(question) if m.get("role") == "user"), "")
+    return next((content_text(m["content"]) for m in reversed(question) if m.get("role") == "user"), "")
 
 
 class PromptDataset(Dataset):
@@ -587,14 +605,15 @@ class PromptDataset(Dataset):
     longer than ``max_input_seq_length`` tokens are dropped at construction and counted in ``num_filtered``.
     A prompt that leaves no room for one generated token under ``max_total_sequence_length`` cannot be
     trained on: with ``on_bad_row="error"`` it fails naming the row, with "skip" it is dropped and counted
-    in ``num_too_long``.
+    in ``num_too_long``. A row whose image is missing or cannot be decoded fails naming the row ("error") or is
+    dropped and counted in ``num_bad_images`` ("skip").
     """
 
     def __init__(self, rows: list[Row], formatter: PromptFormatter, max_input_seq_length: int | None = None,
                  default_task: str = "default", task_key: str = "task_name", tasks: list[str] | None = None,
                  max_total_sequence_length: int | None = None, on_bad_row: str = "error"):
         self.items: list[PromptRow] = []
-        self.num_filtered = self.num_too_long = 0
+        self.num_filtered = self.num_too_long = self.num_bad_images = 0
         formatters = [formatter] * len(rows)  # a source with prompts of its own (`Rows.spans`) formats its rows
         for start, stop, cfg in getattr(rows, "spans", []):
             formatters[start:stop] = [formatter.with_prompts(cfg)] * (stop - start)
@@ -603,7 +622,14 @@ class PromptDataset(Dataset):
             if tasks is not None and task not in tasks:
                 raise DataError(f"{row.get('source', f'row {index}')}: {task_key}={task!r} has no environment "
                                 f"(known tasks: {sorted(tasks)}; add it to env.tasks)")
-            messages = formatters[index].prompt_messages(row["question"])
+            try:
+                messages, media = formatters[index].prompt_messages_and_media(row["question"],
+                                                                              row.get("source", f"row {index}"))
+            except DataError:  # an image missing or undecodable: the row, named, fails or is skipped and counted
+                if on_bad_row == "error":
+                    raise
+                self.num_bad_images += 1
+                continue
             ids = [t for m in messages for t in m["token_ids"]]
             if max_input_seq_length is not None and len(ids) > max_input_seq_length:
                 self.num_filtered += 1
@@ -620,7 +646,7 @@ class PromptDataset(Dataset):
             self.items.append(PromptRow(
                 index=index, question=question_text(row["question"]), answer=row["answer"], task_name=task,
                 prompt_messages=messages, prompt_ids=ids, source=row.get("source", ""), meta=row.get("meta") or {},
-                extra={k: v for k, v in row.items() if k not in ROW_KEYS}))
+                extra={k: v for k, v in row.items() if k not in ROW_KEYS}, media=media))
         if not self.items:
             raise DataError(
                 f"all {len(rows)} prompts are longer than data.max_input_seq_length={max_input_seq_length} tokens "

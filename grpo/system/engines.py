@@ -114,15 +114,19 @@ def _load_model(policy, ds_config: dict):
     """``from_pretrained`` (the config with ``policy.hf_config_overrides``: `grpo.system.model_config`); under
     ZeRO-3 a live HfDeepSpeedConfig makes it load straight into partitioned parameters (no rank ever holds the
     whole model). It is dropped right after, so later plain models (the generation copy) are not partitioned."""
-    from transformers import AutoModelForCausalLM
-
     from grpo.system.model_config import load_model_config
+    from grpo.system.vision import attach_dummy_image, auto_model_class, check_positions, load_processor, prepare_model
 
+    config = load_model_config(policy)  # a vision-language checkpoint loads as image-text-to-text (vision.py)
     with zero3_loading(ds_config):
-        return AutoModelForCausalLM.from_pretrained(
-            policy.model_name, config=load_model_config(policy), dtype=DTYPES[policy.precision],
+        model = auto_model_class(config).from_pretrained(
+            policy.model_name, config=config, dtype=DTYPES[policy.precision],
             trust_remote_code=policy.trust_remote_code
         )
+    check_positions(model)  # M-RoPE (Qwen-VL) positions are not computed yet: refused by name
+    if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:  # forwards without images run a dummy one
+        attach_dummy_image(model, load_processor(policy, config))
+    return prepare_model(model, policy.vision.train_vision_tower)
 
 
 @contextmanager
@@ -168,7 +172,8 @@ def build_policy_engine(cfg, world_size: int, total_optimizer_steps: int):
     if policy.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if policy.lora.enabled:  # before DeepSpeed: its optimizer and ZeRO partitions see the adapters only as trainable
-        model = apply_lora(model, policy.lora, seed=getattr(getattr(cfg, "grpo", None), "seed", 0))
+        model = apply_lora(model, policy.lora, seed=getattr(getattr(cfg, "grpo", None), "seed", 0),
+                           vision_tower=policy.vision.lora_vision_tower)
     trainable = [p for p in model.parameters() if p.requires_grad]
     o, s = policy.optimizer, policy.scheduler
     adamw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -270,20 +275,26 @@ class _PostDropout:
         return torch.nn.functional.dropout(output, self.p, training=self.owner.training)
 
 
-def apply_lora(model, lora, seed: int = 0, adapter: str = "default"):
+def apply_lora(model, lora, seed: int = 0, adapter: str = "default", vision_tower: bool = False):
     """``model`` as a peft model with LoRA adapters (`peft_lora_config`); only the adapters require grad.
 
     What peft cannot say is done here: A is initialized with ``lora.lora_A_init`` (xavier: xavier_normal_;
     uniform: kaiming_uniform_(a=sqrt(5))) from a generator seeded with ``seed``, so every rank and every resume
     starts from the same adapters; ``dropout_position: post`` moves the dropout from A's input to B's output
     (`_PostDropout`). The adapters keep the model's dtype (DeepSpeed holds the fp32 master copy). Only linear
-    layers can be adapted (the merged export folds B @ A into their weights): another target is an error."""
+    layers can be adapted (the merged export folds B @ A into their weights): another target is an error. A
+    vision-language model's vision tower is never adapted unless ``vision_tower`` (``policy.vision.lora_vision_tower``).
+    """
     import math
 
     from peft import get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
+    if not vision_tower:
+        from grpo.system.vision import lora_without_tower
+
+        lora = lora_without_tower(model, lora)
     model = get_peft_model(model, peft_lora_config(lora), adapter_name=adapter, autocast_adapter_dtype=False)
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
     if not layers:
@@ -452,11 +463,11 @@ def build_reference_engine(cfg, world_size: int, device: torch.device | None = N
     mc = load_model_config(policy)  # with policy.hf_config_overrides, as the policy's
     placement = reference_placement(policy, world_size, _num_params(mc), free_device_bytes(device))
     if placement == "plain":
-        from transformers import AutoModelForCausalLM
+        from grpo.system.vision import auto_model_class, prepare_model
 
-        model = AutoModelForCausalLM.from_pretrained(policy.model_name, config=mc, dtype=DTYPES[policy.precision],
+        model = auto_model_class(mc).from_pretrained(policy.model_name, config=mc, dtype=DTYPES[policy.precision],
                                                      trust_remote_code=policy.trust_remote_code)
-        return FrozenModel(model, device)
+        return FrozenModel(prepare_model(model), device)
     ds_config = build_ds_config(policy.reference_deepspeed_config, policy, world_size, for_training=False,
                                 hidden_size=_hidden_size(policy))
     model = _load_model(policy, ds_config)
@@ -468,10 +479,10 @@ def build_reference_engine(cfg, world_size: int, device: torch.device | None = N
 
 def _num_params(model_config) -> int:
     """Parameters of a model, from its config alone (the meta device: nothing allocated)."""
-    from transformers import AutoModelForCausalLM
+    from grpo.system.vision import auto_model_class
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = auto_model_class(model_config).from_config(model_config)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -29,6 +29,7 @@ import torch
 from dataclasses import dataclass
 
 from grpo.packing import pack_bins, packed_layout, round_up, unpack
+from grpo.system.vision import is_vision_config
 
 # attn_implementation values whose mask transformers builds from packed position ids (see the docstring)
 PACKABLE_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -52,7 +53,10 @@ def attention_implementation(module: torch.nn.Module) -> str:
 
 def unpackable_reason(module: torch.nn.Module) -> str | None:
     """Why packed rows would let ``module``'s samples see each other (its attention implementation does not build
-    the mask from packed position ids), or None when it can run packed."""
+    the mask from packed position ids, or it is a vision-language model, whose images packed rows do not carry yet),
+    or None when it can run packed."""
+    if is_vision_config(getattr(module, "config", None)):
+        return f"{type(module).__name__} is a vision-language model, whose images packed rows do not carry yet"
     impl = attention_implementation(module)
     if impl in PACKABLE_ATTENTION:
         return None
@@ -63,6 +67,8 @@ def unpackable_reason(module: torch.nn.Module) -> str | None:
 def check_packable(module: torch.nn.Module) -> None:
     """ValueError naming the attention implementation when packed rows would let samples see each other."""
     reason = unpackable_reason(module)
+    if reason is not None and is_vision_config(getattr(module, "config", None)):
+        raise ValueError(f"policy.sequence_packing.enabled: {reason}; use policy.dynamic_batching instead")
     if reason is not None:
         raise ValueError(
             f"policy.sequence_packing.enabled: {reason}, so samples packed in one row would attend to each other; "

@@ -90,7 +90,8 @@ def new_trajectories(prompts: list[PromptRow], num_generations: int) -> list[Tra
             out.append(Trajectory(group_id=group_id, prompt_index=int(row.index), task_name=row.task_name,
                                   question=row.question, answer=row.answer, messages=messages,
                                   metadata=metadata, num_prompt_messages=len(messages),
-                                  stop_strings=None if stop_strings is None else list(stop_strings)))
+                                  stop_strings=None if stop_strings is None else list(stop_strings),
+                                  media=row.media))  # the row's images, stored once for the group
     return out
 
 
@@ -162,10 +163,12 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
             chunk = active[sl]
             version = weights.load_newest() if weights is not None else 0
             caps = [min(settings.max_new_tokens or 10**9, _room(trajs[i], settings)) for i in chunk]
+            media = [trajs[i].media for i in chunk]  # images go only to a backend that takes them (hf)
             outputs = generator.generate([trajs[i].token_ids() for i in chunk],
                                          [sample_seed(*seed_keys[i], turn=turn) for i in chunk],
                                          greedy=settings.greedy, max_new_tokens=caps,
-                                         stop_strings=[stops.get(i) for i in chunk])
+                                         stop_strings=[stops.get(i) for i in chunk],
+                                         **({"media": media} if any(m is not None for m in media) else {}))
             if len(outputs) != len(chunk):  # never a shorter batch (NeMo-RL RL#2305: silent empty epochs)
                 raise RolloutError(f"generation returned {len(outputs)} outputs for {len(chunk)} prompts")
             for i, out in zip(chunk, outputs):

@@ -29,6 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
+from grpo.system.vision import is_vision_config
+
 # (logits [N, L, V], input_ids [N, L]) -> (logprobs [N, L], unfiltered logprobs [N, L]), contract-aligned
 LogprobFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -45,6 +47,8 @@ def shares_prompts(setting, module: torch.nn.Module) -> bool:
     """
     if setting != "auto":
         return bool(setting)
+    if is_vision_config(getattr(module, "config", None)):  # a shared prompt's cache would not carry its images
+        return False
     return sum(p.numel() for p in module.parameters()) >= AUTO_MIN_PARAMS
 
 

@@ -30,6 +30,7 @@ from grpo.system.packed import (Packing, attention_implementation, packed_forwar
                                 unpack_rows)
 from grpo.system.rollout import single_turn
 from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths, shares_prompts
+from grpo.system.vision import image_keywords, with_dummy_image
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def describe_batching(policy_cfg) -> str:
 # --------------------------------------------------------------------------------------------------
 def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
                      top_k: int | None = None, top_p: float = 1.0, return_unfiltered: bool = False,
-                     prompt_lens_b: torch.Tensor | None = None):
+                     prompt_lens_b: torch.Tensor | None = None, media: list | None = None):
     """Aligned token logprobs [B, T] with grad: 0 at position 0 and on padding, and at t
 
         log softmax_K(logits[t - 1] / temperature)[input_ids[t]]   (right-padded batches)
@@ -114,16 +115,18 @@ def forward_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
 
     ``prompt_lens_b``: the rows' prompt lengths (`grpo.system.shared_prefix.prompt_lengths`); given, a prompt that
     several rows share goes through the model once (`grpo.system.shared_prefix`: same values up to rounding). Not
-    under ZeRO-3, where every forward is a collective and ranks would have to agree on sharing.
+    under ZeRO-3, where every forward is a collective and ranks would have to agree on sharing. ``media``: the rows'
+    images (`logprob_forward`).
     """
     lp_bt, full_bt, _ = logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature, chunk_size, top_k=top_k,
-                                 top_p=top_p, prompt_lens_b=prompt_lens_b)
+                                 top_p=top_p, prompt_lens_b=prompt_lens_b, media=media)
     return (lp_bt, full_bt) if return_unfiltered else lp_bt
 
 
 def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float = 1.0, chunk_size=None, *,
                     top_k: int | None = None, top_p: float = 1.0, prompt_lens_b: torch.Tensor | None = None,
-                    needs: tuple[str, ...] = (), packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                    needs: tuple[str, ...] = (), packing: Packing | None = None,
+                    media: list | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """`forward_logprobs`' ``(filtered, unfiltered, extras)``; ``extras`` holds what ``needs`` asks for
     (`grpo.loss.LOSS_NEEDS`): ``entropy_bt`` (`grpo.logprobs.aligned_entropy_from_logits`, masked like the
     logprobs) and ``logits_btv`` (the raw logits). A forward that needs them runs whole (no shared prompt).
@@ -133,9 +136,16 @@ def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float 
     continuation, `grpo.system.shared_prefix.SharedPrefixPlan.tokens`); packed slots: Σ over packed rows of their
     length (`grpo.system.packed.packed_row_tokens`). The time of these forwards follows the slots they run
     (measured on the bench model: docs/measurements.md, "Sequence packing"); ``packing.always``: packed
-    regardless."""
+    regardless.
+
+    ``media``: the rows' images (`grpo.system.vision`; a VLM's rows, None for a text one): they run padded, never
+    packed or with shared prompts (neither carries the images yet: asking for either is an error)."""
     device = engine.device
     ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
+    images = image_keywords(engine.module, media, device)
+    if images and (packing is not None or prompt_lens_b is not None):
+        raise ValueError("rows with images run padded: policy.sequence_packing and policy.shared_prompt_forward do "
+                         "not carry a vision-language model's images yet (set both false)")
 
     def logprobs(logits_nlv, ids_nl):
         return aligned_logprobs_from_logits(logits_nlv, ids_nl, temperature, chunk_size, top_k=top_k, top_p=top_p,
@@ -156,8 +166,19 @@ def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float 
     if shared is not None:
         lp_bt, full_bt = shared
     else:
-        logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits
+        dummy = None  # ZeRO-3, a VLM, no image here: a dummy picture runs the tower as on the ranks with images
+        if not images and plan is None and engine.zero_optimization_stage() == 3:
+            dummy = with_dummy_image(engine.module, ids_bt, mask_bt)
+        if dummy is None:
+            logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False, **images).logits
+        else:
+            B, T = ids_bt.shape
+            logits_btv = engine(input_ids=dummy[0], attention_mask=dummy[1], use_cache=False, **dummy[2]).logits
+            anchor = 0.0 * logits_btv[B:].sum()  # the tower's (zero) gradient reaches every rank's reduction
+            logits_btv = logits_btv[:B, :T]
         lp_bt, full_bt = logprobs(logits_btv, ids_bt)
+        if dummy is not None:
+            lp_bt, full_bt = lp_bt + anchor, full_bt + anchor
         if "entropy" in needs:
             extras["entropy_bt"] = aligned_entropy_from_logits(logits_btv, mask_bt, temperature, chunk_size)
         if "logits" in needs:
@@ -184,7 +205,8 @@ def _packed(engine, ids_bt, mask_bt, attention, sequence_length_round, logprobs,
 @torch.no_grad()
 def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float, micro_batch_size: int,
                      chunk_size=None, *, top_k: int | None = None, top_p: float = 1.0,
-                     prompt_lens_b: torch.Tensor | None = None, batching: TokenBatching | None = None) -> torch.Tensor:
+                     prompt_lens_b: torch.Tensor | None = None, batching: TokenBatching | None = None,
+                     media: list | None = None) -> torch.Tensor:
     """`forward_logprobs` without grad, micro-batch by micro-batch; returns [B, T] fp32 on the CPU.
 
     ``top_k`` / ``top_p``: the sampler's filter (policy.generation.top_k / top_p) for the previous-policy
@@ -192,7 +214,8 @@ def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
     ``batching``: micro-batches by token budget (`TokenBatching`: packed rows or dynamic batches) instead of
     ``micro_batch_size`` rows (a packed micro-batch shares prompts only where that runs fewer tokens: `logprob_forward`).
     Ranks may hold different numbers of rows: every rank runs as many forwards as the busiest one
-    (the extra ones on a dummy row), since each ZeRO-3 forward is a collective.
+    (the extra ones on a dummy row), since each ZeRO-3 forward is a collective. ``media``: each row's images
+    (`grpo.system.vision`), None for text rows.
     """
     was_training = engine.module.training
     engine.eval()
@@ -214,7 +237,8 @@ def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float
             lp, _, _ = logprob_forward(engine, input_ids_bt[rows, :width], mask[:, :width], temperature, chunk_size,
                                 top_k=top_k, top_p=top_p,
                                 prompt_lens_b=prompt_lens_b[rows] if prompt_lens_b is not None else None,
-                                packing=batching.packing() if batching is not None else None)
+                                packing=batching.packing() if batching is not None else None,
+                                media=[media[r] for r in groups[i]] if media is not None else None)
             out[rows, :width] = lp.float().cpu()
         else:
             dummy = torch.zeros((1, 2), dtype=torch.long)
@@ -293,7 +317,7 @@ def train_on_batch(engine, micro_batches: list[TrainBatch], loss_closure: LossCl
             prompt_lens_b = prompt_lengths(mb.token_mask_bt, mask_bt) if share_prompts else None
             logprobs_bt, unfiltered_bt, extras = logprob_forward(engine, ids_bt, mask_bt, temperature, chunk_size,
                                                           top_k=top_k, top_p=top_p, prompt_lens_b=prompt_lens_b,
-                                                          needs=needs, packing=packing)
+                                                          needs=needs, packing=packing, media=mb.media)
             if needs_filter(top_k, top_p):
                 mb = with_fields(mb, unfiltered_logprobs_bt=unfiltered_bt)
             loss, metrics = loss_closure(logprobs_bt, mb, **extras)
@@ -348,7 +372,8 @@ def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, tempe
     t_local = max(int(attn.sum(dim=1).max().item()), 1) if len(attn) else 1
     prompt_lens_b = prompt_lengths(batch.token_mask_bt[sl], attn) if share_prompts else None
     lp = compute_logprobs(engine, batch.input_ids_bt[sl, :t_local], attn[:, :t_local], temperature,
-                          micro_batch_size, chunk_size, prompt_lens_b=prompt_lens_b, batching=batching, **top)
+                          micro_batch_size, chunk_size, prompt_lens_b=prompt_lens_b, batching=batching,
+                          media=batch.media[sl] if batch.media is not None else None, **top)
     lp = torch.nn.functional.pad(lp.float().cpu(), (0, T - lp.shape[1]))
     return torch.cat(all_gather_objects([lp]), dim=0)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from grpo.system.engines import is_lora, release_params
 from grpo.system.dist import any_rank
+from grpo.system.vision import save_processor
 
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
@@ -148,6 +149,7 @@ def export_hf(engine, out_dir: str, tokenizer, overwrite: bool = False, run_id: 
     every rank before anything is gathered, unless ``overwrite``; even then only files of the same names are
     replaced. Written to a temporary sibling directory first, then moved in (`_install`). A LoRA policy exports
     its merged weights (`merged_lora_state_dict`): a plain checkpoint that ``from_pretrained`` loads without peft.
+    A vision-language model's export holds its processor too (`grpo.system.vision.save_processor`).
     """
     rank = _check_export_dir(out_dir, run_id, overwrite)
     if engine.zero_optimization_stage() == 3:
@@ -162,6 +164,7 @@ def export_hf(engine, out_dir: str, tokenizer, overwrite: bool = False, run_id: 
 
         def write(tmp: Path) -> None:
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)  # empties the dict
+            save_processor(model.config, tmp)  # a vision-language model's image processor and template
             tokenizer.save_pretrained(tmp)
 
         _write_export(out_dir, run_id, write)

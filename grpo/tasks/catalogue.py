@@ -11,9 +11,9 @@ checked before torch (or math-verify, or reasoning-gym) loads, and a scorer's mo
 the worker processes that run it. A new built-in task is a module and one entry in `TASKS`.
 
     >>> sorted(name for name, task in TASKS.items() if task.rows)
-    ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym', 'sliding_puzzle']
+    ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym', 'sliding_puzzle', 'visual']
     >>> ENV_NAMES
-    ('math', 'math_multi_reward', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'function', 'tools', 'class', 'agent', 'reward_model', 'judge', 'combined', 'nemo_gym')
+    ('math', 'math_multi_reward', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'visual', 'function', 'tools', 'class', 'agent', 'reward_model', 'judge', 'combined', 'nemo_gym')
     >>> dataset_task("reasoning_gym:basic_arithmetic") is TASKS["reasoning_gym"], dataset_task("gsm8k.jsonl")
     (True, None)
 """
@@ -56,6 +56,9 @@ TASKS: dict[str, Task] = {
     # Run with env.name=tools (the calculator tool, the arithmetic reward): configs/cpu_demo_tools.yaml.
     "calculator": Task(rows="grpo.tasks.calculator:rows",
                        toy_model=("calc_demo", "grpo.tasks.calculator:make_calculator_demo_model")),
+    # Pictures and one-word questions for a vision-language policy: data.dataset_name=visual:images (or visual:blank).
+    "visual": Task(rows="grpo.tasks.visual:rows", dataset_prefix=True, reward_fn="grpo.tasks.visual:visual_reward",
+                   reward_in_workers=False, toy_model=("visual_demo", "grpo.tasks.visual:make_visual_demo_model")),
 }
 
 # env.name: the built-in tasks that have an environment, then the environments a config spells out:
@@ -89,7 +92,8 @@ def in_process_reward(spec: str) -> bool:
 
 # Toy models that no task names (TASKS' toy_model), as "package.module:builder".
 EXTRA_TOY_MODELS = {"calc_agent": "grpo.tasks.calculator:make_calculator_agent_model",  # the agent demo
-                    "demo_rm": "grpo.tasks.demo_reward_model:make_demo_reward_model"}  # env.reward_model's demo
+                    "demo_rm": "grpo.tasks.demo_reward_model:make_demo_reward_model",  # env.reward_model's demo
+                    "tiny_vlm": "grpo.tasks.visual:save_tiny_vlm"}  # an untrained vision-language model
 
 # "toy:<name>" in policy.model_name -> builder(out_dir): the tasks' demo models and two untrained sizes.
 TOY_MODELS: dict[str, Callable[[str], str]] = {

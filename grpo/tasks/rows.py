@@ -45,6 +45,7 @@ class PromptRow:
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    media: dict[str, Any] | None = None  # a VLM prompt's image tensors (grpo.system.vision), None without images
 
 
 class DataError(ValueError):

@@ -120,7 +120,8 @@ def save_char_tokenizer(tok, out_dir: str) -> None:
 def supervise(model, pad_id: int, make_row, steps: int, batch_size: int, log_every: int = 0,
               name: str = "toy model") -> None:
     """Supervised next-token training of a toy model: ``steps`` AdamW steps (lr 3e-3) on batches of
-    ``make_row() -> (ids, labels)`` (labels -100 where a token is not trained), right-padded. Leaves the
+    ``make_row() -> (ids, labels)`` (labels -100 where a token is not trained), right-padded. A vision-language model's
+    rows are ``(ids, labels, pixel_values)``: the batch's images go with it, row by row. Leaves the
     model in eval mode. Deterministic for a given ``make_row`` and thread count."""
     import torch
 
@@ -128,14 +129,15 @@ def supervise(model, pad_id: int, make_row, steps: int, batch_size: int, log_eve
     model.train()
     for step in range(steps):
         rows = [make_row() for _ in range(batch_size)]
-        width = max(len(ids) for ids, _ in rows)
+        width = max(len(row[0]) for row in rows)
         ids_bt = torch.full((batch_size, width), pad_id)
         labels_bt = torch.full((batch_size, width), -100)
         attention_bt = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, (ids, labels) in enumerate(rows):
+        for i, (ids, labels, *_) in enumerate(rows):
             ids_bt[i, : len(ids)], labels_bt[i, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
             attention_bt[i, : len(ids)] = 1
-        loss = model(input_ids=ids_bt, attention_mask=attention_bt, labels=labels_bt).loss
+        images = {"pixel_values": torch.cat([r[2] for r in rows])} if len(rows[0]) > 2 else {}
+        loss = model(input_ids=ids_bt, attention_mask=attention_bt, labels=labels_bt, **images).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -27,6 +27,7 @@ from grpo.system.weights import iter_gathered_params
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, cut_completion, length_caps, per_sample_stops
 from grpo.system.generation.sampling import SeededSampler
 from grpo.system.shared_prefix import cache_for_rows, distinct_rows, shares_prompts
+from grpo.system.vision import image_keywords
 
 
 def hits_stop_string(tail_ids: list[int], stops: list[str], decode) -> bool:
@@ -64,7 +65,7 @@ DROP_ENDED_SHARE = 0.25
 @torch.no_grad()
 def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor, cache, sampler: SeededSampler,
                              caps: list[int], stop_token_ids: list[int], stops: list[list[str]], decode,
-                             window: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                             window: int, pad_id: int, images: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode left-padded prompts ``ids_bt`` until each row ends, each step running only the rows not yet ended.
 
     Returns ``(tokens [B, max(caps)], logprobs [B, max(caps)])``: row b's generated tokens (the rest is ``pad_id`` /
@@ -74,7 +75,8 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     it: their rows of the KV cache (``cache.batch_select_indices``), of the attention mask and their generators; the
     others' tokens are the same as with them present (each row attends to its own cache only and draws its own
     noise), and until they leave their tokens are not recorded. A cache that cannot select rows keeps them all. Positions are those transformers' generate gives: the count of the row's
-    earlier tokens under the attention mask.
+    earlier tokens under the attention mask. ``images``: the rows' image tensors (`grpo.system.vision.collate_media`),
+    given to the prefill only (the KV cache holds what they became).
     """
     B, T = ids_bt.shape[0], max(caps)
     device = ids_bt.device
@@ -93,7 +95,7 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     mask_al = mask_bt
     for t in range(T):
         out = model(input_ids=step_ids, attention_mask=mask_al, position_ids=positions, past_key_values=cache,
-                    use_cache=True)
+                    use_cache=True, **((images or {}) if t == 0 else {}))
         cache = out.past_key_values
         if cache is None:
             raise RuntimeError(f"HFGeneration: {type(model).__name__} returned no KV cache; generate with "
@@ -152,7 +154,7 @@ class HFGeneration(GenerationBackend):
 
     def __init__(self, policy_cfg, tokenizer, model_config, device, *, model=None,
                  refit_bucket_numel: int = 2**28, shared: bool = False):
-        from transformers import AutoModelForCausalLM
+        from grpo.system.vision import auto_model_class, prepare_model
 
         self.cfg = getattr(policy_cfg, "policy", policy_cfg)
         self.gen_cfg = self.cfg.generation
@@ -162,10 +164,10 @@ class HFGeneration(GenerationBackend):
         self.shared = shared
         self._has_weights = model is not None
         if model is None:
-            model = AutoModelForCausalLM.from_config(model_config, dtype=DTYPES[self.cfg.precision],
-                                                     trust_remote_code=self.cfg.trust_remote_code)
+            model = prepare_model(auto_model_class(model_config).from_config(
+                model_config, dtype=DTYPES[self.cfg.precision], trust_remote_code=self.cfg.trust_remote_code))
             if self.cfg.lora.enabled:  # the same adapters as the policy's: refit moves only them after the first
-                model = apply_lora(model, self.cfg.lora)
+                model = apply_lora(model, self.cfg.lora, vision_tower=self.cfg.vision.lora_vision_tower)
         self.model = model if shared else model.to(self.device).eval().requires_grad_(False)
         cfg_eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
         self.stop_token_ids = sorted(set(_as_list(tokenizer.eos_token_id) + _as_list(cfg_eos)
@@ -188,8 +190,10 @@ class HFGeneration(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens=None, stop_strings=None) -> list[GenerationOutput]:
-        """See `grpo.system.generation.base.GenerationBackend.generate`."""
+                 max_new_tokens=None, stop_strings=None, media: list | None = None) -> list[GenerationOutput]:
+        """See `grpo.system.generation.base.GenerationBackend.generate`. ``media``: each prompt's image tensors
+        (`grpo.system.vision`; None: a text prompt), for a vision-language model whose ``prompt_ids`` hold the
+        processor-expanded placeholders (they go to the model as they are)."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not self._has_weights:
@@ -202,10 +206,10 @@ class HFGeneration(GenerationBackend):
         with _generating(self.model, self._generation_config):
             for i in range(0, len(prompt_ids), bs):
                 out += self._generate_chunk(prompt_ids[i:i + bs], seeds[i:i + bs], caps[i:i + bs], stops[i:i + bs],
-                                            greedy)
+                                            greedy, (media or [None] * len(prompt_ids))[i:i + bs])
         return out
 
-    def _generate_chunk(self, prompts, seeds, caps, stops, greedy) -> list[GenerationOutput]:
+    def _generate_chunk(self, prompts, seeds, caps, stops, greedy, media) -> list[GenerationOutput]:
         B, L = len(prompts), max(len(p) for p in prompts)
         ids_bt = torch.full((B, L), self.pad_id, dtype=torch.long)
         mask_bt = torch.zeros((B, L), dtype=torch.long)
@@ -215,12 +219,13 @@ class HFGeneration(GenerationBackend):
         g = self.gen_cfg
         sampler = SeededSampler(seeds, g.temperature, g.top_k, g.top_p, greedy, self.device)
         ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
-        cache = self._shared_prompt_cache(ids_bt, mask_bt) if shares_prompts(self.cfg.shared_prompt_forward,
-                                                                             self.model) else None
+        images = image_keywords(self.model, media, self.device)  # rows in order: each row's placeholders, its images
+        cache = self._shared_prompt_cache(ids_bt, mask_bt) if not images and shares_prompts(
+            self.cfg.shared_prompt_forward, self.model) else None
         if g.hf_drop_finished_rows:
             new_bt, lp_bt = decode_dropping_finished(
                 self.model, ids_bt, mask_bt, cache, sampler, caps, self.stop_token_ids, stops, self._decode,
-                self._stop_window(stops), self.pad_id)
+                self._stop_window(stops), self.pad_id, images)
             chosen_bt = new_bt
         else:
             limits = _RowLimits(L, torch.tensor(caps), stops, self._decode, self._stop_window(stops))
@@ -229,7 +234,7 @@ class HFGeneration(GenerationBackend):
                                          bos_token_id=self.tokenizer.bos_token_id)
             seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
                                           generation_config=hf_config, logits_processor=LogitsProcessorList([sampler]),
-                                          stopping_criteria=StoppingCriteriaList([limits]))
+                                          stopping_criteria=StoppingCriteriaList([limits]), **images)
             new_bt = seqs_bt[:, L:].cpu()
             chosen_bt = torch.stack(sampler.tokens, dim=1).cpu()[:, :new_bt.shape[1]]
             lp_bt = torch.stack(sampler.logprobs, dim=1).float().cpu()[:, :new_bt.shape[1]]

@@ -1,0 +1,363 @@
+"""Vision-language models: which class loads a checkpoint, its processor, the ids it must never sample, its
+vision tower, and the images of a data row as the model's tensors ("media").
+
+A checkpoint whose config has a ``vision_config`` is an image-text-to-text model (``AutoModelForImageTextToText``:
+LLaVA, Qwen2-VL, Gemma 3, ...); every other one loads as a causal LM, as before (`auto_model_class`).
+
+Media: a sample's images as the processor makes them, one dict of tensors per sample (``{"pixel_values": [N, 3, H, W]}``
+for LLaVA; Qwen2-VL adds ``image_grid_thw``), its images concatenated along dim 0 in the order their placeholders
+appear in the sample's tokens. A batch's media is the rows' dicts concatenated in row order (`collate_media`): the
+model fills its placeholder tokens with image features in that same row-major order, so left or right padding and any
+row selection keep each sample's images with its tokens. The G samples of a prompt share one dict (stored once per
+prompt group, `grpo.deduplicate_multimodal_data`); a forward still runs each row's images.
+
+Token ids are the processor-expanded ones (LLaVA: one ``<image>`` in the text becomes ``(H / patch)²`` ids), expanded
+once, when the row is read (`render_prompt`); the generator and the trainer get those ids as they are.
+
+    >>> content_text([{"type": "image", "image": "a.png"}, {"type": "text", "text": "what colour?"}])
+    '<image>what colour?'
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import torch
+
+from grpo.tasks.rows import DataError
+
+IMAGE_MARK = "<image>"  # how an image part shows in a message's text (logs, dumps, environments): never its bytes
+# Config keys of ids that stand for vision input: the placeholder the processor expands and the markers around it.
+VISION_TOKEN_KEYS = ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id",
+                     "vision_end_token_id", "vision_token_id", "boi_token_id", "eoi_token_id", "boi_token_index",
+                     "eoi_token_index")
+BANNED_LOGIT = -1e9  # finite: exp() of it is 0 in every float type, and 0 * it is 0 (entropy stays finite)
+VISION_TOWER_NAMES = ("vision_tower", "visual", "vision_model")
+
+
+# --------------------------------------------------------------------------------------------------
+# The model: class, banned ids, vision tower
+# --------------------------------------------------------------------------------------------------
+def is_vision_config(config) -> bool:
+    """Whether a transformers config is a vision-language model's (it has a ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_model_class(config):
+    """The transformers auto class that loads ``config``: image-text-to-text for a VLM, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+
+def vision_token_ids(config) -> list[int]:
+    """The ids of ``config`` that stand for vision input (`VISION_TOKEN_KEYS`), sorted; [] for a text model.
+
+        >>> from transformers import LlavaConfig
+        >>> vision_token_ids(LlavaConfig(image_token_id=7))
+        [7]
+    """
+    if not is_vision_config(config):
+        return []
+    ids = {getattr(config, k, None) for k in VISION_TOKEN_KEYS}
+    return sorted(int(i) for i in ids if isinstance(i, int) and i >= 0)
+
+
+def ban_token_ids(model, ids: list[int]) -> None:
+    """Make ``ids`` impossible in every forward of ``model``: its output logits there are `BANNED_LOGIT`.
+
+    The policy's distribution is then the one that never samples an image placeholder, in generation (any backend
+    on this module or a copy built by `prepare_model`) and in the training and reference forwards alike, so the
+    sampler's logprobs and the trainer's agree. No-op for no ids or a model that has it already."""
+    if not ids or getattr(model, "_grpo_banned_ids", None) == list(ids):
+        return
+    head = model.get_output_embeddings()
+    index = torch.tensor(ids, dtype=torch.long)
+
+    def hook(module, args, logits):
+        return logits.index_fill(-1, index.to(logits.device), BANNED_LOGIT)
+
+    head.register_forward_hook(hook)
+    model._grpo_banned_ids = list(ids)
+
+
+def vision_tower(model) -> torch.nn.Module | None:
+    """The vision encoder of a VLM (LLaVA's ``vision_tower``, Qwen-VL's ``visual``), None for a text model."""
+    path = vision_tower_path(model)
+    return None if path is None else model.get_submodule(path)
+
+
+def vision_tower_path(model) -> str | None:
+    """The dotted name of `vision_tower` in ``model`` (``"model.vision_tower"``), None for a text model."""
+    return next((name for name, _ in model.named_modules() if name.split(".")[-1] in VISION_TOWER_NAMES), None)
+
+
+def lora_without_tower(model, lora):
+    """``policy.lora`` for ``model`` with its vision tower excluded (peft's all-linear would adapt the tower's linear
+    layers too); unchanged for a text model."""
+    path = vision_tower_path(model)
+    if path is None:
+        return lora
+    return lora.model_copy(update={"exclude_modules": [*lora.exclude_modules, f"*{path}.*"]})
+
+
+def prepare_model(model, train_vision_tower: bool = True):
+    """A loaded policy (or a copy of it) made ready for GRPO: vision ids banned (`ban_token_ids`); the vision tower
+    frozen unless ``train_vision_tower`` (``policy.vision.train_vision_tower``). A text model is returned as is."""
+    config = model.config
+    if not is_vision_config(config):
+        return model
+    ban_token_ids(model, vision_token_ids(config))
+    tower = vision_tower(model)
+    if tower is not None and not train_vision_tower:
+        tower.requires_grad_(False)
+    return model
+
+
+def check_generation_backend(model_config, backend: str) -> None:
+    """Images are generated with on the hf backend only (this part of issue 46): anything else is refused by name."""
+    if is_vision_config(model_config) and backend != "hf":
+        raise ValueError(f"policy.generation.backend={backend!r}: a vision-language model ({model_config.model_type}) "
+                         "generates with backend 'hf' only for now; set policy.generation.backend=hf")
+
+
+def check_positions(model) -> None:
+    """Refuse a model whose positions are not the 1-D count of earlier tokens (Qwen-VL's 3-D M-RoPE,
+    ``get_rope_index``): the trainer's padded forwards and the hf decode loop pass 1-D positions."""
+    inner = getattr(model, "model", model)
+    if hasattr(inner, "get_rope_index") or hasattr(model, "get_rope_index"):
+        raise ValueError(f"{type(model).__name__} places image tokens with multimodal (M-RoPE) positions, which "
+                         "grpo-ds does not compute yet (issue 46, part two); LLaVA-style models (1-D positions) work")
+
+
+# --------------------------------------------------------------------------------------------------
+# Images in data rows
+# --------------------------------------------------------------------------------------------------
+def content_text(content) -> str:
+    """A message's content as text: a string as is; content parts joined, an image part as `IMAGE_MARK`."""
+    if isinstance(content, str):
+        return content
+    return "".join(IMAGE_MARK if p.get("type") == "image" else str(p.get("text", "")) for p in content)
+
+
+def content_problem(content) -> str | None:
+    """What is wrong with a message's content (None: a string, or a list of ``{"type": "text", "text": str}`` and
+    ``{"type": "image", "image": <path | data: URL | datasets Image>}`` parts, NeMo-RL's row format)."""
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list) or not content:
+        return "expected a string or a non-empty list of content parts"
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image" and part.get("image") is not None:
+            continue
+        return (f"content part {i} is {str(part)[:80]!r}: expected {{'type': 'text', 'text': str}} or "
+                "{'type': 'image', 'image': <path, data: URL or image>}")
+    return None
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
+               for m in messages)
+
+
+def load_image(value, where: str):
+    """An image part's value as an RGB PIL image: a PIL image, a datasets ``Image`` value (``{"bytes", "path"}``),
+    raw bytes, a ``data:`` URL, a ``file://`` URL or a local path. A value that is none of these, a file that is not
+    there or bytes that are not an image raise `DataError` naming ``where`` (the row)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    try:
+        if isinstance(value, dict) and (value.get("bytes") or value.get("path")):  # datasets' Image feature
+            data = value.get("bytes")
+            return _open(io.BytesIO(data) if data else value["path"])
+        if isinstance(value, (bytes, bytearray)):
+            return _open(io.BytesIO(value))
+        if isinstance(value, str) and value.startswith("data:"):
+            header, _, encoded = value.partition(",")
+            if ";base64" not in header:
+                raise DataError(f"{where}: image {value[:40]!r}...: a data: URL must be base64 encoded")
+            return _open(io.BytesIO(base64.b64decode(encoded, validate=True)))
+        if isinstance(value, str) and value.startswith(("http://", "https://")):
+            raise DataError(f"{where}: image {value!r}: URLs are not fetched; download the image and name the file")
+        if isinstance(value, str):
+            return _open(value.removeprefix("file://"))
+    except DataError:
+        raise
+    except FileNotFoundError:
+        raise DataError(f"{where}: image {str(value)[:200]!r}: no such file") from None
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        shown = str(value)[:60] + ("..." if len(str(value)) > 60 else "")
+        raise DataError(f"{where}: image {shown!r} cannot be decoded ({type(err).__name__}: {err})") from None
+    raise DataError(f"{where}: an image part holds {type(value).__name__}: expected a path, a data: URL, bytes or "
+                    "a datasets Image")
+
+
+def _open(source):
+    from PIL import Image
+
+    with Image.open(source) as img:
+        img.load()
+        return img.convert("RGB")
+
+
+def render_prompt(processor, chat, messages: list[dict], where: str) -> tuple[list[dict], dict | None]:
+    """The prompt ``messages`` (content parts with images) as ``({"role", "content", "token_ids"}`` per message,
+    media): each message's text is the chat template's (`grpo.system.chat.ChatFormat.prompt_texts`, an image part
+    rendered as the template's placeholder), tokenised by ``processor`` with that message's images, so its ids are
+    the processor-expanded ones; ``content`` is the text with an image as `IMAGE_MARK`. Media: every tensor the
+    processor made besides the ids, the messages' images concatenated in order (None without images)."""
+    images = [[load_image(p["image"], where) for p in m["content"] if p.get("type") == "image"]
+              if isinstance(m.get("content"), list) else [] for m in messages]
+    shown = [{"role": m["role"], "content": _template_content(m["content"])} for m in messages]
+    out, parts = [], []
+    for m, text, imgs in zip(messages, chat.prompt_texts(shown), images):
+        enc = processor(text=[text], images=imgs or None, add_special_tokens=False, return_tensors="pt")
+        ids = enc["input_ids"][0].tolist()
+        out.append({"role": m["role"], "content": content_text(m["content"]), "token_ids": ids})
+        if imgs:
+            parts.append({k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")})
+    return out, (concat_media(parts) if parts else None)
+
+
+def _template_content(content):
+    """Content as a chat template reads it: text parts as they are, an image part as ``{"type": "image"}``."""
+    if isinstance(content, str):
+        return content
+    return [{"type": "image"} if p.get("type") == "image" else {"type": "text", "text": p["text"]} for p in content]
+
+
+def load_processor(policy_cfg, model_config):
+    """The policy's processor (``AutoProcessor`` from the tokenizer's directory, else the model's) for a VLM; None
+    for a text model."""
+    if not is_vision_config(model_config):
+        return None
+    from transformers import AutoProcessor
+
+    name = policy_cfg.tokenizer.name or policy_cfg.model_name
+    return AutoProcessor.from_pretrained(name, trust_remote_code=policy_cfg.trust_remote_code)
+
+
+# --------------------------------------------------------------------------------------------------
+# Media of a batch
+# --------------------------------------------------------------------------------------------------
+def concat_media(parts: list[dict]) -> dict:
+    """Media dicts concatenated key by key along dim 0 (every part must have the same keys).
+
+        >>> concat_media([{"pixel_values": torch.zeros(1, 3)}, {"pixel_values": torch.ones(2, 3)}])["pixel_values"].shape
+        torch.Size([3, 3])
+    """
+    keys = list(parts[0])
+    if any(list(p) != keys for p in parts):
+        raise ValueError(f"media with different keys: {[sorted(p) for p in parts]}")
+    return {k: torch.cat([p[k] for p in parts], dim=0) for k in keys}
+
+
+def collate_media(media: list | None, device=None, dtype: torch.dtype | None = None) -> dict:
+    """The model's image keywords for rows whose media are ``media`` (None entries: text-only rows): the rows'
+    tensors concatenated in row order, floats cast to ``dtype``; {} when no row has images."""
+    parts = [m for m in (media or []) if m is not None]
+    if not parts:
+        return {}
+    out = concat_media(parts)
+    return {k: v.to(device=device, dtype=dtype if (dtype is not None and v.is_floating_point()) else v.dtype)
+            for k, v in out.items()}
+
+
+def any_media(media: list | None) -> bool:
+    return bool(media) and any(m is not None for m in media)
+
+
+def share_media(media: list, dedup: bool) -> list:
+    """Media of a prompt group's samples: the same dict object for all (``dedup``: stored once) or a copy each."""
+    return media if dedup else [None if m is None else {k: v.clone() for k, v in m.items()} for m in media]
+
+
+def media_bytes(media: list | None) -> int:
+    """Bytes of the distinct media dicts of ``media`` (a dict shared by several rows counts once)."""
+    seen, total = set(), 0
+    for m in media or []:
+        if m is not None and id(m) not in seen:
+            seen.add(id(m))
+            total += sum(v.numel() * v.element_size() for v in m.values())
+    return total
+
+
+def model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def image_keywords(model, media: list | None, device) -> dict:
+    """`collate_media` for ``model``'s parameter dtype."""
+    return collate_media(media, device, model_dtype(model)) if any_media(media) else {}
+
+
+def check_policy(policy_cfg, model_config) -> None:
+    """What a vision-language policy cannot be run with yet, as one ValueError naming the key: another generation
+    backend (`check_generation_backend`), generation ranks of their own, shared prompts asked for
+    (``policy.shared_prompt_forward=true``). Nothing for a text model."""
+    if not is_vision_config(model_config):
+        return
+    check_generation_backend(model_config, policy_cfg.generation.backend)
+    if not policy_cfg.generation.colocated.enabled:
+        raise ValueError("policy.generation.colocated.enabled=false: generation ranks do not receive a "
+                         "vision-language model's images yet; generate on the training ranks (colocated)")
+    if policy_cfg.shared_prompt_forward is True:
+        raise ValueError("policy.shared_prompt_forward=true: a shared prompt's KV cache does not carry a "
+                         "vision-language model's images yet; set it to auto or false")
+
+
+def save_processor(model_config, out_dir) -> None:
+    """Beside an export of a vision-language model: the processor it was loaded with (its image processor, chat
+    template and placeholder settings), from the directory the model came from; nothing for a text model."""
+    if not is_vision_config(model_config):
+        return
+    from transformers import AutoProcessor
+
+    AutoProcessor.from_pretrained(model_config._name_or_path).save_pretrained(out_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-3: every rank runs the vision tower in every forward
+# --------------------------------------------------------------------------------------------------
+def dummy_image(processor) -> tuple[list[int], dict]:
+    """One black picture as ``processor`` makes it: its placeholder ids (expanded) and its media."""
+    from PIL import Image
+
+    image = Image.new("RGB", (64, 64))
+    enc = processor(text=[processor.image_token], images=[image], add_special_tokens=False, return_tensors="pt")
+    return enc["input_ids"][0].tolist(), {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+
+
+def attach_dummy_image(model, processor) -> None:
+    """Keep `dummy_image` on ``model`` for `with_dummy_image` (a ZeRO-3 engine's forwards without images)."""
+    if processor is not None and is_vision_config(model.config):
+        model._grpo_dummy_image = dummy_image(processor)
+
+
+def with_dummy_image(module, ids_bt: torch.Tensor, mask_bt: torch.Tensor, pad_id: int = 0):
+    """``(ids, mask, images)`` with one more row: the dummy picture's placeholders (`attach_dummy_image`), its
+    columns right-padded to fit; None when ``module`` has no dummy picture.
+
+    Under ZeRO-3 a module's forward gathers its parameters from every rank: a rank whose micro-batch has no
+    image would skip the vision tower while another waits in its gather (DeepSpeed#7170). With the extra row every
+    forward runs the tower, in the same module order as a micro-batch with images; the caller drops the row's
+    outputs and adds 0 x their sum to what it keeps, so the tower's gradient (zero) is reduced on every rank too."""
+    dummy = getattr(module, "_grpo_dummy_image", None)
+    if dummy is None:
+        return None
+    ids, media = dummy
+    B, T = ids_bt.shape
+    width = max(T, len(ids))
+    ids_out = torch.full((B + 1, width), pad_id, dtype=ids_bt.dtype, device=ids_bt.device)
+    mask_out = torch.zeros((B + 1, width), dtype=mask_bt.dtype, device=mask_bt.device)
+    ids_out[:B, :T], mask_out[:B, :T] = ids_bt, mask_bt
+    ids_out[B, :len(ids)] = torch.tensor(ids, dtype=ids_bt.dtype, device=ids_bt.device)
+    mask_out[B, :len(ids)] = 1
+    return ids_out, mask_out, collate_media([media], ids_bt.device, model_dtype(module))

@@ -1,0 +1,111 @@
+"""Rows with images for the vision-language tests: PNG bytes, data: URLs, NeMo-RL-format rows, a `PromptDataset` over
+the tiny VLM's processor."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+from PIL import Image
+
+from grpo.config import MasterConfig
+
+
+def png(colour, size=(20, 12)) -> bytes:
+    """A one-colour PNG."""
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(colour) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(colour)).decode()
+
+
+def image_row(source, *images, text="what colour?"):
+    """A row in NeMo-RL's format: one user message of image parts, then a text part."""
+    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+    return {"question": [{"role": "user", "content": parts}], "answer": "red", "source": source, "meta": {}}
+
+
+def text_row(source, text="text only"):
+    return {"question": [{"role": "user", "content": text}], "answer": "x", "source": source, "meta": {}}
+
+
+def dataset(vlm_dir, processor, rows, **kw):
+    """A `PromptDataset` of ``rows`` for the VLM at ``vlm_dir`` (its own chat template)."""
+    from grpo.system.chat import load_tokenizer
+    from grpo.system.data import PromptDataset, PromptFormatter
+
+    cfg = MasterConfig.model_validate({"policy": {"model_name": vlm_dir, "tokenizer": {"chat_template": "default"}}})
+    formatter = PromptFormatter(load_tokenizer(cfg.policy), cfg.data, "default", processor=processor)
+    return PromptDataset(rows, formatter, **kw)
+
+
+def sample_prompts(vlm_dir, processor):
+    """Five prompts (ids, media): three one-image rows of different colours and text lengths, a two-image row, a
+    text-only row."""
+    colours = [(255, 0, 0), (0, 0, 255), (0, 200, 0)]
+    rows = [image_row(f"r:{i}", data_url(c), text="colour" + "?" * i) for i, c in enumerate(colours)]
+    rows.append(image_row("r:3", data_url((255, 255, 0)), data_url((0, 0, 0)), text="two"))
+    rows.append(text_row("r:4"))
+    ds = dataset(vlm_dir, processor, rows)
+    return [ds[i].prompt_ids for i in range(len(ds))], [ds[i].media for i in range(len(ds))]
+
+
+def sample_batch(prompts, media, order, seed: int = 0):
+    """A `grpo.batch.TrainBatch` of one sample per entry of ``order`` (an index into ``prompts`` / ``media``): the
+    prompt, then 3 to 5 random generated tokens; consecutive samples of the same prompt share its media."""
+    import torch
+
+    from grpo.batch import build_batch
+    from grpo.trajectory import Message, Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i, p in enumerate(order):
+        gen = torch.randint(3, 80, (3 + i % 3,), generator=g).tolist()
+        trajs.append(Trajectory(i // 2, p, "t", "", "", [Message("user", "", list(prompts[p])),
+                                                         Message("assistant", "", gen, [-1.0] * len(gen))],
+                                {}, media=media[p]))
+    return build_batch(trajs, pad_id=0)
+
+
+def plain_loss_and_grad_norm(model, batch, scale: float = 30.0):
+    """``-Σ mask · logprob / scale`` of ``batch`` by plain autograd on ``model``, row by row unpadded, each row with
+    its own images; returns (loss, gradient norm)."""
+    import torch
+
+    from grpo.system import vision
+
+    model.zero_grad()
+    total = 0.0
+    for b in range(len(batch)):
+        n = int(batch.attention_mask_bt[b].sum())
+        ids = batch.input_ids_bt[b: b + 1, :n]
+        kw = vision.collate_media([batch.media[b]])
+        logits = model(input_ids=ids, **kw).logits[0, :-1]
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        loss = -(lp * batch.token_mask_bt[b, 1:n]).sum() / scale
+        loss.backward()
+        total += float(loss.detach())
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return total, float(norm)
+
+
+# Fixtures for the test modules that import them: the tiny VLM saved once per module, and its processor.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    from grpo.tasks.visual import save_tiny_vlm
+
+    return save_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")))
+
+
+@pytest.fixture(scope="module")
+def processor(vlm_dir):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(vlm_dir)

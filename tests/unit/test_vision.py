@@ -1,0 +1,235 @@
+"""Vision-language models (grpo/system/vision.py, grpo/tasks/visual.py): the tiny LLaVA loads from its directory,
+rows with images become the processor's ids and tensors, the hf backend generates with them, the trainer's forwards
+take them, and the batch keeps each sample's images."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import pytest
+import torch
+from PIL import Image
+
+from grpo.config import MasterConfig
+from grpo.system import vision
+from grpo.tasks.rows import DataError
+from grpo.tasks.visual import IMAGE_SIZE, IMAGE_TOKEN, IMAGE_TOKENS
+from tests.helpers.vision_rows import data_url, dataset, image_row, png, sample_prompts
+from tests.helpers.vision_rows import processor, vlm_dir  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def vlm(vlm_dir):
+    from transformers import AutoConfig
+
+    model = vision.auto_model_class(AutoConfig.from_pretrained(vlm_dir)).from_pretrained(vlm_dir)
+    with torch.no_grad():  # peaked distributions: sampled paths far from ties between batch shapes
+        model.lm_head.weight.mul_(4.0)
+    return vision.prepare_model(model).eval()
+
+
+def policy_cfg(vlm_dir, **policy):
+    base = {"model_name": vlm_dir, "precision": "float32", "generation_batch_size": 8, "max_total_sequence_length": 128,
+            "tokenizer": {"chat_template": "default"}, "generation": {"max_new_tokens": 12, "temperature": 1.0}}
+    return MasterConfig.model_validate({"policy": {**base, **policy}}).policy
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def test_the_tiny_vlm_loads_as_image_text_to_text_with_a_pil_processor(vlm_dir, tiny_model_dir, processor):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    assert vision.auto_model_class(AutoConfig.from_pretrained(vlm_dir)) is AutoModelForImageTextToText
+    assert vision.auto_model_class(AutoConfig.from_pretrained(tiny_model_dir)) is AutoModelForCausalLM
+    assert type(processor.image_processor).__name__ == "CLIPImageProcessorPil"  # no torchvision needed
+    with pytest.raises(ImportError):
+        import torchvision  # noqa: F401  (the point: the processor works without it)
+    config = AutoConfig.from_pretrained(vlm_dir)
+    assert vision.vision_token_ids(config) == [processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)]
+
+
+# ------------------------------------------------------------------------------------------------ data rows
+def test_a_row_with_images_gives_the_processors_ids_and_tensors(vlm_dir, processor, tmp_path):
+    path = tmp_path / "red.png"
+    path.write_bytes(png((255, 0, 0)))
+    rows = [image_row("r:0", str(path)),                                # a local path
+            image_row("r:1", data_url((0, 0, 255)), {"bytes": png((0, 255, 0)), "path": None}),  # data: URL, datasets
+            {"question": [{"role": "user", "content": "no image here"}], "answer": "x", "source": "r:2", "meta": {}}]
+    ds = dataset(vlm_dir, processor, rows)
+    one, two, text = ds[0], ds[1], ds[2]
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    imgs = [Image.open(io.BytesIO(png(c))).convert("RGB") for c in ((0, 0, 255), (0, 255, 0))]
+    rendered = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "what colour?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    # the template's text as is (a chat template writes its own special tokens: this one none)
+    expected = processor(text=[rendered], images=imgs, add_special_tokens=False, return_tensors="pt")
+    assert two.prompt_ids == expected["input_ids"][0].tolist()
+    assert torch.equal(two.media["pixel_values"], expected["pixel_values"])
+    assert two.prompt_ids.count(image_id) == 2 * IMAGE_TOKENS            # each image expanded once
+    assert one.prompt_ids.count(image_id) == IMAGE_TOKENS and one.media["pixel_values"].shape == (1, 3, IMAGE_SIZE, IMAGE_SIZE)
+    assert text.media is None and image_id not in text.prompt_ids
+    assert two.prompt_messages[0]["content"] == "<image><image>what colour?"  # text shows placeholders, no bytes
+    assert two.question == "<image><image>what colour?"
+
+
+@pytest.mark.parametrize("image, says", [("/nonexistent/cat.png", "no such file"),
+                                         ("data:image/png;base64,bm90IGFuIGltYWdl", "cannot be decoded"),
+                                         ({"bytes": b"not an image", "path": None}, "cannot be decoded")])
+def test_a_row_whose_image_is_missing_or_undecodable_is_refused_naming_it(vlm_dir, processor, image, says):
+    rows = [image_row("good:0", data_url((1, 2, 3))), image_row("bad.jsonl:7", image)]
+    with pytest.raises(DataError, match=f"bad.jsonl:7: image .*{says}"):
+        dataset(vlm_dir, processor, rows)
+    skipped = dataset(vlm_dir, processor, rows, on_bad_row="skip")
+    assert len(skipped) == 1 and skipped.num_bad_images == 1
+
+
+def test_a_row_with_images_for_a_text_model_is_refused(tiny_model_dir):
+    from grpo.system.data import PromptDataset, PromptFormatter
+    from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
+
+    cfg = MasterConfig.model_validate({})
+    formatter = PromptFormatter(build_char_tokenizer(SIMPLE_CHAT_TEMPLATE), cfg.data, SIMPLE_CHAT_TEMPLATE)
+    with pytest.raises(DataError, match="r:3: the row has images but policy.model_name is a text model"):
+        PromptDataset([image_row("r:3", data_url((9, 9, 9)))], formatter)
+
+
+def test_file_rows_accept_content_parts_and_name_a_bad_part():
+    from grpo.system.data import check_record
+
+    good = {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
+                                                      {"type": "text", "text": "hi"}]}], "answer": "1"}
+    assert check_record(good, "messages", "answer") is None
+    bad = {"messages": [{"role": "user", "content": [{"type": "picture", "url": "a.png"}]}], "answer": "1"}
+    assert "message 0: content part 0" in check_record(bad, "messages", "answer")
+
+
+# ------------------------------------------------------------------------------------------------ generation
+def hf_gen(vlm_dir, vlm, **policy):
+    from grpo.system.generation.hf import HFGeneration
+
+    cfg = policy_cfg(vlm_dir, **policy)
+    return HFGeneration(cfg, _tokenizer(vlm_dir), vlm.config, "cpu", model=copy.deepcopy(vlm))
+
+
+def _tokenizer(vlm_dir):
+    from grpo.system.chat import load_tokenizer
+
+    return load_tokenizer(policy_cfg(vlm_dir))
+
+
+@pytest.mark.parametrize("drop_finished", [True, False])
+def test_hf_generation_logprobs_equal_teacher_forced_ones_on_image_prompts(vlm_dir, vlm, processor, drop_finished):
+    from grpo.batch import build_batch
+    from grpo.system.engines import FrozenModel
+    from grpo.system.rollout import single_turn
+    from grpo.system.training import compute_logprobs
+
+    prompts, media = sample_prompts(vlm_dir, processor)
+    gen = hf_gen(vlm_dir, vlm, generation={"max_new_tokens": 12, "temperature": 1.0,
+                                           "hf_drop_finished_rows": drop_finished})
+    outs = gen.generate(prompts, seeds=list(range(len(prompts))), media=media)
+    assert all(o.prompt_ids == p for o, p in zip(outs, prompts))     # the prompt as given: expanded once, not again
+    trajs = single_turn(outs)
+    for t, m in zip(trajs, media):
+        t.media = m
+    b = build_batch(trajs, pad_id=0)
+    assert b.media is not None and b.media[4] is None
+    ref_bt = compute_logprobs(FrozenModel(copy.deepcopy(vlm), torch.device("cpu")), b.input_ids_bt,
+                              b.attention_mask_bt, 1.0, micro_batch_size=2, media=b.media)
+    mask = b.token_mask_bt > 0
+    assert mask.sum() > 10
+    assert torch.allclose(b.generation_logprobs_bt[mask], ref_bt[mask], atol=1e-4)
+    # the images matter: the same tokens scored with the rows' images swapped give other logprobs
+    swapped = compute_logprobs(FrozenModel(copy.deepcopy(vlm), torch.device("cpu")), b.input_ids_bt,
+                               b.attention_mask_bt, 1.0, micro_batch_size=2, media=[media[1], media[0]] + media[2:])
+    assert not torch.allclose(swapped[:2][mask[:2]], ref_bt[:2][mask[:2]], atol=1e-3)
+
+
+def test_a_prompt_expanded_twice_is_refused_by_the_model(vlm_dir, vlm, processor):
+    """The guard behind "expanded once": a prompt whose placeholders were expanded again does not reach sampling."""
+    prompts, media = sample_prompts(vlm_dir, processor)
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    twice = [t for tok in prompts[0] for t in ([tok] * IMAGE_TOKENS if tok == image_id else [tok])]
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        hf_gen(vlm_dir, vlm, max_total_sequence_length=400).generate([twice], seeds=[0], media=[media[0]])
+
+
+def test_image_placeholder_ids_are_never_sampled(vlm_dir, vlm, processor):
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    model = copy.deepcopy(vlm)
+    with torch.no_grad():  # the placeholder made the likeliest token everywhere
+        model.lm_head.weight[image_id] = model.lm_head.weight.abs().max(dim=0).values * 50
+    prompts, media = sample_prompts(vlm_dir, processor)
+    unbanned = copy.deepcopy(model)
+    unbanned.lm_head._forward_hooks.clear()
+    from grpo.system.generation.hf import HFGeneration
+
+    cfg = policy_cfg(vlm_dir)
+    free = HFGeneration(cfg, _tokenizer(vlm_dir), unbanned.config, "cpu", model=unbanned)
+    assert any(image_id in o.completion_ids for o in free.generate(prompts, list(range(5)), media=media))
+    banned = HFGeneration(cfg, _tokenizer(vlm_dir), model.config, "cpu", model=model)
+    outs = banned.generate(prompts, list(range(5)), media=media)
+    assert all(image_id not in o.completion_ids and o.completion_ids for o in outs)
+    assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in outs)
+
+
+def test_the_copy_a_hf_backend_builds_bans_the_placeholders(vlm_dir, vlm):
+    from grpo.system.generation.hf import HFGeneration
+
+    gen = HFGeneration(policy_cfg(vlm_dir), _tokenizer(vlm_dir), vlm.config, "cpu")
+    assert type(gen.model).__name__ == "LlavaForConditionalGeneration"
+    assert gen.model._grpo_banned_ids == vision.vision_token_ids(vlm.config)
+
+
+def test_a_trajectory_with_images_round_trips_a_checkpoint_without_pickle(vlm_dir, processor, tmp_path):
+    from grpo.system.rollout import new_trajectories
+
+    row = dataset(vlm_dir, processor, [image_row("r:0", data_url((1, 2, 3)))])[0]
+    traj = new_trajectories([row], 1)[0]
+    torch.save({"t": traj.to_dict()}, tmp_path / "t.pt")
+    back = type(traj).from_dict(torch.load(tmp_path / "t.pt", weights_only=True)["t"])
+    assert torch.equal(back.media["pixel_values"], row.media["pixel_values"]) and back.token_ids() == row.prompt_ids
+
+
+def test_a_model_with_multimodal_rope_positions_is_refused_by_name():
+    """Qwen2-VL places image tokens with 3-D M-RoPE positions (``get_rope_index``); the padded forwards and the decode
+    loop pass 1-D ones, so such a model is refused rather than trained on wrong positions."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(text_config=dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=1, intermediate_size=64, bos_token_id=1,
+                                            eos_token_id=2),
+                           vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2))
+    with pytest.raises(ValueError, match="Qwen2VLForConditionalGeneration places image tokens with multimodal "
+                                         r"\(M-RoPE\) positions"):
+        vision.check_positions(Qwen2VLForConditionalGeneration(config))
+    assert vision.vision_tower_path(Qwen2VLForConditionalGeneration(config)) == "model.visual"
+
+
+def test_a_local_jsonl_of_nemo_rl_image_rows_loads_through_the_data_path(vlm_dir, processor, tmp_path):
+    """NeMo-RL's VLM row format in a local file (a user message of image and text parts; an image as a path next to
+    the file, or a data: URL) goes through `load_rows` and `PromptDataset` like any other file; a missing image names
+    the file's line."""
+    import json
+
+    from grpo.system.data import load_rows
+
+    (tmp_path / "img.png").write_bytes(png((0, 0, 200)))
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "img.png")},
+                                                       {"type": "text", "text": "colour?"}]}], "answer": "blue"},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": data_url((200, 0, 0))},
+                                                       {"type": "text", "text": "colour?"}]}], "answer": "red"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = MasterConfig.model_validate({"data": {"dataset_name": str(path), "input_key": "messages",
+                                                "output_key": "answer", "num_train_samples": 2}}).data
+    loaded = load_rows(cfg, "train", seed=0)
+    ds = dataset(vlm_dir, processor, loaded)
+    assert [r.answer for r in ds] == ["blue", "red"] and all(r.media["pixel_values"].shape[0] == 1 for r in ds)
+    (tmp_path / "img.png").unlink()
+    with pytest.raises(DataError, match=r"train.jsonl:1: image .*img.png.*: no such file"):
+        dataset(vlm_dir, processor, load_rows(cfg, "train", seed=0))
