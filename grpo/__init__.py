@@ -5,16 +5,14 @@ layers below it; `tests/unit/test_layers.py` reads this table, parses every modu
 functions, ``importlib`` / ``__import__`` calls and ``"package.module:name"`` specs included) and fails on an
 import that runs up a layer, on any import cycle, and on a module that no layer claims:
 
-    1. leaves       grpo.system.dist grpo.system.signals grpo.trajectory
+    1. leaves       grpo.trajectory
     2. tasks        grpo.tasks
     3. config       grpo.config
     4. algorithm    grpo.advantages grpo.registry grpo.loss grpo.rewards grpo.gym_rewards grpo.logprobs grpo.batch grpo.packing grpo.step grpo.dynamic_sampling grpo.metrics grpo.rollout_metrics
     5. system       grpo.system
     6. composition  grpo.config_load grpo.nemo_rl_rules grpo.nemo_rl_gym_rules grpo.nemo_rl_recipe grpo.cli grpo.run grpo.validation grpo.serving grpo.export grpo.run_setup grpo.step_end grpo.producer grpo.plot grpo.inspect
 
-1. leaves: the process group (`grpo.system.dist`: rank_slice, all_gather_objects, any_rank,
-   init_distributed), POSIX signals (`grpo.system.signals`) and the typed data of a rollout (`grpo.trajectory`:
-   Message, Trajectory, Rollout); they import nothing of grpo.
+1. leaves: the typed data of a rollout (`grpo.trajectory`: Message, Trajectory, Rollout); it imports nothing of grpo.
 2. tasks (`grpo.tasks`): what the policy talks to and what scores it: the environment interface, the router
    that runs environments in threads with timeouts, the reward and tool environments, the tools' sandbox, and
    one module per built-in task, found through `grpo.tasks.catalogue`. Nothing here knows how the policy is trained.

@@ -44,7 +44,7 @@ import time
 import httpx
 import yaml
 
-from grpo.system.signals import set_parent_death_signal
+from grpo.tasks.pool import set_parent_death_signal
 
 SERVER_KINDS = ("responses_api_agents", "resources_servers", "responses_api_models")
 AGENT_KIND = "responses_api_agents"

@@ -36,7 +36,8 @@ from grpo.trajectory import Message, Rollout, Trajectory
 from grpo.tasks.interface import MESSAGE_FLAGS
 from grpo.system.chat import ChatFormatError
 from grpo.tasks.rows import PromptRow
-from grpo.system.dist import all_gather_objects, rank_slice
+from grpo.batch import rank_slice
+from grpo.system.dist import all_gather_objects
 from grpo.system.generation.base import chunk_slices
 
 logger = logging.getLogger(__name__)

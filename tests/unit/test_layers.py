@@ -146,4 +146,4 @@ def test_the_checks_see_what_they_must(tmp_path):
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     table = layer_table()
     assert layer_of("grpo.step", table) < layer_of("grpo.system.engines", table) < layer_of("grpo.run", table)
-    assert layer_of("grpo.system.dist", table) < layer_of("grpo.tasks.pool", table)
+    assert layer_of("grpo.trajectory", table) < layer_of("grpo.tasks.pool", table) < layer_of("grpo.system.dist", table)

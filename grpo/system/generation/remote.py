@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from grpo.system.bridge import Bridge, BridgeError
-from grpo.system.dist import rank_slice
+from grpo.batch import rank_slice
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, length_caps, per_sample_stops
 
 # How long trainer 0 waits for the generation ranks to start their engines (at least; bridge_timeout_s if longer):
