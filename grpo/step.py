@@ -75,7 +75,7 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
 def penalize(rewards_b: torch.Tensor, trajectories, rp, tokenizer, env=None):
     """``reward_penalties`` on the trajectories' generated messages (`grpo.rewards.apply_reward_penalties`):
     returns (rewards_b', flags, metrics, turns, think_ids). Training (`shape_rewards`) and validation
-    (`grpo.validation.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it.
+    (`grpo.run.validation.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it.
 
     NeMo-Gym samples (`grpo.gym_rewards.is_gym_batch`) get NeMo-RL's Gym shaping instead: effort levels
     (``env.nemo_gym.effort_levels``), then the penalties on the Gym results (`grpo.gym_rewards.shape_gym_rewards`);

@@ -18,7 +18,7 @@ conversations failed: it scores nothing). Under ZeRO-3 the ranks first agree on 
 samples (one all-reduce), then each runs ceil(n / batch_size) forwards over its own samples, a one-token dummy batch
 when it has run out (`grpo.system.generation.base.chunk_slices`, as lockstep generation does). The synchronous loop
 and validation call it in the main thread; the asynchronous loop's producer thread hands it to the trainer thread
-(`grpo.producer.TrainerDesk`), which runs it between two training steps: no two threads ever drive DeepSpeed
+(`grpo.run.producer.TrainerDesk`), which runs it between two training steps: no two threads ever drive DeepSpeed
 collectives on one group at once (DeepSpeed's ZeRO-3 hooks also keep process-global state,
 ``parameter_offload.FWD_MODULE_STACK``, that two concurrent forwards would interleave). With generation on ranks of
 its own the trainers play and score the conversations, so the same holds. ``cluster.gpus_per_node=1``: the reward
@@ -361,7 +361,7 @@ class RewardModels:
 
     @property
     def on_trainer_thread(self) -> bool:
-        """Whether the async loop's producer hands `score_pending` to the trainer thread (`grpo.producer.TrainerDesk`):
+        """Whether the async loop's producer hands `score_pending` to the trainer thread (`grpo.run.producer.TrainerDesk`):
         a ZeRO-3 engine (collectives on the default group, which is the trainer's) or a copy that moves to the device
         to score (``offload`` ``move``: from the producer thread it would come onto the device while the trainer
         trains, and empty the allocator's cache under it)."""

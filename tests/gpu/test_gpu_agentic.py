@@ -39,7 +39,7 @@ def build_model(out: str) -> str:
 
 
 def run_cfg(model_dir: str):
-    from grpo.config_load import build_config
+    from grpo.config.load import build_config
 
     return build_config({
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "seed": 5},

@@ -143,10 +143,10 @@ class AgentCollective(Collective):
 
 
 class ProducerWeights:
-    """The async producer's weight source with generation ranks: `grpo.producer.RolloutProducer.load_newest` itself,
+    """The async producer's weight source with generation ranks: `grpo.run.producer.RolloutProducer.load_newest` itself,
     over this trainer's backend and endpoint (a load through the endpoint, a collective of the trainers)."""
 
-    from grpo.producer import RolloutProducer
+    from grpo.run.producer import RolloutProducer
 
     load_newest = RolloutProducer.load_newest
 

@@ -164,7 +164,7 @@ def test_the_synchronous_loop_labels_agent_samples_with_the_steps_trained(endpoi
     the endpoint's answers in them, record that version (not 0)."""
     from types import SimpleNamespace
 
-    from grpo.run import run_rollout
+    from grpo.run.run import run_rollout
 
     cfg = _cfg({"fn": f"{FNS}:calc_agent"})
     envs = build_environments(cfg.env)

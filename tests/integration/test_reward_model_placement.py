@@ -1,7 +1,7 @@
 """When the reward model is placed (issue 52, finding 2): setup builds the environments before the engines (the data
 needs them), and the reward model with them, so ``placement: auto`` / ``offload: auto`` weighed a GPU still empty of
 the policy and of vLLM's ``gpu_memory_utilization``. Now `grpo.system.reward_model.RewardModels.place` runs once the
-policy and the generation backend are built. `grpo.run_setup.setup` in this process, on the CPU, with the device's
+policy and the generation backend are built. `grpo.run.run_setup.setup` in this process, on the CPU, with the device's
 free memory injected: a GPU of 80 GiB that the policy takes 30 of and the generation backend 40."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ GiB = 2**30
 
 
 def test_the_reward_model_is_placed_by_the_memory_the_engines_left(tmp_path, monkeypatch, capsys):
-    from grpo import run_setup
+    from grpo.run import run_setup
     from grpo.system import engines, reward_model
     from tests.helpers.e2e import TINY
     from tests.helpers.reward_models import save_tiny_reward_model
@@ -79,7 +79,7 @@ def test_the_async_producer_places_the_reward_model_and_hands_its_moves_to_the_t
     import types
 
     from grpo.config import MasterConfig
-    from grpo.producer import RolloutProducer
+    from grpo.run.producer import RolloutProducer
     from grpo.system import reward_model
     from grpo.system.generation.base import GenerationBackend
     from grpo.system.rollout import _apply_step

@@ -1,4 +1,4 @@
-"""NeMo-Gym's pure half (grpo/tasks/nemo_gym.py) and its config (grpo/config.py NemoGymConfig): NeMo-RL's checks
+"""NeMo-Gym's pure half (grpo/tasks/nemo_gym.py) and its config (grpo/config/ NemoGymConfig): NeMo-RL's checks
 on hand-made results, Gym rows as data, and the config errors a user meets. The HTTP path is
 tests/integration/test_nemo_gym_servers.py."""
 

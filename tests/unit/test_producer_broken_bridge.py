@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo.producer import RolloutProducer
+from grpo.run.producer import RolloutProducer
 from grpo.system.generation.base import GenerationBackend
 from grpo.system.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage
 from grpo.system.rollout import RolloutError
@@ -41,7 +41,7 @@ def _producer(monkeypatch, broken: str | None, max_failures: int):
         calls.append(1)
         raise RolloutError("rank 0: BridgeError: bridge waiting for generation rank 0: it is gone")
 
-    monkeypatch.setattr("grpo.run.run_rollout", failing_rollout)
+    monkeypatch.setattr("grpo.run.run.run_rollout", failing_rollout)
     async_cfg = SimpleNamespace(max_trajectory_age_steps=1, max_generation_failures=max_failures,
                                 in_flight_weight_updates=False)
     run = SimpleNamespace(cfg=SimpleNamespace(grpo=SimpleNamespace(async_grpo=async_cfg)), total_steps=10,

@@ -184,7 +184,7 @@ def test_a_toy_reward_model_name_is_checked_at_load():
 
 
 def test_the_reward_model_demo_config_loads():
-    from grpo.config_load import load_config
+    from grpo.config.load import load_config
 
     cfg = load_config("configs/cpu_demo_reward_model.yaml", [])
     assert cfg.env.name == "reward_model" and cfg.env.reward_model.model_name == "toy:demo_rm"
@@ -255,8 +255,8 @@ def test_a_missing_reward_model_path_fails_the_config_check_in_one_line(override
 def test_a_name_that_cannot_load_is_one_line_naming_its_key(tmp_path):
     """Offline (HF_HUB_OFFLINE=1, as the tests run) a hub name not in the cache cannot load, nor can a directory that
     holds no model: one line naming the key and the name, shown by the scripts without a traceback
-    (`grpo.run.known_error_message`)."""
-    from grpo.run import known_error_message
+    (`grpo.run.run.known_error_message`)."""
+    from grpo.run.run import known_error_message
     from grpo.system.reward_model import RewardModelScorer
     from grpo.tasks.function import EnvError
 

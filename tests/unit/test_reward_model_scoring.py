@@ -1,7 +1,7 @@
 """The reward models' scoring point (grpo.system.reward_model.RewardModels.score_pending): the run's scorers are
 deferred, the environment leaves pending scores, combined environments weight and name them, the point adds them
 (equal to scoring in the step); the ZeRO-3 config and the offload plan; the async loop's hand-over to the trainer
-thread (grpo.producer.TrainerDesk). Two ranks on gloo: tests/integration/test_reward_model_zero3.py."""
+thread (grpo.run.producer.TrainerDesk). Two ranks on gloo: tests/integration/test_reward_model_zero3.py."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_placement_auto_is_plain_on_one_rank_and_forced_values_stand(rm_cfg):
     assert models.placement(rm_cfg.model_copy(update={"placement": "zero3"}), None) == "zero3"
 
 
-# ---- the async loop's hand-over (grpo.producer.TrainerDesk) -------------------------------------------------
+# ---- the async loop's hand-over (grpo.run.producer.TrainerDesk) -------------------------------------------------
 def _submit(desk, target, fn, out):
     def go():
         try:
@@ -179,7 +179,7 @@ def _submit(desk, target, fn, out):
 
 
 def test_the_trainer_runs_handed_over_work_of_its_step_or_earlier_only():
-    from grpo.producer import TrainerDesk
+    from grpo.run.producer import TrainerDesk
 
     desk, out, ran_in = TrainerDesk(), [], []
     thread = _submit(desk, 2, lambda: ran_in.append(threading.current_thread().name) or 7, out)
@@ -192,7 +192,7 @@ def test_the_trainer_runs_handed_over_work_of_its_step_or_earlier_only():
 
 
 def test_an_error_of_handed_over_work_reaches_the_producer_and_close_releases_it():
-    from grpo.producer import TrainerDesk
+    from grpo.run.producer import TrainerDesk
 
     desk, out = TrainerDesk(), []
 
@@ -219,7 +219,7 @@ def test_own_reward_model_ranks_are_refused_in_a_native_config_and_translated_fr
     shares the training ranks)."""
     from pydantic import ValidationError
 
-    from grpo.nemo_rl_recipe import load_recipe
+    from grpo.config.nemo_rl.recipe import load_recipe
 
     with pytest.raises(ValidationError, match=r"env.reward_model.resources=.*runs on the training ranks.*placement"):
         RewardModelConfig(model_name="m", resources={"gpus_per_node": 1, "num_nodes": 1})

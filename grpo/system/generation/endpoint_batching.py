@@ -104,7 +104,7 @@ class Batching:
     def load_weights(self, load) -> int:
         """Change the served backend's weights: ``load()`` runs while no batch generates (it waits for the one in
         flight) and returns the version it loaded, which later answers record. The async loop's generation thread
-        loads through this (`grpo.producer.RolloutProducer.load_newest`), inside a window or not."""
+        loads through this (`grpo.run.producer.RolloutProducer.load_newest`), inside a window or not."""
         with self._generating:
             self.weight_version = int(load())
             return self.weight_version

@@ -1,6 +1,6 @@
 """Plot the curves of one or several runs from their ``metrics.jsonl``.
 
-    python -m grpo.plot LOG_DIR [LOG_DIR ...] --out curves.png [--labels a,b] [--metrics KEY_OR_GLOB,...]
+    python -m grpo.tools.plot LOG_DIR [LOG_DIR ...] --out curves.png [--labels a,b] [--metrics KEY_OR_GLOB,...]
 
 Default panels: train and validation reward, KL, entropy, response length, clip fractions,
 token_mult_prob_error, step time by phase. With several runs each run has its colour (legend at the top,
@@ -195,7 +195,7 @@ def plot_runs(runs: dict[str, dict[str, dict[int, float]]], panels: list[tuple[s
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m grpo.plot", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grpo.tools.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="runs' logger.log_dir (holding metrics.jsonl)")
     p.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")

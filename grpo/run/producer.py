@@ -156,7 +156,7 @@ class RolloutProducer:
                 self.buffer.close(StopKind.ENDED, f"the generation thread ended before step {self.target}")
 
     def _loop(self) -> None:
-        from grpo.run import run_rollout
+        from grpo.run.run import run_rollout
         from grpo.system.dist import all_gather_objects
         from grpo.system.rollout import FixedWeights, RolloutError
 

@@ -8,7 +8,7 @@ import json
 import os
 
 from grpo.config import cluster_mismatch, generation_ranks, serves_endpoint  # noqa: F401 (serves_endpoint: here too)
-from grpo.run import RunError
+from grpo.run.run import RunError
 
 
 def start_split(cfg):
@@ -127,7 +127,7 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
 def start_async_endpoint(run, generator) -> None:
     """The async loop's endpoint (``run.agents``) over its generation thread's backend ``generator`` (the thread's
     weight copy), when the run serves one and setup has not (over the generation ranks' backend, which the thread
-    drives too). Weights change through the endpoint (`grpo.producer.RolloutProducer.load_newest`); the trainer's
+    drives too). Weights change through the endpoint (`grpo.run.producer.RolloutProducer.load_newest`); the trainer's
     validation plays its agent samples over it as well, on the thread's weights."""
     if run.agents is None and run.generator is None:
         run.agents = start_endpoint(run.cfg, generator, run.tokenizer, [run.envs, run.val_envs], run.closables,

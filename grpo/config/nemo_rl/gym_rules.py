@@ -1,6 +1,6 @@
 """The translation rules of NeMo-RL's NeMo-Gym recipes (``env.should_use_nemo_gym: true``), in one place.
-`grpo.nemo_rl_rules` calls `gym_data_and_env` for a Gym recipe's ``data`` and ``env``, and `gym_grpo_and_penalties`
-for every recipe's ``grpo`` Gym keys and ``reward_penalties``. ``w`` is `grpo.nemo_rl_rules.Walk` (its methods
+`grpo.config.nemo_rl.rules` calls `gym_data_and_env` for a Gym recipe's ``data`` and ``env``, and `gym_grpo_and_penalties`
+for every recipe's ``grpo`` Gym keys and ``reward_penalties``. ``w`` is `grpo.config.nemo_rl.rules.Walk` (its methods
 only: this module imports nothing of the rules, so there is no import cycle).
 
 NeMo-RL key                                   grpo-ds key

@@ -1,7 +1,7 @@
 """A run's shared parts: the `Run` every loop works with, `RunError` and the scripts' ``__main__``, and what a loop
 calls with the run each step (rollout, dumps, checkpoint, stop decisions) up to `finish`, its teardown.
 
-    run = setup(argv, DEFAULT_CONFIG, asynchronous=False)   # grpo.run_setup: a Run, or None (--export-hf done)
+    run = setup(argv, DEFAULT_CONFIG, asynchronous=False)   # grpo.run.run_setup: a Run, or None (--export-hf done)
     ... the loop, calling run_rollout(run, ...), validate(run, ...) and end_step(run, ...) ...
     return finish(run, failure=...)                          # None or a signal's exit status
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from grpo.config import MasterConfig
-from grpo.config_load import ConfigError
+from grpo.config.load import ConfigError
 
 if TYPE_CHECKING:  # for the types only: a config error must exit before torch (and all that follows) is imported
     import torch
@@ -54,7 +54,7 @@ class RunError(Exception):
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """Everything a loop works with, built by `grpo.run_setup.setup`. ``checks``: the per-step health checks
+    """Everything a loop works with, built by `grpo.run.run_setup.setup`. ``checks``: the per-step health checks
     (`grpo.system.health.StepChecks`); ``stop``: the SIGTERM / SIGINT flag (`grpo.system.signals.StopRequest`); ``dumper``:
     the rollout dumps (`grpo.system.dumps.RolloutDumper`); ``run_id``: the run's id in its directories
     (`grpo.system.rundir`). ``generator`` is the synchronous loop's generation
@@ -276,7 +276,7 @@ def stop_reason(run: Run, step: int, val_metrics: dict | None) -> str | None:
 def done_line(steps: int, val_reward: float) -> str:
     """The run's closing line: its steps and the accuracy of its last saved validation (``val_reward``: NeMo-RL's
     ``GRPOSaveState.val_reward``, -99999999 when there was none); NaN is a validation whose samples all failed,
-    said as failed, never as a number (`grpo.validation.validate`).
+    said as failed, never as a number (`grpo.run.validation.validate`).
 
         >>> done_line(3, 0.5), done_line(3, -99999999.0)
         ('done: 3 steps, last validation/accuracy 0.5', 'done: 3 steps')

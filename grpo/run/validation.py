@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from grpo.run import Run, dump_rollouts, run_rollout
+from grpo.run.run import Run, dump_rollouts, run_rollout
 
 
 def validate(run: Run, generator, envs, step: int) -> dict:

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import MasterConfig
-from grpo.config_load import ConfigError, section_model
-from grpo.nemo_rl_gym_rules import gym_data_and_env, gym_grpo_and_penalties, is_gym_recipe
+from grpo.config.load import ConfigError, section_model
+from grpo.config.nemo_rl.gym_rules import gym_data_and_env, gym_grpo_and_penalties, is_gym_recipe
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[3]  # grpo/config/nemo_rl/rules.py -> the repository
 PROMPTS_DIR = REPO_ROOT / "configs" / "prompts"  # our own wording of NeMo-RL's examples/prompts/*.txt names
 
 ADAMW = ("torch.optim.AdamW", "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam")
@@ -744,7 +744,7 @@ def _multiple_dataloader(w: Walk) -> None:
 
 def _data_and_env(w: Walk) -> None:
     _multiple_dataloader(w)
-    if is_gym_recipe(w):  # NeMo-Gym rows and env.nemo_gym (grpo.nemo_rl_gym_rules)
+    if is_gym_recipe(w):  # NeMo-Gym rows and env.nemo_gym (grpo.config.nemo_rl.gym_rules)
         gym_data_and_env(w)
         return
     if w.get("env.sliding_puzzle_game") is not None:  # run_grpo_sliding_puzzle.py never reads data.train

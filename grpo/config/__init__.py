@@ -2,7 +2,7 @@
 
 Field names and defaults follow NeMo-RL (``nemo_rl.algorithms.grpo`` / ``loss_functions``) so a
 NeMo-RL recipe reads the same here. Every model forbids unknown keys. Loading (YAML recipes with
-``defaults:`` inheritance, dotted command-line overrides, readable errors) is `grpo.config_load`.
+``defaults:`` inheritance, dotted command-line overrides, readable errors) is `grpo.config.load`.
 
 This module imports only pydantic and the task catalogue (`grpo.tasks.catalogue`, for the built-in task
 names; it imports nothing heavy): a bad config fails before torch, deepspeed or a model is ever
@@ -1105,7 +1105,7 @@ class RewardModelConfig(_Section):
     @classmethod
     def _own_resources(cls, data):
         """NeMo-RL's ``resources`` (GPUs of the reward model's own) in a native config: refused with the reason (a
-        NeMo-RL recipe's is translated: its GPUs join the training ranks, grpo/nemo_rl_rules.py)."""
+        NeMo-RL recipe's is translated: its GPUs join the training ranks, grpo/config/nemo_rl/rules.py)."""
         if isinstance(data, dict) and "resources" in data:
             raise ValueError(f"env.reward_model.resources={data['resources']!r}: grpo-ds has no ranks of the reward "
                              "model's own; it runs on the training ranks beside the policy (with generation on ranks "
@@ -1594,7 +1594,7 @@ def reward_penalties_without_nemo_gym(rp: RewardPenaltyConfig, enable_nemo_gym: 
     """NeMo-RL's ``_raise_if_reward_penalties_enabled_without_nemo_gym`` (``nemo_rl/algorithms/grpo.py``) as a
     message: None with NeMo-Gym or with no NeMo-RL penalty on, else one line naming the first key that is on.
     NeMo-RL's penalties read NeMo-Gym results; grpo-ds's native runs apply them to its own environments' text
-    (`grpo.rewards`), so only NeMo-RL recipes are held to this (`grpo.nemo_rl_rules`).
+    (`grpo.rewards`), so only NeMo-RL recipes are held to this (`grpo.config.nemo_rl.rules`).
 
         >>> reward_penalties_without_nemo_gym(RewardPenaltyConfig(penalize_empty_final_answer=True), False)
         'reward_penalties.penalize_empty_final_answer=true: reward_penalties require the NeMo-Gym path (env.should_use_nemo_gym=true); they are not supported with the native generation path'
@@ -1863,7 +1863,7 @@ VALIDATION_METRIC_ALIASES = {"reward_mean": "accuracy", "pass@k": "pass_k", "res
 
 
 def validation_metric_names(k: int) -> list[str]:
-    """The metrics validation reports (`grpo.validation.validate`, logged as ``validation/<name>``) with
+    """The metrics validation reports (`grpo.run.validation.validate`, logged as ``validation/<name>``) with
     ``grpo.val_num_generations_per_prompt = k``; as in NeMo-RL, pass_k only when k > 1.
 
         >>> validation_metric_names(4)

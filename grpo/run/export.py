@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from grpo.cli import export_flag
+from grpo.run.cli import export_flag
 from grpo.config import MasterConfig
-from grpo.run import RunError, RunLocks, claim_on_rank0
+from grpo.run.run import RunError, RunLocks, claim_on_rank0
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

@@ -11,7 +11,7 @@ parent's instead of merging), then the command-line overrides in NeMo-RL's key n
 interpolation with NeMo-RL's resolvers ``mul``, ``add``, ``div``, ``max``: ``${policy.max_total_sequence_length}``
 follows an override of it.
 
-Then every key gets one fate (`grpo.nemo_rl_rules`): honored (same name, same meaning: copied), translated
+Then every key gets one fate (`grpo.config.nemo_rl.rules`): honored (same name, same meaning: copied), translated
 (another grpo-ds key that means the same), ignored (it configures a backend grpo-ds does not have: listed in the
 table with the reason), or refused (it changes the algorithm and grpo-ds cannot do it: a `ConfigError` naming the
 key and why). A key no rule knows is refused too. The result is validated by `grpo.config.MasterConfig` like any
@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from grpo.config import MasterConfig
-from grpo.config_load import (
+from grpo.config.load import (
     ConfigError, build_config, defaults_entries, load_yaml, null_key_error, parent_recipe, recipe_paths,
 )
 
@@ -132,7 +132,7 @@ def _bounded(name: str, fn):
     >>> _bounded("mul", lambda a, b: a * b)(2 ** 200, 2 ** 100)
     Traceback (most recent call last):
     ...
-    grpo.nemo_rl_recipe._TooLarge: ${mul:...} would make an integer of about 302 bits (more than 256): no config value is that large
+    grpo.config.nemo_rl.recipe._TooLarge: ${mul:...} would make an integer of about 302 bits (more than 256): no config value is that large
     """
     def size(v) -> tuple[str, int]:
         if isinstance(v, bool) or v is None:
@@ -216,8 +216,8 @@ def omegaconf_errors(where: str):
 
 
 def _read_one(path: Path) -> dict:
-    """One recipe file (no defaults merged), through grpo.config_load's checks (missing, empty, not UTF-8, ...)."""
-    from grpo.config_load import bounded_yaml, yaml_error, read_config_text
+    """One recipe file (no defaults merged), through grpo.config.load's checks (missing, empty, not UTF-8, ...)."""
+    from grpo.config.load import bounded_yaml, yaml_error, read_config_text
 
     text = read_config_text(path)
     try:
@@ -347,7 +347,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None,
                 config_cls: type[MasterConfig] = MasterConfig) -> tuple[MasterConfig, list[tuple[str, str, str]]]:
     """A NeMo-RL recipe (+ overrides in NeMo-RL's key names) as a validated grpo-ds config, and the table of
     what was translated and ignored: ``[(kind, dotted key, why)]`` with kind "translated" or "ignored"."""
-    from grpo.nemo_rl_rules import translate
+    from grpo.config.nemo_rl.rules import translate
 
     raw, table = translate(load_nemo_rl(path, overrides), base_dir=Path(path).resolve().parent)
     return build_config(raw, config_cls), table

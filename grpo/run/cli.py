@@ -11,7 +11,7 @@ import os
 import sys
 
 from grpo.config import MasterConfig
-from grpo.config_load import ConfigError, config_help, load_config
+from grpo.config.load import ConfigError, config_help, load_config
 
 
 def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -50,7 +50,7 @@ def load_run_config(argv=None, default_config: str = "", asynchronous: bool = Fa
 
     ``asynchronous``: the caller is train_async_grpo.py, which runs exactly the configs with
     ``grpo.async_grpo.enabled=true`` (train_grpo.py runs the others). ``config_cls``: the config model,
-    `grpo.config.MasterConfig` or a fork's subclass with its own sections (`grpo.config_load.build_config`);
+    `grpo.config.MasterConfig` or a fork's subclass with its own sections (`grpo.config.load.build_config`);
     ``--help-config`` lists its fields.
     """
     args, overrides = parse_args(argv, description)
@@ -65,7 +65,7 @@ def load_run_config(argv=None, default_config: str = "", asynchronous: bool = Fa
         print(f"No --config given: running the built-in {'async ' if asynchronous else ''}CPU demo "
               f"({os.path.relpath(default_config)})", flush=True)
         args.config = default_config
-    from grpo.nemo_rl_recipe import dump_config, format_table, is_nemo_rl_recipe, load_recipe
+    from grpo.config.nemo_rl.recipe import dump_config, format_table, is_nemo_rl_recipe, load_recipe
 
     table = None
     try:
@@ -97,7 +97,7 @@ def load_run_config(argv=None, default_config: str = "", asynchronous: bool = Fa
 
 
 def exporting(args: argparse.Namespace) -> bool:
-    """Whether the command asks for an export (and no training): `grpo.export`."""
+    """Whether the command asks for an export (and no training): `grpo.run.export`."""
     return args.export_hf is not None or args.export_adapter is not None
 
 

@@ -66,7 +66,7 @@ def _utf8(data: bytes, where: str) -> str:
     >>> _utf8(b"a: 1\\nb: \\xff\\n", "x.yaml")
     Traceback (most recent call last):
     ...
-    grpo.config_load.ConfigError: x.yaml, line 2, column 4: byte 0xff is not UTF-8; save the file as UTF-8
+    grpo.config.load.ConfigError: x.yaml, line 2, column 4: byte 0xff is not UTF-8; save the file as UTF-8
     """
     try:
         return data.decode("utf-8")
@@ -209,7 +209,7 @@ def defaults_entries(path: Path, parents) -> list[str]:
     >>> defaults_entries(Path("a.yaml"), 5)
     Traceback (most recent call last):
     ...
-    grpo.config_load.ConfigError: a.yaml: defaults: 5: expected a recipe path or a list of recipe paths
+    grpo.config.load.ConfigError: a.yaml: defaults: 5: expected a recipe path or a list of recipe paths
     """
     if parents is None:
         return []
@@ -334,8 +334,8 @@ def _format_validation_error(err: ValidationError, config_cls: type = MasterConf
 def _declared_in(config_cls: type) -> str:
     """Where the fields of ``config_cls`` are declared, for the unknown-key message."""
     if config_cls is MasterConfig:
-        return "grpo/config.py"
-    return f"{config_cls.__module__}.{config_cls.__qualname__} and grpo/config.py"
+        return "grpo/config/"
+    return f"{config_cls.__module__}.{config_cls.__qualname__} and grpo/config/"
 
 
 def check_config_cls(config_cls: type) -> type:

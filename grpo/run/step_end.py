@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpo.run import Run, dump_rollouts, resume_note, save, stop_reason, stop_requested
+from grpo.run.run import Run, dump_rollouts, resume_note, save, stop_reason, stop_requested
 
 
 @dataclass
@@ -35,7 +35,7 @@ def end_step(run: Run, step: int, batch, results: list[dict], metrics: dict, *, 
        losses, a collapsing policy: `grpo.system.health.StepChecks`), the row logged, the rollouts dumped;
     2. a ``failure`` already known (a refit that broke) or found by the checks ends the step here;
     3. ``validate(step)`` when ``grpo.val_period`` says so and no stop signal is pending (a `RolloutError` there
-       fails the run: this step is trained and good, `grpo.run.finish` saves it);
+       fails the run: this step is trained and good, `grpo.run.run.finish` saves it);
     4. a checkpoint on ``checkpointing.save_period``, at the last step, or when the run stops now, with
        ``loader_state()`` (the position after the last trained prompts) and ``extra()`` (the async replay buffer).
     """
@@ -68,7 +68,7 @@ def skip_step(run: Run, step: int, batch, metrics: dict) -> str | None:
     `grpo.system.health.RolloutBudget`). It is still a step (`grpo.step.record_step` with ``trained=False``): its
     prompts are consumed, its row is logged (rollout metrics, no ``train/loss``) with ``rollout/skipped_steps``,
     its samples dumped, and a line names the environment's last error. Returns None, or the stop message (one
-    line) once ``max_consecutive_skipped_steps`` steps in a row were skipped: `grpo.run.finish` then saves the state (the
+    line) once ``max_consecutive_skipped_steps`` steps in a row were skipped: `grpo.run.run.finish` then saves the state (the
     weights of the last trained step) and the run exits 1 with it."""
     from grpo.metrics import nemo_rl_names
     from grpo.step import record_step

@@ -1,7 +1,7 @@
 """Print a step's best, median and worst samples from the rollout dumps, for reading in a terminal.
 
-    python -m grpo.inspect LOG_DIR [--step N] [--split train|val] [--n K]
-    python -m grpo.inspect LOG_DIR --failed [--step N]     # the samples whose environment or reward failed
+    python -m grpo.tools.inspect LOG_DIR [--step N] [--split train|val] [--n K]
+    python -m grpo.tools.inspect LOG_DIR --failed [--step N]     # the samples whose environment or reward failed
 
 Reads ``LOG_DIR/rollouts/<split>_step_<N>.jsonl`` (written with ``logger.dump_rollouts=true``);
 without ``--step``, the last dumped step. Per sample: reward (and its components), advantage, mask
@@ -9,7 +9,7 @@ reason, finish reason, lengths, logprob error, then the conversation, trained me
 ``TRAINED`` with each line prefixed "> ". ``--failed`` lists every failed sample of the step instead (its reason,
 class, retries and the last lines of its error; `grpo.tasks.failures`), or of every dumped step without ``--step``.
 
-The module is ``grpo.inspect``: run with ``-m`` (or imported as ``grpo.inspect``) it does not shadow
+The module is ``grpo.tools.inspect``: run with ``-m`` (or imported as ``grpo.tools.inspect``) it does not shadow
 the standard library's ``inspect``, which absolute imports (``import inspect``) still find.
 """
 
@@ -146,7 +146,7 @@ def list_failures(log_dir: str | Path, split: str, step: int | None) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m grpo.inspect", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grpo.tools.inspect", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log_dir", metavar="LOG_DIR", help="the run's logger.log_dir")
     p.add_argument("--step", type=int, default=None, help="the step to show (default: the last dumped)")

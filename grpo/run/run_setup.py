@@ -1,4 +1,4 @@
-"""A run's setup: from the command line to a `grpo.run.Run` (process group, run directories, data, environments,
+"""A run's setup: from the command line to a `grpo.run.run.Run` (process group, run directories, data, environments,
 engines, logger, generation backend, resume), or the end of the process for an export or a generation rank.
 
     run = setup(argv, DEFAULT_CONFIG, asynchronous=False)   # a Run, or None (--export-hf done, a generation rank)
@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from grpo.cli import exporting, load_run_config
+from grpo.run.cli import exporting, load_run_config
 from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags
-from grpo.export import claim_export, export_checkpoint
-from grpo.run import Closable, Resume, Run, RunError, RunLocks, claim_on_rank0
-from grpo.serving import build_generation_backend, serve_generation, start_endpoint, start_split
+from grpo.run.export import claim_export, export_checkpoint
+from grpo.run.run import Closable, Resume, Run, RunError, RunLocks, claim_on_rank0
+from grpo.run.serving import build_generation_backend, serve_generation, start_endpoint, start_split
 from grpo.system.chat import load_tokenizer
 
 if TYPE_CHECKING:
