@@ -20,7 +20,10 @@ module or folder:
 2. tasks (`grpo.tasks`): what the policy talks to and what scores it: the environment interface, the router
    that runs environments in threads with timeouts, the reward and tool environments, the tools' sandbox, and
    one module per built-in task, found through `grpo.tasks.catalogue`. Nothing here knows how the policy is trained.
-3. config (`grpo.config`): the typed configuration; it reads the task catalogue for the task names.
+3. config (`grpo.config`): the typed configuration, one module per section as NeMo-RL's MasterConfig has them
+   (`algorithm`: grpo, loss_fn, reward penalties, distillation; `policy`; `data`; `env`; `run`: logger, cluster,
+   checkpointing; `master`: the whole config and the rules across sections), every public name re-exported by
+   `grpo.config`. It reads the task catalogue for the task names.
 4. algorithm (grpo's root modules): pure functions on tensors and the config: the batch, the step phases,
    advantages and their registry, the loss, rewards, dynamic sampling, logprobs, metrics, and which samples
    share a micro-batch (`grpo.packing`: bin packing, token budgets, the packed-row layout). The place a research
