@@ -1,7 +1,7 @@
 """Every config knob acts: each field of every config model is read, by its dotted path, outside grpo/config/.
 
 A field that is accepted and then read by nothing is the worst kind of config bug (a user sets it, nothing
-changes, nothing says so). The check is static: an attribute chain in the loops, grpo/ (config.py itself and the
+changes, nothing says so). The check is static: an attribute chain in the loops, grpo/ (the config modules and the
 loaders excluded) or scripts/ must denote the field's whole dotted path (`tests/helpers/config_reads.py` says how
 a chain's root is resolved: ``g = cfg.grpo; g.seed`` reads ``grpo.seed``, ``lora: LoraConfig`` reads
 ``policy.lora.*``). Fields that only the schema reads are listed below, each with why it is not a dead knob.
