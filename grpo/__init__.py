@@ -13,8 +13,9 @@ module or folder:
     4. algorithm    grpo
     5. system       grpo.system
     6. loading      grpo.config.load grpo.config.nemo_rl
-    7. run          grpo.run
-    8. tools        grpo.tools
+    7. wings        grpo.wings
+    8. run          grpo.run
+    9. tools        grpo.tools
 
 1. leaves: the typed data of a rollout (`grpo.trajectory`: Message, Trajectory, Rollout); it imports nothing of grpo.
 2. tasks (`grpo.tasks`): what the policy talks to and what scores it: the environment interface, the router
@@ -35,10 +36,14 @@ module or folder:
    NeMo-RL's recipes (`grpo.config.nemo_rl`: `recipe` loads them, `rules` translates them key by key). It lives
    in config/ and sits above the algorithm and the system because it checks names they register (the advantage
    estimators of `grpo.registry`) before any model loads.
-7. run (`grpo.run`): composition: a run's setup (`grpo.run.run_setup`), the scripts' command line
+7. wings (`grpo.wings`): features that plug into the core's seams, a folder each, and that no other layer imports
+   (the run loads them all through `grpo.wings.load`, naming none): reward models (`grpo.wings.reward_model`). The
+   seams: the environment catalogue (`grpo.tasks.factory.register_environment`) and the deferred scoring point
+   (`grpo.system.deferred.register_deferred_scorer`).
+8. run (`grpo.run`): composition: a run's setup (`grpo.run.run_setup`), the scripts' command line
    (`grpo.run.cli`), the `Run` and its per-step calls and teardown (`grpo.run.run`), validation, where generation
    runs and is served (`grpo.run.serving`), ``--export-hf`` / ``--export-adapter`` (`grpo.run.export`), the end of
    a step that both loops share (`grpo.run.step_end`), the async loop's producer thread (`grpo.run.producer`);
    the loops themselves are the scripts ``train_grpo.py`` and ``train_async_grpo.py``.
-8. tools (`grpo.tools`): ``python -m grpo.tools.inspect`` (rollout dumps) and ``python -m grpo.tools.plot`` (curves).
+9. tools (`grpo.tools`): ``python -m grpo.tools.inspect`` (rollout dumps) and ``python -m grpo.tools.plot`` (curves).
 """

@@ -10,7 +10,8 @@ newest ones; with ``in_flight_weight_updates`` it also loads newer weights betwe
 Each rank runs one producer; they agree over their own gloo process group (the default group belongs to
 the main thread), so every rank puts the same groups in the same order.
 
-A ZeRO-3 reward model (`grpo.system.reward_model`) scores with collectives on the default group, which belongs to
+A deferred scorer (`grpo.system.deferred`: a ZeRO-3 reward model) scores with collectives on the default group, which
+belongs to
 the trainer thread, and an offloaded copy moves onto the device to score (``offload`` ``move``), which must not
 happen while the trainer trains: the producer hands their scoring to the trainer through a `TrainerDesk` and waits;
 the trainer runs it while it waits for the groups of the step the rollout is for (`RolloutProducer.take`), so on
@@ -56,10 +57,10 @@ class RolloutProducer:
         self._busy_mark = (0.0, time.perf_counter())
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="grpo-generation", daemon=True)
-        rms = run.reward_models
-        if rms:  # the thread's weight copy exists now: the reward models go where memory is left (setup's, if built)
-            rms.place(run.logger.write)
-        self.desk = TrainerDesk() if rms and rms.on_trainer_thread else None  # they score in the trainer thread
+        deferred = run.deferred
+        if deferred:  # the thread's weight copy exists now: the scorers go where memory is left (setup's, if built)
+            deferred.place(run.logger.write)
+        self.desk = TrainerDesk() if deferred and deferred.on_trainer_thread else None  # scored in the trainer thread
         a = run.cfg.grpo.async_grpo
         if a.in_flight_weight_updates and generator.loads_staged_weights:  # generation ranks: mid-request too
             generator.in_flight = self._load_mid_request
@@ -125,8 +126,8 @@ class RolloutProducer:
         return self.version
 
     def _score_in_trainer(self, target: int) -> Callable[[list], float]:
-        """The reward models' scoring point of a rollout for step ``target``, run by the trainer thread."""
-        return lambda trajectories: self.desk.run(target, self.run.reward_models.score_pending, trajectories)
+        """The deferred scoring point of a rollout for step ``target``, run by the trainer thread."""
+        return lambda trajectories: self.desk.run(target, self.run.deferred.score_pending, trajectories)
 
     def _load_mid_request(self) -> int:
         """The generation ranks' safe point between two rounds of unfinished requests (in-flight updates; inside a

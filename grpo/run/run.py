@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # for the types only: a config error must exit before torch (
     from grpo.system.chat import ChatFormat
     from grpo.system.checkpoint import CheckpointManager, GRPOSaveState, SaveDeadline
     from grpo.system.data import PromptDataset
+    from grpo.system.deferred import DeferredScorers
     from grpo.system.dumps import RolloutDumper
     from grpo.system.generation.base import GenerationBackend
     from grpo.system.health import StepChecks
@@ -94,7 +95,7 @@ class Run:
     closables: list[Closable]
     exit_status: int | None = None
     agents: Any = None  # grpo.system.agent_rollout.AgentPlayer over the run's endpoint (start_endpoint), or None
-    reward_models: Any = None  # grpo.system.reward_model.RewardModels (env.name=reward_model scores at its point)
+    deferred: DeferredScorers | None = None  # the scorers of the deferred scoring point (grpo.system.deferred)
     turn_stop: Callable[[Trajectory], bool] | None = None
 
 
@@ -160,7 +161,7 @@ def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, 
                 stream: str = "train", num_generations: int | None = None, weights=None, group=None,
                 score_pending=None):
     """`grpo.system.rollout.generate_rollout` of a prompt batch with the run's settings and turn-level stopping rule
-    (a collective). ``score_pending``: the reward models' scoring point (default: the run's reward models, in this
+    (a collective). ``score_pending``: the deferred scoring point (default: the run's deferred scorers, in this
     thread; the async producer passes its hand-over to the trainer thread). ``weights``: the async loop's weight
     source; None in the synchronous loop, whose generator holds the weights of the steps trained so far (refit after
     each): that is the version its samples and the endpoint's answers record. (None in the async loop: its
@@ -174,7 +175,7 @@ def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, 
                             run.chat, turn_settings(cfg, stop=run.turn_stop), base_seed=cfg.grpo.seed, step=step,
                             gen_batch=gen_batch, stream=stream, rank=run.rank, world_size=run.world_size,
                             weights=weights, group=group, agents=run.agents,
-                            score_pending=score_pending or (run.reward_models.score_pending if run.reward_models else None))
+                            score_pending=score_pending or (run.deferred.score_pending if run.deferred else None))
 
 
 # --------------------------------------------------------------------------------------------------

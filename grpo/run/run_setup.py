@@ -88,10 +88,12 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     skip_prev, skip_ref = resolve_skip_flags(cfg)
 
     tokenizer = load_tokenizer(cfg.policy)
-    from grpo.system.reward_model import RewardModels  # env.name=reward_model: a copy per rank, or ZeRO-3 over them
+    from grpo.system.deferred import DeferredScorers
+    from grpo.wings import load as load_wings
 
-    reward_models = RewardModels(device, cfg.policy, world_size)
-    envs = build_environments(cfg.env, cfg.data, rollout_failure=g.rollout_failure, reward_models=reward_models)
+    load_wings()  # each wing registers its environments and deferred scorers
+    deferred = DeferredScorers(device, cfg.policy, world_size)  # scorers of the rollout's deferred scoring point
+    envs = build_environments(cfg.env, cfg.data, rollout_failure=g.rollout_failure, deferred=deferred)
     formatter, train_rows, train_ds, val_ds = build_datasets(cfg, tokenizer, envs.tasks, envs.tool_schemas())
     per_batch = int(g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1))
     loader = build_dataloader(train_ds, batch_size=per_batch, shuffle=cfg.data.shuffle, seed=g.seed,
@@ -161,13 +163,13 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                               policy=policy, reference=reference, skip_ref=skip_ref, skip_prev=skip_prev,
                               tasks=envs.tasks, packing_note=packing_note))
     val_envs = envs if not (asynchronous or cfg.env.val_tasks) else build_environments(cfg.env, cfg.data, "val", g.rollout_failure,
-                                                                                   reward_models)
+                                                                                   deferred)
     deadline = SaveDeadline(cfg.checkpointing.checkpoint_must_save_by, started_at=started_at)
     checks = StepChecks(cfg, policy.module.config.vocab_size)
     checks.rollouts.load_state_dict(state.rollout_failures)  # skipped steps, failures: counted across resumes
     dumper = RolloutDumper(cfg.logger.log_dir, cfg.logger.dump_rollouts_every, cfg.logger.dump_rollouts_max_samples,
                            rank, enabled=cfg.logger.dump_rollouts)
-    closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [reward_models,
+    closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [deferred,
                                                                                                  RunLocks(locks)]
     generator = None
     if layout is not None or not asynchronous:  # the async loop builds its own, unless generation ranks serve it
@@ -175,8 +177,8 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         closables.append(generator)
         if not asynchronous:  # (the async producer pushes the staged weights to generation ranks itself)
             generator.refit(policy)
-    if generator is not None:  # reward models go where the engines left memory (the async loop's copy: its producer)
-        reward_models.place(logger.write)
+    if generator is not None:  # deferred scorers go where the engines left memory (the async loop's copy: its producer)
+        deferred.place(logger.write)
     agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous,
                             vocab_size=policy.module.config.vocab_size)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
@@ -188,7 +190,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
-               agents=agents, turn_stop=turn_stop, reward_models=reward_models)
+               agents=agents, turn_stop=turn_stop, deferred=deferred)
 
 
 def require_vllm() -> None:

@@ -368,11 +368,11 @@ class RewardModels:
         return any(s.collective or s.plan == "move" for s in self._built)
 
     def score_pending(self, trajectories: list) -> float:
-        """Score every `grpo.tasks.reward_model.PendingScore` of these trajectories (this rank's) and add the scores
-        to their rewards (`grpo.tasks.reward_model.add_score`); returns the seconds it took. With a ZeRO-3 reward
+        """Score every `grpo.tasks.pending.PendingScore` of these trajectories (this rank's) and add the scores
+        to their rewards (`grpo.tasks.pending.add_score`); returns the seconds it took. With a ZeRO-3 reward
         model a collective over the default group: every rank calls it once per rollout, with its samples or none."""
         from grpo.system.dist import all_reduce
-        from grpo.tasks.reward_model import PENDING, add_score
+        from grpo.tasks.pending import PENDING, add_score
 
         t0 = time.perf_counter()
         scorers = list(self._slots.values())  # by index (each placed by now: its environment rendered with it)

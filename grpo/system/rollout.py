@@ -345,8 +345,8 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     with more or fewer than P x G samples. Samples whose environment failed after its retries are in it, failed
     (``Trajectory.error``): the trainer masks them. ``agents``: the run's
     `grpo.system.agent_rollout.AgentPlayer` (env.name=agent): its tasks' samples are played by their agents over
-    the endpoint instead of `run_conversations`. ``score_pending``: the reward models' collective point
-    (`grpo.system.reward_model.RewardModels.score_pending`), called once on every rank after its conversations end
+    the endpoint instead of `run_conversations`. ``score_pending``: the deferred scoring point
+    (`grpo.system.deferred.DeferredScorers.score_pending`), called once on every rank after its conversations end
     (with none when they failed), before the environments' metrics; its seconds are ``reward_model_s``, also
     counted in ``env_step_s``.
     """

@@ -171,7 +171,7 @@ def test_the_synchronous_loop_labels_agent_samples_with_the_steps_trained(endpoi
     ids = endpoint.tokenizer("37*58=")["input_ids"]
     rows = [PromptRow(0, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)]
     run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(current_step=4), chat=None, turn_stop=None, rank=0,
-                          world_size=1, agents=AgentPlayer(endpoint), reward_models=None)
+                          world_size=1, agents=AgentPlayer(endpoint), deferred=None)
     r = run_rollout(run, endpoint.backend, envs, rows, 5, 0)
     assert [t.generation_version for t in r.trajectories] == [4] * cfg.grpo.num_generations_per_prompt
     assert endpoint.weight_version == 4

@@ -93,7 +93,7 @@ def test_the_async_producer_places_the_reward_model_and_hands_its_moves_to_the_t
     env = RewardModelEnvironment(models(rm_cfg), rm_cfg.batch_size)
     monkeypatch.setattr(reward_model, "offload_plan", lambda offload, device_type, placement: "move")
     lines: list[str] = []
-    run = types.SimpleNamespace(reward_models=models, cfg=MasterConfig(), logger=types.SimpleNamespace(write=lines.append))
+    run = types.SimpleNamespace(deferred=models, cfg=MasterConfig(), logger=types.SimpleNamespace(write=lines.append))
     producer = RolloutProducer(run, None, None, GenerationBackend(), None, None, first_target=1)
     assert producer.desk is not None  # a moving copy scores in the trainer thread
     assert lines and "in host memory between scorings" in lines[0]  # placed by the producer, said once

@@ -119,7 +119,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_has_a_layer():
     table = layer_table()
-    assert [name for name, _ in table] == ["leaves", "tasks", "config", "algorithm", "system", "loading", "run", "tools"]
+    assert [name for name, _ in table] == ["leaves", "tasks", "config", "algorithm", "system", "loading", "wings",
+                                           "run", "tools"]
     missing = sorted(m for m in module_files() if m != "grpo" and layer_of(m, table) is None)
     assert not missing, f"modules in no layer of grpo/__init__.py's table: {missing}"
 
@@ -147,6 +148,14 @@ def test_no_import_runs_up_a_layer():
     assert not up, "imports that run up a layer:\n" + "\n".join(up)
 
 
+def test_no_core_module_imports_a_wing():
+    """A wing (a folder of grpo.wings) plugs into the core's seams; nothing outside it names it: the run loads the
+    wings through `grpo.wings.load` (the package), never one by name."""
+    named = [f"{m} imports {t}" for m, targets in sorted(import_graph().items())
+             if not m.startswith("grpo.wings.") for t in sorted(targets) if t.startswith("grpo.wings.")]
+    assert not named, "core modules that import a wing:\n" + "\n".join(named)
+
+
 def test_no_import_cycles():
     found = cycles(import_graph(specs=False))
     assert not found, f"import cycles: {found}"
@@ -161,5 +170,5 @@ def test_the_checks_see_what_they_must(tmp_path):
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     table = layer_table()
     assert layer_of("grpo.step", table) < layer_of("grpo.system.engines", table) < layer_of("grpo.run.run", table)
-    assert layer_of("grpo.config.algorithm", table) < layer_of("grpo.advantages", table) < layer_of("grpo.config.load", table)
+    assert layer_of("grpo.config.policy", table) < layer_of("grpo.loss", table) < layer_of("grpo.config.load", table)
     assert layer_of("grpo.trajectory", table) < layer_of("grpo.tasks.pool", table) < layer_of("grpo.system.dist", table)
