@@ -54,7 +54,7 @@ class RewardModelTypeConfig(_Section):
 
 class RewardModelConfig(_Section):
     """``env.reward_model`` (``env.name: reward_model``), NeMo-RL's keys: a sequence classifier scoring each
-    conversation rendered with its own chat template (grpo/tasks/reward_model.py, grpo/system/reward_model.py)."""
+    conversation rendered with its own chat template (grpo/wings/reward_model/: environment.py, scorer.py)."""
 
     model_name: str = Field(description="The reward model: a local directory or a hub name of a "
                             "ForSequenceClassification checkpoint (num_labels is set to 1, as NeMo-RL does), or "

@@ -148,8 +148,8 @@ def test_endpoint_answers_are_the_engines_own_tokens(colocated):
 
 def test_the_reward_model_is_placed_by_the_memory_vllm_left(colocated, tmp_path):
     from grpo.config import RewardModelConfig
-    from grpo.system.reward_model import RewardModels
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.scorer import RewardModels
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
     from tests.helpers.reward_models import save_tiny_reward_model
 
     cfg, _, gen, free_before_vllm = colocated

@@ -1041,7 +1041,7 @@ def _reward_model(w: Walk) -> None:
              "colocated.enabled=false), and grpo-ds runs it on the training ranks, beside the policy: a frozen "
              "copy on each, or a ZeRO-3 engine sharded over them (env.reward_model.placement, auto: by size), scored "
              "at one point of each rollout; with cluster.gpus_per_node=1 it shares the one rank, with generation on "
-             "ranks of its own the trainers score (grpo/system/reward_model.py)")
+             "ranks of its own the trainers score (grpo/wings/reward_model/scorer.py)")
     w.ignore(f"{k}.dtensor_cfg", "DTensor parallel sizes and plans: grpo-ds's reward model is a frozen copy per rank "
              "or ZeRO-3 data-parallel shards (no tensor or context parallelism)")
     w.ignore(f"{k}.offload_optimizer_for_logprob", "the reward model has no optimizer")

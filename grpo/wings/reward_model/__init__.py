@@ -15,7 +15,7 @@ from grpo.tasks.function import EnvError
 
 def reward_model_environment(env_spec, key: str, deferred):
     """``env.name: reward_model``: the environment over the run's scorer of ``env.reward_model``."""
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
 
     if deferred is None or "reward_model" not in deferred:
         raise EnvError(f"{key}.name='reward_model' needs the run's reward-model engines (build_environments(..., "
@@ -25,8 +25,8 @@ def reward_model_environment(env_spec, key: str, deferred):
 
 
 def reward_models(device, policy=None, world_size: int = 1):
-    """The run's reward models (`grpo.system.reward_model.RewardModels`): a copy per rank, or ZeRO-3 over them."""
-    from grpo.system.reward_model import RewardModels
+    """The run's reward models (`grpo.wings.reward_model.scorer.RewardModels`): a copy per rank, or ZeRO-3 over them."""
+    from grpo.wings.reward_model.scorer import RewardModels
 
     return RewardModels(device, policy, world_size)
 

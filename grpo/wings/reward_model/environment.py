@@ -12,7 +12,7 @@ batches of ``batch_size`` conversations.
 
 Running the model is not this module's business (it knows nothing of devices, DeepSpeed or ranks): it gets a
 *scorer*, an object with ``tokenizer`` (the reward model's) and ``score(token_ids: list[list[int]]) -> [B]
-float32 tensor`` (one batch); `grpo.system.reward_model` builds it. A conversation longer than ``max_model_len``
+float32 tensor`` (one batch); `grpo.wings.reward_model.scorer` builds it. A conversation longer than ``max_model_len``
 tokens is not cut (that would score another text): the sample fails (``env_malformed``, retried, then masked;
 `grpo.tasks.failures`), and counted; NeMo-RL has no such bound in its scoring path.
 
@@ -20,7 +20,7 @@ Deferred scoring. A scorer with ``deferred = True`` (a ZeRO-3 engine sharded ove
 collective) is not run in `RewardModelEnvironment.step`, which runs per rank, in a worker thread, retried per sample:
 the step checks and renders each conversation and leaves a `PendingScore` in the sample's metadata (under
 `PENDING`), reward 0 for now; the rollout scores every rank's pending samples together at one collective point
-after its conversations end (`grpo.system.reward_model.RewardModels.score_pending`, at `grpo.system.deferred`'s
+after its conversations end (`grpo.wings.reward_model.scorer.RewardModels.score_pending`, at `grpo.system.deferred`'s
 point), adding the score to the reward (`grpo.tasks.pending`).
 
 `global_post_process_and_metrics` gives what NeMo-RL computes there: ``reward_model_env/{num_samples,
@@ -40,7 +40,7 @@ from grpo.tasks.pending import PENDING, PendingScore
 
 
 class Scorer(Protocol):
-    """What scores one batch of rendered conversations (`grpo.system.reward_model.RewardModelScorer`). ``deferred``
+    """What scores one batch of rendered conversations (`scorer.RewardModelScorer`). ``deferred``
     (optional, False when absent): scores are computed at the rollout's collective point, not in `score` calls from
     the environment; ``index``: the scorer's number in the run (which model a `PendingScore` needs); ``on_device()``
     (optional): a context around a scoring pass (an offloaded model on the device inside)."""

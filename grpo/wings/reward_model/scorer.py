@@ -1,5 +1,5 @@
 """The reward model's engine: a Bradley-Terry sequence classifier (``AutoModelForSequenceClassification``,
-``num_labels=1``) that `grpo.tasks.reward_model.RewardModelEnvironment` scores conversations with.
+``num_labels=1``) that `grpo.wings.reward_model.environment.RewardModelEnvironment` scores conversations with.
 
 Placement (``env.reward_model.placement``). NeMo-RL gives its reward model GPUs of its own
 (``env.reward_model.resources``: a Ray placement group of ``gpus_per_node`` x ``num_nodes``). Here the reward model
@@ -12,7 +12,7 @@ lives on the training ranks, as the reference does (`grpo.system.engines.frozen_
   forward is a collective: all ranks must run as many forwards, in the same order.
 
 So scoring happens at one point of the rollout, not in the environment's step (which runs per rank, in a worker
-thread, retried per sample): the environment leaves a `grpo.tasks.reward_model.PendingScore` per sample, and
+thread, retried per sample): the environment leaves a `grpo.tasks.pending.PendingScore` per sample, and
 `RewardModels.score_pending` scores them after the rank's conversations end, on every rank (even one whose
 conversations failed: it scores nothing). Under ZeRO-3 the ranks first agree on the largest count n of pending
 samples (one all-reduce), then each runs ceil(n / batch_size) forwards over its own samples, a one-token dummy batch
@@ -258,7 +258,7 @@ def last_token_index(mask_bt: torch.Tensor) -> torch.Tensor:
 
 
 class ScorerSlot:
-    """What an environment holds of one of the run's reward models (a `grpo.tasks.reward_model.Scorer`) from the
+    """What an environment holds of one of the run's reward models (a `environment.Scorer`) from the
     environments' build on: ``deferred`` and ``index`` at once, everything else (``tokenizer``, ``score``,
     ``on_device``, ...) the `RewardModelScorer`'s, which `RewardModels.place` builds once the engines exist."""
 
