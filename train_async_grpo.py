@@ -54,7 +54,7 @@ def main(argv=None) -> int | None:
     from grpo.metrics import rollout_counts
     from grpo.run.producer import RolloutProducer, weight_copy
     from grpo.system.rollout import RolloutError
-    from grpo.run.serving import start_async_endpoint
+    from grpo.run.serving import start_async_player
     from grpo.rollout_metrics import step_summary
     from grpo.system.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
     from grpo.step import (
@@ -82,7 +82,7 @@ def main(argv=None) -> int | None:
     # The generation ranks' engines (colocated.enabled=false; the producer pushes the staged weights to them, and
     # only it uses the bridge), else a transformers copy of the weights in the thread.
     generator = run.generator if run.generator is not None else weight_copy(run, stage)
-    start_async_endpoint(run, generator)  # env.name=agent / expose_http_server: the endpoint over the thread's backend
+    start_async_player(run, generator)  # env.name=agent / expose_http_server: the endpoint over the thread's backend
     producer = RolloutProducer(run, stage, buffer, generator, run.envs,
                                PromptStream(run.loader, g.max_num_epochs, gen_mark["epoch"], gen_mark["loader"]),
                                first_target, group, a.generation_threads or max(1, trainer_threads // 2))

@@ -177,6 +177,7 @@ def main() -> None:
     from grpo.system.rollout import TurnSettings, generate_rollout
     from grpo.tasks.factory import build_environments
     from grpo.tasks.rows import PromptRow
+    from grpo.wings import load as load_wings
 
     torch.set_num_threads(args.threads)
     tok, model, texts = load(args)
@@ -188,6 +189,7 @@ def main() -> None:
     backend = CountingBackend(HFGeneration(agent_cfg.policy, tok, model.config, "cpu", model=model))
     endpoint = Endpoint(agent_cfg, backend, tok)
     endpoint.start()
+    load_wings()  # env.name=agent is the agents wing's
     sides = {"endpoint": (build_environments(agent_cfg.env), AgentPlayer(endpoint)),
              "in_process": (build_environments(class_cfg.env), None)}
     chat = ChatFormat(tok)
@@ -207,7 +209,7 @@ def main() -> None:
         backend.batches = []
         t0 = time.perf_counter()
         r = generate_rollout(rows(task), args.generations, backend, envs, chat, settings, base_seed=42, step=step,
-                             gen_batch=0, stream="train", rank=0, world_size=1, agents=agents)
+                             gen_batch=0, stream="train", rank=0, world_size=1, player=agents)
         seconds = time.perf_counter() - t0
         failed = [t.error_detail for t in r.trajectories if t.error is not None]
         if failed:

@@ -37,9 +37,10 @@ module or folder:
    in config/ and sits above the algorithm and the system because it checks names they register (the advantage
    estimators of `grpo.registry`) before any model loads.
 7. wings (`grpo.wings`): features that plug into the core's seams, a folder each, and that no other layer imports
-   (the run loads them all through `grpo.wings.load`, naming none): reward models (`grpo.wings.reward_model`). The
-   seams: the environment catalogue (`grpo.tasks.factory.register_environment`) and the deferred scoring point
-   (`grpo.system.deferred.register_deferred_scorer`).
+   (the run loads them all through `grpo.wings.load`, naming none): reward models (`grpo.wings.reward_model`),
+   agents over the OpenAI-compatible endpoint (`grpo.wings.agents`). The seams: the environment catalogue
+   (`grpo.tasks.factory.register_environment`), who plays a sample (`grpo.system.players.register_player`) and
+   the deferred scoring point (`grpo.system.deferred.register_deferred_scorer`).
 8. run (`grpo.run`): composition: a run's setup (`grpo.run.run_setup`), the scripts' command line
    (`grpo.run.cli`), the `Run` and its per-step calls and teardown (`grpo.run.run`), validation, where generation
    runs and is served (`grpo.run.serving`), ``--export-hf`` / ``--export-adapter`` (`grpo.run.export`), the end of

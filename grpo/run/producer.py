@@ -115,14 +115,14 @@ class RolloutProducer:
     def load_newest(self) -> int:
         """A safe point: load the newest published weights into the copy, or into the generation ranks
         (``policy.generation.colocated.enabled=false``: `RemoteGeneration.load_staged`, a collective of the
-        trainers); returns the version it holds. With the endpoint served over this backend (``run.agents``), the
+        trainers); returns the version it holds. With a player serving this backend (``run.player``), the
         load waits for its batch in flight and its later answers record the new version."""
         def load() -> int:
             if self.generator.loads_staged_weights:
                 return self.generator.load_staged(self.stage)
             return self.stage.load_into(self.generator.model, self.version)
 
-        self.version = self.run.agents.load_weights(load) if self.run.agents is not None else load()
+        self.version = self.run.player.load_weights(load) if self.run.player is not None else load()
         return self.version
 
     def _score_in_trainer(self, target: int) -> Callable[[list], float]:
@@ -133,8 +133,8 @@ class RolloutProducer:
         """The generation ranks' safe point between two rounds of unfinished requests (in-flight updates; inside a
         `generate` call, the endpoint's batch or the rollout's own)."""
         self.version = self.generator.load_staged(self.stage, mid_request=True)
-        if self.run.agents is not None:  # the batch in flight keeps the version it started with (the oldest)
-            self.run.agents.endpoint.weight_version = self.version
+        if self.run.player is not None:  # the batch in flight keeps the version it started with (the oldest)
+            self.run.player.hold_version(self.version)
         return self.version
 
     # ---------------------------------------------------------------- the thread

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from grpo.config import MasterConfig
 from grpo.config.load import ConfigError
@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # for the types only: a config error must exit before torch (
     from grpo.system.data import PromptDataset
     from grpo.system.deferred import DeferredScorers
     from grpo.system.dumps import RolloutDumper
+    from grpo.system.players import Player
     from grpo.system.generation.base import GenerationBackend
     from grpo.system.health import StepChecks
     from grpo.system.rundir import RunLock
@@ -94,7 +95,7 @@ class Run:
     resume: Resume | None
     closables: list[Closable]
     exit_status: int | None = None
-    agents: Any = None  # grpo.system.agent_rollout.AgentPlayer over the run's endpoint (start_endpoint), or None
+    player: Player | None = None  # who plays the samples of its tasks (grpo.system.players), or None
     deferred: DeferredScorers | None = None  # the scorers of the deferred scoring point (grpo.system.deferred)
     turn_stop: Callable[[Trajectory], bool] | None = None
 
@@ -174,7 +175,7 @@ def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, 
     return generate_rollout(prompts, num_generations or cfg.grpo.num_generations_per_prompt, generator, envs,
                             run.chat, turn_settings(cfg, stop=run.turn_stop), base_seed=cfg.grpo.seed, step=step,
                             gen_batch=gen_batch, stream=stream, rank=run.rank, world_size=run.world_size,
-                            weights=weights, group=group, agents=run.agents,
+                            weights=weights, group=group, player=run.player,
                             score_pending=score_pending or (run.deferred.score_pending if run.deferred else None))
 
 

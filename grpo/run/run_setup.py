@@ -15,7 +15,7 @@ from grpo.run.cli import exporting, load_run_config
 from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags
 from grpo.run.export import claim_export, export_checkpoint
 from grpo.run.run import Closable, Resume, Run, RunError, RunLocks, claim_on_rank0
-from grpo.run.serving import build_generation_backend, serve_generation, start_endpoint, start_split
+from grpo.run.serving import build_generation_backend, serve_generation, serve_player, start_split
 from grpo.system.chat import load_tokenizer
 
 if TYPE_CHECKING:
@@ -179,18 +179,18 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
             generator.refit(policy)
     if generator is not None:  # deferred scorers go where the engines left memory (the async loop's copy: its producer)
         deferred.place(logger.write)
-    agents = start_endpoint(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous,
-                            vocab_size=policy.module.config.vocab_size)
+    player = serve_player(cfg, generator, tokenizer, [envs, val_envs], closables, logger, rank, asynchronous,
+                          vocab_size=policy.module.config.vocab_size)
     stop = StopRequest()  # from here on SIGTERM / Ctrl-C finish the step, save and exit 143 / 130
-    if agents is not None:  # a stop signal ends the agents' retries
-        agents.stop_requested = stop.requested
+    if player is not None:  # a stop signal ends the player's retries
+        player.stop_requested = stop.requested
     closables.append(stop)
     return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
                chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
                policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
-               agents=agents, turn_stop=turn_stop, deferred=deferred)
+               player=player, turn_stop=turn_stop, deferred=deferred)
 
 
 def require_vllm() -> None:

@@ -1,10 +1,9 @@
 """Where a run's generation runs and how it is served: the launch split into training and generation ranks, a
 generation rank's whole run, the trainers' generation backend (hf, vLLM, or the generation ranks behind the
-bridge) and the OpenAI-compatible endpoint over it."""
+bridge) and the player over it (`grpo.system.players`: the OpenAI-compatible endpoint, where a wing serves one)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from grpo.config import cluster_mismatch, generation_ranks, serves_endpoint  # noqa: F401 (serves_endpoint: here too)
@@ -81,57 +80,26 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
                           refit_bucket_numel=cfg.policy.generation.refit_bucket_numel)
 
 
-def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger, rank: int, asynchronous: bool,
-                   vocab_size: int):
-    """The OpenAI-compatible endpoint over ``generator`` (`grpo.system.generation.endpoint`), when
-    ``policy.generation.vllm_cfg.expose_http_server`` is set or an environment is an agent (env.name=agent); its
-    base URL, key and model name go to ``<log_dir>/endpoint.json`` (``endpoint_rank<r>.json`` on other ranks;
-    owner-only) for agents outside the run. ``vocab_size``: the policy's embedding rows (token ids a request may
-    carry, with the tokenizer's). Returns the `grpo.system.agent_rollout.AgentPlayer`, or None.
-    ``asynchronous`` without a ``generator`` (the async loop's own weight copy, built once its weights are staged):
-    None; the loop serves it with `start_async_endpoint`."""
-    from grpo.system.agent_rollout import AgentPlayer, agent_tasks
-
-    agent = sorted({t for envs in envs_list for t in agent_tasks(envs)})
-    if not cfg.policy.generation.vllm_cfg.expose_http_server and not agent:
-        return None
-    if generator is None:
-        if asynchronous:
-            return None
-        raise RunError("the endpoint (policy.generation.vllm_cfg.expose_http_server, env.name=agent) needs the run's "
-                       "generation backend")
-    from grpo.system.generation.endpoint import Endpoint
+def serve_player(cfg, generator, tokenizer, envs_list, closables: list, logger, rank: int, asynchronous: bool,
+                 vocab_size: int):
+    """The run's player (`grpo.system.players.start_player`: agents over the OpenAI-compatible endpoint, when a wing
+    serves one), or None; one that cannot start stops the run with its line (`RunError`)."""
+    from grpo.system.players import PlayerError, start_player
 
     try:
-        endpoint = Endpoint(cfg, generator, tokenizer, vocab_size)
-    except ValueError as err:  # vLLM's parsers refuse the tokenizer (grpo.system.generation.vllm_chat_parsers)
+        return start_player(cfg, generator, tokenizer, envs_list, closables, logger, rank, asynchronous, vocab_size)
+    except PlayerError as err:
         raise RunError(str(err)) from None
-    url = endpoint.start()
-    closables.insert(0, endpoint)  # closed first: no request reaches a closed backend
-    path = os.path.join(cfg.logger.log_dir, "endpoint.json" if rank == 0 else f"endpoint_rank{rank}.json")
-    os.makedirs(cfg.logger.log_dir, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"base_url": url, "api_key": endpoint.api_key, "model": endpoint.model_name}, f)
-    logger.write(f"endpoint: {url} serves {endpoint.model_name!r} (key in {path}){'; agent tasks ' + str(agent) if agent else ''}")
-    from grpo.system.nemo_gym_servers import GymServerError, start_gym_servers
-
-    try:  # NeMo-Gym's servers (env.should_use_nemo_gym), found or launched with this endpoint
-        start_gym_servers(cfg, envs_list, endpoint, cfg.logger.log_dir if rank == 0 else
-                          os.path.join(cfg.logger.log_dir, f"rank{rank}"), closables, logger)
-    except GymServerError as err:
-        raise RunError(str(err)) from None
-    return AgentPlayer(endpoint)
 
 
-def start_async_endpoint(run, generator) -> None:
-    """The async loop's endpoint (``run.agents``) over its generation thread's backend ``generator`` (the thread's
-    weight copy), when the run serves one and setup has not (over the generation ranks' backend, which the thread
-    drives too). Weights change through the endpoint (`grpo.run.producer.RolloutProducer.load_newest`); the trainer's
-    validation plays its agent samples over it as well, on the thread's weights."""
-    if run.agents is None and run.generator is None:
-        run.agents = start_endpoint(run.cfg, generator, run.tokenizer, [run.envs, run.val_envs], run.closables,
-                                    run.logger, run.rank, asynchronous=True,
-                                    vocab_size=run.policy.module.config.vocab_size)
-        if run.agents is not None:  # a stop signal ends the agents' retries
-            run.agents.stop_requested = run.stop.requested
+def start_async_player(run, generator) -> None:
+    """The async loop's player (``run.player``) over its generation thread's backend ``generator`` (the thread's
+    weight copy), when the run has one and setup has not started it (over the generation ranks' backend, which the
+    thread drives too). Weights change through the player (`grpo.run.producer.RolloutProducer.load_newest`); the
+    trainer's validation plays its samples through it as well, on the thread's weights."""
+    if run.player is None and run.generator is None:
+        run.player = serve_player(run.cfg, generator, run.tokenizer, [run.envs, run.val_envs], run.closables,
+                                  run.logger, run.rank, asynchronous=True,
+                                  vocab_size=run.policy.module.config.vocab_size)
+        if run.player is not None:  # a stop signal ends the player's retries
+            run.player.stop_requested = run.stop.requested

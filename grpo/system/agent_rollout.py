@@ -242,6 +242,11 @@ class AgentPlayer:
         batch generates; returns the version it loaded."""
         return self.endpoint.load_weights(load)
 
+    def hold_version(self, version: int) -> None:
+        """The generation ranks loaded ``version`` mid-request: the batch in flight keeps recording the version it
+        started with (the oldest), what the endpoint's next answers record."""
+        self.endpoint.weight_version = version
+
     def play(self, trajs: list, seed_keys: list[tuple], envs, weight_version: int | None = None) -> float:
         """Play the agent samples ``trajs`` (in place; `play_agents`, within ``envs.retry``'s budgets); returns the
         seconds taken. ``weight_version``: the version of the weights the endpoint serves (None: the one it has);

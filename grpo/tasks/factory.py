@@ -8,8 +8,8 @@ By ``env.name``:
 - ``function``: ``env.reward_fn`` as a `RewardEnvironment` in worker processes;
 - ``tools``: tool calls (`grpo.tasks.tools.ToolEnvironment`), the final answer scored by ``env.reward_fn``;
 - ``class``: a user environment, ``env.env_class: package.module:ClassName`` built with ``env.kwargs``;
-- ``agent``: a user's agent (``env.agent``) playing each sample over the run's endpoint (`grpo.tasks.agent`).
-- a name a wing registered (`register_environment`): ``reward_model``, a sequence classifier scoring the
+- a name a wing registered (`register_environment`): ``agent``, a user's agent (``env.agent``) playing each sample
+  over the run's endpoint (`grpo.wings.agents`); ``reward_model``, a sequence classifier scoring the
   conversation (``env.reward_model``; `grpo.wings.reward_model`), its engine the run's deferred scorer;
 - ``judge``: an LLM judge behind an OpenAI-compatible URL (``env.judge``, `grpo.tasks.judge`);
 - ``combined``: the rewards of several one-turn environments (``env.rewards``) as a weighted sum or as GDPO's
@@ -107,11 +107,6 @@ def build_environment(env_spec, data_cfg=None, key: str = "env", deferred=None) 
         return ToolEnvironment(env_spec.tools, env_spec.reward_fn, env_spec.tool_call_format, env_spec.tool_timeout_s,
                                env_spec.max_tool_result_chars, env_spec.max_tool_calls_per_turn, env_spec.num_workers,
                                env_spec.timeout_s, env_spec.disable_tools)
-    if env_spec.name == "agent":  # its samples are played over the endpoint (grpo.system.agent_rollout)
-        from grpo.tasks.agent import AgentEnvironment
-
-        a = env_spec.agent
-        return AgentEnvironment(a.fn, a.command, a.max_concurrency, a.timeout_s, key=f"{key}.agent")
     if env_spec.name == "nemo_gym":  # its samples are played by Gym's agent servers (grpo.system.nemo_gym_rollout)
         from grpo.tasks.nemo_gym import NemoGymEnvironment
 

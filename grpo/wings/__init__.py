@@ -4,6 +4,8 @@ Each wing is a folder that registers what it provides when imported:
 
     reward_model   env.name=reward_model: a sequence classifier's score (an environment, `grpo.tasks.factory`'s
                    catalogue) computed at the rollout's deferred scoring point (`grpo.system.deferred`)
+    agents         env.name=agent and expose_http_server: the OpenAI-compatible endpoint over the run's generation
+                   backend and the player of the samples played over it (`grpo.system.players`; NeMo-Gym's too)
 
 A run loads every wing (`load`) before it builds its environments; a test or a script that uses one wing imports it.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-WINGS = ("grpo.wings.reward_model",)
+WINGS = ("grpo.wings.reward_model", "grpo.wings.agents")
 
 
 def load() -> None:

@@ -154,7 +154,7 @@ class ProducerWeights:
         import types
 
         self.generator, self.stage, self.version = generator, None, -1
-        self.run = types.SimpleNamespace(agents=agents)
+        self.run = types.SimpleNamespace(player=agents)
 
 
 class OneTurn:
@@ -201,7 +201,7 @@ def agents(rank: int, world: int, gen: LockstepGeneration, inner: Collective) ->
     rollout = generate_rollout([row(0, "agent"), row(1, "echo")], 1, gen, envs, ChatFormat(tok),
                                TurnSettings(max_turns=1, max_total_len=64, chunk_size=4, max_new_tokens=4),
                                base_seed=3, step=1, gen_batch=0, stream="train", rank=rank, world_size=world,
-                               weights=ProducerWeights(gen, player), agents=player)
+                               weights=ProducerWeights(gen, player), player=player)
     dist.barrier()  # every trainer's rollout is done: a trainer that closes stops every driver
     endpoint.close()
     gen.close()

@@ -115,7 +115,7 @@ def test_generate_rollout_hands_agent_samples_to_the_agents(endpoint):
     rows = [PromptRow(i, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)
             for i in range(2)]
     r = generate_rollout(rows, 2, endpoint.backend, envs, None, TurnSettings(3, 96, 8), base_seed=0, step=0,
-                         gen_batch=0, stream="train", rank=0, world_size=1, agents=AgentPlayer(endpoint))
+                         gen_batch=0, stream="train", rank=0, world_size=1, player=AgentPlayer(endpoint))
     assert [t.reward for t in r.trajectories] == [1.0] * 4 and r.timing["agent_s"] > 0
     assert r.metrics["env/agent/calls_per_sample"] == 2.0
 
@@ -171,7 +171,7 @@ def test_the_synchronous_loop_labels_agent_samples_with_the_steps_trained(endpoi
     ids = endpoint.tokenizer("37*58=")["input_ids"]
     rows = [PromptRow(0, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)]
     run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(current_step=4), chat=None, turn_stop=None, rank=0,
-                          world_size=1, agents=AgentPlayer(endpoint), deferred=None)
+                          world_size=1, player=AgentPlayer(endpoint), deferred=None)
     r = run_rollout(run, endpoint.backend, envs, rows, 5, 0)
     assert [t.generation_version for t in r.trajectories] == [4] * cfg.grpo.num_generations_per_prompt
     assert endpoint.weight_version == 4

@@ -45,7 +45,7 @@ def _producer(monkeypatch, broken: str | None, max_failures: int):
     async_cfg = SimpleNamespace(max_trajectory_age_steps=1, max_generation_failures=max_failures,
                                 in_flight_weight_updates=False)
     run = SimpleNamespace(cfg=SimpleNamespace(grpo=SimpleNamespace(async_grpo=async_cfg)), total_steps=10,
-                          logger=SimpleNamespace(write=lambda text: None), deferred=None, agents=None)
+                          logger=SimpleNamespace(write=lambda text: None), deferred=None, player=None)
     stage, buffer = WeightStage(), ReplayBuffer(max_age_steps=1)
     stage.publish([], version=0)
     producer = RolloutProducer(run, stage, buffer, _Generator(broken), envs=None, prompts=_Prompts(),
