@@ -13,7 +13,7 @@ from grpo.tasks.catalogue import ENV_NAMES
 
 class AgentConfig(_Section):
     """``env.agent`` (``env.name: agent``): a user's agent plays each sample through the run's OpenAI-compatible
-    endpoint (grpo/tasks/agent.py has the contract)."""
+    endpoint (grpo/wings/agents/environment.py has the contract)."""
 
     fn: Optional[str] = Field(None, description=(
         "package.module:function, an async function fn(row, base_url, api_key, model) -> float or dict with "

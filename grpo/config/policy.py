@@ -220,7 +220,7 @@ class VllmConfig(_Section):
         "one that grpo-ds sets itself is an error."))
     expose_http_server: bool = Field(False, description=(
         "NeMo-RL's key: serve an OpenAI-compatible endpoint over the policy being trained "
-        "(grpo/system/generation/endpoint.py: /v1/chat/completions, /tokenize, /v1/models, /health). It lives here "
+        "(grpo/wings/agents/endpoint.py: /v1/chat/completions, /tokenize, /v1/models, /health). It lives here "
         "for every backend: an hf-backend run reads the same key (and http_server_serving_chat_kwargs) from "
         "policy.generation.vllm_cfg, so a NeMo-RL recipe turns it on unchanged. env.name=agent starts it without "
         "this key. grpo-ds's own server settings: policy.generation.http_server."))

@@ -46,7 +46,7 @@ class GymLedger:
     """What the run's endpoint generated for the Gym servers, and which sample each generation went to.
 
     The servers call the endpoint under a key of their own (``key``: a session of the endpoint,
-    `grpo.system.generation.endpoint.Endpoint.open_session`), so the endpoint records every call they make; ``take()``
+    `grpo.wings.agents.endpoint.Endpoint.open_session`), so the endpoint records every call they make; ``take()``
     returns the records made since its last call (`Endpoint.take_records`). A result is the policy's only when each of
     its model calls (`grpo.tasks.nemo_gym.model_call_items`) is one of those records, with the same prompt tokens and
     generated tokens and logprobs equal within a float32 round trip (``rel_tol`` / ``abs_tol`` 1e-6), that no other
@@ -226,7 +226,7 @@ def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int
 def play_gym(env: NemoGymEnvironment, trajs: list, seed_keys: list[tuple], endpoint, retry: RetryPolicy,
              weight_version: int = 0) -> None:
     """Play NeMo-Gym samples ``trajs`` (in place) over the run's ``endpoint``
-    (`grpo.system.generation.endpoint.Endpoint`): a sample's row is its data row (``metadata["meta"]``), its
+    (`grpo.wings.agents.endpoint.Endpoint`): a sample's row is its data row (``metadata["meta"]``), its
     sampling profile validation's when its seed key says ``val``."""
     gen = endpoint.gen_cfg
     rows = []

@@ -170,11 +170,11 @@ class OneTurn:
 
 def agents(rank: int, world: int, gen: LockstepGeneration, inner: Collective) -> dict:
     from grpo.config import MasterConfig
-    from grpo.system.agent_rollout import AgentPlayer
+    from grpo.wings.agents.player import AgentPlayer
     from grpo.system.chat import ChatFormat
-    from grpo.system.generation.endpoint import Endpoint
+    from grpo.wings.agents.endpoint import Endpoint
     from grpo.system.rollout import TurnSettings, generate_rollout
-    from grpo.tasks.agent import AgentEnvironment
+    from grpo.wings.agents.environment import AgentEnvironment
     from grpo.tasks.router import Environments
     from grpo.tasks.rows import PromptRow
 

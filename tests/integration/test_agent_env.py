@@ -1,4 +1,4 @@
-"""env.name=agent (grpo/tasks/agent.py, grpo/system/agent_rollout.py): agents written with the openai client play
+"""env.name=agent (grpo/wings/agents/environment.py, grpo/wings/agents/player.py): agents written with the openai client play
 samples over a real endpoint on loopback; the trajectories come from the recorded tokens, contiguity is checked,
 and every failure is a masked failure, never a 0."""
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from grpo.config import MasterConfig
-from grpo.system.agent_rollout import AgentPlayer
-from grpo.system.generation.endpoint import Endpoint
+from grpo.wings.agents.player import AgentPlayer
+from grpo.wings.agents.endpoint import Endpoint
 from grpo.system.rollout import TurnSettings, generate_rollout, new_trajectories
 from grpo.tasks.calculator import AGENT_CHAT_TEMPLATE
 from grpo.tasks.factory import build_environments

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from grpo.config import MasterConfig
-from grpo.system.generation.endpoint import Endpoint
+from grpo.wings.agents.endpoint import Endpoint
 from grpo.system.nemo_gym_rollout import GymLedger, play_gym
 from grpo.system.nemo_gym_servers import LAUNCH_KEY, GymServerError, GymServers, read_global_config, start_gym_servers
 from grpo.system.rollout import new_trajectories

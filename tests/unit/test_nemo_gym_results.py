@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from grpo.config import MasterConfig
 from grpo.system.data import LoadReport, read_file_rows
-from grpo.system.generation.endpoint import CallRecord
+from grpo.wings.agents.endpoint import CallRecord
 from grpo.system.nemo_gym_rollout import GymLedger
 from grpo.system.nemo_gym_servers import agent_names, launched_by
 from grpo.tasks.nemo_gym import (GymResultError, check_data_agents, check_result, check_token_fields, data_agents,

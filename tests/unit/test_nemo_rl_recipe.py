@@ -313,7 +313,7 @@ def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
 
 
 def test_http_server_keys_are_kept():
-    """NeMo-RL's endpoint keys mean the same here (grpo/system/generation/endpoint.py): the port range, the switch
+    """NeMo-RL's endpoint keys mean the same here (grpo/wings/agents/endpoint.py): the port range, the switch
     and the chat kwargs the endpoint implements; vLLM's serving internals among them are ignored, named."""
     cfg, rows = load_recipe(BASE, ["++policy.generation.vllm_cfg.expose_http_server=true",
                                    "++policy.generation.vllm_cfg.http_server_serving_chat_kwargs={tool_parser: hermes, "

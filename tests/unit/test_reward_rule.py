@@ -85,7 +85,7 @@ def test_a_component_float32_cannot_hold_fails_its_sample_alone():
 
 @pytest.mark.parametrize("bad", [NAN, HUGE])
 def test_an_agent_s_reward_fails_its_sample_the_same_for_nan_and_1e300(bad):
-    from grpo.tasks.agent import parse_result
+    from grpo.wings.agents.environment import parse_result
 
     for value in (bad, {"reward": bad}, {"reward": 1.0, "reward_components": {"x": bad}}):
         outcome = parse_result(value)

@@ -537,7 +537,7 @@ def _generation(w: Walk) -> None:
                 w.take(key)
             else:
                 w.refuse(key, "validation's own sampling is not in this grpo-ds yet")
-    w.honor(f"{g}.port_range_low")  # the endpoint's ports (grpo/system/generation/endpoint.py)
+    w.honor(f"{g}.port_range_low")  # the endpoint's ports (grpo/wings/agents/endpoint.py)
     w.honor(f"{g}.port_range_high")
     for k in ("refit_transport", "real_quant_export_cpu_offload", "refit_cfg"):
         w.ignore(f"{g}.{k}", "weight-refit transport (IPC, NCCL, NIXL, ZMQ); grpo-ds pushes the weights in process")

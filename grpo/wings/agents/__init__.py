@@ -17,8 +17,8 @@ from grpo.tasks.factory import register_environment
 
 
 def agent_environment(env_spec, key: str, deferred):
-    """``env.name: agent``: its samples are played over the endpoint (`grpo.system.agent_rollout`)."""
-    from grpo.tasks.agent import AgentEnvironment
+    """``env.name: agent``: its samples are played over the endpoint (`grpo.wings.agents.player`)."""
+    from grpo.wings.agents.environment import AgentEnvironment
 
     a = env_spec.agent
     return AgentEnvironment(a.fn, a.command, a.max_concurrency, a.timeout_s, key=f"{key}.agent")
@@ -26,14 +26,14 @@ def agent_environment(env_spec, key: str, deferred):
 
 def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger, rank: int, asynchronous: bool,
                    vocab_size: int):
-    """The OpenAI-compatible endpoint over ``generator`` (`grpo.system.generation.endpoint`), when
+    """The OpenAI-compatible endpoint over ``generator`` (`grpo.wings.agents.endpoint`), when
     ``policy.generation.vllm_cfg.expose_http_server`` is set or an environment is an agent (env.name=agent); its
     base URL, key and model name go to ``<log_dir>/endpoint.json`` (``endpoint_rank<r>.json`` on other ranks;
     owner-only) for agents outside the run. ``vocab_size``: the policy's embedding rows (token ids a request may
-    carry, with the tokenizer's). Returns the `grpo.system.agent_rollout.AgentPlayer`, or None.
+    carry, with the tokenizer's). Returns the `grpo.wings.agents.player.AgentPlayer`, or None.
     ``asynchronous`` without a ``generator`` (the async loop's own weight copy, built once its weights are staged):
     None; the loop serves it with `grpo.run.serving.start_async_player`. Raises `PlayerError`."""
-    from grpo.system.agent_rollout import AgentPlayer, agent_tasks
+    from grpo.wings.agents.player import AgentPlayer, agent_tasks
 
     agent = sorted({t for envs in envs_list for t in agent_tasks(envs)})
     if not cfg.policy.generation.vllm_cfg.expose_http_server and not agent:
@@ -43,11 +43,11 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
             return None
         raise PlayerError("the endpoint (policy.generation.vllm_cfg.expose_http_server, env.name=agent) needs the "
                           "run's generation backend")
-    from grpo.system.generation.endpoint import Endpoint
+    from grpo.wings.agents.endpoint import Endpoint
 
     try:
         endpoint = Endpoint(cfg, generator, tokenizer, vocab_size)
-    except ValueError as err:  # vLLM's parsers refuse the tokenizer (grpo.system.generation.vllm_chat_parsers)
+    except ValueError as err:  # vLLM's parsers refuse the tokenizer (grpo.wings.agents.vllm_chat_parsers)
         raise PlayerError(str(err)) from None
     url = endpoint.start()
     closables.insert(0, endpoint)  # closed first: no request reaches a closed backend

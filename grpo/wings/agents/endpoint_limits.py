@@ -1,4 +1,4 @@
-"""What bounds one request's cost to the endpoint (`grpo.system.generation.endpoint`), whoever sends it:
+"""What bounds one request's cost to the endpoint (`grpo.wings.agents.endpoint`), whoever sends it:
 
 - its body is read as it arrives (`read_body`): the first byte over ``http_server.max_body_bytes`` is a 413 and the
   rest is never read (a chunked body declares no length); a body not in full ``http_server.read_timeout_s`` after
@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from grpo.system.generation.openai_chat import RequestError
+from grpo.wings.agents.openai_chat import RequestError
 
 # Jinja compiles a template from a string into Python code whose frames carry this file name.
 JINJA_TEMPLATE_FILE = "<template>"

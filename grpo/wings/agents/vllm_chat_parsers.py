@@ -5,7 +5,7 @@ named by ``http_server_serving_chat_kwargs.tool_parser`` / ``reasoning_parser`` 
 ``ToolParserManager`` and ``ReasoningParserManager`` registries). On the vLLM backend the endpoint does the same
 (`VllmChatParser`), so a NeMo-RL recipe's parser names mean what they mean there, every vLLM parser included. A
 name vLLM does not register (``compact``, the char-level toy's format) falls back to grpo-ds's own parser
-(`grpo.system.generation.openai_chat`), which is also what the hf backend uses.
+(`grpo.wings.agents.openai_chat`), which is also what the hf backend uses.
 
 `grpo.config.vllm_parser_names` reads the installed vLLM's registries from its source, without importing vLLM
 (15-30 s), so the config checks a name at load time (`grpo.config.parser_problem`).
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from grpo.config import vllm_parser_names
-from grpo.system.generation.openai_chat import tool_call
+from grpo.wings.agents.openai_chat import tool_call
 
 
 def vllm_chat_parser(tokenizer, tool_parser: Optional[str],

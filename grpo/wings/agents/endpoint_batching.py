@@ -1,5 +1,5 @@
 """The endpoint's generation windows and batcher (`Batching`, mixed into
-`grpo.system.generation.endpoint.Endpoint`).
+`grpo.wings.agents.endpoint.Endpoint`).
 
 Handlers put their prompts on a queue (`_Pending`); one batcher thread takes them while they keep coming (until none
 has come for ``http_server.batch_window_s`` while the server reads or answers no other, or a full
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from grpo.system.generation.lockstep import LockstepGeneration
-from grpo.system.generation.openai_chat import RequestError
+from grpo.wings.agents.openai_chat import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class _Shared:
 
 
 class Batching:
-    """The windows and the batcher of `grpo.system.generation.endpoint.Endpoint` (its state: ``cfg``, ``_queue``,
+    """The windows and the batcher of `grpo.wings.agents.endpoint.Endpoint` (its state: ``cfg``, ``_queue``,
     ``_inflight``, ``_open``, ``_windows`` and ``_window_lock``, ``_generating``, ``_closed_at``, ``_last_pause_s``,
     ``_stop``, ``_batcher``, ``backend``, ``gen_cfg``, ``settings``, ``weight_version``)."""
 

@@ -1,6 +1,6 @@
 """OpenAI chat completions over token ids, without a server: the request schema, NeMo-RL's prefix splice, and the
 parsers that turn generated text into an OpenAI message (what a request must pass before it is generated:
-`grpo.system.generation.openai_checks`). `grpo.system.generation.endpoint` serves them.
+`grpo.wings.agents.openai_checks`). `grpo.wings.agents.endpoint` serves them.
 
 Token in, token out (NeMo-RL's ``vllm_worker_async.py`` and ``openai_server_utils.py``): a history whose
 assistant message carries the endpoint's token fields (``prompt_token_ids`` + ``generation_token_ids``), or a
@@ -25,7 +25,7 @@ Parsers (``http_server_serving_chat_kwargs``; vLLM's names and behaviour):
   ``</think>`` all of it is reasoning.
 
 On ``policy.generation.backend=vllm`` the endpoint uses vLLM's own parsers instead
-(`grpo.system.generation.vllm_chat_parsers`), any that vLLM registers; these are the hf backend's (and
+(`grpo.wings.agents.vllm_chat_parsers`), any that vLLM registers; these are the hf backend's (and
 ``compact`` on both).
 """
 

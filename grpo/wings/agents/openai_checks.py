@@ -1,5 +1,5 @@
-"""What a request to the endpoint must pass before it joins a batch (`grpo.system.generation.endpoint` calls
-these; `grpo.system.generation.openai_chat` holds the schema): each failure is a `RequestError` 400 that names the
+"""What a request to the endpoint must pass before it joins a batch (`grpo.wings.agents.endpoint` calls
+these; `grpo.wings.agents.openai_chat` holds the schema): each failure is a `RequestError` 400 that names the
 field, so one client's bad request fails that request only, never the batch it would have joined.
 
 - the body: JSON whose strings are text and whose nesting is bounded (`parse_request`, `check_json_values`), then
@@ -18,7 +18,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from grpo.config import CHAT_TEMPLATE_ARGS_SET_BY_GRPO
-from grpo.system.generation.openai_chat import ChatRequest, RequestError
+from grpo.wings.agents.openai_chat import ChatRequest, RequestError
 
 # A request body nested deeper than this (arrays and objects) is refused: no real request comes near it (a tool's
 # JSON schema is a few levels deep), and what reads the request recurses.
@@ -54,7 +54,7 @@ def check_json_values(data: Any) -> None:
         >>> check_json_values({"messages": [{"role": "user", "content": "\\ud800"}]})
         Traceback (most recent call last):
         ...
-        grpo.system.generation.openai_chat.RequestError: messages.0.content: '\\ud800' at character 0 is a lone surrogate, not text
+        grpo.wings.agents.openai_chat.RequestError: messages.0.content: '\\ud800' at character 0 is a lone surrogate, not text
     """
     stack = [("", data, 0)]
     while stack:
@@ -115,7 +115,7 @@ def check_token_ids(req, vocab_size: int) -> None:
         >>> check_token_ids(r, 10)
         Traceback (most recent call last):
         ...
-        grpo.system.generation.openai_chat.RequestError: messages.0.generation_token_ids.1 = -1 is not a token id of this model (expected 0 <= id < 10)
+        grpo.wings.agents.openai_chat.RequestError: messages.0.generation_token_ids.1 = -1 is not a token id of this model (expected 0 <= id < 10)
     """
     fields = [("required_prefix_token_ids", req.required_prefix_token_ids)]
     for i, m in enumerate(req.messages or ()):
@@ -143,7 +143,7 @@ def check_tools(req: ChatRequest, tool_parser: Optional[str]) -> None:
         ...                         tool_choice="bogus"), "hermes")
         Traceback (most recent call last):
         ...
-        grpo.system.generation.openai_chat.RequestError: invalid value for tool_choice: 'bogus': expected "none", "auto", "required" or a named function
+        grpo.wings.agents.openai_chat.RequestError: invalid value for tool_choice: 'bogus': expected "none", "auto", "required" or a named function
     """
     choice = req.tool_choice
     if choice == "none":

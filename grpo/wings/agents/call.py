@@ -1,7 +1,7 @@
-"""One attempt of one sample's agent (`grpo.tasks.agent`), run where the run can stop waiting for it, whatever it does.
+"""One attempt of one sample's agent (`grpo.wings.agents.environment`), run where the run can stop waiting for it, whatever it does.
 
 Each attempt runs in a daemon thread of its own, on an event loop of its own (`AgentCall`). The run waits for it with
-a deadline from its own thread (`grpo.system.agent_rollout`), so neither ``env.agent.timeout_s`` nor a stop signal
+a deadline from its own thread (`grpo.wings.agents.player`), so neither ``env.agent.timeout_s`` nor a stop signal
 depends on the agent giving control back: an ``async def`` agent that calls ``time.sleep`` or spins in sync code
 blocks only its own loop. Past its deadline an attempt is *abandoned* (`AgentCall.abandon`): its task is cancelled
 (an agent that awaits stops at once, its ``async with`` blocks closing what they opened), a program's process group

@@ -2,9 +2,9 @@
 the tokens the endpoint recorded.
 
 `AgentPlayer.play` opens the endpoint for generation and plays each task's samples (`play_agents`): every attempt
-of a sample gets a key of its own (`grpo.system.generation.endpoint.Endpoint.open_session`, seeded by the sample's
-seed key) and runs its agent in a thread of its own (`grpo.tasks.agent.AgentEnvironment.start`), which the run
-stops waiting for at ``env.agent.timeout_s`` whatever the agent does (`grpo.tasks.agent_call`). A failed attempt is
+of a sample gets a key of its own (`grpo.wings.agents.endpoint.Endpoint.open_session`, seeded by the sample's
+seed key) and runs its agent in a thread of its own (`grpo.wings.agents.environment.AgentEnvironment.start`), which the run
+stops waiting for at ``env.agent.timeout_s`` whatever the agent does (`grpo.wings.agents.call`). A failed attempt is
 retried within ``grpo.rollout_failure``'s budgets, as the other environments' calls are (`grpo.tasks.failures`).
 Then each trajectory is built from its last attempt's calls (`trajectory_messages`): NeMo-RL's NeMo-Gym path
 (``nemo_rl/environments/nemo_gym.py``): call k's prompt must begin with everything seen so far (the earlier calls'
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from grpo.trajectory import INFRA, Failure, Message
-from grpo.tasks.agent import AgentEnvironment, AgentOutcome, agent_row, outcome_of, timed_out
-from grpo.tasks.agent_call import AgentCall
+from grpo.wings.agents.environment import AgentEnvironment, AgentOutcome, agent_row, outcome_of, timed_out
+from grpo.wings.agents.call import AgentCall
 from grpo.tasks.failures import RetryPolicy
 from grpo.tasks.nemo_gym import NemoGymEnvironment
 from grpo.system.nemo_gym_rollout import play_gym
@@ -38,7 +38,7 @@ def trajectory_messages(records, decode) -> tuple[list, bool]:
     """``(messages, contiguous)``: the `grpo.trajectory.Message` list of a sample's calls (module docstring),
     up to the first call that does not continue the ones before it; ``contiguous`` is False when there was one.
 
-        >>> from grpo.system.generation.endpoint import CallRecord
+        >>> from grpo.wings.agents.endpoint import CallRecord
         >>> calls = [CallRecord([1, 2], [3, 4], [-.1, -.2], "stop", 0), CallRecord([1, 2, 3, 4, 5], [6], [-.3], "stop", 0)]
         >>> msgs, ok = trajectory_messages(calls, decode=str)
         >>> [(m.role, m.token_ids, m.trained) for m in msgs], ok
@@ -64,7 +64,7 @@ def oldest_version(records) -> int:
     the async loop's staleness bound (``grpo.async_grpo.max_trajectory_age_steps``, age = step - 1 - version) holds
     for every token it trains, as a multi-turn sample of its own is aged by its oldest turn.
 
-        >>> from grpo.system.generation.endpoint import CallRecord
+        >>> from grpo.wings.agents.endpoint import CallRecord
         >>> oldest_version([CallRecord([1], [2], [-.1], "stop", v) for v in (4, 3, 5)])
         3
     """
@@ -180,7 +180,7 @@ def _ended(ended: queue.SimpleQueue, timeout: float) -> list[AgentCall]:
 
 def _settle(abandoned: list[AgentCall]) -> None:
     """Give the abandoned attempts `ABANDON_GRACE_S` in all to end once cancelled, then interrupt those still running
-    (`grpo.tasks.agent_call.AgentCall.interrupt`: one spinning in Python code must not burn the trainer's CPU)."""
+    (`grpo.wings.agents.call.AgentCall.interrupt`: one spinning in Python code must not burn the trainer's CPU)."""
     until = time.monotonic() + ABANDON_GRACE_S
     for call in abandoned:
         if not call.join(max(0.0, until - time.monotonic())):
@@ -218,7 +218,7 @@ def agent_tasks(envs) -> set[str]:
 
 
 class AgentPlayer:
-    """The agent samples' side of a rollout over the run's ``endpoint`` (`grpo.system.generation.endpoint`).
+    """The agent samples' side of a rollout over the run's ``endpoint`` (`grpo.wings.agents.endpoint`).
     ``stop_requested``: the run's stop flag (`grpo.system.signals.StopRequest.requested`; None: never): once it is
     set, failed agent samples are not retried."""
 

@@ -1,8 +1,8 @@
 """The run's OpenAI-compatible endpoint over the policy being trained (NeMo-RL's ``expose_http_server``).
 
 Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering and splice as chat), ``GET
-/v1/models``, ``GET /health``. Requests and answers and the prefix splice are `grpo.system.generation.openai_chat`'s,
-the checks `grpo.system.generation.openai_checks`'; this module serves them and feeds the generation backend.
+/v1/models``, ``GET /health``. Requests and answers and the prefix splice are `grpo.wings.agents.openai_chat`'s,
+the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds the generation backend.
 
 - **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
   way; FastAPI gives pydantic request models and OpenAI's JSON for free, and uvicorn runs on a socket we bind in
@@ -10,7 +10,7 @@ the checks `grpo.system.generation.openai_checks`'; this module serves them and 
 - **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
   random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
   (`CallRecord`) for the agent environment to build that sample's trajectory from.
-- **Batching** (`grpo.system.generation.endpoint_batching`): handlers put their prompts on a queue; one batcher thread
+- **Batching** (`grpo.wings.agents.endpoint_batching`): handlers put their prompts on a queue; one batcher thread
   takes them while they keep coming (until none has come for ``http_server.batch_window_s`` while the server reads or
   answers no other, or a full ``policy.generation_batch_size``) and generates them in one `GenerationBackend.generate` call, so concurrent
   agents generate together. It generates only while the endpoint is open (`Endpoint.serving`: the
@@ -22,7 +22,7 @@ the checks `grpo.system.generation.openai_checks`'; this module serves them and 
   ``max_body_bytes`` (413, read no further), ``read_timeout_s`` for the body (408), wrong key (401), unknown model
   (404), anything malformed, a token id that is not the model's, a prompt with no room left (400), all decided before
   the request joins a batch; parsing and rendering run off the event loop, rendering within ``render_timeout_s``
-  (`grpo.system.generation.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
+  (`grpo.wings.agents.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
   the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
 - **Chat templates**: the run's (a request's own ``chat_template`` only with ``http_server.trust_request_chat_template``,
   vLLM's rule); ``tools`` / ``tool_choice`` as vLLM validates them, "required" and named functions refused
@@ -51,12 +51,12 @@ from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from grpo.system.generation.endpoint_batching import Batching, _Pending, shutting_down
-from grpo.system.generation.endpoint_limits import TemplateTimeout, read_body, template_deadline
-from grpo.system.generation.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
+from grpo.wings.agents.endpoint_batching import Batching, _Pending, shutting_down
+from grpo.wings.agents.endpoint_limits import TemplateTimeout, read_body, template_deadline
+from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
                                                 cut_at_stop, error_body, extract_tool_calls, parse_message,
                                                 replace_prefix_tokens, required_prefix, template_messages)
-from grpo.system.generation.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
+from grpo.wings.agents.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
                                                   request_template)
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Endpoint(Batching):
                                 **(serving.template_kwargs() if serving else {})}
         self.vllm_parser = None  # vLLM's parsers of the names it registers, on the vLLM backend
         if g.backend == "vllm" and (self.tool_parser or self.reasoning_parser):
-            from grpo.system.generation.vllm_chat_parsers import vllm_chat_parser
+            from grpo.wings.agents.vllm_chat_parsers import vllm_chat_parser
 
             self.vllm_parser = vllm_chat_parser(tokenizer, self.tool_parser, self.reasoning_parser)
         self.model_name = self.settings.model_name or p.model_name
@@ -352,8 +352,8 @@ class Endpoint(Batching):
 
     def parse(self, text: str, token_ids: list[int], req: ChatRequest) -> tuple[str | None, str | None, list[dict]]:
         """``(reasoning_content, content, tool_calls)`` of a generated text: vLLM's parsers on the vLLM backend
-        (`grpo.system.generation.vllm_chat_parsers`, the names vLLM registers), else grpo-ds's
-        (`grpo.system.generation.openai_chat`: the hf backend, and ``compact`` on both)."""
+        (`grpo.wings.agents.vllm_chat_parsers`, the names vLLM registers), else grpo-ds's
+        (`grpo.wings.agents.openai_chat`: the hf backend, and ``compact`` on both)."""
         kwargs = {**self.template_kwargs, **(req.chat_template_kwargs or {})}
         tools = None if req.tool_choice == "none" else req.tools
         if self.vllm_parser is None:

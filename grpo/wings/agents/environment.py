@@ -1,5 +1,5 @@
 """Agents as environments (``env.name: agent``): a user's agent plays each sample against the policy through the
-run's OpenAI-compatible endpoint (`grpo.system.generation.endpoint`), and says what the sample earned.
+run's OpenAI-compatible endpoint (`grpo.wings.agents.endpoint`), and says what the sample earned.
 
 An agent is an async Python function (``env.agent.fn: package.module:function``)::
 
@@ -11,23 +11,23 @@ An agent is an async Python function (``env.agent.fn: package.module:function``)
 or a program (``env.agent.command: [argv...]``) that reads the row as JSON on stdin, finds ``GRPO_BASE_URL``,
 ``GRPO_API_KEY``, ``GRPO_MODEL`` (and the ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` the openai package reads) in its
 environment, and prints the result as JSON on the last line of its stdout (what it prints before is read and
-dropped, its last megabyte kept: `grpo.tasks.agent_call.run_program`). ``row`` is
+dropped, its last megabyte kept: `grpo.wings.agents.call.run_program`). ``row`` is
 ``{"question", "answer", "meta", "task_name", "messages", "sampling"}`` (``messages``: the prompt as the data
 formatted it, role / content dicts; ``sampling``: the ``temperature`` and ``top_p`` to send, the run's training or
 validation pair: the endpoint refuses others). A number is the reward; a dict has ``reward`` and optionally ``reward_components`` (named
 finite numbers) and ``mask_sample`` (keep the sample out of the loss).
 
 Every attempt of a sample gets its own API key, so the endpoint records each call it makes; the trainer builds the
-sample's trajectory from those records (`grpo.system.agent_rollout`), never from what the agent says it saw.
+sample's trajectory from those records (`grpo.wings.agents.player`), never from what the agent says it saw.
 
-Each call of the function runs on an event loop of its own, in a thread of its own (`grpo.tasks.agent_call`: so
+Each call of the function runs on an event loop of its own, in a thread of its own (`grpo.wings.agents.call`: so
 that the timeout and stop signals hold whatever the agent does); make clients inside the function, as above, not at
 module level: a connection does not outlive the loop it was opened on.
 
 An attempt *fails* (`grpo.tasks.failures`) when its agent raises (its class from the exception: a dropped connection
 or a 5xx is infra, the agent's own bug data), runs past ``env.agent.timeout_s`` (``env_timeout``; it is abandoned, a
 program killed), exits non-zero, or returns something that is not a result (``env_malformed``). A failed attempt is
-retried within ``grpo.rollout_failure``'s budgets under a fresh key (`grpo.system.agent_rollout`); a sample whose
+retried within ``grpo.rollout_failure``'s budgets under a fresh key (`grpo.wings.agents.player`); a sample whose
 attempts all failed is masked, never scored 0. Up to ``env.agent.max_concurrency`` agents run at once.
 """
 
@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from grpo.tasks.agent_call import AgentCall, ProgramFailed, ProgramOutputError, run_program
+from grpo.wings.agents.call import AgentCall, ProgramFailed, ProgramOutputError, run_program
 from grpo.tasks.failures import failure_of_exception, reward_problem
 from grpo.tasks.function import EnvError, resolve_function
 from grpo.tasks.interface import Environment
@@ -89,7 +89,7 @@ def parse_result(value: Any) -> AgentOutcome:
 
 class AgentEnvironment(Environment):
     """``env.name: agent``. Its samples are played by their agents (`start`), never stepped:
-    `grpo.system.rollout.generate_rollout` hands them to `grpo.system.agent_rollout.play_agents`."""
+    `grpo.system.rollout.generate_rollout` hands them to `grpo.wings.agents.player.play_agents`."""
 
     def __init__(self, fn: str | None = None, command: list[str] | None = None, max_concurrency: int = 64,
                  timeout_s: float = 300.0, key: str = "env.agent"):
@@ -103,7 +103,7 @@ class AgentEnvironment(Environment):
 
     def step(self, message_logs, metadata):
         raise EnvError("env.name=agent: its samples are played by the agent over the endpoint "
-                       "(grpo.system.agent_rollout), not stepped")
+                       "(grpo.wings.agents.player), not stepped")
 
     def global_post_process_and_metrics(self, batch: dict) -> tuple[dict, dict]:
         """Metrics of the agent samples (``env/<task>/<name>``): failed and non-contiguous samples (counts), model
@@ -117,7 +117,7 @@ class AgentEnvironment(Environment):
 
     def start(self, row: dict, base_url: str, api_key: str, model: str,
               on_done: Callable[[AgentCall], None]) -> AgentCall:
-        """One attempt of ``row``'s agent, started in its own thread (`grpo.tasks.agent_call.AgentCall`); its
+        """One attempt of ``row``'s agent, started in its own thread (`grpo.wings.agents.call.AgentCall`); its
         `outcome_of` once ``on_done(call)`` is called."""
         if self.fn is not None:
             return AgentCall(lambda call: self.fn(row, base_url, api_key, model), on_done)
