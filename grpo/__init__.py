@@ -38,9 +38,12 @@ module or folder:
    estimators of `grpo.registry`) before any model loads.
 7. wings (`grpo.wings`): features that plug into the core's seams, a folder each, and that no other layer imports
    (the run loads them all through `grpo.wings.load`, naming none): reward models (`grpo.wings.reward_model`),
-   agents over the OpenAI-compatible endpoint (`grpo.wings.agents`). The seams: the environment catalogue
-   (`grpo.tasks.factory.register_environment`), who plays a sample (`grpo.system.players.register_player`) and
-   the deferred scoring point (`grpo.system.deferred.register_deferred_scorer`).
+   agents over the OpenAI-compatible endpoint (`grpo.wings.agents`), NeMo-Gym (`grpo.wings.gym`). The seams: the
+   environment catalogue (`grpo.tasks.factory.register_environment`), who plays a sample
+   (`grpo.system.players.register_player`), the deferred scoring point
+   (`grpo.system.deferred.register_deferred_scorer`) and the reward transforms
+   (`grpo.rewards.register_reward_transform`); a wing may offer its own to another (the endpoint's games and
+   services, `grpo.wings.agents`, which NeMo-Gym uses).
 8. run (`grpo.run`): composition: a run's setup (`grpo.run.run_setup`), the scripts' command line
    (`grpo.run.cli`), the `Run` and its per-step calls and teardown (`grpo.run.run`), validation, where generation
    runs and is served (`grpo.run.serving`), ``--export-hf`` / ``--export-adapter`` (`grpo.run.export`), the end of

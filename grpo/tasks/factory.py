@@ -11,10 +11,10 @@ By ``env.name``:
 - a name a wing registered (`register_environment`): ``agent``, a user's agent (``env.agent``) playing each sample
   over the run's endpoint (`grpo.wings.agents`); ``reward_model``, a sequence classifier scoring the
   conversation (``env.reward_model``; `grpo.wings.reward_model`), its engine the run's deferred scorer;
+  ``nemo_gym``, NeMo-Gym's agent servers (``env.should_use_nemo_gym``, ``env.nemo_gym``; `grpo.wings.gym`);
 - ``judge``: an LLM judge behind an OpenAI-compatible URL (``env.judge``, `grpo.tasks.judge`);
 - ``combined``: the rewards of several one-turn environments (``env.rewards``) as a weighted sum or as GDPO's
   components (``env.combine``; `grpo.tasks.combined`).
-- ``nemo_gym``: NeMo-Gym's agent servers (``env.should_use_nemo_gym``, ``env.nemo_gym``; `grpo.tasks.nemo_gym`).
 
 Several environments in one run: ``env.tasks: {task_name: {name: ..., ...}}``; each data row's
 ``task_name`` (``data.task_key``) picks one, rows without it use the top-level environment, whose task name
@@ -107,10 +107,6 @@ def build_environment(env_spec, data_cfg=None, key: str = "env", deferred=None) 
         return ToolEnvironment(env_spec.tools, env_spec.reward_fn, env_spec.tool_call_format, env_spec.tool_timeout_s,
                                env_spec.max_tool_result_chars, env_spec.max_tool_calls_per_turn, env_spec.num_workers,
                                env_spec.timeout_s, env_spec.disable_tools)
-    if env_spec.name == "nemo_gym":  # its samples are played by Gym's agent servers (grpo.system.nemo_gym_rollout)
-        from grpo.tasks.nemo_gym import NemoGymEnvironment
-
-        return NemoGymEnvironment(env_spec.nemo_gym, env_spec.should_log_nemo_gym_responses)
     if env_spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
         check_reward_fn(env_spec.reward_fn, max(env_spec.timeout_s, MIN_IMPORT_TIMEOUT_S))
         return RewardEnvironment(env_spec.reward_fn, in_process=False, num_workers=env_spec.num_workers,

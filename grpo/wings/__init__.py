@@ -6,6 +6,8 @@ Each wing is a folder that registers what it provides when imported:
                    catalogue) computed at the rollout's deferred scoring point (`grpo.system.deferred`)
     agents         env.name=agent and expose_http_server: the OpenAI-compatible endpoint over the run's generation
                    backend and the player of the samples played over it (`grpo.system.players`; NeMo-Gym's too)
+    gym            env.name=nemo_gym: NeMo-Gym's agent servers over the agents wing's endpoint, and NeMo-RL's
+                   effort levels and penalties on their results (a reward transform, `grpo.rewards`)
 
 A run loads every wing (`load`) before it builds its environments; a test or a script that uses one wing imports it.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-WINGS = ("grpo.wings.reward_model", "grpo.wings.agents")
+WINGS = ("grpo.wings.reward_model", "grpo.wings.agents", "grpo.wings.gym")
 
 
 def load() -> None:

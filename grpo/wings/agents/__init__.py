@@ -11,9 +11,20 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 from grpo.system.players import PlayerError, register_player
 from grpo.tasks.factory import register_environment
+
+
+# What starts with the endpoint, in order: start(cfg, envs_list, endpoint, log_dir, closables, logger), raising
+# PlayerError (register_endpoint_service; NeMo-Gym's servers: grpo.wings.gym).
+_SERVICES: list[Callable] = []
+
+
+def register_endpoint_service(start: Callable) -> None:
+    """Have ``start`` called once the endpoint serves (a wing calls it when imported)."""
+    _SERVICES.append(start)
 
 
 def agent_environment(env_spec, key: str, deferred):
@@ -57,13 +68,9 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
     with os.fdopen(fd, "w") as f:
         json.dump({"base_url": url, "api_key": endpoint.api_key, "model": endpoint.model_name}, f)
     logger.write(f"endpoint: {url} serves {endpoint.model_name!r} (key in {path}){'; agent tasks ' + str(agent) if agent else ''}")
-    from grpo.system.nemo_gym_servers import GymServerError, start_gym_servers
-
-    try:  # NeMo-Gym's servers (env.should_use_nemo_gym), found or launched with this endpoint
-        start_gym_servers(cfg, envs_list, endpoint, cfg.logger.log_dir if rank == 0 else
-                          os.path.join(cfg.logger.log_dir, f"rank{rank}"), closables, logger)
-    except GymServerError as err:
-        raise PlayerError(str(err)) from None
+    for start in _SERVICES:  # NeMo-Gym's servers (env.should_use_nemo_gym), found or launched with this endpoint
+        start(cfg, envs_list, endpoint, cfg.logger.log_dir if rank == 0 else
+              os.path.join(cfg.logger.log_dir, f"rank{rank}"), closables, logger)
     return AgentPlayer(endpoint)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -30,8 +31,6 @@ from grpo.trajectory import INFRA, Failure, Message
 from grpo.wings.agents.environment import AgentEnvironment, AgentOutcome, agent_row, outcome_of, timed_out
 from grpo.wings.agents.call import AgentCall
 from grpo.tasks.failures import RetryPolicy
-from grpo.tasks.nemo_gym import NemoGymEnvironment
-from grpo.system.nemo_gym_rollout import play_gym
 
 
 def trajectory_messages(records, decode) -> tuple[list, bool]:
@@ -210,11 +209,21 @@ def fill_trajectory(t, played: Played, decode) -> None:
         t.metadata = {**(t.metadata or {}), "agent_noncontiguous": True}
 
 
+# Environment classes whose samples another wing plays over the endpoint, and how: class -> play(env, trajs,
+# seed_keys, endpoint, retry, weight_version) (register_endpoint_game; NeMo-Gym's agent servers: grpo.wings.gym).
+_GAMES: dict[type, Callable] = {}
+
+
+def register_endpoint_game(env_cls: type, play: Callable) -> None:
+    """Have the samples of ``env_cls`` environments played over the endpoint by ``play`` (a wing calls it)."""
+    _GAMES[env_cls] = play
+
+
 def agent_tasks(envs) -> set[str]:
     """The task names of ``envs`` (a `grpo.tasks.router.Environments`) whose samples are played over the endpoint:
-    an agent's, or NeMo-Gym's agent servers' (`grpo.system.nemo_gym_rollout`)."""
+    an agent's, or a registered game's (`register_endpoint_game`: NeMo-Gym's agent servers)."""
     return {task for task, env in getattr(envs, "envs", {}).items()
-            if isinstance(env, (AgentEnvironment, NemoGymEnvironment))}
+            if isinstance(env, (AgentEnvironment, *_GAMES))}
 
 
 class AgentPlayer:
@@ -259,9 +268,10 @@ class AgentPlayer:
         decode = endpoint.tokenizer.decode
         for task, idx in by_task.items():
             env = envs.envs[task]
-            if isinstance(env, NemoGymEnvironment):
-                play_gym(env, [trajs[i] for i in idx], [seed_keys[i] for i in idx], endpoint, envs.retry,
-                         endpoint.weight_version if weight_version is None else weight_version)
+            game = next((play for cls, play in _GAMES.items() if isinstance(env, cls)), None)
+            if game is not None:
+                game(env, [trajs[i] for i in idx], [seed_keys[i] for i in idx], endpoint, envs.retry,
+                     endpoint.weight_version if weight_version is None else weight_version)
                 continue
             rows = [agent_row(trajs[i].question, trajs[i].answer, trajs[i].metadata.get("meta", {}), task,
                               [{"role": m.role, "content": m.content} for m in trajs[i].messages],
