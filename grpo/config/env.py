@@ -150,7 +150,7 @@ class JudgeConfig(_Section):
 
 class EffortLevelsConfig(_Section):
     """``env.nemo_gym.effort_levels``: NeMo-RL's length shaping of NeMo-Gym rewards for low-effort prompts
-    (``nemo_rl/experience/rollouts.py``, ``EffortLevelsConfig``; `grpo.gym_rewards.apply_effort_shaping`):
+    (``nemo_rl/experience/rollouts.py``, ``EffortLevelsConfig``; `grpo.wings.gym.rewards.apply_effort_shaping`):
 
         length_reward = min(1, low_weight * (1 - response_len / low_ub))
         reward'       = reward + reward * max(length_reward, 0) + low_penalty * min(length_reward, 0)
@@ -177,7 +177,7 @@ class NemoGymConfig(BaseModel):
     thinking_tags: Optional[list[str]] = Field(None, description=(
         "NeMo-RL's key: the thinking tags checked for malformed thinking (null: <think>, </think>)."))
     effort_levels: Optional[EffortLevelsConfig] = Field(None, description=(
-        "NeMo-RL's key: effort-level length shaping of Gym results (grpo.gym_rewards; never sent to Gym)."))
+        "NeMo-RL's key: effort-level length shaping of Gym results (grpo.wings.gym.rewards; never sent to Gym)."))
     port_range_low: int = Field(5000, gt=0, lt=65536, description=(
         "NeMo-RL's key: the Gym servers' ports (the head server grpo-ds starts takes the first free one); passed to "
         "Gym as its port_range_low."))

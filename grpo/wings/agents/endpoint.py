@@ -221,7 +221,7 @@ class Endpoint(Batching):
 
     def take_records(self, key: str) -> list[CallRecord]:
         """The calls recorded under session ``key`` since the last take, in the order they were answered; the key
-        stays valid (a long-lived session: the NeMo-Gym servers', `grpo.system.nemo_gym_rollout.GymLedger`)."""
+        stays valid (a long-lived session: the NeMo-Gym servers', `grpo.wings.gym.rollout.GymLedger`)."""
         with self._lock:
             session = self._sessions[key]
             records, session.records = session.records, []

@@ -19,21 +19,21 @@ from grpo.wings.agents.player import register_endpoint_game
 
 
 def gym_environment(env_spec, key: str, deferred):
-    """``env.name: nemo_gym``: its samples are played by Gym's agent servers (`grpo.system.nemo_gym_rollout`)."""
+    """``env.name: nemo_gym``: its samples are played by Gym's agent servers (`grpo.wings.gym.rollout`)."""
     return NemoGymEnvironment(env_spec.nemo_gym, env_spec.should_log_nemo_gym_responses)
 
 
 def play(env, trajs, seed_keys, endpoint, retry, weight_version):
-    """A Gym task's samples, POSTed to its agent server (`grpo.system.nemo_gym_rollout.play_gym`)."""
-    from grpo.system.nemo_gym_rollout import play_gym
+    """A Gym task's samples, POSTed to its agent server (`grpo.wings.gym.rollout.play_gym`)."""
+    from grpo.wings.gym.rollout import play_gym
 
     play_gym(env, trajs, seed_keys, endpoint, retry, weight_version)
 
 
 def start_servers(cfg, envs_list, endpoint, log_dir, closables, logger):
-    """Gym's servers found or launched with the endpoint (`grpo.system.nemo_gym_servers.start_gym_servers`); one that
+    """Gym's servers found or launched with the endpoint (`grpo.wings.gym.servers.start_gym_servers`); one that
     cannot start stops the run with its line."""
-    from grpo.system.nemo_gym_servers import GymServerError, start_gym_servers
+    from grpo.wings.gym.servers import GymServerError, start_gym_servers
 
     try:
         start_gym_servers(cfg, envs_list, endpoint, log_dir, closables, logger)
@@ -42,15 +42,15 @@ def start_servers(cfg, envs_list, endpoint, log_dir, closables, logger):
 
 
 def is_gym_batch(trajectories) -> bool:
-    from grpo.gym_rewards import is_gym_batch
+    from grpo.wings.gym.rewards import is_gym_batch
 
     return is_gym_batch(trajectories)
 
 
 def shape(rewards_b, trajectories, rp, env, tokenizer):
     """NeMo-RL's Gym shaping: effort levels (``env.nemo_gym.effort_levels``), then the penalties on the Gym
-    results (`grpo.gym_rewards.shape_gym_rewards`)."""
-    from grpo.gym_rewards import shape_gym_rewards
+    results (`grpo.wings.gym.rewards.shape_gym_rewards`)."""
+    from grpo.wings.gym.rewards import shape_gym_rewards
 
     return shape_gym_rewards(rewards_b, trajectories, rp, getattr(env, "nemo_gym", None), tokenizer)
 

@@ -15,7 +15,7 @@ so its servers never live in grpo-ds's environment; the run reaches them over HT
    launcher in ``launcher_cwd`` in a process group of its own (its output in ``<log_dir>/nemo_gym/launcher.log``),
    waits for the head server and every server it lists, and stops the group at the end of the run, on a crash, on a
    signal, and when the trainer dies (the parent-death signal). A launcher that exits or never answers stops the run with one ``error:`` line
-   and the log's tail; a server that dies later costs the samples it held (`grpo.system.nemo_gym_rollout`).
+   and the log's tail; a server that dies later costs the samples it held (`grpo.wings.gym.rollout`).
 
    The head server is trusted only when it is this launch's: the global config it answers must hold the secret
    ``grpo_ds_launch_key`` the run wrote into its file (Gym's head server answers the merged config, every key
@@ -23,7 +23,7 @@ so its servers never live in grpo-ds's environment; the run reaches them over HT
    it before the launcher does; a head server without the key is never read further: the launcher is stopped and
    started again on another free port, up to `LAUNCH_ATTEMPTS` times, then the run stops with one line.
 
-Either way the servers call the endpoint with a key of their own (`grpo.system.nemo_gym_rollout.GymLedger`: only
+Either way the servers call the endpoint with a key of their own (`grpo.wings.gym.rollout.GymLedger`: only
 results made of its generations are trained), their agents must include every ``agent_ref.name`` of the data
 (checked at startup: one line naming the unknown agents, the known ones and the row), and a launch or head server
 that lists no agent server at all (``config_paths`` naming files that are not Gym server configs) stops the run.
@@ -325,7 +325,7 @@ def start_gym_servers(cfg, envs_list, endpoint, log_dir: str, closables: list, l
     every agent the data names (`grpo.tasks.nemo_gym.check_data_agents` over the rows of ``cfg.data``), give the
     environment their URLs and ledger, and close them with the run (``closables``). Raises `GymServerError`."""
     from grpo.system.data import load_rows
-    from grpo.system.nemo_gym_rollout import GymLedger
+    from grpo.wings.gym.rollout import GymLedger
     from grpo.tasks.nemo_gym import NemoGymEnvironment, check_data_agents, data_agents
 
     gyms = [env for envs in envs_list for env in getattr(envs, "envs", {}).values()

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from grpo.gym_rewards import annotate_gym_items
+from grpo.wings.gym.rewards import annotate_gym_items
 from grpo.tasks.failures import DATA, INFRA, Failure, RetryPolicy, failure_of_exception
 from grpo.tasks.nemo_gym import (NemoGymEnvironment, check_result, check_token_fields, mask_of, model_call_items,
                                  numeric_fields, prepare_row, regroup, reward_of, trajectory_messages)
@@ -199,7 +199,7 @@ async def run_rows(env: NemoGymEnvironment, rows: list[dict], retry: RetryPolicy
 def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int, weight_version: int,
                         env: NemoGymEnvironment) -> None:
     """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its row's ``(result, failure, retries)``. Each model call's
-    assistant message gets NeMo-RL's flags (invalid tool call, malformed thinking: `grpo.gym_rewards`, read by the
+    assistant message gets NeMo-RL's flags (invalid tool call, malformed thinking: `grpo.wings.gym.rewards`, read by the
     reward penalties) from ``env``'s ``invalid_tool_call_patterns`` / ``thinking_tags``."""
     result, failure, retries = outcome
     t.retries, t.done = retries, True
@@ -236,7 +236,7 @@ def play_gym(env: NemoGymEnvironment, trajs: list, seed_keys: list[tuple], endpo
                                 gen.max_new_tokens))
     if env.ledger is None:
         raise RuntimeError("NeMo-Gym samples need the servers' ledger (env.ledger: GymLedger, set where the servers "
-                           "are found: grpo.system.nemo_gym_servers.start_gym_servers)")
+                           "are found: grpo.wings.gym.servers.start_gym_servers)")
     vocab_size = endpoint.vocab_size  # the tokenizer's ids and a padded embedding's rows
     labels = [f"{key[3]} data row {t.prompt_index}" for t, key in zip(trajs, seed_keys)]  # e.g. "train data row 17"
     with env.ledger.opened(), endpoint.serving(weight_version):
