@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from grpo.config import cluster_mismatch, generation_ranks, serves_endpoint  # noqa: F401 (serves_endpoint: here too)
+from grpo.config import cluster_mismatch, generation_ranks
 from grpo.run.run import RunError
 
 
@@ -44,9 +44,9 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
     """`policy.generation.backend`: "hf" (transformers generate, any device) or "vllm" (colocated). With hf and
     whole weights on every rank (ZeRO-1/2), generation runs on the policy module itself (no copy to refit). With a
     ``layout`` (`grpo.system.dist.Layout`, ``colocated.enabled=false``): `RemoteGeneration`, the generation
-    ranks' engines behind the bridge (a collective of the trainers); with several trainers that serve the endpoint,
-    wrapped in `grpo.system.generation.lockstep.LockstepGeneration` (each trainer's endpoint generates when its
-    agents call, the trainers still generate together)."""
+    ranks' engines behind the bridge (a collective of the trainers), inside what the wings wrap around it
+    (`grpo.system.players.wrap_backend`: with several trainers that serve the endpoint, the agents wing's lockstep
+    rounds, so each trainer's endpoint generates when its agents call and the trainers still generate together)."""
     if layout is not None:
         from grpo.system.bridge import Bridge, BridgeError
         from grpo.system.generation.remote import RemoteGeneration
@@ -62,11 +62,9 @@ def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None)
                 error = str(err)
         remote = RemoteGeneration(cfg, layout, bridge, cfg.policy.model_name, device, tokenizer,
                                   getattr(policy_engine.module.config, "eos_token_id", None), bridge_error=error)
-        if layout.world_size > 1 and serves_endpoint(cfg):  # each trainer's endpoint: generation agreed by rounds
-            from grpo.system.generation.lockstep import LockstepGeneration
+        from grpo.system.players import wrap_backend
 
-            return LockstepGeneration(remote, cfg.policy.generation)
-        return remote
+        return wrap_backend(cfg, remote, layout)
     if cfg.policy.generation.backend == "hf":
         from grpo.system.generation.hf import HFGeneration
 

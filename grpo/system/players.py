@@ -45,6 +45,25 @@ def register_player(name: str, start: Callable[..., Player | None]) -> None:
     _STARTERS[name] = start
 
 
+# wrap(cfg, backend, layout) -> backend: what a wing puts around the trainers' backend of the generation ranks, in
+# registration order (register_backend_wrapper; the agents wing's lockstep rounds when several trainers serve).
+_BACKEND_WRAPPERS: list[Callable] = []
+
+
+def register_backend_wrapper(wrap: Callable) -> None:
+    """Have ``wrap(cfg, backend, layout)`` return the backend the trainers use instead of ``backend`` (the generation
+    ranks' `grpo.system.generation.remote.RemoteGeneration`; ``layout``: `grpo.system.dist.Layout`), or ``backend``
+    itself when the run needs nothing around it (a wing calls it when imported)."""
+    _BACKEND_WRAPPERS.append(wrap)
+
+
+def wrap_backend(cfg, backend, layout):
+    """The generation ranks' backend with every registered wrapper around it, in order."""
+    for wrap in _BACKEND_WRAPPERS:
+        backend = wrap(cfg, backend, layout)
+    return backend
+
+
 def start_player(cfg, generator, tokenizer, envs_list: list, closables: list, logger, rank: int, asynchronous: bool,
                  vocab_size: int) -> Player | None:
     """The run's player, from the first registered starter that returns one (None: the in-process loop plays every

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from grpo.config import serves_endpoint
 from grpo.config.load import ConfigError, load_config
-from grpo.run.serving import serves_endpoint
 from tests.helpers.e2e import REPO
 
 SPLIT = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1"]

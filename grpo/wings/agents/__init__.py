@@ -13,7 +13,8 @@ import json
 import os
 from collections.abc import Callable
 
-from grpo.system.players import PlayerError, register_player
+from grpo.config import serves_endpoint
+from grpo.system.players import PlayerError, register_backend_wrapper, register_player
 from grpo.tasks.factory import register_environment
 
 
@@ -74,5 +75,16 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
     return AgentPlayer(endpoint)
 
 
+def lockstep(cfg, backend, layout):
+    """Several trainers that serve the endpoint over the generation ranks: each trainer's endpoint generates when its
+    agents call, the trainers agree their generation by rounds (`grpo.system.generation.lockstep`)."""
+    if layout.world_size > 1 and serves_endpoint(cfg):
+        from grpo.system.generation.lockstep import LockstepGeneration
+
+        return LockstepGeneration(backend, cfg.policy.generation)
+    return backend
+
+
 register_environment("agent", agent_environment)
 register_player("endpoint", start_endpoint)
+register_backend_wrapper(lockstep)
