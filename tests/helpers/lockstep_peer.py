@@ -1,6 +1,6 @@
 """A trainer for tests/unit/test_lockstep.py: ``python -m tests.helpers.lockstep_peer PORT RANK WORLD MODE``.
 
-Each process is one trainer with `grpo.system.generation.lockstep.LockstepGeneration` over `Collective`, a stand-in
+Each process is one trainer with `grpo.wings.agents.lockstep.LockstepGeneration` over `Collective`, a stand-in
 for `RemoteGeneration` whose every call is a real collective of the trainers over its own gloo group (and which
 fails loudly when the trainers do not agree on a call or on its sampling profile). It prints one JSON line.
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from grpo.config import GenerationConfig
 from grpo.system.generation.base import GenerationBackend, GenerationOutput
-from grpo.system.generation.lockstep import LockstepGeneration
+from grpo.wings.agents.lockstep import LockstepGeneration
 from grpo.system.rollout import RolloutError
 
 

@@ -77,9 +77,9 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
 
 def lockstep(cfg, backend, layout):
     """Several trainers that serve the endpoint over the generation ranks: each trainer's endpoint generates when its
-    agents call, the trainers agree their generation by rounds (`grpo.system.generation.lockstep`)."""
+    agents call, the trainers agree their generation by rounds (`grpo.wings.agents.lockstep`)."""
     if layout.world_size > 1 and serves_endpoint(cfg):
-        from grpo.system.generation.lockstep import LockstepGeneration
+        from grpo.wings.agents.lockstep import LockstepGeneration
 
         return LockstepGeneration(backend, cfg.policy.generation)
     return backend

@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from grpo.system.generation.lockstep import LockstepGeneration
+from grpo.wings.agents.lockstep import LockstepGeneration
 from grpo.wings.agents.openai_chat import RequestError
 
 logger = logging.getLogger(__name__)
