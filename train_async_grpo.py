@@ -5,7 +5,7 @@
     python train_async_grpo.py --config configs/X.yaml grpo.async_grpo.max_trajectory_age_steps=2
     torchrun --nproc_per_node 2 train_async_grpo.py --config ...     (deepspeed / accelerate launch too)
 
-Two loops run at once. The generation thread (`grpo.producer.RolloutProducer`) takes prompt batch i,
+Two loops run at once. The generation thread (`grpo.run.producer.RolloutProducer`) takes prompt batch i,
 plays G conversations per prompt with its OWN copy of the weights, scores them, and puts the prompt
 groups, tagged with the weight version that generated them, into an in-process replay deque for training
 step i + 1. The trainer (this loop) takes exactly the groups meant for its step and does what the
@@ -32,17 +32,17 @@ from __future__ import annotations
 import os
 import time
 
-from grpo.run import finish, run_script, save, stop_reason
-from grpo.run_setup import setup
-from grpo.step_end import end_step, skip_step
-from grpo.validation import validate
+from grpo.run.run import finish, run_script, save, stop_reason
+from grpo.run.run_setup import setup
+from grpo.run.step_end import end_step, skip_step
+from grpo.run.validation import validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 
 
 def main(argv=None) -> int | None:
     """Train; return None, or a stop signal's exit status. A run that cannot start or that fails raises
-    `grpo.run.RunError` (the script prints its ``error:`` line and exits 1)."""
+    `grpo.run.run.RunError` (the script prints its ``error:`` line and exits 1)."""
     run = setup(argv, DEFAULT_CONFIG, asynchronous=True, description=__doc__)
     if run is None:  # --export-hf done, or a generation rank (colocated.enabled=false) that served its run
         return None
@@ -52,9 +52,9 @@ def main(argv=None) -> int | None:
     from grpo.batch import build_batch
     from grpo.system.data import PromptStream
     from grpo.metrics import rollout_counts
-    from grpo.producer import RolloutProducer, weight_copy
+    from grpo.run.producer import RolloutProducer, weight_copy
     from grpo.system.rollout import RolloutError
-    from grpo.serving import start_async_endpoint
+    from grpo.run.serving import start_async_player
     from grpo.rollout_metrics import step_summary
     from grpo.system.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
     from grpo.step import (
@@ -82,7 +82,7 @@ def main(argv=None) -> int | None:
     # The generation ranks' engines (colocated.enabled=false; the producer pushes the staged weights to them, and
     # only it uses the bridge), else a transformers copy of the weights in the thread.
     generator = run.generator if run.generator is not None else weight_copy(run, stage)
-    start_async_endpoint(run, generator)  # env.name=agent / expose_http_server: the endpoint over the thread's backend
+    start_async_player(run, generator)  # env.name=agent / expose_http_server: the endpoint over the thread's backend
     producer = RolloutProducer(run, stage, buffer, generator, run.envs,
                                PromptStream(run.loader, g.max_num_epochs, gen_mark["epoch"], gen_mark["loader"]),
                                first_target, group, a.generation_threads or max(1, trainer_threads // 2))

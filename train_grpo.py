@@ -22,19 +22,19 @@ import itertools
 import os
 import time
 
-from grpo.run import (
+from grpo.run.run import (
     finish, resume_note, run_rollout, run_script, save, signal_stop_message, stop_reason, stop_requested,
 )
-from grpo.run_setup import setup
-from grpo.step_end import end_step, skip_step
-from grpo.validation import validate
+from grpo.run.run_setup import setup
+from grpo.run.step_end import end_step, skip_step
+from grpo.run.validation import validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
 
 
 def main(argv=None) -> int | None:
     """Train; return None, or a stop signal's exit status. A run that cannot start or that fails raises
-    `grpo.run.RunError` (the script prints its ``error:`` line and exits 1)."""
+    `grpo.run.run.RunError` (the script prints its ``error:`` line and exits 1)."""
     run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__)
     if run is None:  # --export-hf done, or a generation rank (colocated.enabled=false) that served its run
         return None

@@ -5,11 +5,11 @@
     python bench/bench_agents.py --model toy --prompts 1 --generations 2 --turns 1 --rounds 1   # a smoke run
 
 One process builds the model and its hf backend once (`grpo.system.generation.hf.HFGeneration`), serves the
-endpoint over it on loopback (`grpo.system.generation.endpoint.Endpoint`, as a run does), then, for each round,
+endpoint over it on loopback (`grpo.wings.agents.endpoint.Endpoint`, as a run does), then, for each round,
 plays the same P x G conversations (8 workload prompts x 8 samples = 64, a GRPO step's shape) both ways, in
 alternating order, each through `grpo.system.rollout.generate_rollout`:
 
-- **endpoint**: ``env.name: agent`` (`grpo.system.agent_rollout.AgentPlayer`): 64 concurrent agents
+- **endpoint**: ``env.name: agent`` (`grpo.wings.agents.player.AgentPlayer`): 64 concurrent agents
   (`scripted_agent`), each with its own `openai.AsyncOpenAI` client (built on one shared SSL context: a client
   that builds its own spends ~60 ms of CPU on it, which is the agent's cost, not the endpoint's) and its own
   key, making T chat completions: the
@@ -170,13 +170,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from grpo.system.agent_rollout import AgentPlayer
+    from grpo.wings.agents.player import AgentPlayer
     from grpo.system.chat import ChatFormat
-    from grpo.system.generation.endpoint import Endpoint
+    from grpo.wings.agents.endpoint import Endpoint
     from grpo.system.generation.hf import HFGeneration
     from grpo.system.rollout import TurnSettings, generate_rollout
     from grpo.tasks.factory import build_environments
     from grpo.tasks.rows import PromptRow
+    from grpo.wings import load as load_wings
 
     torch.set_num_threads(args.threads)
     tok, model, texts = load(args)
@@ -188,6 +189,7 @@ def main() -> None:
     backend = CountingBackend(HFGeneration(agent_cfg.policy, tok, model.config, "cpu", model=model))
     endpoint = Endpoint(agent_cfg, backend, tok)
     endpoint.start()
+    load_wings()  # env.name=agent is the agents wing's
     sides = {"endpoint": (build_environments(agent_cfg.env), AgentPlayer(endpoint)),
              "in_process": (build_environments(class_cfg.env), None)}
     chat = ChatFormat(tok)
@@ -207,7 +209,7 @@ def main() -> None:
         backend.batches = []
         t0 = time.perf_counter()
         r = generate_rollout(rows(task), args.generations, backend, envs, chat, settings, base_seed=42, step=step,
-                             gen_batch=0, stream="train", rank=0, world_size=1, agents=agents)
+                             gen_batch=0, stream="train", rank=0, world_size=1, player=agents)
         seconds = time.perf_counter() - t0
         failed = [t.error_detail for t in r.trajectories if t.error is not None]
         if failed:

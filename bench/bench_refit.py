@@ -29,7 +29,7 @@ from bench.bench_step import build_workload  # noqa: E402  (the one builder of t
 
 
 def bench_config(workload: Path, model: str):
-    from grpo.config_load import build_config
+    from grpo.config.load import build_config
 
     return build_config({
         "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8, "seed": 42},

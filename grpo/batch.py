@@ -25,7 +25,17 @@ from typing import Optional, Union
 
 import torch
 
-from grpo.system.dist import rank_slice
+def rank_slice(n: int, rank: int, world_size: int) -> slice:
+    """Contiguous share of ``n`` items for ``rank`` (sizes differ by at most one).
+
+        >>> [rank_slice(5, r, 2) for r in range(2)]
+        [slice(0, 3, None), slice(3, 5, None)]
+    """
+    per, extra = divmod(n, world_size)
+    start = rank * per + min(rank, extra)
+    return slice(start, start + per + (1 if rank < extra else 0))
+
+
 
 # A message span: positions [start, end) of the [B, T] layout and the flags raised on that message.
 MessageSpan = tuple[int, int, tuple[str, ...]]

@@ -12,7 +12,7 @@ tokens) or ``[B, T]``::
 ``group_ids`` ``[B]``, ``rewards`` ``[B]`` (after penalties, scaling, shaping), ``valid_mask`` ``[B]``,
 ``token_mask`` ``[B, T]``, ``cfg``: the ``grpo.adv_estimator`` config; ``extra`` holds
 ``reward_components`` (``[B, K]`` or None), ``kl_bt`` (the reward KL or None), ``kl_coef``, ``sample_mask`` and
-``master_cfg`` (the run's whole config: a fork's own sections, `grpo.config_load.build_config`). Select it
+``master_cfg`` (the run's whole config: a fork's own sections, `grpo.config.load.build_config`). Select it
 with ``grpo.adv_estimator.name=my_rloo``: the config's name is checked against this registry when the
 config loads (before any model), so register before calling the script's ``main()``.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -413,3 +414,20 @@ def penalize_components(components_bk: torch.Tensor, flags: dict[str, torch.Tens
     """
     any_b = penalized(flags, components_bk.shape[0]).to(components_bk.device)
     return torch.where(any_b[:, None], torch.zeros_like(components_bk), components_bk)
+
+
+# ---- reward transforms a wing registers ------------------------------------------------------------
+# (applies(trajectories) -> bool, transform(rewards_b, trajectories, reward_penalties, env_cfg, tokenizer) ->
+# (rewards_b', flags, metrics)), in registration order: the first whose ``applies`` holds for a batch replaces the
+# built-in penalties on it (`grpo.step.penalize`; NeMo-Gym's effort levels and penalties on its results).
+_REWARD_TRANSFORMS: list[tuple[Callable, Callable]] = []
+
+
+def register_reward_transform(applies: Callable, transform: Callable) -> None:
+    """Make ``transform`` the penalty stage of the batches ``applies`` claims (a wing calls it when imported)."""
+    _REWARD_TRANSFORMS.append((applies, transform))
+
+
+def reward_transform(trajectories: Sequence) -> Optional[Callable]:
+    """The registered transform that claims these trajectories, or None (the built-in penalties apply)."""
+    return next((transform for applies, transform in _REWARD_TRANSFORMS if applies(trajectories)), None)

@@ -29,10 +29,9 @@ from grpo.loss import calculate_kl
 from grpo.metrics import aggregate_rollout_metrics
 from grpo.rewards import (
     Turn, apply_reward_penalties, malformed_thinking_flags, process_reward_components, prompt_starts_in_think,
-    scale_rewards, shape_overlong_rewards, single_token_think_ids,
+    reward_transform, scale_rewards, shape_overlong_rewards, single_token_think_ids,
 )
 from grpo.dynamic_sampling import group_reward_std, overlong_filter_mask
-from grpo.gym_rewards import is_gym_batch, shape_gym_rewards
 
 
 # ---- rewards ---------------------------------------------------------------------------------------
@@ -75,14 +74,14 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
 def penalize(rewards_b: torch.Tensor, trajectories, rp, tokenizer, env=None):
     """``reward_penalties`` on the trajectories' generated messages (`grpo.rewards.apply_reward_penalties`):
     returns (rewards_b', flags, metrics, turns, think_ids). Training (`shape_rewards`) and validation
-    (`grpo.validation.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it.
+    (`grpo.run.validation.validate`, as NeMo-RL's ``validate`` passes its ``reward_penalties`` to the rollout) share it.
 
-    NeMo-Gym samples (`grpo.gym_rewards.is_gym_batch`) get NeMo-RL's Gym shaping instead: effort levels
-    (``env.nemo_gym.effort_levels``), then the penalties on the Gym results (`grpo.gym_rewards.shape_gym_rewards`);
-    their message flags come from the Gym detector, so turns and think_ids are None."""
-    if is_gym_batch(trajectories):
-        out_b, flags, metrics = shape_gym_rewards(rewards_b, trajectories, rp, getattr(env, "nemo_gym", None),
-                                                  tokenizer)
+    A batch that a wing's reward transform claims (`grpo.rewards.register_reward_transform`: NeMo-Gym's effort
+    levels, then the penalties on the Gym results) gets it instead; its message flags come from the wing, so turns
+    and think_ids are None."""
+    transform = reward_transform(trajectories)
+    if transform is not None:
+        out_b, flags, metrics = transform(rewards_b, trajectories, rp, env, tokenizer)
         return out_b, flags, metrics, None, None
     turns = [sample_turns(t, tokenizer, rp) for t in trajectories]
     think_ids = single_token_think_ids(tokenizer, rp.think_open_tag, rp.think_close_tag)

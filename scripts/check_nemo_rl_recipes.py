@@ -5,7 +5,7 @@
                                                          # (it quotes NeMo-RL 7ea279a; NEMO_RL_CHECKOUT is the default)
 
 The recipes are examples/configs/{grpo,gdpo}_*.yaml and examples/configs/recipes/llm/{grpo,gdpo}-*.yaml (vision
-and audio ones excluded); each goes through grpo.nemo_rl_recipe.load_recipe as `--check-config` would. A failure prints
+and audio ones excluded); each goes through grpo.config.nemo_rl.recipe.load_recipe as `--check-config` would. A failure prints
 the keys grpo-ds refuses, each with why. Exit status 0 when every recipe passes, 1 otherwise.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpo.config_load import ConfigError  # noqa: E402
-from grpo.nemo_rl_recipe import load_recipe  # noqa: E402
+from grpo.config.load import ConfigError  # noqa: E402
+from grpo.config.nemo_rl.recipe import load_recipe  # noqa: E402
 
 
 def recipes(root: Path) -> list[Path]:

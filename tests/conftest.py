@@ -8,6 +8,10 @@ import pytest
 
 import torch  # noqa: E402
 
+from grpo.wings import load as load_wings
+
+load_wings()  # as a run does: every wing registers its environments, players and scorers
+
 if not torch.cuda.is_available():  # on a GPU machine DeepSpeed picks CUDA (tests/gpu, the vLLM tests)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -27,7 +27,7 @@ import tempfile
 from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # grpo-ds's checkout
-from grpo.system.nemo_gym_servers import free_port  # noqa: E402
+from grpo.wings.gym.servers import free_port  # noqa: E402
 
 KINDS = ("responses_api_agents", "resources_servers", "responses_api_models")
 

@@ -1,8 +1,8 @@
-"""The process group: start it, and the few collectives every layer uses.
+"""The process group: start it, and the few collectives the system uses.
 
-A leaf: it imports nothing of grpo, so the algorithm (`grpo.batch`: which rows a rank trains), the tasks and
-the system all may use it. Every function here is a no-op or an identity on one process without a process
-group, except `init_distributed`, which makes one.
+Which rows a rank holds (`grpo.batch.rank_slice`) is plain arithmetic and lives with the batch, below this layer.
+Every function here is a no-op or an identity on one process without a process group, except
+`init_distributed`, which makes one.
 """
 
 from __future__ import annotations
@@ -136,17 +136,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rank_slice(n: int, rank: int, world_size: int) -> slice:
-    """Contiguous share of ``n`` items for ``rank`` (sizes differ by at most one).
-
-        >>> [rank_slice(5, r, 2) for r in range(2)]
-        [slice(0, 3, None), slice(3, 5, None)]
-    """
-    per, extra = divmod(n, world_size)
-    start = rank * per + min(rank, extra)
-    return slice(start, start + per + (1 if rank < extra else 0))
 
 
 def all_gather_objects(local: list, group=None) -> list:

@@ -2,7 +2,7 @@
 
 Every ``logger.dump_rollouts_every`` steps, rank 0 writes ``<log_dir>/rollouts/train_step_<N>.jsonl``
 (and ``val_step_<N>.jsonl`` when validation runs on a dump step), at most
-``logger.dump_rollouts_max_samples`` lines each. ``python -m grpo.inspect LOG_DIR`` prints them for a
+``logger.dump_rollouts_max_samples`` lines each. ``python -m grpo.tools.inspect LOG_DIR`` prints them for a
 person; ``wandb_table`` turns them into a wandb table.
 
 Record schema (the loop builds each record with exactly these keys; ``write`` checks them):
@@ -364,7 +364,7 @@ def rollout_records(trajectories: list, split: str, step: int, batch=None, overl
 
     adv_b = err_b = mask_b = valid_b = None
     if batch is not None:
-        if batch.advantages_bt is not None:  # None in a step skipped for failures (grpo.step_end.skip_step)
+        if batch.advantages_bt is not None:  # None in a step skipped for failures (grpo.run.step_end.skip_step)
             adv_b = sample_token_means(batch.advantages_bt, batch.token_mask_bt).tolist()
         mask_b = batch.sample_mask_b.tolist()
         valid_b = batch.valid_b.tolist()

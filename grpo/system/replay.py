@@ -351,7 +351,7 @@ def trajectories_from_groups(groups: list[ReplayGroup]) -> list:
 
 
 def replay_resume(run) -> tuple[ReplayBuffer, dict, dict, int]:
-    """The async loop's starting point after `grpo.run_setup.setup`: ``(buffer, trained_mark, gen_mark, first_target)``.
+    """The async loop's starting point after `grpo.run.run_setup.setup`: ``(buffer, trained_mark, gen_mark, first_target)``.
 
     A mark is ``{"epoch", "loader"}`` (a loader position). ``trained_mark``: after the last trained prompt
     batch (what a checkpoint records; the loader's start for a fresh run); ``gen_mark``: after the last

@@ -36,7 +36,8 @@ from grpo.trajectory import Message, Rollout, Trajectory
 from grpo.tasks.interface import MESSAGE_FLAGS
 from grpo.system.chat import ChatFormatError
 from grpo.tasks.rows import PromptRow
-from grpo.system.dist import all_gather_objects, rank_slice
+from grpo.batch import rank_slice
+from grpo.system.dist import all_gather_objects
 from grpo.system.generation.base import chunk_slices
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class TurnSettings:
             return "ANSWER:" in t.messages[-1].content
         run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__, turn_stop=stop_when_answered)
 
-    Samples that agents play over the endpoint (env.name=agent) end as their agents say."""
+    Samples that the run's player plays (`grpo.system.players`) end as it says."""
 
     max_turns: int
     max_total_len: int
@@ -288,7 +289,8 @@ def _apply_step(t: Trajectory, ret, j: int) -> None:
     t.done = t.terminated = bool(ret.terminateds[j])
 
 
-# Seconds the agents took (env.name=agent) and the reward models' scoring, in the timing of rollouts that had some.
+# Seconds the player took (`grpo.system.players`) and the deferred scoring (`grpo.system.deferred`), in the timing of
+# rollouts that had some (named for the first wings that use them: agents, reward models).
 OPTIONAL_TIMING = ("agent_s", "reward_model_s")
 
 
@@ -304,23 +306,24 @@ class FixedWeights:
         return self.version
 
 
-def _play(trajs, seed_keys, generator, envs, chat, settings, weights, agents) -> dict[str, float]:
-    """`run_conversations` for the samples of environments stepped here, ``agents.play`` for the agents' ones. With
-    the endpoint served (``agents``), outside requests generate between the rollout's own batches. ``weights``
-    None: a rollout on a backend whose weights the endpoint does not version (the async loop's validation copy):
-    the endpoint keeps the version it has. Every rank makes the same ``weights.load_newest`` calls, whatever its share
-    of agent samples: with generation ranks each is a collective of the trainers."""
-    tasks = agents.tasks(envs) if agents is not None else set()
+def _play(trajs, seed_keys, generator, envs, chat, settings, weights, player) -> dict[str, float]:
+    """`run_conversations` for the samples of environments stepped here, ``player.play`` for the samples of the tasks
+    the run's player plays (`grpo.system.players`). With a player, outside requests generate between the rollout's
+    own batches (``player.sharing``). ``weights`` None: a rollout on a backend whose weights the player does not
+    version (the async loop's validation copy): it keeps the version it has. Every rank makes the same
+    ``weights.load_newest`` calls, whatever its share of the player's samples: with generation ranks each is a
+    collective of the trainers."""
+    tasks = player.tasks(envs) if player is not None else set()
     played = [i for i, t in enumerate(trajs) if t.task_name in tasks]
     rest = [i for i in range(len(trajs)) if i not in set(played)]
-    version = weights.load_newest() if weights is not None and agents is not None else None  # the window's
-    with agents.sharing(generator, version) if agents is not None else nullcontext(generator) as shared:
+    version = weights.load_newest() if weights is not None and player is not None else None  # the window's
+    with player.sharing(generator, version) if player is not None else nullcontext(generator) as shared:
         timing = run_conversations([trajs[i] for i in rest], [seed_keys[i] for i in rest], shared, envs, chat,
                                    settings, weights)
-    if agents is not None and weights is not None:  # every rank, agent samples or none (a trainer that skipped
+    if player is not None and weights is not None:  # every rank, its samples or none (a trainer that skipped
         version = weights.load_newest()                 # this collective left the others waiting in it for ever)
     if played:
-        timing["agent_s"] = agents.play([trajs[i] for i in played], [seed_keys[i] for i in played], envs, version)
+        timing["agent_s"] = player.play([trajs[i] for i in played], [seed_keys[i] for i in played], envs, version)
     return timing
 
 
@@ -335,7 +338,7 @@ def _failed(rank: int, step: int, err: Exception) -> str:
 
 def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, envs, chat,
                      settings: TurnSettings, *, base_seed: int, step: int, gen_batch: int, stream: str, rank: int,
-                     world_size: int, weights=None, group=None, agents=None,
+                     world_size: int, weights=None, group=None, player=None,
                      score_pending: Callable[[list[Trajectory]], float] | None = None) -> Rollout:
     """Every sample of a prompt batch played to its end and scored; the same `Rollout` on every rank.
 
@@ -345,10 +348,9 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     trajectories are gathered over ``group`` (None: the default group). An exception on any rank becomes a
     `RolloutError` on every rank, so no rank is left waiting in a collective; so does a rollout that comes back
     with more or fewer than P x G samples. Samples whose environment failed after its retries are in it, failed
-    (``Trajectory.error``): the trainer masks them. ``agents``: the run's
-    `grpo.system.agent_rollout.AgentPlayer` (env.name=agent): its tasks' samples are played by their agents over
-    the endpoint instead of `run_conversations`. ``score_pending``: the reward models' collective point
-    (`grpo.system.reward_model.RewardModels.score_pending`), called once on every rank after its conversations end
+    (``Trajectory.error``): the trainer masks them. ``player``: the run's `grpo.system.players.Player` (None: none):
+    the samples of its tasks are played by it instead of `run_conversations`. ``score_pending``: the deferred scoring point
+    (`grpo.system.deferred.DeferredScorers.score_pending`), called once on every rank after its conversations end
     (with none when they failed), before the environments' metrics; its seconds are ``reward_model_s``, also
     counted in ``env_step_s``.
     """
@@ -360,7 +362,7 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     try:
         generator.wake_up()  # colocated vLLM: KV cache back (weights came with the last refit)
         try:
-            timing = _play(local, keys[mine], generator, envs, chat, settings, weights, agents)
+            timing = _play(local, keys[mine], generator, envs, chat, settings, weights, player)
         finally:
             generator.sleep()  # vLLM's order: free the device for training
     except Exception as err:  # reported to every rank below; the caller decides whether to go on

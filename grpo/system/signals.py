@@ -1,4 +1,5 @@
-"""Stopping on a signal without losing work, and child processes that never outlive the trainer.
+"""Stopping on a signal without losing work (child processes that never outlive the trainer:
+`grpo.tasks.pool.set_parent_death_signal`).
 
 SIGTERM (what schedulers send before they kill: SLURM, Kubernetes, ``docker stop``), SIGINT (Ctrl-C), SIGHUP (the
 ssh session or terminal closed), SIGUSR1 and SIGUSR2 (SLURM's ``--signal=USR1@120`` warning before the time limit)
@@ -19,12 +20,10 @@ same command resumes from the checkpoint.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Signals that stop the run with a checkpoint. SIGQUIT keeps Python's default (quit with a core dump: someone
 # who sends it wants the process gone now); SIGKILL cannot be caught.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -42,8 +41,8 @@ def exit_status(signum: int) -> int:
 class StopRequest:
     """Installs handlers of ``signals`` (`STOP_SIGNALS`) that set a flag (main thread only, as Python's `signal`
     requires); `close` puts the previous handlers back. A second SIGINT while a stop is pending exits at once
-    with 130 (``os._exit``: no cleanup; child processes die with the trainer, see `set_parent_death_signal`).
-    A SIGHUP already ignored (``nohup``) is left ignored."""
+    with 130 (``os._exit``: no cleanup; child processes die with the trainer, see
+    `grpo.tasks.pool.set_parent_death_signal`). A SIGHUP already ignored (``nohup``) is left ignored."""
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
         self.signum: int | None = None
@@ -84,21 +83,3 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> bool:
-    """Have Linux send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``): call it first
-    thing in a child. With ``expected_parent``, exits at once when the parent is already gone (it may die
-    before the call). Returns False where prctl does not exist (not Linux).
-
-    Linux sends the signal when the THREAD that started the child ends: start child processes from a thread
-    that lives as long as the trainer (the main thread, or a thread joined only at the end of the run).
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        return False
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(1)
-    return True

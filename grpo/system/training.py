@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.batch import TrainBatch, build_batch, pad_columns, select_rows, to_device, trim_padding, with_fields
+from grpo.batch import (TrainBatch, build_batch, pad_columns, rank_slice, select_rows, to_device, trim_padding,
+                        with_fields)
 from grpo.logprobs import aligned_entropy_from_logits, aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
 from grpo.packing import dynamic_micro_batches, pack_bins, round_up
 from grpo.loss import LossInputs, clipped_pg_loss_fn, loss_needs
 from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
-from grpo.system.dist import all_gather_objects, all_reduce, comm_device, rank_slice
+from grpo.system.dist import all_gather_objects, all_reduce, comm_device
 from grpo.system.engines import release_params
 from grpo.system.health import skip_nonfinite_loss
 from grpo.system.packed import (Packing, attention_implementation, packed_forward, packed_row_tokens, unpack_aligned,

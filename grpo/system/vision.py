@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Any
 
 import torch
 

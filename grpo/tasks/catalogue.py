@@ -63,9 +63,8 @@ TASKS: dict[str, Task] = {
 
 # env.name: the built-in tasks that have an environment, then the environments a config spells out:
 # a reward function (env.reward_fn), tool calls (grpo.tasks.tools), a user class (env.env_class) and an agent
-# program that drives the policy over HTTP (env.agent, grpo.tasks.agent), a reward model (env.reward_model,
-# grpo.tasks.reward_model; its engine is the run's: grpo.system.reward_model), an LLM judge (env.judge,
-# grpo.tasks.judge), several rewards of one sample (env.rewards, grpo.tasks.combined) and NeMo-Gym's agent servers
+# program that drives the policy over HTTP (env.agent, grpo.wings.agents.environment), a reward model (env.reward_model,
+# a wing: grpo.wings.reward_model), an LLM judge (env.judge, grpo.tasks.judge), several rewards of one sample (env.rewards, grpo.tasks.combined) and NeMo-Gym's agent servers
 # (env.should_use_nemo_gym, grpo.tasks.nemo_gym).
 ENV_NAMES = tuple(name for name, task in TASKS.items() if task.reward_fn or task.environment) + (
     "function", "tools", "class", "agent", "reward_model", "judge", "combined", "nemo_gym")

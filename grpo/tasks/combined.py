@@ -6,7 +6,7 @@
   (``grpo.adv_estimator.name: gdpo``, which normalises each component per group; ``grpo.adv_estimator.reward_weights``
   weighs them in the names' sorted order); the scalar reward is their sum.
 
-A reward model whose scores are computed at the rollout's collective point (`grpo.tasks.reward_model.PendingScore`)
+A reward model whose scores are computed at the rollout's collective point (`grpo.tasks.pending.PendingScore`)
 counts 0 here and leaves its pending score, weighted and named, for that point to add.
 
 Each environment must end every sample in one turn (a reward function, a reward model). A sample that any of them
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from grpo.tasks.interface import Environment, EnvironmentReturn, check_return
-from grpo.tasks.reward_model import OWN_REWARDS, PENDING  # (OWN_REWARDS: the parts' rewards, for their metrics)
+from grpo.tasks.pending import OWN_REWARDS, PENDING  # (OWN_REWARDS: the parts' rewards, for their metrics)
 
 
 def combine(rewards: dict[str, list[float]], mode: str, weights: dict[str, float]) -> list[float] | dict:

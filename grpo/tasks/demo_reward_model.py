@@ -11,7 +11,8 @@ after 2000 steps) with a new one-output head, regressed (mean squared error) ont
 wrong): the demo's validation reward is the reward model's own score, on the scale of the default demo's accuracy,
 and it rises as GRPO unlearns the slip.
 
-The conversation is what `grpo.tasks.reward_model.render_conversation` makes of the demo's chat (user ``"3+4="``,
+The conversation is what the reward-model wing's `render_conversation` (grpo/wings/reward_model/environment.py)
+makes of the demo's chat (user ``"3+4="``,
 assistant ``"7"``) with this model's chat template, which concatenates the messages' contents: ``<bos>3+4=7<eos>``
 (BOS in front, EOS appended, as NeMo-RL renders for its reward model). Deterministic for a given seed and thread
 count.

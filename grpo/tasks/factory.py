@@ -8,13 +8,13 @@ By ``env.name``:
 - ``function``: ``env.reward_fn`` as a `RewardEnvironment` in worker processes;
 - ``tools``: tool calls (`grpo.tasks.tools.ToolEnvironment`), the final answer scored by ``env.reward_fn``;
 - ``class``: a user environment, ``env.env_class: package.module:ClassName`` built with ``env.kwargs``;
-- ``agent``: a user's agent (``env.agent``) playing each sample over the run's endpoint (`grpo.tasks.agent`).
-- ``reward_model``: a sequence classifier scoring the conversation (``env.reward_model``,
-  `grpo.tasks.reward_model`); its engine comes from the run (``reward_models``: `grpo.system.reward_model`);
+- a name a wing registered (`register_environment`): ``agent``, a user's agent (``env.agent``) playing each sample
+  over the run's endpoint (`grpo.wings.agents`); ``reward_model``, a sequence classifier scoring the
+  conversation (``env.reward_model``; `grpo.wings.reward_model`), its engine the run's deferred scorer;
+  ``nemo_gym``, NeMo-Gym's agent servers (``env.should_use_nemo_gym``, ``env.nemo_gym``; `grpo.wings.gym`);
 - ``judge``: an LLM judge behind an OpenAI-compatible URL (``env.judge``, `grpo.tasks.judge`);
 - ``combined``: the rewards of several one-turn environments (``env.rewards``) as a weighted sum or as GDPO's
   components (``env.combine``; `grpo.tasks.combined`).
-- ``nemo_gym``: NeMo-Gym's agent servers (``env.should_use_nemo_gym``, ``env.nemo_gym``; `grpo.tasks.nemo_gym`).
 
 Several environments in one run: ``env.tasks: {task_name: {name: ..., ...}}``; each data row's
 ``task_name`` (``data.task_key``) picks one, rows without it use the top-level environment, whose task name
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from grpo.tasks.catalogue import TASKS, load
@@ -37,6 +38,17 @@ from grpo.tasks.interface import Environment
 from grpo.tasks.pool import MIN_IMPORT_TIMEOUT_S, check_reward_fn
 from grpo.tasks.reward import RewardEnvironment
 from grpo.tasks.router import Environments
+
+
+# env.name -> build(env_spec, key, deferred) -> Environment: the environments the wings provide (register_environment).
+_WING_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+
+
+def register_environment(name: str, build: Callable[..., Environment]) -> None:
+    """Make ``build(env_spec, key, deferred)`` the environment of ``env.name: <name>`` (a wing calls it when imported;
+    the name must be one the config accepts, `grpo.tasks.catalogue.ENV_NAMES`). ``key``: the section's dotted name,
+    for errors; ``deferred``: the run's `grpo.system.deferred.DeferredScorers` (None outside a run)."""
+    _WING_ENVIRONMENTS[name] = build
 
 
 def _import_object(spec: str, key: str):
@@ -55,17 +67,18 @@ def _import_object(spec: str, key: str):
     return obj
 
 
-def build_environment(env_spec, data_cfg=None, key: str = "env", reward_models=None) -> Environment:
+def build_environment(env_spec, data_cfg=None, key: str = "env", deferred=None) -> Environment:
     """The environment of one `grpo.config.EnvSpec` (``key``: its dotted name, for errors); built-in tasks
-    are looked up in `grpo.tasks.catalogue`. ``reward_models``: ``env.reward_model`` section -> its scorer (the
-    run's `grpo.system.reward_model.RewardModels`), for ``env.name: reward_model``."""
+    are looked up in `grpo.tasks.catalogue`, a wing's environments in what it registered (`register_environment`).
+    ``deferred``: the run's deferred scorers (`grpo.system.deferred.DeferredScorers`), for the environments whose
+    scores wait for the rollout's scoring point."""
     if env_spec.name == "combined":
         from grpo.tasks.combined import CombinedEnvironment
 
         parts: dict[str, Environment] = {}
         try:
             for name, spec in env_spec.rewards.items():
-                parts[name] = build_environment(spec, data_cfg, f"{key}.rewards.{name}", reward_models)
+                parts[name] = build_environment(spec, data_cfg, f"{key}.rewards.{name}", deferred)
         except BaseException:
             for env in parts.values():
                 env.shutdown()
@@ -75,14 +88,8 @@ def build_environment(env_spec, data_cfg=None, key: str = "env", reward_models=N
         from grpo.tasks.judge import JudgeEnvironment
 
         return JudgeEnvironment(env_spec.judge)
-    if env_spec.name == "reward_model":
-        from grpo.tasks.reward_model import RewardModelEnvironment
-
-        if reward_models is None:
-            raise EnvError(f"{key}.name='reward_model' needs the run's reward-model engines (build_environments(..., "
-                           "reward_models=grpo.system.reward_model.RewardModels(device)))")
-        rm = env_spec.reward_model
-        return RewardModelEnvironment(reward_models(rm), rm.batch_size, rm.max_model_len)
+    if env_spec.name in _WING_ENVIRONMENTS:
+        return _WING_ENVIRONMENTS[env_spec.name](env_spec, key, deferred)
     if env_spec.name == "class":
         cls = _import_object(env_spec.env_class, f"{key}.env_class")
         try:
@@ -100,19 +107,13 @@ def build_environment(env_spec, data_cfg=None, key: str = "env", reward_models=N
         return ToolEnvironment(env_spec.tools, env_spec.reward_fn, env_spec.tool_call_format, env_spec.tool_timeout_s,
                                env_spec.max_tool_result_chars, env_spec.max_tool_calls_per_turn, env_spec.num_workers,
                                env_spec.timeout_s, env_spec.disable_tools)
-    if env_spec.name == "agent":  # its samples are played over the endpoint (grpo.system.agent_rollout)
-        from grpo.tasks.agent import AgentEnvironment
-
-        a = env_spec.agent
-        return AgentEnvironment(a.fn, a.command, a.max_concurrency, a.timeout_s, key=f"{key}.agent")
-    if env_spec.name == "nemo_gym":  # its samples are played by Gym's agent servers (grpo.system.nemo_gym_rollout)
-        from grpo.tasks.nemo_gym import NemoGymEnvironment
-
-        return NemoGymEnvironment(env_spec.nemo_gym, env_spec.should_log_nemo_gym_responses)
     if env_spec.name == "function":  # imported in a worker with a timeout: a module that fails or hangs fails here
         check_reward_fn(env_spec.reward_fn, max(env_spec.timeout_s, MIN_IMPORT_TIMEOUT_S))
         return RewardEnvironment(env_spec.reward_fn, in_process=False, num_workers=env_spec.num_workers,
                                  timeout_s=env_spec.timeout_s)
+    if env_spec.name not in TASKS:  # a wing's name (the config knows every name) whose wing is not loaded
+        raise EnvError(f"{key}.name={env_spec.name!r}: no environment is registered under this name (a wing registers "
+                       "its environments when imported: grpo.wings.load())")
     task = TASKS[env_spec.name]
     if task.dataset_prefix and data_cfg is not None and not data_cfg.dataset_name.startswith(f"{env_spec.name}:"):
         raise EnvError(
@@ -154,7 +155,7 @@ def task_specs(env_cfg, split: str = "train") -> dict[str, Any]:
 
 
 def build_environments(env_cfg, data_cfg=None, split: str = "train", rollout_failure=None,
-                       reward_models=None) -> Environments:
+                       deferred=None) -> Environments:
     """Every environment of the run (see `task_specs`), wrapped in `Environments` with its observation format
     and the retry budgets of ``rollout_failure`` (``grpo.rollout_failure``; None: one attempt per call); the
     reward environments are known to give scalar rewards (`Environments` rejects a mix of kinds)."""
@@ -164,7 +165,7 @@ def build_environments(env_cfg, data_cfg=None, split: str = "train", rollout_fai
         for task, spec in specs.items():
             section = "val_tasks" if spec is (env_cfg.val_tasks or {}).get(task) else "tasks"
             envs[task] = build_environment(spec, data_cfg, "env" if spec is env_cfg else f"env.{section}.{task}",
-                                           reward_models)
+                                           deferred)
             formats[task] = observation_format(spec)
             kinds[task] = "scalar" if isinstance(envs[task], RewardEnvironment) else None
         return Environments(envs, env_cfg.step_timeout_s, formats, kinds, retry=RetryPolicy.of(rollout_failure))

@@ -1,6 +1,6 @@
 """NeMo-Gym environments (``env.should_use_nemo_gym``): the pure half. Rows, results and trajectories as NeMo-RL's
 NeMo-Gym path reads them (``nemo_rl/environments/nemo_gym.py``, ``nemo_rl/experience/rollouts.py``); the HTTP and the
-processes are `grpo.system.nemo_gym_rollout` and `grpo.system.nemo_gym_servers`.
+processes are `grpo.wings.gym.rollout` and `grpo.wings.gym.servers`.
 
 The protocol (NeMo-Gym's schema, which the example servers of ``examples/gym/`` speak without Gym installed):
 
@@ -23,7 +23,7 @@ What NeMo-RL asserts (a short or duplicated stream, a non-contiguous trajectory,
 ``reward`` unequal to the sum of ``reward_components``) raises `GymResultError` here and stops the rollout: each means
 the servers and the trainer disagree about the protocol. What fails for one sample (no answer, 5xx, a timeout, an
 answer that is not a result, token fields that cannot be trained: `check_token_fields`, a generation the run's
-endpoint did not make: `grpo.system.nemo_gym_rollout.GymLedger`) is a `grpo.tasks.failures` failure: retried, then
+endpoint did not make: `grpo.wings.gym.rollout.GymLedger`) is a `grpo.tasks.failures` failure: retried, then
 masked, never scored 0.
 """
 
@@ -404,23 +404,23 @@ def numeric_fields(result: dict) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------------
 class NemoGymEnvironment(Environment):
     """``env.should_use_nemo_gym``: its samples are played by NeMo-Gym's agent servers over HTTP
-    (`grpo.system.nemo_gym_rollout`), never stepped. ``cfg``: the ``env.nemo_gym`` section
+    (`grpo.wings.gym.rollout`), never stepped. ``cfg``: the ``env.nemo_gym`` section
     (`grpo.config.NemoGymConfig`); ``agent_urls``: agent name -> base URL, filled when the servers are found
-    (`grpo.system.nemo_gym_servers`), with ``ledger``, what the run's endpoint generated for them
-    (`grpo.system.nemo_gym_rollout.GymLedger`); ``log_responses``: ``env.should_log_nemo_gym_responses``."""
+    (`grpo.wings.gym.servers`), with ``ledger``, what the run's endpoint generated for them
+    (`grpo.wings.gym.rollout.GymLedger`); ``log_responses``: ``env.should_log_nemo_gym_responses``."""
 
     def __init__(self, cfg, log_responses: bool = False):
         self.cfg, self.log_responses = cfg, log_responses
         self.agent_urls: dict[str, str] = dict(cfg.agent_urls)
         self.responses_dir: str | None = None  # <log_dir>/nemo_gym_responses, set by the run
-        self.ledger = None  # the endpoint's generations for the servers (grpo.system.nemo_gym_rollout.GymLedger)
+        self.ledger = None  # the endpoint's generations for the servers (grpo.wings.gym.rollout.GymLedger)
         self.invalid_tool_call_patterns = cfg.invalid_tool_call_patterns
         self.thinking_tags = cfg.thinking_tags
         self.effort_levels = cfg.effort_levels
 
     def step(self, message_logs, metadata):
         raise EnvError("env.should_use_nemo_gym: the samples are played by NeMo-Gym's agent servers "
-                       "(grpo.system.nemo_gym_rollout), not stepped")
+                       "(grpo.wings.gym.rollout), not stepped")
 
     def url_of(self, agent: str) -> str:
         """The base URL of agent server ``agent``; EnvError naming the known ones when there is none."""

@@ -12,7 +12,7 @@ scoring. Workers use the "spawn" start method (the trainer process has torch thr
 and run the scorer in their main thread (math-verify's own timeouts use signals, which only work
 there). Workers are started on the first `run`, import the scorer before they take work (import time
 never counts against the timeout), ignore Ctrl-C (the trainer handles it), and never outlive the
-trainer: Linux kills them (SIGKILL) when the trainer dies, however it dies (`grpo.system.signals.set_parent_death_signal`),
+trainer: Linux kills them (SIGKILL) when the trainer dies, however it dies (`set_parent_death_signal`),
 even in the middle of a reward function that hangs. `check_reward_fn` imports a scorer in such a worker
 with a timeout, so a module that hangs or raises at import cannot take the trainer with it.
 
@@ -32,11 +32,13 @@ that dies in a call (a crash, the out-of-memory killer) is an infra error, as Ne
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import multiprocessing as mp
 import os
 import signal
 import stat
+import sys
 import tempfile
 import time
 import traceback
@@ -49,9 +51,9 @@ from typing import Any, Callable
 from grpo.tasks.failures import classify_exception, http_status
 from grpo.tasks.function import EnvError, resolve_reward_fn, score_sample
 from grpo.trajectory import INFRA
-from grpo.system.signals import set_parent_death_signal
 
 Outcome = tuple[str, Any]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,24 @@ class CallError:
             ('infra', None, 'ConnectionRefusedError: judge down')
         """
         return cls(classify_exception(err), traceback.format_exc(), http_status(err))
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> bool:
+    """Have Linux send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``): call it first
+    thing in a child. With ``expected_parent``, exits at once when the parent is already gone (it may die
+    before the call). Returns False where prctl does not exist (not Linux).
+
+    Linux sends the signal when the THREAD that started the child ends: start child processes from a thread
+    that lives as long as the trainer (the main thread, or a thread joined only at the end of the run).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+    return True
 
 
 def _worker_main(conn: Connection, spec: Any, load: Callable, call: Callable, parent_pid: int | None = None,

@@ -46,7 +46,7 @@ def test_an_async_agent_run_trains_on_the_recorded_tokens_within_the_bound(tmp_p
 
 @pytest.mark.slow  # 24 s
 def test_an_async_agent_run_with_two_trainers_and_a_generation_rank_loads_weights_mid_request(tmp_path):
-    """2 trainers, each serving its own agents, over 1 generation rank (grpo/system/generation/lockstep.py): the
+    """2 trainers, each serving its own agents, over 1 generation rank (grpo/wings/agents/lockstep.py): the
     producers' weight loads, in-flight loads inside the endpoints' batches and validation's agent samples; lr 1e-12
     (every version holds the same float32 weights), so every step scores the recorded tokens exactly."""
     run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "3", "train_async_grpo.py", "--config", CONFIG,

@@ -53,7 +53,7 @@ def test_agent_demo_on_an_hf_generation_rank_trains_on_the_recorded_tokens(one_t
 @pytest.mark.slow  # 32 s, after the one-trainer run's 15 s
 def test_two_trainers_serve_their_agents_over_one_generation_rank_as_one_trainer_does(tmp_path, one_trainer):
     """Each trainer serves its own agents' endpoint; their batches reach the generation rank in rounds the trainers
-    agree on (grpo/system/generation/lockstep.py): per-sample seeds, the same samples, rewards and validation as one
+    agree on (grpo/wings/agents/lockstep.py): per-sample seeds, the same samples, rewards and validation as one
     trainer, the losses of ZeRO-3 over two ranks."""
     out, rows = split_run(tmp_path, "grpo.val_at_end=true", trainers=2)
     assert "3 ranks: 2 train, 1 generate (hf" in out

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from grpo.config_load import ConfigError, apply_overrides, load_config
+from grpo.config.load import ConfigError, apply_overrides, load_config
 from tests.helpers.e2e import REPO, child_env
 
 
@@ -65,8 +65,8 @@ def test_a_bad_override_value_is_named(override, expected):
 def test_the_entry_point_exits_2_with_the_message_and_no_traceback(tmp_path, content):
     cfg = tmp_path / "run.yaml"
     cfg.write_bytes(content)
-    code = ("import sys, train_grpo, grpo.cli\n"
-            "try:\n    grpo.cli.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
+    code = ("import sys, train_grpo, grpo.run.cli\n"
+            "try:\n    grpo.run.cli.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
             "except SystemExit as e:\n    print('EXIT', e.code, 'torch' in sys.modules)\n")
     p = subprocess.run([sys.executable, "-c", code, "--config", str(cfg)], cwd=REPO, env=child_env(),
                        capture_output=True, text=True, timeout=60)

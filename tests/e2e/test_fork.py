@@ -129,7 +129,7 @@ def test_both_scripts_have_the_lines_a_fork_changes():
 
 
 def test_help_config_prints_every_field_with_a_description():
-    from grpo.config_load import config_fields
+    from grpo.config.load import config_fields
 
     fields = config_fields()
     assert len(fields) > 150

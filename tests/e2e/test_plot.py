@@ -1,4 +1,4 @@
-"""python -m grpo.plot: PNGs of one and of several runs, metric selection, clear failures (exit 2)."""
+"""python -m grpo.tools.plot: PNGs of one and of several runs, metric selection, clear failures (exit 2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from grpo.plot import choose_panels, main, merge_rows, read_run
+from grpo.tools.plot import choose_panels, main, merge_rows, read_run
 from tests.helpers.e2e import REPO, TINY, child_env, run
 
 C0, C1 = np.array([0x1F, 0x77, 0xB4]) / 255, np.array([0xFF, 0x7F, 0x0E]) / 255  # matplotlib's first two colours
@@ -106,7 +106,7 @@ def test_metrics_pick_panels_by_key_glob_and_plus():
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo.plot", *args], cwd=REPO, env=child_env(1),
+    return subprocess.run([sys.executable, "-m", "grpo.tools.plot", *args], cwd=REPO, env=child_env(1),
                           capture_output=True, text=True, timeout=120)
 
 

@@ -43,8 +43,8 @@ def loader_batches(n_prompts: int, steps: int, seed: int = 42) -> list[list[int]
     (["grpo.async_grpo.enabled=true"], "use_importance_sampling_correction=true"),         # the config's check
 ])
 def test_unsupported_configs_exit_2_before_torch_loads(tmp_path, overrides, expected):
-    code = ("import sys, train_async_grpo, grpo.cli\n"
-            "try:\n    grpo.cli.load_run_config(sys.argv[1:], train_async_grpo.DEFAULT_CONFIG, asynchronous=True)\n"
+    code = ("import sys, train_async_grpo, grpo.run.cli\n"
+            "try:\n    grpo.run.cli.load_run_config(sys.argv[1:], train_async_grpo.DEFAULT_CONFIG, asynchronous=True)\n"
             "except SystemExit as e:\n"
             "    print('EXIT', e.code, 'torch' in sys.modules)\n")
     p = run([sys.executable, "-c", code, "--config", TINY, *overrides], timeout=60)

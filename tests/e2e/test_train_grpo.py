@@ -32,8 +32,8 @@ def python_train(tmp: Path, *extra: str, **kw) -> subprocess.CompletedProcess:
     ("grpo.adv_estimator.name=ppo", "reinforce_plus_plus"),                       # names the valid choices
 ])
 def test_bad_config_exits_before_any_model_loads(tmp_path, override, expected):
-    code = ("import sys, train_grpo, grpo.cli\n"
-            "try:\n    grpo.cli.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
+    code = ("import sys, train_grpo, grpo.run.cli\n"
+            "try:\n    grpo.run.cli.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
             "except SystemExit as e:\n"
             "    print('EXIT', e.code, 'torch' in sys.modules, 'deepspeed' in sys.modules)\n")
     p = run([sys.executable, "-c", code, "--config", TINY, *override.split()], timeout=60)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from grpo.config_load import load_config
+from grpo.config.load import load_config
 from tests.helpers.e2e import metrics, paths, run
 
 CONFIG = "configs/cpu_demo_vlm.yaml"

@@ -1,4 +1,4 @@
-"""Agents for tests of env.name=agent (grpo/tasks/agent.py): each drives the endpoint with the official openai client."""
+"""Agents for tests of env.name=agent (grpo/wings/agents/environment.py): each drives the endpoint with the official openai client."""
 
 from __future__ import annotations
 

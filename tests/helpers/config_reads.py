@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from grpo.config import MasterConfig
-from grpo.config_load import section_model
+from grpo.config.load import section_model
 
 ROOT_NAMES = frozenset({"cfg", "config", "master_cfg", "master_config"})
 

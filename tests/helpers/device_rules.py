@@ -270,7 +270,7 @@ def nccl_rules() -> Iterator[NcclRules]:
 def _backend_classes() -> list[type]:
     """Every generation backend class defined so far (grpo's own imported first)."""
     import grpo.system.generation.hf  # noqa: F401
-    import grpo.system.generation.lockstep  # noqa: F401
+    import grpo.wings.agents.lockstep  # noqa: F401
     import grpo.system.generation.remote  # noqa: F401
     import grpo.system.generation.vllm  # noqa: F401
     from grpo.system.generation.base import GenerationBackend

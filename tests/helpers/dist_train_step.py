@@ -74,7 +74,8 @@ def train_and_collect(model_dir: str, export_dir: str | None = None, batching=No
     from grpo.system.training import compute_logprobs, token_micro_batches, train_on_batch
     from grpo.config import MasterConfig
     from grpo.batch import micro_batches, select_rows
-    from grpo.system.dist import all_gather_objects, rank_slice
+    from grpo.batch import rank_slice
+    from grpo.system.dist import all_gather_objects
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cfg = MasterConfig.model_validate({

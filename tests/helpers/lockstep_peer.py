@@ -1,6 +1,6 @@
 """A trainer for tests/unit/test_lockstep.py: ``python -m tests.helpers.lockstep_peer PORT RANK WORLD MODE``.
 
-Each process is one trainer with `grpo.system.generation.lockstep.LockstepGeneration` over `Collective`, a stand-in
+Each process is one trainer with `grpo.wings.agents.lockstep.LockstepGeneration` over `Collective`, a stand-in
 for `RemoteGeneration` whose every call is a real collective of the trainers over its own gloo group (and which
 fails loudly when the trainers do not agree on a call or on its sampling profile). It prints one JSON line.
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from grpo.config import GenerationConfig
 from grpo.system.generation.base import GenerationBackend, GenerationOutput
-from grpo.system.generation.lockstep import LockstepGeneration
+from grpo.wings.agents.lockstep import LockstepGeneration
 from grpo.system.rollout import RolloutError
 
 
@@ -143,10 +143,10 @@ class AgentCollective(Collective):
 
 
 class ProducerWeights:
-    """The async producer's weight source with generation ranks: `grpo.producer.RolloutProducer.load_newest` itself,
+    """The async producer's weight source with generation ranks: `grpo.run.producer.RolloutProducer.load_newest` itself,
     over this trainer's backend and endpoint (a load through the endpoint, a collective of the trainers)."""
 
-    from grpo.producer import RolloutProducer
+    from grpo.run.producer import RolloutProducer
 
     load_newest = RolloutProducer.load_newest
 
@@ -154,7 +154,7 @@ class ProducerWeights:
         import types
 
         self.generator, self.stage, self.version = generator, None, -1
-        self.run = types.SimpleNamespace(agents=agents)
+        self.run = types.SimpleNamespace(player=agents)
 
 
 class OneTurn:
@@ -170,11 +170,11 @@ class OneTurn:
 
 def agents(rank: int, world: int, gen: LockstepGeneration, inner: Collective) -> dict:
     from grpo.config import MasterConfig
-    from grpo.system.agent_rollout import AgentPlayer
+    from grpo.wings.agents.player import AgentPlayer
     from grpo.system.chat import ChatFormat
-    from grpo.system.generation.endpoint import Endpoint
+    from grpo.wings.agents.endpoint import Endpoint
     from grpo.system.rollout import TurnSettings, generate_rollout
-    from grpo.tasks.agent import AgentEnvironment
+    from grpo.wings.agents.environment import AgentEnvironment
     from grpo.tasks.router import Environments
     from grpo.tasks.rows import PromptRow
 
@@ -201,7 +201,7 @@ def agents(rank: int, world: int, gen: LockstepGeneration, inner: Collective) ->
     rollout = generate_rollout([row(0, "agent"), row(1, "echo")], 1, gen, envs, ChatFormat(tok),
                                TurnSettings(max_turns=1, max_total_len=64, chunk_size=4, max_new_tokens=4),
                                base_seed=3, step=1, gen_batch=0, stream="train", rank=rank, world_size=world,
-                               weights=ProducerWeights(gen, player), agents=player)
+                               weights=ProducerWeights(gen, player), player=player)
     dist.barrier()  # every trainer's rollout is done: a trainer that closes stops every driver
     endpoint.close()
     gen.close()

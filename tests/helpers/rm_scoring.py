@@ -1,5 +1,5 @@
-"""The reward models' scoring point (`grpo.system.reward_model.RewardModels.score_pending`) on one or more ranks; run by
-tests/integration/test_reward_model_zero3.py.
+"""The reward models' scoring point (`grpo.wings.reward_model.scorer.RewardModels.score_pending`) on one or more
+ranks; run by tests/integration/test_reward_model_zero3.py.
 
     python tests/helpers/rm_scoring.py RM_DIR OUT.json plain 6            # 1 process: all 6 samples here
     torchrun --nproc_per_node 2 tests/helpers/rm_scoring.py RM_DIR OUT.json zero3 5,1
@@ -32,8 +32,8 @@ FAILED = 4
 def main(rm_dir: str, out: str, placement: str, shares: str) -> None:
     from grpo.config import PolicyConfig, RewardModelConfig
     from grpo.system.dist import all_gather_objects, init_distributed
-    from grpo.system.reward_model import RewardModels
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.scorer import RewardModels
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
     from grpo.trajectory import Trajectory
 
     torch.manual_seed(0)

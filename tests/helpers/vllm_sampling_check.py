@@ -21,7 +21,7 @@ import torch
 from grpo.system import engines
 from grpo.system.dist import init_distributed
 from grpo.system.training import compute_logprobs
-from grpo.config_load import build_config
+from grpo.config.load import build_config
 from grpo.system.generation.vllm import VllmGeneration
 from grpo.loss import clipped_pg_loss
 from grpo.batch import build_batch

@@ -1,4 +1,4 @@
-"""env.name=agent (grpo/tasks/agent.py, grpo/system/agent_rollout.py): agents written with the openai client play
+"""env.name=agent (grpo/wings/agents/environment.py, grpo/wings/agents/player.py): agents written with the openai client play
 samples over a real endpoint on loopback; the trajectories come from the recorded tokens, contiguity is checked,
 and every failure is a masked failure, never a 0."""
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from grpo.config import MasterConfig
-from grpo.system.agent_rollout import AgentPlayer
-from grpo.system.generation.endpoint import Endpoint
+from grpo.wings.agents.player import AgentPlayer
+from grpo.wings.agents.endpoint import Endpoint
 from grpo.system.rollout import TurnSettings, generate_rollout, new_trajectories
 from grpo.tasks.calculator import AGENT_CHAT_TEMPLATE
 from grpo.tasks.factory import build_environments
@@ -115,7 +115,7 @@ def test_generate_rollout_hands_agent_samples_to_the_agents(endpoint):
     rows = [PromptRow(i, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)
             for i in range(2)]
     r = generate_rollout(rows, 2, endpoint.backend, envs, None, TurnSettings(3, 96, 8), base_seed=0, step=0,
-                         gen_batch=0, stream="train", rank=0, world_size=1, agents=AgentPlayer(endpoint))
+                         gen_batch=0, stream="train", rank=0, world_size=1, player=AgentPlayer(endpoint))
     assert [t.reward for t in r.trajectories] == [1.0] * 4 and r.timing["agent_s"] > 0
     assert r.metrics["env/agent/calls_per_sample"] == 2.0
 
@@ -164,14 +164,14 @@ def test_the_synchronous_loop_labels_agent_samples_with_the_steps_trained(endpoi
     the endpoint's answers in them, record that version (not 0)."""
     from types import SimpleNamespace
 
-    from grpo.run import run_rollout
+    from grpo.run.run import run_rollout
 
     cfg = _cfg({"fn": f"{FNS}:calc_agent"})
     envs = build_environments(cfg.env)
     ids = endpoint.tokenizer("37*58=")["input_ids"]
     rows = [PromptRow(0, "37*58=", "2146", "agent", [{"role": "user", "content": "37*58=", "token_ids": ids}], ids)]
     run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(current_step=4), chat=None, turn_stop=None, rank=0,
-                          world_size=1, agents=AgentPlayer(endpoint), reward_models=None)
+                          world_size=1, player=AgentPlayer(endpoint), deferred=None)
     r = run_rollout(run, endpoint.backend, envs, rows, 5, 0)
     assert [t.generation_version for t in r.trajectories] == [4] * cfg.grpo.num_generations_per_prompt
     assert endpoint.weight_version == 4

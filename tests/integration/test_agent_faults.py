@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from grpo.config import RolloutFailureConfig
-from grpo.system.agent_rollout import AgentPlayer
+from grpo.wings.agents.player import AgentPlayer
 from tests.helpers import agent_fns
 from tests.integration.test_agent_env import FNS, _play, endpoint  # noqa: F401 - the module's endpoint fixture
 

@@ -139,7 +139,7 @@ def test_a_thread_that_calls_a_backend_without_its_device_breaks_the_rule_and_th
     import openai
 
     from grpo.config import MasterConfig
-    from grpo.system.generation.endpoint import Endpoint
+    from grpo.wings.agents.endpoint import Endpoint
     from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
     from tests.helpers.device_rules import nccl_rules
     from tests.helpers.scripted_backend import ScriptedBackend

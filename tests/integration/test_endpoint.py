@@ -1,6 +1,6 @@
 """The endpoint on loopback, driven by the official ``openai`` client (and raw HTTP for what a client cannot send):
 chat, logprobs and the token fields, /tokenize equal to chat's rendering, /v1/models, /health, batching, the
-sessions' records, tool calls and reasoning, and every error path (grpo/system/generation/endpoint.py)."""
+sessions' records, tool calls and reasoning, and every error path (grpo/wings/agents/endpoint.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from grpo.config import MasterConfig
-from grpo.system.generation.endpoint import Endpoint
-from grpo.system.generation.endpoint_batching import BUSY_WAIT_S
+from grpo.wings.agents.endpoint import Endpoint
+from grpo.wings.agents.endpoint_batching import BUSY_WAIT_S
 from grpo.system.generation.hf import HFGeneration
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 from tests.helpers.scripted_backend import ScriptedBackend

@@ -11,8 +11,8 @@ import time
 import openai
 
 from grpo.config import MasterConfig
-from grpo.system.generation import endpoint_batching
-from grpo.system.generation.endpoint import Endpoint
+from grpo.wings.agents import endpoint_batching
+from grpo.wings.agents.endpoint import Endpoint
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 from tests.helpers.scripted_backend import ScriptedBackend
 

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from grpo.system.generation.endpoint import Endpoint
+from grpo.wings.agents.endpoint import Endpoint
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 from tests.helpers.scripted_backend import ScriptedBackend
 from tests.integration.test_endpoint import MODEL, USER, _cfg, _client, _hf_endpoint, _post

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from grpo.config import MasterConfig
-from grpo.system.generation.endpoint import Endpoint
+from grpo.wings.agents.endpoint import Endpoint
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer
 from tests.helpers.scripted_backend import ScriptedBackend
 

@@ -1,4 +1,4 @@
-"""``--export-hf`` / ``--export-adapter`` from a run's checkpoints (issue 37), through `grpo.run_setup.setup` in this process:
+"""``--export-hf`` / ``--export-adapter`` from a run's checkpoints (issue 37), through `grpo.run.run_setup.setup` in this process:
 the export command's weight settings must be the run's (a changed ``policy.lora.alpha`` would merge the adapters
 with another scale and exit 0), a live run's directory is refused at once and left as it is, and an export deletes
 nothing (a ``step_N.tmp`` is a save in progress or the next run's to clean). The same with a real trainer paused
@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from grpo.run import RunError
-from grpo.run_setup import setup
+from grpo.run.run import RunError
+from grpo.run.run_setup import setup
 from tests.helpers.e2e import TINY
 from tests.unit.test_rundir import _lock_in_child
 
@@ -24,7 +24,7 @@ def _overrides(tmp, model_dir, *extra) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
     """A LoRA run's directory as the trainer leaves it: fingerprint, one checkpoint (alpha 32, the default)."""
-    from grpo.config_load import load_config
+    from grpo.config.load import load_config
     from grpo.system.checkpoint import CheckpointManager, GRPOSaveState
     from grpo.system.dist import init_distributed
     from grpo.system.engines import build_policy_engine

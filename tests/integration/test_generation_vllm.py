@@ -34,7 +34,7 @@ elif os.environ.get("DS_ACCELERATOR") == "cpu":  # tests/conftest.py's CPU defau
 
 from grpo.system import engines
 from grpo.system.dist import init_distributed
-from grpo.config_load import build_config
+from grpo.config.load import build_config
 from grpo.system.training import mult_prob_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

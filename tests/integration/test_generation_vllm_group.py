@@ -192,7 +192,7 @@ QWEN25_15B_BYTES_PER_TOKEN = kv_cache_bytes_per_token(num_layers=28, num_kv_head
     ("dapo_qwen2.5_1.5b.yaml", lambda g: int(g.num_prompts_per_step * g.batch_multiplier)),
 ])
 def test_vllm_recipes_size_the_kv_cache_from_the_step(recipe, prompts_per_generation_batch):
-    from grpo.config_load import load_config
+    from grpo.config.load import load_config
 
     cfg = load_config(str(REPO / "configs" / recipe), [])
     v = cfg.policy.generation.vllm_cfg
@@ -227,7 +227,7 @@ def qwen25_15b_config():
 def test_the_engine_sizes_the_kv_cache_of_the_recipes_from_the_model_config(recipe):
     """The sizing the engine checks at start (`step_kv_cache_bytes`, from the run and the model's HF config) is
     what the recipes set; a step grown past it warns; the recipes' start-up gate covers weights + KV cache."""
-    from grpo.config_load import load_config
+    from grpo.config.load import load_config
 
     cfg = load_config(str(REPO / "configs" / recipe), [])
     v = cfg.policy.generation.vllm_cfg

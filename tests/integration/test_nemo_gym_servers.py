@@ -1,4 +1,4 @@
-"""The NeMo-Gym path (grpo/tasks/nemo_gym.py, grpo/system/nemo_gym_rollout.py, grpo/system/nemo_gym_servers.py) over
+"""The NeMo-Gym path (grpo/tasks/nemo_gym.py, grpo/wings/gym/rollout.py, grpo/wings/gym/servers.py) over
 real processes on loopback: the example Gym servers (examples/gym/) and a misbehaving agent server
 (tests/helpers/gym/fault_agent.py), started by the stand-in launcher (examples/gym/launch.py) as grpo-ds starts
 Gym's, against a real endpoint whose backend writes scripted texts with a real tokenizer."""
@@ -12,9 +12,9 @@ import time
 import pytest
 
 from grpo.config import MasterConfig
-from grpo.system.generation.endpoint import Endpoint
-from grpo.system.nemo_gym_rollout import GymLedger, play_gym
-from grpo.system.nemo_gym_servers import LAUNCH_KEY, GymServerError, GymServers, read_global_config, start_gym_servers
+from grpo.wings.agents.endpoint import Endpoint
+from grpo.wings.gym.rollout import GymLedger, play_gym
+from grpo.wings.gym.servers import LAUNCH_KEY, GymServerError, GymServers, read_global_config, start_gym_servers
 from grpo.system.rollout import new_trajectories
 from grpo.tasks.calculator import AGENT_CHAT_TEMPLATE
 from grpo.tasks.failures import RetryPolicy
@@ -406,7 +406,7 @@ def test_the_launched_servers_die_with_a_killed_trainer(tmp_path):
     script = (
         "import sys, time\n"
         "from grpo.config import MasterConfig\n"
-        "from grpo.system.nemo_gym_servers import GymServers\n"
+        "from grpo.wings.gym.servers import GymServers\n"
         f"cfg = MasterConfig.model_validate({{'env': {{'should_use_nemo_gym': True, 'nemo_gym': {{"
         f"'config_paths': ['examples/gym/configs/calculator.yaml'], 'launcher': {LAUNCHER!r}, "
         f"'port_range_low': 27000, 'port_range_high': 27999, 'startup_timeout_s': 120}}}}}})\n"

@@ -1,7 +1,7 @@
 """When the reward model is placed (issue 52, finding 2): setup builds the environments before the engines (the data
 needs them), and the reward model with them, so ``placement: auto`` / ``offload: auto`` weighed a GPU still empty of
-the policy and of vLLM's ``gpu_memory_utilization``. Now `grpo.system.reward_model.RewardModels.place` runs once the
-policy and the generation backend are built. `grpo.run_setup.setup` in this process, on the CPU, with the device's
+the policy and of vLLM's ``gpu_memory_utilization``. Now `grpo.wings.reward_model.scorer.RewardModels.place` runs once the
+policy and the generation backend are built. `grpo.run.run_setup.setup` in this process, on the CPU, with the device's
 free memory injected: a GPU of 80 GiB that the policy takes 30 of and the generation backend 40."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ GiB = 2**30
 
 
 def test_the_reward_model_is_placed_by_the_memory_the_engines_left(tmp_path, monkeypatch, capsys):
-    from grpo import run_setup
-    from grpo.system import engines, reward_model
+    from grpo.run import run_setup
+    from grpo.system import engines
+    from grpo.wings.reward_model import scorer as reward_model
     from tests.helpers.e2e import TINY
     from tests.helpers.reward_models import save_tiny_reward_model
 
@@ -61,7 +62,7 @@ def test_the_reward_model_is_placed_by_the_memory_the_engines_left(tmp_path, mon
 def test_offload_auto_decides_on_the_memory_left_once_the_engines_are_built(monkeypatch):
     """The decision itself on an accelerator, with the readings above: a reward model of 4 GiB stays resident next to
     an empty 80 GiB GPU, and is offloaded next to the 10 GiB the engines leave (more than a quarter of it)."""
-    from grpo.system import reward_model
+    from grpo.wings.reward_model import scorer as reward_model
 
     monkeypatch.setattr(reward_model, "num_params", lambda cfg: 2 * GiB)  # bf16: 4 GiB of weights
     models = reward_model.RewardModels(torch.device("cuda", 1))
@@ -79,11 +80,11 @@ def test_the_async_producer_places_the_reward_model_and_hands_its_moves_to_the_t
     import types
 
     from grpo.config import MasterConfig
-    from grpo.producer import RolloutProducer
-    from grpo.system import reward_model
+    from grpo.run.producer import RolloutProducer
+    from grpo.wings.reward_model import scorer as reward_model
     from grpo.system.generation.base import GenerationBackend
     from grpo.system.rollout import _apply_step
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
     from grpo.trajectory import Message, Trajectory
     from tests.helpers.reward_models import save_tiny_reward_model
 
@@ -93,7 +94,7 @@ def test_the_async_producer_places_the_reward_model_and_hands_its_moves_to_the_t
     env = RewardModelEnvironment(models(rm_cfg), rm_cfg.batch_size)
     monkeypatch.setattr(reward_model, "offload_plan", lambda offload, device_type, placement: "move")
     lines: list[str] = []
-    run = types.SimpleNamespace(reward_models=models, cfg=MasterConfig(), logger=types.SimpleNamespace(write=lines.append))
+    run = types.SimpleNamespace(deferred=models, cfg=MasterConfig(), logger=types.SimpleNamespace(write=lines.append))
     producer = RolloutProducer(run, None, None, GenerationBackend(), None, None, first_target=1)
     assert producer.desk is not None  # a moving copy scores in the trainer thread
     assert lines and "in host memory between scorings" in lines[0]  # placed by the producer, said once

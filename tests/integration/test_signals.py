@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from grpo.system.signals import STOP_SIGNALS, StopRequest, exit_status, set_parent_death_signal
+from grpo.system.signals import STOP_SIGNALS, StopRequest, exit_status
+from grpo.tasks.pool import set_parent_death_signal
 from tests.helpers.e2e import REPO, child_env
 
 

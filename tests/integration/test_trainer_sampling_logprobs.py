@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from grpo.system.training import forward_logprobs
-from grpo.config_load import build_config
+from grpo.config.load import build_config
 from grpo.logprobs import filter_keep_mask, token_logprobs
 from grpo.loss import clipped_pg_loss
 from grpo.batch import build_batch

@@ -296,7 +296,7 @@ def test_message_penalties():
 def test_a_registered_estimator_is_found_by_name_and_the_config_accepts_it(monkeypatch):
     import grpo.registry
     from grpo.advantages import register_estimator
-    from grpo.config_load import load_config
+    from grpo.config.load import load_config
 
     monkeypatch.setattr(grpo.registry, "_ESTIMATORS", dict(grpo.registry._ESTIMATORS))  # undone after the test
 

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from grpo.batch import batch_size, build_batch, concat_batches, micro_batches, select_rows
-from grpo.system.dist import rank_slice
+from grpo.batch import batch_size, build_batch, concat_batches, micro_batches, rank_slice, select_rows
 from grpo.trajectory import Message, Trajectory
 from tests.helpers.batches import train_batch
 

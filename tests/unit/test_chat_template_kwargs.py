@@ -78,7 +78,7 @@ def test_prompt_formatter_and_config(qwen25):
 
 
 def test_build_datasets_passes_the_config(qwen25):
-    from grpo.run_setup import build_datasets
+    from grpo.run.run_setup import build_datasets
 
     cfg = MasterConfig.model_validate({"policy": {"tokenizer": {"chat_template": THINKING,
                                                                 "chat_template_kwargs": {"enable_thinking": True}}},

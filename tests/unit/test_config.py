@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from grpo.config import ClusterConfig, MasterConfig, cluster_mismatch, resolve_skip_flags
-from grpo.config_load import ConfigError, apply_overrides, build_config, load_config, load_yaml
+from grpo.config.load import ConfigError, apply_overrides, build_config, load_config, load_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,12 +1,12 @@
 """A fork's config: `config_cls`, a subclass of MasterConfig with its own section, goes through the same loading,
-validation, --help-config and run fingerprint as the built-in sections (no edit of grpo/config.py)."""
+validation, --help-config and run fingerprint as the built-in sections (no edit of grpo/config/)."""
 
 import pytest
 import torch
 from pydantic import BaseModel, Field
 
 from grpo.config import MasterConfig
-from grpo.config_load import ConfigError, build_config, check_config_cls, config_help, load_config
+from grpo.config.load import ConfigError, build_config, check_config_cls, config_help, load_config
 from grpo.system.rundir import fingerprint_diff, run_fingerprint
 from grpo.registry import _ESTIMATORS, _NEEDS_GROUP, register_estimator
 from tests.helpers import fork_algo
@@ -40,7 +40,7 @@ def test_a_fork_section_is_validated_like_the_built_in_ones():
     with pytest.raises(ConfigError, match=r"grpo\.num_prompts_per_stepp: unknown key"):  # built-in sections too
         build_config({"grpo": {"num_prompts_per_stepp": 4}}, MyConfig)
     # The unforked config does not know the section, and says so.
-    with pytest.raises(ConfigError, match=r"my_algo: unknown key .*against grpo/config\.py"):
+    with pytest.raises(ConfigError, match=r"my_algo: unknown key .*against grpo/config/"):
         build_config({"my_algo": {"entropy_coef": 0.01}})
 
 

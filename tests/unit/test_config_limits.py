@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from grpo.config_load import MAX_CONFIG_BYTES, MAX_YAML_VALUES, ConfigError, apply_overrides, load_config
+from grpo.config.load import MAX_CONFIG_BYTES, MAX_YAML_VALUES, ConfigError, apply_overrides, load_config
 from grpo.registry import _ESTIMATORS, _NEEDS_GROUP, needs_group, register_estimator
 from tests.helpers.e2e import REPO, child_env
 
@@ -46,7 +46,7 @@ NATIVE_BODY = "grpo: {seed: 3}\n"
 
 
 def _load_either(path):
-    from grpo.nemo_rl_recipe import is_nemo_rl_recipe, load_recipe
+    from grpo.config.nemo_rl.recipe import is_nemo_rl_recipe, load_recipe
 
     return load_recipe(path, []) if is_nemo_rl_recipe(path) else load_config(path, [])
 
@@ -67,7 +67,7 @@ def test_an_omegaconf_failure_of_a_nemo_rl_recipe_is_a_config_error(tmp_path, li
     """Issue 37: a null key in a NeMo-RL recipe was omegaconf's KeyValidationError traceback."""
     recipe = tmp_path / "run.yaml"
     recipe.write_text(NEMO_RL_BODY + line + "\n")
-    from grpo.nemo_rl_recipe import load_recipe
+    from grpo.config.nemo_rl.recipe import load_recipe
 
     with pytest.raises(ConfigError):
         load_recipe(recipe, [])
@@ -84,7 +84,7 @@ def test_a_null_key_is_one_line_naming_the_file_and_the_key_path(tmp_path, nemo_
                       + f"  optimizer:\n    {null}: 3\n")
     expected = (f"{recipe}: policy.optimizer: a null key (~: or null:, holding 3): keys are names; quote 'null' for "
                 "the word")
-    from grpo.nemo_rl_recipe import load_recipe
+    from grpo.config.nemo_rl.recipe import load_recipe
 
     assert error_of(_load_either, recipe) == expected  # what the scripts do
     assert error_of(load_recipe, recipe, []) == expected  # NeMo-RL's reader (OmegaConf) on its own
@@ -107,7 +107,7 @@ def _chain(op: str, first: str, n: int) -> str:
 ])
 def test_interpolation_work_is_bounded(tmp_path, body, expected):
     """Issue 37: 39 chained ${mul:...} kept --check-config at full CPU for good (integers of billions of digits)."""
-    from grpo.nemo_rl_recipe import load_recipe
+    from grpo.config.nemo_rl.recipe import load_recipe
 
     recipe = tmp_path / "run.yaml"
     recipe.write_text(body)

@@ -1,7 +1,7 @@
-"""Every config knob acts: each field of every config model is read, by its dotted path, outside grpo/config.py.
+"""Every config knob acts: each field of every config model is read, by its dotted path, outside grpo/config/.
 
 A field that is accepted and then read by nothing is the worst kind of config bug (a user sets it, nothing
-changes, nothing says so). The check is static: an attribute chain in the loops, grpo/ (config.py itself and the
+changes, nothing says so). The check is static: an attribute chain in the loops, grpo/ (the config modules and the
 loaders excluded) or scripts/ must denote the field's whole dotted path (`tests/helpers/config_reads.py` says how
 a chain's root is resolved: ``g = cfg.grpo; g.seed`` reads ``grpo.seed``, ``lora: LoraConfig`` reads
 ``policy.lora.*``). Fields that only the schema reads are listed below, each with why it is not a dead knob.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config_load import config_fields
+from grpo.config.load import config_fields
 from tests.helpers.config_reads import dotted_reads
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,11 +27,11 @@ READ_ONLY_BY_THE_SCHEMA = {
         "NeMo-RL's top-level key; GRPOConfig's validator copies it into grpo.adv_estimator.normalize_rewards "
         "where that is null, and the estimators read the latter",
     "grpo.use_leave_one_out_baseline": "the same: copied into grpo.adv_estimator.use_leave_one_out_baseline",
-    "cluster.gpus_per_node": "checked against the launcher by grpo.config.cluster_mismatch, called by grpo/serving.py and grpo/run_setup.py",
+    "cluster.gpus_per_node": "checked against the launcher by grpo.config.cluster_mismatch, called by grpo/run/serving.py and grpo/run/run_setup.py",
     "cluster.num_nodes": "the same: cluster_mismatch",
     "policy.generation.colocated.resources.gpus_per_node":
         "NeMo-RL's name; grpo.config.generation_ranks turns it into the number of generation ranks, which "
-        "grpo/serving.py's start_split uses",
+        "grpo/run/serving.py's start_split uses",
     "policy.generation.colocated.resources.num_nodes": "the same: generation_ranks",
     "policy.sequence_packing.logprob_mb_tokens":
         "read through grpo.config.PolicyConfig.mb_tokens('logprob') (null: max_total_sequence_length x "
@@ -41,14 +41,15 @@ READ_ONLY_BY_THE_SCHEMA = {
     "policy.dynamic_batching.train_mb_tokens": "the same: PolicyConfig.mb_tokens('train')",
     "policy.generation.val_temperature":
         "read by grpo.config.GenerationConfig.for_validation (getattr of val_<name>), which "
-        "grpo/validation.py validation_sampling calls",
+        "grpo/run/validation.py validation_sampling calls",
     "policy.generation.val_top_p": "the same: GenerationConfig.for_validation",
     "policy.generation.val_top_k": "the same: GenerationConfig.for_validation",
     "env.should_use_nemo_gym":
         "NeMo-RL's switch; grpo.config.EnvConfig makes it env.name=nemo_gym (and MasterConfig's _nemo_gym_checks "
         "apply), which grpo/tasks/factory.py builds as the NeMo-Gym environment",
-    "policy.generation.colocated.enabled":
-        "read by grpo.config.generation_ranks (0 when colocated), which grpo/run_setup.py's setup and grpo/serving.py's start_split call",
+    "grpo.deduplicate_multimodal_data":
+        "NeMo-RL's key, accepted either way: a prompt's images are always stored once for its group "
+        "(grpo/system/vision.py), which trains exactly as a copy per sample (test_deduplicated_and_copied_media_train_the_same)",
     "policy.optimizer.name":
         "a one-value Literal (adamw, what grpo/system/engines.py builds), so a recipe asking for another optimizer "
         "fails at load instead of being ignored",
@@ -61,7 +62,8 @@ READ_ONLY_BY_THE_SCHEMA = {
 def _sources() -> list[Path]:
     files = [*REPO.glob("train_*.py"), *(REPO / "grpo").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
     # The loader and the NeMo-RL recipe translator name the fields to write them, not to act on them.
-    skip = {REPO / "grpo" / n for n in ("config.py", "config_load.py", "nemo_rl_recipe.py", "nemo_rl_rules.py")}
+    config = REPO / "grpo" / "config"
+    skip = {*config.glob("*.py"), config / "nemo_rl" / "recipe.py", config / "nemo_rl" / "rules.py"}
     return [p for p in files if p not in skip]
 
 

@@ -168,7 +168,7 @@ def test_metrics_logger_logs_rollouts_to_wandb_only_when_on(tmp_path):
 
 
 def test_a_write_the_disk_refuses_leaves_no_file_raises_once_and_turns_the_dumps_off(tmp_path, monkeypatch):
-    # issue 25: the loop (grpo.run.dump_rollouts) counts and warns about the OSError and goes on training.
+    # issue 25: the loop (grpo.run.run.dump_rollouts) counts and warns about the OSError and goes on training.
     import errno
     import os
 
@@ -193,7 +193,7 @@ def test_a_write_the_disk_refuses_leaves_no_file_raises_once_and_turns_the_dumps
 
 
 def test_a_step_skipped_for_failures_dumps_without_advantages():
-    """A step skipped for failures (grpo.step_end.skip_step) dumps its samples before any advantage exists: the failed
+    """A step skipped for failures (grpo.run.step_end.skip_step) dumps its samples before any advantage exists: the failed
     one masked with its reason, the others with no advantage (this crashed the run with dumps on)."""
     from grpo.batch import build_batch
     from grpo.system.dumps import rollout_records

@@ -1,13 +1,13 @@
 """The endpoint with generation on ranks of its own: which runs serve it, and that a launch with several trainers is
-taken (each trainer serves its own agents; grpo/system/generation/lockstep.py makes their generation agree:
+taken (each trainer serves its own agents; grpo/wings/agents/lockstep.py makes their generation agree:
 tests/unit/test_lockstep.py, and end to end tests/e2e/test_agent_backends_e2e.py and test_agent_async_e2e.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.config_load import ConfigError, load_config
-from grpo.serving import serves_endpoint
+from grpo.config import serves_endpoint
+from grpo.config.load import ConfigError, load_config
 from tests.helpers.e2e import REPO
 
 SPLIT = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1"]

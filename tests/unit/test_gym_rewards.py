@@ -1,4 +1,4 @@
-"""NeMo-RL's shaping of NeMo-Gym results (grpo/gym_rewards.py): hand-made cases with NeMo-RL's expected values
+"""NeMo-RL's shaping of NeMo-Gym results (grpo/wings/gym/rewards.py): hand-made cases with NeMo-RL's expected values
 (its tests/unit/test_effort_shaping.py and tests/unit/experience/test_reward_penalties.py cases, re-derived), and,
 with a NeMo-RL checkout (NEMO_RL_CHECKOUT, its nemo_rl/ sources at 7ea279a), NeMo-RL's own functions run on
 hundreds of generated cases beside ours: the same rewards, the same detector counts, the same errors."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo.config import EffortLevelsConfig, MasterConfig, RewardPenaltyConfig, reward_penalties_without_nemo_gym
-from grpo.gym_rewards import (
+from grpo.wings.gym.rewards import (
     GymSample, annotate_gym_items, apply_effort_shaping, apply_gym_reward_penalties, detect_invalid_tool_call_and_malformed_thinking,
     effort_levels_of, gym_message_flags, has_duplicated_reasoning, has_empty_final_answer, has_malformed_think_tag,
     last_user_prompt, resolve_think_ids, shape_gym_rewards, thinking_tags_of,

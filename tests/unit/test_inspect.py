@@ -1,4 +1,4 @@
-"""python -m grpo.inspect: a step's best / median / worst samples from the dumps, and clear errors."""
+"""python -m grpo.tools.inspect: a step's best / median / worst samples from the dumps, and clear errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from grpo.system.dumps import RolloutDumper
-from grpo.inspect import main
+from grpo.tools.inspect import main
 from tests.helpers.e2e import REPO, child_env
 from tests.helpers.rollout_records import make_record
 
@@ -61,13 +61,13 @@ def test_a_step_without_a_dump_lists_the_dumped_steps(tmp_path, capsys):
 
 
 def test_module_runs_with_m_and_does_not_shadow_the_standard_inspect(tmp_path):
-    """``grpo/inspect.py`` must not hide the standard library's inspect (torch, pydantic, pytest use it)."""
+    """``grpo/tools/inspect.py`` must not hide the standard library's inspect (torch, pydantic, pytest use it)."""
     _dump(tmp_path, 1, [1.0, 0.0])
-    code = ("import sysconfig, inspect, grpo.inspect, grpo.system.dumps, grpo.plot; "
+    code = ("import sysconfig, inspect, grpo.tools.inspect, grpo.system.dumps, grpo.tools.plot; "
             "assert inspect.__file__.startswith(sysconfig.get_paths()['stdlib']), inspect.__file__; "
-            "assert callable(inspect.signature) and grpo.inspect.__name__ == 'grpo.inspect'")
+            "assert callable(inspect.signature) and grpo.tools.inspect.__name__ == 'grpo.tools.inspect'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(1), check=True, timeout=120)
-    p = subprocess.run([sys.executable, "-m", "grpo.inspect", str(tmp_path)], cwd=REPO, env=child_env(1),
+    p = subprocess.run([sys.executable, "-m", "grpo.tools.inspect", str(tmp_path)], cwd=REPO, env=child_env(1),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "answer-of-sample-0-step-1" in p.stdout
@@ -75,7 +75,7 @@ def test_module_runs_with_m_and_does_not_shadow_the_standard_inspect(tmp_path):
 
 def test_failed_samples_are_dumped_first_and_listed_with_their_reason_and_error(tmp_path, capsys):
     """Issue 31: a dump keeps its failed samples (reason, class, error text) and ``--failed`` lists them."""
-    from grpo.inspect import main
+    from grpo.tools.inspect import main
     from grpo.system.dumps import RolloutDumper
     from tests.helpers.rollout_records import make_record
 

@@ -119,9 +119,25 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_has_a_layer():
     table = layer_table()
-    assert [name for name, _ in table] == ["leaves", "tasks", "config", "algorithm", "system", "composition"]
+    assert [name for name, _ in table] == ["leaves", "tasks", "config", "algorithm", "system", "loading", "wings",
+                                           "run", "tools"]
     missing = sorted(m for m in module_files() if m != "grpo" and layer_of(m, table) is None)
     assert not missing, f"modules in no layer of grpo/__init__.py's table: {missing}"
+
+
+def test_folders_are_layers():
+    """Every row names modules or folders that exist, and a folder (a package) is one layer: a folder below
+    the root is named by a row, or all its modules share its parent folder's layer through the parent's prefix."""
+    table = layer_table()
+    files = module_files()
+    stale = [p for _, prefixes in table for p in prefixes if p not in files]
+    assert not stale, f"rows of grpo/__init__.py's table that name no module or folder: {stale}"
+    folders = sorted(m for m, path in files.items() if path.name == "__init__.py" and m != "grpo")
+    named = {p for _, prefixes in table for p in prefixes}
+    for folder in folders:
+        members = {layer_of(m, table) for m in files if m.startswith(folder + ".")}
+        assert folder in named or members <= {layer_of(folder, table)}, (
+            f"{folder}/ mixes layers {sorted(table[i][0] for i in members)} and no row of the table names it")
 
 
 def test_no_import_runs_up_a_layer():
@@ -132,6 +148,14 @@ def test_no_import_runs_up_a_layer():
     assert not up, "imports that run up a layer:\n" + "\n".join(up)
 
 
+def test_no_core_module_imports_a_wing():
+    """A wing (a folder of grpo.wings) plugs into the core's seams; nothing outside it names it: the run loads the
+    wings through `grpo.wings.load` (the package), never one by name."""
+    named = [f"{m} imports {t}" for m, targets in sorted(import_graph().items())
+             if not m.startswith("grpo.wings.") for t in sorted(targets) if t.startswith("grpo.wings.")]
+    assert not named, "core modules that import a wing:\n" + "\n".join(named)
+
+
 def test_no_import_cycles():
     found = cycles(import_graph(specs=False))
     assert not found, f"import cycles: {found}"
@@ -140,10 +164,11 @@ def test_no_import_cycles():
 def test_the_checks_see_what_they_must(tmp_path):
     """The parser sees imports in functions, importlib calls and specs; the checks catch a cycle and an up-import."""
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from grpo.system import engines\n    importlib.import_module('grpo.run')\n"
+    src.write_text("def f():\n    from grpo.system import engines\n    importlib.import_module('grpo.run.run')\n"
                    "    return 'grpo.tasks.math:math_reward', 'see grpo.loss:x for more'\n")
-    assert imported_names(src, "grpo.m", False) == {"grpo.system.engines", "grpo.run", "grpo.tasks.math"}
+    assert imported_names(src, "grpo.m", False) == {"grpo.system.engines", "grpo.run.run", "grpo.tasks.math"}
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     table = layer_table()
-    assert layer_of("grpo.step", table) < layer_of("grpo.system.engines", table) < layer_of("grpo.run", table)
-    assert layer_of("grpo.system.dist", table) < layer_of("grpo.tasks.pool", table)
+    assert layer_of("grpo.step", table) < layer_of("grpo.system.engines", table) < layer_of("grpo.run.run", table)
+    assert layer_of("grpo.config.policy", table) < layer_of("grpo.loss", table) < layer_of("grpo.config.load", table)
+    assert layer_of("grpo.trajectory", table) < layer_of("grpo.tasks.pool", table) < layer_of("grpo.system.dist", table)

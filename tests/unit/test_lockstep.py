@@ -1,4 +1,4 @@
-"""Several trainers' endpoints over the generation ranks (`grpo.system.generation.lockstep`): real gloo processes,
+"""Several trainers' endpoints over the generation ranks (`grpo.wings.agents.lockstep`): real gloo processes,
 each a trainer whose backend is a real collective (tests/helpers/lockstep_peer.py). The loop's calls, an async
 producer's weight loads and endpoint batches that only some trainers have all generate, in an order every trainer
 agrees on; a trainer that closes ends the others' calls with an error, never a hang."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from grpo.system.generation.lockstep import pick_round
+from grpo.wings.agents.lockstep import pick_round
 from tests.helpers.e2e import REPO, child_env, free_port
 
 

@@ -159,7 +159,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model(tiny_model_
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_hf_generation_uses_the_adapters_and_refits_only_them(tiny_model_dir, dist_group, stage):
-    from grpo.serving import build_generation_backend
+    from grpo.run.serving import build_generation_backend
     from grpo.system.chat import load_tokenizer
     from grpo.system.training import mult_prob_error
 

@@ -161,7 +161,7 @@ def test_the_base_weights_are_held_once_unless_generation_needs_its_own_copy(tin
                                                                             copies):
     """No ZeRO: the hf backend generates on the policy module, the reference is the adapters-off pass: one copy.
     ZeRO-3 (one rank here): the partitioned policy and the hf backend's whole copy, nothing more."""
-    from grpo.serving import build_generation_backend
+    from grpo.run.serving import build_generation_backend
     from grpo.system import engines
     from grpo.system.chat import load_tokenizer
     from grpo.system.training import compute_logprobs
@@ -184,9 +184,9 @@ def test_the_base_weights_are_held_once_unless_generation_needs_its_own_copy(tin
 
 
 def test_a_lora_run_s_setup_holds_the_base_weights_once(tiny_model_dir, dist_group, tmp_path):
-    """`grpo.run_setup.setup` of a one-rank fp32 LoRA run (no ZeRO, colocated hf): the reference is the
+    """`grpo.run.run_setup.setup` of a one-rank fp32 LoRA run (no ZeRO, colocated hf): the reference is the
     adapters-off pass and generation runs on the policy module, so nothing else holds a base weight."""
-    from grpo.run_setup import setup
+    from grpo.run.run_setup import setup
     from tests.helpers.e2e import TINY
     from tests.unit.test_lora import gathered
 
@@ -227,7 +227,7 @@ def test_the_adapters_off_reference_pass_keeps_no_activations(tiny_model_dir, di
 _FREED_AFTER_SETUP = r"""
 import os, re, sys
 import torch
-from grpo.run_setup import setup
+from grpo.run.run_setup import setup
 
 def rss_mib():
     with open("/proc/self/status") as f:
@@ -376,7 +376,7 @@ def _two_rank_audit(model_dir: str, out_path: str) -> None:
 
     warnings.filterwarnings("ignore")
     from grpo.batch import micro_batches, select_rows
-    from grpo.serving import build_generation_backend
+    from grpo.run.serving import build_generation_backend
     from grpo.system import engines, weights
     from grpo.system.chat import load_tokenizer
     from grpo.system.dist import all_gather_objects, init_distributed

@@ -460,7 +460,7 @@ def test_half_precision_inputs_compute_in_fp32():
 def _loss_inputs(with_prev=True, **extra):
     from types import SimpleNamespace  # stands in for the micro-batch (a grpo.batch.TrainBatch)
 
-    from grpo.config_load import build_config
+    from grpo.config.load import build_config
     from grpo.loss import LossInputs
 
     g = torch.Generator().manual_seed(0)

@@ -213,7 +213,7 @@ def test_nll_needs_rewards():
 def test_clipped_pg_loss_fn_passes_rewards_and_the_correct_token_count():
     from types import SimpleNamespace
 
-    from grpo.config_load import build_config
+    from grpo.config.load import build_config
     from grpo.loss import LossInputs, clipped_pg_loss_fn
 
     lp, prev, gen, adv, tm, sm, rewards = _case(3)

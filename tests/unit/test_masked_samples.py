@@ -11,7 +11,7 @@ from grpo.advantages import (
     drop_thin_groups, gdpo_advantages, grpo_advantages, reinforce_plus_plus_advantages,
 )
 from grpo.batch import build_batch
-from grpo.config_load import build_config
+from grpo.config.load import build_config
 from grpo.dynamic_sampling import group_reward_std
 from grpo.loss import clipped_pg_loss
 from grpo.step import compose_advantages, failure_counts, initial_sample_mask, mask_invalid_samples

@@ -1,4 +1,4 @@
-"""NeMo-Gym's pure half (grpo/tasks/nemo_gym.py) and its config (grpo/config.py NemoGymConfig): NeMo-RL's checks
+"""NeMo-Gym's pure half (grpo/tasks/nemo_gym.py) and its config (grpo/config/ NemoGymConfig): NeMo-RL's checks
 on hand-made results, Gym rows as data, and the config errors a user meets. The HTTP path is
 tests/integration/test_nemo_gym_servers.py."""
 
@@ -12,9 +12,9 @@ from pydantic import ValidationError
 
 from grpo.config import MasterConfig
 from grpo.system.data import LoadReport, read_file_rows
-from grpo.system.generation.endpoint import CallRecord
-from grpo.system.nemo_gym_rollout import GymLedger
-from grpo.system.nemo_gym_servers import agent_names, launched_by
+from grpo.wings.agents.endpoint import CallRecord
+from grpo.wings.gym.rollout import GymLedger
+from grpo.wings.gym.servers import agent_names, launched_by
 from grpo.tasks.nemo_gym import (GymResultError, check_data_agents, check_result, check_token_fields, data_agents,
                                  gym_metrics, prepare_row, regroup, reward_of, trajectory_messages)
 from grpo.trajectory import Trajectory
@@ -225,10 +225,10 @@ def test_metrics_are_nemo_rls_over_the_scored_samples():
 
 def test_each_model_calls_message_carries_nemo_rls_flags_for_the_penalties():
     """fill_gym_trajectory flags an assistant message whose text holds an unexecuted tool call or broken thinking
-    (`grpo.gym_rewards.annotate_gym_items`), and keeps the decoded text in the stored result (penalty 4c reads it)."""
+    (`grpo.wings.gym.rewards.annotate_gym_items`), and keeps the decoded text in the stored result (penalty 4c reads it)."""
     from types import SimpleNamespace
 
-    from grpo.system.nemo_gym_rollout import fill_gym_trajectory
+    from grpo.wings.gym.rollout import fill_gym_trajectory
 
     def call(prompt, gen, text):
         return {**_item(prompt, gen), "content": [{"type": "output_text", "text": text}]}

@@ -1,4 +1,4 @@
-"""NeMo-RL's NeMo-Gym recipes, key by key (grpo/nemo_rl_gym_rules.py): the Gym keys kept, NemoGymDataset specs as
+"""NeMo-RL's NeMo-Gym recipes, key by key (grpo/config/nemo_rl/gym_rules.py): the Gym keys kept, NemoGymDataset specs as
 grpo-ds's data keys, what cannot be read refused naming the key, and NeMo-RL's refusal of its penalties without
 NeMo-Gym. With a NeMo-RL checkout (NEMO_RL_CHECKOUT) and the env.nemo_gym config in place, its Gym GRPO recipes
 load as `--check-config` loads them."""
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from grpo.config import EnvConfig
-from grpo.config_load import ConfigError
-from grpo.nemo_rl_recipe import load_nemo_rl, load_recipe
-from grpo.nemo_rl_rules import translate
+from grpo.config.load import ConfigError
+from grpo.config.nemo_rl.recipe import load_nemo_rl, load_recipe
+from grpo.config.nemo_rl.rules import translate
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "nemo_rl"
 BASE = FIX / "base_math.yaml"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.config import MasterConfig, VALIDATION_METRIC_ALIASES, validation_metric_names
-from grpo.config_load import apply_overrides, build_config
+from grpo.config.load import apply_overrides, build_config
 from grpo.metrics import (
     NEMO_RL_NAMES, checkpoint_metric, checkpoint_metric_keys, nemo_rl_name, nemo_rl_names, rollout_counts,
 )
@@ -159,7 +159,7 @@ def test_older_checkpoints_are_ranked_by_their_former_keys():
 
 
 def test_a_train_metric_name_no_metric_has_fails_at_the_first_save():
-    from grpo.run import RunError, save
+    from grpo.run.run import RunError, save
 
     cfg = build_config(apply_overrides({}, ["checkpointing.metric_name=train:nope"]))
     saved = []
@@ -193,7 +193,7 @@ def test_val_start_at_delays_periodic_validation(overrides, due):
 def test_validation_sampling_reaches_the_hf_backend(monkeypatch):
     import torch
 
-    from grpo.validation import validation_sampling
+    from grpo.run.validation import validation_sampling
     from grpo.system.generation import hf
     from grpo.tasks.toy import build_char_tokenizer, build_tiny_model
 
@@ -221,7 +221,7 @@ def test_validation_sampling_reaches_the_hf_backend(monkeypatch):
 
 
 def test_validation_sampling_reaches_vllm_sampling_params():
-    from grpo.validation import validation_sampling
+    from grpo.run.validation import validation_sampling
     from grpo.system.generation.vllm_params import sampling_kwargs
 
     g = MasterConfig.model_validate({"policy": {"generation": {"temperature": 0.8, "top_k": 20,

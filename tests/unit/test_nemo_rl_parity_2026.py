@@ -402,7 +402,7 @@ def test_a_prompt_that_comes_twice_in_a_step_is_one_group_as_nemo_rl():
     times) share one group of 2n. compose_advantages groups the same way: 100 random steps with repeated prompts."""
     from grpo.advantages import prompt_group_ids
     from grpo.batch import build_batch
-    from grpo.config_load import build_config
+    from grpo.config.load import build_config
     from grpo.step import compose_advantages
     from grpo.trajectory import Message, Trajectory
 

@@ -1,4 +1,4 @@
-"""NeMo-RL recipes as they are (grpo.nemo_rl_recipe, grpo.nemo_rl_rules): recognition, NeMo-RL's defaults and
+"""NeMo-RL recipes as they are (grpo.config.nemo_rl.recipe, grpo.config.nemo_rl.rules): recognition, NeMo-RL's defaults and
 interpolation, hydra-style overrides, the translation table, refusals, --check-config. The recipes are ours,
 written in NeMo-RL's format under tests/fixtures/nemo_rl/."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config_load import ConfigError, load_config
-from grpo.nemo_rl_recipe import is_nemo_rl_recipe, load_nemo_rl, load_recipe, looks_like_nemo_rl
+from grpo.config.load import ConfigError, load_config
+from grpo.config.nemo_rl.recipe import is_nemo_rl_recipe, load_nemo_rl, load_recipe, looks_like_nemo_rl
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "nemo_rl"
@@ -313,7 +313,7 @@ def test_ignored_keys_are_listed_with_their_reason(overrides, key, reason):
 
 
 def test_http_server_keys_are_kept():
-    """NeMo-RL's endpoint keys mean the same here (grpo/system/generation/endpoint.py): the port range, the switch
+    """NeMo-RL's endpoint keys mean the same here (grpo/wings/agents/endpoint.py): the port range, the switch
     and the chat kwargs the endpoint implements; vLLM's serving internals among them are ignored, named."""
     cfg, rows = load_recipe(BASE, ["++policy.generation.vllm_cfg.expose_http_server=true",
                                    "++policy.generation.vllm_cfg.http_server_serving_chat_kwargs={tool_parser: hermes, "
@@ -426,8 +426,8 @@ def test_check_config_exit_codes_and_output():
 
 
 def test_check_config_imports_no_torch():
-    code = ("import sys, train_grpo, grpo.cli\n"
-            "try:\n    grpo.cli.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
+    code = ("import sys, train_grpo, grpo.run.cli\n"
+            "try:\n    grpo.run.cli.load_run_config(sys.argv[1:], train_grpo.DEFAULT_CONFIG)\n"
             "except SystemExit as e:\n"
             "    print('EXIT', e.code, 'torch' in sys.modules, 'deepspeed' in sys.modules, file=sys.stderr)\n")
     p = subprocess.run([sys.executable, "-c", code, "--config", str(BASE), "--check-config"], cwd=REPO,

@@ -1,4 +1,4 @@
-"""The endpoint's chat layer without a server (grpo/system/generation/openai_chat.py): NeMo-RL's prefix splice
+"""The endpoint's chat layer without a server (grpo/wings/agents/openai_chat.py): NeMo-RL's prefix splice
 (its own test cases, then the real Qwen2.5 template with tool calls and think tags), the sampling checks, the
 tool-call and reasoning parsers."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 
 from grpo.config import MasterConfig
-from grpo.system.generation.endpoint import Endpoint
-from grpo.system.generation.openai_chat import (ChatRequest, RequestError, extract_tool_calls, replace_prefix_tokens,
+from grpo.wings.agents.endpoint import Endpoint
+from grpo.wings.agents.openai_chat import (ChatRequest, RequestError, extract_tool_calls, replace_prefix_tokens,
                                                 split_reasoning)
-from grpo.system.generation.openai_checks import check_sampling
+from grpo.wings.agents.openai_checks import check_sampling
 
 CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.",
                                               "parameters": {"type": "object", "properties": {

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from grpo.config import REASONING_PARSERS, TOOL_PARSERS, vllm_parser_names
-from grpo.config_load import ConfigError, load_config
+from grpo.config.load import ConfigError, load_config
 from tests.helpers.e2e import REPO
 
 KEY = "policy.generation.vllm_cfg.http_server_serving_chat_kwargs"

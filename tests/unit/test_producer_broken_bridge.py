@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo.producer import RolloutProducer
+from grpo.run.producer import RolloutProducer
 from grpo.system.generation.base import GenerationBackend
 from grpo.system.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage
 from grpo.system.rollout import RolloutError
@@ -41,11 +41,11 @@ def _producer(monkeypatch, broken: str | None, max_failures: int):
         calls.append(1)
         raise RolloutError("rank 0: BridgeError: bridge waiting for generation rank 0: it is gone")
 
-    monkeypatch.setattr("grpo.run.run_rollout", failing_rollout)
+    monkeypatch.setattr("grpo.run.run.run_rollout", failing_rollout)
     async_cfg = SimpleNamespace(max_trajectory_age_steps=1, max_generation_failures=max_failures,
                                 in_flight_weight_updates=False)
     run = SimpleNamespace(cfg=SimpleNamespace(grpo=SimpleNamespace(async_grpo=async_cfg)), total_steps=10,
-                          logger=SimpleNamespace(write=lambda text: None), reward_models=None, agents=None)
+                          logger=SimpleNamespace(write=lambda text: None), deferred=None, player=None)
     stage, buffer = WeightStage(), ReplayBuffer(max_age_steps=1)
     stage.publish([], version=0)
     producer = RolloutProducer(run, stage, buffer, _Generator(broken), envs=None, prompts=_Prompts(),

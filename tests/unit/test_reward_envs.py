@@ -1,4 +1,4 @@
-"""NeMo-RL's reward-model and multi-reward recipes translate (grpo.nemo_rl_rules): gdpo_math_1B.yaml's and
+"""NeMo-RL's reward-model and multi-reward recipes translate (grpo.config.nemo_rl.rules): gdpo_math_1B.yaml's and
 grpo_rm_1B.yaml's keys, in recipes written in NeMo-RL's format under tests/fixtures/nemo_rl/."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config_load import ConfigError
-from grpo.nemo_rl_recipe import load_recipe
+from grpo.config.load import ConfigError
+from grpo.config.nemo_rl.recipe import load_recipe
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "nemo_rl"
 

@@ -1,4 +1,4 @@
-"""The reward model as an environment (grpo.tasks.reward_model, grpo.system.reward_model): NeMo-RL's rendering with
+"""The reward model as an environment (grpo.wings.reward_model: environment, scorer): NeMo-RL's rendering with
 the reward model's own template, scores equal to AutoModelForSequenceClassification's logits on the same text for
 batch sizes 1 and 4 and padding on either side, batching, max_model_len, NeMo-RL's metrics; a checkpoint that is no
 reward model (a causal LM, another head) and a path that is not there refused by name."""
@@ -43,7 +43,7 @@ def hf_model(rm_dir):
 
 @pytest.fixture(scope="module")
 def scorers(rm_dir):
-    from grpo.system.reward_model import RewardModelScorer
+    from grpo.wings.reward_model.scorer import RewardModelScorer
 
     return {side: RewardModelScorer(RewardModelConfig(model_name=rm_dir, precision="float32"), torch.device("cpu"),
                                     side) for side in ("right", "left")}
@@ -61,7 +61,7 @@ class Counting:
 
 
 def test_rendering_is_the_reward_model_s_template_with_its_end_token(rm_dir):
-    from grpo.tasks.reward_model import render_conversation
+    from grpo.wings.reward_model.environment import render_conversation
     from tests.helpers.qwen_tokenizer import qwen25_tokenizer
 
     tok = qwen25_tokenizer()
@@ -73,7 +73,7 @@ def test_rendering_is_the_reward_model_s_template_with_its_end_token(rm_dir):
 
 
 def test_rendering_adds_bos_and_eos_where_the_template_does_not(rm_dir):
-    from grpo.tasks.reward_model import render_conversation
+    from grpo.wings.reward_model.environment import render_conversation
     from tests.helpers.qwen_tokenizer import qwen25_tokenizer
 
     import copy
@@ -88,7 +88,7 @@ def test_rendering_adds_bos_and_eos_where_the_template_does_not(rm_dir):
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_scores_equal_the_classifier_s_logits_on_the_same_text(scorers, hf_model, side, batch_size):
-    from grpo.tasks.reward_model import RewardModelEnvironment, render_conversation
+    from grpo.wings.reward_model.environment import RewardModelEnvironment, render_conversation
 
     s = scorers[side]
     env = RewardModelEnvironment(s, batch_size=batch_size)
@@ -101,7 +101,7 @@ def test_scores_equal_the_classifier_s_logits_on_the_same_text(scorers, hf_model
 
 
 def test_scoring_runs_in_batches_of_batch_size(scorers):
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
 
     s = Counting(scorers["right"])
     ret = RewardModelEnvironment(s, batch_size=2).step(CONVERSATIONS, [{"answer": "a"}] * 5)
@@ -111,7 +111,7 @@ def test_scoring_runs_in_batches_of_batch_size(scorers):
 
 
 def test_a_conversation_over_max_model_len_fails_and_is_not_scored(scorers):
-    from grpo.tasks.reward_model import RewardModelEnvironment, render_conversation
+    from grpo.wings.reward_model.environment import RewardModelEnvironment, render_conversation
 
     s = Counting(scorers["right"])
     lengths = [len(render_conversation(s.tokenizer, c)) for c in CONVERSATIONS]
@@ -123,7 +123,7 @@ def test_a_conversation_over_max_model_len_fails_and_is_not_scored(scorers):
 
 
 def test_metrics_are_nemo_rl_s_over_the_samples_that_did_not_fail():
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
     from grpo.trajectory import Message, Trajectory
 
     ts = [Trajectory(0, i, "reward_model", "q", "", [Message("user", "q", [1]), Message("assistant", "a", [2], [0.0])],
@@ -143,7 +143,7 @@ def test_metrics_of_a_rollout_over_ranks_equal_one_process_s(split):
     """Each rank computes ``reward_model_env/*`` on its share; merged over ranks (`merge_rank_metrics`) they equal
     the metrics of the whole batch in one process (were averages of per-rank values, e.g. num_samples halved)."""
     from grpo.system.rollout import merge_rank_metrics
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
     from grpo.tasks.router import rollout_batch
     from grpo.trajectory import Message, Trajectory
 
@@ -184,7 +184,7 @@ def test_a_toy_reward_model_name_is_checked_at_load():
 
 
 def test_the_reward_model_demo_config_loads():
-    from grpo.config_load import load_config
+    from grpo.config.load import load_config
 
     cfg = load_config("configs/cpu_demo_reward_model.yaml", [])
     assert cfg.env.name == "reward_model" and cfg.env.reward_model.model_name == "toy:demo_rm"
@@ -203,7 +203,7 @@ def test_a_causal_lm_is_refused_as_a_reward_model_by_its_key(lm_dir, rm_dir):
     """A causal LM loads as ForSequenceClassification with its score head initialised at random (the only sign was
     transformers' load report) and the run trained on noise. transformers' own loading info says the head was not
     in the checkpoint: refused, naming the key that gave the weights."""
-    from grpo.system.reward_model import RewardModelScorer
+    from grpo.wings.reward_model.scorer import RewardModelScorer
     from grpo.tasks.function import EnvError
 
     with pytest.raises(EnvError) as err:
@@ -220,7 +220,7 @@ def test_a_classifier_with_another_number_of_outputs_is_refused_not_a_traceback(
     RuntimeError (a traceback); now the same refusal, with the shapes."""
     from transformers import Qwen2ForSequenceClassification
 
-    from grpo.system.reward_model import RewardModelScorer
+    from grpo.wings.reward_model.scorer import RewardModelScorer
     from grpo.tasks.function import EnvError
     from tests.helpers.reward_models import _tiny_qwen2_config
 
@@ -255,9 +255,9 @@ def test_a_missing_reward_model_path_fails_the_config_check_in_one_line(override
 def test_a_name_that_cannot_load_is_one_line_naming_its_key(tmp_path):
     """Offline (HF_HUB_OFFLINE=1, as the tests run) a hub name not in the cache cannot load, nor can a directory that
     holds no model: one line naming the key and the name, shown by the scripts without a traceback
-    (`grpo.run.known_error_message`)."""
-    from grpo.run import known_error_message
-    from grpo.system.reward_model import RewardModelScorer
+    (`grpo.run.run.known_error_message`)."""
+    from grpo.run.run import known_error_message
+    from grpo.wings.reward_model.scorer import RewardModelScorer
     from grpo.tasks.function import EnvError
 
     with pytest.raises(EnvError) as err:

@@ -1,7 +1,7 @@
-"""The reward models' scoring point (grpo.system.reward_model.RewardModels.score_pending): the run's scorers are
+"""The reward models' scoring point (grpo.wings.reward_model.scorer.RewardModels.score_pending): the run's scorers are
 deferred, the environment leaves pending scores, combined environments weight and name them, the point adds them
 (equal to scoring in the step); the ZeRO-3 config and the offload plan; the async loop's hand-over to the trainer
-thread (grpo.producer.TrainerDesk). Two ranks on gloo: tests/integration/test_reward_model_zero3.py."""
+thread (grpo.run.producer.TrainerDesk). Two ranks on gloo: tests/integration/test_reward_model_zero3.py."""
 
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ def _trajectories(ret, rewards=None):
 
 
 def test_the_run_s_scorers_defer_and_the_point_adds_what_the_step_would_have(rm_cfg):
-    from grpo.system.reward_model import RewardModels, RewardModelScorer
-    from grpo.tasks.reward_model import PENDING, RewardModelEnvironment
+    from grpo.wings.reward_model.scorer import RewardModels, RewardModelScorer
+    from grpo.tasks.pending import PENDING
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
 
     models = RewardModels(torch.device("cpu"))
     deferred = RewardModelEnvironment(models(rm_cfg), rm_cfg.batch_size)
@@ -79,9 +80,9 @@ class Constant:
 
 @pytest.mark.parametrize("mode", ["weighted_sum", "components"])
 def test_a_combined_environment_weights_and_names_the_pending_score(rm_cfg, mode):
-    from grpo.system.reward_model import RewardModels
+    from grpo.wings.reward_model.scorer import RewardModels
     from grpo.tasks.combined import OWN_REWARDS, CombinedEnvironment, combine
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
 
     models = RewardModels(torch.device("cpu"))
     scorer = models(rm_cfg)
@@ -104,7 +105,7 @@ def test_a_combined_environment_weights_and_names_the_pending_score(rm_cfg, mode
 
 
 def test_the_zero3_config_is_the_reference_s_filled_for_the_reward_model():
-    from grpo.system.reward_model import offload_plan, reward_model_ds_config
+    from grpo.wings.reward_model.scorer import offload_plan, reward_model_ds_config
 
     rm = RewardModelConfig(model_name="m", precision="bfloat16", batch_size=3)
     ds = reward_model_ds_config(rm, PolicyConfig(precision="float32", logprob_batch_size=8), 2, 64, param_offload=False)
@@ -119,8 +120,8 @@ def test_the_zero3_config_is_the_reference_s_filled_for_the_reward_model():
 
 
 def test_offload_on_the_cpu_never_touches_cuda(rm_cfg, monkeypatch):
-    from grpo.system.reward_model import RewardModels
-    from grpo.tasks.reward_model import RewardModelEnvironment
+    from grpo.wings.reward_model.scorer import RewardModels
+    from grpo.wings.reward_model.environment import RewardModelEnvironment
 
     def no_cuda(*args, **kwargs):
         raise AssertionError("the CPU path touched CUDA")
@@ -139,7 +140,7 @@ def test_offload_on_the_cpu_never_touches_cuda(rm_cfg, monkeypatch):
 
 
 def test_offload_auto_follows_the_memory_a_rank_has_left_and_never_weighs_on_the_cpu(rm_cfg, monkeypatch):
-    import grpo.system.reward_model as rm_mod
+    import grpo.wings.reward_model.scorer as rm_mod
 
     # the rule: the weights this rank holds (whole copy, or its ZeRO-3 shard) against a quarter of its free memory
     table = [(p, w, free) for p in ("plain", "zero3") for w in (1, 4) for free in (100, 400, None)]
@@ -158,14 +159,14 @@ def test_offload_auto_follows_the_memory_a_rank_has_left_and_never_weighs_on_the
 
 
 def test_placement_auto_is_plain_on_one_rank_and_forced_values_stand(rm_cfg):
-    from grpo.system.reward_model import RewardModels
+    from grpo.wings.reward_model.scorer import RewardModels
 
     models = RewardModels(torch.device("cpu"))
     assert models.placement(rm_cfg, None) == "plain"
     assert models.placement(rm_cfg.model_copy(update={"placement": "zero3"}), None) == "zero3"
 
 
-# ---- the async loop's hand-over (grpo.producer.TrainerDesk) -------------------------------------------------
+# ---- the async loop's hand-over (grpo.run.producer.TrainerDesk) -------------------------------------------------
 def _submit(desk, target, fn, out):
     def go():
         try:
@@ -179,7 +180,7 @@ def _submit(desk, target, fn, out):
 
 
 def test_the_trainer_runs_handed_over_work_of_its_step_or_earlier_only():
-    from grpo.producer import TrainerDesk
+    from grpo.run.producer import TrainerDesk
 
     desk, out, ran_in = TrainerDesk(), [], []
     thread = _submit(desk, 2, lambda: ran_in.append(threading.current_thread().name) or 7, out)
@@ -192,7 +193,7 @@ def test_the_trainer_runs_handed_over_work_of_its_step_or_earlier_only():
 
 
 def test_an_error_of_handed_over_work_reaches_the_producer_and_close_releases_it():
-    from grpo.producer import TrainerDesk
+    from grpo.run.producer import TrainerDesk
 
     desk, out = TrainerDesk(), []
 
@@ -219,7 +220,7 @@ def test_own_reward_model_ranks_are_refused_in_a_native_config_and_translated_fr
     shares the training ranks)."""
     from pydantic import ValidationError
 
-    from grpo.nemo_rl_recipe import load_recipe
+    from grpo.config.nemo_rl.recipe import load_recipe
 
     with pytest.raises(ValidationError, match=r"env.reward_model.resources=.*runs on the training ranks.*placement"):
         RewardModelConfig(model_name="m", resources={"gpus_per_node": 1, "num_nodes": 1})

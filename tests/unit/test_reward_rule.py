@@ -85,7 +85,7 @@ def test_a_component_float32_cannot_hold_fails_its_sample_alone():
 
 @pytest.mark.parametrize("bad", [NAN, HUGE])
 def test_an_agent_s_reward_fails_its_sample_the_same_for_nan_and_1e300(bad):
-    from grpo.tasks.agent import parse_result
+    from grpo.wings.agents.environment import parse_result
 
     for value in (bad, {"reward": bad}, {"reward": 1.0, "reward_components": {"x": bad}}):
         outcome = parse_result(value)
@@ -114,7 +114,7 @@ def test_a_reward_function_s_value_is_refused_the_same_for_nan_and_1e300(bad):
 def test_a_reward_model_score_that_is_no_reward_fails_its_sample_at_the_scoring_point(bad):
     """A reward model in 16 bits can overflow: its NaN or inf went into the sample's reward and the health check
     skipped the whole step. The sample fails (env_malformed) and the others keep their scores."""
-    from grpo.tasks.reward_model import PendingScore, add_score
+    from grpo.tasks.pending import PendingScore, add_score
     from grpo.trajectory import Trajectory
 
     good, broken = (Trajectory(i, i, "rm", "q", "a", [], {}, reward=0.5) for i in range(2))

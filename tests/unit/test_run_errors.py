@@ -1,4 +1,4 @@
-"""`grpo.run.RunError`: raised once where a run cannot start or fails, caught once by `run_script`, which prints
+"""`grpo.run.run.RunError`: raised once where a run cannot start or fails, caught once by `run_script`, which prints
 its ``error:`` line and exits 1; `finish` saves and releases everything before it raises."""
 
 import subprocess
@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo.run import RunError, finish
+from grpo.run.run import RunError, finish
 from tests.helpers.e2e import REPO
 
 
 def _script(body: str) -> subprocess.CompletedProcess:
-    code = f"from grpo.run import RunError, run_script\n\ndef main():\n    {body}\n\nrun_script(main)\n"
+    code = f"from grpo.run.run import RunError, run_script\n\ndef main():\n    {body}\n\nrun_script(main)\n"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo.batch import build_batch
-from grpo.config_load import build_config
+from grpo.config.load import build_config
 from grpo.trajectory import Message, Trajectory
 from grpo.step import compose_advantages, initial_sample_mask, shape_rewards, step_advantages
 from grpo.tasks.toy import build_char_tokenizer
@@ -209,7 +209,7 @@ def test_validation_accuracy_counts_a_penalised_sample_as_wrong(monkeypatch):
     penalised rewards (a malformed-thinking answer scores 0 there as in training)."""
     from types import SimpleNamespace
 
-    import grpo.validation as validation_mod
+    import grpo.run.validation as validation_mod
 
     cfg = build_config({"reward_penalties": {"penalize_malformed_think_tag": True},
                         "grpo": {"val_batch_size": 2, "max_val_samples": 2}})

@@ -30,7 +30,7 @@ VERSIONS = 3
 
 
 def lora_cfg(model_dir: str, **lora):
-    from grpo.config_load import build_config
+    from grpo.config.load import build_config
 
     return build_config({
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "seed": 5},
@@ -279,7 +279,7 @@ def mult_prob_error(model, outputs, pad_id: int, temperature: float) -> tuple[fl
     """clipped_pg_loss's token_mult_prob_error with prev = the trainer's `forward_logprobs` of ``model``, and the
     number of generated tokens."""
     from grpo.batch import build_batch
-    from grpo.config_load import build_config
+    from grpo.config.load import build_config
     from grpo.loss import clipped_pg_loss
     from grpo.system.rollout import single_turn
     from grpo.system.training import forward_logprobs

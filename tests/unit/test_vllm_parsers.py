@@ -1,5 +1,5 @@
-"""grpo-ds's tool-call and reasoning parsers (the hf backend's: `grpo.system.generation.openai_chat.parse_message`)
-give what the installed vLLM's own parsers give (the vLLM backend's: `grpo.system.generation.vllm_chat_parsers`)
+"""grpo-ds's tool-call and reasoning parsers (the hf backend's: `grpo.wings.agents.openai_chat.parse_message`)
+give what the installed vLLM's own parsers give (the vLLM backend's: `grpo.wings.agents.vllm_chat_parsers`)
 on one corpus: good calls, several calls, broken JSON, text around calls, think tags present, absent, stray or
 around calls; hermes, qwen3 and deepseek_r1, alone and together, thinking on and off. Skipped without vLLM."""
 
@@ -10,13 +10,13 @@ import importlib.util
 
 import pytest
 
-from grpo.system.generation.openai_chat import parse_message
+from grpo.wings.agents.openai_chat import parse_message
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed", allow_module_level=True)
 
 from grpo.config import vllm_parser_names as registered_names  # noqa: E402
-from grpo.system.generation.vllm_chat_parsers import VllmChatParser, vllm_chat_parser  # noqa: E402
+from grpo.wings.agents.vllm_chat_parsers import VllmChatParser, vllm_chat_parser  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
@@ -92,8 +92,8 @@ def test_the_registries_are_read_without_importing_vllm_and_compact_stays_ours(t
 def test_the_endpoint_on_the_vllm_backend_parses_with_vllms_parsers(tokenizer):
     """backend=vllm: a parser only vLLM has (llama3_json) parses the endpoint's answers; compact stays ours."""
     from grpo.config import MasterConfig
-    from grpo.system.generation.endpoint import Endpoint
-    from grpo.system.generation.openai_chat import ChatRequest
+    from grpo.wings.agents.endpoint import Endpoint
+    from grpo.wings.agents.openai_chat import ChatRequest
 
     def endpoint(**serving):
         cfg = MasterConfig.model_validate({"policy": {"model_name": "toy:tiny", "generation": {

@@ -39,7 +39,7 @@ class GenerationBackend:
     `grpo.system.generation.remote.RemoteGeneration`) subclasses it, so callers never probe for a method.
 
     ``gen_cfg``: the sampling config (`grpo.config.GenerationConfig`) `generate` reads; validation swaps in
-    validation's for a block (`grpo.validation.validation_sampling`). ``memory``: ``memory/<phase>_gb`` gauges for the
+    validation's for a block (`grpo.run.validation.validation_sampling`). ``memory``: ``memory/<phase>_gb`` gauges for the
     step's log (empty where the backend measures none). ``stats``: counters the async loop logs as
     ``async/<name>`` (generation ranks' weight loads, ...). ``broken``: why the backend can no longer generate
     (generation ranks gone), else None: no retry can help then. ``in_flight``: the async producer's mid-request

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from grpo.system.bridge import Bridge, BridgeError
-from grpo.system.dist import rank_slice
+from grpo.batch import rank_slice
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, length_caps, per_sample_stops
 
 # How long trainer 0 waits for the generation ranks to start their engines (at least; bridge_timeout_s if longer):
@@ -92,7 +92,7 @@ class RemoteGeneration(GenerationBackend):
         self.group = dist.new_group(backend="gloo") if layout.world_size > 1 else None
         self.version = -1  # the weight version the generation ranks hold (async loop)
         # Set on every trainer once the bridge has failed (a generation rank died or hangs): nothing can generate any
-        # more, so the async producer stops at once instead of retrying (grpo.producer).
+        # more, so the async producer stops at once instead of retrying (grpo.run.producer).
         self.broken: str | None = None
         self.memory: dict[str, float] = {}
         self.stats = {"weight_loads": 0, "in_flight_weight_updates": 0, "kv_cache_recomputes": 0,

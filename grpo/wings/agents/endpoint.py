@@ -1,0 +1,444 @@
+"""The run's OpenAI-compatible endpoint over the policy being trained (NeMo-RL's ``expose_http_server``).
+
+Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering and splice as chat), ``GET
+/v1/models``, ``GET /health``. Requests and answers and the prefix splice are `grpo.wings.agents.openai_chat`'s,
+the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds the generation backend.
+
+- **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
+  way; FastAPI gives pydantic request models and OpenAI's JSON for free, and uvicorn runs on a socket we bind in
+  ``policy.generation.port_range_low..high``). Binds ``policy.generation.http_server.host`` (loopback).
+- **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
+  random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
+  (`CallRecord`) for the agent environment to build that sample's trajectory from.
+- **Batching** (`grpo.wings.agents.endpoint_batching`): handlers put their prompts on a queue; one batcher thread
+  takes them while they keep coming (until none has come for ``http_server.batch_window_s`` while the server reads or
+  answers no other, or a full ``policy.generation_batch_size``) and generates them in one `GenerationBackend.generate` call, so concurrent
+  agents generate together. It generates only while the endpoint is open (`Endpoint.serving`: the
+  rollout opens it; weights change while it is closed, and requests wait); every answer carries the weight
+  version that produced it (``weight_version``). A request that finds no window within ``http_server.max_wait_s``
+  (the run is training or checkpointing) is answered 503 with ``Retry-After`` (the last pause's length), never left
+  hanging. While the rollout's own samples generate, `Endpoint.shared` makes them and the batches take turns.
+- **Limits**: ``http_server.max_concurrent_requests`` in flight once their bodies are read (429 beyond),
+  ``max_body_bytes`` (413, read no further), ``read_timeout_s`` for the body (408), wrong key (401), unknown model
+  (404), anything malformed, a token id that is not the model's, a prompt with no room left (400), all decided before
+  the request joins a batch; parsing and rendering run off the event loop, rendering within ``render_timeout_s``
+  (`grpo.wings.agents.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
+  the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
+- **Chat templates**: the run's (a request's own ``chat_template`` only with ``http_server.trust_request_chat_template``,
+  vLLM's rule); ``tools`` / ``tool_choice`` as vLLM validates them, "required" and named functions refused
+  (`openai_checks.check_tools` says why).
+
+Seeds: a sample's call k, choice i is seeded by hash(session seed key, k, i), so an agent that makes the same calls
+gets the same tokens; requests under the run's key use their ``seed`` (or a random one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from these globals
+from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+
+from grpo.wings.agents.endpoint_batching import Batching, _Pending, shutting_down
+from grpo.wings.agents.endpoint_limits import TemplateTimeout, read_body, template_deadline
+from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
+                                                cut_at_stop, error_body, extract_tool_calls, parse_message,
+                                                replace_prefix_tokens, required_prefix, template_messages)
+from grpo.wings.agents.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
+                                                  request_template)
+
+logger = logging.getLogger(__name__)
+
+# Threads that parse and render requests (`Endpoint._off_loop`), so the event loop only moves bytes; each rendering
+# is bounded in time.
+WORK_THREADS = 4
+
+
+@dataclass
+class CallRecord:
+    """One choice of one call, as generated: what a trajectory is built from."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+@dataclass
+class _Session:
+    seed_key: str
+    calls: int = 0
+    records: list[CallRecord] = field(default_factory=list)
+
+
+
+def seed_of(*parts) -> int:
+    """A 63-bit seed from its parts (sha256), as `grpo.system.rollout.sample_seed` keys its own."""
+    key = ":".join(str(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def find_port(host: str, low: int, high: int) -> socket.socket:
+    """A listening socket on the first free port of ``low..high`` (NeMo-RL's port_range_low/high)."""
+    for port in range(low, high + 1):
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            continue
+        sock.listen(2048)
+        return sock
+    raise RuntimeError(f"no free port in policy.generation.port_range_low..high = {low}..{high} on {host}")
+
+
+def load_template(spec: str | None) -> str | None:
+    """A chat template given as Jinja text or as a file path (NeMo-RL loads paths: vLLM's load_chat_template)."""
+    if spec is not None and "{" not in spec and os.path.isfile(spec):
+        with open(spec) as f:
+            return f.read()
+    return spec
+
+
+class Endpoint(Batching):
+    """The endpoint over ``backend`` (a `grpo.system.generation.base.GenerationBackend` with ``gen_cfg``).
+
+    ``cfg``: the run's `grpo.config.MasterConfig` (policy.generation, policy.tokenizer, max_total_sequence_length).
+    `start` serves it; `serving` opens it for generation; `close` stops it.
+    """
+
+    def __init__(self, cfg, backend, tokenizer, vocab_size: int = 0):
+        p, g = cfg.policy, cfg.policy.generation
+        self.cfg, self.backend, self.tokenizer = cfg, backend, tokenizer
+        self.settings = g.http_server
+        serving = g.vllm_cfg.http_server_serving_chat_kwargs
+        self.tool_parser = serving.tool_parser if serving else None
+        self.reasoning_parser = serving.reasoning_parser if serving else None
+        own = p.tokenizer.chat_template if p.tokenizer.chat_template not in (None, "default") else None
+        self.chat_template = load_template(serving.chat_template if serving and serving.chat_template else own)
+        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise RuntimeError("the endpoint needs a chat template: the tokenizer has none; set "
+                               "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.chat_template")
+        self.template_kwargs = {**(p.tokenizer.chat_template_kwargs or {}),
+                                **(serving.template_kwargs() if serving else {})}
+        self.vllm_parser = None  # vLLM's parsers of the names it registers, on the vLLM backend
+        if g.backend == "vllm" and (self.tool_parser or self.reasoning_parser):
+            from grpo.wings.agents.vllm_chat_parsers import vllm_chat_parser
+
+            self.vllm_parser = vllm_chat_parser(tokenizer, self.tool_parser, self.reasoning_parser)
+        self.model_name = self.settings.model_name or p.model_name
+        self.max_len = p.max_total_sequence_length
+        # The ids a request may carry: the tokenizer's and a padded embedding's extra rows (Qwen2.5: 151,936 rows for
+        # 151,665 tokens; the policy can sample those, and vLLM takes them too). A rendering over max_render_chars
+        # could not fit the context twice over.
+        self.vocab_size = max(len(tokenizer), vocab_size)  # vocab_size: the policy's embedding rows
+        self.max_render_chars = 2 * self.max_len * max(map(len, tokenizer.get_vocab()))
+        self._work_pool = concurrent.futures.ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="grpo-endpoint-work")
+        val = g.for_validation()
+        self.train_pair, self.val_pair = (g.temperature, g.top_p), (val.temperature, val.top_p)
+        self.gen_cfg = g
+        self.api_key = "sk-grpo-" + secrets.token_hex(16)
+        self.weight_version = 0
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Pending] = queue.Queue()
+        self._open = threading.Event()
+        self._windows, self._window_lock = 0, threading.Lock()  # open generation windows (`serving`)
+        self._generating = threading.Lock()
+        self._inflight = 0  # requests the server handles, from their headers on (the batcher's `_busy`)
+        self._admitted = 0  # of them, those whose body is read: what max_concurrent_requests bounds
+        self._closed_at: float | None = None  # when the last window closed
+        self._last_pause_s: float | None = None  # how long the last pause between two windows lasted
+        self._stop = threading.Event()
+        self._server = self._thread = self._batcher = None
+        self.base_url: str | None = None
+
+    # ---------------------------------------------------------------- life cycle
+    def start(self) -> str:
+        """Serve on the first free port of the range; returns the base URL (``http://host:port/v1``)."""
+        import uvicorn
+
+        g = self.cfg.policy.generation
+        sock = find_port(self.settings.host, g.port_range_low, g.port_range_high)
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="grpo-endpoint")
+        self._thread.start()
+        self._batcher = threading.Thread(target=self._batch_loop, daemon=True, name="grpo-endpoint-batcher")
+        self._batcher.start()
+        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
+        self.base_url = f"http://{host}:{port}/v1"
+        deadline = time.monotonic() + 30
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            raise RuntimeError(f"the endpoint did not start on {self.base_url}")
+        return self.base_url
+
+    def close(self) -> None:
+        """Stop: the batch in flight is answered, every later request gets 503 ``shutting_down``, and no batch
+        generates once this returns (`Batching.stop_batching`: the backend is closed after the endpoint); then the
+        server stops (after the batcher, so no handler is cancelled into a bare 500)."""
+        self.stop_batching()
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+        self._work_pool.shutdown(wait=False, cancel_futures=True)
+
+    def sampling(self, profile: str) -> dict[str, float]:
+        """The ``temperature`` / ``top_p`` a request sends for the run's ``"train"`` or ``"val"`` sampling."""
+        temperature, top_p = self.train_pair if profile == "train" else self.val_pair
+        return {"temperature": temperature, "top_p": top_p}
+
+    # ---------------------------------------------------------------- sessions
+    def open_session(self, seed_key: str) -> str:
+        """A new key whose calls are recorded (one per sample); ``seed_key`` seeds its calls."""
+        key = "sk-grpo-s-" + secrets.token_hex(16)
+        with self._lock:
+            self._sessions[key] = _Session(seed_key)
+        return key
+
+    def close_session(self, key: str) -> list[CallRecord]:
+        """Forget the key; returns its calls' records in the order they were answered."""
+        with self._lock:
+            return self._sessions.pop(key).records
+
+    def take_records(self, key: str) -> list[CallRecord]:
+        """The calls recorded under session ``key`` since the last take, in the order they were answered; the key
+        stays valid (a long-lived session: the NeMo-Gym servers', `grpo.wings.gym.rollout.GymLedger`)."""
+        with self._lock:
+            session = self._sessions[key]
+            records, session.records = session.records, []
+        return records
+
+    # ---------------------------------------------------------------- requests
+    def _authorize(self, header: str | None) -> _Session | None:
+        key = (header or "").removeprefix("Bearer ").strip()
+        if key == self.api_key:
+            return None
+        with self._lock:
+            session = self._sessions.get(key)
+        if session is None:
+            raise RequestError(401, "a valid API key is required (Authorization: Bearer <key>): the run's key or a "
+                                    "sample's", kind="authentication_error", code="invalid_api_key")
+        return session
+
+    def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool,
+               template: str | None = None) -> list[int]:
+        """The chat template's tokens for ``messages`` (vLLM's way: render to text, encode without adding special
+        tokens); ``template``: a request's own (trusted) template, else the run's. The template's code stops after
+        ``http_server.render_timeout_s``; a text too long for the context is refused before it is encoded."""
+        extra = {**self.template_kwargs, **(kwargs or {})}
+        if template is not None or self.chat_template is not None:
+            extra["chat_template"] = template if template is not None else self.chat_template
+        limit_s = self.settings.render_timeout_s
+        try:
+            with template_deadline(limit_s):
+                text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt, **extra)
+        except RequestError:
+            raise
+        except TemplateTimeout:
+            raise RequestError(400, f"rendering the chat template took over {limit_s:g} s "
+                                    "(policy.generation.http_server.render_timeout_s)", param="messages") from None
+        except Exception as err:
+            raise RequestError(400, f"the chat template cannot render these messages: {type(err).__name__}: {err}",
+                               param="messages") from None
+        if len(text) > self.max_render_chars:
+            raise RequestError(400, f"the rendered prompt has {len(text)} characters, more than "
+                                    f"policy.max_total_sequence_length={self.max_len} tokens can hold",
+                               param="messages", code="context_length_exceeded")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, req) -> list[int]:
+        """The request's prompt tokens: its token ids checked (`openai_checks.check_token_ids`), rendered, then
+        spliced onto the model's own earlier tokens when the history carries them
+        (`openai_chat.replace_prefix_tokens`). Blocking: the server calls it off the event loop (`_off_loop`)."""
+        check_token_ids(req, self.vocab_size)
+        template = request_template(req, self.settings.trust_request_chat_template)
+        kwargs = req.chat_template_kwargs
+        ids = self.render(req.messages, req.tools, kwargs, req.add_generation_prompt, template)
+        prefix = required_prefix(req)
+        if prefix is None:
+            return ids
+        last = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=len(req.messages) - 1)
+        template_prefix = self.render(req.messages[:last + 1], req.tools, kwargs, False, template)
+        return replace_prefix_tokens(self.tokenizer.eos_token_id, prefix, template_prefix, ids)
+
+    async def _off_loop(self, fn, *args):
+        """``fn(*args)`` on a work thread: the event loop goes on serving (/health, other requests' bodies) while a
+        request is parsed and rendered."""
+        return await asyncio.get_running_loop().run_in_executor(self._work_pool, fn, *args)
+
+    async def chat(self, req: ChatRequest, session: _Session | None) -> dict:
+        if req.model != self.model_name:
+            raise RequestError(404, f"model {req.model!r} does not exist: this endpoint serves {self.model_name!r}",
+                               param="model", code="model_not_found")
+        if req.stream:
+            raise RequestError(400, "stream=true is not supported by this endpoint", param="stream")
+        profile = check_sampling(req, self.train_pair, self.val_pair)
+        check_tools(req, self.tool_parser)
+        prompt = await self._off_loop(self.prompt_ids, req)
+        room = self.max_len - len(prompt)
+        if room <= 0:
+            raise RequestError(400, f"the prompt has {len(prompt)} tokens, leaving no room under "
+                                    f"policy.max_total_sequence_length={self.max_len}", param="messages",
+                               code="context_length_exceeded")
+        max_new = min(req.wanted_tokens() or self.gen_cfg.max_new_tokens, room)
+        if session is not None:
+            with self._lock:
+                call, session.calls = session.calls, session.calls + 1
+            seeds = [seed_of(session.seed_key, call, i) for i in range(req.n)]
+        else:
+            base = req.seed if req.seed is not None else secrets.randbits(62)
+            seeds = [seed_of("request", base, i) for i in range(req.n)]
+        stops = list(req.stop or [])
+        futures = []
+        for s in seeds:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._queue.put(_Pending(prompt, s, max_new, stops, profile, fut,
+                                     time.monotonic() + self.settings.max_wait_s))
+            futures.append(fut)
+        if self._stop.is_set():  # the batcher may have ended before these were queued: nothing else answers them
+            self._shut(self._drain())
+        results = [await asyncio.wrap_future(f) for f in futures]
+        choices = []
+        for i, (out, version) in enumerate(results):
+            logprobs = [max(float(x), LOGPROB_FLOOR) for x in out.logprobs]
+            if session is not None:
+                with self._lock:
+                    session.records.append(CallRecord(list(prompt), list(out.completion_ids), logprobs,
+                                                      out.finish_reason, version))
+            choices.append(self._choice(i, req, out, logprobs, stops))
+        n_gen = sum(len(out.completion_ids) for out, _ in results)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_gen,
+                          "total_tokens": len(prompt) + n_gen},
+                "weight_version": results[0][1]}
+
+    def _choice(self, index: int, req: ChatRequest, out, logprobs: list[float], stops: list[str]) -> dict:
+        text = cut_at_stop(self.tokenizer.decode(out.completion_ids, skip_special_tokens=True), stops)
+        reasoning, content, calls = self.parse(text, list(out.completion_ids), req)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if self.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
+        choice = {"index": index, "message": message, "logprobs": None,
+                  "finish_reason": "tool_calls" if calls else out.finish_reason}
+        if req.logprobs:
+            message.update(prompt_token_ids=list(out.prompt_ids), generation_token_ids=list(out.completion_ids),
+                           generation_log_probs=logprobs)
+            choice["logprobs"] = {"content": [self._token_logprob(t, lp, req.top_logprobs)
+                                              for t, lp in zip(out.completion_ids, logprobs)]}
+        return choice
+
+    def parse(self, text: str, token_ids: list[int], req: ChatRequest) -> tuple[str | None, str | None, list[dict]]:
+        """``(reasoning_content, content, tool_calls)`` of a generated text: vLLM's parsers on the vLLM backend
+        (`grpo.wings.agents.vllm_chat_parsers`, the names vLLM registers), else grpo-ds's
+        (`grpo.wings.agents.openai_chat`: the hf backend, and ``compact`` on both)."""
+        kwargs = {**self.template_kwargs, **(req.chat_template_kwargs or {})}
+        tools = None if req.tool_choice == "none" else req.tools
+        if self.vllm_parser is None:
+            return parse_message(text, self.tool_parser, self.reasoning_parser, tools, kwargs)
+        reasoning, content, calls = self.vllm_parser.parse(text, token_ids, tools, req.tool_choice, kwargs)
+        if self.vllm_parser.tool_parser is None and self.tool_parser is not None and content is not None:
+            content, calls = extract_tool_calls(content, self.tool_parser, tools)  # compact: grpo-ds's own
+        return reasoning, content, calls
+
+    def _token_logprob(self, token_id: int, logprob: float, top: int | None) -> dict:
+        """OpenAI's per-token entry. The backends return the sampled token's logprob only: ``top_logprobs`` holds
+        that token (when top_logprobs >= 1), not the alternatives."""
+        text = self.tokenizer.decode([token_id])
+        entry = {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        entry["top_logprobs"] = [dict(entry)] if top else []
+        return entry
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        """``POST /tokenize``'s answer (blocking: the server calls it off the event loop)."""
+        if req.messages is not None:
+            ids = self.prompt_ids(req)
+        elif req.prompt is not None:
+            ids = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        else:
+            raise RequestError(400, "expected messages or prompt", param="messages")
+        return {"count": len(ids), "max_model_len": self.max_len, "tokens": ids, "token_strs": None}
+
+    # ---------------------------------------------------------------- the app
+    def app(self):
+        app = FastAPI(title="grpo-ds endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+        def refuse(err: RequestError) -> JSONResponse:
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+        async def guarded(request: Request, model_cls, handle):
+            settings, admitted = self.settings, False
+            self._inflight += 1
+            try:
+                session = self._authorize(request.headers.get("authorization"))
+                body = await read_body(request, settings.max_body_bytes, settings.read_timeout_s)
+                if self._admitted >= settings.max_concurrent_requests:
+                    raise RequestError(429, f"more than {settings.max_concurrent_requests} requests in flight "
+                                            "(policy.generation.http_server.max_concurrent_requests)",
+                                       kind="rate_limit_error", code="rate_limit_exceeded")
+                self._admitted, admitted = self._admitted + 1, True
+                return JSONResponse(await handle(await self._off_loop(parse_request, model_cls, body), session))
+            except RequestError as err:
+                return refuse(err)
+            except ClientDisconnect:  # nobody to answer
+                logger.warning("endpoint: a client of %s disconnected before its request body was complete",
+                               request.url.path)
+                return refuse(RequestError(400, "the client disconnected"))
+            except asyncio.CancelledError:  # the server stops (`close`) and cancels what is still being read
+                if not self._stop.is_set():
+                    raise
+                return refuse(shutting_down())
+            except Exception as err:  # a bug or a backend failure: this request fails, the run goes on
+                logger.warning("endpoint: %s failed", request.url.path, exc_info=True)
+                return JSONResponse(error_body(f"{type(err).__name__}: {err}", "server_error"), status_code=500)
+            finally:
+                self._inflight -= 1
+                self._admitted -= admitted
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await guarded(request, ChatRequest, self.chat)
+
+        async def tokenize_handler(req, session):
+            return await self._off_loop(self.tokenize, req)
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            return await guarded(request, TokenizeRequest, tokenize_handler)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            try:
+                self._authorize(request.headers.get("authorization"))
+            except RequestError as err:
+                return refuse(err)
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "grpo-ds", "max_model_len": self.max_len}]}
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "weight_version": self.weight_version}
+
+        return app
