@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from grpo.system import vision
 from grpo.tasks import vlm
 
 
@@ -68,18 +69,39 @@ def _png(tmp_path, name, size=(32, 24)):
 
 def test_dataset_rows_become_nemo_rl_messages(tmp_path):
     img = _png(tmp_path, "a.png")
-    row = vlm.format_record("clevr-cogent", {"image": img, "problem": "How many?", "solution": "<answer> 3 </answer>"},
-                            "Q: {}")
+    row = vision.format_record("clevr-cogent", {"image": img, "problem": "How many?",
+                                                 "solution": "<answer> 3 </answer>"}, "Q: {}".format)
     assert row == {"messages": [{"role": "user", "content": [{"type": "image", "image": img},
                                                             {"type": "text", "text": "Q: How many?"}]}],
                    "ground_truth": "3"}
-    geo = vlm.format_record("geometry3k", {"images": [img], "problem": "<image>Find x.", "answer": "7"}, None)
+    geo = vision.format_record("geometry3k", {"images": [img], "problem": "<image>Find x.", "answer": "7"})
     assert geo["messages"][0]["content"][1]["text"] == "Find x." and geo["ground_truth"] == "7"
-    ref = vlm.format_record("refcoco", {"image_path": img, "captions": ["red", "the red one"], "bbox": [8, 6, 16, 12],
-                                        "split": "val"}, None)
+    ref = vision.format_record("refcoco", {"image_path": img, "captions": ["red", "the red one"], "bbox": [8, 6, 16, 12],
+                                           "split": "val"})
     # box scaled to 0..1000 of a 32x24 picture; a val split takes the longest caption
     assert ref["ground_truth"] == "[250, 250, 500, 500]"
     assert ref["messages"][0]["content"][1]["text"].endswith("phrase: the red one")
     assert ref["messages"][0]["content"][0]["image"].startswith("data:image/png;base64,")
     with pytest.raises(ValueError, match=r"row_format=clevr-cogent: missing \['solution'\]"):
-        vlm.format_record("clevr-cogent", {"image": img, "problem": "p"}, None)
+        vision.format_record("clevr-cogent", {"image": img, "problem": "p"})
+
+
+def test_row_format_reads_a_local_file_of_clevr_columns(tmp_path):
+    """data.row_format=clevr-cogent: a .jsonl of CLEVR's columns loads as image rows, the prompt file filled into
+    the problem; a row missing a column is named (and skipped with on_bad_row=skip)."""
+    import json
+
+    from grpo.config import DataConfig
+    from grpo.system.data import load_rows
+
+    img = _png(tmp_path, "a.png")
+    (tmp_path / "prompt.txt").write_text("Think. {}")
+    lines = [{"image": img, "problem": "How many cubes?", "solution": "<answer>2</answer>"}, {"image": img}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    cfg = DataConfig(train_data_path=str(tmp_path / "train.jsonl"), row_format="clevr-cogent",
+                     prompt_file=str(tmp_path / "prompt.txt"), on_bad_row="skip")
+    rows = load_rows(cfg, "train", seed=0)
+    assert len(rows) == 1 and rows.report.num_skipped == 1 and "missing ['problem', 'solution']" in rows.report.skipped[0]
+    assert rows[0]["answer"] == "2"
+    assert rows[0]["question"] == [{"role": "user", "content": [{"type": "image", "image": img},
+                                                                {"type": "text", "text": "Think. How many cubes?"}]}]
