@@ -337,6 +337,11 @@ class EnvSpec(_Section):
         if (self.name == "reward_model") != (self.reward_model is not None):
             raise ValueError(f"env.reward_model={self.reward_model!r} with env.name={self.name!r}: env.name="
                              "'reward_model' needs an env.reward_model section (model_name, ...), and only it takes one")
+        if self.name == "vlm":  # NeMo-RL's VLMEnvironment: its reward functions checked before any model loads
+            from grpo.tasks.vlm import kwargs_problem
+
+            if (problem := kwargs_problem(self.kwargs)) is not None:
+                raise ValueError(problem)
         if self.name == "class" and (not self.env_class or ":" not in self.env_class):
             raise ValueError(f"env.env_class={self.env_class!r}: expected 'package.module:ClassName' when "
                              "env.name='class'")

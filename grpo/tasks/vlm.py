@@ -150,15 +150,28 @@ def reward_problem(spec: Any, where: str) -> str | None:
     return None
 
 
+def kwargs_problem(kwargs: dict, where: str = "env.kwargs") -> str | None:
+    """What is wrong with env.name=vlm's ``env.kwargs`` (None: ``{"reward_functions": [...]}`` of valid entries
+    whose weights sum above 0)."""
+    if set(kwargs) != {"reward_functions"}:
+        return f"{where}={kwargs!r}: env.name='vlm' takes env.kwargs.reward_functions (a list of {{name, weight, kwargs}})"
+    specs = kwargs["reward_functions"]
+    if not isinstance(specs, list) or not specs:
+        return f"{where}.reward_functions={specs!r}: expected a non-empty list of {{name, weight, kwargs}}"
+    problems = [p for i, s in enumerate(specs) if (p := reward_problem(s, f"{where}.reward_functions.{i}"))]
+    if problems:
+        return "; ".join(problems)
+    if sum(float(s["weight"]) for s in specs) <= 0:
+        return f"{where}.reward_functions: the weights sum to 0"
+    return None
+
+
 def combine(reward_functions: list[dict]) -> Callable[[str, str], tuple[float, bool]]:
     """NeMo-RL's ``combine_reward_functions``: the weights renormalised to sum to 1, the reward their weighted
     sum; correct when every function that judges correctness (not None) says so."""
-    problems = [p for i, s in enumerate(reward_functions) if (p := reward_problem(s, f"reward_functions.{i}"))]
-    if problems or not reward_functions:
-        raise ValueError("; ".join(problems) or "env.kwargs.reward_functions: no reward functions")
+    if (problem := kwargs_problem({"reward_functions": reward_functions}, "env.kwargs")) is not None:
+        raise ValueError(problem)
     total = sum(float(s["weight"]) for s in reward_functions)
-    if total <= 0:
-        raise ValueError("env.kwargs.reward_functions: the weights sum to 0")
     parts = [(partial(REWARD_FUNCTIONS[s["name"]], **(s.get("kwargs") or {})), float(s["weight"]) / total)
              for s in reward_functions]
 

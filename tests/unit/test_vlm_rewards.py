@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from grpo.system import vision
@@ -57,6 +59,25 @@ def test_combined_weights_renormalise_and_bad_specs_are_named():
         vlm.combine([{"name": "bleu", "weight": 1}])
     with pytest.raises(ValueError, match="giou_thres.*not arguments of bbox_giou"):
         vlm.combine([{"name": "bbox_giou", "weight": 1, "kwargs": {"giou_thres": 0.5}}])
+    with pytest.raises(ValueError, match="weights sum to 0"):
+        vlm.combine([{"name": "format", "weight": 0}])
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({}, "env.kwargs={}: env.name='vlm' takes env.kwargs.reward_functions"),
+    ({"reward_functions": [{"name": "format", "weight": -1}]}, "env.kwargs.reward_functions.0.weight=-1"),
+    ({"reward_functions": [{"name": "format", "weight": 1, "wieght": 2}]}, "unknown keys ['wieght']"),
+])
+def test_env_vlm_kwargs_are_checked_at_load(kwargs, named):
+    from pydantic import ValidationError
+
+    from grpo.config import MasterConfig
+
+    with pytest.raises(ValidationError, match=re.escape(named)):
+        MasterConfig.model_validate({"env": {"name": "vlm", "kwargs": kwargs}})
+    env = MasterConfig.model_validate({"env": {"name": "vlm", "kwargs": {"reward_functions": [
+        {"name": "format", "weight": 1}]}}}).env
+    assert env.name == "vlm"
 
 
 def _png(tmp_path, name, size=(32, 24)):
