@@ -15,7 +15,7 @@ Rewards (``env.name=vlm``, ``env.kwargs.reward_functions``: ``[{name, weight, kw
 from __future__ import annotations
 
 import re
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable
 
 
@@ -81,13 +81,19 @@ def bbox_giou_reward(ground_truth: str, response: str, giou_penalty_thres: float
     return reward, reward > 0.5
 
 
-def _math_equal(gold: str, answer: str) -> float:
-    """math-verify's score of ``answer`` against ``gold``, both read as ``\\boxed{...}`` (0 on any failure)."""
+@lru_cache(maxsize=1)
+def _math_metric():
+    """NeMo-RL's math-verify metric: the gold read as LaTeX, the answer as an expression or LaTeX."""
     from math_verify.metric import math_metric
     from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 
-    verify = math_metric(gold_extraction_target=(LatexExtractionConfig(),),
-                         pred_extraction_target=(ExprExtractionConfig(), LatexExtractionConfig()))
+    return math_metric(gold_extraction_target=(LatexExtractionConfig(),),
+                       pred_extraction_target=(ExprExtractionConfig(), LatexExtractionConfig()))
+
+
+def _math_equal(gold: str, answer: str) -> float:
+    """math-verify's score of ``answer`` against ``gold``, both read as ``\\boxed{...}`` (0 on any failure)."""
+    verify = _math_metric()
     boxed = lambda x: x if x.startswith("\\boxed{") else "\\boxed{" + x + "}"  # noqa: E731
     try:
         score, _ = verify([boxed(gold)], [boxed(answer)])
