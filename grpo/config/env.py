@@ -245,7 +245,8 @@ class EnvSpec(_Section):
         "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
         "multi-turn: guess_number; class: env_class; agent: env.agent, a program driving the policy over HTTP; "
         "reward_model: env.reward_model, a sequence classifier's score; judge: env.judge, an LLM judge over HTTP; "
-        "combined: env.rewards, several rewards per sample."))
+        "combined: env.rewards, several rewards per sample; vlm: NeMo-RL's VLM rewards, env.kwargs.reward_functions "
+        "(format, exact_alnum, math_expr, bbox_giou, geo3k: [{name, weight, kwargs}])."))
     reward_fn: Optional[str] = Field(None, description=(
         "package.module:function with signature fn(question, completion, answer, meta) -> float | dict."))
     env_class: Optional[str] = Field(
