@@ -67,6 +67,11 @@ class DataConfig(_Section):
     split_validation_seed: Optional[int] = Field(None, description="Seed of that split (null: grpo.seed).")
     val_repeat: int = Field(1, gt=0, description="Each validation row appears this many times (NeMo-RL's repeat).")
     shuffle: bool = Field(True, description="Shuffle the training prompts (seeded; resumes exactly).")
+    row_format: Optional[Literal["clevr-cogent", "geometry3k", "refcoco"]] = Field(None, description=(
+        "Rows in the columns of this NeMo-RL image dataset (clevr-cogent: image, problem, solution; geometry3k: "
+        "images, problem, answer; refcoco: image_path, captions, bbox), read as NeMo-RL's vlm_hf_data_processor "
+        "formats them: an image and the prompt-filled problem (input_key and output_key unused); null: "
+        "input_key / output_key."))
     on_bad_row: Literal["error", "skip"] = Field("error", description=(
         "error: a malformed row stops the run naming file and row; skip: it is skipped and counted."))
     num_train_samples: int = Field(

@@ -245,7 +245,8 @@ class EnvSpec(_Section):
         "Single-turn reward functions: math (math-verify), reasoning_gym, arithmetic, function (reward_fn); "
         "multi-turn: guess_number; class: env_class; agent: env.agent, a program driving the policy over HTTP; "
         "reward_model: env.reward_model, a sequence classifier's score; judge: env.judge, an LLM judge over HTTP; "
-        "combined: env.rewards, several rewards per sample."))
+        "combined: env.rewards, several rewards per sample; vlm: NeMo-RL's VLM rewards, env.kwargs.reward_functions "
+        "(format, exact_alnum, math_expr, bbox_giou, geo3k: [{name, weight, kwargs}])."))
     reward_fn: Optional[str] = Field(None, description=(
         "package.module:function with signature fn(question, completion, answer, meta) -> float | dict."))
     env_class: Optional[str] = Field(
@@ -337,6 +338,11 @@ class EnvSpec(_Section):
         if (self.name == "reward_model") != (self.reward_model is not None):
             raise ValueError(f"env.reward_model={self.reward_model!r} with env.name={self.name!r}: env.name="
                              "'reward_model' needs an env.reward_model section (model_name, ...), and only it takes one")
+        if self.name == "vlm":  # NeMo-RL's VLMEnvironment: its reward functions checked before any model loads
+            from grpo.tasks.vlm import kwargs_problem
+
+            if (problem := kwargs_problem(self.kwargs)) is not None:
+                raise ValueError(problem)
         if self.name == "class" and (not self.env_class or ":" not in self.env_class):
             raise ValueError(f"env.env_class={self.env_class!r}: expected 'package.module:ClassName' when "
                              "env.name='class'")

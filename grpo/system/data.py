@@ -42,7 +42,9 @@ from grpo.config import DataConfig
 from grpo.tasks.catalogue import dataset_task, load
 from grpo.tasks.nemo_gym import GYM_INPUT_KEY, check_gym_record, gym_record_to_row
 from grpo.tasks.rows import ROW_KEYS, DataError, PromptRow, Row
-from grpo.system.vision import content_problem, content_text, has_images, render_prompt
+from grpo.system.vision import (
+    ANSWER_KEY, PROMPT_KEY, content_problem, content_text, format_record, has_images, render_prompt,
+)
 
 logger = logging.getLogger(__name__)
 FILE_EXTENSIONS = (".jsonl", ".json", ".parquet", ".arrow")
@@ -228,12 +230,19 @@ def _rows_from_records(records, where: str, cfg: DataConfig, report: LoadReport,
     """Check each (n, record); a bad one raises `DataError` or is skipped and counted (``on_bad_row``)."""
     rows = []
     gym = cfg.input_key == GYM_INPUT_KEY  # NeMo-Gym rows (env.should_use_nemo_gym): NemoGymDataset's, kept whole
-    check = (lambda r: check_gym_record(r)) if gym else (lambda r: check_record(r, cfg.input_key, cfg.output_key))
+    keys = (PROMPT_KEY, ANSWER_KEY) if cfg.row_format else (cfg.input_key, cfg.output_key)
+    check = (lambda r: check_gym_record(r)) if gym else (lambda r: check_record(r, *keys))
+    fill = _row_format_fill(cfg)
     for n, record in records:
+        if cfg.row_format and not isinstance(record, _BadJson):  # NeMo-RL's image dataset columns (data.row_format)
+            try:
+                record = format_record(cfg.row_format, record, fill, n, f"{where}:{n}")
+            except (ValueError, TypeError, KeyError, DataError) as err:
+                record = _BadJson(str(err))
         problem = record.problem if isinstance(record, _BadJson) else check(record)
         if problem is None:
             rows.append(gym_record_to_row(record, f"{where}:{n}") if gym else
-                        record_to_row(record, cfg.input_key, cfg.output_key, f"{where}:{n}"))
+                        record_to_row(record, *keys, f"{where}:{n}"))
             continue
         message = f"{where} {'line' if line_numbers else 'row'} {n}: {problem}"
         if cfg.on_bad_row == "error":
@@ -242,6 +251,15 @@ def _rows_from_records(records, where: str, cfg: DataConfig, report: LoadReport,
         if len(report.skipped) < LoadReport.MAX_MESSAGES:
             report.skipped.append(message)
     return rows
+
+
+def _row_format_fill(cfg: DataConfig):
+    """The prompt template applied to a ``data.row_format`` row's problem (NeMo-RL's vlm_hf_data_processor fills each
+    text part), None without a template."""
+    if not cfg.row_format or (cfg.prompt_template is None and cfg.prompt_file is None):
+        return None
+    template = cfg.prompt_template if cfg.prompt_template is not None else _read_text(cfg.prompt_file, "prompt_file")
+    return lambda text: fill_template(template, text)
 
 
 def read_file_rows(path: Path, cfg: DataConfig, report: LoadReport) -> list[Row]:

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import base64
 import io
+import random
+import re
+from typing import Any
 
 import torch
 
@@ -241,6 +244,77 @@ def load_processor(policy_cfg, model_config):
 
     name = policy_cfg.tokenizer.name or policy_cfg.model_name
     return AutoProcessor.from_pretrained(name, trust_remote_code=policy_cfg.trust_remote_code)
+
+
+# NeMo-RL's image datasets whose columns `format_record` reads (data.row_format), the keys of its records.
+ROW_FORMATS = ("clevr-cogent", "geometry3k", "refcoco")
+PROMPT_KEY, ANSWER_KEY = "messages", "ground_truth"
+REFCOCO_SIZE = (256, 256)  # NeMo-RL resizes RefCOCO's pictures to this for batching
+
+
+# --------------------------------------------------------------------------------------------------
+# NeMo-RL's image datasets (nemo_rl/data/datasets/response_datasets/{clevr,geometry3k,refcoco}.py) as rows
+# --------------------------------------------------------------------------------------------------
+def png_data_url(img) -> str:
+    """A PIL image as a ``data:image/png;base64,...`` URL (NeMo-RL's ``pil_to_base64``)."""
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _answer_from_tags(solution: str) -> str:
+    """CLEVR's solution ``"<answer> 3 </answer>"`` -> ``"3"`` (the whole text, stripped, without tags)."""
+    match = re.search(r"<answer>(.*?)</answer>", solution)
+    return (match.group(1) if match else solution).strip()
+
+
+def _need(record: dict, keys: tuple[str, ...], fmt: str) -> None:
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise ValueError(f"data.row_format={fmt}: missing {missing} (keys: {sorted(record)})")
+
+
+def _refcoco(record: dict, index: int, where: str) -> tuple[Any, str, str]:
+    """RefCOCO's (image, phrase, box): the picture resized to `REFCOCO_SIZE`, a caption (a random one seeded by
+    the row's index for training, the longest for a ``val`` split, as NeMo-RL), the box scaled to 0..1000."""
+    image = load_image(record["image_path"], where)
+    width, height = image.size
+    captions = record["captions"]
+    if not isinstance(captions, list) or not captions:
+        raise ValueError("data.row_format=refcoco: captions must be a non-empty list of strings")
+    caption = (max(captions, key=len) if "val" in str(record.get("split", ""))
+               else random.Random(index).choice(captions))
+    x1, y1, x2, y2 = (float(v) for v in record["bbox"])
+    box = [int(round(v)) for v in (x1 / width * 1000, y1 / height * 1000, x2 / width * 1000, y2 / height * 1000)]
+    text = f"Please provide the bounding box coordinate of the region described by the following phrase: {caption}"
+    return png_data_url(image.resize(REFCOCO_SIZE)), text, f"[{box[0]}, {box[1]}, {box[2]}, {box[3]}]"
+
+
+def format_record(fmt: str, record: dict, fill=None, index: int = 0, where: str = "") -> dict:
+    """A record in the columns of NeMo-RL's dataset ``fmt`` -> ``{"messages": [user message], "ground_truth"}``:
+    the user message an image part then a text part, the text put through ``fill`` (the prompt file's template)
+    as ``vlm_hf_data_processor`` does. Columns: clevr-cogent ``image, problem, solution``
+    (the answer inside ``<answer>`` tags); geometry3k ``images`` (the first) or ``image, problem, answer``
+    (``<image>`` dropped from the problem); refcoco ``image_path, captions, bbox`` (`_refcoco`). A missing column
+    or a bad value raises ValueError."""
+    if fmt == "clevr-cogent":
+        _need(record, ("image", "problem", "solution"), fmt)
+        image, text, truth = record["image"], str(record["problem"]), _answer_from_tags(str(record["solution"]))
+    elif fmt == "geometry3k":
+        _need(record, ("problem", "answer"), fmt)
+        images = record.get("images")
+        image = images[0] if isinstance(images, list) and images else record.get("image")
+        if image is None:
+            raise ValueError("data.row_format=geometry3k: no image (an images list or an image column)")
+        text, truth = str(record["problem"]).replace("<image>", ""), str(record["answer"])
+    elif fmt == "refcoco":
+        _need(record, ("image_path", "captions", "bbox"), fmt)
+        image, text, truth = _refcoco(record, index, where)
+    else:
+        raise ValueError(f"data.row_format={fmt!r}: expected one of {list(ROW_FORMATS)}")
+    text = fill(text) if fill is not None else text
+    user = {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
+    return {PROMPT_KEY: [user], ANSWER_KEY: truth}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ the worker processes that run it. A new built-in task is a module and one entry 
     >>> sorted(name for name, task in TASKS.items() if task.rows)
     ['arithmetic', 'calculator', 'guess_number', 'reasoning_gym', 'sliding_puzzle', 'visual']
     >>> ENV_NAMES
-    ('math', 'math_multi_reward', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'visual', 'function', 'tools', 'class', 'agent', 'reward_model', 'judge', 'combined', 'nemo_gym')
+    ('math', 'math_multi_reward', 'reasoning_gym', 'arithmetic', 'guess_number', 'sliding_puzzle', 'visual', 'vlm', 'function', 'tools', 'class', 'agent', 'reward_model', 'judge', 'combined', 'nemo_gym')
     >>> dataset_task("reasoning_gym:basic_arithmetic") is TASKS["reasoning_gym"], dataset_task("gsm8k.jsonl")
     (True, None)
 """
@@ -59,6 +59,8 @@ TASKS: dict[str, Task] = {
     # Pictures and one-word questions for a vision-language policy: data.dataset_name=visual:images (or visual:blank).
     "visual": Task(rows="grpo.tasks.visual:rows", dataset_prefix=True, reward_fn="grpo.tasks.visual:visual_reward",
                    reward_in_workers=False, toy_model=("visual_demo", "grpo.tasks.visual:make_visual_demo_model")),
+    # NeMo-RL's VLM environment: env.kwargs.reward_functions (format, exact_alnum, math_expr, bbox_giou, geo3k).
+    "vlm": Task(environment="grpo.tasks.vlm:vlm_environment"),
 }
 
 # env.name: the built-in tasks that have an environment, then the environments a config spells out:

@@ -623,6 +623,18 @@ DATASETS = {
     "gsm8k": ("openai/gsm8k", "train", "question", "answer", "main"),
     "GSM8K": ("openai/gsm8k", "train", "question", "answer", "main"),
 }
+# NeMo-RL's image datasets (run_vlm_grpo.py; response_datasets/{clevr,geometry3k,refcoco}.py): its split -> (hub
+# name, hub split); grpo-ds reads their columns with data.row_format, from data_path (a local file: grpo-ds's addition,
+# NeMo-RL always loads the hub) or else the hub. RefCOCO's loader downloads COCO's images and an annotation archive:
+# only a local file of its rows here.
+VLM_DATASETS = {
+    "clevr-cogent": {"train": ("MMInstruction/Clevr_CoGenT_TrainA_70K_Complex", "train"),
+                     "valA": ("MMInstruction/Clevr_CoGenT_ValA", "train"),
+                     "valB": ("MMInstruction/Clevr_CoGenT_ValB", "train")},
+    "geometry3k": {s: ("hiyouga/geometry3k", s) for s in ("train", "validation", "test")},
+    "refcoco": {},
+}
+VLM_PROCESSOR = "vlm_hf_data_processor"
 # Which datasets take which keys (NeMo-RL passes every key to the class, which ignores those it has no use for).
 SPLITTABLE = {"OpenMathInstruct-2", "ResponseDataset"}
 SPEC_KEYS = {"dataset_name", "data_path", "input_key", "output_key", "split", "subset", "split_validation_size",
@@ -631,7 +643,6 @@ ENV_REFUSED = {
     "nemo_gym": "NeMo-Gym environments (agent servers over HTTP); grpo-ds runs its own environments in process",
     "code": "the code-execution environment; grpo-ds's tool sandbox is not that environment",
     "code_jaccard": "the code Jaccard-similarity reward; grpo-ds has none",
-    "vlm": "vision-language rewards; grpo-ds trains text models",
 }
 
 
@@ -676,6 +687,9 @@ def _source(w: Walk, key: str, spec: dict, default: dict) -> dict | None:
                 w.refuse(f"{key}.extract_answer", "the gold answer as the whole solution; grpo-ds's math "
                          "environment scores against the text after ####")
         src.update(path=hub, split=split, subset=subset, input_key=ikey, output_key=okey)
+    elif name in VLM_DATASETS:
+        if not _vlm_source(w, key, full, src):
+            return None
     elif isinstance(name, str) and _builtin_task(name):
         src.update(path=name, split=None, subset=None, input_key="input", output_key="output", builtin=True)
     else:
@@ -693,11 +707,36 @@ def _source(w: Walk, key: str, spec: dict, default: dict) -> dict | None:
     src["prompt_file"] = full.get("prompt_file")
     src["system_prompt_file"] = full.get("system_prompt_file")
     processor = full.get("processor", "math_hf_data_processor")
-    if processor not in ("math_hf_data_processor", "default", "math_data_processor"):
+    if name in VLM_DATASETS and processor != VLM_PROCESSOR:
+        w.refuse(f"{key}.processor", f"NeMo-RL formats {name}'s rows with {VLM_PROCESSOR} (its image and problem), "
+                 "which grpo-ds reads them as (data.row_format)", value=processor)
+    elif name not in VLM_DATASETS and processor not in ("math_hf_data_processor", "default", "math_data_processor"):
         w.refuse(f"{key}.processor", "a NeMo-RL data processor grpo-ds does not have (grpo-ds formats prompts as "
                  "math_hf_data_processor does: prompt file, system prompt, chat template)")
     src["env_name"] = full.get("env_name")
     return src
+
+
+def _vlm_source(w: Walk, key: str, full: dict, src: dict) -> bool:
+    """One of NeMo-RL's image datasets (`VLM_DATASETS`) into ``src``: its rows' columns (row_format) from
+    ``data_path`` when given (a local file), else from the hub name of its split. False (refused) for a split NeMo-RL
+    does not have, or RefCOCO without data_path."""
+    name, split = full["dataset_name"], full.get("split") or "train"
+    splits = VLM_DATASETS[name]
+    if full.get("data_path"):
+        path, hub_split = str(full["data_path"]), None
+    elif not splits:
+        w.refuse(f"{key}.dataset_name", f"NeMo-RL's {name} downloads COCO's images and its annotation archive; "
+                 f"grpo-ds reads {name}'s rows (image_path, captions, bbox, split) from a local file: set "
+                 f"{key}.data_path", value=name)
+        return False
+    elif split not in splits:
+        w.refuse(f"{key}.split", f"{name} has the splits {sorted(splits)} (NeMo-RL raises on another)", value=split)
+        return False
+    else:
+        path, hub_split = splits[split]
+    src.update(path=path, split=hub_split, subset=None, input_key="input", output_key="output", row_format=name)
+    return True
 
 
 def _builtin_task(name: str) -> bool:
@@ -811,6 +850,8 @@ def _single_form_problems(trains: list[dict], vals: list[dict]) -> list[str]:
         problems.append("a built-in task other than the training one")
     if any(val[k] != train[k] for k in ("prompt_file", "system_prompt_file")):
         problems.append("another prompt file")
+    if val.get("row_format") != train.get("row_format"):
+        problems.append("another dataset's columns")
     return problems
 
 
@@ -830,6 +871,8 @@ def _single_source(w: Walk, train: dict, val: dict | None) -> None:
     if train["subset"]:
         d["dataset_config"] = train["subset"]
     d["input_key"], d["output_key"] = train["input_key"], train["output_key"]
+    if train.get("row_format"):
+        d["row_format"] = train["row_format"]
     if train["split_validation_size"] > 0:  # with a validation dataset too: the held-out rows join it (NeMo-RL)
         d["split_validation_size"] = float(train["split_validation_size"])
         if train["seed"] is not None:
@@ -876,6 +919,11 @@ def _several_sources(w: Walk, trains: list[dict], vals: list[dict], problems: li
             src["repeat"] = s["repeat"]
         return src
 
+    if any(s.get("row_format") for s in trains + vals):
+        w.refuse("data.train", f"several datasets ({'; '.join(problems)}) among NeMo-RL's image datasets: grpo-ds "
+                 "reads their columns (data.row_format) for a single source; write the run as a native config",
+                 value=[s["name"] for s in trains + vals])
+        return
     train_sources = [source(s, "data.train", i) for i, s in enumerate(trains)]
     val_sources = [source(s, "data.validation", i) for i, s in enumerate(vals)]
     w.set("data.train_sources", train_sources)
@@ -962,6 +1010,9 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
         w.take("env")
         return
     section = env.get(env_name) or {}
+    if train.get("row_format") or env_name == "vlm":  # run_vlm_grpo.py: every env section is a VLMEnvironment
+        _vlm_env(w, env_name, section, env)
+        return
     if env_name == "reward_model":
         _reward_model(w)
         for name in env:
@@ -1004,6 +1055,33 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
                      if env_name == "math_multi_reward" else "")))
     for name in env:
         if f"env.{name}" not in " ".join(w.errors):
+            w.ignore(f"env.{name}", f"not the data's env_name ({env_name}): unused, as in NeMo-RL")
+    w.take("env")
+
+
+def _vlm_env(w: Walk, env_name: str, section, env: dict) -> None:
+    """``env.<env_name>`` of a VLM recipe (NeMo-RL's VLMEnvironment) -> env.name=vlm with its reward_functions
+    (`grpo.tasks.vlm`: the same functions, weights renormalised)."""
+    from grpo.tasks.vlm import reward_problem
+
+    k = f"env.{env_name}"
+    specs = section.get("reward_functions") if isinstance(section, dict) else None
+    if not isinstance(specs, list) or not specs:
+        w.refuse(f"{k}.reward_functions", "NeMo-RL's VLMEnvironment needs a list of {name, weight, kwargs}")
+    else:
+        for i, spec in enumerate(specs):
+            if (problem := reward_problem(spec, f"{k}.reward_functions.{i}")) is not None:
+                w.errors.append(problem)
+        w.translate(f"{k}.reward_functions", {"env.name": "vlm", "env.kwargs": {"reward_functions": specs}},
+                    "NeMo-RL's VLMEnvironment: the weighted sum of these rewards (grpo.tasks.vlm), weights "
+                    "renormalised to 1")
+    w.ignore(f"{k}.num_workers", "NeMo-RL's Ray verify workers; grpo-ds scores these rewards in the trainer process")
+    for sub in (section if isinstance(section, dict) else {}):
+        if f"{k}.{sub}" not in w.used:
+            w.refuse(f"{k}.{sub}", "a VLM-environment key grpo-ds does not translate")
+    w.take(k)
+    for name in env:
+        if name != env_name and f"env.{name}" not in " ".join(w.errors):
             w.ignore(f"env.{name}", f"not the data's env_name ({env_name}): unused, as in NeMo-RL")
     w.take("env")
 
@@ -1091,6 +1169,8 @@ def _grpo(w: Walk) -> None:
                          ("penalize_malformed_thinking", "malformed_thinking_advantage")):
         w.ignore(f"grpo.{key}", f"NeMo-RL reads no such key (a stale key of NeMo-Gym recipes: no code at 7ea279a "
                  f"reads it); the penalty it names is grpo.{instead} alone, set or null")
+    w.ignore("grpo.debug_payload_metrics", "NeMo-RL's telemetry of the bytes its Ray actors pass (serialised "
+             "again to measure them); grpo-ds passes no Ray payloads, and it changes no sample or update")
     gym_grpo_and_penalties(w)
     period = w.get("grpo.val_period")
     if isinstance(period, int) and period < 0:

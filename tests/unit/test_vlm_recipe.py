@@ -1,0 +1,50 @@
+"""NeMo-RL's vlm_grpo_3B.yaml (a verbatim copy in tests/fixtures/nemo_rl/examples/configs) passes `--check-config`:
+its CLEVR-CoGenT data, vlm_hf_data_processor, VLM environment and grpo.debug_payload_metrics each get a fate."""
+
+import sys
+
+import pytest
+
+from grpo.config.load import ConfigError
+from grpo.config.nemo_rl.recipe import load_recipe
+from tests.helpers.e2e import REPO, run
+
+CONFIGS = REPO / "tests" / "fixtures" / "nemo_rl" / "examples" / "configs"
+RECIPE = CONFIGS / "vlm_grpo_3B.yaml"
+
+
+def test_vlm_grpo_3b_passes_check_config():
+    p = run([sys.executable, "train_grpo.py", "--config", str(RECIPE), "--check-config"], timeout=120)
+    assert "ignored: grpo.debug_payload_metrics: NeMo-RL's telemetry" in p.stdout, p.stdout[-2000:]
+    assert "translated: env.clevr-cogent.reward_functions: -> env.name='vlm'" in p.stdout
+
+
+def test_vlm_recipe_translation():
+    cfg, table = load_recipe(RECIPE)
+    assert (cfg.data.dataset_name, cfg.data.train_split, cfg.data.row_format) == (
+        "MMInstruction/Clevr_CoGenT_TrainA_70K_Complex", "train", "clevr-cogent")  # NeMo-RL's hub names, by split
+    assert (cfg.data.val_data_path, cfg.data.val_split) == ("MMInstruction/Clevr_CoGenT_ValA", "train")
+    assert cfg.data.prompt_file.endswith("examples/prompts/clevr_cogent_cot.txt")
+    assert cfg.env.name == "vlm" and cfg.env.kwargs == {"reward_functions": [
+        {"name": "format", "weight": 0.2}, {"name": "exact_alnum", "weight": 0.8}]}
+    assert cfg.grpo.deduplicate_multimodal_data is False
+    # a local file of the dataset's rows (grpo-ds's data_path), geometry3k's env section chosen by env_name
+    cfg, _ = load_recipe(RECIPE, ["+data.train.data_path=/tmp/geo.jsonl", "data.train.dataset_name=geometry3k",
+                                  "data.validation.dataset_name=geometry3k", "data.validation.split=test",
+                                  "data.default.env_name=geometry3k"])
+    assert (cfg.data.train_data_path, cfg.data.row_format, cfg.data.val_data_path, cfg.data.val_split) == (
+        "/tmp/geo.jsonl", "geometry3k", "hiyouga/geometry3k", "test")
+    assert [f["name"] for f in cfg.env.kwargs["reward_functions"]] == ["format", "math_expr"]
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["data.validation.split=valC"], "data.validation.split='valC': clevr-cogent has the splits ['train', 'valA', 'valB']"),
+    (["data.default.processor=math_hf_data_processor"], "data.train.processor='math_hf_data_processor': NeMo-RL formats"),
+    (["data.train.dataset_name=refcoco"], "data.train.dataset_name='refcoco': NeMo-RL's refcoco downloads COCO"),
+    (["env.clevr-cogent.reward_functions=[{name: bleu, weight: 1}]"], "env.clevr-cogent.reward_functions.0="),
+    (["env.clevr-cogent.reward_functions=[{name: bbox_giou, weight: 1, kwargs: {thres: 1}}]"], "not arguments of bbox_giou"),
+])
+def test_vlm_recipe_refusals_name_the_key(overrides, refused):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(RECIPE, overrides)
+    assert refused in str(err.value), str(err.value)
