@@ -11,8 +11,9 @@ Each run is the demo's command as README gives it (`python train_grpo.py --confi
 demo through train_async_grpo.py) with ``OMP_NUM_THREADS=<T>``, in fresh log and checkpoint directories. The demo's
 toy models (grpo/tasks/catalogue.py builds them on first use, with one torch thread whatever the setting) are built
 first, so a run's time is the run's. The demos learn through sampling, which amplifies float rounding: another CPU,
-thread count or library version reads other numbers, so README states the minimum rise of the grid, and each demo's
-slow test asserts that minimum.
+thread count or library version reads other numbers, so README states a rise below the grid's least, and each
+demo's slow test asserts it. Overrides go before ``--seeds`` / ``--threads`` (or after ``--``), which take every
+value that follows them.
 """
 
 from __future__ import annotations
