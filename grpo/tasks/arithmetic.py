@@ -43,40 +43,46 @@ def rows(name: str, data_cfg, n: int, seed: int, split: str) -> list[Row]:
     return arithmetic_rows(n, data_cfg.arithmetic_max_operand, seed, split)
 
 
-def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.15, steps: int = 800, seed: int = 0,
-                    log_every: int = 0) -> str:
-    """Build the CPU demo's starting policy: the "small" model, supervised on sums with a systematic slip.
+def demo_targets(max_operand: int, p_correct: float) -> list[tuple[str, str, float]]:
+    """The demo model's target distribution: every prompt ``"{a}+{b}="`` (a, b in [0, max_operand]) with its right
+    sum at weight ``p_correct`` and the slip ``a+b+1`` at ``1 - p_correct``.
 
-    The model is trained on prompts ``"{a}+{b}="`` (a, b in [0, max_operand]) with the target ``"{a+b}<eos>"``
-    drawn with probability ``p_correct`` and ``"{a+b+1}<eos>"`` (one too many) otherwise. It learns the task's
-    format and one habit shared by every prompt: sampled at temperature 1 it scores about ``p_correct``, and
-    GRPO has one behaviour to unlearn, which each step's groups show side by side (right and off by one).
-
-    Why a systematic slip: near misses spread over several wrong answers per prompt (``a+b+d``, d in
-    {-3..3} \\ {0}: the demo until issue 35) leave GRPO a per-prompt sharpening of 100 prompts, which a
-    0.4M-parameter model learns slowly (about +0.1 validation reward in 100 steps) and a larger learning rate
-    turns into a collapse onto the answers' shared first digit; one shared slip is unlearned in tens of steps
-    (+0.3 or more in 100 steps at seeds 0, 1, 2: scripts/measure_demos.py, docs/measurements.md). 800 supervised steps,
-    not 400: the sums themselves must be known precisely, or GRPO trades the +1 slip for -1 and +-2 errors (seed 1
-    stopped at 0.45 with 400). Deterministic for a given seed and thread count.
+    >>> demo_targets(1, 0.15)[:2]
+    [('0+0=', '0', 0.15), ('0+0=', '1', 0.85)]
     """
-    import random
+    return [(f"{a}+{b}=", str(a + b + slip), 1 - p_correct if slip else p_correct)
+            for a in range(max_operand + 1) for b in range(max_operand + 1) for slip in (0, 1)]
 
-    from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer, supervise
+
+def make_demo_model(out_dir: str, max_operand: int = 9, p_correct: float = 0.15, steps: int = 600, seed: int = 0,
+                    log_every: int = 0) -> str:
+    """Build the CPU demo's starting policy: the "small" model, fitted to sums with a systematic slip.
+
+    The model is fitted (`grpo.tasks.toy.fit_exact`: the whole distribution every step, the learning rate decayed to
+    0) to `demo_targets`: on every prompt ``"{a}+{b}="`` it writes the right sum with probability ``p_correct`` and
+    ``a+b+1`` (one too many) otherwise, and nothing else (measured: 0.14-0.16 on each of the 100 prompts, under 0.5%
+    on other answers). Sampled at temperature 1 it scores ``p_correct``, and GRPO has one behaviour to unlearn, which
+    each step's groups show side by side (right and off by one).
+
+    Why a systematic slip: near misses spread over several wrong answers per prompt (``a+b+d``, d in {-3..3} \\ {0}:
+    the demo until issue 35) leave GRPO a per-prompt sharpening of 100 prompts, which a 0.4M-parameter model learns
+    slowly; one shared slip is unlearned in tens of steps. Why an exact fit (issue 44): the model sampled 800 noisy
+    batches at a constant learning rate until then, and ended wherever the last steps left it (the right sum at
+    0.02 to 0.75 depending on the prompt), a state float rounding moved: the demo rose +0.44 to +0.73 on one CPU and
+    +0.13 to +0.27 on another. The fitted model is the same function on every machine measured, and GRPO at a small
+    learning rate (configs/cpu_demo.yaml) takes it from 0.15 to above 0.9 at every seed (docs/measurements.md).
+    About 30 CPU-seconds.
+    """
+    from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, fit_exact, save_char_tokenizer
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, size="small", seed=seed)
-    rng = random.Random(seed)
-    eos = tok.eos_token_id
-
-    def sample_row() -> tuple[list[int], list[int]]:
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        ans = a + b if rng.random() < p_correct else a + b + 1
-        prompt = tok(f"{a}+{b}=")["input_ids"]
-        target = tok(str(ans), add_special_tokens=False)["input_ids"] + [eos]
-        return prompt + target, [-100] * len(prompt) + target
-
-    supervise(model, tok.pad_token_id, sample_row, steps, batch_size=64, log_every=log_every, name="demo model")
+    rows = []
+    for question, answer, weight in demo_targets(max_operand, p_correct):
+        prompt = tok(question)["input_ids"]
+        target = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append((prompt + target, [-100] * len(prompt) + target, weight))
+    fit_exact(model, tok.pad_token_id, rows, steps, log_every=log_every, name="demo model")
     model.save_pretrained(out_dir, safe_serialization=True)
     save_char_tokenizer(tok, out_dir)
     return out_dir

@@ -146,6 +146,58 @@ def supervise(model, pad_id: int, make_row, steps: int, batch_size: int, log_eve
     model.eval()
 
 
+def fit_exact(model, pad_id: int, rows: list[tuple[list[int], list[int], float]], steps: int, lr: float = 3e-3,
+              warmup_steps: int = 50, log_every: int = 0, name: str = "toy model") -> float:
+    """Fit a toy model to an exact target distribution: every step is the same full batch of ``rows``
+    ``(ids, labels, weight)`` (labels -100 where a token is not trained), the loss the weighted sum of each row's
+    next-token negative log-likelihood over the sum of the weights; AdamW, ``warmup_steps`` of linear warmup, then
+    a cosine decay to 0 at ``steps``, one torch thread (the caller's count restored). Returns the last loss.
+
+    Why not `supervise`: targets sampled each step and a constant learning rate leave the model wherever the last
+    noisy steps put it, a state that float rounding (the CPU, the thread count, the library versions) moves, and the
+    demos learned from one machine's state and not from another's. A deterministic full batch and a decay to 0
+    converge to the loss's minimiser: each prompt's answers at their weights, the same function on any machine up to
+    small differences. Leaves the model in eval mode."""
+    import math
+
+    import torch
+
+    width = max(len(ids) for ids, _, _ in rows)
+    ids_bt = torch.full((len(rows), width), pad_id)
+    labels_bt = torch.full((len(rows), width), -100)
+    attention_bt = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, labels, _) in enumerate(rows):
+        ids_bt[i, : len(ids)], labels_bt[i, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
+        attention_bt[i, : len(ids)] = 1
+    weights_b = torch.tensor([w for _, _, w in rows], dtype=torch.float32)
+    weights_b = weights_b / weights_b.sum()
+
+    def lr_factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model.train()
+    try:
+        for step in range(steps):
+            logits_btv = model(input_ids=ids_bt, attention_mask=attention_bt).logits[:, :-1]
+            nll_bt = torch.nn.functional.cross_entropy(logits_btv.transpose(1, 2), labels_bt[:, 1:], ignore_index=-100,
+                                                       reduction="none")
+            loss = (nll_bt.sum(dim=1) * weights_b).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            schedule.step()
+            if log_every and step % log_every == 0:
+                print(f"{name} fit step {step} loss {loss.item():.4f}", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    return loss.item()
+
+
 def build_into(out: str, builder) -> None:
     """``builder(tmp)`` into ``<out>.tmp<PID>-<host>``, then renamed to ``out``: a reader never sees half a model.
     The temporary directory is removed if the build fails, is interrupted (Ctrl-C) or gets SIGTERM (the process

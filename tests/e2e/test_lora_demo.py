@@ -1,6 +1,6 @@
 """The CPU demo with LoRA (configs/cpu_demo_lora.yaml, issue 22): the adapters alone learn the demo's task. Slow: the
-shipped config raises validation reward by 0.15 or more (docs/measurements.md); fast: the config is the demo's with
-LoRA on, so the slow run measures LoRA and nothing else."""
+shipped config raises validation reward by 0.5 or more, README's figure (docs/measurements.md); fast: the config is
+the demo's with LoRA on, so the slow run measures LoRA and nothing else."""
 
 import sys
 
@@ -22,10 +22,10 @@ def test_lora_demo_config_is_the_cpu_demo_with_lora():
 
 
 @pytest.mark.slow
-def test_cpu_demo_with_lora_raises_validation_reward_by_015(tmp_path):
-    """The LoRA demo (README's table) as shipped (100 steps; 2.5 min on 2 cores beside other work, the issue's limit
-    is 15)."""
+def test_cpu_demo_with_lora_raises_validation_reward_by_05(tmp_path):
+    """The LoRA demo (README's table) as shipped (50 steps), with two torch threads and DS_ACCELERATOR=cpu
+    (scripts/measure_demos.py --demo lora: +0.74 at least over seeds 0-4 x threads 1 and 2)."""
     run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path), "logger.progress_bar=false"],
         timeout=900)
     val = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]
-    assert val[-1] >= val[0] + 0.15, val
+    assert val[-1] >= val[0] + 0.5, val

@@ -62,8 +62,10 @@ def test_data_naming_an_unknown_agent_is_one_error_line_at_startup(tmp_path):
 
 @pytest.mark.slow
 def test_the_gym_demo_learns(tmp_path):
-    """The demo as shipped: validation reward up by at least 0.2 within 10 steps (15 minutes on 2 cores)."""
+    """The demo as shipped (20 steps, two torch threads, DS_ACCELERATOR=cpu): validation reward up by at least 0.5,
+    README's figure (scripts/measure_demos.py --demo gym: +0.73 at least over seeds 0-4 x threads 1 and 2; runs differ
+    between launches, as the concurrent HTTP calls reach the batcher in another order, docs/measurements.md)."""
     run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path, "checkpointing.enabled=false")],
         timeout=1800)
     val = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]
-    assert len(val) >= 2 and val[-1] - val[0] >= 0.2, val
+    assert len(val) >= 2 and val[-1] - val[0] >= 0.5, val

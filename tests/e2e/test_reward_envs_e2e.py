@@ -125,16 +125,17 @@ env:
         assert r["train/env/combined/rm/reward_model_env/mean_reward"] == pytest.approx(r["train/reward/rm/mean"], abs=1e-4)
 
 
-@pytest.mark.slow  # one 100-step demo run: ~5-15 minutes on a loaded 2-core machine
-def test_reward_model_demo_raises_validation_reward_by_02(tmp_path):
-    """configs/cpu_demo_reward_model.yaml as shipped: the default demo scored only by a reward model (toy:demo_rm,
-    built locally) raises validation reward, which is the reward model's own score, by at least 0.2 (issue 34's
-    "Done when"). scripts/measure_demos.py --demo reward_model prints the same run for docs/measurements.md."""
+@pytest.mark.slow  # one 50-step demo run: 15-210 s on a loaded 2-core machine
+def test_reward_model_demo_raises_validation_reward_by_05(tmp_path):
+    """configs/cpu_demo_reward_model.yaml as shipped (50 steps, two torch threads, DS_ACCELERATOR=cpu): the default
+    demo scored only by a reward model (toy:demo_rm, built locally) raises validation reward, which is the reward
+    model's own score, by at least 0.5, README's figure (issue 34 asked 0.2; scripts/measure_demos.py --demo
+    reward_model: +0.75 at least over seeds 0-4 x threads 1 and 2, docs/measurements.md)."""
     sys.path.insert(0, str(REPO / "scripts"))
     from measure_demos import validation_curve
 
     p = run([sys.executable, "train_grpo.py", "--config", "configs/cpu_demo_reward_model.yaml",
              f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt"], timeout=1800)
-    assert "done: 100 steps" in p.stdout, p.stdout[-3000:]
+    assert "done: 50 steps" in p.stdout, p.stdout[-3000:]
     curve = validation_curve(str(tmp_path / "logs" / "metrics.jsonl"))
-    assert curve[-1][1] - curve[0][1] >= 0.2, curve
+    assert curve[-1][1] - curve[0][1] >= 0.5, curve

@@ -56,11 +56,13 @@ def test_the_tool_environment_trains_with_the_vllm_backend(tmp_path):
 
 @pytest.mark.slow
 def test_the_tools_demo_learns_and_its_ablation_does_not(tmp_path):
-    """The tools demo (README's table) as shipped (~4 min each on 2 cores) and the same run with tools disabled."""
+    """The tools demo (README's table) as shipped (20 steps, two torch threads, DS_ACCELERATOR=cpu) rises by at least
+    0.3, README's figure (scripts/measure_demos.py --demo tools: +0.38 at least over seeds 0-4 x threads 1 and 2,
+    docs/measurements.md), and the same run with tools disabled does not."""
     curves = {}
     for name, extra in (("tools", []), ("ablation", ["env.disable_tools=true"])):
         run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path / name),
              "logger.progress_bar=false", *extra], timeout=1800)
         curves[name] = [r["validation/accuracy"] for r in metrics(tmp_path / name) if "validation/accuracy" in r]
-    assert curves["tools"][-1] >= curves["tools"][0] + 0.15, curves
+    assert curves["tools"][-1] >= curves["tools"][0] + 0.3, curves
     assert curves["ablation"][-1] <= curves["ablation"][0] + 0.05, curves

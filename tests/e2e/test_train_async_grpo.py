@@ -236,11 +236,13 @@ def test_two_ranks_train_the_same_groups_as_one(one_rank, tmp_path):
 # Learning: the async CPU demo improves validation reward like the sync one
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_async_cpu_demo_raises_validation_reward(tmp_path):
+def test_async_cpu_demo_raises_validation_reward_by_05(tmp_path):
+    """The async demo as shipped (configs/cpu_demo_async.yaml: the default demo's 50 steps, generation one step ahead),
+    with two torch threads and DS_ACCELERATOR=cpu: validation reward rises by at least 0.5, README's figure
+    (scripts/measure_demos.py --demo async: +0.73 at least over seeds 0-4 x threads 1 and 2, docs/measurements.md)."""
     run([sys.executable, "train_async_grpo.py", "--config", str(REPO / "configs" / "cpu_demo_async.yaml"),
-         *paths(tmp_path), "grpo.max_num_steps=60", "grpo.val_period=20", "checkpointing.enabled=false"],
-        timeout=3600)
+         *paths(tmp_path), "checkpointing.enabled=false"], timeout=1800)
     with open(tmp_path / "logs" / "metrics.jsonl") as f:
         val = {r["step"]: r["validation/accuracy"] for r in map(json.loads, f) if "validation/accuracy" in r}
     print("validation reward by step:", val)
-    assert val[60] > val[0] + 0.1, val
+    assert val[50] >= val[0] + 0.5, val

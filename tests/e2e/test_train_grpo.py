@@ -285,21 +285,23 @@ def test_early_stop_on_validation_metric_and_hf_export(tmp_path):
 
 
 @pytest.mark.slow
-def test_cpu_demo_raises_validation_reward_by_03_at_every_seed(tmp_path):
-    """README's first command as shipped (configs/cpu_demo.yaml, 50 steps), at seeds 0, 1 and 2: each run's last
-    validation reward is at least 0.3 above its first (issue 35: the demo used to move 0.30 -> 0.41, by 0.1 with
-    the seed). scripts/measure_demos.py prints the same runs for README and docs/measurements.md."""
+def test_cpu_demo_raises_validation_reward_by_05_at_every_seed(tmp_path):
+    """README's first command as shipped (configs/cpu_demo.yaml, 50 steps), at seeds 0-4 with two torch threads and
+    DS_ACCELERATOR=cpu (tests/helpers/e2e.py's child_env): each run's last validation reward is at least 0.5 above its
+    first, README's figure (issue 44: the demo's rise was +0.13..+0.27 on one CPU and +0.44..+0.73 on another before
+    toy:demo was fitted exactly). scripts/measure_demos.py prints the same runs, at one and two threads, for README
+    and docs/measurements.md (its least rise there: +0.73)."""
     sys.path.insert(0, str(REPO / "scripts"))
     from measure_demos import validation_curve
 
     gains = {}
-    for seed in (0, 1, 2):
+    for seed in range(5):
         out = tmp_path / f"seed{seed}"
         run([sys.executable, "train_grpo.py", "--config", "configs/cpu_demo.yaml", *paths(out), f"grpo.seed={seed}"],
             timeout=1800)
         curve = validation_curve(str(out / "logs" / "metrics.jsonl"))
         gains[seed] = curve[-1][1] - curve[0][1]
-    assert all(gain >= 0.3 for gain in gains.values()), gains
+    assert all(gain >= 0.5 for gain in gains.values()), gains
 
 
 @pytest.mark.slow  # default-suite twin: tests/unit/test_step.py (the same steps on tensors)
