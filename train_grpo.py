@@ -52,7 +52,8 @@ def main(argv=None) -> int | None:
     def validate_now(step: int) -> dict:
         return validate(run, run.generator, run.val_envs, step)
 
-    end, got = validate_first(run, validate_now), None  # grpo.val_at_start
+    end = validate_first(run, validate_now)  # grpo.val_at_start
+    got = Collected(Outcome.TRAIN)  # what ended the loop: a step's outcome (TRAIN or SKIP: the loop's condition)
     while state.current_step < run.total_steps and end.stop is None and end.failure is None:
         step = state.current_step + 1
         t_step = time.perf_counter()
@@ -99,15 +100,15 @@ def main(argv=None) -> int | None:
 
     # ================================================================ the end
     stop, failure = end.stop, end.failure
-    match got.outcome if got is not None else None:
+    match got.outcome:
         case Outcome.OUT_OF_DATA:  # dynamic sampling can use up the epochs before max_num_steps
             stop = "out of training data"
         case Outcome.ABANDONED:  # before training: the last finished step's prompts and RNG are what finish saves
             stop = signal_stop_message(run, step)
         case Outcome.FAILED:
             failure = got.failure
-    abandoned = got is not None and got.outcome in (Outcome.ABANDONED, Outcome.FAILED)
-    return finish(run, out_of_data=got is not None and got.outcome is Outcome.OUT_OF_DATA,
+    abandoned = got.outcome in (Outcome.ABANDONED, Outcome.FAILED)
+    return finish(run, out_of_data=got.outcome is Outcome.OUT_OF_DATA,
                   loader_state=mark["loader"] if abandoned else run.loader.state_dict(), failure=failure,
                   metrics=end.metrics, stop=stop, rng=rng if abandoned else None)
 

@@ -17,6 +17,7 @@ from grpo.run.phases import score_rollouts
 from grpo.run.producer import RolloutProducer, weight_copy
 from grpo.run.run import Run
 from grpo.run.step_end import StepEnd
+from grpo.system.health import HealthStop
 from grpo.system.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage
 
 
@@ -81,7 +82,7 @@ class AsyncGeneration:
         if self.producer.generator is not self.run.generator:  # the generation ranks' backend: finish closes it
             self.run.closables += [self.producer.generator]
         replay = self.buffer.state_dict()
-        if self.run.checks.stop_kind == "rollouts":
+        if self.run.checks.stop_kind is HealthStop.ROLLOUTS:
             replay["entries"] = []
         return {"replay_buffer": replay}
 

@@ -355,12 +355,13 @@ def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None
     for people) raises `RunError` with it once all of that is done (the script exits 1)."""
     from grpo.system import engines, weights
     from grpo.system.checkpoint import set_rng_state
+    from grpo.system.health import HealthStop
 
     cfg, state = run.cfg, run.state
     if stop or failure:
         run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
     saved = run.ckpt.latest_step(checksums=False) if cfg.checkpointing.enabled else None
-    good_state = failure is not None and run.checks.stop_kind != "nonfinite"
+    good_state = failure is not None and run.checks.stop_kind is not HealthStop.NONFINITE
     signalled = run.exit_status is not None
     if (cfg.checkpointing.enabled and (out_of_data or good_state or signalled) and saved != state.current_step
             and (state.current_step > 0 or out_of_data)):

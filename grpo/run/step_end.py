@@ -122,6 +122,7 @@ def skip_step(run: Run, step: int, last: StepEnd, batch, metrics: dict, epoch: i
     rank a checkpoint by (its own checkpoint ranks by the last saved metrics)."""
     from grpo.metrics import nemo_rl_names
     from grpo.step import record_step
+    from grpo.system.health import HealthStop
 
     budget = run.checks.rollouts
     stop = budget.skipped(batch.trajectories)
@@ -131,7 +132,7 @@ def skip_step(run: Run, step: int, last: StepEnd, batch, metrics: dict, epoch: i
     dump_rollouts(run, "train", step, batch.trajectories, batch)
     run.state.current_epoch = epoch
     if stop:
-        run.checks.stop_kind = "rollouts"
+        run.checks.stop_kind = HealthStop.ROLLOUTS
         return StepEnd(None, f"{budget.message()}; the weights are those of step {step - budget.consecutive} (the last "
                        "trained one)" + (f"; step {step} is checkpointed: rerun the same command to resume once the "
                                          "environment is back" if run.cfg.checkpointing.enabled else ""), last.metrics)
