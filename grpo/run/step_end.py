@@ -23,7 +23,8 @@ from grpo.run.run import Run, dump_rollouts, resume_note, save, stop_reason, sto
 class StepEnd:
     """What the loop does after a step: go on (``stop`` and ``failure`` None), stop normally (``stop``: why:
     max steps, a time limit, a stop signal, validation's threshold) or fail (``failure``: one line, exit 1).
-    ``metrics``: the step's row as logged (NeMo-RL's names)."""
+    ``metrics``: the last trained step's row as logged (NeMo-RL's names; None before the first), what a last
+    checkpoint at the run's end ranks by (`grpo.run.run.finish`)."""
 
     stop: str | None
     failure: str | None
