@@ -32,10 +32,11 @@ from __future__ import annotations
 import os
 import time
 
-from grpo.run.run import finish, run_script, save, stop_reason
+from grpo.run.run import finish, run_script
 from grpo.run.run_setup import setup
-from grpo.run.step_end import end_step, skip_step
-from grpo.run.validation import validate
+from grpo.run.step_end import (
+    checkpoint_step, log_step, record_trained, skip_step, validate_first, validate_step,
+)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
 
@@ -46,102 +47,39 @@ def main(argv=None) -> int | None:
     run = setup(argv, DEFAULT_CONFIG, asynchronous=True, description=__doc__)
     if run is None:  # --export-hf done, or a generation rank (colocated.enabled=false) that served its run
         return None
-    import torch
-
-    from grpo.system import weights
-    from grpo.batch import build_batch
-    from grpo.system.data import PromptStream
-    from grpo.metrics import rollout_counts
-    from grpo.run.producer import RolloutProducer, weight_copy
-    from grpo.system.rollout import RolloutError
-    from grpo.run.serving import start_async_player
-    from grpo.rollout_metrics import step_summary
-    from grpo.system.replay import ReplayClosed, StopKind, WeightStage, replay_resume, trajectories_from_groups
-    from grpo.step import (
-        due_save, early_stop_reason, initial_sample_mask, mask_invalid_samples, record_step,
-        shape_rewards, step_advantages, step_metrics,
-    )
     from grpo.loss import clipped_pg_loss_fn
+    from grpo.run.async_generation import start_async_generation, take_rollouts
+    from grpo.step import initial_sample_mask, step_advantages
+    from grpo.system.replay import ReplayClosed, StopKind
     from grpo.system.tracking import timed
     from grpo.system.training import step_logprobs, train_step
 
-    cfg, g, a, state = run.cfg, run.cfg.grpo, run.cfg.grpo.async_grpo, run.state
+    cfg, state = run.cfg, run.state
+    # ---- the replay deque, the weight stage (the current weights as version current_step), the thread -------
+    gen = start_async_generation(run)
 
-    # ================================================================ the replay deque, the weight stage, the thread
-    # Two loader positions matter: after the last TRAINED prompt batch (saved as dataloader.pt) and after the last
-    # BUFFERED one (kept in each group); the thread goes on from the second, a checkpoint records the first.
-    buffer, trained_mark, gen_mark, first_target = replay_resume(run)
-    if run.resume is not None:
-        run.logger.write(f"{len(buffer)} replay groups restored")
-    stage = WeightStage()
-    refit_bucket = cfg.policy.generation.refit_bucket_numel
-    stage.publish(weights.iter_gathered_params(run.policy, refit_bucket), version=state.current_step)
-    val_generator = None
-    group = torch.distributed.new_group(backend="gloo") if run.world_size > 1 else None
-    trainer_threads = torch.get_num_threads()
-    # The generation ranks' engines (colocated.enabled=false; the producer pushes the staged weights to them, and
-    # only it uses the bridge), else a transformers copy of the weights in the thread.
-    generator = run.generator if run.generator is not None else weight_copy(run, stage)
-    start_async_player(run, generator)  # env.name=agent / expose_http_server: the endpoint over the thread's backend
-    producer = RolloutProducer(run, stage, buffer, generator, run.envs,
-                               PromptStream(run.loader, g.max_num_epochs, gen_mark["epoch"], gen_mark["loader"]),
-                               first_target, group, a.generation_threads or max(1, trainer_threads // 2))
-    producer.start()
-    torch.set_num_threads(trainer_threads)
-
-    def validate_with_staged(step: int) -> dict:
-        nonlocal val_generator
-        if val_generator is None:
-            val_generator = weight_copy(run, stage)
-            run.closables.append(val_generator)
-        stage.load_into(val_generator.model)
-        return validate(run, val_generator, run.val_envs, step)
-
-    stop = failure = closed = metrics = None
-    if g.val_at_start and state.current_step == 0:
-        try:
-            stop = early_stop_reason(cfg, validate_with_staged(0))
-        except RolloutError as err:  # an environment that breaks; every rank raises it together
-            failure = f"validation before training failed: {err}"
-
+    end, closed = validate_first(run, gen.validate), None  # grpo.val_at_start
     # ================================================================ the loop (the trainer)
-    while state.current_step < run.total_steps and stop is None and failure is None:
+    while state.current_step < run.total_steps and end.stop is None and end.failure is None:
         step = state.current_step + 1
         t_step = time.perf_counter()
 
-        # ---- 1-3. the step's prompt groups from the replay deque; penalties, scaling, shaping; failed samples
-        #           masked (they are in the deque as they came back: failed, never with a made-up reward) ----
+        # ---- 1-4. generate and score: the thread generated; the step's prompt groups from the replay deque;
+        #           penalties, scaling, shaping; failed samples masked (in the deque as they came back) ----
         try:
-            entries, wait_s = producer.take(step, g.num_prompts_per_step)  # (a ZeRO-3 reward model scores here)
+            took = take_rollouts(run, gen, step)
         except ReplayClosed as err:
             closed = err
             break
-        train_start = time.time()
-        info = entries[0].group.info  # what the prompt batch's groups share
-        trajectories = trajectories_from_groups([e.group for e in entries])
-        batch, penalty_metrics = shape_rewards(
-            cfg, build_batch(trajectories, run.tokenizer.pad_token_id, cfg.env.should_mask_flagged_samples),
-            run.tokenizer)
-        batch, counts = mask_invalid_samples(batch)
-        budget = run.checks.rollouts
-        budget.count(trajectories)
-        metrics = {**{f"train/{k}": v for k, v in {**rollout_counts(trajectories), **info.metrics,
-                                                    **penalty_metrics}.items()}, **counts}
-        timing = {f"timing/{k}": v for k, v in info.timing.items()}
+        batch, metrics, timing = took.batch, took.metrics, took.timing
 
         # ---- the step budget: too few samples got a score -> the step is skipped, counted, logged ---------
-        if not budget.trainable(int(batch.failed_b.sum()), len(batch)):
-            failure = skip_step(run, step, batch, metrics)
-            stage.publish([], version=step)  # the same weights, as version `step`: staleness counts steps
-            trained_mark = info.loader_mark  # the prompts are consumed
-            state.current_epoch = trained_mark["epoch"]
-            if failure is None:
-                stop = stop_reason(run, step, None)
-                if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
-                    save(run, step, state.metrics, None, trained_mark["loader"],
-                         extra={"replay_buffer": buffer.state_dict()})
+        if not run.checks.rollouts.trainable(int(batch.failed_b.sum()), len(batch)):
+            gen.publish(step, trained=False)
+            end = skip_step(run, step, end, batch, metrics, gen.trained_mark["epoch"],
+                            lambda: gen.trained_mark["loader"], gen.replay_extra)
             continue
-        budget.trained()
+        run.checks.rollouts.trained()
 
         # ---- 5. sample masks: invalid samples (failed, flagged), overlong filtering (stays in the baseline) --
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
@@ -152,49 +90,31 @@ def main(argv=None) -> int | None:
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)
-        metrics.update({f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()})
 
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
         with timed(timing, "train"):
             results = train_step(cfg, run.policy, batch, run.rank, run.world_size, loss_fn=clipped_pg_loss_fn)
         train_end = time.time()
 
-        # ---- 9. publish the new weights (version = step) to the generation thread; log, validate, save
-        # (LoRA: only the adapters change; the stage keeps the base weights published at the start)
-        timing["timing/refit_s"] = stage.publish(weights.iter_gathered_params(
-            run.policy, refit_bucket, trainable_only=cfg.policy.lora.enabled), version=step)
-        record_step(state, batch, step)
-        trained_mark = info.loader_mark
-        state.current_epoch = trained_mark["epoch"]
-        timing["timing/step_s"] = time.perf_counter() - t_step
-        metrics.update({
-            **step_metrics(batch, results, timing["timing/step_s"]), **timing, **budget.metrics(), **producer.step_metrics(
-                step, entries, wait_s), "async/train_start_time": train_start, "async/train_end_time": train_end,
-            "train/epoch": state.current_epoch, "train/prompt_indices": [e.group.prompt_index for e in entries],
-        })
-        end = end_step(run, step, batch, results, metrics, validate=validate_with_staged,
-                       loader_state=lambda: trained_mark["loader"],
-                       extra=lambda: {"replay_buffer": buffer.state_dict()})  # log, check, dump, validate, save
-        stop, failure, metrics = end.stop, end.failure, end.metrics
+        # ---- 9. sync weights: publish the new weights (version = step) to the generation thread ----------
+        timing["timing/refit_s"] = gen.publish(step, trained=True)
+        metrics = record_trained(
+            run, step, batch, results, metrics, adv_metrics, timing, t_step, gen.trained_mark["epoch"],
+            extra={**gen.producer.step_metrics(step, took.entries, took.wait_s),
+                   "async/train_start_time": took.train_start, "async/train_end_time": train_end,
+                   "train/prompt_indices": [e.group.prompt_index for e in took.entries]})
+
+        # ---- 10. log (health checks, dumps), validate, checkpoint (a stop signal skips validation) -------
+        end = log_step(run, step, batch, results, metrics)
+        val, end = validate_step(run, step, end, gen.validate)
+        end = checkpoint_step(run, step, end, val, lambda: gen.trained_mark["loader"], gen.replay_extra)
 
     # ================================================================ the end
-    stage.close()  # a thread waiting for weights returns; one mid-batch finishes it first
-    buffer.close(StopKind.ENDED)
-    producer.join(timeout=600)
-    if producer.generator is not run.generator:  # the generation ranks' backend is closed by finish already
-        run.closables += [producer.generator]
-    if closed is not None:  # a failure exits 1; the end of the data is a normal stop
-        ckpt_dir = cfg.checkpointing.enabled and cfg.checkpointing.checkpoint_dir
-        message = closed.stop_message(ckpt_dir, state.current_step)
-        failure, stop = (message, stop) if closed.failed else (failure, message)
-    if stop or failure:
-        run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
-    replay = buffer.state_dict()
-    if run.checks.stop_kind == "rollouts":  # an outage: the buffered groups failed too; regenerate them on resume
-        replay["entries"] = []
+    replay = gen.stop()  # the thread ends; the replay deque as the last save keeps it
+    stop, failure = gen.ending(end, closed)  # the thread's end (closed): a failure, or the end of the data
     return finish(run, out_of_data=closed is not None and closed.kind is StopKind.OUT_OF_DATA,
-                  loader_state=trained_mark["loader"], failure=failure, extra={"replay_buffer": replay},
-                  metrics=metrics)
+                  loader_state=gen.trained_mark["loader"], failure=failure, extra=replay, metrics=end.metrics,
+                  stop=stop)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,15 @@ whole rollout of a step; each trains on its shard.
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 
-from grpo.run.run import (
-    finish, resume_note, run_rollout, run_script, save, signal_stop_message, stop_reason, stop_requested,
-)
+from grpo.run.run import finish, run_script, signal_stop_message, stop_requested
 from grpo.run.run_setup import setup
-from grpo.run.step_end import end_step, skip_step
+from grpo.run.step_end import (
+    checkpoint_step, log_step, record_trained, skip_step, validate_first, validate_step,
+)
+from grpo.run.phases import Collected, Outcome, collect_rollouts, sync_weights
 from grpo.run.validation import validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
@@ -38,105 +38,38 @@ def main(argv=None) -> int | None:
     run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__)
     if run is None:  # --export-hf done, or a generation rank (colocated.enabled=false) that served its run
         return None
-    import torch
-
-    from grpo.batch import build_batch
+    from grpo.loss import clipped_pg_loss_fn
+    from grpo.step import initial_sample_mask, step_advantages
     from grpo.system.checkpoint import rng_state
     from grpo.system.data import PromptStream
-    from grpo.metrics import rollout_counts
-    from grpo.system.rollout import RolloutError
-    from grpo.rollout_metrics import step_summary
-    from grpo.dynamic_sampling import DynamicSamplingCache, DynamicSamplingExhausted
-    from grpo.step import (
-        add_counts, due_save, early_stop_reason, group_std_for_dynamic_sampling, initial_sample_mask,
-        mask_invalid_samples, record_step, shape_rewards, step_advantages, step_metrics,
-    )
-    from grpo.loss import clipped_pg_loss_fn
     from grpo.system.tracking import timed
     from grpo.system.training import step_logprobs, train_step
 
-    cfg, g, state = run.cfg, run.cfg.grpo, run.state
-    prompts = PromptStream(run.loader, g.max_num_epochs, state.current_epoch,
+    cfg, state = run.cfg, run.state
+    prompts = PromptStream(run.loader, cfg.grpo.max_num_epochs, state.current_epoch,
                            run.resume.loader_state if run.resume else None)
-    stop = failure = abandoned = last_metrics = None
-    if g.val_at_start and state.current_step == 0:
-        try:
-            stop = early_stop_reason(cfg, validate(run, run.generator, run.val_envs, 0))
-        except RolloutError as err:  # an environment that breaks; every rank raises it together
-            failure = f"validation before training failed: {err}"
 
-    out_of_data = False
-    while state.current_step < run.total_steps and stop is None and failure is None:
+    def validate_now(step: int) -> dict:
+        return validate(run, run.generator, run.val_envs, step)
+
+    end = validate_first(run, validate_now)  # grpo.val_at_start
+    got = Collected(Outcome.TRAIN)  # what ended the loop: a step's outcome (TRAIN or SKIP: the loop's condition)
+    while state.current_step < run.total_steps and end.stop is None and end.failure is None:
         step = state.current_step + 1
         t_step = time.perf_counter()
         # Where the last finished step left the prompts and the RNG: what a step abandoned before training saves.
         mark, rng = prompts.mark(), rng_state()
-        metrics, timing = {}, {"timing/generate_s": 0.0, "timing/env_step_s": 0.0}
+        timing = {"timing/generate_s": 0.0, "timing/env_step_s": 0.0}
 
-        # ---- 1-4. play the conversations, score, penalties / scaling / shaping, mask the failed samples,
-        #           dynamic sampling ----
-        dynamic = DynamicSamplingCache(g.num_prompts_per_step, g.num_generations_per_prompt,
-                                       g.dynamic_sampling_max_gen_batches)
-        budget = run.checks.rollouts  # grpo.rollout_failure: a step trains only when enough samples got a score
-        batch, counts, short = None, {}, 0
-        for gen_batch in itertools.count():
-            rows = prompts.next()
-            if rows is None:
-                break
-            try:
-                with timed(timing, "rollout"):
-                    r = run_rollout(run, run.generator, run.envs, rows, step, gen_batch)
-            except RolloutError as err:  # the state of the last finished step is good: finish() saves it
-                failure, abandoned = f"the rollout of step {step} failed: {err}{resume_note(run)}", step
-                break
-            timing["timing/generate_s"] += r.timing["generate_s"]
-            timing["timing/env_step_s"] += r.timing["env_step_s"]
-            batch, penalty_metrics = shape_rewards(
-                cfg, build_batch(r.trajectories, run.tokenizer.pad_token_id, cfg.env.should_mask_flagged_samples),
-                run.tokenizer)
-            # Failed (and flagged) samples leave the loss and their group's statistics; thin groups are dropped.
-            batch, gen_counts = mask_invalid_samples(batch)
-            budget.count(r.trajectories)
-            counts = add_counts(counts, gen_counts)
-            metrics.update({**rollout_counts(r.trajectories), **r.metrics, **penalty_metrics})
-            if not g.use_dynamic_sampling:
-                break
-            gathered = batch
-            if not budget.trainable(int(batch.failed_b.sum()), len(batch)):  # too many failures: draw more prompts
-                short += 1
-                batch = batch.replace(valid_b=torch.zeros_like(batch.valid_b))  # no group of it is kept
-            # DAPO: keep whole groups whose (unshaped) rewards differ; regenerate until the batch is full.
-            try:
-                batch, dyn_metrics = dynamic.add(batch, batch.group_ids_b, group_std_for_dynamic_sampling(batch))
-            except DynamicSamplingExhausted:
-                if not short:
-                    raise
-                batch = gathered  # the failures emptied the step: it is skipped below
-                break
-            metrics.update(dyn_metrics)
-            if batch is not None:
-                break
-        if abandoned is not None:
-            break
-        if batch is None:
-            out_of_data = True
-            break
-        metrics = {f"train/{k}": v for k, v in metrics.items()}
-        metrics.update(counts)
-        if stop_requested(run):  # a stop signal: abandon the step now rather than after training
-            abandoned = step
-            break
-
-        # ---- the step budget: too few samples got a score -> the step is skipped, counted, logged --------
-        if not budget.trainable(int(batch.failed_b.sum()), len(batch)):
-            failure = skip_step(run, step, batch, metrics)
-            state.current_epoch = prompts.epoch
-            if failure is None:
-                stop = stop_reason(run, step, None)
-                if due_save(cfg, step, run.total_steps) or (stop and cfg.checkpointing.enabled):
-                    save(run, step, state.metrics, None, run.loader.state_dict())
+        # ---- 1-4. generate and score: play the conversations, penalties / scaling / shaping, mask the failed
+        #           samples, dynamic sampling; then the step budget (too few samples got a score: skipped) ----
+        got = collect_rollouts(run, prompts, step, timing)
+        if got.outcome is Outcome.SKIP:  # counted, logged, checkpointed when due
+            end = skip_step(run, step, end, got.batch, got.metrics, prompts.epoch, run.loader.state_dict)
             continue
-        budget.trained()
+        if got.outcome is not Outcome.TRAIN:  # out of data, a stop signal, a failed rollout: the end below
+            break
+        batch, metrics = got.batch, got.metrics
 
         # ---- 5. sample masks: invalid samples (failed, flagged), overlong filtering (stays in the baseline) --
         batch = batch.replace(sample_mask_b=initial_sample_mask(cfg, batch))
@@ -145,41 +78,39 @@ def main(argv=None) -> int | None:
         with timed(timing, "logprobs"):
             batch = step_logprobs(cfg, batch, run.logprob_engines, run.rank, run.world_size)
         if stop_requested(run):  # the last safe point before the weights change
-            abandoned = step
+            got = Collected(Outcome.ABANDONED)
             break
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)
-        metrics.update({f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()})
 
         # ---- 8. train: one optimizer step per train_global_batch_size samples -------------------
         with timed(timing, "train"):
             results = train_step(cfg, run.policy, batch, run.rank, run.world_size, loss_fn=clipped_pg_loss_fn)
 
-        # ---- 9. refit the generation engine, log, validate, checkpoint (a stop signal skips validation) --
-        try:
-            timing["timing/refit_s"] = run.generator.refit(run.policy)
-        except RolloutError as err:  # generation ranks gone (colocated.enabled=false); step `step` is trained
-            failure, timing["timing/refit_s"] = f"the refit after step {step} failed: {err}", 0.0
-        record_step(state, batch, step)
-        state.current_epoch = prompts.epoch
-        timing["timing/step_s"] = time.perf_counter() - t_step
-        metrics.update({**step_metrics(batch, results, timing["timing/step_s"]), **timing, **budget.metrics(),
-                        **run.generator.memory, "train/epoch": state.current_epoch})
-        end = end_step(run, step, batch, results, metrics, failure=failure,
-                       validate=lambda at: validate(run, run.generator, run.val_envs, at),
-                       loader_state=run.loader.state_dict)  # log, check, dump, validate, checkpoint
-        stop, failure, last_metrics = end.stop, end.failure, end.metrics
+        # ---- 9. sync weights: refit the generation engine --------------------------------------------
+        failure = sync_weights(run, step, timing)  # generation ranks gone (colocated.enabled=false)
+        metrics = record_trained(run, step, batch, results, metrics, adv_metrics, timing, t_step, prompts.epoch,
+                                 extra=run.generator.memory)
+
+        # ---- 10. log (health checks, dumps), validate, checkpoint (a stop signal skips validation) -------
+        end = log_step(run, step, batch, results, metrics, failure)
+        val, end = validate_step(run, step, end, validate_now)
+        end = checkpoint_step(run, step, end, val, run.loader.state_dict)
 
     # ================================================================ the end
-    if out_of_data:  # dynamic sampling can use up the epochs before max_num_steps
-        stop = "out of training data"
-    if abandoned is not None and failure is None:
-        stop = signal_stop_message(run, abandoned)
-    if stop or failure:
-        run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
-    return finish(run, out_of_data=out_of_data, loader_state=mark["loader"] if abandoned else run.loader.state_dict(),
-                  failure=failure, metrics=last_metrics, rng=rng if abandoned else None)
+    stop, failure = end.stop, end.failure
+    match got.outcome:
+        case Outcome.OUT_OF_DATA:  # dynamic sampling can use up the epochs before max_num_steps
+            stop = "out of training data"
+        case Outcome.ABANDONED:  # before training: the last finished step's prompts and RNG are what finish saves
+            stop = signal_stop_message(run, step)
+        case Outcome.FAILED:
+            failure = got.failure
+    abandoned = got.outcome in (Outcome.ABANDONED, Outcome.FAILED)
+    return finish(run, out_of_data=got.outcome is Outcome.OUT_OF_DATA,
+                  loader_state=mark["loader"] if abandoned else run.loader.state_dict(), failure=failure,
+                  metrics=end.metrics, stop=stop, rng=rng if abandoned else None)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,10 @@ module or folder:
    services, `grpo.wings.agents`, which NeMo-Gym uses).
 8. run (`grpo.run`): composition: a run's setup (`grpo.run.run_setup`), the scripts' command line
    (`grpo.run.cli`), the `Run` and its per-step calls and teardown (`grpo.run.run`), validation, where generation
-   runs and is served (`grpo.run.serving`), ``--export-hf`` / ``--export-adapter`` (`grpo.run.export`), the end of
-   a step that both loops share (`grpo.run.step_end`), the async loop's producer thread (`grpo.run.producer`);
-   the loops themselves are the scripts ``train_grpo.py`` and ``train_async_grpo.py``.
+   runs and is served (`grpo.run.serving`), ``--export-hf`` / ``--export-adapter`` (`grpo.run.export`), the phases
+   before training (`grpo.run.phases`: scoring, the sync loop's rollout collection and weight sync), the end of a
+   step that both loops share (`grpo.run.step_end`: log, validate, checkpoint), the async loop's generation side
+   (`grpo.run.async_generation`) and its producer thread (`grpo.run.producer`); the loops themselves are the
+   scripts ``train_grpo.py`` and ``train_async_grpo.py``.
 9. tools (`grpo.tools`): ``python -m grpo.tools.inspect`` (rollout dumps) and ``python -m grpo.tools.plot`` (curves).
 """

@@ -2,8 +2,8 @@
 calls with the run each step (rollout, dumps, checkpoint, stop decisions) up to `finish`, its teardown.
 
     run = setup(argv, DEFAULT_CONFIG, asynchronous=False)   # grpo.run.run_setup: a Run, or None (--export-hf done)
-    ... the loop, calling run_rollout(run, ...), validate(run, ...) and end_step(run, ...) ...
-    return finish(run, failure=...)                          # None or a signal's exit status
+    ... the loop, calling run_rollout(run, ...), validate(run, ...) and grpo.run.step_end's phases ...
+    return finish(run, failure=..., stop=...)                # None or a signal's exit status
 
 A run that cannot start or that fails raises `RunError`; `run_script` (the scripts' ``__main__``) catches
 it once, prints its ``error:`` line and exits 1.
@@ -342,8 +342,10 @@ def run_script(main) -> None:
 
 
 def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None, failure: str | None = None,
-           extra: dict | None = None, metrics: dict | None = None, rng: dict | None = None) -> int | None:
-    """End of a run: a last checkpoint of the last finished step when it is not saved yet and the data ran
+           extra: dict | None = None, metrics: dict | None = None, rng: dict | None = None,
+           stop: str | None = None) -> int | None:
+    """End of a run: the line that says why it stops (``failure``, else ``stop``: a normal stop's reason), a last
+    checkpoint of the last finished step when it is not saved yet and the data ran
     out, a signal stopped the run (e.g. abandoning a step before training), or a failure left the state good
     (not after non-finite steps: the last checkpoint holds the last good weights); the consolidated export
     (``hf_final``; not after a failure, a signal or a time-limit stop), the closing line, and every resource
@@ -353,10 +355,13 @@ def finish(run: Run, out_of_data: bool = False, loader_state: dict | None = None
     for people) raises `RunError` with it once all of that is done (the script exits 1)."""
     from grpo.system import engines, weights
     from grpo.system.checkpoint import set_rng_state
+    from grpo.system.health import HealthStop
 
     cfg, state = run.cfg, run.state
+    if stop or failure:
+        run.logger.write(f"stopping at step {state.current_step}: {failure or stop}")
     saved = run.ckpt.latest_step(checksums=False) if cfg.checkpointing.enabled else None
-    good_state = failure is not None and run.checks.stop_kind != "nonfinite"
+    good_state = failure is not None and run.checks.stop_kind is not HealthStop.NONFINITE
     signalled = run.exit_status is not None
     if (cfg.checkpointing.enabled and (out_of_data or good_state or signalled) and saved != state.current_step
             and (state.current_step > 0 or out_of_data)):

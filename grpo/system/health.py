@@ -14,6 +14,7 @@ own overflow check discards it (see there); `overflow_check_gap` says at setup w
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -276,6 +277,15 @@ def last_error_text(t) -> str:
 # --------------------------------------------------------------------------------------------------
 # All of it, once per step
 # --------------------------------------------------------------------------------------------------
+class HealthStop(enum.Enum):
+    """Why the checks stopped the run (`StepChecks.stop_kind`): ``NONFINITE`` steps in a row (the state is not
+    good: nothing is saved at the end), or too many ``ROLLOUTS`` skipped in a row (an outage: the state is good,
+    the async replay deque's groups failed too)."""
+
+    NONFINITE = "nonfinite"
+    ROLLOUTS = "rollouts"
+
+
 class StepChecks:
     """The checks both loops run on every step: after training (``policy.max_nonfinite_steps``), `after_step`
     returns the message that stops the run (exit 1), or None, and adds ``train/nonfinite_steps`` to the step's
@@ -291,7 +301,7 @@ class StepChecks:
         self.watch = CollapseWatch(vocab_size)
         f = cfg.grpo.rollout_failure
         self.rollouts = RolloutBudget(f.min_step_batch_fraction, f.max_consecutive_skipped_steps)
-        self.stop_kind: str | None = None  # "nonfinite" (nothing to save) or "rollouts" after a stop
+        self.stop_kind: HealthStop | None = None  # why the checks stopped the run, or None
 
     def after_step(self, trajectories: list, raw_rewards_b: torch.Tensor, train_results: list[dict],
                    metrics: dict) -> str | None:
@@ -306,7 +316,7 @@ class StepChecks:
             self.watch.update(metrics.get("train/approx_entropy"), metrics.get("train/grad_norm"),
                               raw_rewards_b.tolist())
         if verdict == "stop":
-            self.stop_kind = "nonfinite"
+            self.stop_kind = HealthStop.NONFINITE
             return self.guard.message()
         if verdict == "skip":
             logger.warning("step not applied: %s (train/nonfinite_steps %d)", problem, self.guard.count)

@@ -49,7 +49,8 @@ def test_finish_raises_the_failure_after_closing_everything():
     run, closable, lines = _run()
     with pytest.raises(RunError, match=r"^the rollout of step 4 failed: boom$"):
         finish(run, failure="the rollout of step 4 failed: boom")
-    assert closable.closed and lines == ["done: 3 steps"]
+    # The line that says why the run stops (the mains pass it to finish), then the closing line.
+    assert closable.closed and lines == ["stopping at step 3: the rollout of step 4 failed: boom", "done: 3 steps"]
 
 
 def test_finish_returns_a_signal_status_without_a_failure():
