@@ -28,15 +28,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMOS = {  # name -> (script, config)
-    "default": ("train_grpo.py", "configs/cpu_demo.yaml"),
-    "async": ("train_async_grpo.py", "configs/cpu_demo_async.yaml"),
-    "multiturn": ("train_grpo.py", "configs/cpu_demo_multiturn.yaml"),
-    "tools": ("train_grpo.py", "configs/cpu_demo_tools.yaml"),
-    "agent": ("train_grpo.py", "configs/cpu_demo_agent.yaml"),
-    "gym": ("train_grpo.py", "configs/cpu_demo_gym.yaml"),
-    "reward_model": ("train_grpo.py", "configs/cpu_demo_reward_model.yaml"),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure_demos import DEMOS  # noqa: E402  (name -> (script, config): the one list of the CPU demos)
+
 KEPT = re.compile(r"loss|reward|accuracy")
 DROPPED = re.compile(r"timing|time|per_s|throughput|memory|_mb$|_gb$")
 
