@@ -83,7 +83,7 @@ def commit() -> str:
 def toy_models(config: str, overrides: list[str]) -> list[str]:
     """The ``toy:`` models the demo loads (the policy, and a reward model's), as its config names them."""
     sys.path.insert(0, REPO)
-    from grpo.config_load import load_config
+    from grpo.config.load import load_config
 
     cfg = load_config(os.path.join(REPO, config), overrides)
     rm = cfg.env.reward_model
