@@ -25,7 +25,7 @@ from grpo.config.algorithm import (AdvEstimatorConfig, AsyncGRPOConfig, ClippedP
                                    RolloutFailureConfig, reward_penalties_without_nemo_gym)
 from grpo.config.policy import (CHAT_TEMPLATE_ARGS_SET_BY_GRPO, ColocatedConfig, ColocatedResourcesConfig,
                                 DynamicBatchingConfig, GenerationConfig, HttpServerConfig, LoraConfig, OptimizerConfig,
-                                PolicyConfig, REASONING_PARSERS, SchedulerConfig, SequencePackingConfig,
+                                PolicyConfig, REASONING_PARSERS, Sampling, SchedulerConfig, SequencePackingConfig,
                                 ServingChatKwargs, TOOL_PARSERS, TokenizerConfig, VLLM_KWARGS_SET_BY_GRPO,
                                 VLLM_LORA_KWARGS, VLLM_MAX_LORA_RANK, VisionConfig, VllmConfig, generation_ranks,
                                 generation_split_problem, parser_problem, vllm_parser_names)
@@ -44,7 +44,7 @@ __all__ = [
     "RewardPenaltyTokenIdsConfig", "RewardScalingConfig", "RewardShapingConfig", "RolloutFailureConfig",
     "reward_penalties_without_nemo_gym", "CHAT_TEMPLATE_ARGS_SET_BY_GRPO", "ColocatedConfig",
     "ColocatedResourcesConfig", "DynamicBatchingConfig", "GenerationConfig", "HttpServerConfig", "LoraConfig",
-    "OptimizerConfig", "PolicyConfig", "REASONING_PARSERS", "SchedulerConfig", "SequencePackingConfig",
+    "OptimizerConfig", "PolicyConfig", "REASONING_PARSERS", "Sampling", "SchedulerConfig", "SequencePackingConfig",
     "ServingChatKwargs", "TOOL_PARSERS", "TokenizerConfig", "VLLM_KWARGS_SET_BY_GRPO", "VLLM_LORA_KWARGS",
     "VLLM_MAX_LORA_RANK", "VisionConfig", "VllmConfig", "generation_ranks", "generation_split_problem",
     "parser_problem", "vllm_parser_names", "DataConfig", "DataSource", "AgentConfig", "EffortLevelsConfig", "EnvConfig", "EnvSpec",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -316,12 +318,36 @@ class GenerationConfig(_Section):
                              f"port_range_high={self.port_range_high}: expected low <= high")
         return self
 
-    def for_validation(self) -> "GenerationConfig":
-        """This config with validation's sampling (NeMo-RL's val_temperature / val_top_p / val_top_k) in place of
-        temperature / top_p / top_k; itself when none is set."""
-        update = {name: getattr(self, f"val_{name}") for name in ("temperature", "top_p", "top_k")
-                  if getattr(self, f"val_{name}") is not None}
-        return self.model_copy(update=update) if update else self
+    def sampling(self, validation: bool = False) -> "Sampling":
+        """The frozen sampling profile a `generate` call takes: training's, or with ``validation`` NeMo-RL's
+        val_temperature / val_top_p / val_top_k in place of temperature / top_p / top_k (each null: the training
+        value)."""
+        knobs = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k")}
+        if validation:
+            knobs.update({name: getattr(self, f"val_{name}") for name in knobs
+                          if getattr(self, f"val_{name}") is not None})
+        return Sampling(**knobs, max_new_tokens=self.max_new_tokens,
+                        stop_strings=tuple(self.stop_strings) if self.stop_strings is not None else None,
+                        stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids is not None else None)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What one `generate` call samples with (`GenerationConfig.sampling`): passed as an argument on every backend,
+    never set on one, so validation's profile and training's can be in flight on one backend at once.
+    ``max_new_tokens`` / ``stop_strings``: the defaults for a sample the call gives none; ``stop_token_ids``: the
+    config's extra stop tokens (besides the tokenizer's and the model's EOS).
+
+        >>> GenerationConfig(temperature=0.7, val_temperature=0.1).sampling(validation=True).temperature
+        0.1
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int | None
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
 
 
 class LoraConfig(_Section):

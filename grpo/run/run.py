@@ -147,15 +147,17 @@ def claim_on_rank0(rank: int, claim) -> tuple[list[RunLock], str | None]:
     return claimed[0], run_id
 
 
-def turn_settings(cfg, greedy: bool = False, stop: Callable[[Trajectory], bool] | None = None):
+def turn_settings(cfg, greedy: bool = False, stop: Callable[[Trajectory], bool] | None = None,
+                  validation: bool = False):
     """The rollout's limits from the config, and a fork's turn-level stopping rule ``stop``
-    (`grpo.system.rollout.TurnSettings`)."""
+    (`grpo.system.rollout.TurnSettings`); with ``validation`` it samples with validation's profile (NeMo-RL's
+    ``val_temperature`` / ``val_top_p`` / ``val_top_k``)."""
     from grpo.system.rollout import TurnSettings
 
     p = cfg.policy
     return TurnSettings(max_turns=cfg.grpo.max_rollout_turns, max_total_len=p.max_total_sequence_length,
                         chunk_size=p.generation_batch_size, greedy=greedy, max_new_tokens=p.generation.max_new_tokens,
-                        stop=stop)
+                        stop=stop, sampling=p.generation.sampling(validation=validation))
 
 
 def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, gen_batch: int, *,
@@ -172,8 +174,9 @@ def run_rollout(run: Run, generator, envs, prompts: list[PromptRow], step: int, 
     cfg = run.cfg
     if weights is None and not cfg.grpo.async_grpo.enabled:
         weights = FixedWeights(run.state.current_step)
+    settings = turn_settings(cfg, stop=run.turn_stop, validation=stream == "val")
     return generate_rollout(prompts, num_generations or cfg.grpo.num_generations_per_prompt, generator, envs,
-                            run.chat, turn_settings(cfg, stop=run.turn_stop), base_seed=cfg.grpo.seed, step=step,
+                            run.chat, settings, base_seed=cfg.grpo.seed, step=step,
                             gen_batch=gen_batch, stream=stream, rank=run.rank, world_size=run.world_size,
                             weights=weights, group=group, player=run.player,
                             score_pending=score_pending or (run.deferred.score_pending if run.deferred else None))

@@ -1,17 +1,16 @@
-"""Validation as NeMo-RL runs it: validation's sampling parameters for a block, a scored pass over the validation
+"""Validation as NeMo-RL runs it: a scored pass with validation's sampling parameters over the validation
 prompts, and its ``validation/*`` metrics."""
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 from grpo.run.run import Run, dump_rollouts, run_rollout
 
 
 def validate(run: Run, generator, envs, step: int) -> dict:
-    """Score up to ``grpo.max_val_samples`` prompts x ``grpo.val_num_generations_per_prompt`` samples with
-    validation's sampling (`validation_sampling`), log NeMo-RL's ``validation/*`` and ``timing/validation/*``,
+    """Score up to ``grpo.max_val_samples`` prompts x ``grpo.val_num_generations_per_prompt`` samples with validation's
+    sampling (`grpo.config.GenerationConfig.sampling`), log NeMo-RL's ``validation/*`` and ``timing/validation/*``,
     print a few conversations and dump them (``logger.dump_rollouts``); returns the metrics under NeMo-RL's names
     (`grpo.config.validation_metric_names`), as NeMo-RL's ``validate`` (nemo_rl/algorithms/grpo.py):
 
@@ -40,13 +39,12 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     rows = [run.val_ds[i] for i in range(n)]
     trajs, group_ids, timing, t0 = [], [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
     bs = g.val_batch_size or n
-    with validation_sampling(generator, run.cfg.policy.generation):
-        for start in range(0, n, bs):
-            r = run_rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val",
-                            num_generations=k)
-            trajs += r.trajectories
-            group_ids += [start + t.group_id for t in r.trajectories]
-            timing = {key: v + r.timing[key] for key, v in timing.items()}
+    for start in range(0, n, bs):  # stream "val": validation's sampling profile (`grpo.run.run.turn_settings`)
+        r = run_rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val",
+                        num_generations=k)
+        trajs += r.trajectories
+        group_ids += [start + t.group_id for t in r.trajectories]
+        timing = {key: v + r.timing[key] for key, v in timing.items()}
     # NeMo-RL's validate scores with its reward_penalties too: accuracy counts a zeroed sample as wrong.
     rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor([float(t.reward) for t in trajs]), trajs,
                                                    run.cfg.reward_penalties, run.tokenizer, run.cfg.env)
@@ -94,21 +92,3 @@ def failed_validation_note(step: int, trajs: list) -> str:
     last = detail.strip().splitlines()[-1][:300] if detail.strip() else ""
     return (f"validation at step {step} failed: all {len(trajs)} samples failed ({reasons}), none was scored: "
             f"validation/accuracy is NaN, not 0" + (f"; the first: {last}" if last else ""))
-
-
-@contextmanager
-def validation_sampling(generator, gen_cfg):
-    """Inside the block ``generator`` samples with NeMo-RL's validation-only parameters,
-    ``policy.generation.val_temperature`` / ``val_top_p`` / ``val_top_k`` (null: the training value;
-    `grpo.config.GenerationConfig.for_validation`). Every backend reads its sampling parameters from its
-    generation config on every call (`grpo.system.generation.base.GenerationBackend.gen_cfg`)."""
-    val = gen_cfg.for_validation()
-    if val is gen_cfg:
-        yield
-        return
-    before = generator.gen_cfg
-    generator.gen_cfg = val
-    try:
-        yield
-    finally:
-        generator.gen_cfg = before

@@ -38,6 +38,7 @@ from grpo.system.chat import ChatFormatError
 from grpo.tasks.rows import PromptRow
 from grpo.batch import rank_slice
 from grpo.system.dist import all_gather_objects
+from grpo.config import Sampling
 from grpo.system.generation.base import chunk_slices
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class TurnSettings:
             return "ANSWER:" in t.messages[-1].content
         run = setup(argv, DEFAULT_CONFIG, asynchronous=False, description=__doc__, turn_stop=stop_when_answered)
 
-    Samples that the run's player plays (`grpo.system.players`) end as it says."""
+    Samples that the run's player plays (`grpo.system.players`) end as it says. ``sampling``: the profile every
+    `generate` call of the rollout samples with (`grpo.config.Sampling`; None: the backend's own, training's)."""
 
     max_turns: int
     max_total_len: int
@@ -129,6 +131,7 @@ class TurnSettings:
     greedy: bool = False
     max_new_tokens: int | None = None
     stop: Callable[[Trajectory], bool] | None = None
+    sampling: Sampling | None = None
 
 
 def _room(traj: Trajectory, settings: TurnSettings) -> int:
@@ -168,7 +171,7 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
             outputs = generator.generate([trajs[i].token_ids() for i in chunk],
                                          [sample_seed(*seed_keys[i], turn=turn) for i in chunk],
                                          greedy=settings.greedy, max_new_tokens=caps,
-                                         stop_strings=[stops.get(i) for i in chunk],
+                                         stop_strings=[stops.get(i) for i in chunk], sampling=settings.sampling,
                                          **({"media": media} if any(m is not None for m in media) else {}))
             if len(outputs) != len(chunk):  # never a shorter batch (NeMo-RL RL#2305: silent empty epochs)
                 raise RolloutError(f"generation returned {len(outputs)} outputs for {len(chunk)} prompts")

@@ -40,21 +40,22 @@ class Collective(GenerationBackend):
 
     def __init__(self, gen_cfg):
         self.group = dist.new_group(backend="gloo")
-        self.gen_cfg, self.version, self.log = gen_cfg, 0, []
+        self.sampling, self.version, self.log = gen_cfg.sampling(), 0, []
 
     def _gather(self, item):
         parts = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(parts, item, group=self.group)
         return parts
 
-    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None):
-        parts = self._gather(("generate", self.gen_cfg.temperature, list(map(list, prompt_ids)), list(seeds)))
+    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None, sampling=None):
+        sampling = sampling or self.sampling
+        parts = self._gather(("generate", sampling.temperature, list(map(list, prompt_ids)), list(seeds)))
         if len({(p[0], p[1]) for p in parts}) != 1:
             raise AssertionError(f"the trainers disagree on the call: {[(p[0], p[1]) for p in parts]}")
         self.log.append(("generate", parts[0][1], [len(p[2]) for p in parts]))
         if self.in_flight is not None:
             self.in_flight()
-        temp = int(self.gen_cfg.temperature * 10)
+        temp = int(sampling.temperature * 10)
         return [GenerationOutput(list(p), [s, temp, self.version], [0.0] * 3, "stop", "") for p, s in
                 zip(prompt_ids, seeds)]
 

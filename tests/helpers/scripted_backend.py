@@ -13,11 +13,11 @@ class ScriptedBackend(GenerationBackend):
     each call)."""
 
     def __init__(self, tokenizer, gen_cfg, texts: list[str]):
-        self.tokenizer, self.gen_cfg, self.texts = tokenizer, gen_cfg, texts
+        self.tokenizer, self.sampling, self.texts = tokenizer, gen_cfg.sampling(), texts
         self.calls: list[list[list[int]]] = []
         self._n = 0
 
-    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None):
+    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None, sampling=None):
         self.calls.append([list(p) for p in prompt_ids])
         outs = []
         for p in prompt_ids:

@@ -367,16 +367,13 @@ def test_finish_reasons_and_stop_strings_equal_hf(backend, policy, tok):
         n, reason = cut_completion(o.completion_ids, cap, stop_ids, [stop_string], decode)
         expected.append((o.completion_ids[:n], reason, decode(o.completion_ids[:n])))
 
-    saved = gen.gen_cfg
-    gen.gen_cfg = saved.model_copy(update={"stop_strings": [stop_string], "stop_token_ids": [stop_token]})
-    try:
-        cfg = gen.cfg.model_copy(deep=True)
-        cfg.policy.generation = gen.gen_cfg
-        hf = hf_backend(cfg, tok, policy)
-        ours = gen.generate(encode(tok, PROMPTS), SEEDS, greedy=True, max_new_tokens=cap)
-        theirs = hf.generate(encode(tok, PROMPTS), SEEDS, greedy=True, max_new_tokens=cap)
-    finally:
-        gen.gen_cfg = saved
+    cfg = gen.cfg.model_copy(deep=True)
+    cfg.policy.generation = cfg.policy.generation.model_copy(
+        update={"stop_strings": [stop_string], "stop_token_ids": [stop_token]})
+    hf = hf_backend(cfg, tok, policy)
+    sampling = cfg.policy.generation.sampling()
+    ours = gen.generate(encode(tok, PROMPTS), SEEDS, greedy=True, max_new_tokens=cap, sampling=sampling)
+    theirs = hf.generate(encode(tok, PROMPTS), SEEDS, greedy=True, max_new_tokens=cap)
     assert [(o.completion_ids, o.finish_reason, o.text) for o in ours] == expected
     assert [(o.completion_ids, o.finish_reason, o.text) for o in theirs] == expected
     assert ours[0].finish_reason == "stop" and ours[0].text.endswith(stop_string)

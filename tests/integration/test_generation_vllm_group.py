@@ -43,8 +43,8 @@ def fake_backend(group, calls: list) -> VllmGeneration:
     gen._tp_group, gen._refitted, gen._asleep, gen.recorder = group, True, False, []
     gen.cfg = MasterConfig.model_validate({"policy": {"max_total_sequence_length": 16,
                                                       "generation": {"max_new_tokens": 4}}})
-    gen.gen_cfg = gen.cfg.policy.generation
-    gen._run_engine = lambda p, s, greedy, caps, stops: fake_engine(calls)(p, s)
+    gen.sampling = gen.cfg.policy.generation.sampling()
+    gen._run_engine = lambda p, s, greedy, sampling, caps, stops: fake_engine(calls)(p, s)
     return gen
 
 

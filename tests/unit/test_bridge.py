@@ -277,7 +277,7 @@ def test_in_flight_rounds_continue_from_the_partial_output_with_newer_weights():
     gen = _remote(chunk_tokens=3)
     seen = []
 
-    def fake_round(prompts, seeds, caps, stops, *, greedy):
+    def fake_round(prompts, seeds, caps, stops, *, greedy, sampling):
         seen.append([(len(p), c) for p, c in zip(prompts, caps)])
         outs = []
         for p, c in zip(prompts, caps):
@@ -290,7 +290,7 @@ def test_in_flight_rounds_continue_from_the_partial_output_with_newer_weights():
         gen.version += 1
 
     gen._round, gen.in_flight = fake_round, load_newer
-    out = gen._generate_in_flight([[1, 2], [1, 2]], [5, 6], [8, 8], [None, ["de"]], greedy=False)
+    out = gen._generate_in_flight([[1, 2], [1, 2]], [5, 6], [8, 8], [None, ["de"]], greedy=False, sampling=None)
     assert out[0].completion_ids == [ord(c) for c in "abcdefgh"] and out[0].finish_reason == "length"
     assert out[1].text == "abcde" and out[1].finish_reason == "stop"  # "d" in round 1, "e" in round 2
     assert out[0].logprobs == [0.0] * 3 + [-1.0] * 3 + [-2.0] * 2  # each round with the weights of its time
@@ -304,11 +304,11 @@ def test_in_flight_rounds_end_at_a_stop_token_and_seed_each_round_apart():
     gen = _remote(chunk_tokens=2)
     seeds_seen = []
 
-    def fake_round(prompts, seeds, caps, stops, *, greedy):
+    def fake_round(prompts, seeds, caps, stops, *, greedy, sampling):
         seeds_seen.append(seeds)
         return [GenerationOutput(p, [ord("x"), 0][:c], [0.0, 0.0][:c], "stop", "") for p, c in zip(prompts, caps)]
 
     gen._round, gen.in_flight = fake_round, lambda: None
-    out = gen._generate_in_flight([[1]], [9], [10], [None], greedy=False)
+    out = gen._generate_in_flight([[1]], [9], [10], [None], greedy=False, sampling=None)
     assert out[0].completion_ids == [ord("x"), 0] and out[0].finish_reason == "stop"
     assert seeds_seen == [[9]] and round_seed(9, 1) != 9

@@ -40,10 +40,12 @@ READ_ONLY_BY_THE_SCHEMA = {
     "policy.sequence_packing.train_mb_tokens": "the same: PolicyConfig.mb_tokens('train')",
     "policy.dynamic_batching.train_mb_tokens": "the same: PolicyConfig.mb_tokens('train')",
     "policy.generation.val_temperature":
-        "read by grpo.config.GenerationConfig.for_validation (getattr of val_<name>), which "
-        "grpo/run/validation.py validation_sampling calls",
-    "policy.generation.val_top_p": "the same: GenerationConfig.for_validation",
-    "policy.generation.val_top_k": "the same: GenerationConfig.for_validation",
+        "read by grpo.config.GenerationConfig.sampling (getattr of val_<name>), which grpo/run/run.py "
+        "turn_settings calls for validation's rollouts",
+    "policy.generation.val_top_p": "the same: GenerationConfig.sampling",
+    "policy.generation.val_top_k": "the same: GenerationConfig.sampling",
+    "policy.generation.stop_strings": "the same: GenerationConfig.sampling puts it in every backend's profile",
+    "policy.generation.stop_token_ids": "the same: GenerationConfig.sampling puts it in every backend's profile",
     "env.should_use_nemo_gym":
         "NeMo-RL's switch; grpo.config.EnvConfig makes it env.name=nemo_gym (and MasterConfig's _nemo_gym_checks "
         "apply), which grpo/tasks/factory.py builds as the NeMo-Gym environment",

@@ -35,7 +35,7 @@ class ScriptedGenerator(GenerationBackend):
         self.tok, self.replies = tok, replies
         self.prompts, self.stops = [], []
 
-    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None):
+    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None, sampling=None):
         turn = len(self.prompts)
         self.prompts.append([list(p) for p in prompt_ids])
         self.stops.append(list(stop_strings))

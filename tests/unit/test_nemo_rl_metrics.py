@@ -193,7 +193,6 @@ def test_val_start_at_delays_periodic_validation(overrides, due):
 def test_validation_sampling_reaches_the_hf_backend(monkeypatch):
     import torch
 
-    from grpo.run.validation import validation_sampling
     from grpo.system.generation import hf
     from grpo.tasks.toy import build_char_tokenizer, build_tiny_model
 
@@ -214,21 +213,23 @@ def test_validation_sampling_reaches_the_hf_backend(monkeypatch):
     gen = hf.HFGeneration(policy, tok, model.config, torch.device("cpu"), model=model)
     prompt = [tok("ab")["input_ids"]]
     gen.generate(prompt, [1])
-    with validation_sampling(gen, policy.generation):
-        gen.generate(prompt, [1])
-    gen.generate(prompt, [1])
+    gen.generate(prompt, [1], sampling=policy.generation.sampling(validation=True))
+    gen.generate(prompt, [1])  # the profile went with its call: nothing stayed behind on the backend
     assert seen == [(1.0, None, 1.0), (0.5, 3, 0.9), (1.0, None, 1.0)]
 
 
 def test_validation_sampling_reaches_vllm_sampling_params():
-    from grpo.run.validation import validation_sampling
+    import dataclasses
+
+    from grpo.run.run import turn_settings
     from grpo.system.generation.vllm_params import sampling_kwargs
 
-    g = MasterConfig.model_validate({"policy": {"generation": {"temperature": 0.8, "top_k": 20,
-                                                               "val_temperature": 0.1}}}).policy.generation
-    vllm_like = SimpleNamespace(gen_cfg=g)  # VllmGeneration reads its sampling from .gen_cfg on each call
-    with validation_sampling(vllm_like, g):
-        kw = sampling_kwargs(vllm_like.gen_cfg, max_tokens=4, seed=1, greedy=False, stop_ids=[0])
+    cfg = MasterConfig.model_validate({"policy": {"generation": {"temperature": 0.8, "top_k": 20,
+                                                                 "val_temperature": 0.1}}})
+    val = turn_settings(cfg, validation=True).sampling  # validation's rollouts (stream "val") sample with it
+    kw = sampling_kwargs(val, max_tokens=4, seed=1, greedy=False, stop_ids=[0])
     assert (kw["temperature"], kw["top_k"], kw["top_p"]) == (0.1, 20, 1.0)  # unset val_* keep the training value
-    assert vllm_like.gen_cfg is g
-    assert g.for_validation() is not g and MasterConfig().policy.generation.for_validation() is not None
+    train = turn_settings(cfg).sampling
+    assert (train.temperature, train.top_k, train.top_p) == (0.8, 20, 1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a profile is never changed in place
+        train.temperature = 0.1

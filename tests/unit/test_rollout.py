@@ -31,7 +31,7 @@ class FakeGenerator(GenerationBackend):
         self.calls, self.events, self.stops, self.caps = [], [], [], []
         self.fail_on_call = fail_on_call
 
-    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None):
+    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None, sampling=None):
         self.events.append("generate")
         self.calls.append(len(prompt_ids))
         self.stops.append(list(stop_strings))

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
+from grpo.config import Sampling
+
 
 @dataclass
 class GenerationOutput:
@@ -38,19 +40,19 @@ class GenerationBackend:
     (`grpo.system.generation.hf.HFGeneration`, `grpo.system.generation.vllm.VllmGeneration`,
     `grpo.system.generation.remote.RemoteGeneration`) subclasses it, so callers never probe for a method.
 
-    ``gen_cfg``: the sampling config (`grpo.config.GenerationConfig`) `generate` reads; validation swaps in
-    validation's for a block (`grpo.run.validation.validation_sampling`). ``memory``: ``memory/<phase>_gb`` gauges for the
-    step's log (empty where the backend measures none). ``stats``: counters the async loop logs as
-    ``async/<name>`` (generation ranks' weight loads, ...). ``broken``: why the backend can no longer generate
-    (generation ranks gone), else None: no retry can help then. ``in_flight``: the async producer's mid-request
-    safe point (a callable, or None), for backends that can load weights between decode rounds.
+    ``sampling``: the training profile (`grpo.config.Sampling`, frozen) a `generate` call without ``sampling`` uses;
+    validation passes its own profile to each call, nothing is ever swapped on a backend. ``memory``:
+    ``memory/<phase>_gb`` gauges for the step's log (empty where the backend measures none). ``stats``: counters the
+    async loop logs as ``async/<name>`` (generation ranks' weight loads, ...). ``broken``: why the backend can no
+    longer generate (generation ranks gone), else None: no retry can help then. ``in_flight``: the async producer's
+    mid-request safe point (a callable, or None), for backends that can load weights between decode rounds.
 
     ``device`` (where the backend runs; None: nowhere in particular) and ``stream`` (the CUDA stream its engine was
     built on, None: the device's current one): `device_context` makes them the calling thread's, which every thread
     that calls a backend enters (CUDA's current device and stream are per thread).
     """
 
-    gen_cfg: Any
+    sampling: Sampling
     memory: Mapping[str, float] = MappingProxyType({})  # a backend that measures assigns its own dict
     stats: Mapping[str, float] = MappingProxyType({})
     broken: str | None = None
@@ -66,11 +68,13 @@ class GenerationBackend:
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
                  max_new_tokens: int | Sequence[int] | None = None,
-                 stop_strings: Sequence[Sequence[str] | None] | None = None) -> list[GenerationOutput]:
+                 stop_strings: Sequence[Sequence[str] | None] | None = None,
+                 sampling: Sampling | None = None) -> list[GenerationOutput]:
         """One output per prompt, in order; ``seeds[i]`` drives the sampling of sample i only.
 
-        ``max_new_tokens``: one cap for all, or one per sample (None: ``policy.generation.max_new_tokens``);
-        ``stop_strings``: per sample, its stop strings (None for a sample, or for all: the config's).
+        ``sampling``: the profile to sample with (None: the backend's ``sampling``, training's);
+        ``max_new_tokens``: one cap for all, or one per sample (None: the profile's ``max_new_tokens``);
+        ``stop_strings``: per sample, its stop strings (None for a sample, or for all: the profile's).
         """
         raise NotImplementedError
 

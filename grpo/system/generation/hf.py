@@ -157,7 +157,7 @@ class HFGeneration(GenerationBackend):
         from grpo.system.vision import auto_model_class, prepare_model
 
         self.cfg = getattr(policy_cfg, "policy", policy_cfg)
-        self.gen_cfg = self.cfg.generation
+        self.sampling = self.cfg.generation.sampling()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.refit_bucket_numel = refit_bucket_numel
@@ -171,7 +171,7 @@ class HFGeneration(GenerationBackend):
         self.model = model if shared else model.to(self.device).eval().requires_grad_(False)
         cfg_eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
         self.stop_token_ids = sorted(set(_as_list(tokenizer.eos_token_id) + _as_list(cfg_eos)
-                                         + _as_list(self.gen_cfg.stop_token_ids)))
+                                         + _as_list(self.cfg.generation.stop_token_ids)))
         if not self.stop_token_ids:
             raise ValueError("no stop token: the tokenizer has no eos_token and policy.generation.stop_token_ids "
                              "is empty")
@@ -190,7 +190,8 @@ class HFGeneration(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens=None, stop_strings=None, media: list | None = None) -> list[GenerationOutput]:
+                 max_new_tokens=None, stop_strings=None, sampling=None,
+                 media: list | None = None) -> list[GenerationOutput]:
         """See `grpo.system.generation.base.GenerationBackend.generate`. ``media``: each prompt's image tensors
         (`grpo.system.vision`; None: a text prompt), for a vision-language model whose ``prompt_ids`` hold the
         processor-expanded placeholders (they go to the model as they are)."""
@@ -198,31 +199,31 @@ class HFGeneration(GenerationBackend):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not self._has_weights:
             raise RuntimeError("HFGeneration: call refit(engine) before generate (the copy holds random weights)")
-        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
+        sampling = sampling or self.sampling
+        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or sampling.max_new_tokens,
                            self.cfg.max_total_sequence_length)
-        stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
+        stops = per_sample_stops(stop_strings, sampling.stop_strings, len(prompt_ids))
         bs = self.cfg.generation_batch_size
         out: list[GenerationOutput] = []
         with _generating(self.model, self._generation_config):
             for i in range(0, len(prompt_ids), bs):
                 out += self._generate_chunk(prompt_ids[i:i + bs], seeds[i:i + bs], caps[i:i + bs], stops[i:i + bs],
-                                            greedy, (media or [None] * len(prompt_ids))[i:i + bs])
+                                            greedy, sampling, (media or [None] * len(prompt_ids))[i:i + bs])
         return out
 
-    def _generate_chunk(self, prompts, seeds, caps, stops, greedy, media) -> list[GenerationOutput]:
+    def _generate_chunk(self, prompts, seeds, caps, stops, greedy, sampling, media) -> list[GenerationOutput]:
         B, L = len(prompts), max(len(p) for p in prompts)
         ids_bt = torch.full((B, L), self.pad_id, dtype=torch.long)
         mask_bt = torch.zeros((B, L), dtype=torch.long)
         for b, p in enumerate(prompts):  # left padding
             ids_bt[b, L - len(p):] = torch.tensor(p, dtype=torch.long)
             mask_bt[b, L - len(p):] = 1
-        g = self.gen_cfg
-        sampler = SeededSampler(seeds, g.temperature, g.top_k, g.top_p, greedy, self.device)
+        sampler = SeededSampler(seeds, sampling.temperature, sampling.top_k, sampling.top_p, greedy, self.device)
         ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
         images = image_keywords(self.model, media, self.device)  # rows in order: each row's placeholders, its images
         cache = self._shared_prompt_cache(ids_bt, mask_bt) if not images and shares_prompts(
             self.cfg.shared_prompt_forward, self.model) else None
-        if g.hf_drop_finished_rows:
+        if self.cfg.generation.hf_drop_finished_rows:
             new_bt, lp_bt = decode_dropping_finished(
                 self.model, ids_bt, mask_bt, cache, sampler, caps, self.stop_token_ids, stops, self._decode,
                 self._stop_window(stops), self.pad_id, images)

@@ -85,7 +85,7 @@ class RemoteGeneration(GenerationBackend):
         # loads the newest staged weights; None: a request is generated in one go.
         self.in_flight = None
         self._stale_cache = False  # an in-flight load kept the prefix cache of the old weights
-        self.gen_cfg = cfg.policy.generation  # validation_sampling swaps it for validation's
+        self.sampling = cfg.policy.generation.sampling()  # a call's own profile goes to the generation ranks
         self.num_ranks = layout.num_generation
         self.tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size if cfg.policy.generation.backend == "vllm" else 1
         self.bucket_numel = cfg.policy.generation.refit_bucket_numel
@@ -120,16 +120,16 @@ class RemoteGeneration(GenerationBackend):
         return int(n.item())
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens=None, stop_strings=None) -> list[GenerationOutput]:
+                 max_new_tokens=None, stop_strings=None, sampling=None) -> list[GenerationOutput]:
         """See `grpo.system.generation.base.GenerationBackend.generate`. A collective of the trainers: every
         trainer calls it the same number of times (empty lists included)."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
-        request, error = None, None
+        request, error, sampling = None, None, sampling or self.sampling
         try:  # a bad request on one trainer must not leave the others in the gather: all raise it together
-            caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
+            caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or sampling.max_new_tokens,
                                self.cfg.policy.max_total_sequence_length) if prompt_ids else []
-            stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
+            stops = per_sample_stops(stop_strings, sampling.stop_strings, len(prompt_ids))
             request = [list(map(list, prompt_ids)), [int(s) for s in seeds], caps, stops]
         except ValueError as err:
             error = f"trainer rank {self.layout.rank}: {err}"
@@ -139,24 +139,25 @@ class RemoteGeneration(GenerationBackend):
             raise ValueError("; ".join(errors))
         parts = [r for r, _ in gathered]
         flat = [[x for p in parts for x in p[k]] for k in range(4)]
-        result = (self._generate_in_flight(*flat, greedy=greedy) if self.in_flight is not None
-                  else self._round(*flat, greedy=greedy))
+        result = (self._generate_in_flight(*flat, greedy=greedy, sampling=sampling) if self.in_flight is not None
+                  else self._round(*flat, greedy=greedy, sampling=sampling))
         start = sum(len(p[0]) for p in parts[: self.layout.rank])
         return result[start:start + len(prompt_ids)]
 
-    def _round(self, prompts, seeds, caps, stops, *, greedy: bool) -> list[GenerationOutput]:
+    def _round(self, prompts, seeds, caps, stops, *, greedy: bool, sampling) -> list[GenerationOutput]:
         """One generation of the trainers' whole batch (the same lists on every trainer): trainer 0 sends it, every
         trainer gets all the outputs (or raises `BridgeError` with trainer 0's)."""
         result, broken = None, None
         if self.bridge is not None:
-            result = self._generate_remote(prompts, seeds, caps, stops, greedy=greedy) if prompts else []
+            result = (self._generate_remote(prompts, seeds, caps, stops, greedy=greedy, sampling=sampling)
+                      if prompts else [])
             broken = self.bridge.broken
         result, self.broken = self._broadcast((result, broken))
         if isinstance(result, str):
             raise BridgeError(result)
         return result
 
-    def _generate_in_flight(self, prompts, seeds, caps, stops, *, greedy: bool) -> list[GenerationOutput]:
+    def _generate_in_flight(self, prompts, seeds, caps, stops, *, greedy: bool, sampling) -> list[GenerationOutput]:
         """NeMo-RL's in-flight weight updates: every request is decoded ``in_flight_chunk_tokens`` tokens at a time;
         between rounds the newest staged weights are loaded (``self.in_flight``) and the unfinished requests go on
         from their partial output (prompt + tokens so far, the rest of their budget). Where a completion ends is
@@ -178,7 +179,7 @@ class RemoteGeneration(GenerationBackend):
                 break
             outs = self._round([prompts[i] + ids[i] for i in todo], [round_seed(seeds[i], k) for i in todo],
                                [min(self.chunk_tokens, caps[i] - len(ids[i])) for i in todo],
-                               [stops[i] for i in todo], greedy=greedy)
+                               [stops[i] for i in todo], greedy=greedy, sampling=sampling)
             for i, out in zip(todo, outs):
                 ids[i] += out.completion_ids
                 logprobs[i] += out.logprobs
@@ -310,12 +311,12 @@ class RemoteGeneration(GenerationBackend):
     def _peers(self) -> range:
         return range(1, 1 + self.num_ranks)
 
-    def _generate_remote(self, prompts, seeds, caps, stops, *, greedy: bool) -> list[GenerationOutput] | str:
+    def _generate_remote(self, prompts, seeds, caps, stops, *, greedy: bool, sampling) -> list[GenerationOutput] | str:
         """Trainer 0: the whole batch over the engines; the outputs in order, or an error message."""
         shares = engine_shares(len(prompts), self.num_ranks, self.tp)
         try:
             replies = self._ask_all("generate", [{"prompts": prompts[sl], "seeds": seeds[sl], "caps": caps[sl],
-                                                  "stops": stops[sl], "greedy": greedy, "gen_cfg": self.gen_cfg}
+                                                  "stops": stops[sl], "greedy": greedy, "sampling": sampling}
                                                  for sl in shares])
         except BridgeError as err:
             return str(err)

@@ -84,11 +84,10 @@ def build_server_backend(cfg, model_path: str, device: torch.device):
 
 def _run_generate(backend, arg: dict) -> tuple[str, object]:
     """One generate command: ``("ok", outputs)`` or ``("error", message)``. Validation's sampling comes with the
-    command (``gen_cfg``)."""
+    command (``sampling``, a `grpo.config.Sampling`)."""
     try:
-        backend.gen_cfg = arg["gen_cfg"]
         outputs = backend.generate(arg["prompts"], arg["seeds"], greedy=arg["greedy"], max_new_tokens=arg["caps"],
-                                   stop_strings=arg["stops"])
+                                   stop_strings=arg["stops"], sampling=arg["sampling"])
         return "ok", outputs
     except Exception as err:  # noqa: BLE001 - the trainers stop the run with it
         logger.exception("generation failed")

@@ -417,7 +417,7 @@ class VllmGeneration(GenerationBackend):
     a level-2 sleep and whose optimizer states are offloaded while generating when
     ``vllm_cfg.offload_optimizer_during_generation`` (GPU only). ``recorder``: optional list that
     receives event names. ``refit_bucket_numel``: elements per pushed bucket (``policy.generation.refit_bucket_numel``).
-    ``gen_cfg`` (``cfg.policy.generation``) is read at every `generate`.
+    ``sampling``: ``cfg.policy.generation``'s training profile, a `generate` call's unless it passes its own.
     """
 
     def __init__(self, cfg, tokenizer, policy_engine, device, *, recorder: list | None = None,
@@ -427,7 +427,7 @@ class VllmGeneration(GenerationBackend):
         from grpo.tasks.catalogue import resolve_model_name
 
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
-        self.gen_cfg = cfg.policy.generation
+        self.sampling = cfg.policy.generation.sampling()
         self.vllm_cfg = cfg.policy.generation.vllm_cfg
         self.policy_engine = policy_engine
         # colocated=False: a generation rank (grpo.system.generation.remote): no training engine beside it, no
@@ -550,7 +550,7 @@ class VllmGeneration(GenerationBackend):
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens=None, stop_strings=None) -> list[GenerationOutput]:
+                 max_new_tokens=None, stop_strings=None, sampling=None) -> list[GenerationOutput]:
         """One output per prompt, in order (see `grpo.system.generation.base.GenerationBackend.generate`). Each
         sample is its own request with ``SamplingParams(seed=...)``, so a completion depends only on its
         prompt, seed and the weights. Per-request seeds cost nothing measurable here (64 x 32 tokens of the
@@ -566,21 +566,22 @@ class VllmGeneration(GenerationBackend):
             raise RuntimeError("VllmGeneration: call refit(policy_engine) before the first generate")
         self.wake_up()
         self._record("generate")
-        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or self.gen_cfg.max_new_tokens,
+        sampling = sampling or self.sampling
+        caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or sampling.max_new_tokens,
                            self.cfg.policy.max_total_sequence_length)
-        stops = per_sample_stops(stop_strings, self.gen_cfg.stop_strings, len(prompt_ids))
+        stops = per_sample_stops(stop_strings, sampling.stop_strings, len(prompt_ids))
         return generate_in_group(list(prompt_ids), list(seeds), self._tp_group,
-                                 lambda p, s, c, st: self._run_engine(p, s, greedy, c, st), caps, stops)
+                                 lambda p, s, c, st: self._run_engine(p, s, greedy, sampling, c, st), caps, stops)
 
-    def _run_engine(self, prompt_ids, seeds, greedy: bool, caps: list[int],
+    def _run_engine(self, prompt_ids, seeds, greedy: bool, sampling, caps: list[int],
                     stops: list[list[str]]) -> list[GenerationOutput]:
         """One vLLM ``generate`` call over ``prompt_ids`` (the TP group's whole batch), with per-sample token
         caps and stop strings."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        stop_ids = stop_token_ids(self.tokenizer, self._model_eos, self.gen_cfg)
-        params = [SamplingParams(**sampling_kwargs(self.gen_cfg, max_tokens=c, seed=int(s), greedy=greedy,
+        stop_ids = stop_token_ids(self.tokenizer, self._model_eos, sampling)
+        params = [SamplingParams(**sampling_kwargs(sampling, max_tokens=c, seed=int(s), greedy=greedy,
                                                    stop_ids=stop_ids, stop=st))
                   for c, s, st in zip(caps, seeds, stops)]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]

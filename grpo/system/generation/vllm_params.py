@@ -6,12 +6,7 @@ Nothing here imports vllm; `grpo.system.generation.vllm` builds ``vllm.LLM(**llm
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from grpo.system.generation.base import GenerationOutput
-
-if TYPE_CHECKING:
-    from grpo.config import GenerationConfig
 
 # vLLM on the CPU otherwise reserves 92% of RAM for the KV cache.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
@@ -142,28 +137,28 @@ def adapter_config_for_vllm(peft_config: dict) -> dict:
     return {k: plain(peft_config[k]) for k in ADAPTER_CONFIG_KEYS if k in peft_config}
 
 
-def stop_token_ids(tokenizer, model_eos, gen_cfg: GenerationConfig) -> list[int]:
+def stop_token_ids(tokenizer, model_eos, sampling) -> list[int]:
     """Tokens that end a completion: the tokenizer's EOS, the model config's EOS and
     ``policy.generation.stop_token_ids`` (the same set as the hf backend)."""
     ids = set()
-    for x in (tokenizer.eos_token_id, model_eos, gen_cfg.stop_token_ids):
+    for x in (tokenizer.eos_token_id, model_eos, sampling.stop_token_ids):
         ids.update([] if x is None else ([int(x)] if isinstance(x, int) else [int(i) for i in x]))
     return sorted(ids)
 
 
-def sampling_kwargs(gen_cfg, *, max_tokens: int, seed: int, greedy: bool, stop_ids: list[int],
+def sampling_kwargs(sampling, *, max_tokens: int, seed: int, greedy: bool, stop_ids: list[int],
                     stop: list[str] | None = None) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one sample.
 
     greedy -> temperature 0; top_k None -> -1 (off); ``logprobs=0`` returns the sampled token's logprob
     only. The stop token stays in the output ids; the text is decoded by us (`to_output`). ``stop``: this
-    sample's stop strings (None: ``policy.generation.stop_strings``).
+    sample's stop strings (None: the profile's). ``sampling``: a `grpo.config.Sampling` profile.
     """
-    stop = list(gen_cfg.stop_strings or []) if stop is None else list(stop)
+    stop = list(sampling.stop_strings or []) if stop is None else list(stop)
     return dict(
-        temperature=0.0 if greedy else gen_cfg.temperature,
-        top_p=1.0 if greedy else gen_cfg.top_p,
-        top_k=-1 if greedy or gen_cfg.top_k is None else gen_cfg.top_k,
+        temperature=0.0 if greedy else sampling.temperature,
+        top_p=1.0 if greedy else sampling.top_p,
+        top_k=-1 if greedy or sampling.top_k is None else sampling.top_k,
         max_tokens=max_tokens,
         stop=stop or None,
         stop_token_ids=stop_ids,

@@ -114,7 +114,7 @@ def load_template(spec: str | None) -> str | None:
 
 
 class Endpoint(Batching):
-    """The endpoint over ``backend`` (a `grpo.system.generation.base.GenerationBackend` with ``gen_cfg``).
+    """The endpoint over ``backend`` (a `grpo.system.generation.base.GenerationBackend`).
 
     ``cfg``: the run's `grpo.config.MasterConfig` (policy.generation, policy.tokenizer, max_total_sequence_length).
     `start` serves it; `serving` opens it for generation; `close` stops it.
@@ -147,8 +147,8 @@ class Endpoint(Batching):
         self.vocab_size = max(len(tokenizer), vocab_size)  # vocab_size: the policy's embedding rows
         self.max_render_chars = 2 * self.max_len * max(map(len, tokenizer.get_vocab()))
         self._work_pool = concurrent.futures.ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="grpo-endpoint-work")
-        val = g.for_validation()
-        self.train_pair, self.val_pair = (g.temperature, g.top_p), (val.temperature, val.top_p)
+        self.profiles = {"train": g.sampling(), "val": g.sampling(validation=True)}  # a batch samples with its own
+        self.train_pair, self.val_pair = ((s.temperature, s.top_p) for s in self.profiles.values())
         self.gen_cfg = g
         self.api_key = "sk-grpo-" + secrets.token_hex(16)
         self.weight_version = 0

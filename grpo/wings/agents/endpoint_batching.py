@@ -72,7 +72,7 @@ class _Shared:
 class Batching:
     """The windows and the batcher of `grpo.wings.agents.endpoint.Endpoint` (its state: ``cfg``, ``_queue``,
     ``_inflight``, ``_open``, ``_windows`` and ``_window_lock``, ``_generating``, ``_closed_at``, ``_last_pause_s``,
-    ``_stop``, ``_batcher``, ``backend``, ``gen_cfg``, ``settings``, ``weight_version``)."""
+    ``_stop``, ``_batcher``, ``backend``, ``profiles``, ``settings``, ``weight_version``)."""
 
     _running: list[_Pending] = []  # the batch the backend is generating now (set under ``_generating``)
 
@@ -238,14 +238,9 @@ class Batching:
             _answer(i.future, (out, version))
 
     def _generate_profile(self, profile: str, prompts, seeds, caps, stops):
-        """``backend.generate`` with the request's own profile, whatever the backend is set to now (validation sets
-        it to val's)."""
-        before = self.backend.gen_cfg
-        try:
-            self.backend.gen_cfg = self.gen_cfg.for_validation() if profile == "val" else self.gen_cfg
-            return self.backend.generate(prompts, seeds, max_new_tokens=caps, stop_strings=stops)
-        finally:
-            self.backend.gen_cfg = before
+        """``backend.generate`` with the request's own sampling profile ("train" or "val")."""
+        return self.backend.generate(prompts, seeds, max_new_tokens=caps, stop_strings=stops,
+                                     sampling=self.profiles[profile])
 
 
 def shutting_down() -> RequestError:

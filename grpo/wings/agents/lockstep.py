@@ -84,14 +84,14 @@ def pick_round(states: list[tuple[bool, list[str], list[str]]], round_no: int, l
 class LockstepGeneration(GenerationBackend):
     """``inner`` (the trainers' `RemoteGeneration`) shared by the loop and the endpoint of every trainer (module
     docstring); built on every trainer at the same point (a collective: the drivers' gloo group). ``gen_cfg``:
-    ``policy.generation`` (the "train" profile; "val" is its ``for_validation()``)."""
+    ``policy.generation``, whose ``sampling()`` is the solo rounds' "train" profile and ``sampling(validation=True)``
+    their "val" one."""
 
     def __init__(self, inner: GenerationBackend, gen_cfg, poll_s: float = POLL_S):
         import torch.distributed as dist
 
         self.inner, self.poll_s = inner, poll_s
-        self._gen_cfg = inner.gen_cfg
-        self._profiles = {"train": gen_cfg, "val": gen_cfg.for_validation()}
+        self._profiles = {"train": gen_cfg.sampling(), "val": gen_cfg.sampling(validation=True)}
         self.group = dist.new_group(backend="gloo")
         self._cond = threading.Condition()
         self._sections: list[_Section] = []
@@ -104,17 +104,10 @@ class LockstepGeneration(GenerationBackend):
         self._driver.start()
 
     # ---------------------------------------------------------------- GenerationBackend
-    @property
-    def gen_cfg(self):
-        return self._gen_cfg
-
-    @gen_cfg.setter
-    def gen_cfg(self, value) -> None:  # validation's swap: the sections of this thread generate with it
-        self._gen_cfg = value
-
-    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None):
+    def generate(self, prompt_ids, seeds, *, greedy=False, max_new_tokens=None, stop_strings=None, sampling=None):
         return self._section(lambda: self.inner.generate(prompt_ids, seeds, greedy=greedy,
-                                                         max_new_tokens=max_new_tokens, stop_strings=stop_strings))
+                                                         max_new_tokens=max_new_tokens, stop_strings=stop_strings,
+                                                         sampling=sampling))
 
     def lockstep_max(self, n_local: int) -> int:
         return self._section(lambda: self.inner.lockstep_max(n_local))
@@ -192,7 +185,6 @@ class LockstepGeneration(GenerationBackend):
             raise RolloutError(section.error)
         self._owner = threading.get_ident()
         try:
-            self.inner.gen_cfg = self._gen_cfg
             return call()
         finally:
             self._owner = None
@@ -245,10 +237,10 @@ class LockstepGeneration(GenerationBackend):
             self._solos = [s for s in self._solos if s.profile != profile]
         self._owner = threading.get_ident()
         try:
-            self.inner.gen_cfg = self._profiles[profile]
             outs = self.inner.generate([p for s in mine for p in s.prompts], [x for s in mine for x in s.seeds],
                                        max_new_tokens=[x for s in mine for x in s.max_new_tokens],
-                                       stop_strings=[x for s in mine for x in s.stop_strings])
+                                       stop_strings=[x for s in mine for x in s.stop_strings],
+                                       sampling=self._profiles[profile])
         except Exception as err:  # the same error on every trainer (RemoteGeneration agrees on it): rounds go on
             for s in mine:
                 s.future.set_exception(err)
