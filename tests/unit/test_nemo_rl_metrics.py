@@ -108,8 +108,11 @@ def test_the_conversation_loop_sets_terminated_and_max_turns_reached():
     from grpo.system.generation.base import GenerationBackend, GenerationOutput
     from grpo.system.rollout import TurnSettings, run_conversations
 
+    sampled_with = []
+
     class Gen(GenerationBackend):
         def generate(self, prompts, seeds, **kw):
+            sampled_with.append(kw["sampling"])
             return [GenerationOutput(p, [7, 8], [0.0, 0.0], "stop", "ab") for p in prompts]
 
     class Envs:
@@ -132,8 +135,10 @@ def test_the_conversation_loop_sets_terminated_and_max_turns_reached():
     for t in trajs:
         t.turns, t.done = 0, False
         t.metadata = {}
+    val = MasterConfig().policy.generation.sampling(validation=True)
     run_conversations(trajs, [(0, 0, i, "t") for i in range(2)], Gen(), Envs(), Chat(),
-                      TurnSettings(max_turns=3, max_total_len=100, chunk_size=4))
+                      TurnSettings(max_turns=3, max_total_len=100, chunk_size=4, sampling=val))
+    assert sampled_with == [val] * 3  # every turn's call samples with the rollout's profile
     assert [(t.turns, t.terminated, t.max_turns_reached) for t in trajs] == [(1, True, False), (3, False, True)]
     m = rollout_summary(trajs)
     assert m["natural_termination_rate"] == 0.5 and m["max_turns_reached_rate"] == 0.5 and m["total_turns"] == 4
@@ -216,6 +221,24 @@ def test_validation_sampling_reaches_the_hf_backend(monkeypatch):
     gen.generate(prompt, [1], sampling=policy.generation.sampling(validation=True))
     gen.generate(prompt, [1])  # the profile went with its call: nothing stayed behind on the backend
     assert seen == [(1.0, None, 1.0), (0.5, 3, 0.9), (1.0, None, 1.0)]
+
+
+@pytest.mark.parametrize("stream, validation", [("train", False), ("val", True)])
+def test_a_rollout_samples_with_its_streams_profile(monkeypatch, stream, validation):
+    """run_rollout hands generate_rollout the profile of its stream: validation's rollouts (stream "val") sample
+    with val_temperature / val_top_p / val_top_k, the training ones with the training values."""
+    from grpo.run.run import run_rollout
+    from grpo.system import rollout
+
+    seen = []
+    monkeypatch.setattr(rollout, "generate_rollout", lambda *a, **k: seen.append(a[5].sampling))
+    cfg = MasterConfig.model_validate({"policy": {"generation": {"temperature": 0.8, "val_temperature": 0.1,
+                                                                 "val_top_p": 0.5}}})
+    run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(current_step=0), chat=None, turn_stop=None, rank=0,
+                          world_size=1, player=None, deferred=None)
+    run_rollout(run, None, None, [], 0, 0, stream=stream)
+    assert seen == [cfg.policy.generation.sampling(validation=validation)]
+    assert (seen[0].temperature, seen[0].top_p) == ((0.1, 0.5) if validation else (0.8, 1.0))
 
 
 def test_validation_sampling_reaches_vllm_sampling_params():
