@@ -102,6 +102,80 @@ def save_tiny_vlm(out_dir: str, size: str = "tiny", seed: int = 0) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# A tiny Qwen2-VL (multimodal M-RoPE positions)
+# --------------------------------------------------------------------------------------------------
+QWEN_IMAGE_TOKEN, QWEN_VISION_START, QWEN_VISION_END, QWEN_VIDEO_TOKEN = (
+    "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+QWEN_PATCH, QWEN_MERGE = 4, 2   # a 16x16 picture: a 4x4 grid of patches, merged 2x2 into 4 image tokens
+
+
+def build_qwen_vl_tokenizer():
+    """The char tokenizer with Qwen-VL's vision tokens as special tokens; its chat template writes an image as
+    ``<|vision_start|><|image_pad|><|vision_end|>`` (Qwen2-VL's)."""
+    template = VLM_CHAT_TEMPLATE.replace(IMAGE_TOKEN, QWEN_VISION_START + QWEN_IMAGE_TOKEN + QWEN_VISION_END)
+    tok = build_char_tokenizer(template)
+    tok.add_special_tokens({"additional_special_tokens": [QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_TOKEN,
+                                                         QWEN_VIDEO_TOKEN]})
+    return tok
+
+
+def build_qwen_vl_processor(tok):
+    """A Qwen2-VL processor over ``tok`` with transformers' PIL image processor (``Qwen2VLImageProcessorPil``: no
+    torchvision) and no video processor (transformers' needs torchvision): pictures resized to between one merged
+    patch (8x8) and 16x16 pixels, keeping their aspect, in 4x4 patches, two frames per temporal patch, merged 2x2;
+    one ``<|image_pad|>`` expands to (height / 8) x (width / 8) placeholders (4 for the task's 16x16 pictures)."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """`Qwen2VLProcessor` without its video processor (images only)."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = QWEN_IMAGE_TOKEN, QWEN_VIDEO_TOKEN
+            self.image_token_id = tokenizer.convert_tokens_to_ids(QWEN_IMAGE_TOKEN)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(QWEN_VIDEO_TOKEN)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    images = Qwen2VLImageProcessorPil(min_pixels=(QWEN_PATCH * QWEN_MERGE) ** 2, max_pixels=IMAGE_SIZE ** 2,
+                                      patch_size=QWEN_PATCH,
+                                      merge_size=QWEN_MERGE, temporal_patch_size=2)
+    return ImageOnlyQwen2VLProcessor(image_processor=images, tokenizer=tok, chat_template=tok.chat_template)
+
+
+def build_tiny_qwen_vl(tok, size: str = "tiny", seed: int = 0, vision_hidden: int = 32):
+    """Random-init fp32 `Qwen2VLForConditionalGeneration`: the text model of `grpo.tasks.toy.MODEL_SIZES[size]` with
+    M-RoPE (sections [2, 3, 3] of its 16-wide heads' 8 frequencies: time, height, width), a one-block vision
+    transformer of width ``vision_hidden`` over 4x4 patches, merged 2x2 into the text model's width."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text_size = MODEL_SIZES[size]
+    head_dim = text_size["hidden_size"] // text_size["num_attention_heads"]
+    unit = head_dim // 16  # the 8ths of a head's head_dim / 2 frequencies
+    text = dict(vocab_size=len(tok), max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2 * unit, 3 * unit, 3 * unit]},
+                **text_size)
+    vision = dict(depth=1, embed_dim=vision_hidden, hidden_size=text_size["hidden_size"], num_heads=2, mlp_ratio=2,
+                  patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, in_channels=3)
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", QWEN_IMAGE_TOKEN),
+                                                        ("video_token_id", QWEN_VIDEO_TOKEN),
+                                                        ("vision_start_token_id", QWEN_VISION_START),
+                                                        ("vision_end_token_id", QWEN_VISION_END))}
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    cfg.dtype = torch.float32
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(cfg, key, getattr(tok, key))
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg).to(torch.float32)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.generation_config, key, getattr(tok, key))
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
 # The visual task
 # --------------------------------------------------------------------------------------------------
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (40, 70, 235), "yellow": (235, 215, 40)}
