@@ -66,7 +66,6 @@ def build_vlm_processor(tok):
 def build_tiny_vlm(tok, size: str = "tiny", seed: int = 0, vision_hidden: int = 32, vision_layers: int = 1):
     """Random-init fp32 `LlavaForConditionalGeneration`: the text model of `grpo.tasks.toy.MODEL_SIZES[size]`, a
     CLIP vision tower of ``vision_layers`` layers of width ``vision_hidden`` over 16x16 images in 8x8 patches."""
-    import torch
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     text = LlamaConfig(vocab_size=len(tok), max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -77,11 +76,18 @@ def build_tiny_vlm(tok, size: str = "tiny", seed: int = 0, vision_hidden: int = 
                               patch_size=PATCH_SIZE, projection_dim=vision_hidden)
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
                       vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=False)
+    return _random_init(LlavaForConditionalGeneration, cfg, tok, seed)
+
+
+def _random_init(model_class, cfg, tok, seed: int):
+    """``model_class(cfg)`` in fp32 from ``seed``, its config's and generation config's special ids the tokenizer's."""
+    import torch
+
     cfg.dtype = torch.float32
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(cfg, key, getattr(tok, key))
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(cfg).to(torch.float32)
+    model = model_class(cfg).to(torch.float32)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(model.generation_config, key, getattr(tok, key))
     return model
@@ -147,7 +153,6 @@ def build_tiny_qwen_vl(tok, size: str = "tiny", seed: int = 0, vision_hidden: in
     """Random-init fp32 `Qwen2VLForConditionalGeneration`: the text model of `grpo.tasks.toy.MODEL_SIZES[size]` with
     M-RoPE (sections [2, 3, 3] of its 16-wide heads' 8 frequencies: time, height, width), a one-block vision
     transformer of width ``vision_hidden`` over 4x4 patches, merged 2x2 into the text model's width."""
-    import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     text_size = MODEL_SIZES[size]
@@ -165,14 +170,7 @@ def build_tiny_qwen_vl(tok, size: str = "tiny", seed: int = 0, vision_hidden: in
                                                         ("vision_start_token_id", QWEN_VISION_START),
                                                         ("vision_end_token_id", QWEN_VISION_END))}
     cfg = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
-    cfg.dtype = torch.float32
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(cfg, key, getattr(tok, key))
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg).to(torch.float32)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(model.generation_config, key, getattr(tok, key))
-    return model
+    return _random_init(Qwen2VLForConditionalGeneration, cfg, tok, seed)
 
 
 # --------------------------------------------------------------------------------------------------
