@@ -11,46 +11,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import pytest
 import torch
-from PIL import Image
 
 from grpo.config import MasterConfig
 from grpo.system import vision
-from grpo.tasks.visual import build_qwen_vl_processor, build_qwen_vl_tokenizer, build_tiny_qwen_vl
-from tests.helpers.vision_rows import data_url, dataset, image_row, png, text_row
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    """(directory with the config and tokenizer, processor, model): the tiny Qwen2-VL, its logits sharpened so
-    sampled paths stay far from ties between batch shapes."""
-    from grpo.tasks.toy import save_char_tokenizer
-
-    tok = build_qwen_vl_tokenizer()
-    model = build_tiny_qwen_vl(tok)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    out = str(tmp_path_factory.mktemp("tiny_qwen_vl"))
-    model.save_pretrained(out)
-    save_char_tokenizer(tok, out)
-    return out, build_qwen_vl_processor(tok), vision.prepare_model(model).eval()
-
-
-def prompts_and_media(qwen_dir, processor):
-    """Four prompts through the data path (`grpo.system.vision.render_prompt`): pictures of three shapes (image
-    grids 4x4, 6x2, 2x6 patches: 4, 3, 3 placeholders), one with two pictures, and a text-only one."""
-    rows = [image_row("r:0", data_url((255, 0, 0)), text="colour?"),
-            image_row("r:1", "data:image/png;base64," + _b64(png((0, 0, 255), size=(8, 24))), text="c?"),
-            image_row("r:2", "data:image/png;base64," + _b64(png((0, 200, 0), size=(24, 8))),
-                      "data:image/png;base64," + _b64(png((9, 9, 9), size=(16, 16))), text="two??"),
-            text_row("r:3")]
-    ds = dataset(qwen_dir, processor, rows)
-    return [ds[i].prompt_ids for i in range(len(ds))], [ds[i].media for i in range(len(ds))]
-
-
-def _b64(data: bytes) -> str:
-    import base64
-
-    return base64.b64encode(data).decode()
+from tests.helpers.vision_rows import qwen_prompts_and_media as prompts_and_media
+from tests.helpers.vision_rows import qwen  # noqa: F401 (fixture)
 
 
 def own_forward_logprobs(model, processor, ids: list[int], media: dict | None) -> torch.Tensor:
