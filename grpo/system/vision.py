@@ -125,8 +125,9 @@ def check_generation_backend(model_config, backend: str) -> None:
                          "generates with backend 'hf' only for now; set policy.generation.backend=hf")
 
 
-# Model types whose multimodal (M-RoPE) positions grpo-ds computes (`multimodal_positions`), tested on a tiny one each.
-MROPE_MODEL_TYPES = ("qwen2_vl",)
+# Model types whose multimodal (M-RoPE) positions grpo-ds computes (`multimodal_positions`), tested on a tiny one each
+# (tests/unit/test_mrope.py). Qwen3-VL's get_rope_index is another (timestamps, interleaved sections): not yet.
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 # What the processor returns that is not media: the ids, their mask and the per-token modality (recomputed from the
 # ids of whole rows, `mm_token_type_ids`).
 NOT_MEDIA = ("input_ids", "attention_mask", "mm_token_type_ids")
@@ -140,7 +141,7 @@ def rope_index_module(model) -> torch.nn.Module | None:
 
 def check_positions(model) -> None:
     """Refuse a model with multimodal positions (``get_rope_index``) that `multimodal_positions` does not compute:
-    one whose ``model_type`` is not in `MROPE_MODEL_TYPES` (Qwen2.5-VL's, Qwen3-VL's take other arguments)."""
+    one whose ``model_type`` is not in `MROPE_MODEL_TYPES` (Qwen3-VL's)."""
     if rope_index_module(model) is not None and model.config.model_type not in MROPE_MODEL_TYPES:
         raise ValueError(f"{type(model).__name__} ({model.config.model_type}) places image tokens with multimodal "
                          f"(M-RoPE) positions that grpo-ds does not compute yet (it does for {list(MROPE_MODEL_TYPES)} "

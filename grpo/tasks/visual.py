@@ -149,11 +149,13 @@ def build_qwen_vl_processor(tok):
     return ImageOnlyQwen2VLProcessor(image_processor=images, tokenizer=tok, chat_template=tok.chat_template)
 
 
-def build_tiny_qwen_vl(tok, size: str = "tiny", seed: int = 0, vision_hidden: int = 32):
-    """Random-init fp32 `Qwen2VLForConditionalGeneration`: the text model of `grpo.tasks.toy.MODEL_SIZES[size]` with
-    M-RoPE (sections [2, 3, 3] of its 16-wide heads' 8 frequencies: time, height, width), a one-block vision
-    transformer of width ``vision_hidden`` over 4x4 patches, merged 2x2 into the text model's width."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def build_tiny_qwen_vl(tok, model_type: str = "qwen2_vl", size: str = "tiny", seed: int = 0, vision_hidden: int = 32):
+    """Random-init fp32 Qwen2-VL (``model_type="qwen2_vl"``) or Qwen2.5-VL (``"qwen2_5_vl"``: its windowed vision
+    blocks, SwiGLU and RMSNorm): the text model of `grpo.tasks.toy.MODEL_SIZES[size]` with M-RoPE (sections
+    [2, 3, 3] of its 16-wide heads' 8 frequencies: time, height, width), a one-block vision transformer of width
+    ``vision_hidden`` over 4x4 patches, merged 2x2 into the text model's width."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
 
     text_size = MODEL_SIZES[size]
     head_dim = text_size["hidden_size"] // text_size["num_attention_heads"]
@@ -163,14 +165,24 @@ def build_tiny_qwen_vl(tok, size: str = "tiny", seed: int = 0, vision_hidden: in
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "mrope_section": [2 * unit, 3 * unit, 3 * unit]},
                 **text_size)
-    vision = dict(depth=1, embed_dim=vision_hidden, hidden_size=text_size["hidden_size"], num_heads=2, mlp_ratio=2,
-                  patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, in_channels=3)
+    vision = dict(depth=1, num_heads=2, patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2,
+                  in_channels=3)
+    if model_type == "qwen2_vl":
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision.update(embed_dim=vision_hidden, hidden_size=text_size["hidden_size"], mlp_ratio=2)
+    elif model_type == "qwen2_5_vl":  # 8x8-pixel windows (one merged patch) in its block, as Qwen2.5-VL's 112
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision.update(hidden_size=vision_hidden, out_hidden_size=text_size["hidden_size"],
+                      intermediate_size=2 * vision_hidden, window_size=QWEN_PATCH * QWEN_MERGE,
+                      fullatt_block_indexes=[])
+    else:
+        raise ValueError(f"tiny Qwen-VL model_type {model_type!r}: expected 'qwen2_vl' or 'qwen2_5_vl'")
     ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", QWEN_IMAGE_TOKEN),
                                                         ("video_token_id", QWEN_VIDEO_TOKEN),
                                                         ("vision_start_token_id", QWEN_VISION_START),
                                                         ("vision_end_token_id", QWEN_VISION_END))}
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
-    return _random_init(Qwen2VLForConditionalGeneration, cfg, tok, seed)
+    cfg = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return _random_init(model_class, cfg, tok, seed)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -114,10 +114,10 @@ def processor(vlm_dir):
     return AutoProcessor.from_pretrained(vlm_dir)
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    """(directory with the config and tokenizer, processor, model): the tiny Qwen2-VL, its logits sharpened so
-    sampled paths stay far from ties between batch shapes."""
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen(request, tmp_path_factory):
+    """(directory with the config and tokenizer, processor, model): the tiny Qwen2-VL, then the tiny Qwen2.5-VL,
+    their logits sharpened so sampled paths stay far from ties between batch shapes."""
     import torch
 
     from grpo.system import vision
@@ -125,10 +125,10 @@ def qwen(tmp_path_factory):
     from grpo.tasks.visual import build_qwen_vl_processor, build_qwen_vl_tokenizer, build_tiny_qwen_vl
 
     tok = build_qwen_vl_tokenizer()
-    model = build_tiny_qwen_vl(tok)
+    model = build_tiny_qwen_vl(tok, request.param)
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
-    out = str(tmp_path_factory.mktemp("tiny_qwen_vl"))
+    out = str(tmp_path_factory.mktemp(request.param))
     model.save_pretrained(out)
     save_char_tokenizer(tok, out)
     return out, build_qwen_vl_processor(tok), vision.prepare_model(model).eval()

@@ -77,10 +77,10 @@ def test_the_training_step_gets_each_samples_images_and_trains_the_tower_as_conf
     assert not torch.equal(projector, engine.module.model.multi_modal_projector.linear_1.weight)
 
 
-def test_a_qwen2_vl_trains_on_the_engine_with_its_own_positions(qwen, dist_group):
-    """Qwen2-VL (3-D M-RoPE) loads on the engine and its training step on padded rows with images (three image grids,
-    two pictures in a row, a text row) gives the loss and gradient of plain autograd on each row alone, the model
-    placing the row's tokens itself."""
+def test_a_qwen_vl_trains_on_the_engine_with_its_own_positions(qwen, dist_group):
+    """Qwen2-VL and Qwen2.5-VL (3-D M-RoPE) load on the engine, and a training step on padded rows with images (three
+    image grids, two pictures in a row, a text row) gives the loss and gradient of plain autograd on each row alone,
+    the model placing the row's tokens itself."""
     from transformers import AutoModelForImageTextToText
 
     from tests.helpers.vision_rows import qwen_prompts_and_media

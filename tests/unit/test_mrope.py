@@ -1,6 +1,7 @@
-"""A vision-language model with multimodal rotary positions (Qwen2-VL's 3-D M-RoPE, ``get_rope_index``): the
-trainer's padded forwards and the hf backend give each row the positions the model gives the row alone
-(grpo/system/vision.py `multimodal_positions`); what is not proven for it (packing, other M-RoPE models) is refused."""
+"""Vision-language models with multimodal rotary positions (Qwen2-VL's and Qwen2.5-VL's 3-D M-RoPE,
+``get_rope_index``): the trainer's padded forwards and the hf backend give each row the positions the model gives the
+row alone (grpo/system/vision.py `multimodal_positions`); what is not proven (packing, shared prompts, Qwen3-VL) is
+refused by name."""
 
 from __future__ import annotations
 
@@ -96,8 +97,8 @@ def test_the_forwards_positions_are_get_rope_index_of_each_row_alone(qwen):
 
 
 def policy_cfg(qwen_dir, **policy):
-    base = {"model_name": qwen_dir, "precision": "float32", "generation_batch_size": 8, "max_total_sequence_length": 128,
-            "tokenizer": {"chat_template": "default"}, "generation": {"max_new_tokens": 12, "temperature": 1.0}}
+    base = {"model_name": qwen_dir, "precision": "float32", "generation_batch_size": 8,
+            "max_total_sequence_length": 128, "tokenizer": {"chat_template": "default"}, "generation": {"max_new_tokens": 12, "temperature": 1.0}}
     return MasterConfig.model_validate({"policy": {**base, **policy}}).policy
 
 
@@ -135,7 +136,7 @@ def test_packing_and_shared_prompts_stay_refused_by_name_for_an_mrope_model(qwen
     from grpo.system.packed import check_packable, unpackable_reason
 
     qwen_dir, _, model = qwen
-    with pytest.raises(ValueError, match="policy.sequence_packing.enabled: Qwen2VLForConditionalGeneration is a "
+    with pytest.raises(ValueError, match=f"policy.sequence_packing.enabled: {type(model).__name__} is a "
                                          "vision-language model"):
         check_packable(model)
     assert unpackable_reason(model) is not None
@@ -146,14 +147,16 @@ def test_packing_and_shared_prompts_stay_refused_by_name_for_an_mrope_model(qwen
 
 
 def test_an_mrope_model_whose_positions_are_not_computed_is_refused_by_name():
-    """Qwen2.5-VL's ``get_rope_index`` takes other arguments (video seconds per grid): refused, not run on positions
-    grpo-ds has not checked."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """Qwen3-VL's ``get_rope_index`` is another (timestamps, interleaved sections): refused at load, not run on
+    positions grpo-ds has not checked."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    config = Qwen2_5_VLConfig(text_config=dict(vocab_size=100, hidden_size=32, num_hidden_layers=1,
-                                               num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
-                              vision_config=dict(depth=1, hidden_size=16, out_hidden_size=32, num_heads=2,
-                                                 intermediate_size=32))
-    with pytest.raises(ValueError, match=r"Qwen2_5_VLForConditionalGeneration \(qwen2_5_vl\) places image tokens "
+    config = Qwen3VLConfig(text_config=dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=1, intermediate_size=64, head_dim=16,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "mrope_section": [2, 3, 3]}),
+                           vision_config=dict(depth=1, hidden_size=16, out_hidden_size=32, num_heads=2,
+                                              intermediate_size=32, deepstack_visual_indexes=[]))
+    with pytest.raises(ValueError, match=r"Qwen3VLForConditionalGeneration \(qwen3_vl\) places image tokens "
                                          r"with multimodal \(M-RoPE\) positions that grpo-ds does not compute"):
-        vision.check_positions(Qwen2_5_VLForConditionalGeneration(config))
+        vision.check_positions(Qwen3VLForConditionalGeneration(config))
