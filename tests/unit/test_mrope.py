@@ -105,7 +105,8 @@ def policy_cfg(qwen_dir, **policy):
 @pytest.mark.parametrize("drop_finished", [True, False])
 def test_hf_generation_logprobs_equal_teacher_forced_ones(qwen, drop_finished):
     """The hf backend samples image prompts (left-padded together) with the model's M-RoPE positions in both decode
-    loops: its logprobs equal the trainer's teacher-forced ones of the same tokens."""
+    loops, the drop-finished one also after a row left the batch: its logprobs equal the trainer's teacher-forced
+    ones of the same tokens."""
     from grpo.batch import build_batch
     from grpo.system.chat import load_tokenizer
     from grpo.system.engines import FrozenModel
@@ -118,7 +119,9 @@ def test_hf_generation_logprobs_equal_teacher_forced_ones(qwen, drop_finished):
     cfg = policy_cfg(qwen_dir, generation={"max_new_tokens": 12, "temperature": 1.0,
                                            "hf_drop_finished_rows": drop_finished})
     gen = HFGeneration(cfg, load_tokenizer(cfg), model.config, "cpu", model=copy.deepcopy(model))
-    outs = gen.generate(prompts, seeds=list(range(len(prompts))), media=media)
+    # row 0 ends first: the drop-finished loop takes it out of the batch, the others decode on from [3, B - 1, 1]
+    outs = gen.generate(prompts, seeds=list(range(len(prompts))), media=media, max_new_tokens=[2, 12, 12, 12])
+    assert [len(o.completion_ids) for o in outs][0] <= 2
     trajs = single_turn(outs)
     for t, m in zip(trajs, media):
         t.media = m
