@@ -163,3 +163,29 @@ def test_an_mrope_model_whose_positions_are_not_computed_is_refused_by_name():
     with pytest.raises(ValueError, match=r"Qwen3VLForConditionalGeneration \(qwen3_vl\) places image tokens "
                                          r"with multimodal \(M-RoPE\) positions that grpo-ds does not compute"):
         vision.check_positions(Qwen3VLForConditionalGeneration(config))
+
+
+def test_a_zero3_forward_without_images_runs_the_dummy_picture_with_its_own_positions(qwen):
+    """Under ZeRO-3 a micro-batch of text rows gets one more row, the dummy picture (`with_dummy_image`): the rows'
+    logprobs are those without it, and the extra row (its own image grid) runs through the M-RoPE positions too."""
+    from grpo.system.engines import FrozenModel
+    from grpo.system.training import forward_logprobs
+
+    class Zero3(FrozenModel):
+        @staticmethod
+        def zero_optimization_stage() -> int:
+            return 3
+
+    _, processor, model = qwen
+    ids_bt, mask_bt = padded(with_completions([[1, 20, 21, 22], [1, 30, 31]]), "right")
+    with torch.no_grad():
+        want = forward_logprobs(FrozenModel(model, torch.device("cpu")), ids_bt, mask_bt)
+        dummy = copy.deepcopy(model)
+        dummy._grpo_dummy_image = vision.dummy_image(processor)
+        assert set(dummy._grpo_dummy_image[1]) == {"pixel_values", "image_grid_thw"}
+        seen = []
+        dummy.model.language_model.register_forward_pre_hook(
+            lambda mod, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)
+        got = forward_logprobs(Zero3(dummy, torch.device("cpu")), ids_bt, mask_bt)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert seen[0].shape[:2] == (3, 3)   # the dummy row was there, with 3-D positions
