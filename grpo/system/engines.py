@@ -123,7 +123,7 @@ def _load_model(policy, ds_config: dict):
             policy.model_name, config=config, dtype=DTYPES[policy.precision],
             trust_remote_code=policy.trust_remote_code
         )
-    check_positions(model)  # M-RoPE (Qwen-VL) positions are not computed yet: refused by name
+    check_positions(model)  # M-RoPE positions other than Qwen2-VL's are not computed yet: refused by name
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:  # forwards without images run a dummy one
         attach_dummy_image(model, load_processor(policy, config))
     return prepare_model(model, policy.vision.train_vision_tower)

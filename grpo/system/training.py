@@ -31,7 +31,7 @@ from grpo.system.packed import (Packing, attention_implementation, packed_forwar
                                 unpack_rows)
 from grpo.system.rollout import single_turn
 from grpo.system.shared_prefix import plan_shared_prefix, prompt_lengths, shares_prompts
-from grpo.system.vision import image_keywords, with_dummy_image
+from grpo.system.vision import image_keywords, multimodal_positions, with_dummy_image
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,11 +170,13 @@ def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float 
         dummy = None  # ZeRO-3, a VLM, no image here: a dummy picture runs the tower as on the ranks with images
         if not images and plan is None and engine.zero_optimization_stage() == 3:
             dummy = with_dummy_image(engine.module, ids_bt, mask_bt)
-        if dummy is None:
-            logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False, **images).logits
+        if dummy is None:  # positions: M-RoPE ones for Qwen-VL, the model's own count otherwise
+            logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False, **images,
+                                **multimodal_positions(engine.module, ids_bt, mask_bt, images)).logits
         else:
             B, T = ids_bt.shape
-            logits_btv = engine(input_ids=dummy[0], attention_mask=dummy[1], use_cache=False, **dummy[2]).logits
+            logits_btv = engine(input_ids=dummy[0], attention_mask=dummy[1], use_cache=False, **dummy[2],
+                                **multimodal_positions(engine.module, dummy[0], dummy[1], dummy[2])).logits
             anchor = 0.0 * logits_btv[B:].sum()  # the tower's (zero) gradient reaches every rank's reduction
             logits_btv = logits_btv[:B, :T]
         lp_bt, full_bt = logprobs(logits_btv, ids_bt)

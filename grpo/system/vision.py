@@ -125,13 +125,58 @@ def check_generation_backend(model_config, backend: str) -> None:
                          "generates with backend 'hf' only for now; set policy.generation.backend=hf")
 
 
+# Model types whose multimodal (M-RoPE) positions grpo-ds computes (`multimodal_positions`), tested on a tiny one each
+# (tests/unit/test_mrope.py). Qwen3-VL's get_rope_index is another (timestamps, interleaved sections): not yet.
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# What the processor returns that is not media: the ids, their mask and the per-token modality (recomputed from the
+# ids of whole rows, `mm_token_type_ids`).
+NOT_MEDIA = ("input_ids", "attention_mask", "mm_token_type_ids")
+
+
+def rope_index_module(model) -> torch.nn.Module | None:
+    """The submodule of ``model`` with ``get_rope_index`` (Qwen-VL's ``model.model``, also under peft or DeepSpeed),
+    None for a model with 1-D positions."""
+    return next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+
+
 def check_positions(model) -> None:
-    """Refuse a model whose positions are not the 1-D count of earlier tokens (Qwen-VL's 3-D M-RoPE,
-    ``get_rope_index``): the trainer's padded forwards and the hf decode loop pass 1-D positions."""
-    inner = getattr(model, "model", model)
-    if hasattr(inner, "get_rope_index") or hasattr(model, "get_rope_index"):
-        raise ValueError(f"{type(model).__name__} places image tokens with multimodal (M-RoPE) positions, which "
-                         "grpo-ds does not compute yet (issue 46, part two); LLaVA-style models (1-D positions) work")
+    """Refuse a model with multimodal positions (``get_rope_index``) that `multimodal_positions` does not compute:
+    one whose ``model_type`` is not in `MROPE_MODEL_TYPES` (Qwen3-VL's)."""
+    if rope_index_module(model) is not None and model.config.model_type not in MROPE_MODEL_TYPES:
+        raise ValueError(f"{type(model).__name__} ({model.config.model_type}) places image tokens with multimodal "
+                         f"(M-RoPE) positions that grpo-ds does not compute yet (it does for {list(MROPE_MODEL_TYPES)} "
+                         "and for LLaVA-style models, whose positions are 1-D)")
+
+
+def mm_token_type_ids(config, ids_bt: torch.Tensor) -> torch.Tensor:
+    """Each token's modality as Qwen-VL's ``get_rope_index`` reads it: 1 an image placeholder, 2 a video one, 0 text
+    (what the processor returns beside a prompt's ids, here for whole rows, completions and padding included)."""
+    types_bt = torch.zeros_like(ids_bt)
+    for kind, key in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, key, None)
+        if token is not None:
+            types_bt = types_bt.masked_fill(ids_bt == token, kind)
+    return types_bt
+
+
+def generate_keywords(model, ids_bt: torch.Tensor, images: dict) -> dict:
+    """What transformers' ``generate`` needs beside the images to place a prompt's tokens: an M-RoPE model's
+    ``mm_token_type_ids`` (it computes ``get_rope_index`` from them, then rope deltas per row); {} otherwise."""
+    owner = rope_index_module(model)
+    return {"mm_token_type_ids": mm_token_type_ids(owner.config, ids_bt)} if owner is not None and images else {}
+
+
+def multimodal_positions(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor, images: dict) -> dict:
+    """The ``position_ids`` keyword of a forward over padded rows: {} for a model with 1-D positions (the model counts
+    them itself); for M-RoPE (`MROPE_MODEL_TYPES`) the model's own ``get_rope_index`` over the rows' unpadded tokens,
+    ``[3, B, T]`` (time, height, width; 0 on padding), with ``images``' ``image_grid_thw`` (`collate_media`). Each
+    row's positions are then those of the row alone, whatever its padding (left or right) or its batch."""
+    owner = rope_index_module(model)
+    if owner is None:
+        return {}
+    positions_3bt, _ = owner.get_rope_index(ids_bt, mm_token_type_ids(owner.config, ids_bt),
+                                            image_grid_thw=images.get("image_grid_thw"), attention_mask=mask_bt)
+    return {"position_ids": positions_3bt}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,7 +269,7 @@ def render_prompt(processor, chat, messages: list[dict], where: str) -> tuple[li
         ids = enc["input_ids"][0].tolist()
         out.append({"role": m["role"], "content": content_text(m["content"]), "token_ids": ids})
         if imgs:
-            parts.append({k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")})
+            parts.append({k: v for k, v in enc.items() if k not in NOT_MEDIA})
     return out, (concat_media(parts) if parts else None)
 
 
@@ -405,7 +450,7 @@ def dummy_image(processor) -> tuple[list[int], dict]:
 
     image = Image.new("RGB", (64, 64))
     enc = processor(text=[processor.image_token], images=[image], add_special_tokens=False, return_tensors="pt")
-    return enc["input_ids"][0].tolist(), {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+    return enc["input_ids"][0].tolist(), {k: v for k, v in enc.items() if k not in NOT_MEDIA}
 
 
 def attach_dummy_image(model, processor) -> None:

@@ -66,7 +66,6 @@ def build_vlm_processor(tok):
 def build_tiny_vlm(tok, size: str = "tiny", seed: int = 0, vision_hidden: int = 32, vision_layers: int = 1):
     """Random-init fp32 `LlavaForConditionalGeneration`: the text model of `grpo.tasks.toy.MODEL_SIZES[size]`, a
     CLIP vision tower of ``vision_layers`` layers of width ``vision_hidden`` over 16x16 images in 8x8 patches."""
-    import torch
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     text = LlamaConfig(vocab_size=len(tok), max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -77,11 +76,18 @@ def build_tiny_vlm(tok, size: str = "tiny", seed: int = 0, vision_hidden: int = 
                               patch_size=PATCH_SIZE, projection_dim=vision_hidden)
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
                       vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=False)
+    return _random_init(LlavaForConditionalGeneration, cfg, tok, seed)
+
+
+def _random_init(model_class, cfg, tok, seed: int):
+    """``model_class(cfg)`` in fp32 from ``seed``, its config's and generation config's special ids the tokenizer's."""
+    import torch
+
     cfg.dtype = torch.float32
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(cfg, key, getattr(tok, key))
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(cfg).to(torch.float32)
+    model = model_class(cfg).to(torch.float32)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(model.generation_config, key, getattr(tok, key))
     return model
@@ -99,6 +105,84 @@ def save_tiny_vlm(out_dir: str, size: str = "tiny", seed: int = 0) -> str:
     """``toy:tiny_vlm``: an untrained tiny VLM (tests)."""
     tok = build_vlm_tokenizer()
     return save_vlm(build_tiny_vlm(tok, size=size, seed=seed), tok, out_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# A tiny Qwen2-VL (multimodal M-RoPE positions)
+# --------------------------------------------------------------------------------------------------
+QWEN_IMAGE_TOKEN, QWEN_VISION_START, QWEN_VISION_END, QWEN_VIDEO_TOKEN = (
+    "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+QWEN_PATCH, QWEN_MERGE = 4, 2   # a 16x16 picture: a 4x4 grid of patches, merged 2x2 into 4 image tokens
+
+
+def build_qwen_vl_tokenizer():
+    """The char tokenizer with Qwen-VL's vision tokens as special tokens; its chat template writes an image as
+    ``<|vision_start|><|image_pad|><|vision_end|>`` (Qwen2-VL's)."""
+    template = VLM_CHAT_TEMPLATE.replace(IMAGE_TOKEN, QWEN_VISION_START + QWEN_IMAGE_TOKEN + QWEN_VISION_END)
+    tok = build_char_tokenizer(template)
+    tok.add_special_tokens({"additional_special_tokens": [QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_TOKEN,
+                                                         QWEN_VIDEO_TOKEN]})
+    return tok
+
+
+def build_qwen_vl_processor(tok):
+    """A Qwen2-VL processor over ``tok`` with transformers' PIL image processor (``Qwen2VLImageProcessorPil``: no
+    torchvision) and no video processor (transformers' needs torchvision): pictures resized to between one merged
+    patch (8x8) and 16x16 pixels, keeping their aspect, in 4x4 patches, two frames per temporal patch, merged 2x2;
+    one ``<|image_pad|>`` expands to (height / 8) x (width / 8) placeholders (4 for the task's 16x16 pictures)."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """`Qwen2VLProcessor` without its video processor (images only)."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = QWEN_IMAGE_TOKEN, QWEN_VIDEO_TOKEN
+            self.image_token_id = tokenizer.convert_tokens_to_ids(QWEN_IMAGE_TOKEN)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(QWEN_VIDEO_TOKEN)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    images = Qwen2VLImageProcessorPil(min_pixels=(QWEN_PATCH * QWEN_MERGE) ** 2, max_pixels=IMAGE_SIZE ** 2,
+                                      patch_size=QWEN_PATCH,
+                                      merge_size=QWEN_MERGE, temporal_patch_size=2)
+    return ImageOnlyQwen2VLProcessor(image_processor=images, tokenizer=tok, chat_template=tok.chat_template)
+
+
+def build_tiny_qwen_vl(tok, model_type: str = "qwen2_vl", size: str = "tiny", seed: int = 0, vision_hidden: int = 32):
+    """Random-init fp32 Qwen2-VL (``model_type="qwen2_vl"``) or Qwen2.5-VL (``"qwen2_5_vl"``: its windowed vision
+    blocks, SwiGLU and RMSNorm): the text model of `grpo.tasks.toy.MODEL_SIZES[size]` with M-RoPE (sections
+    [2, 3, 3] of its 16-wide heads' 8 frequencies: time, height, width), a one-block vision transformer of width
+    ``vision_hidden`` over 4x4 patches, merged 2x2 into the text model's width."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+
+    text_size = MODEL_SIZES[size]
+    head_dim = text_size["hidden_size"] // text_size["num_attention_heads"]
+    unit = head_dim // 16  # the 8ths of a head's head_dim / 2 frequencies
+    text = dict(vocab_size=len(tok), max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2 * unit, 3 * unit, 3 * unit]},
+                **text_size)
+    vision = dict(depth=1, num_heads=2, patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2,
+                  in_channels=3)
+    if model_type == "qwen2_vl":
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision.update(embed_dim=vision_hidden, hidden_size=text_size["hidden_size"], mlp_ratio=2)
+    elif model_type == "qwen2_5_vl":  # 8x8-pixel windows (one merged patch) in its block, as Qwen2.5-VL's 112
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision.update(hidden_size=vision_hidden, out_hidden_size=text_size["hidden_size"],
+                      intermediate_size=2 * vision_hidden, window_size=QWEN_PATCH * QWEN_MERGE,
+                      fullatt_block_indexes=[])
+    else:
+        raise ValueError(f"tiny Qwen-VL model_type {model_type!r}: expected 'qwen2_vl' or 'qwen2_5_vl'")
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in (("image_token_id", QWEN_IMAGE_TOKEN),
+                                                        ("video_token_id", QWEN_VIDEO_TOKEN),
+                                                        ("vision_start_token_id", QWEN_VISION_START),
+                                                        ("vision_end_token_id", QWEN_VISION_END))}
+    cfg = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return _random_init(model_class, cfg, tok, seed)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ def png(colour, size=(20, 12)) -> bytes:
     return buf.getvalue()
 
 
-def data_url(colour) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(colour)).decode()
+def data_url(colour, size=(20, 12)) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(colour, size)).decode()
 
 
 def image_row(source, *images, text="what colour?"):
@@ -73,7 +73,8 @@ def sample_batch(prompts, media, order, seed: int = 0):
 
 def plain_loss_and_grad_norm(model, batch, scale: float = 30.0):
     """``-Σ mask · logprob / scale`` of ``batch`` by plain autograd on ``model``, row by row unpadded, each row with
-    its own images; returns (loss, gradient norm)."""
+    its own images (an M-RoPE model places them itself from ``mm_token_type_ids``, as the processor gives them);
+    returns (loss, gradient norm)."""
     import torch
 
     from grpo.system import vision
@@ -84,6 +85,8 @@ def plain_loss_and_grad_norm(model, batch, scale: float = 30.0):
         n = int(batch.attention_mask_bt[b].sum())
         ids = batch.input_ids_bt[b: b + 1, :n]
         kw = vision.collate_media([batch.media[b]])
+        if vision.rope_index_module(model) is not None:
+            kw["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
         logits = model(input_ids=ids, **kw).logits[0, :-1]
         lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
         loss = -(lp * batch.token_mask_bt[b, 1:n]).sum() / scale
@@ -109,3 +112,34 @@ def processor(vlm_dir):
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(vlm_dir)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen(request, tmp_path_factory):
+    """(directory with the config and tokenizer, processor, model): the tiny Qwen2-VL, then the tiny Qwen2.5-VL,
+    their logits sharpened so sampled paths stay far from ties between batch shapes."""
+    import torch
+
+    from grpo.system import vision
+    from grpo.tasks.toy import save_char_tokenizer
+    from grpo.tasks.visual import build_qwen_vl_processor, build_qwen_vl_tokenizer, build_tiny_qwen_vl
+
+    tok = build_qwen_vl_tokenizer()
+    model = build_tiny_qwen_vl(tok, request.param)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    out = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(out)
+    save_char_tokenizer(tok, out)
+    return out, build_qwen_vl_processor(tok), vision.prepare_model(model).eval()
+
+
+def qwen_prompts_and_media(qwen_dir, processor):
+    """Four prompts through the data path (`grpo.system.vision.render_prompt`): pictures of three shapes (image
+    grids 4x4, 6x2, 2x6 patches: 4, 3, 3 placeholders), one with two pictures, and a text-only one."""
+    rows = [image_row("r:0", data_url((255, 0, 0)), text="colour?"),
+            image_row("r:1", data_url((0, 0, 255), size=(8, 24)), text="c?"),
+            image_row("r:2", data_url((0, 200, 0), size=(24, 8)), data_url((9, 9, 9), size=(16, 16)), text="two??"),
+            text_row("r:3")]
+    ds = dataset(qwen_dir, processor, rows)
+    return [ds[i].prompt_ids for i in range(len(ds))], [ds[i].media for i in range(len(ds))]

@@ -18,7 +18,7 @@ from grpo.system import engines, vision
 from grpo.system.dist import init_distributed
 from grpo.system.training import compute_logprobs, forward_logprobs, train_on_batch
 from tests.helpers.vision_rows import plain_loss_and_grad_norm, sample_batch, sample_prompts
-from tests.helpers.vision_rows import processor, vlm_dir  # noqa: F401 (fixtures)
+from tests.helpers.vision_rows import processor, qwen, vlm_dir  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,25 @@ def test_the_training_step_gets_each_samples_images_and_trains_the_tower_as_conf
         assert all(p.grad is None for p in tower_grads.values())
         assert all(torch.equal(before[n], after[n]) for n in before)
     assert not torch.equal(projector, engine.module.model.multi_modal_projector.linear_1.weight)
+
+
+def test_a_qwen_vl_trains_on_the_engine_with_its_own_positions(qwen, dist_group):
+    """Qwen2-VL and Qwen2.5-VL (3-D M-RoPE) load on the engine, and a training step on padded rows with images (three
+    image grids, two pictures in a row, a text row) gives the loss and gradient of plain autograd on each row alone,
+    the model placing the row's tokens itself."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.helpers.vision_rows import qwen_prompts_and_media
+
+    qwen_dir, qwen_processor, _ = qwen
+    prompts, media = qwen_prompts_and_media(qwen_dir, qwen_processor)
+    rows = sample_batch(prompts, media, [0, 0, 1, 2, 2, 3])
+    engine = engines.build_policy_engine(make_cfg(qwen_dir), 1, 1)
+    out = train_on_batch(engine, rows.micro_batches(2), closure)
+    plain = vision.prepare_model(AutoModelForImageTextToText.from_pretrained(qwen_dir, dtype=torch.float32))
+    loss, norm = plain_loss_and_grad_norm(plain, rows)
+    assert out["loss"] == pytest.approx(loss, rel=1e-5)
+    assert out["grad_norm"] == pytest.approx(norm, rel=1e-4)
 
 
 def test_deduplicated_and_copied_media_train_the_same(vlm_dir, batch, dist_group):

@@ -195,18 +195,16 @@ def test_a_trajectory_with_images_round_trips_a_checkpoint_without_pickle(vlm_di
     assert torch.equal(back.media["pixel_values"], row.media["pixel_values"]) and back.token_ids() == row.prompt_ids
 
 
-def test_a_model_with_multimodal_rope_positions_is_refused_by_name():
-    """Qwen2-VL places image tokens with 3-D M-RoPE positions (``get_rope_index``); the padded forwards and the decode
-    loop pass 1-D ones, so such a model is refused rather than trained on wrong positions."""
+def test_qwen2_vls_vision_tower_is_found_and_its_positions_are_computed():
+    """Qwen2-VL's tower is ``model.visual``; its 3-D M-RoPE positions are computed (tests/unit/test_mrope.py), so it
+    loads."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     config = Qwen2VLConfig(text_config=dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                             num_key_value_heads=1, intermediate_size=64, bos_token_id=1,
                                             eos_token_id=2),
                            vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2))
-    with pytest.raises(ValueError, match="Qwen2VLForConditionalGeneration places image tokens with multimodal "
-                                         r"\(M-RoPE\) positions"):
-        vision.check_positions(Qwen2VLForConditionalGeneration(config))
+    vision.check_positions(Qwen2VLForConditionalGeneration(config))
     assert vision.vision_tower_path(Qwen2VLForConditionalGeneration(config)) == "model.visual"
 
 

@@ -27,7 +27,7 @@ from grpo.system.weights import iter_gathered_params
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, cut_completion, length_caps, per_sample_stops
 from grpo.system.generation.sampling import SeededSampler
 from grpo.system.shared_prefix import cache_for_rows, distinct_rows, shares_prompts
-from grpo.system.vision import image_keywords
+from grpo.system.vision import generate_keywords, image_keywords, multimodal_positions
 
 
 def hits_stop_string(tail_ids: list[int], stops: list[str], decode) -> bool:
@@ -75,8 +75,10 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     it: their rows of the KV cache (``cache.batch_select_indices``), of the attention mask and their generators; the
     others' tokens are the same as with them present (each row attends to its own cache only and draws its own
     noise), and until they leave their tokens are not recorded. A cache that cannot select rows keeps them all. Positions are those transformers' generate gives: the count of the row's
-    earlier tokens under the attention mask. ``images``: the rows' image tensors (`grpo.system.vision.collate_media`),
-    given to the prefill only (the KV cache holds what they became).
+    earlier tokens under the attention mask, or an M-RoPE model's own (`grpo.system.vision.multimodal_positions`,
+    ``[3, B, L]``; a generated token's are its predecessor's plus one, as the model's rope deltas give).
+    ``images``: the rows' image tensors (`grpo.system.vision.collate_media`), given to the prefill only (the KV cache
+    holds what they became).
     """
     B, T = ids_bt.shape[0], max(caps)
     device = ids_bt.device
@@ -86,7 +88,8 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     caps_b = torch.tensor(caps, device=device)
     if cache is None:                                     # prefill every prompt token
         step_ids = ids_bt
-        positions = (mask_bt.cumsum(-1) - 1).masked_fill(mask_bt == 0, 0)
+        positions = multimodal_positions(model, ids_bt, mask_bt, images or {}).get(
+            "position_ids", (mask_bt.cumsum(-1) - 1).masked_fill(mask_bt == 0, 0))
     else:                                                 # the cache holds all but the prompts' last token
         step_ids = ids_bt[:, -1:]
         positions = mask_bt.sum(-1, keepdim=True) - 1
@@ -117,9 +120,10 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
         if n_ended and n_ended >= DROP_ENDED_SHARE * len(rows_a) and hasattr(cache, "batch_select_indices"):
             keep = alive_a.nonzero()[:, 0]                   # drop the rows that ended
             cache.batch_select_indices(keep)
-            rows_a, alive_a, mask_al, tok_a, positions = (x[keep] for x in (rows_a, alive_a, mask_al, tok_a, positions))
+            rows_a, alive_a, mask_al, tok_a = (x[keep] for x in (rows_a, alive_a, mask_al, tok_a))
+            positions = positions.index_select(-2, keep)  # [B, 1] or M-RoPE's [3, B, 1]
         mask_al = torch.cat([mask_al, mask_al.new_ones((mask_al.shape[0], 1))], dim=1)
-        step_ids, positions = tok_a[:, None], positions[:, -1:] + 1
+        step_ids, positions = tok_a[:, None], positions[..., -1:] + 1
     return tokens_bt, logprobs_bt
 
 
@@ -235,7 +239,8 @@ class HFGeneration(GenerationBackend):
                                          bos_token_id=self.tokenizer.bos_token_id)
             seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
                                           generation_config=hf_config, logits_processor=LogitsProcessorList([sampler]),
-                                          stopping_criteria=StoppingCriteriaList([limits]), **images)
+                                          stopping_criteria=StoppingCriteriaList([limits]), **images,
+                                          **generate_keywords(self.model, ids_bt, images))
             new_bt = seqs_bt[:, L:].cpu()
             chosen_bt = torch.stack(sampler.tokens, dim=1).cpu()[:, :new_bt.shape[1]]
             lp_bt = torch.stack(sampler.logprobs, dim=1).float().cpu()[:, :new_bt.shape[1]]
