@@ -98,6 +98,9 @@ class GenerationBackend:
     def wake_up(self) -> None:
         """Undo `sleep`."""
 
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks computed with older weights (no-op where nothing is cached between calls: hf)."""
+
     def close(self) -> None:
         """Release the backend."""
 

@@ -126,13 +126,10 @@ def _run_load(backend, bridge: Bridge, arg: dict) -> tuple[str, object]:
 
 
 def _run_reset(backend) -> tuple[str, object]:
-    """Drop the prefix cache (vLLM, checked: `grpo.system.generation.vllm.reset_prefix_cache`; an hf copy keeps no
-    cache between calls)."""
+    """Drop the prefix cache (the backend's `reset_prefix_cache`: vLLM's, checked; an hf copy keeps no cache between
+    calls)."""
     try:
-        if hasattr(backend, "llm"):
-            from grpo.system.generation.vllm import reset_prefix_cache
-
-            reset_prefix_cache(backend.llm)
+        backend.reset_prefix_cache()
         return "ok", None
     except Exception as err:  # noqa: BLE001
         return "error", f"{type(err).__name__}: {err}"

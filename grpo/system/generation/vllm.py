@@ -548,6 +548,10 @@ class VllmGeneration(GenerationBackend):
         if self._asleep:
             self._wake(self.policy_engine if self._weights_discarded else None)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop vLLM's cached KV blocks, checked (`reset_prefix_cache`: a refused reset raises)."""
+        reset_prefix_cache(self.llm)
+
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
                  max_new_tokens=None, stop_strings=None, sampling=None) -> list[GenerationOutput]:
