@@ -12,7 +12,6 @@ Every forward of a ZeRO-3 engine is a collective: all ranks call `compute_logpro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,7 +142,8 @@ def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float 
     packed or with shared prompts (neither carries the images yet: asking for either is an error)."""
     device = engine.device
     ids_bt, mask_bt = input_ids_bt.to(device), attention_mask_bt.to(device)
-    images = image_keywords(engine.module, media, device)
+    module = getattr(engine, "module", engine)  # a DeepSpeed engine's model, or a plain model (tests, forks)
+    images = image_keywords(module, media, device)
     if images and (packing is not None or prompt_lens_b is not None):
         raise ValueError("rows with images run padded: policy.sequence_packing and policy.shared_prompt_forward do "
                          "not carry a vision-language model's images yet (set both false)")
@@ -152,7 +152,7 @@ def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float 
         return aligned_logprobs_from_logits(logits_nlv, ids_nl, temperature, chunk_size, top_k=top_k, top_p=top_p,
                                             return_unfiltered=True)
 
-    checkpointed = torch.is_grad_enabled() and getattr(engine.module, "is_gradient_checkpointing", False)
+    checkpointed = torch.is_grad_enabled() and getattr(module, "is_gradient_checkpointing", False)
     can_share = (prompt_lens_b is not None and not checkpointed and engine.zero_optimization_stage() != 3
                  and not needs)
     plan = plan_shared_prefix(ids_bt, mask_bt, prompt_lens_b) if can_share else None
@@ -167,16 +167,16 @@ def logprob_forward(engine, input_ids_bt, attention_mask_bt, temperature: float 
     if shared is not None:
         lp_bt, full_bt = shared
     else:
-        dummy = None  # ZeRO-3, a VLM, no image here: a dummy picture runs the tower as on the ranks with images
-        if not images and plan is None and engine.zero_optimization_stage() == 3:
-            dummy = with_dummy_image(engine.module, ids_bt, mask_bt)
+        # a VLM under ZeRO-3 (the only models with a dummy picture: grpo.system.engines), no image here: the dummy
+        # picture runs the tower as on the ranks with images
+        dummy = with_dummy_image(module, ids_bt, mask_bt) if not images and plan is None else None
         if dummy is None:  # positions: M-RoPE ones for Qwen-VL, the model's own count otherwise
             logits_btv = engine(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False, **images,
-                                **multimodal_positions(engine.module, ids_bt, mask_bt, images)).logits
+                                **multimodal_positions(module, ids_bt, mask_bt, images)).logits
         else:
             B, T = ids_bt.shape
             logits_btv = engine(input_ids=dummy[0], attention_mask=dummy[1], use_cache=False, **dummy[2],
-                                **multimodal_positions(engine.module, dummy[0], dummy[1], dummy[2])).logits
+                                **multimodal_positions(module, dummy[0], dummy[1], dummy[2])).logits
             anchor = 0.0 * logits_btv[B:].sum()  # the tower's (zero) gradient reaches every rank's reduction
             logits_btv = logits_btv[:B, :T]
         lp_bt, full_bt = logprobs(logits_btv, ids_bt)

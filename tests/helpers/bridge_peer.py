@@ -56,7 +56,10 @@ if __name__ == "__main__":
     bridge = Bridge(store, 1, 2, timeout_s=60)
     if mode.startswith("load"):
         serve_one_load(bridge, mode)
-        sys.exit(0)
+        # os._exit, not sys.exit: the sends are done, and the interpreter's teardown of a process group whose gloo
+        # threads still run can abort ("terminate called without an active exception", exit -6: a CI flake)
+        sys.stdout.flush()
+        os._exit(0)
     obj = bridge.recv(0)
     if mode == "die":
         os._exit(3)

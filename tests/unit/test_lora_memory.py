@@ -108,10 +108,18 @@ def check_state(audit: dict, ipg_bucket: int = 0) -> None:
 
 
 def live_tensors() -> list[torch.Tensor]:
-    """Every tensor the garbage collector reaches (a strong reference to each: none of their addresses is reused
-    while the list lives)."""
+    """Every tensor with memory of its own that the garbage collector reaches (a strong reference to each: none of
+    their addresses is reused while the list lives). Meta tensors and tensor subclasses without storage (FakeTensor,
+    which an earlier test of the same process may leave alive: their data pointer raises) hold no copy of anything."""
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and has_storage(o)]
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    try:
+        return not t.is_meta and t.numel() > 0 and t.untyped_storage().nbytes() > 0 and t.data_ptr() >= 0
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def copies_of_base_weights(weights: dict[str, torch.Tensor], ignore: list[torch.Tensor] = ()) -> dict[str, int]:
@@ -122,7 +130,7 @@ def copies_of_base_weights(weights: dict[str, torch.Tensor], ignore: list[torch.
     skip = {t.data_ptr() for t in [*weights.values(), *ignore]}
     held = {}
     for obj in live_tensors():
-        if not obj.is_meta and obj.numel() and obj.untyped_storage().nbytes() and obj.data_ptr() not in skip:
+        if obj.data_ptr() not in skip:
             held.setdefault((obj.data_ptr(), obj.numel(), obj.dtype), obj)
     by_numel: dict[int, list[torch.Tensor]] = {}
     for (_, numel, _), t in held.items():
