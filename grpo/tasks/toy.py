@@ -117,6 +117,21 @@ def save_char_tokenizer(tok, out_dir: str) -> None:
         json.dump(tok_cfg, f, indent=2, sort_keys=True)
 
 
+def right_padded(rows, pad_id: int):
+    """Rows ``(ids, labels, ...)`` -> right-padded ``(ids_bt, labels_bt, attention_bt)``: ``pad_id`` and label -100
+    on the padding (what `supervise` and `fit_exact` train on; a row's further fields are ignored here)."""
+    import torch
+
+    width = max(len(row[0]) for row in rows)
+    ids_bt = torch.full((len(rows), width), pad_id)
+    labels_bt = torch.full((len(rows), width), -100)
+    attention_bt = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, labels, *_) in enumerate(rows):
+        ids_bt[i, : len(ids)], labels_bt[i, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
+        attention_bt[i, : len(ids)] = 1
+    return ids_bt, labels_bt, attention_bt
+
+
 def supervise(model, pad_id: int, make_row, steps: int, batch_size: int, log_every: int = 0,
               name: str = "toy model") -> None:
     """Supervised next-token training of a toy model: ``steps`` AdamW steps (lr 3e-3) on batches of
@@ -129,13 +144,7 @@ def supervise(model, pad_id: int, make_row, steps: int, batch_size: int, log_eve
     model.train()
     for step in range(steps):
         rows = [make_row() for _ in range(batch_size)]
-        width = max(len(row[0]) for row in rows)
-        ids_bt = torch.full((batch_size, width), pad_id)
-        labels_bt = torch.full((batch_size, width), -100)
-        attention_bt = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, (ids, labels, *_) in enumerate(rows):
-            ids_bt[i, : len(ids)], labels_bt[i, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
-            attention_bt[i, : len(ids)] = 1
+        ids_bt, labels_bt, attention_bt = right_padded(rows, pad_id)
         images = {"pixel_values": torch.cat([r[2] for r in rows])} if len(rows[0]) > 2 else {}
         loss = model(input_ids=ids_bt, attention_mask=attention_bt, labels=labels_bt, **images).loss
         opt.zero_grad()
@@ -162,13 +171,7 @@ def fit_exact(model, pad_id: int, rows: list[tuple[list[int], list[int], float]]
 
     import torch
 
-    width = max(len(ids) for ids, _, _ in rows)
-    ids_bt = torch.full((len(rows), width), pad_id)
-    labels_bt = torch.full((len(rows), width), -100)
-    attention_bt = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, labels, _) in enumerate(rows):
-        ids_bt[i, : len(ids)], labels_bt[i, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
-        attention_bt[i, : len(ids)] = 1
+    ids_bt, labels_bt, attention_bt = right_padded(rows, pad_id)
     weights_b = torch.tensor([w for _, _, w in rows], dtype=torch.float32)
     weights_b = weights_b / weights_b.sum()
 
