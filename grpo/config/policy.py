@@ -330,6 +330,10 @@ class GenerationConfig(_Section):
                         stop_strings=tuple(self.stop_strings) if self.stop_strings is not None else None,
                         stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids is not None else None)
 
+    def profiles(self) -> dict[str, "Sampling"]:
+        """Both profiles by name, ``{"train": ..., "val": ...}``: what a batch of the endpoint says it samples with."""
+        return {"train": self.sampling(), "val": self.sampling(validation=True)}
+
 
 @dataclass(frozen=True)
 class Sampling:

@@ -147,7 +147,7 @@ class Endpoint(Batching):
         self.vocab_size = max(len(tokenizer), vocab_size)  # vocab_size: the policy's embedding rows
         self.max_render_chars = 2 * self.max_len * max(map(len, tokenizer.get_vocab()))
         self._work_pool = concurrent.futures.ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="grpo-endpoint-work")
-        self.profiles = {"train": g.sampling(), "val": g.sampling(validation=True)}  # a batch samples with its own
+        self.profiles = g.profiles()  # a batch samples with its own
         self.train_pair, self.val_pair = ((s.temperature, s.top_p) for s in self.profiles.values())
         self.gen_cfg = g
         self.api_key = "sk-grpo-" + secrets.token_hex(16)

@@ -84,14 +84,13 @@ def pick_round(states: list[tuple[bool, list[str], list[str]]], round_no: int, l
 class LockstepGeneration(GenerationBackend):
     """``inner`` (the trainers' `RemoteGeneration`) shared by the loop and the endpoint of every trainer (module
     docstring); built on every trainer at the same point (a collective: the drivers' gloo group). ``gen_cfg``:
-    ``policy.generation``, whose ``sampling()`` is the solo rounds' "train" profile and ``sampling(validation=True)``
-    their "val" one."""
+    ``policy.generation``, whose ``profiles()`` are the solo rounds' "train" and "val" profiles."""
 
     def __init__(self, inner: GenerationBackend, gen_cfg, poll_s: float = POLL_S):
         import torch.distributed as dist
 
         self.inner, self.poll_s = inner, poll_s
-        self._profiles = {"train": gen_cfg.sampling(), "val": gen_cfg.sampling(validation=True)}
+        self._profiles = gen_cfg.profiles()
         self.group = dist.new_group(backend="gloo")
         self._cond = threading.Condition()
         self._sections: list[_Section] = []
