@@ -97,7 +97,7 @@ def main(argv=None) -> int | None:
         train_end = time.time()
 
         # ---- 9. sync weights: publish the new weights (version = step) to the generation thread ----------
-        timing["timing/refit_s"] = gen.publish(step, trained=True)
+        timing["timing/train/prepare_for_generation/total"] = gen.publish(step, trained=True)
         metrics = record_trained(
             run, step, batch, results, metrics, adv_metrics, timing, t_step, gen.trained_mark["epoch"],
             extra={**gen.producer.step_metrics(step, took.entries, took.wait_s),

@@ -123,7 +123,7 @@ def start_async_generation(run: Run) -> AsyncGeneration:
 class Taken:
     """A step's rollouts as the trainer took them: the replay ``entries`` (their prompt groups), the seconds it
     waited for them, when training started (``time.time()``), the scored ``batch``, the step's row so far and its
-    ``timing/`` seconds (the thread's generation and environment time)."""
+    ``timing/train/`` seconds (the thread's generation and environment time)."""
 
     entries: list
     wait_s: float
@@ -149,4 +149,4 @@ def take_rollouts(run: Run, gen: AsyncGeneration, step: int) -> Taken:
     batch, counts, metrics = score_rollouts(run, trajectories_from_groups([e.group for e in entries]), info.metrics)
     gen.trained_mark = info.loader_mark
     return Taken(entries, wait_s, train_start, batch, {**{f"train/{k}": v for k, v in metrics.items()}, **counts},
-                 {f"timing/{k}": v for k, v in info.timing.items()})
+                 {f"timing/train/{k}": v for k, v in info.timing.items()})
