@@ -109,7 +109,7 @@ def main(argv=None) -> int | None:
             failure = got.failure
     abandoned = got.outcome in (Outcome.ABANDONED, Outcome.FAILED)
     return finish(run, out_of_data=got.outcome is Outcome.OUT_OF_DATA,
-                  loader_state=mark["loader"] if abandoned else run.loader.state_dict(), failure=failure,
+                  loader_state=mark.loader if abandoned else run.loader.state_dict(), failure=failure,
                   metrics=end.metrics, stop=stop, rng=rng if abandoned else None)
 
 
