@@ -76,8 +76,8 @@ def main(argv=None) -> int | None:
         # ---- the step budget: too few samples got a score -> the step is skipped, counted, logged ---------
         if not run.checks.rollouts.trainable(int(batch.failed_b.sum()), len(batch)):
             gen.publish(step, trained=False)
-            end = skip_step(run, step, end, batch, metrics, gen.trained_mark["epoch"],
-                            lambda: gen.trained_mark["loader"], gen.replay_extra)
+            end = skip_step(run, step, end, batch, metrics, gen.trained_mark.epoch,
+                            lambda: gen.trained_mark.loader, gen.replay_extra)
             continue
         run.checks.rollouts.trained()
 
@@ -97,9 +97,9 @@ def main(argv=None) -> int | None:
         train_end = time.time()
 
         # ---- 9. sync weights: publish the new weights (version = step) to the generation thread ----------
-        timing["timing/refit_s"] = gen.publish(step, trained=True)
+        timing["timing/train/prepare_for_generation/total"] = gen.publish(step, trained=True)
         metrics = record_trained(
-            run, step, batch, results, metrics, adv_metrics, timing, t_step, gen.trained_mark["epoch"],
+            run, step, batch, results, metrics, adv_metrics, timing, t_step, gen.trained_mark.epoch,
             extra={**gen.producer.step_metrics(step, took.entries, took.wait_s),
                    "async/train_start_time": took.train_start, "async/train_end_time": train_end,
                    "train/prompt_indices": [e.group.prompt_index for e in took.entries]})
@@ -107,13 +107,13 @@ def main(argv=None) -> int | None:
         # ---- 10. log (health checks, dumps), validate, checkpoint (a stop signal skips validation) -------
         end = log_step(run, step, batch, results, metrics)
         val, end = validate_step(run, step, end, gen.validate)
-        end = checkpoint_step(run, step, end, val, lambda: gen.trained_mark["loader"], gen.replay_extra)
+        end = checkpoint_step(run, step, end, val, lambda: gen.trained_mark.loader, gen.replay_extra)
 
     # ================================================================ the end
     replay = gen.stop()  # the thread ends; the replay deque as the last save keeps it
     stop, failure = gen.ending(end, closed)  # the thread's end (closed): a failure, or the end of the data
     return finish(run, out_of_data=closed is not None and closed.kind is StopKind.OUT_OF_DATA,
-                  loader_state=gen.trained_mark["loader"], failure=failure, extra=replay, metrics=end.metrics,
+                  loader_state=gen.trained_mark.loader, failure=failure, extra=replay, metrics=end.metrics,
                   stop=stop)
 
 

@@ -59,7 +59,7 @@ def main(argv=None) -> int | None:
         t_step = time.perf_counter()
         # Where the last finished step left the prompts and the RNG: what a step abandoned before training saves.
         mark, rng = prompts.mark(), rng_state()
-        timing = {"timing/generate_s": 0.0, "timing/env_step_s": 0.0}
+        timing = {"timing/train/generate_s": 0.0, "timing/train/env_step_s": 0.0}
 
         # ---- 1-4. generate and score: play the conversations, penalties / scaling / shaping, mask the failed
         #           samples, dynamic sampling; then the step budget (too few samples got a score: skipped) ----
@@ -109,7 +109,7 @@ def main(argv=None) -> int | None:
             failure = got.failure
     abandoned = got.outcome in (Outcome.ABANDONED, Outcome.FAILED)
     return finish(run, out_of_data=got.outcome is Outcome.OUT_OF_DATA,
-                  loader_state=mark["loader"] if abandoned else run.loader.state_dict(), failure=failure,
+                  loader_state=mark.loader if abandoned else run.loader.state_dict(), failure=failure,
                   metrics=end.metrics, stop=stop, rng=rng if abandoned else None)
 
 

@@ -268,11 +268,10 @@ def seq_logprob_error(
     return (err * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
-def _min_mean_max(values: torch.Tensor, prefix: str) -> dict:
-    if values.numel() == 0:
-        return {f"{prefix}_min": 0.0, f"{prefix}_mean": 0.0, f"{prefix}_max": 0.0}
-    return {f"{prefix}_min": values.min().item(), f"{prefix}_mean": values.mean().item(),
-            f"{prefix}_max": values.max().item()}
+def _min_mean_max(values: torch.Tensor, suffix: str = "") -> dict:
+    """``{min,mean,max}_seq_mult_prob_error<suffix>`` of ``values`` (NeMo-RL's names; 0 for none)."""
+    stats = (values.min().item(), values.mean().item(), values.max().item()) if values.numel() else (0.0,) * 3
+    return {f"{stat}_seq_mult_prob_error{suffix}": v for stat, v in zip(("min", "mean", "max"), stats)}
 
 
 def mask_by_seq_logprob_error(
@@ -288,10 +287,11 @@ def mask_by_seq_logprob_error(
         new_sample_mask_b = sample_mask_b · 1[e_b ≤ threshold]        (threshold None: unchanged)
 
     As NeMo-RL's ``compute_and_apply_seq_logprob_error_masking`` (nemo_rl/algorithms/grpo.py:2513-2631 at 7ea279a).
-    ``e_b`` uses the mask m = token_mask · sample_mask, as the loss's token_mult_prob_error does. Metrics:
-    num_masked_seqs; masked_correct_pct: the fraction (0-1) of the masked sequences whose reward is exactly 1;
-    seq_logprob_error_{min,mean,max} over the sequences with a token in m, and seq_logprob_error_after_{min,mean,max}
-    over those of them that are kept (0 when there are none; without a threshold, the same as before).
+    ``e_b`` uses the mask m = token_mask · sample_mask, as the loss's token_mult_prob_error does. Metrics, in
+    NeMo-RL's names: num_masked_seqs_by_logprob_error; masked_correct_pct: the fraction (0-1) of the masked
+    sequences whose reward is exactly 1; {min,mean,max}_seq_mult_prob_error over the sequences with a token in m,
+    and {min,mean,max}_seq_mult_prob_error_after_mask over those of them that are kept (0 when there are none;
+    without a threshold, the same as before).
     """
     keep_before = sample_mask > 0
     err_b = seq_logprob_error(generation_logprobs, prev_logprobs, token_mask * sample_mask[:, None])
@@ -304,10 +304,10 @@ def mask_by_seq_logprob_error(
     num_masked = int(masked.sum().item())
     correct = int((masked & (rewards == 1)).sum().item())
     metrics = {
-        "num_masked_seqs": num_masked,
+        "num_masked_seqs_by_logprob_error": num_masked,
         "masked_correct_pct": correct / num_masked if num_masked else 0.0,
-        **_min_mean_max(err_b[has_tokens], "seq_logprob_error"),
-        **_min_mean_max(err_b[keep_after & has_tokens], "seq_logprob_error_after"),
+        **_min_mean_max(err_b[has_tokens]),
+        **_min_mean_max(err_b[keep_after & has_tokens], "_after_mask"),
     }
     return sample_mask * keep_after.to(sample_mask.dtype), metrics
 

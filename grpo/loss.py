@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from grpo.config import ClippedPGLossConfig
+from grpo.batch import TrainBatch
+from grpo.config import ClippedPGLossConfig, MasterConfig
 
 Normalizer = Union[torch.Tensor, float, int, None]
 
@@ -463,8 +464,8 @@ class LossInputs:
     """
 
     logprobs_bt: torch.Tensor
-    batch: Any
-    cfg: Any
+    batch: TrainBatch
+    cfg: MasterConfig
     global_valid_tokens: Normalizer = None
     global_valid_seqs: Normalizer = None
     global_correct_tokens: Normalizer = None

@@ -1,5 +1,5 @@
-"""Metric aggregation, NeMo-RL's metric names (`NEMO_RL_NAMES`), validation early stop, checkpoint ranking
-metrics, and the global loss normalisers."""
+"""Metric aggregation, grpo-ds's former metric names (`FORMER_NAMES`, to read what older runs wrote), validation
+early stop, checkpoint ranking metrics, and the global loss normalisers."""
 
 from __future__ import annotations
 
@@ -80,17 +80,20 @@ def aggregate_rollout_metrics(metric_dicts: Sequence[dict]) -> dict:
     return out
 
 
-# ---- NeMo-RL's metric names -------------------------------------------------------------------------
+# ---- grpo-ds's former metric names ------------------------------------------------------------------
+# The phases log NeMo-RL's names as they compute them; these tables only read what grpo-ds wrote before it took
+# them: an older metrics.jsonl (`grpo.tools.plot`), an older checkpoint's train_state.json
+# (`checkpoint_metric_keys`), a former name in checkpointing.metric_name (`checkpoint_metric`).
 def _validation_names() -> dict[str, str]:
     from grpo.config import VALIDATION_METRIC_ALIASES
 
     return {f"val/{old}": f"validation/{new}" for old, new in VALIDATION_METRIC_ALIASES.items()}
 
 
-NEMO_RL_NAMES: dict[str, str] = {
-    # grpo-ds's former key -> NeMo-RL's key, as the rows of metrics.jsonl, wandb and tensorboard have it.
+FORMER_NAMES: dict[str, str] = {
+    # grpo-ds's former key -> NeMo-RL's key, where the producer now logs it.
     # Rollout: nemo_rl/experience/rollouts.py, run_multi_turn_rollout's rollout_metrics (logged under "train/" by
-    # grpo_train in nemo_rl/algorithms/grpo.py); computed as such by grpo.rollout_metrics.rollout_summary.
+    # grpo_train in nemo_rl/algorithms/grpo.py): grpo.rollout_metrics.rollout_summary.
     "train/reward_mean": "train/mean_total_reward",
     "train/turns_mean": "train/avg_turns_per_sample",
     "train/turns_max": "train/max_turns_per_sample",
@@ -99,25 +102,21 @@ NEMO_RL_NAMES: dict[str, str] = {
     "train/response_length_max": "train/max_gen_tokens_per_sample",
     "train/env_tokens_mean": "train/mean_env_tokens_per_sample",
     "train/truncated_frac": "train/truncation_rate",
-    # Train: grpo_train's `metrics` dict (grpo.py, "reward" = the rewards the advantages read, after
-    # penalties, scaling and shaping; "kl_penalty" = the loss's KL, before its weight; num_mask_sample_filtered).
+    # Train: grpo_train's `metrics` dict (grpo.step.step_metrics; num_mask_sample_filtered: rollout_counts).
     "train/shaped_reward_mean": "train/reward",
     "train/kl": "train/kl_penalty",
     "train/mask_sample_count": "train/num_mask_sample_filtered",
-    # Sequence logprob error: compute_and_apply_seq_logprob_error_masking's return (grpo.py).
+    # Sequence logprob error: grpo.logprobs.mask_by_seq_logprob_error.
     "train/num_masked_seqs": "train/num_masked_seqs_by_logprob_error",
     **{f"train/seq_logprob_error{after}_{stat}": f"train/{stat}_seq_mult_prob_error{'_after_mask' if after else ''}"
        for after in ("", "_after") for stat in ("min", "mean", "max")},
-    # Timing: grpo_train's Timer labels, logged under "timing/train/" ("generation" is the whole multi-turn
-    # rollout, environment steps included; the refit is what prepare_for_generation/total holds there). Our other
-    # timings (generate_s, env_step_s: the rollout's two parts) keep their names under "timing/train/".
+    # Timing: grpo_train's Timer labels under "timing/train/" (grpo.system.tracking.PHASE_TIMERS, the loops).
     "timing/step_s": "timing/train/total_step_time",
     "timing/rollout_s": "timing/train/generation",
     "timing/logprobs_s": "timing/train/policy_and_reference_logprobs",
     "timing/train_s": "timing/train/policy_training",
     "timing/refit_s": "timing/train/prepare_for_generation/total",
-    # Validation: validate() in grpo.py (accuracy, avg_length, pass_k, under "validation/"; its Timer under
-    # "timing/validation/"); grpo.config.VALIDATION_METRIC_ALIASES has the metric part of these rows.
+    # Validation: grpo.run.validation.validate (grpo.config.VALIDATION_METRIC_ALIASES has the metric part).
     **_validation_names(),
     "val/num_samples": "validation/num_samples",
     "val/generate_s": "timing/validation/generate_s",
@@ -127,15 +126,15 @@ NEMO_RL_NAMES: dict[str, str] = {
 
 
 def nemo_rl_name(key: str) -> str:
-    """NeMo-RL's name of a metric key: `NEMO_RL_NAMES`, then ``val/pass@<k>`` -> ``validation/pass_k``, any other
-    ``val/<x>`` -> ``validation/<x>`` and ``timing/<x>`` -> ``timing/train/<x>``; other keys (and NeMo-RL's
-    own names) as they are.
+    """NeMo-RL's name of a key an older run logged: `FORMER_NAMES`, then ``val/pass@<k>`` -> ``validation/pass_k``,
+    any other ``val/<x>`` -> ``validation/<x>`` and ``timing/<x>`` -> ``timing/train/<x>``; other keys (and
+    NeMo-RL's own names) as they are.
 
         >>> [nemo_rl_name(k) for k in ("train/reward_mean", "val/pass@4", "timing/generate_s", "train/loss")]
         ['train/mean_total_reward', 'validation/pass_k', 'timing/train/generate_s', 'train/loss']
     """
-    if key in NEMO_RL_NAMES:
-        return NEMO_RL_NAMES[key]
+    if key in FORMER_NAMES:
+        return FORMER_NAMES[key]
     if key.startswith("val/pass@"):
         return "validation/pass_k"
     if key.startswith("val/"):
@@ -145,31 +144,13 @@ def nemo_rl_name(key: str) -> str:
     return key
 
 
-def nemo_rl_names(metrics: dict) -> dict:
-    """``metrics`` with NeMo-RL's keys (`nemo_rl_name`), in order. Where a key already has the name another
-    would take, the value already under NeMo-RL's name stays (e.g. the rollout's ``train/mean_gen_tokens_per_sample``
-    over ``train/response_length_mean``); between two former names, the first.
-
-        >>> nemo_rl_names({"train/kl_penalty": 0.1, "train/kl": 0.1, "train/reward_mean": 0.5, "val/reward_mean": 1})
-        {'train/kl_penalty': 0.1, 'train/mean_total_reward': 0.5, 'validation/accuracy': 1}
-    """
-    out: dict = {}
-    for key, value in metrics.items():
-        name = nemo_rl_name(key)
-        if name == key:
-            out[key] = value
-        elif name not in metrics and name not in out:
-            out[name] = value
-    return out
-
-
 def former_names(name: str) -> list[str]:
-    """The former keys that `nemo_rl_name` maps to ``name`` (to read a metrics.jsonl written before the rename).
+    """The former keys that `nemo_rl_name` maps to ``name`` (to read a checkpoint written before the rename).
 
         >>> former_names("train/mean_gen_tokens_per_sample")
         ['train/assistant_tokens_mean', 'train/response_length_mean']
     """
-    return [old for old, new in NEMO_RL_NAMES.items() if new == name]
+    return [old for old, new in FORMER_NAMES.items() if new == name]
 
 
 def checkpoint_metric_keys(metric_name: str) -> list[str]:

@@ -304,24 +304,24 @@ def early_stop_reason(cfg, val_metrics: dict | None) -> str | None:
 
 
 def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -> dict:
-    """The step's ``train/*`` metrics: rewards, lengths, the loss metrics of each optimizer step, tokens/s."""
+    """The step's ``train/*`` metrics, in NeMo-RL's names where it has one: the loss metrics of each optimizer
+    step (``kl_penalty``: the KL itself, before the beta weight; 0 without a KL term), ``reward`` (the rewards the
+    advantages read: after penalties, scaling and shaping, as NeMo-RL's grpo_train logs it), reward spread,
+    tokens, tokens/s. The environments' rewards, lengths and truncation are the rollout's
+    (`grpo.rollout_metrics.rollout_summary`: ``mean_total_reward``, ``mean_gen_tokens_per_sample``, ...)."""
     lengths = batch.response_lengths_b.float()
     scored_b = batch.raw_rewards_b[~batch.failed_b]  # a failed sample's reward is no score
     agg = aggregate_rollout_metrics(train_results)
     # The loss of a GRPO step is the sum of its optimizer steps' losses; the other loss metrics are
-    # means over micro-batches (kl_penalty is the KL itself, before the beta weight).
+    # means over micro-batches.
     agg["loss"] = sum(float(r["loss"]) for r in train_results)
-    agg["kl"] = agg.get("kl_penalty", 0.0)
+    agg.setdefault("kl_penalty", 0.0)
     out = {f"train/{k}": v for k, v in agg.items()}
     out.update({
-        "train/reward_mean": scored_b.mean().item() if len(scored_b) else 0.0,
         "train/reward_std": scored_b.std().item() if len(scored_b) > 1 else 0.0,
-        "train/shaped_reward_mean": batch.rewards_b[~batch.failed_b].mean().item() if len(scored_b) else 0.0,
+        "train/reward": batch.rewards_b[~batch.failed_b].mean().item() if len(scored_b) else 0.0,
         "train/advantage_abs_mean": batch.advantages_bt.abs().sum().item() / max(batch.token_mask_bt.sum().item(), 1.0),
-        "train/response_length_mean": lengths.mean().item(),
-        "train/response_length_max": lengths.max().item(),
         "train/num_completion_tokens": lengths.sum().item(),
-        "train/truncated_frac": batch.truncated_b.float().mean().item(),
         "train/num_valid_samples": batch.sample_mask_b.sum().item(),
         "train/num_samples": float(len(lengths)),
         "train/tokens_per_s": float(batch.token_mask_bt.sum().item()) / max(seconds, 1e-9),

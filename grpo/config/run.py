@@ -105,7 +105,7 @@ class CheckpointingConfig(_Section):
 
 
 # grpo-ds's former names of the validation metrics -> NeMo-RL's, which validation reports (``pass@<k>`` too:
-# `validation_metric_name`). `grpo.metrics.NEMO_RL_NAMES` builds its ``val/`` rows from this table.
+# `validation_metric_name`). `grpo.metrics.FORMER_NAMES` builds its ``val/`` rows from this table.
 VALIDATION_METRIC_ALIASES = {"reward_mean": "accuracy", "pass@k": "pass_k", "response_length_mean": "avg_length",
                              "truncated_frac": "truncation_rate", "turns_mean": "avg_turns_per_sample"}
 

@@ -17,6 +17,7 @@ from grpo.run.phases import score_rollouts
 from grpo.run.producer import RolloutProducer, weight_copy
 from grpo.run.run import Run
 from grpo.run.step_end import StepEnd
+from grpo.system.data import LoaderMark
 from grpo.system.health import HealthStop
 from grpo.system.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage
 
@@ -32,7 +33,7 @@ class AsyncGeneration:
     buffer: ReplayBuffer
     stage: WeightStage
     producer: RolloutProducer
-    trained_mark: dict
+    trained_mark: LoaderMark
     val_generator: object = None
 
     def validate(self, step: int) -> dict:
@@ -101,7 +102,8 @@ def start_async_generation(run: Run) -> AsyncGeneration:
     from grpo.system.replay import replay_resume
 
     cfg, g = run.cfg, run.cfg.grpo
-    buffer, trained_mark, gen_mark, first_target = replay_resume(run)
+    start = replay_resume(run)
+    buffer = start.buffer
     if run.resume is not None:
         run.logger.write(f"{len(buffer)} replay groups restored")
     stage = WeightStage()
@@ -112,18 +114,18 @@ def start_async_generation(run: Run) -> AsyncGeneration:
     generator = run.generator if run.generator is not None else weight_copy(run, stage)
     start_async_player(run, generator)
     producer = RolloutProducer(run, stage, buffer, generator, run.envs,
-                               PromptStream(run.loader, g.max_num_epochs, gen_mark["epoch"], gen_mark["loader"]),
-                               first_target, group, g.async_grpo.generation_threads or max(1, trainer_threads // 2))
+                               PromptStream(run.loader, g.max_num_epochs, start.gen_mark.epoch, start.gen_mark.loader),
+                               start.first_target, group, g.async_grpo.generation_threads or max(1, trainer_threads // 2))
     producer.start()
     torch.set_num_threads(trainer_threads)
-    return AsyncGeneration(run, buffer, stage, producer, trained_mark)
+    return AsyncGeneration(run, buffer, stage, producer, start.trained_mark)
 
 
 @dataclass
 class Taken:
     """A step's rollouts as the trainer took them: the replay ``entries`` (their prompt groups), the seconds it
     waited for them, when training started (``time.time()``), the scored ``batch``, the step's row so far and its
-    ``timing/`` seconds (the thread's generation and environment time)."""
+    ``timing/train/`` seconds (the thread's generation and environment time)."""
 
     entries: list
     wait_s: float
@@ -149,4 +151,4 @@ def take_rollouts(run: Run, gen: AsyncGeneration, step: int) -> Taken:
     batch, counts, metrics = score_rollouts(run, trajectories_from_groups([e.group for e in entries]), info.metrics)
     gen.trained_mark = info.loader_mark
     return Taken(entries, wait_s, train_start, batch, {**{f"train/{k}": v for k, v in metrics.items()}, **counts},
-                 {f"timing/{k}": v for k, v in info.timing.items()})
+                 {f"timing/train/{k}": v for k, v in info.timing.items()})

@@ -88,8 +88,8 @@ def collect_rollouts(run: Run, prompts, step: int, timing: dict) -> Collected:
                 r = run_rollout(run, run.generator, run.envs, rows, step, gen_batch)
         except RolloutError as err:  # the state of the last finished step is good: finish() saves it
             return Collected(Outcome.FAILED, failure=f"the rollout of step {step} failed: {err}{resume_note(run)}")
-        timing["timing/generate_s"] += r.timing["generate_s"]
-        timing["timing/env_step_s"] += r.timing["env_step_s"]
+        timing["timing/train/generate_s"] += r.timing["generate_s"]
+        timing["timing/train/env_step_s"] += r.timing["env_step_s"]
         # Failed (and flagged) samples leave the loss and their group's statistics; thin groups are dropped.
         batch, gen_counts, gen_metrics = score_rollouts(run, r.trajectories, r.metrics)
         counts = add_counts(counts, gen_counts)
@@ -123,14 +123,14 @@ def collect_rollouts(run: Run, prompts, step: int, timing: dict) -> Collected:
 
 
 def sync_weights(run: Run, step: int, timing: dict) -> str | None:
-    """Refit the generation engine with the policy's weights after step ``step`` (``timing/refit_s``); returns
-    None, or the failure (one line) when the generation ranks are gone (``colocated.enabled=false``): the step is
-    trained, the log and the final save still happen."""
+    """Refit the generation engine with the policy's weights after step ``step`` (its seconds as NeMo-RL's
+    ``timing/train/prepare_for_generation/total``); returns None, or the failure (one line) when the generation
+    ranks are gone (``colocated.enabled=false``): the step is trained, the log and the final save still happen."""
     from grpo.system.rollout import RolloutError
 
     try:
-        timing["timing/refit_s"] = run.generator.refit(run.policy)
+        timing["timing/train/prepare_for_generation/total"] = run.generator.refit(run.policy)
     except RolloutError as err:
-        timing["timing/refit_s"] = 0.0
+        timing["timing/train/prepare_for_generation/total"] = 0.0
         return f"the refit after step {step} failed: {err}"
     return None

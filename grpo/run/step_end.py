@@ -44,9 +44,9 @@ def record_trained(run: Run, step: int, batch, results: list[dict], metrics: dic
 
     record_step(run.state, batch, step)
     run.state.current_epoch = epoch
-    timing["timing/step_s"] = time.perf_counter() - t_step
+    timing["timing/train/total_step_time"] = time.perf_counter() - t_step
     metrics = {**metrics, **{f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()}}
-    return {**metrics, **step_metrics(batch, results, timing["timing/step_s"]), **timing,
+    return {**metrics, **step_metrics(batch, results, timing["timing/train/total_step_time"]), **timing,
             **run.checks.rollouts.metrics(), **extra, "train/epoch": epoch}
 
 
@@ -65,13 +65,10 @@ def validate_first(run: Run, validate: Callable[[int], dict]) -> StepEnd:
 
 
 def log_step(run: Run, step: int, batch, results: list[dict], metrics: dict, failure: str | None = None) -> StepEnd:
-    """After step ``step`` trained on ``batch`` (``results``: its optimizer steps' loss metrics): the row's keys as
-    NeMo-RL logs them (`grpo.metrics.nemo_rl_names`), the health checks (non-finite losses, a collapsing policy:
-    `grpo.system.health.StepChecks`), the row logged, the rollouts dumped. A ``failure`` already known (a refit
-    that broke) or found by the checks ends the step here: the later phases pass it on."""
-    from grpo.metrics import nemo_rl_names
-
-    metrics = nemo_rl_names(metrics)
+    """After step ``step`` trained on ``batch`` (``results``: its optimizer steps' loss metrics): the health checks
+    (non-finite losses, a collapsing policy: `grpo.system.health.StepChecks`), the row logged (``metrics``, in
+    NeMo-RL's names as the phases made them), the rollouts dumped. A ``failure`` already known (a refit that broke)
+    or found by the checks ends the step here: the later phases pass it on."""
     failure = failure or run.checks.after_step(batch.trajectories, batch.raw_rewards_b, results, metrics)
     run.logger.log(metrics, step)
     run.logger.progress(step, metrics)
@@ -121,7 +118,6 @@ def skip_step(run: Run, step: int, last: StepEnd, batch, metrics: dict, epoch: i
     (the weights of the last trained step) and the run exits 1 with it. ``last``: the end of the step before; its
     ``metrics`` (the last trained step's row) go on in the end returned: a skipped step has no row of its own to
     rank a checkpoint by (its own checkpoint ranks by the last saved metrics)."""
-    from grpo.metrics import nemo_rl_names
     from grpo.step import record_step
     from grpo.system.health import HealthStop
 
@@ -129,7 +125,7 @@ def skip_step(run: Run, step: int, last: StepEnd, batch, metrics: dict, epoch: i
     stop = budget.skipped(batch.trajectories)
     record_step(run.state, batch, step, trained=False)
     run.logger.write(budget.skip_note(step, int(batch.failed_b.sum()), len(batch)))
-    run.logger.log(nemo_rl_names({**metrics, **budget.metrics(), "train/skipped_step": 1}), step)
+    run.logger.log({**metrics, **budget.metrics(), "train/skipped_step": 1}, step)
     dump_rollouts(run, "train", step, batch.trajectories, batch)
     run.state.current_epoch = epoch
     if stop:

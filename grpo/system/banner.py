@@ -3,7 +3,7 @@ log says in one place what its numbers came from."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -11,12 +11,13 @@ if TYPE_CHECKING:
     from grpo.config import MasterConfig
     from grpo.system.data import PromptDataset
     from grpo.system.dist import Layout
+    from grpo.system.engines import AdaptersOff, FrozenModel
 
 
 def startup_line(cfg: MasterConfig, *, asynchronous: bool, world_size: int, layout: Layout | None,
                  train_ds: PromptDataset, val_ds: PromptDataset, num_malformed: int, total_steps: int,
-                 policy: DeepSpeedEngine, reference: Any, skip_ref: bool, skip_prev: bool, tasks: list[str],
-                 packing_note: str) -> str:
+                 policy: DeepSpeedEngine, reference: DeepSpeedEngine | AdaptersOff | FrozenModel | None,
+                 skip_ref: bool, skip_prev: bool, tasks: list[str], packing_note: str) -> str:
     """``grpo-ds[ async]: <ranks>, <prompts>, <steps>, <reference>, <logprob passes>, <DeepSpeed config>, <tasks>,
     <turns>, <micro-batches>, <how a shared prompt runs>``. ``layout``: the split into training and generation ranks
     (``policy.generation.colocated.enabled=false``) or None; ``num_malformed``: the training rows skipped as

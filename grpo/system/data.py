@@ -719,12 +719,34 @@ def _samples_yielded(loader_state: dict) -> str:
     return str(yielded) if isinstance(yielded, int) else "?"
 
 
+@dataclass(frozen=True)
+class LoaderMark:
+    """A data position: where the next prompt batch comes from, in ``epoch`` with the loader in state ``loader``
+    (a `StatefulDataLoader` state saved between batches, see the module docstring; None: the loader's start).
+    Checkpoints hold it as the plain dict of `to_dict` (``{"epoch", "loader"}``, the form they always had), which
+    loads with ``torch.load(weights_only=True)``.
+
+        >>> LoaderMark.from_dict(LoaderMark(2, {"n": 3}).to_dict())
+        LoaderMark(epoch=2, loader={'n': 3})
+    """
+
+    epoch: int
+    loader: dict | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "loader": self.loader}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoaderMark:
+        return cls(int(d["epoch"]), d["loader"])
+
+
 class PromptStream:
     """Prompt batches across epochs, resumable: ``next()`` gives the next batch (a list of items), starting a
     new epoch when the loader runs out, and None after ``max_epochs``. ``epoch`` is the current epoch.
 
     ``loader_state`` (a `StatefulDataLoader` state saved between batches, see the module docstring) and
-    ``epoch`` restore a position; `mark` returns the current one (a copy, safe to keep).
+    ``epoch`` restore a position; `mark` returns the current one (a `LoaderMark`, a copy, safe to keep).
     """
 
     def __init__(self, loader, max_epochs: int, epoch: int = 0, loader_state: dict | None = None):
@@ -754,8 +776,8 @@ class PromptStream:
                 self._it = iter(self.loader)
         return None
 
-    def mark(self) -> dict:
-        """``{"epoch", "loader"}``: where the next batch comes from."""
+    def mark(self) -> LoaderMark:
+        """Where the next batch comes from."""
         import copy
 
-        return {"epoch": self.epoch, "loader": copy.deepcopy(self.loader.state_dict())}
+        return LoaderMark(self.epoch, copy.deepcopy(self.loader.state_dict()))

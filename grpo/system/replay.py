@@ -11,9 +11,9 @@ the initial policy, and training step ``t`` (1-based, as logged) trains the weig
 0-based, of a run is meant for step i + 1, exactly as in the synchronous loop).
 
 A group is one prompt and all its G scored samples, a `ReplayGroup` (``groups_from_trajectories``); the
-buffer holds `ReplayEntry`s, a group with its versions. Its ``state_dict`` holds only dicts, lists, numbers,
-strings and tensors (``ReplayEntry.to_dict``; the form checkpoints have always had), so a checkpoint loads with
-``torch.load(weights_only=True)``.
+buffer holds `ReplayEntry`s, a group with its versions. Its ``state_dict`` (a `ReplayState`) holds only dicts,
+lists, numbers, strings and tensors (``ReplayEntry.to_dict``; the form checkpoints have always had), so a
+checkpoint loads with ``torch.load(weights_only=True)``.
 
     >>> buf = ReplayBuffer(max_age_steps=1)
     >>> buf.put(["group a", "group b"], generation_versions=[0, 0], target_version=1)
@@ -31,9 +31,11 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+
+from grpo.system.data import LoaderMark
 
 
 class StopKind(str, enum.Enum):
@@ -74,18 +76,25 @@ class ReplayClosed(RuntimeError):
 @dataclass
 class GroupInfo:
     """What the groups of one prompt batch share (one object for all of them): ``loader_mark``, the data
-    position after the batch (``{"epoch", "loader"}``, `grpo.system.data.PromptStream.mark`); the rollout's
-    ``metrics`` and ``timing``; the wall-clock start and end of its generation."""
+    position after the batch (`grpo.system.data.PromptStream.mark`); the rollout's ``metrics`` and ``timing``;
+    the wall-clock start and end of its generation."""
 
-    loader_mark: dict[str, Any] | None = None
+    loader_mark: LoaderMark | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     timing: dict[str, float] = field(default_factory=dict)
     gen_start_time: float = 0.0
     gen_end_time: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"loader_mark": self.loader_mark, "metrics": self.metrics, "timing": self.timing,
+        """Plain python, the mark as its dict (``{"epoch", "loader"}``)."""
+        mark = None if self.loader_mark is None else self.loader_mark.to_dict()
+        return {"loader_mark": mark, "metrics": self.metrics, "timing": self.timing,
                 "gen_start_time": self.gen_start_time, "gen_end_time": self.gen_end_time}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GroupInfo:
+        mark = d.get("loader_mark")
+        return cls(**{**d, "loader_mark": None if mark is None else LoaderMark.from_dict(mark)})
 
 
 @dataclass
@@ -111,7 +120,7 @@ class ReplayGroup:
         infos = {} if infos is None else infos
         info = infos.get(id(d["info"]))
         if info is None:
-            info = infos[id(d["info"])] = GroupInfo(**d["info"])
+            info = infos[id(d["info"])] = GroupInfo.from_dict(d["info"])
         return cls(prompt_index=d["prompt_index"], trajectories=d["trajectories"], version=d["version"], info=info)
 
 
@@ -139,6 +148,15 @@ def trajectory_age(step: int, generation_version: int) -> int:
         1
     """
     return (step - 1) - generation_version
+
+
+class ReplayState(TypedDict):
+    """A `ReplayBuffer`'s saved form (a checkpoint's ``extra["replay_buffer"]``): plain python, so that it loads with
+    ``torch.load(weights_only=True)``; every checkpoint has had this form."""
+
+    entries: list[dict[str, Any]]  # ReplayEntry.to_dict each, the groups of a prompt batch sharing one info dict
+    num_evicted: int
+    max_age_steps: int
 
 
 class ReplayBuffer:
@@ -227,7 +245,7 @@ class ReplayBuffer:
         with self._cond:
             return list(self._entries)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> ReplayState:
         """Plain python (entries as `ReplayEntry.to_dict`, and counters), loadable with
         ``torch.load(weights_only=True)``."""
         with self._cond:
@@ -235,7 +253,7 @@ class ReplayBuffer:
             return {"entries": [e.to_dict(infos) for e in self._entries], "num_evicted": self.num_evicted,
                     "max_age_steps": self.max_age_steps}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: ReplayState) -> None:
         """Restore a `state_dict` (any checkpoint's: the serialized form has not changed)."""
         infos: dict[int, GroupInfo] = {}
         entries = [ReplayEntry.from_dict(e, infos) for e in state["entries"]]
@@ -350,21 +368,30 @@ def trajectories_from_groups(groups: list[ReplayGroup]) -> list:
     return out
 
 
-def replay_resume(run) -> tuple[ReplayBuffer, dict, dict, int]:
-    """The async loop's starting point after `grpo.run.run_setup.setup`: ``(buffer, trained_mark, gen_mark, first_target)``.
+@dataclass(frozen=True)
+class ReplayStart:
+    """Where the async loop starts (`replay_resume`). ``trained_mark``: after the last trained prompt batch (what
+    a checkpoint records; the loader's start for a fresh run); ``gen_mark``: after the last buffered one, where the
+    generation thread goes on; ``first_target``: the step of the thread's first batch; ``buffer``: the replay
+    deque, restored or empty."""
 
-    A mark is ``{"epoch", "loader"}`` (a loader position). ``trained_mark``: after the last trained prompt
-    batch (what a checkpoint records; the loader's start for a fresh run); ``gen_mark``: after the last
-    buffered one, where the generation thread goes on; ``first_target``: the step of the thread's first
-    batch. The saved deque is restored with ``checkpointing.load_replay_buffer`` unless it holds groups older
-    than ``grpo.async_grpo.max_trajectory_age_steps`` allows (saved under a looser bound): then it is
-    regenerated from the trained position, so no prompt is skipped or trained twice.
+    buffer: ReplayBuffer
+    trained_mark: LoaderMark
+    gen_mark: LoaderMark
+    first_target: int
+
+
+def replay_resume(run) -> ReplayStart:
+    """The async loop's starting point after `grpo.run.run_setup.setup` (`ReplayStart`). The saved deque is
+    restored with ``checkpointing.load_replay_buffer`` unless it holds groups older than
+    ``grpo.async_grpo.max_trajectory_age_steps`` allows (saved under a looser bound): then it is regenerated from
+    the trained position, so no prompt is skipped or trained twice.
     """
     import copy
 
     cfg, state, resume = run.cfg, run.state, run.resume
     buffer = ReplayBuffer(cfg.grpo.async_grpo.max_trajectory_age_steps)
-    trained_mark = {"epoch": state.current_epoch, "loader": resume.loader_state if resume else None}
+    trained_mark = LoaderMark(state.current_epoch, resume.loader_state if resume else None)
     if resume is not None and cfg.checkpointing.load_replay_buffer and "replay_buffer" in resume.extra:
         buffer.load_state_dict(resume.extra["replay_buffer"])
         if any(trajectory_age(e.target_version, e.generation_version) > buffer.max_age_steps
@@ -372,7 +399,7 @@ def replay_resume(run) -> tuple[ReplayBuffer, dict, dict, int]:
             buffer = ReplayBuffer(buffer.max_age_steps)
     buffered = buffer.entries()
     gen_mark = buffered[-1].group.info.loader_mark if buffered else trained_mark
-    if trained_mark["loader"] is None:  # a fresh run: the loader's initial position
-        trained_mark = {"epoch": 0, "loader": copy.deepcopy(run.loader.state_dict())}
+    if trained_mark.loader is None:  # a fresh run: the loader's initial position
+        trained_mark = LoaderMark(0, copy.deepcopy(run.loader.state_dict()))
     first_target = buffered[-1].target_version + 1 if buffered else state.current_step + 1
-    return buffer, trained_mark, gen_mark, first_target
+    return ReplayStart(buffer, trained_mark, gen_mark, first_target)

@@ -1,8 +1,8 @@
 """Metrics sinks: ``metrics.jsonl`` always; wandb and tensorboard when enabled; a console progress bar.
 
 Every row of ``<logger.log_dir>/metrics.jsonl`` is one JSON object with ``step`` and flat keys
-in NeMo-RL's names (``train/mean_total_reward``, ``validation/accuracy``, ``timing/train/total_step_time``, ...;
-`grpo.metrics.NEMO_RL_NAMES`). Only rank 0 writes. A value that went
+in NeMo-RL's names (``train/mean_total_reward``, ``validation/accuracy``, ``timing/train/total_step_time``, ...),
+as the phases that compute them name them. Only rank 0 writes. A value that went
 non-finite is written as the string "nan", "inf" or "-inf" (`read_metrics` reads them back as floats).
 On resume, `truncate_metrics` drops the rows past the checkpoint's step.
 
@@ -141,11 +141,28 @@ def phase_memory(phase: str, out: dict) -> Iterator[None]:
             out[f"memory/{phase}_used_gb"] = device["used_gb"]
 
 
+# A timed phase -> NeMo-RL's Timer label of it (grpo_train in nemo_rl/algorithms/grpo.py, logged under
+# "timing/train/"): "generation" is the whole multi-turn rollout, environment steps included.
+PHASE_TIMERS = {"rollout": "timing/train/generation", "logprobs": "timing/train/policy_and_reference_logprobs",
+                "train": "timing/train/policy_training"}
+
+
+def phase_timer(phase: str) -> str:
+    """The metric a timed ``phase`` adds its seconds to: NeMo-RL's label (`PHASE_TIMERS`), else
+    ``timing/train/<phase>_s``.
+
+        >>> phase_timer("train"), phase_timer("reward_model")
+        ('timing/train/policy_training', 'timing/train/reward_model_s')
+    """
+    return PHASE_TIMERS.get(phase, f"timing/train/{phase}_s")
+
+
 @contextmanager
 def timed(metrics: dict, phase: str) -> Iterator[None]:
-    """Time the block: adds its seconds to ``timing/<phase>_s`` in ``metrics`` and records, on CUDA, the
-    phase's peak memory (``memory/<phase>_peak_gb``, ``memory/<phase>_used_gb``: `phase_memory`). The loops
-    write each phase's call first and its measurement around it::
+    """Time the block: adds its seconds to the phase's timer in ``metrics`` (`phase_timer`: ``train`` ->
+    ``timing/train/policy_training``) and records, on CUDA, the phase's peak memory (``memory/<phase>_peak_gb``,
+    ``memory/<phase>_used_gb``: `phase_memory`). The loops write each phase's call first and its measurement
+    around it::
 
         with timed(timing, "train"):
             results = train_step(cfg, run.policy, batch, run.rank, run.world_size, loss_fn=clipped_pg_loss_fn)
@@ -153,7 +170,8 @@ def timed(metrics: dict, phase: str) -> Iterator[None]:
     t0 = time.perf_counter()
     with phase_memory(phase, metrics):
         yield
-    metrics[f"timing/{phase}_s"] = metrics.get(f"timing/{phase}_s", 0.0) + time.perf_counter() - t0
+    key = phase_timer(phase)
+    metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
 
 
 def interactive() -> bool:

@@ -46,6 +46,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 from grpo.tasks.failures import classify_exception, http_status
@@ -136,7 +137,7 @@ def _worker_main(conn: Connection, spec: Any, load: Callable, call: Callable, pa
 
 @dataclass
 class _Worker:
-    process: Any
+    process: BaseProcess
     conn: Connection
     started_at: float
     ready: bool = False

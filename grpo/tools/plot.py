@@ -8,9 +8,9 @@ label = the directory's name or ``--labels``) and within a panel each metric its
 the panel); with one run each metric has its colour.
 ``--metrics`` replaces the default panels: one panel per comma-separated item, holding every key that
 matches it (a key, or a glob such as ``timing/*``); join items with ``+`` to share a panel
-(``train/mean_total_reward+validation/accuracy``). Keys are NeMo-RL's (`grpo.metrics.NEMO_RL_NAMES`): a
-metrics.jsonl written before grpo-ds took them is read with its keys renamed, and a former key in ``--metrics``
-(``train/reward_mean``) selects the metric's NeMo-RL name. Exit status 2, with a message, when a directory has no
+(``train/mean_total_reward+validation/accuracy``). Keys are NeMo-RL's, as runs log them: a metrics.jsonl written
+before grpo-ds took them is read with its keys renamed (`legacy_row`, `grpo.metrics.FORMER_NAMES`), and a former key
+in ``--metrics`` (``train/reward_mean``) selects the metric's NeMo-RL name. Exit status 2, with a message, when a directory has no
 metrics.jsonl or nothing is plottable.
 """
 
@@ -56,24 +56,43 @@ def to_float(value) -> float | None:
     return None
 
 
+def legacy_row(row: dict) -> dict:
+    """A metrics.jsonl row with NeMo-RL's keys, to read a run logged before grpo-ds took them (a current run's row
+    comes back as it is): each former key as `grpo.metrics.nemo_rl_name` names it, in order. Where a row has a
+    value under NeMo-RL's name already, that value stays (older runs logged e.g. ``train/mean_gen_tokens_per_sample``
+    beside ``train/response_length_mean``); between two former names, the first.
+
+        >>> legacy_row({"train/kl_penalty": 0.1, "train/kl": 0.1, "train/reward_mean": 0.5, "val/reward_mean": 1})
+        {'train/kl_penalty': 0.1, 'train/mean_total_reward': 0.5, 'validation/accuracy': 1}
+    """
+    from grpo.metrics import nemo_rl_name
+
+    out: dict = {}
+    for key, value in row.items():
+        name = nemo_rl_name(key)
+        if name == key:
+            out[key] = value
+        elif name not in row and name not in out:
+            out[name] = value
+    return out
+
+
 def merge_rows(rows: list[dict]) -> dict[str, dict[int, float]]:
-    """Rows of metrics.jsonl -> {key: {step: value}} under NeMo-RL's keys (`grpo.metrics.nemo_rl_names`: an
-    older file's keys are renamed), numbers only (``to_float``); a key logged twice at a step (a resumed run
-    repeats steps) keeps its last value; rows without an integer step are skipped.
+    """Rows of metrics.jsonl -> {key: {step: value}} under NeMo-RL's keys (`legacy_row`: an older file's keys
+    are renamed), numbers only (``to_float``); a key logged twice at a step (a resumed run repeats steps) keeps
+    its last value; rows without an integer step are skipped.
 
         >>> merge_rows([{"step": 1, "a": 1.0}, {"step": 1, "b": "nan", "c": [1]}, {"step": 1, "a": 2, "time": 9}])
         {'a': {1: 2.0}, 'b': {1: nan}}
         >>> merge_rows([{"step": 2, "val/reward_mean": 0.5}])
         {'validation/accuracy': {2: 0.5}}
     """
-    from grpo.metrics import nemo_rl_names
-
     series: dict[str, dict[int, float]] = {}
     for row in rows:
         step = row.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             continue
-        for key, value in nemo_rl_names(row).items():
+        for key, value in legacy_row(row).items():
             v = to_float(value)
             if key in ("step", "time") or v is None:
                 continue

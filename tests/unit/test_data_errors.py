@@ -70,4 +70,4 @@ def test_a_saved_position_past_the_end_of_shorter_data_is_a_data_error(shuffle):
     shorter = build_dataloader(list(range(8)), 4, shuffle=shuffle, seed=0)
     with pytest.raises(DataError, match=r"the checkpoint's data position \(epoch 0, 20 prompts into it\) does not "
                                         r"fit the data now \(8 prompts, 2 batches per epoch\)"):
-        PromptStream(shorter, 2, mark["epoch"], mark["loader"])
+        PromptStream(shorter, 2, mark.epoch, mark.loader)

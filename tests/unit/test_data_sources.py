@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from grpo.config import DataConfig
-from grpo.system.data import PromptDataset, PromptFormatter, PromptStream, build_dataloader, load_rows
+from grpo.system.data import LoaderMark, PromptDataset, PromptFormatter, PromptStream, build_dataloader, load_rows
 from grpo.tasks.rows import DataError
 from grpo.tasks.toy import build_char_tokenizer
 
@@ -154,9 +154,9 @@ def test_the_loader_over_several_sources_shuffles_by_seed_and_resumes_exactly(to
     first = stream()
     head = _indices(first, 4)
     buf = io.BytesIO()
-    torch.save(first.mark(), buf)
+    torch.save(first.mark().to_dict(), buf)  # as a checkpoint holds it
     buf.seek(0)
-    mark = torch.load(buf, weights_only=False)
-    tail = _indices(stream(mark["loader"], mark["epoch"]), 5)
+    mark = LoaderMark.from_dict(torch.load(buf, weights_only=True))
+    tail = _indices(stream(mark.loader, mark.epoch), 5)
     assert head + tail == full
     assert _indices(PromptStream(build_dataloader(ds, 3, shuffle=True, seed=5), 3), 9) != full

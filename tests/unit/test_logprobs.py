@@ -136,16 +136,16 @@ def test_mask_by_seq_logprob_error_by_hand():
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
     new, m = mask_by_seq_logprob_error(gen, prev, tm, sm, rewards, threshold=2.0)
     torch.testing.assert_close(new, torch.tensor([1.0, 0.0, 1.0, 0.0]))
-    assert m["num_masked_seqs"] == 1 and m["masked_correct_pct"] == 1.0  # a fraction, as NeMo-RL
-    assert m["seq_logprob_error_max"] == pytest.approx(3.0) and m["seq_logprob_error_min"] == pytest.approx(1.0)
-    assert m["seq_logprob_error_mean"] == pytest.approx(5.5 / 3)
-    assert m["seq_logprob_error_after_max"] == pytest.approx(1.5)
-    assert m["seq_logprob_error_after_mean"] == pytest.approx(1.25)
+    assert m["num_masked_seqs_by_logprob_error"] == 1 and m["masked_correct_pct"] == 1.0  # a fraction, as NeMo-RL
+    assert m["max_seq_mult_prob_error"] == pytest.approx(3.0) and m["min_seq_mult_prob_error"] == pytest.approx(1.0)
+    assert m["mean_seq_mult_prob_error"] == pytest.approx(5.5 / 3)
+    assert m["max_seq_mult_prob_error_after_mask"] == pytest.approx(1.5)
+    assert m["mean_seq_mult_prob_error_after_mask"] == pytest.approx(1.25)
     same, m2 = mask_by_seq_logprob_error(gen, prev, tm, sm, rewards, threshold=None)
     torch.testing.assert_close(same, sm)
-    assert m2["num_masked_seqs"] == 0 and m2["seq_logprob_error_after_max"] == pytest.approx(3.0)
+    assert m2["num_masked_seqs_by_logprob_error"] == 0 and m2["max_seq_mult_prob_error_after_mask"] == pytest.approx(3.0)
     _, m3 = mask_by_seq_logprob_error(gen, prev, tm, sm, torch.tensor([0.0, 0.0, 1.0, 1.0]), threshold=1.2)
-    assert m3["num_masked_seqs"] == 2 and m3["masked_correct_pct"] == 0.0
+    assert m3["num_masked_seqs_by_logprob_error"] == 2 and m3["masked_correct_pct"] == 0.0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""NeMo-RL's metric names (grpo.metrics.NEMO_RL_NAMES), its rollout metrics on hand-made rollouts, the checkpoint
+"""NeMo-RL's metric names (emitted by the phases; grpo.metrics.FORMER_NAMES reads older runs), its rollout metrics
+on hand-made rollouts, the checkpoint
 ranking metric in NeMo-RL's val:/train: form, val_start_at scheduling and validation-only sampling."""
 
 from __future__ import annotations
@@ -9,9 +10,7 @@ import pytest
 
 from grpo.config import MasterConfig, VALIDATION_METRIC_ALIASES, validation_metric_names
 from grpo.config.load import apply_overrides, build_config
-from grpo.metrics import (
-    NEMO_RL_NAMES, checkpoint_metric, checkpoint_metric_keys, nemo_rl_name, nemo_rl_names, rollout_counts,
-)
+from grpo.metrics import FORMER_NAMES, checkpoint_metric, checkpoint_metric_keys, nemo_rl_name, rollout_counts
 from grpo.rollout_metrics import percentile, rollout_summary
 from grpo.step import due_validation
 from grpo.system.health import RolloutBudget
@@ -20,13 +19,13 @@ from grpo.trajectory import Message, Trajectory
 
 # ---- names -----------------------------------------------------------------------------------------------
 def test_every_former_name_maps_to_a_nemo_rl_name_under_its_prefix():
-    for old, new in NEMO_RL_NAMES.items():
+    for old, new in FORMER_NAMES.items():
         assert old != new
         assert new.startswith(("train/", "validation/", "timing/train/", "timing/validation/")), new
-        assert new not in NEMO_RL_NAMES, f"{new} is itself renamed"
+        assert new not in FORMER_NAMES, f"{new} is itself renamed"
     # the validation rows are config's table (one source for config and the rows)
     for old, new in VALIDATION_METRIC_ALIASES.items():
-        assert NEMO_RL_NAMES[f"val/{old}"] == f"validation/{new}"
+        assert FORMER_NAMES[f"val/{old}"] == f"validation/{new}"
         assert new in validation_metric_names(4)
 
 
@@ -50,12 +49,42 @@ def test_nemo_rl_name(old, new):
     assert nemo_rl_name(old) == new
 
 
-def test_a_row_keeps_one_value_per_nemo_rl_name_the_native_one_first():
-    row = nemo_rl_names({"train/kl_penalty": 0.2, "train/kl": 0.2, "train/response_length_mean": 7.0,
-                         "train/mean_gen_tokens_per_sample": 6.0, "train/reward_mean": 0.5, "timing/step_s": 3.0,
-                         "train/loss": 1.0})
+def test_an_old_row_keeps_one_value_per_nemo_rl_name_the_native_one_first():
+    from grpo.tools.plot import legacy_row
+
+    row = legacy_row({"train/kl_penalty": 0.2, "train/kl": 0.2, "train/response_length_mean": 7.0,
+                      "train/mean_gen_tokens_per_sample": 6.0, "train/reward_mean": 0.5, "timing/step_s": 3.0,
+                      "train/loss": 1.0})
     assert row == {"train/kl_penalty": 0.2, "train/mean_gen_tokens_per_sample": 6.0,
                    "train/mean_total_reward": 0.5, "timing/train/total_step_time": 3.0, "train/loss": 1.0}
+
+
+def test_the_phases_emit_nemo_rl_names_at_their_source():
+    """What the loops log comes out of each phase under NeMo-RL's name (no rename pass before the row is logged):
+    the step's loss and reward metrics, the logprob-error masking's, the timed phases' seconds."""
+    import torch
+
+    from grpo.logprobs import mask_by_seq_logprob_error
+    from grpo.step import step_metrics
+    from grpo.system.tracking import timed
+    from tests.helpers.batches import train_batch
+
+    batch = train_batch(raw_rewards_b=torch.tensor([1.0, 0.0, 1.0]), rewards_b=torch.tensor([0.5, -0.5, 0.5]),
+                        response_lengths_b=torch.tensor([3, 4, 5]), advantages_bt=torch.ones(3, 1))
+    with_kl = step_metrics(batch, [{"loss": 0.5, "kl_penalty": 0.25}], seconds=1.0)
+    without_kl = step_metrics(batch, [{"loss": 0.5}], seconds=1.0)
+    _, masking = mask_by_seq_logprob_error(torch.zeros(3, 2), torch.zeros(3, 2), torch.ones(3, 2), torch.ones(3),
+                                           torch.ones(3), threshold=2.0)
+    timing: dict = {}
+    for phase in ("rollout", "logprobs", "train"):
+        with timed(timing, phase):
+            pass
+    keys = [*with_kl, *without_kl, *(f"train/{k}" for k in masking), *timing]
+    assert [k for k in keys if nemo_rl_name(k) != k] == []
+    assert with_kl["train/kl_penalty"] == 0.25 and without_kl["train/kl_penalty"] == 0.0
+    assert with_kl["train/reward"] == pytest.approx(0.5 / 3)  # the shaped rewards the advantages read
+    assert set(timing) == {"timing/train/generation", "timing/train/policy_and_reference_logprobs",
+                           "timing/train/policy_training"}
 
 
 # ---- rollout metrics ---------------------------------------------------------------------------------------

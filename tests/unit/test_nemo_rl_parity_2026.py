@@ -221,15 +221,15 @@ def nrl_seq_logprob_error_masking(token_mask, sample_mask, prev, gen, rewards, t
         if num_masked:
             pct = int((rewards[diff.bool()] == 1).sum().item()) / num_masked
         after = stats(err[new.bool() & valid_seq])
-    return new, {"num_masked_seqs": num_masked, "masked_correct_pct": pct,
-                 "seq_logprob_error_max": before[0], "seq_logprob_error_mean": before[1],
-                 "seq_logprob_error_min": before[2], "seq_logprob_error_after_max": after[0],
-                 "seq_logprob_error_after_mean": after[1], "seq_logprob_error_after_min": after[2]}
+    return new, {"num_masked_seqs_by_logprob_error": num_masked, "masked_correct_pct": pct,
+                 "max_seq_mult_prob_error": before[0], "mean_seq_mult_prob_error": before[1],
+                 "min_seq_mult_prob_error": before[2], "max_seq_mult_prob_error_after_mask": after[0],
+                 "mean_seq_mult_prob_error_after_mask": after[1], "min_seq_mult_prob_error_after_mask": after[2]}
 
 
 def test_seq_logprob_error_masking_matches_nemo_rl_on_random_batches():
     """300 random batches (some samples already masked, some with no generated token): the new sample mask and
-    every metric as NeMo-RL's (grpo-ds's keys; `grpo.metrics.NEMO_RL_NAMES` maps them to NeMo-RL's)."""
+    every metric as NeMo-RL's, under NeMo-RL's keys."""
     from grpo.logprobs import mask_by_seq_logprob_error
 
     for seed in range(300):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.run.producer import RolloutProducer
+from grpo.system.data import LoaderMark
 from grpo.system.generation.base import GenerationBackend
 from grpo.system.replay import ReplayBuffer, ReplayClosed, StopKind, WeightStage
 from grpo.system.rollout import RolloutError
@@ -31,7 +32,7 @@ class _Prompts:
         return [object()]
 
     def mark(self):
-        return {"epoch": 0, "loader": None}
+        return LoaderMark(0)
 
 
 def _producer(monkeypatch, broken: str | None, max_failures: int):

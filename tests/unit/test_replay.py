@@ -9,9 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grpo.system.data import LoaderMark
 from grpo.system.replay import (
     GroupInfo, ReplayBuffer, ReplayClosed, ReplayEntry, ReplayGroup, StopKind, WeightStage, groups_from_trajectories,
-    trajectories_from_groups, trajectory_age,
+    replay_resume, trajectories_from_groups, trajectory_age,
 )
 from grpo.trajectory import Message, Trajectory
 
@@ -129,7 +130,7 @@ def traj(group_id, version, reward=0.0, components=None):
 
 def test_state_dict_round_trips_through_a_weights_only_load():
     buf = ReplayBuffer(max_age_steps=2)
-    info = GroupInfo(loader_mark={"epoch": 0, "loader": {"gen": torch.arange(4), "n": 3}}, metrics={"x": 1.0})
+    info = GroupInfo(loader_mark=LoaderMark(0, {"gen": torch.arange(4), "n": 3}), metrics={"x": 1.0})
     trajs = [traj(0, 0, 1.0, {"a": 1.0}), traj(0, 1)]
     groups = groups_from_trajectories(trajs, info)
     buf.put(groups, [g.version for g in groups], target_version=2)
@@ -143,7 +144,7 @@ def test_state_dict_round_trips_through_a_weights_only_load():
     (e,), _ = other.take(step=2, n=1)
     assert e.generation_version == 0 and e.group.prompt_index == 10
     assert trajectories_from_groups([e.group]) == trajs
-    assert torch.equal(e.group.info.loader_mark["loader"]["gen"], torch.arange(4))
+    assert torch.equal(e.group.info.loader_mark.loader["gen"], torch.arange(4))
 
 
 def test_a_replay_buffer_saved_before_the_dataclasses_loads_and_saves_in_the_same_form():
@@ -161,7 +162,7 @@ def test_a_replay_buffer_saved_before_the_dataclasses_loads_and_saves_in_the_sam
     buf.load_state_dict(torch.load(f, weights_only=True))
     a, b = buf.entries()
     assert isinstance(a, ReplayEntry) and isinstance(a.group, ReplayGroup) and a.group.info is b.group.info
-    assert a.group.info.loader_mark == {"epoch": 1, "loader": {"n": 3}} and buf.num_evicted == 2
+    assert a.group.info.loader_mark == LoaderMark(1, {"n": 3}) and buf.num_evicted == 2
     state = buf.state_dict()
     assert state == old and state["entries"][0]["group"]["info"] is state["entries"][1]["group"]["info"]
 
@@ -245,3 +246,45 @@ def test_weight_stage_wait_for_blocks_until_the_version_or_close():
     stage.close()
     t.join(timeout=5)
     assert result["ok"] is False and stage.wait_for(0) is False
+
+
+def test_an_async_checkpoint_of_the_dict_marks_resumes_where_its_loader_marks_say(tmp_path):
+    """A checkpoint's replay deque as grpo-ds has always written it (marks as ``{"epoch", "loader"}`` dicts), read
+    back as the checkpoint reads it (`grpo.system.checkpoint.safe_load`, weights_only): `replay_resume` gives typed
+    marks, and the generation thread's prompts go on after the last buffered batch, the trainer's after the last
+    trained one (dataloader.pt)."""
+    from types import SimpleNamespace
+
+    from grpo.config.load import apply_overrides, build_config
+    from grpo.system.checkpoint import safe_load
+    from grpo.system.data import PromptStream, build_dataloader
+
+    def loader():
+        return build_dataloader(list(range(24)), 4, shuffle=True, seed=3)
+
+    full = PromptStream(loader(), max_epochs=2)
+    batches = [full.next() for _ in range(8)]
+    trained_at, buffered_at = PromptStream(loader(), 2), PromptStream(loader(), 2)
+    for _ in range(3):
+        trained_at.next()
+    for _ in range(7):  # into epoch 1: the loader restarted
+        buffered_at.next()
+    info = {"loader_mark": {"epoch": buffered_at.epoch, "loader": buffered_at.loader.state_dict()},
+            "metrics": {}, "timing": {}, "gen_start_time": 0.0, "gen_end_time": 0.0}
+    old = {"entries": [{"generation_version": 3, "target_version": 4,
+                        "group": {"prompt_index": 0, "trajectories": [traj(0, 3).to_dict()], "version": 3,
+                                  "info": info}}], "num_evicted": 0, "max_age_steps": 1}
+    torch.save(old, tmp_path / "extra_replay_buffer.pt")
+    cfg = build_config(apply_overrides({}, ["grpo.async_grpo.max_trajectory_age_steps=1"]))
+    run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(current_epoch=0, current_step=3), loader=loader(),
+                          resume=SimpleNamespace(loader_state=trained_at.mark().loader,
+                                                 extra={"replay_buffer": safe_load(tmp_path / "extra_replay_buffer.pt")}))
+    start = replay_resume(run)
+    assert isinstance(start.gen_mark, LoaderMark) and start.gen_mark.epoch == 1
+    assert start.trained_mark.epoch == 0 and start.first_target == 5 and len(start.buffer) == 1
+    generation = PromptStream(loader(), 2, start.gen_mark.epoch, start.gen_mark.loader)
+    trainer = PromptStream(loader(), 2, start.trained_mark.epoch, start.trained_mark.loader)
+    assert generation.next() == batches[7] and trainer.next() == batches[3]
+    torch.save(start.buffer.state_dict(), tmp_path / "again.pt")  # saved again in the same, plain form
+    mark = safe_load(tmp_path / "again.pt")["entries"][0]["group"]["info"]["loader_mark"]
+    assert sorted(mark) == ["epoch", "loader"] and mark["epoch"] == 1

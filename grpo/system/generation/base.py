@@ -13,9 +13,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from grpo.config import Sampling
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -58,8 +61,8 @@ class GenerationBackend:
     broken: str | None = None
     in_flight: Callable[[], None] | None = None
     loads_staged_weights: bool = False  # load_staged works (generation ranks): weights come from the stage
-    device: Any = None
-    stream: Any = None
+    device: torch.device | str | None = None
+    stream: torch.cuda.Stream | None = None
 
     def device_context(self):
         """The backend's device and stream made the calling thread's current ones for a block (`on_device`): a

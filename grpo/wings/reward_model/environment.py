@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from grpo.tasks.failures import Failure
 from grpo.tasks.interface import Environment, EnvironmentReturn
 from grpo.tasks.pending import PENDING, PendingScore
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 class Scorer(Protocol):
@@ -45,9 +49,9 @@ class Scorer(Protocol):
     the environment; ``index``: the scorer's number in the run (which model a `PendingScore` needs); ``on_device()``
     (optional): a context around a scoring pass (an offloaded model on the device inside)."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
-    def score(self, token_ids: list[list[int]]) -> Any: ...
+    def score(self, token_ids: list[list[int]]) -> torch.Tensor: ...
 
 
 def first_difference(a: str, b: str) -> int:
