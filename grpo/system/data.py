@@ -373,7 +373,8 @@ class Source:
 
 
 PROMPT_KEYS = (("prompt_file", "prompt_template"), ("system_prompt_file", "system_prompt"))
-SOURCE_KEYS = ("dataset_name", "dataset_config", "input_key", "output_key") + tuple(k for p in PROMPT_KEYS for k in p)
+SOURCE_KEYS = ("dataset_name", "dataset_config", "input_key", "output_key", "row_format") + tuple(
+    k for p in PROMPT_KEYS for k in p)
 
 
 def _source(cfg: DataConfig, src, side: str, key: str) -> Source:
