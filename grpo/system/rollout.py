@@ -214,7 +214,7 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
                     continue
                 room = _room(t, settings)
                 if len(ids) >= room:  # the observation (and a next turn) does not fit: cut it, end the sample
-                    ids, media = cut_observation(ids, room, getattr(chat.processor, "image_token_id", None)), None
+                    ids, media = cut_observation(ids, room, _image_token_id(chat)), None
                     t.done, t.truncated = True, True
                 if media is not None:  # the observation's pictures follow the sample's earlier ones (a new dict:
                     t.media = media if t.media is None else concat_media([t.media, media])  # the group shares its)
@@ -252,25 +252,31 @@ def _observation_ids(t: Trajectory, new: list[dict], envs, chat) -> tuple[list[i
     one that cannot be read, is a `DataError` naming the environment (its sample fails, not the run)."""
     fmt = envs.observation_format(t.task_name) if hasattr(envs, "observation_format") else "chat_template"
     where = f"environment {t.task_name!r}'s observation"
-    processor = chat.processor
+    processor = getattr(chat, "processor", None)  # None: a text policy
     if processor is None and has_images(new):
         raise DataError(f"{where} holds an image but the policy is a text model (no vision_config): an observation "
                         "with images needs a vision-language policy")
-    if fmt == "raw" or chat.plain:  # the content as it is (a plain-text chat renders an observation so too)
-        if processor is None:
-            return chat.raw_observation_ids(new), None
-        return encode_observation(processor, observation_raw_text(processor, new), new, where)
     try:
-        text = chat.observation_text(_log(t), template_messages(new), chat.ended_with(t.messages[-1].token_ids))
+        if processor is None:
+            ids = (chat.raw_observation_ids(new) if fmt == "raw" else
+                   chat.observation_ids(_log(t), new, t.messages[-1].token_ids))
+            return ids, None
+        if fmt == "raw" or chat.plain:  # the content as it is (a plain-text chat renders an observation so too)
+            text = observation_raw_text(processor, new)
+        else:
+            text = chat.observation_text(_log(t), template_messages(new), chat.ended_with(t.messages[-1].token_ids))
     except ChatFormatError as err:
         env = getattr(envs, "envs", {}).get(t.task_name)
         raise ChatFormatError(
             f"environment {t.task_name!r} ({type(env).__name__}) with observation_format=chat_template: {err}. Set "
             "observation_format: raw in its env section (NeMo-RL's way: the content as tokens, the environment "
             "writes its own turn markup), or use a chat template that renders that role") from err
-    if processor is None:
-        return chat.encode(text), None
     return encode_observation(processor, text, new, where)
+
+
+def _image_token_id(chat) -> int | None:
+    """The image placeholder id of a vision-language policy's processor; None for a text policy."""
+    return getattr(getattr(chat, "processor", None), "image_token_id", None)
 
 
 def _log(t: Trajectory) -> list[dict]:
