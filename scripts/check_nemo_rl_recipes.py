@@ -1,12 +1,14 @@
-"""Translate every LLM GRPO recipe of a NeMo-RL checkout and print pass / fail per recipe (no torch, no model).
+"""Translate every LLM and VLM GRPO recipe of a NeMo-RL checkout and print pass / fail per recipe (no torch, no model).
 
     python scripts/check_nemo_rl_recipes.py /path/to/NeMo-RL [--verbose]
     python scripts/check_nemo_rl_recipes.py --readme /path/to/NeMo-RL   # docs/nemo_rl.md's generated recipe summary
                                                          # (it quotes NeMo-RL 7ea279a; NEMO_RL_CHECKOUT is the default)
 
-The recipes are examples/configs/{grpo,gdpo}_*.yaml and examples/configs/recipes/llm/{grpo,gdpo}-*.yaml (vision
-and audio ones excluded); each goes through grpo.config.nemo_rl.recipe.load_recipe as `--check-config` would. A failure prints
-the keys grpo-ds refuses, each with why. Exit status 0 when every recipe passes, 1 otherwise.
+The LLM recipes are examples/configs/{grpo,gdpo}_*.yaml and examples/configs/recipes/llm/{grpo,gdpo}-*.yaml (vision
+and audio ones excluded); the VLM recipes examples/configs/vlm_grpo_*.yaml and examples/configs/recipes/vlm/vlm_grpo-*.yaml
+(run_vlm_grpo.py's; NeMo-RL files its omni audio ones there too). Each goes through
+grpo.config.nemo_rl.recipe.load_recipe as `--check-config` would. A failure prints the keys grpo-ds refuses, each with
+why. Exit status 0 when every recipe passes, 1 otherwise. The --readme summary counts the LLM recipes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def recipes(root: Path) -> list[Path]:
     found = (sorted(configs.glob("grpo_*.yaml")) + sorted(configs.glob("gdpo_*.yaml")) + sorted(llm.glob("grpo-*.yaml"))
              + sorted(llm.glob("gdpo-*.yaml")))  # GDPO recipes are GRPO with another advantage estimator
     return [p for p in found if not any(w in p.name for w in ("vlm", "audio"))]
+
+
+def vlm_recipes(root: Path) -> list[Path]:
+    """NeMo-RL's vision-language GRPO recipes (``examples/run_vlm_grpo.py``'s), sorted within each folder."""
+    configs = root / "examples" / "configs"
+    return sorted(configs.glob("vlm_grpo_*.yaml")) + sorted((configs / "recipes" / "vlm").glob("vlm_grpo-*.yaml"))
 
 
 # A NeMo-RL checkout (its examples/configs): NeMo-RL's recipes are not copied into this repository.
@@ -96,10 +104,22 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     root, verbose = Path(argv[0]), "--verbose" in argv
-    paths = recipes(root)
-    if not paths:
+    groups = (("LLM", recipes(root)), ("VLM", vlm_recipes(root)))
+    if not groups[0][1]:
         print(f"{root}: no examples/configs/grpo_*.yaml here (expected a NeMo-RL checkout)", file=sys.stderr)
         return 2
+    failed = 0
+    for kind, paths in groups:
+        print(f"{kind} GRPO recipes ({len(paths)})")
+        n = check(root, paths, verbose)
+        print(f"{len(paths) - n} of {len(paths)} {kind} recipes pass, {n} fail\n")
+        failed += n
+    return 1 if failed else 0
+
+
+def check(root: Path, paths: list[Path], verbose: bool) -> int:
+    """Translate each recipe of ``paths`` (`load_recipe`, as --check-config) and print pass, or FAIL with the keys
+    refused and why (12 lines at most, all with ``verbose``); the number that failed."""
     failed = 0
     for path in paths:
         name = path.relative_to(root / "examples" / "configs")
@@ -112,8 +132,7 @@ def main(argv: list[str]) -> int:
             print(f"FAIL  {name}")
             for line in lines if verbose else lines[:12]:
                 print(f"        {line.strip()}")
-    print(f"\n{len(paths) - failed} of {len(paths)} recipes pass, {failed} fail")
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

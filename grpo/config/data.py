@@ -22,6 +22,9 @@ class DataSource(_Section):
     split: Optional[str] = Field(None, description="Split (hub) or file stem (directory) of this source.")
     input_key: Optional[str] = Field(None, description="Column holding the prompt.")
     output_key: Optional[str] = Field(None, description="Column holding the reference answer.")
+    row_format: Optional[Literal["clevr-cogent", "geometry3k", "refcoco"]] = Field(None, description=(
+        "This source's rows are in the columns of this NeMo-RL image dataset (data.row_format), so image datasets "
+        "of several formats mix in one run."))
     prompt_file: Optional[str] = Field(None, description="This source's prompt template file.")
     prompt_template: Optional[str] = Field(None, description="This source's prompt template.")
     system_prompt_file: Optional[str] = Field(None, description="This source's system prompt file.")
@@ -88,7 +91,7 @@ class DataConfig(_Section):
         "Column naming each row's task (its environment, see env.tasks); rows without it use env's."))
     train_sources: list[DataSource] = Field(default_factory=list, description=(
         "Several training datasets, concatenated in order (then shuffled together), each a mapping of "
-        "dataset_name, dataset_config, split, input_key, output_key, prompt_file/prompt_template, "
+        "dataset_name, dataset_config, split, input_key, output_key, row_format, prompt_file/prompt_template, "
         "system_prompt_file/system_prompt, task_name (the environment scoring its rows), num_samples, "
         "split_validation_size/split_validation_seed, repeat; a field left null takes data.<field> (NeMo-RL's "
         "data.default). Empty: the single source of data.dataset_name / train_data_path."))

@@ -53,11 +53,13 @@ class ChatFormat:
     ``chat_template_kwargs``: the template's extra variables (``policy.tokenizer.chat_template_kwargs``, e.g.
     ``{"enable_thinking": False}``), passed to every rendering: the prompt, observations, the role checks (as
     NeMo-RL binds them to ``tokenizer.apply_chat_template``); a variable the template does not read changes
-    nothing."""
+    nothing. ``processor``: a vision-language policy's (`grpo.system.vision.load_processor`; None for a text
+    model): it tokenises prompts and observations that carry images."""
 
     def __init__(self, tokenizer, chat_template: str | None = None, tools: list[dict] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None):
+                 chat_template_kwargs: dict[str, Any] | None = None, processor=None):
         self.tokenizer = tokenizer
+        self.processor = processor
         self.chat_template = chat_template
         self.tools = tools or None
         self.template_kwargs = dict(chat_template_kwargs or {})
@@ -174,10 +176,13 @@ class ChatFormat:
     def observation_ids(self, history: list[dict[str, Any]], new: list[dict[str, Any]],
                         generated_ids: list[int]) -> list[int]:
         """Tokens of `observation_text` (``generated_ids``: the assistant turn's generated tokens)."""
+        return self.encode(self.observation_text(history, new, self.ended_with(generated_ids)))
+
+    def ended_with(self, generated_ids: list[int]) -> str:
+        """The text of the special token that ended a generation (its last id), "" when it ended otherwise."""
         last = generated_ids[-1] if generated_ids else None
         special = last is not None and last in set(self.tokenizer.all_special_ids)
-        ended_with = self.tokenizer.decode([last], skip_special_tokens=False) if special else ""
-        return self.encode(self.observation_text(history, new, ended_with))
+        return self.tokenizer.decode([last], skip_special_tokens=False) if special else ""
 
 
 def load_tokenizer(policy_cfg):

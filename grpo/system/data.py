@@ -41,9 +41,9 @@ from torch.utils.data import Dataset
 from grpo.config import DataConfig
 from grpo.tasks.catalogue import dataset_task, load
 from grpo.tasks.nemo_gym import GYM_INPUT_KEY, check_gym_record, gym_record_to_row
-from grpo.tasks.rows import ROW_KEYS, DataError, PromptRow, Row
+from grpo.tasks.rows import ROW_KEYS, DataError, PromptRow, Row, content_problem
 from grpo.system.vision import (
-    ANSWER_KEY, PROMPT_KEY, content_problem, content_text, format_record, has_images, render_prompt,
+    ANSWER_KEY, PROMPT_KEY, content_text, format_record, has_images, render_prompt,
 )
 
 logger = logging.getLogger(__name__)
@@ -373,7 +373,8 @@ class Source:
 
 
 PROMPT_KEYS = (("prompt_file", "prompt_template"), ("system_prompt_file", "system_prompt"))
-SOURCE_KEYS = ("dataset_name", "dataset_config", "input_key", "output_key") + tuple(k for p in PROMPT_KEYS for k in p)
+SOURCE_KEYS = ("dataset_name", "dataset_config", "input_key", "output_key", "row_format") + tuple(
+    k for p in PROMPT_KEYS for k in p)
 
 
 def _source(cfg: DataConfig, src, side: str, key: str) -> Source:
@@ -526,7 +527,7 @@ class PromptFormatter:
         self.processor = processor  # a vision-language model's (grpo.system.vision.load_processor), else None
         self.chat_template = chat_template
         try:
-            self.chat = ChatFormat(tokenizer, chat_template, tools, chat_template_kwargs)
+            self.chat = ChatFormat(tokenizer, chat_template, tools, chat_template_kwargs, processor)
         except ChatFormatError as err:
             raise DataError(str(err)) from err
         self._set_prompts(cfg)

@@ -32,14 +32,18 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from grpo.trajectory import Message, Rollout, Trajectory
+from grpo.trajectory import Failure, Message, Rollout, Trajectory
 from grpo.tasks.interface import MESSAGE_FLAGS
 from grpo.system.chat import ChatFormatError
-from grpo.tasks.rows import PromptRow
+from grpo.tasks.rows import DataError, PromptRow
 from grpo.batch import rank_slice
 from grpo.system.dist import all_gather_objects
 from grpo.config import Sampling
 from grpo.system.generation.base import chunk_slices
+from grpo.system.vision import (
+    concat_media, content_text, cut_observation, encode_observation, has_images, observation_raw_text,
+    template_messages,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -203,12 +207,20 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
                     t.done = t.max_turns_reached = True  # out of turns: no observation is appended
                     continue
                 new = ret.observations[j]
-                ids = _observation_ids(t, new, envs, chat)
+                try:
+                    ids, media = _observation_ids(t, new, envs, chat)
+                except DataError as err:  # an image the policy cannot take: this sample fails, named, not the run
+                    t.fail(Failure.of("env_malformed", str(err)))
+                    continue
                 room = _room(t, settings)
                 if len(ids) >= room:  # the observation (and a next turn) does not fit: cut it, end the sample
-                    ids, t.done, t.truncated = ids[:max(room, 0)], True, True
+                    ids, media = cut_observation(ids, room, _image_token_id(chat)), None
+                    t.done, t.truncated = True, True
+                if media is not None:  # the observation's pictures follow the sample's earlier ones (a new dict:
+                    t.media = media if t.media is None else concat_media([t.media, media])  # the group shares its)
                 # Several observation messages (one per tool call) share one token run: it goes to the first.
-                t.messages += [Message(m["role"], m["content"], ids if k == 0 else []) for k, m in enumerate(new)]
+                t.messages += [Message(m["role"], content_text(m["content"]), ids if k == 0 else [])
+                               for k, m in enumerate(new)]
                 stops[i] = ret.next_stop_strings[j]
         timing["env_step_s"] += time.perf_counter() - t0
     for t in trajs:
@@ -230,20 +242,41 @@ def first_stop_strings(t: Trajectory, envs) -> list[str] | None:
     return list(dict.fromkeys(both)) or None
 
 
-def _observation_ids(t: Trajectory, new: list[dict], envs, chat) -> list[int]:
+def _observation_ids(t: Trajectory, new: list[dict], envs, chat) -> tuple[list[int], dict | None]:
     """The tokens of sample t's observation ``new``: its raw content (NeMo-RL's) or the chat template's
-    rendering, per the environment's observation format; a role the template drops stops the run, named."""
+    rendering, per the environment's observation format; a role the template drops stops the run, named. With
+    the media of its images (None: none).
+
+    A vision-language policy's processor (``chat.processor``) tokenises the text, an image part rendered as a data
+    row's is (`grpo.system.vision.encode_observation`: placeholders expanded once); an image for a text policy, or
+    one that cannot be read, is a `DataError` naming the environment (its sample fails, not the run)."""
     fmt = envs.observation_format(t.task_name) if hasattr(envs, "observation_format") else "chat_template"
-    if fmt == "raw":
-        return chat.raw_observation_ids(new)
+    where = f"environment {t.task_name!r}'s observation"
+    processor = getattr(chat, "processor", None)  # None: a text policy
+    if processor is None and has_images(new):
+        raise DataError(f"{where} holds an image but the policy is a text model (no vision_config): an observation "
+                        "with images needs a vision-language policy")
     try:
-        return chat.observation_ids(_log(t), new, t.messages[-1].token_ids)
+        if processor is None:
+            ids = (chat.raw_observation_ids(new) if fmt == "raw" else
+                   chat.observation_ids(_log(t), new, t.messages[-1].token_ids))
+            return ids, None
+        if fmt == "raw" or chat.plain:  # the content as it is (a plain-text chat renders an observation so too)
+            text = observation_raw_text(processor, new)
+        else:
+            text = chat.observation_text(_log(t), template_messages(new), chat.ended_with(t.messages[-1].token_ids))
     except ChatFormatError as err:
         env = getattr(envs, "envs", {}).get(t.task_name)
         raise ChatFormatError(
             f"environment {t.task_name!r} ({type(env).__name__}) with observation_format=chat_template: {err}. Set "
             "observation_format: raw in its env section (NeMo-RL's way: the content as tokens, the environment "
             "writes its own turn markup), or use a chat template that renders that role") from err
+    return encode_observation(processor, text, new, where)
+
+
+def _image_token_id(chat) -> int | None:
+    """The image placeholder id of a vision-language policy's processor; None for a text policy."""
+    return getattr(getattr(chat, "processor", None), "image_token_id", None)
 
 
 def _log(t: Trajectory) -> list[dict]:

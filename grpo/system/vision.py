@@ -182,29 +182,11 @@ def multimodal_positions(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor, ima
 # --------------------------------------------------------------------------------------------------
 # Images in data rows
 # --------------------------------------------------------------------------------------------------
-def content_text(content) -> str:
-    """A message's content as text: a string as is; content parts joined, an image part as `IMAGE_MARK`."""
+def content_text(content, image_mark: str = IMAGE_MARK) -> str:
+    """A message's content as text: a string as is; content parts joined, an image part as ``image_mark``."""
     if isinstance(content, str):
         return content
-    return "".join(IMAGE_MARK if p.get("type") == "image" else str(p.get("text", "")) for p in content)
-
-
-def content_problem(content) -> str | None:
-    """What is wrong with a message's content (None: a string, or a list of ``{"type": "text", "text": str}`` and
-    ``{"type": "image", "image": <path | data: URL | datasets Image>}`` parts, NeMo-RL's row format)."""
-    if isinstance(content, str):
-        return None
-    if not isinstance(content, list) or not content:
-        return "expected a string or a non-empty list of content parts"
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            continue
-        if kind == "image" and part.get("image") is not None:
-            continue
-        return (f"content part {i} is {str(part)[:80]!r}: expected {{'type': 'text', 'text': str}} or "
-                "{'type': 'image', 'image': <path, data: URL or image>}")
-    return None
+    return "".join(image_mark if p.get("type") == "image" else str(p.get("text", "")) for p in content)
 
 
 def has_images(messages: list[dict]) -> bool:
@@ -260,17 +242,72 @@ def render_prompt(processor, chat, messages: list[dict], where: str) -> tuple[li
     rendered as the template's placeholder), tokenised by ``processor`` with that message's images, so its ids are
     the processor-expanded ones; ``content`` is the text with an image as `IMAGE_MARK`. Media: every tensor the
     processor made besides the ids, the messages' images concatenated in order (None without images)."""
-    images = [[load_image(p["image"], where) for p in m["content"] if p.get("type") == "image"]
-              if isinstance(m.get("content"), list) else [] for m in messages]
-    shown = [{"role": m["role"], "content": _template_content(m["content"])} for m in messages]
+    images = [message_images(m, where) for m in messages]
     out, parts = [], []
-    for m, text, imgs in zip(messages, chat.prompt_texts(shown), images):
+    for m, text, imgs in zip(messages, chat.prompt_texts(template_messages(messages)), images):
         enc = processor(text=[text], images=imgs or None, add_special_tokens=False, return_tensors="pt")
         ids = enc["input_ids"][0].tolist()
         out.append({"role": m["role"], "content": content_text(m["content"]), "token_ids": ids})
         if imgs:
             parts.append({k: v for k, v in enc.items() if k not in NOT_MEDIA})
     return out, (concat_media(parts) if parts else None)
+
+
+def message_images(message: dict, where: str) -> list:
+    """The images of a message's content parts, in order, as PIL images (`load_image`); [] for a text message."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    return [load_image(p["image"], where) for p in content if p.get("type") == "image"]
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """``{"role", "content"}`` messages as a chat template reads them (an image part as ``{"type": "image"}``)."""
+    return [{"role": m["role"], "content": _template_content(m["content"])} for m in messages]
+
+
+# --------------------------------------------------------------------------------------------------
+# Images in observations (multi-turn environments)
+# --------------------------------------------------------------------------------------------------
+def observation_raw_text(processor, messages: list[dict]) -> str:
+    """An observation's content as raw text (``observation_format: raw``): text parts as they are, an image part
+    as the processor's placeholder (``<image>``; the environment writes any markup around it, Qwen-VL's
+    ``<|vision_start|>`` ... ``<|vision_end|>`` too)."""
+    return "".join(content_text(m["content"], processor.image_token) for m in messages)
+
+
+def encode_observation(processor, text: str, messages: list[dict], where: str) -> tuple[list[int], dict | None]:
+    """``(ids, media)`` of an observation: ``text``, its rendering (chat template or raw) with each image part
+    written as the processor's placeholder, tokenised by ``processor`` with the images of ``messages`` in order, so
+    each placeholder is expanded once, as `render_prompt` does for a prompt message; media None without images.
+    A text that holds the placeholder itself (the image would be missing its pixels) or an image that cannot be
+    read is a `DataError` naming ``where``."""
+    for m in messages:
+        texts = [m["content"]] if isinstance(m["content"], str) else [p.get("text", "") for p in m["content"]]
+        if any(processor.image_token in x for x in texts):
+            raise DataError(f"{where}: its text holds the image placeholder {processor.image_token!r} itself; an "
+                            "image is a {'type': 'image', 'image': ...} content part")
+    images = [img for m in messages for img in message_images(m, where)]
+    try:
+        enc = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+    except ValueError as err:  # placeholders and images that do not pair up (a template that drops an image part)
+        raise DataError(f"{where}: the processor refused it ({err})") from None
+    media = {k: v for k, v in enc.items() if k not in NOT_MEDIA} if images else None
+    return enc["input_ids"][0].tolist(), media
+
+
+def cut_observation(ids: list[int], room: int, image_token_id: int | None) -> list[int]:
+    """The first ``room`` tokens of an observation that does not fit (its sample ends), ending before its first
+    image placeholder (``image_token_id``; None: a text model) when there is one: a picture is whole or absent, and
+    the cut observation keeps none (nothing is generated after it).
+
+        >>> cut_observation([1, 2, 9, 9, 3], 4, 9), cut_observation([1, 2, 3], 2, None)
+        ([1, 2], [1, 2])
+    """
+    keep = max(room, 0)
+    if image_token_id is not None and image_token_id in ids:
+        keep = min(keep, ids.index(image_token_id))
+    return ids[:keep]
 
 
 def _template_content(content):

@@ -67,6 +67,7 @@ import abc
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from grpo.tasks.failures import reward_problem
+from grpo.tasks.rows import content_problem
 from grpo.trajectory import Failure
 
 if TYPE_CHECKING:  # torch is imported where it is used: reward worker processes import this package
@@ -84,7 +85,10 @@ class EnvironmentReturn(NamedTuple, Generic[MetadataT]):
 
     observations:       one message per sample, ``{"role": "environment" | "tool" | "user", "content": str}``,
                         or a list of messages (e.g. one ``tool`` message per call; a grpo-ds extension);
-                        ignored for samples that terminate
+                        ignored for samples that terminate. For a vision-language policy the content may be a
+                        list of parts as a data row's (``{"type": "text", "text": str}``, ``{"type": "image",
+                        "image": <path | data: URL | bytes | PIL image>}``): the images join the sample's
+                        (`grpo.system.rollout`; docs/vlm.md)
     metadata:           the sample's metadata for its next turn (and the flags above); None: keep the last
     next_stop_strings:  per sample, the stop strings of its next turn (None: the config's)
     rewards:            ``[B]`` reward of this turn (or a dict of named ``[B]`` components)
@@ -95,7 +99,7 @@ class EnvironmentReturn(NamedTuple, Generic[MetadataT]):
                         None (the default, NeMo-RL's six fields): no sample failed
     """
 
-    observations: list[dict[str, str] | list[dict[str, str]]]
+    observations: list[dict[str, Any] | list[dict[str, Any]]]
     metadata: list[MetadataT]
     next_stop_strings: list[list[str] | None] | list[None]
     rewards: torch.Tensor | dict[str, torch.Tensor]
@@ -162,9 +166,9 @@ def check_return(ret: Any, n: int) -> EnvironmentReturn:
     observations = [list(obs) if isinstance(obs, (list, tuple)) else [obs] for obs in observations]
     for i, messages in enumerate(observations):
         for obs in messages:
-            if not isinstance(obs, dict) or not isinstance(obs.get("content", None), str) or "role" not in obs:
-                raise ValueError(f"EnvironmentReturn.observations[{i}]={obs!r}: expected {{'role': ..., 'content': "
-                                 "str}} or a list of them")
+            if not isinstance(obs, dict) or "role" not in obs or content_problem(obs.get("content", None)) is not None:
+                raise ValueError(f"EnvironmentReturn.observations[{i}]={str(obs)[:200]}: expected {{'role': ..., "
+                                 "'content': str or a list of text / image parts}} or a list of them")
     for i, s in enumerate(stops):
         if s is not None and (not isinstance(s, (list, tuple)) or not all(isinstance(x, str) for x in s)):
             raise ValueError(f"EnvironmentReturn.next_stop_strings[{i}]={s!r}: expected a list of strings or None")

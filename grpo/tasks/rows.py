@@ -59,3 +59,21 @@ def split_seed(seed: int, split: str) -> int:
     (6, 7)
     """
     return 2 * seed + (0 if split == "train" else 1)
+
+
+def content_problem(content) -> str | None:
+    """What is wrong with a message's content (None: a string, or a list of ``{"type": "text", "text": str}`` and
+    ``{"type": "image", "image": <path | data: URL | datasets Image>}`` parts, NeMo-RL's row format)."""
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list) or not content:
+        return "expected a string or a non-empty list of content parts"
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image" and part.get("image") is not None:
+            continue
+        return (f"content part {i} is {str(part)[:80]!r}: expected {{'type': 'text', 'text': str}} or "
+                "{'type': 'image', 'image': <path, data: URL or image>}")
+    return None

@@ -80,3 +80,8 @@ def kill_at_random_points(command: list[str], points: int, max_sleep: float, see
         time.sleep(rng.uniform(3.0, max_sleep))
         proc.kill()
         proc.wait()
+
+
+def half_reward(question, completion, answer, meta) -> float:
+    """An env.name=function reward of 0.5 whatever the completion: which environment scored a row shows in it."""
+    return 0.5

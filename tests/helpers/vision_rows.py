@@ -114,6 +114,21 @@ def processor(vlm_dir):
     return AutoProcessor.from_pretrained(vlm_dir)
 
 
+@pytest.fixture(scope="module")
+def vlm(vlm_dir):
+    """The tiny VLM of ``vlm_dir`` loaded, vision ids banned, its logits sharpened (peaked distributions: sampled paths
+    far from ties between batch shapes)."""
+    import torch
+    from transformers import AutoConfig
+
+    from grpo.system import vision
+
+    model = vision.auto_model_class(AutoConfig.from_pretrained(vlm_dir)).from_pretrained(vlm_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return vision.prepare_model(model).eval()
+
+
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def qwen(request, tmp_path_factory):
     """(directory with the config and tokenizer, processor, model): the tiny Qwen2-VL, then the tiny Qwen2.5-VL,

@@ -31,3 +31,24 @@ def test_the_summary_parses_refused_keys_with_values_that_hold_colons():
     assert check.refused_keys(message) == [("async_rl", "NeMo-RL's streaming trainer"),
                                            ("data.train.data_path", "cannot interpolate (HF_HOME)"),
                                            ("policy.draft.enabled", "trains a draft model")]
+
+
+def test_the_recipe_check_covers_nemo_rl_s_vlm_recipes(tmp_path, capsys):
+    """run_vlm_grpo.py's recipes (examples/configs/vlm_grpo_*.yaml, recipes/vlm/vlm_grpo-*.yaml) are checked too, in a
+    section of their own: each passes or fails naming the keys refused."""
+    configs = tmp_path / "examples" / "configs"
+    (configs / "recipes" / "vlm").mkdir(parents=True)
+    for name in ("vlm_grpo_3B.yaml", "vlm_grpo_3B_megatron.yaml", "sft_vlm_3B.yaml", "recipes/vlm/vlm_grpo-q.v1.yaml",
+                 "recipes/vlm/mopd-x.yaml", "recipes/vlm/vlm_grpo-s.yaml.disabled"):
+        (configs / name).write_text("{}")
+    assert [p.name for p in check.vlm_recipes(tmp_path)] == ["vlm_grpo_3B.yaml", "vlm_grpo_3B_megatron.yaml",
+                                                             "vlm_grpo-q.v1.yaml"]
+    fixtures = REPO / "tests" / "fixtures" / "nemo_rl"
+    assert check.main([str(fixtures)]) == 0
+    out = capsys.readouterr().out
+    assert "VLM GRPO recipes (1)\npass  vlm_grpo_3B.yaml\n1 of 1 VLM recipes pass, 0 fail" in out
+    bad = configs / "vlm_grpo_3B.yaml"
+    bad.write_text(f"defaults: {fixtures / 'examples' / 'configs' / 'vlm_grpo_3B.yaml'}\npolicy:\n  is_vlm: true\n")
+    assert check.check(tmp_path, [bad], verbose=False) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL  vlm_grpo_3B.yaml\n") and "policy.is_vlm=True: no translation" in out, out

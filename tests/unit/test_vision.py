@@ -19,17 +19,7 @@ from grpo.system import vision
 from grpo.tasks.rows import DataError
 from grpo.tasks.visual import IMAGE_SIZE, IMAGE_TOKEN, IMAGE_TOKENS
 from tests.helpers.vision_rows import data_url, dataset, image_row, png, sample_prompts
-from tests.helpers.vision_rows import processor, vlm_dir  # noqa: F401 (fixtures)
-
-
-@pytest.fixture(scope="module")
-def vlm(vlm_dir):
-    from transformers import AutoConfig
-
-    model = vision.auto_model_class(AutoConfig.from_pretrained(vlm_dir)).from_pretrained(vlm_dir)
-    with torch.no_grad():  # peaked distributions: sampled paths far from ties between batch shapes
-        model.lm_head.weight.mul_(4.0)
-    return vision.prepare_model(model).eval()
+from tests.helpers.vision_rows import processor, vlm, vlm_dir  # noqa: F401 (fixtures)
 
 
 def policy_cfg(vlm_dir, **policy):

@@ -48,3 +48,23 @@ def test_vlm_recipe_refusals_name_the_key(overrides, refused):
     with pytest.raises(ConfigError) as err:
         load_recipe(RECIPE, overrides)
     assert refused in str(err.value), str(err.value)
+
+
+def test_a_list_of_image_datasets_becomes_sources_each_with_its_columns_and_environment():
+    """NeMo-RL's data.train as a list (CLEVR-CoGenT and Geometry3K, each its env_name): data.train_sources with each
+    dataset's row_format and task, one VLM environment per env_name (NeMo-RL's task_to_env)."""
+    train = ("[{dataset_name: clevr-cogent, split: train, env_name: clevr-cogent}, "
+             "{dataset_name: geometry3k, split: train, env_name: geometry3k, data_path: /tmp/geo.jsonl}]")
+    cfg, table = load_recipe(RECIPE, [f"data.train={train}", "data.validation=null"])
+    clevr, geo = cfg.data.train_sources
+    assert (clevr.dataset_name, clevr.split, clevr.row_format, clevr.task_name) == (
+        "MMInstruction/Clevr_CoGenT_TrainA_70K_Complex", "train", "clevr-cogent", "clevr-cogent")
+    assert (geo.dataset_name, geo.row_format, geo.task_name) == ("/tmp/geo.jsonl", "geometry3k", "geometry3k")
+    assert clevr.prompt_file.endswith("clevr_cogent_cot.txt") and geo.prompt_file == clevr.prompt_file
+    assert (cfg.env.name, cfg.env.task_name) == ("vlm", "clevr-cogent")
+    assert [f["name"] for f in cfg.env.kwargs["reward_functions"]] == ["format", "exact_alnum"]
+    assert list(cfg.env.tasks) == ["geometry3k"] and cfg.env.tasks["geometry3k"].name == "vlm"
+    assert [f["name"] for f in cfg.env.tasks["geometry3k"].kwargs["reward_functions"]] == ["format", "math_expr"]
+    assert ("ignored", "env.refcoco", "not the data's env_name (clevr-cogent): unused, as in NeMo-RL") in table
+    with pytest.raises(ConfigError, match=r"env.geometry3k.reward_functions=None: NeMo-RL's VLMEnvironment needs"):
+        load_recipe(RECIPE, [f"data.train={train}", "data.validation=null", "env.geometry3k=null"])

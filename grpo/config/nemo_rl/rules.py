@@ -812,13 +812,14 @@ def _data_and_env(w: Walk) -> None:
         w.take("env")
         return
     envs = {s["env_name"] or ("arithmetic" if s.get("builtin") else "math") for s in trains + vals}
-    if len(envs) > 1:
+    images = all(s.get("row_format") for s in trains + vals)  # run_vlm_grpo.py: one VLMEnvironment per env_name
+    if len(envs) > 1 and not images:
         w.refuse("data.default.env_name", f"the datasets name several NeMo-RL environments ({sorted(envs)}); grpo-ds "
                  "routes rows by task (data.train_sources[].task_name, env.tasks), but this translation maps one "
                  "environment section: write the run as a native config", value=sorted(envs))
     problems = _single_form_problems(trains, vals)
     if problems:
-        _several_sources(w, trains, vals, problems)
+        _several_sources(w, trains, vals, problems, by_env=len(envs) > 1)
     else:
         _single_source(w, trains[0], vals[0] if vals else None)
     if not vals and not any(s["split_validation_size"] > 0 for s in trains) and not all(
@@ -829,7 +830,8 @@ def _data_and_env(w: Walk) -> None:
             w.take(f"grpo.{k}")
             w.set(f"grpo.{k}", value)
     train = trains[0]
-    _env(w, train.get("env_name") or ("arithmetic" if train.get("builtin") else "math"), train)
+    _env(w, train.get("env_name") or ("arithmetic" if train.get("builtin") else "math"), train,
+         others=sorted(envs - {train.get("env_name")}) if images else [])
 
 
 def _single_form_problems(trains: list[dict], vals: list[dict]) -> list[str]:
@@ -852,6 +854,8 @@ def _single_form_problems(trains: list[dict], vals: list[dict]) -> list[str]:
         problems.append("another prompt file")
     if val.get("row_format") != train.get("row_format"):
         problems.append("another dataset's columns")
+    if val.get("env_name") != train.get("env_name"):
+        problems.append("another environment")
     return problems
 
 
@@ -900,14 +904,17 @@ def _single_source(w: Walk, train: dict, val: dict | None) -> None:
             w.set(f"data.{k}", v)
 
 
-def _several_sources(w: Walk, trains: list[dict], vals: list[dict], problems: list[str]) -> None:
+def _several_sources(w: Walk, trains: list[dict], vals: list[dict], problems: list[str], by_env: bool = False) -> None:
     """NeMo-RL's lists (nemo_rl/data/utils.py setup_response_data): training datasets concatenated into one loader,
     validation = each training dataset's split_validation_size part, then the validation datasets; every spec
-    already merged over data.default, so each source gives every field (nothing falls back to data.*)."""
+    already merged over data.default, so each source gives every field (nothing falls back to data.*). An image
+    dataset's source reads its columns (row_format); ``by_env``: each source's rows go to the task named by its
+    env_name (NeMo-RL's task_to_env; `_vlm_env` makes one environment per name)."""
     def source(s: dict, side: str, i: int) -> dict:
         src: dict[str, Any] = {"dataset_name": s["path"] if s.get("builtin") else _where(s["path"]),
                                "split": s["split"], "dataset_config": s["subset"],
-                               "input_key": s["input_key"], "output_key": s["output_key"]}
+                               "input_key": s["input_key"], "output_key": s["output_key"],
+                               "row_format": s.get("row_format"), "task_name": s["env_name"] if by_env else None}
         for k in ("prompt_file", "system_prompt_file"):
             src[k] = _prompt_file(w, f"{side}.{i}.{k}" if len(trains if side == 'data.train' else vals) > 1 else
                                   f"{side}.{k}", s[k])
@@ -919,11 +926,6 @@ def _several_sources(w: Walk, trains: list[dict], vals: list[dict], problems: li
             src["repeat"] = s["repeat"]
         return src
 
-    if any(s.get("row_format") for s in trains + vals):
-        w.refuse("data.train", f"several datasets ({'; '.join(problems)}) among NeMo-RL's image datasets: grpo-ds "
-                 "reads their columns (data.row_format) for a single source; write the run as a native config",
-                 value=[s["name"] for s in trains + vals])
-        return
     train_sources = [source(s, "data.train", i) for i, s in enumerate(trains)]
     val_sources = [source(s, "data.validation", i) for i, s in enumerate(vals)]
     w.set("data.train_sources", train_sources)
@@ -998,7 +1000,9 @@ def _local(path: str) -> bool:
         os.path.exists(path)
 
 
-def _env(w: Walk, env_name: str, train: dict) -> None:
+def _env(w: Walk, env_name: str, train: dict, others: list[str] = ()) -> None:
+    """The environment of ``env_name`` (the first training dataset's); ``others``: the image datasets' other
+    env_names, each its own task (`_vlm_env`)."""
     _nemo_gym_env(w)
     env = {k: v for k, v in (w.get("env") or {}).items() if isinstance(v, dict) or v is None}
     for name in list(env):
@@ -1011,7 +1015,7 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
         return
     section = env.get(env_name) or {}
     if train.get("row_format") or env_name == "vlm":  # run_vlm_grpo.py: every env section is a VLMEnvironment
-        _vlm_env(w, env_name, section, env)
+        _vlm_env(w, env_name, env, others)
         return
     if env_name == "reward_model":
         _reward_model(w)
@@ -1059,29 +1063,35 @@ def _env(w: Walk, env_name: str, train: dict) -> None:
     w.take("env")
 
 
-def _vlm_env(w: Walk, env_name: str, section, env: dict) -> None:
+def _vlm_env(w: Walk, env_name: str, env: dict, others: list[str] = ()) -> None:
     """``env.<env_name>`` of a VLM recipe (NeMo-RL's VLMEnvironment) -> env.name=vlm with its reward_functions
-    (`grpo.tasks.vlm`: the same functions, weights renormalised)."""
+    (`grpo.tasks.vlm`: the same functions, weights renormalised). ``others``: the env_names of the run's other image
+    datasets: each becomes ``env.tasks.<name>`` (NeMo-RL's task_to_env), the first one's task is ``env_name``."""
     from grpo.tasks.vlm import reward_problem
 
-    k = f"env.{env_name}"
-    specs = section.get("reward_functions") if isinstance(section, dict) else None
-    if not isinstance(specs, list) or not specs:
-        w.refuse(f"{k}.reward_functions", "NeMo-RL's VLMEnvironment needs a list of {name, weight, kwargs}")
-    else:
-        for i, spec in enumerate(specs):
-            if (problem := reward_problem(spec, f"{k}.reward_functions.{i}")) is not None:
-                w.errors.append(problem)
-        w.translate(f"{k}.reward_functions", {"env.name": "vlm", "env.kwargs": {"reward_functions": specs}},
-                    "NeMo-RL's VLMEnvironment: the weighted sum of these rewards (grpo.tasks.vlm), weights "
-                    "renormalised to 1")
-    w.ignore(f"{k}.num_workers", "NeMo-RL's Ray verify workers; grpo-ds scores these rewards in the trainer process")
-    for sub in (section if isinstance(section, dict) else {}):
-        if f"{k}.{sub}" not in w.used:
-            w.refuse(f"{k}.{sub}", "a VLM-environment key grpo-ds does not translate")
-    w.take(k)
+    if others:
+        w.set("env.task_name", env_name)
+    for name in [env_name, *others]:
+        target = "env" if name == env_name else f"env.tasks.{name}"
+        section = env.get(name)
+        k = f"env.{name}"
+        specs = section.get("reward_functions") if isinstance(section, dict) else None
+        if not isinstance(specs, list) or not specs:
+            w.refuse(f"{k}.reward_functions", "NeMo-RL's VLMEnvironment needs a list of {name, weight, kwargs}")
+        else:
+            w.errors += [p for i, spec in enumerate(specs)
+                         if (p := reward_problem(spec, f"{k}.reward_functions.{i}")) is not None]
+            w.translate(f"{k}.reward_functions", {f"{target}.name": "vlm",
+                                                  f"{target}.kwargs": {"reward_functions": specs}},
+                        "NeMo-RL's VLMEnvironment: the weighted sum of these rewards (grpo.tasks.vlm), weights "
+                        "renormalised to 1" + (f"; the rows of env_name {name}" if others else ""))
+        w.ignore(f"{k}.num_workers", "NeMo-RL's Ray verify workers; grpo-ds scores these rewards in the trainer process")
+        for sub in (section if isinstance(section, dict) else {}):
+            if f"{k}.{sub}" not in w.used:
+                w.refuse(f"{k}.{sub}", "a VLM-environment key grpo-ds does not translate")
+        w.take(k)
     for name in env:
-        if name != env_name and f"env.{name}" not in " ".join(w.errors):
+        if name not in (env_name, *others) and f"env.{name}" not in " ".join(w.errors):
             w.ignore(f"env.{name}", f"not the data's env_name ({env_name}): unused, as in NeMo-RL")
     w.take("env")
 
