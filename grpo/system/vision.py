@@ -265,12 +265,19 @@ def render_prompt(processor, chat, messages: list[dict], where: str) -> tuple[li
     shown = [{"role": m["role"], "content": _template_content(m["content"])} for m in messages]
     out, parts = [], []
     for m, text, imgs in zip(messages, chat.prompt_texts(shown), images):
-        enc = processor(text=[text], images=imgs or None, add_special_tokens=False, return_tensors="pt")
-        ids = enc["input_ids"][0].tolist()
+        ids, media = encode_with_images(processor, text, imgs)
         out.append({"role": m["role"], "content": content_text(m["content"]), "token_ids": ids})
         if imgs:
-            parts.append({k: v for k, v in enc.items() if k not in NOT_MEDIA})
+            parts.append(media)
     return out, (concat_media(parts) if parts else None)
+
+
+def encode_with_images(processor, text: str, images: list) -> tuple[list[int], dict]:
+    """``(ids, media)`` of a rendered ``text`` and its ``images`` (PIL, in the order of their placeholders in the
+    text): the processor's ids (each placeholder expanded) without special tokens added, and every tensor it made
+    besides the ids ({} without images)."""
+    enc = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+    return enc["input_ids"][0].tolist(), {k: v for k, v in enc.items() if k not in NOT_MEDIA}
 
 
 def _template_content(content):
