@@ -206,8 +206,8 @@ class HttpServerConfig(_Section):
         "An image downloaded for an http(s) image part (allow_remote_images) is answered 400 past this many bytes; "
         "a data: URL is bounded by max_body_bytes."))
     max_image_pixels: int = Field(2**25, gt=0, description=(
-        "An image part whose picture has more pixels (width x height, read from its header before it is decoded) "
-        "is answered 400: a small compressed file can decode into gigabytes."))
+        "The pictures of one request may have this many pixels together (width x height, read from each header "
+        "before it is decoded); one past it is answered 400: a small compressed file can decode into gigabytes."))
 
 
 class VllmConfig(_Section):

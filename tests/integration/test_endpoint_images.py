@@ -134,7 +134,8 @@ def test_a_history_with_a_picture_in_turn_one_is_spliced_and_a_tool_result_takes
     ([image_part("/etc/passwd")], "neither a data: URL nor an http(s) URL"),
     ([{"type": "image_url", "image_url": "data:image/png;base64,AAAA"}], "without a url"),
     ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "of type 'input_audio'"),
-    ([image_part(data_url((0, 0, 0), size=(65, 64)))], "max_image_pixels=4096"),
+    ([image_part(data_url((0, 0, 0), size=(65, 64)))], "content.0: the image is 65x64 = 4160 pixels, over the 4096"),
+    ([image_part(data_url((0, 0, 0), size=(48, 48)))] * 2, "content.1: the image is 48x48 = 2304 pixels, over the 1792"),
     ([image_part(RED), {"type": "text", "text": "<image> twice"}], "image token '<image>' 2 times"),
 ])
 def test_a_bad_image_part_is_a_400_naming_it(served, content, words):

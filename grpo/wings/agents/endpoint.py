@@ -24,6 +24,10 @@ the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds
   the request joins a batch; parsing and rendering run off the event loop, rendering within ``render_timeout_s``
   (`grpo.wings.agents.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
   the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
+- **Images** (a vision-language policy's): ``image_url`` parts, read and bounded by
+  `grpo.wings.agents.openai_images`, rendered with the chat template and tokenised by the policy's processor as the
+  data path renders a row (`prompt_and_media`); the prompt's media go to the backend with its tokens and into the
+  call's record, so the trajectory carries them. A text-only policy answers an image part 400.
 - **Chat templates**: the run's (a request's own ``chat_template`` only with ``http_server.trust_request_chat_template``,
   vLLM's rule); ``tools`` / ``tool_choice`` as vLLM validates them, "required" and named functions refused
   (`openai_checks.check_tools` says why).

@@ -8,8 +8,8 @@ never the batch it would have joined.
   ``http_server.max_body_bytes``), or, where the run allows it (``http_server.allow_remote_images``, default off), an
   http(s) URL the endpoint downloads (at most ``max_image_bytes``, within ``read_timeout_s``). Nothing else: a path
   or a ``file://`` URL would read the trainer's own files.
-- **Decoding**: the picture's size is read from its header first and one over ``http_server.max_image_pixels`` is
-  refused before it is decoded; then `grpo.system.vision.load_image` decodes it to RGB, as the data path does.
+- **Decoding**: the picture's size is read from its header first, and one past ``http_server.max_image_pixels`` (the
+  request's pictures together) is refused before it is decoded; then `grpo.system.vision.load_image` decodes it to RGB, as the data path does.
 - **Placeholders** (`check_image_marks`, `check_placeholders`): the rendered text holds the processor's image token
   once per image part (a text part that types it would get placeholders with no picture behind them, and the
   model would fail the whole batch); a history spliced onto the model's own tokens keeps the placeholders of its
@@ -77,7 +77,8 @@ def fetch_image(url: str, where: str, limit: int, timeout_s: float) -> bytes:
 
 def decode_image(data: bytes, where: str, max_pixels: int):
     """``data`` as an RGB PIL image, or a 400 naming ``where``: not an image, or more than ``max_pixels`` pixels
-    (read from the header, before anything is decoded)."""
+    (read from the header, before anything is decoded: PIL's own bound, 2 x 89M pixels, would let one request hold
+    gigabytes)."""
     from PIL import Image
 
     from grpo.system.vision import load_image
@@ -89,8 +90,9 @@ def decode_image(data: bytes, where: str, max_pixels: int):
         raise RequestError(400, f"{where}: the image cannot be read ({type(err).__name__}: {err})",
                            param=where) from None
     if width * height > max_pixels:
-        raise RequestError(400, f"{where}: the image is {width}x{height} = {width * height} pixels, over "
-                                f"policy.generation.http_server.max_image_pixels={max_pixels}", param=where)
+        raise RequestError(400, f"{where}: the image is {width}x{height} = {width * height} pixels, over the "
+                                f"{max_pixels} left of policy.generation.http_server.max_image_pixels for the "
+                                "request's images", param=where)
     try:
         return load_image(data, where)
     except DataError as err:
@@ -99,8 +101,14 @@ def decode_image(data: bytes, where: str, max_pixels: int):
 
 def request_images(urls: list[tuple[str, str]], settings) -> list:
     """The PIL pictures of a request's image parts (``(where, url)``, `grpo.wings.agents.openai_chat.image_urls`),
-    in order."""
-    return [decode_image(image_bytes(url, where, settings), where, settings.max_image_pixels) for where, url in urls]
+    in order. ``settings.max_image_pixels`` bounds them together: each is decoded within what the ones before it left
+    (many small files that each decode big are one request's memory too)."""
+    images, left = [], settings.max_image_pixels
+    for where, url in urls:
+        image = decode_image(image_bytes(url, where, settings), where, left)
+        left -= image.width * image.height
+        images.append(image)
+    return images
 
 
 def check_image_marks(text: str, image_token: str, n_images: int) -> None:
