@@ -1,5 +1,6 @@
-"""An agent for tests of the endpoint with images (tests/integration/test_endpoint_images.py): it drives the endpoint
-with the official openai client, sends a picture in its first turn and another one in a tool result."""
+"""The endpoint with images in tests (tests/integration/test_endpoint_images.py, test_nemo_gym_images.py): the tiny
+VLM's endpoint, pictures as data: URLs, an agent that drives the endpoint with the official openai client (a picture
+in its first turn, another in a tool result), and the trainer's token_mult_prob_error of played samples."""
 
 from __future__ import annotations
 
@@ -8,6 +9,49 @@ import io
 
 import openai
 from PIL import Image
+
+from grpo.tasks.visual import VLM_CHAT_TEMPLATE
+
+MODEL = "toy:tiny_vlm"
+# The tiny VLM's template with an end-of-sequence token after each assistant turn: what the prefix splice counts.
+TEMPLATE = VLM_CHAT_TEMPLATE.replace("{{ '\\n' }}{% endfor %}",
+                                     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}")
+
+
+def vlm_endpoint(cfg):
+    """The endpoint over the hf backend and a fresh tiny VLM (its vision ids banned, as a run prepares it), started;
+    the model is ``endpoint.model``."""
+    from grpo.system import vision
+    from grpo.system.generation.hf import HFGeneration
+    from grpo.tasks.visual import build_tiny_vlm, build_vlm_processor, build_vlm_tokenizer
+    from grpo.wings.agents.endpoint import Endpoint
+
+    tok = build_vlm_tokenizer()
+    model = vision.prepare_model(build_tiny_vlm(tok)).eval()
+    ep = Endpoint(cfg, HFGeneration(cfg.policy, tok, model.config, "cpu", model=model), tok,
+                  processor=build_vlm_processor(tok))
+    ep.model = model
+    ep.start()
+    return ep
+
+
+def mult_prob_error(model, trajs, pad_id: int) -> float:
+    """clipped_pg_loss's token_mult_prob_error of played samples ``trajs``: the generation logprobs against the
+    trainer's forward (`grpo.system.training.forward_logprobs`) over their tokens and their media."""
+    import torch
+
+    from grpo.batch import build_batch
+    from grpo.config.load import build_config
+    from grpo.loss import clipped_pg_loss
+    from grpo.system.training import forward_logprobs
+
+    batch = build_batch(trajs, pad_id)
+    with torch.no_grad():
+        prev_bt = forward_logprobs(model, batch.input_ids_bt, batch.attention_mask_bt, media=batch.media)
+    cfg = build_config({"loss_fn": {"reference_policy_kl_penalty": 0.0}}).loss_fn
+    _, metrics = clipped_pg_loss(prev_bt, prev_bt, torch.zeros(len(trajs)), batch.token_mask_bt,
+                                 torch.ones(len(trajs)), cfg, generation_logprobs=batch.generation_logprobs_bt)
+    return float(metrics["token_mult_prob_error"])
 
 
 def data_url(colour, size=(16, 16)) -> str:

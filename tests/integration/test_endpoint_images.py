@@ -18,9 +18,6 @@ import torch
 
 from grpo.batch import build_batch
 from grpo.config import MasterConfig
-from grpo.config.load import build_config
-from grpo.loss import clipped_pg_loss
-from grpo.system import vision
 from grpo.system.data import PromptFormatter
 from grpo.system.generation.hf import HFGeneration
 from grpo.system.rollout import new_trajectories
@@ -28,16 +25,11 @@ from grpo.system.training import forward_logprobs
 from grpo.tasks.factory import build_environments
 from grpo.tasks.rows import PromptRow
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
-from grpo.tasks.visual import (IMAGE_TOKENS, VLM_CHAT_TEMPLATE, build_tiny_vlm, build_vlm_processor,
-                               build_vlm_tokenizer)
+from grpo.tasks.visual import IMAGE_TOKENS
 from grpo.wings.agents.endpoint import Endpoint
 from grpo.wings.agents.player import AgentPlayer
-from tests.helpers.image_agents import data_url, image_part
+from tests.helpers.image_agents import MODEL, TEMPLATE, data_url, image_part, mult_prob_error, vlm_endpoint
 
-MODEL = "toy:tiny_vlm"
-# The tiny VLM's template with an end-of-sequence token after each assistant turn: what the prefix splice counts.
-TEMPLATE = VLM_CHAT_TEMPLATE.replace("{{ '\\n' }}{% endfor %}",
-                                     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}")
 RED, BLUE = data_url((255, 0, 0)), data_url((0, 0, 255))
 QUESTION = [{"role": "user", "content": [image_part(RED), {"type": "text", "text": "colour?"}]}]
 BODY_LIMIT = 40_000
@@ -53,19 +45,9 @@ def _cfg(**http_server) -> MasterConfig:
         "env": {"name": "agent", "agent": {"fn": "tests.helpers.image_agents:picture_agent"}}})
 
 
-def _vlm_endpoint(cfg: MasterConfig) -> Endpoint:
-    tok = build_vlm_tokenizer()
-    model = vision.prepare_model(build_tiny_vlm(tok)).eval()
-    ep = Endpoint(cfg, HFGeneration(cfg.policy, tok, model.config, "cpu", model=model), tok,
-                  processor=build_vlm_processor(tok))
-    ep.model = model
-    ep.start()
-    return ep
-
-
 @pytest.fixture(scope="module")
 def served():
-    ep = _vlm_endpoint(_cfg(max_image_pixels=64 * 64))
+    ep = vlm_endpoint(_cfg(max_image_pixels=64 * 64))
     yield ep
     ep.close()
 
@@ -212,7 +194,7 @@ def test_remote_images_are_fetched_only_where_the_run_allows_them_and_bounded():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pictures)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     root = f"http://127.0.0.1:{server.server_address[1]}"
-    ep = _vlm_endpoint(_cfg(allow_remote_images=True, max_image_bytes=2_000))
+    ep = vlm_endpoint(_cfg(allow_remote_images=True, max_image_bytes=2_000))
     try:
         remote = [{"role": "user", "content": [image_part(f"{root}/small.png"), {"type": "text", "text": "colour?"}]}]
         tokens = _post(ep, "/tokenize", {"model": MODEL, "messages": remote}).json()["tokens"]
@@ -239,15 +221,13 @@ def test_an_agents_picture_trajectory_trains_token_exact(served):
     AgentPlayer(served).play(trajs, [(1, 0, i, "train") for i in range(2)], envs)
     assert all(t.error is None and not t.mask_sample and t.turns == 2 for t in trajs), [t.error_detail for t in trajs]
     assert all(t.media["pixel_values"].shape[0] == 2 for t in trajs)
+    assert abs(mult_prob_error(served.model, trajs, served.tokenizer.pad_token_id) - 1.0) < 1e-3
+    # the pictures are what makes it exact: the tool result's picture swapped for another, the same tokens score
+    # otherwise
     batch = build_batch(trajs, served.tokenizer.pad_token_id)
+    other = [{"pixel_values": m["pixel_values"].flip(0)} for m in batch.media]
     with torch.no_grad():
-        prev_bt = forward_logprobs(served.model, batch.input_ids_bt, batch.attention_mask_bt, media=batch.media)
-    cfg = build_config({"loss_fn": {"reference_policy_kl_penalty": 0.0}}).loss_fn
-    _, metrics = clipped_pg_loss(prev_bt, prev_bt, torch.zeros(len(trajs)), batch.token_mask_bt,
-                                 torch.ones(len(trajs)), cfg, generation_logprobs=batch.generation_logprobs_bt)
-    assert abs(float(metrics["token_mult_prob_error"]) - 1.0) < 1e-3
-    # without the pictures the same tokens score otherwise: the media are what makes it exact
-    with torch.no_grad():
-        blind_bt = forward_logprobs(served.model, batch.input_ids_bt.masked_fill(
-            batch.input_ids_bt == served.tokenizer.convert_tokens_to_ids("<image>"), 5), batch.attention_mask_bt)
-    assert not torch.allclose(blind_bt * batch.token_mask_bt, prev_bt * batch.token_mask_bt, atol=1e-4)
+        seen_bt = forward_logprobs(served.model, batch.input_ids_bt, batch.attention_mask_bt, media=batch.media)
+        swapped_bt = forward_logprobs(served.model, batch.input_ids_bt, batch.attention_mask_bt, media=other)
+    mask_bt = batch.token_mask_bt.bool()
+    assert not torch.allclose(seen_bt[mask_bt], swapped_bt[mask_bt], atol=1e-5)
