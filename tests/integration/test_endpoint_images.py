@@ -29,6 +29,7 @@ from grpo.tasks.visual import IMAGE_TOKENS
 from grpo.wings.agents.endpoint import Endpoint
 from grpo.wings.agents.player import AgentPlayer
 from tests.helpers.image_agents import MODEL, TEMPLATE, data_url, image_part, mult_prob_error, vlm_endpoint
+from tests.helpers.vision_rows import qwen  # noqa: F401 (fixture: the tiny Qwen2-VL, then the tiny Qwen2.5-VL)
 
 RED, BLUE = data_url((255, 0, 0)), data_url((0, 0, 255))
 QUESTION = [{"role": "user", "content": [image_part(RED), {"type": "text", "text": "colour?"}]}]
@@ -119,6 +120,7 @@ def test_a_history_with_a_picture_in_turn_one_is_spliced_and_a_tool_result_takes
     ([image_part(data_url((0, 0, 0), size=(65, 64)))], "content.0: the image is 65x64 = 4160 pixels, over the 4096"),
     ([image_part(data_url((0, 0, 0), size=(48, 48)))] * 2, "content.1: the image is 48x48 = 2304 pixels, over the 1792"),
     ([image_part(RED), {"type": "text", "text": "<image> twice"}], "image token '<image>' 2 times"),
+    ([image_part("data:image/png;base64,AAAA")] * 97, "97 image parts, more than"),
 ])
 def test_a_bad_image_part_is_a_400_naming_it(served, content, words):
     with served.serving(), pytest.raises(openai.BadRequestError) as err:
@@ -231,3 +233,35 @@ def test_an_agents_picture_trajectory_trains_token_exact(served):
         swapped_bt = forward_logprobs(served.model, batch.input_ids_bt, batch.attention_mask_bt, media=other)
     mask_bt = batch.token_mask_bt.bool()
     assert not torch.allclose(seen_bt[mask_bt], swapped_bt[mask_bt], atol=1e-5)
+
+
+def test_a_qwen_vl_policy_renders_its_pictures_as_the_data_path_and_answers_with_its_own_positions(qwen):
+    """Another processor (Qwen2-VL's and Qwen2.5-VL's: a picture's placeholder count follows its size, M-RoPE
+    positions): /tokenize and the recorded media equal the data path's for two pictures of different shapes, and a
+    chat generates on them."""
+    from tests.helpers.vision_rows import data_url as sized_url
+
+    _, processor, model = qwen
+    cfg = _cfg()
+    cfg.policy.tokenizer.chat_template = processor.tokenizer.chat_template
+    ep = Endpoint(cfg, HFGeneration(cfg.policy, processor.tokenizer, model.config, "cpu", model=model),
+                  processor.tokenizer, processor=processor)
+    ep.start()
+    messages = [{"role": "user", "content": [image_part(sized_url((0, 0, 255), size=(8, 24))), {"type": "text",
+                 "text": "and"}, image_part(sized_url((9, 9, 9), size=(16, 16))), {"type": "text", "text": "?"}]}]
+    try:
+        formatter = PromptFormatter(ep.tokenizer, cfg.data, ep.chat_template, processor=processor)
+        row = [{"role": "user", "content": [{"type": "image", "image": p["image_url"]["url"]} if p["type"] == "image_url"
+                                            else p for p in messages[0]["content"]]}]
+        prompt, media = formatter.prompt_messages_and_media(row, "row 0")
+        key = ep.open_session("q")
+        with ep.serving():
+            r = _client(ep, key).chat.completions.create(model=MODEL, messages=messages, top_p=1.0, logprobs=True)
+        [record] = ep.close_session(key)
+        tokens = _post(ep, "/tokenize", {"model": MODEL, "messages": messages}).json()["tokens"]
+        assert tokens == record.prompt_token_ids == [t for m in prompt for t in m["token_ids"]]
+        assert tokens.count(model.config.image_token_id) == 3 + 4  # 8x24 and 16x16 pixels: 3 and 4 placeholders
+        assert all(torch.equal(record.media[k], media[k]) for k in media) and set(record.media) == set(media)
+        assert r.choices[0].message.model_extra["generation_token_ids"]
+    finally:
+        ep.close()

@@ -298,6 +298,10 @@ class Endpoint(Batching):
             where = urls[0][0]
             raise RequestError(400, f"{where}: an image part, and this run's policy ({self.model_name}) is a text "
                                     "model (no vision_config): send text parts only", param=where)
+        if len(urls) > self.max_len:  # each takes a token at least: refused before any is decoded
+            raise RequestError(400, f"messages: {len(urls)} image parts, more than policy.max_total_sequence_length="
+                                    f"{self.max_len} tokens can hold", param="messages",
+                               code="context_length_exceeded")
         images = request_images(urls, self.settings)
         template = request_template(req, self.settings.trust_request_chat_template)
         kwargs = req.chat_template_kwargs
