@@ -74,5 +74,5 @@ async def picture_agent(row, base_url, api_key, model):
         messages.append(r.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": "call_0",
                          "content": [{"type": "text", "text": "look:"}, image_part(data_url((0, 0, 255)))]})
-        await client.chat.completions.create(model=model, messages=messages, logprobs=True, **row["sampling"])
-    return 1.0
+        r = await client.chat.completions.create(model=model, messages=messages, logprobs=True, **row["sampling"])
+    return float(len(r.choices[0].message.content or "") % 2)  # rewards that differ within a group
