@@ -21,12 +21,16 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from typing import TYPE_CHECKING
 
 from grpo.tasks.rows import DataError
 from grpo.wings.agents.openai_chat import RequestError
 
+if TYPE_CHECKING:
+    from grpo.config import HttpServerConfig
 
-def image_bytes(url: str, where: str, settings) -> bytes:
+
+def image_bytes(url: str, where: str, settings: HttpServerConfig) -> bytes:
     """The bytes of an image part's ``url``: a base64 ``data:image/...`` URL decoded, an http(s) URL downloaded where
     ``settings`` (``policy.generation.http_server``) allows it (`fetch_image`); anything else a 400."""
     if url.startswith("data:"):
@@ -99,7 +103,7 @@ def decode_image(data: bytes, where: str, max_pixels: int):
         raise RequestError(400, str(err), param=where) from None
 
 
-def request_images(urls: list[tuple[str, str]], settings) -> list:
+def request_images(urls: list[tuple[str, str]], settings: HttpServerConfig) -> list:
     """The PIL pictures of a request's image parts (``(where, url)``, `grpo.wings.agents.openai_chat.image_urls`),
     in order. ``settings.max_image_pixels`` bounds them together: each is decoded within what the ones before it left
     (many small files that each decode big are one request's memory too)."""
