@@ -10,6 +10,7 @@ import base64
 import http.server
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -178,15 +179,24 @@ def test_a_text_only_policy_answers_an_image_part_400_naming_it():
 
 
 class _Pictures(http.server.BaseHTTPRequestHandler):
-    """Serves a small PNG at /small.png and a large one at /large.png."""
+    """Serves a small PNG at /small.png, a large body at /large.png, and at /drip.png a body a byte every 0.2 s."""
 
     def do_GET(self):
-        url = RED if self.path == "/small.png" else data_url((0, 9, 0), size=(64, 64)) * 40
-        body = base64.b64decode(url.partition(",")[2]) if self.path == "/small.png" else url.encode()
+        url = RED if self.path != "/large.png" else data_url((0, 9, 0), size=(64, 64)) * 40
+        body = base64.b64decode(url.partition(",")[2]) if self.path != "/large.png" else url.encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.path != "/drip.png":
+            self.wfile.write(body)
+            return
+        try:
+            for i in range(len(body)):
+                self.wfile.write(body[i:i + 1])
+                self.wfile.flush()
+                time.sleep(0.2)
+        except (BrokenPipeError, ConnectionResetError):  # the endpoint gave up on it, as it should
+            pass
 
     def log_message(self, *args):
         pass
@@ -196,7 +206,7 @@ def test_remote_images_are_fetched_only_where_the_run_allows_them_and_bounded():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pictures)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     root = f"http://127.0.0.1:{server.server_address[1]}"
-    ep = vlm_endpoint(_cfg(allow_remote_images=True, max_image_bytes=2_000))
+    ep = vlm_endpoint(_cfg(allow_remote_images=True, max_image_bytes=2_000, read_timeout_s=1.0))
     try:
         remote = [{"role": "user", "content": [image_part(f"{root}/small.png"), {"type": "text", "text": "colour?"}]}]
         tokens = _post(ep, "/tokenize", {"model": MODEL, "messages": remote}).json()["tokens"]
@@ -207,6 +217,11 @@ def test_remote_images_are_fetched_only_where_the_run_allows_them_and_bounded():
         r = _post(ep, "/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": [
             image_part(f"{root}/small.png".replace(str(server.server_address[1]), "1"))]}]})
         assert r.status_code == 400 and "could not be fetched" in r.json()["error"]["message"]
+        t0 = time.monotonic()  # a server that drips its bytes (each within the read timeout) is cut at the deadline
+        r = _post(ep, "/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": [
+            image_part(f"{root}/drip.png")]}]})
+        assert r.status_code == 400 and "did not arrive within 1 s" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 10
     finally:
         ep.close()
         server.shutdown()

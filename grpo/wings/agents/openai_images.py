@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 from typing import TYPE_CHECKING
 
 from grpo.tasks.rows import DataError
@@ -53,10 +54,12 @@ def image_bytes(url: str, where: str, settings: HttpServerConfig) -> bytes:
 
 
 def fetch_image(url: str, where: str, limit: int, timeout_s: float) -> bytes:
-    """The body of ``url`` (http or https, redirects followed), or a 400: a status other than 200, no answer within
-    ``timeout_s``, or more than ``limit`` bytes (declared or read so far: the rest is never read)."""
+    """The body of ``url`` (http or https, redirects followed), or a 400: a status other than 200, the whole body not
+    in within ``timeout_s`` (a server that drips bytes holds a work thread no longer), or more than ``limit`` bytes
+    (declared or read so far: the rest is never read)."""
     import httpx
 
+    deadline = time.monotonic() + timeout_s
     too_big = RequestError(400, f"{where}: the image at {url[:200]!r} is over {limit} bytes "
                                 "(policy.generation.http_server.max_image_bytes)", param=where)
     try:
@@ -72,6 +75,10 @@ def fetch_image(url: str, where: str, limit: int, timeout_s: float) -> bytes:
                 size += len(chunk)
                 if size > limit:
                     raise too_big
+                if time.monotonic() > deadline:
+                    raise RequestError(400, f"{where}: the image at {url[:200]!r} did not arrive within "
+                                            f"{timeout_s:g} s (policy.generation.http_server.read_timeout_s)",
+                                       param=where)
                 chunks.append(chunk)
             return b"".join(chunks)
     except httpx.HTTPError as err:
