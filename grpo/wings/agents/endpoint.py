@@ -130,6 +130,7 @@ class Endpoint(Batching):
         p, g = cfg.policy, cfg.policy.generation
         self.cfg, self.backend, self.tokenizer = cfg, backend, tokenizer
         self.processor = processor  # a vision-language policy's (grpo.system.vision.load_processor): images render
+        self.image_token = getattr(processor, "image_token", None)  # the text an image part renders as (<image>)
         self.settings = g.http_server
         serving = g.vllm_cfg.http_server_serving_chat_kwargs
         self.tool_parser = serving.tool_parser if serving else None
@@ -286,44 +287,52 @@ class Endpoint(Batching):
 
     def prompt_and_media(self, req) -> tuple[list[int], dict | None]:
         """The request's prompt tokens and its images as the model's tensors (None without images): its token ids
-        checked (`openai_checks.check_token_ids`), its image parts read (`openai_images.request_images`; a 400
-        naming the part for a text-only policy), rendered with the chat template and, with images, tokenised by the
-        policy's processor as the data path renders a row's (`grpo.system.vision.encode_with_images`: placeholders
-        expanded once), then spliced onto the model's own earlier tokens when the history carries them
-        (`openai_chat.replace_prefix_tokens`), its image placeholders checked (`openai_images`). Blocking: the
-        server calls it off the event loop (`_off_loop`)."""
+        checked (`openai_checks.check_token_ids`), its image parts read (`request_images`), rendered with the chat
+        template and tokenised (`encode`), then spliced onto the model's own earlier tokens when the history carries
+        them (`openai_chat.replace_prefix_tokens`), keeping its images' placeholders (`openai_images.check_placeholders`).
+        Blocking: the server calls it off the event loop (`_off_loop`)."""
         check_token_ids(req, self.vocab_size)
-        urls = image_urls(req.messages)
-        if urls and self.processor is None:
-            where = urls[0][0]
-            raise RequestError(400, f"{where}: an image part, and this run's policy ({self.model_name}) is a text "
-                                    "model (no vision_config): send text parts only", param=where)
-        if len(urls) > self.max_len:  # each takes a token at least: refused before any is decoded
-            raise RequestError(400, f"messages: {len(urls)} image parts, more than policy.max_total_sequence_length="
-                                    f"{self.max_len} tokens can hold", param="messages",
-                               code="context_length_exceeded")
-        images = request_images(urls, self.settings)
+        images = self.request_images(req)
         template = request_template(req, self.settings.trust_request_chat_template)
         kwargs = req.chat_template_kwargs
         text = self.render_text(req.messages, req.tools, kwargs, req.add_generation_prompt, template)
-        if self.processor is not None:  # placeholders only where an image part is
-            check_image_marks(text, self.processor.image_token, len(images))
-        media = None
-        if images:
-            from grpo.system.vision import encode_with_images
-
-            ids, media = encode_with_images(self.processor, text, images)
-        else:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids, media = self.encode(text, images)
         prefix = required_prefix(req)
         if prefix is None:
             return ids, media
         last = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=len(req.messages) - 1)
         template_prefix = self.render(req.messages[:last + 1], req.tools, kwargs, False, template)
         spliced = replace_prefix_tokens(self.tokenizer.eos_token_id, prefix, template_prefix, ids)
-        if self.processor is not None:
-            check_placeholders(spliced, ids, self.tokenizer.convert_tokens_to_ids(self.processor.image_token))
+        if self.image_token is not None:
+            check_placeholders(spliced, ids, self.tokenizer.convert_tokens_to_ids(self.image_token))
         return spliced, media
+
+    def request_images(self, req) -> list:
+        """The pictures of the request's image parts, in order (`openai_images.request_images`); a 400 naming the
+        first part when the policy is a text model, and before any is decoded when they could not fit the context."""
+        urls = image_urls(req.messages)
+        if urls and self.processor is None:
+            where = urls[0][0]
+            raise RequestError(400, f"{where}: an image part, and this run's policy ({self.model_name}) is a text "
+                                    "model (no vision_config): send text parts only", param=where)
+        if len(urls) > self.max_len:  # each takes a token at least
+            raise RequestError(400, f"messages: {len(urls)} image parts, more than policy.max_total_sequence_length="
+                                    f"{self.max_len} tokens can hold", param="messages",
+                               code="context_length_exceeded")
+        return request_images(urls, self.settings)
+
+    def encode(self, text: str, images: list) -> tuple[list[int], dict | None]:
+        """``(ids, media)`` of a rendered prompt: with images, the policy's processor's as the data path makes a
+        row's (`grpo.system.vision.encode_with_images`: each placeholder expanded once), else the tokenizer's ids and
+        None. A vision-language policy's text must hold its image token once per picture
+        (`openai_images.check_image_marks`)."""
+        if self.image_token is not None:
+            check_image_marks(text, self.image_token, len(images))
+        if not images:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), None
+        from grpo.system.vision import encode_with_images
+
+        return encode_with_images(self.processor, text, images)
 
     async def _off_loop(self, fn, *args):
         """``fn(*args)`` on a work thread: the event loop goes on serving (/health, other requests' bodies) while a
