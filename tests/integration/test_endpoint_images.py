@@ -110,11 +110,27 @@ def test_a_history_with_a_picture_in_turn_one_is_spliced_and_a_tool_result_takes
         assert prompt.count(image_id) == pictures * IMAGE_TOKENS
 
 
+def _noise_png(side: int) -> bytes:
+    """A PNG of random pixels (it does not compress: its size grows with ``side``)."""
+    from PIL import Image
+    import io
+
+    noise = torch.randint(0, 256, (side, side, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise.numpy()).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _png_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
 @pytest.mark.parametrize("content, words", [
     ([image_part("https://example.com/cat.png")], "allow_remote_images=false"),
     ([image_part("data:image/png;base64,@@not base64@@")], "base64 cannot be decoded"),
     ([image_part("data:text/plain;base64,aGk=")], "is not a base64 image"),
     ([image_part("data:image/png;base64," + base64.b64encode(b"not a png").decode())], "cannot be read"),
+    ([image_part(_png_url(_noise_png(16)[:400]))], "image file is truncated"),
     ([image_part("/etc/passwd")], "neither a data: URL nor an http(s) URL"),
     ([{"type": "image_url", "image_url": "data:image/png;base64,AAAA"}], "without a url"),
     ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "of type 'input_audio'"),
@@ -144,13 +160,7 @@ def test_a_history_whose_tokens_lost_their_picture_is_a_400(served):
 
 
 def test_an_image_over_the_body_limit_is_a_413_and_the_server_goes_on(served):
-    noise = torch.randint(0, 256, (120, 120, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
-    from PIL import Image
-    import io
-
-    buf = io.BytesIO()
-    Image.fromarray(noise.numpy()).save(buf, format="PNG")
-    big = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    big = _png_url(_noise_png(120))
     assert len(big) > BODY_LIMIT
     with served.serving(), pytest.raises(openai.APIStatusError) as err:
         _client(served).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [

@@ -9,7 +9,7 @@ never the batch it would have joined.
   http(s) URL the endpoint downloads (at most ``max_image_bytes``, within ``read_timeout_s``). Nothing else: a path
   or a ``file://`` URL would read the trainer's own files.
 - **Decoding**: the picture's size is read from its header first, and one past ``http_server.max_image_pixels`` (the
-  request's pictures together) is refused before it is decoded; then `grpo.system.vision.load_image` decodes it to RGB, as the data path does.
+  request's pictures together) is refused before it is decoded; then it is decoded to RGB as the data path does.
 - **Placeholders** (`check_image_marks`, `check_placeholders`): the rendered text holds the processor's image token
   once per image part (a text part that types it would get placeholders with no picture behind them, and the
   model would fail the whole batch); a history spliced onto the model's own tokens keeps the placeholders of its
@@ -24,7 +24,6 @@ import io
 import time
 from typing import TYPE_CHECKING
 
-from grpo.tasks.rows import DataError
 from grpo.wings.agents.openai_chat import RequestError
 
 if TYPE_CHECKING:
@@ -87,27 +86,26 @@ def fetch_image(url: str, where: str, limit: int, timeout_s: float) -> bytes:
 
 
 def decode_image(data: bytes, where: str, max_pixels: int):
-    """``data`` as an RGB PIL image, or a 400 naming ``where``: not an image, or more than ``max_pixels`` pixels
-    (read from the header, before anything is decoded: PIL's own bound, 2 x 89M pixels, would let one request hold
-    gigabytes)."""
+    """``data`` as an RGB PIL image, decoded as the data path decodes a row's (`grpo.system.vision.load_image`: load,
+    then convert to RGB), or a 400 naming ``where``: not an image, more than ``max_pixels`` pixels (read from the
+    header, before anything is decoded: PIL's own bound, 2 x 89M pixels, would let one request hold gigabytes), or
+    bytes that do not decode."""
     from PIL import Image
-
-    from grpo.system.vision import load_image
 
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
-    except Exception as err:  # PIL's UnidentifiedImageError, DecompressionBombError, a truncated header ...
+            if width * height > max_pixels:
+                raise RequestError(400, f"{where}: the image is {width}x{height} = {width * height} pixels, over the "
+                                        f"{max_pixels} left of policy.generation.http_server.max_image_pixels for the "
+                                        "request's images", param=where)
+            img.load()
+            return img.convert("RGB")
+    except RequestError:
+        raise
+    except Exception as err:  # PIL's UnidentifiedImageError, DecompressionBombError, a truncated file ...
         raise RequestError(400, f"{where}: the image cannot be read ({type(err).__name__}: {err})",
                            param=where) from None
-    if width * height > max_pixels:
-        raise RequestError(400, f"{where}: the image is {width}x{height} = {width * height} pixels, over the "
-                                f"{max_pixels} left of policy.generation.http_server.max_image_pixels for the "
-                                "request's images", param=where)
-    try:
-        return load_image(data, where)
-    except DataError as err:
-        raise RequestError(400, str(err), param=where) from None
 
 
 def request_images(urls: list[tuple[str, str]], settings: HttpServerConfig) -> list:
