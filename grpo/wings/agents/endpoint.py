@@ -289,7 +289,8 @@ class Endpoint(Batching):
         """The request's prompt tokens and its images as the model's tensors (None without images): its token ids
         checked (`openai_checks.check_token_ids`), its image parts read (`request_images`), rendered with the chat
         template and tokenised (`encode`), then spliced onto the model's own earlier tokens when the history carries
-        them (`openai_chat.replace_prefix_tokens`), keeping its images' placeholders (`openai_images.check_placeholders`).
+        them (`openai_chat.replace_prefix_tokens`), keeping its images' placeholders
+        (`openai_images.check_placeholders`).
         Blocking: the server calls it off the event loop (`_off_loop`)."""
         check_token_ids(req, self.vocab_size)
         images = self.request_images(req)

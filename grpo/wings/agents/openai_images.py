@@ -132,8 +132,8 @@ def check_image_marks(text: str, image_token: str, n_images: int) -> None:
     """
     found = text.count(image_token)
     if found != n_images:
-        raise RequestError(400, f"messages: the rendered prompt holds the image token {image_token!r} {found} times for "
-                                f"{n_images} image part(s): a text part may not contain it", param="messages")
+        raise RequestError(400, f"messages: the rendered prompt holds the image token {image_token!r} {found} times "
+                                f"for {n_images} image part(s): a text part may not contain it", param="messages")
 
 
 def check_placeholders(spliced: list[int], rendered: list[int], image_token_id: int) -> None:

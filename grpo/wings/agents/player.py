@@ -64,7 +64,8 @@ def trajectory_media(records, used: int) -> dict | None:
     images of all of them, in the order of their placeholders; None when that call had no image.
 
         >>> from grpo.wings.agents.endpoint import CallRecord
-        >>> calls = [CallRecord([1], [2], [-.1], "stop", 0, {"pixel_values": 1}), CallRecord([1, 2, 3], [4], [-.2], "stop", 0)]
+        >>> calls = [CallRecord([1], [2], [-.1], "stop", 0, {"pixel_values": 1}),
+        ...          CallRecord([1, 2, 3], [4], [-.2], "stop", 0)]
         >>> trajectory_media(calls, 1), trajectory_media(calls, 2)
         ({'pixel_values': 1}, None)
     """
