@@ -37,17 +37,35 @@ TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_prob
 
 
 def chat_messages(params: dict) -> list[dict]:
-    """The Responses-API ``input`` as chat messages (a string is one user message)."""
+    """The Responses-API ``input`` as chat messages (a string is one user message). Content parts: text joined into
+    a string, unless there is an image: then ``input_text`` parts become chat ``text`` parts and ``input_image``
+    parts (``{"type": "input_image", "image_url": "data:..."}``) chat ``image_url`` parts, in order, as Gym's model
+    server converts them for a chat endpoint.
+
+        >>> chat_messages({"input": [{"role": "user", "content": [
+        ...     {"type": "input_image", "image_url": "data:image/png;base64,AA", "detail": "auto"},
+        ...     {"type": "input_text", "text": "colour?"}]}]})[0]["content"]
+        [{'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,AA', 'detail': 'auto'}}, {'type': 'text', 'text': 'colour?'}]
+    """
     given = params["input"]
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     out = []
     for m in given:
         content = m.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(p.get("type") == "input_image" for p in content if isinstance(p, dict)):
+            content = [chat_part(p) for p in content if isinstance(p, dict)]
+        elif isinstance(content, list):
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def chat_part(part: dict) -> dict:
+    """One Responses-API content part as a chat content part: ``input_image`` as ``image_url``, text as ``text``."""
+    if part.get("type") == "input_image":
+        return {"type": "image_url", "image_url": {"url": part.get("image_url"), "detail": part.get("detail", "auto")}}
+    return {"type": "text", "text": part.get("text", "")}
 
 
 def chat_tools(params: dict) -> list[dict] | None:

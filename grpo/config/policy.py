@@ -198,6 +198,16 @@ class HttpServerConfig(_Section):
     render_timeout_s: float = Field(10.0, gt=0, description=(
         "Rendering a request with the chat template (off the server's event loop) is stopped after this long and "
         "the request answered 400."))
+    allow_remote_images: bool = Field(False, description=(
+        "A vision-language policy's requests may give an image part as an http(s) URL, which the endpoint then "
+        "downloads (max_image_bytes, read_timeout_s); false (default): only data: URLs, a remote URL is answered "
+        "400 (the trainer's machine fetches nothing a client names)."))
+    max_image_bytes: int = Field(8 * 2**20, gt=0, description=(
+        "An image downloaded for an http(s) image part (allow_remote_images) is answered 400 past this many bytes; "
+        "a data: URL is bounded by max_body_bytes."))
+    max_image_pixels: int = Field(2**25, gt=0, description=(
+        "The pictures of one request may have this many pixels together (width x height, read from each header "
+        "before it is decoded); one past it is answered 400: a small compressed file can decode into gigabytes."))
 
 
 class VllmConfig(_Section):

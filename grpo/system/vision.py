@@ -245,12 +245,19 @@ def render_prompt(processor, chat, messages: list[dict], where: str) -> tuple[li
     images = [message_images(m, where) for m in messages]
     out, parts = [], []
     for m, text, imgs in zip(messages, chat.prompt_texts(template_messages(messages)), images):
-        enc = processor(text=[text], images=imgs or None, add_special_tokens=False, return_tensors="pt")
-        ids = enc["input_ids"][0].tolist()
+        ids, media = encode_with_images(processor, text, imgs)
         out.append({"role": m["role"], "content": content_text(m["content"]), "token_ids": ids})
         if imgs:
-            parts.append({k: v for k, v in enc.items() if k not in NOT_MEDIA})
+            parts.append(media)
     return out, (concat_media(parts) if parts else None)
+
+
+def encode_with_images(processor, text: str, images: list) -> tuple[list[int], dict]:
+    """``(ids, media)`` of a rendered ``text`` and its ``images`` (PIL, in the order of their placeholders in the
+    text): the processor's ids (each placeholder expanded) without special tokens added, and every tensor it made
+    besides the ids ({} without images)."""
+    enc = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+    return enc["input_ids"][0].tolist(), {k: v for k, v in enc.items() if k not in NOT_MEDIA}
 
 
 def message_images(message: dict, where: str) -> list:
@@ -289,11 +296,10 @@ def encode_observation(processor, text: str, messages: list[dict], where: str) -
                             "image is a {'type': 'image', 'image': ...} content part")
     images = [img for m in messages for img in message_images(m, where)]
     try:
-        enc = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
+        ids, media = encode_with_images(processor, text, images)
     except ValueError as err:  # placeholders and images that do not pair up (a template that drops an image part)
         raise DataError(f"{where}: the processor refused it ({err})") from None
-    media = {k: v for k, v in enc.items() if k not in NOT_MEDIA} if images else None
-    return enc["input_ids"][0].tolist(), media
+    return ids, (media if images else None)
 
 
 def cut_observation(ids: list[int], room: int, image_token_id: int | None) -> list[int]:

@@ -273,12 +273,21 @@ def test_tools_are_parsed_with_auto_and_need_a_tool_parser():
 
 
 def test_an_image_part_is_a_400_naming_it_never_dropped():
+    """A text-only policy's endpoint refuses an image part by name (a vision-language policy's renders it:
+    tests/integration/test_endpoint_images.py), and a part of another type on any policy."""
     parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
              {"type": "text", "text": "1+2="}]
     with _scripted() as ep, ep.serving():
         with pytest.raises(openai.BadRequestError) as err:
             _client(ep).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], top_p=1.0)
-        assert "content part 0 is of type 'image_url'" in err.value.body["message"]
+        assert "messages.0.content.0: an image part" in err.value.body["message"]
+        assert "is a text model" in err.value.body["message"]
+        assert err.value.body["param"] == "messages.0.content.0"
+        audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+        with pytest.raises(openai.BadRequestError) as err:
+            _client(ep).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [audio]}],
+                                                top_p=1.0)
+        assert "content part 0 is of type 'input_audio'" in err.value.body["message"]
         assert err.value.body["param"] == "messages.0.content"
         r = _client(ep).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts[1:]}],
                                                 top_p=1.0)

@@ -58,7 +58,7 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
     from grpo.wings.agents.endpoint import Endpoint
 
     try:
-        endpoint = Endpoint(cfg, generator, tokenizer, vocab_size)
+        endpoint = Endpoint(cfg, generator, tokenizer, vocab_size, processor=policy_processor(cfg.policy))
     except ValueError as err:  # vLLM's parsers refuse the tokenizer (grpo.wings.agents.vllm_chat_parsers)
         raise PlayerError(str(err)) from None
     url = endpoint.start()
@@ -73,6 +73,15 @@ def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger
         start(cfg, envs_list, endpoint, cfg.logger.log_dir if rank == 0 else
               os.path.join(cfg.logger.log_dir, f"rank{rank}"), closables, logger)
     return AgentPlayer(endpoint)
+
+
+def policy_processor(policy_cfg):
+    """A vision-language policy's processor, with which the endpoint renders image parts as the data path does; None
+    for a text model (its endpoint answers an image part 400)."""
+    from grpo.system.model_config import load_model_config
+    from grpo.system.vision import load_processor
+
+    return load_processor(policy_cfg, load_model_config(policy_cfg))
 
 
 def lockstep(cfg, backend, layout):

@@ -24,6 +24,10 @@ the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds
   the request joins a batch; parsing and rendering run off the event loop, rendering within ``render_timeout_s``
   (`grpo.wings.agents.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
   the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
+- **Images** (a vision-language policy's): ``image_url`` parts, read and bounded by
+  `grpo.wings.agents.openai_images`, rendered with the chat template and tokenised by the policy's processor as the
+  data path renders a row (`prompt_and_media`); the prompt's media go to the backend with its tokens and into the
+  call's record, so the trajectory carries them. A text-only policy answers an image part 400.
 - **Chat templates**: the run's (a request's own ``chat_template`` only with ``http_server.trust_request_chat_template``,
   vLLM's rule); ``tools`` / ``tool_choice`` as vLLM validates them, "required" and named functions refused
   (`openai_checks.check_tools` says why).
@@ -54,8 +58,9 @@ from starlette.requests import ClientDisconnect
 from grpo.wings.agents.endpoint_batching import Batching, _Pending, shutting_down
 from grpo.wings.agents.endpoint_limits import TemplateTimeout, read_body, template_deadline
 from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
-                                                cut_at_stop, error_body, extract_tool_calls, parse_message,
+                                                cut_at_stop, error_body, extract_tool_calls, image_urls, parse_message,
                                                 replace_prefix_tokens, required_prefix, template_messages)
+from grpo.wings.agents.openai_images import check_image_marks, check_placeholders, request_images
 from grpo.wings.agents.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
                                                   request_template)
 
@@ -75,6 +80,7 @@ class CallRecord:
     generation_log_probs: list[float]
     finish_reason: str
     weight_version: int
+    media: dict | None = None  # the prompt's images as the model's tensors (grpo.system.vision), None without any
 
 
 @dataclass
@@ -120,9 +126,11 @@ class Endpoint(Batching):
     `start` serves it; `serving` opens it for generation; `close` stops it.
     """
 
-    def __init__(self, cfg, backend, tokenizer, vocab_size: int = 0):
+    def __init__(self, cfg, backend, tokenizer, vocab_size: int = 0, processor=None):
         p, g = cfg.policy, cfg.policy.generation
         self.cfg, self.backend, self.tokenizer = cfg, backend, tokenizer
+        self.processor = processor  # a vision-language policy's (grpo.system.vision.load_processor): images render
+        self.image_token = getattr(processor, "image_token", None)  # the text an image part renders as (<image>)
         self.settings = g.http_server
         serving = g.vllm_cfg.http_server_serving_chat_kwargs
         self.tool_parser = serving.tool_parser if serving else None
@@ -242,8 +250,15 @@ class Endpoint(Batching):
     def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool,
                template: str | None = None) -> list[int]:
         """The chat template's tokens for ``messages`` (vLLM's way: render to text, encode without adding special
-        tokens); ``template``: a request's own (trusted) template, else the run's. The template's code stops after
-        ``http_server.render_timeout_s``; a text too long for the context is refused before it is encoded."""
+        tokens; an image part is its one unexpanded placeholder token here, `prompt_and_media` expands it)."""
+        text = self.render_text(messages, tools, kwargs, add_generation_prompt, template)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def render_text(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool,
+                    template: str | None = None) -> str:
+        """The chat template's text for ``messages``; ``template``: a request's own (trusted) template, else the
+        run's. The template's code stops after ``http_server.render_timeout_s``; a text too long for the context is
+        refused."""
         extra = {**self.template_kwargs, **(kwargs or {})}
         if template is not None or self.chat_template is not None:
             extra["chat_template"] = template if template is not None else self.chat_template
@@ -264,22 +279,61 @@ class Endpoint(Batching):
             raise RequestError(400, f"the rendered prompt has {len(text)} characters, more than "
                                     f"policy.max_total_sequence_length={self.max_len} tokens can hold",
                                param="messages", code="context_length_exceeded")
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return text
 
     def prompt_ids(self, req) -> list[int]:
-        """The request's prompt tokens: its token ids checked (`openai_checks.check_token_ids`), rendered, then
-        spliced onto the model's own earlier tokens when the history carries them
-        (`openai_chat.replace_prefix_tokens`). Blocking: the server calls it off the event loop (`_off_loop`)."""
+        """The request's prompt tokens (`prompt_and_media`)."""
+        return self.prompt_and_media(req)[0]
+
+    def prompt_and_media(self, req) -> tuple[list[int], dict | None]:
+        """The request's prompt tokens and its images as the model's tensors (None without images): its token ids
+        checked (`openai_checks.check_token_ids`), its image parts read (`request_images`), rendered with the chat
+        template and tokenised (`encode`), then spliced onto the model's own earlier tokens when the history carries
+        them (`openai_chat.replace_prefix_tokens`), keeping its images' placeholders
+        (`openai_images.check_placeholders`).
+        Blocking: the server calls it off the event loop (`_off_loop`)."""
         check_token_ids(req, self.vocab_size)
+        images = self.request_images(req)
         template = request_template(req, self.settings.trust_request_chat_template)
         kwargs = req.chat_template_kwargs
-        ids = self.render(req.messages, req.tools, kwargs, req.add_generation_prompt, template)
+        text = self.render_text(req.messages, req.tools, kwargs, req.add_generation_prompt, template)
+        ids, media = self.encode(text, images)
         prefix = required_prefix(req)
         if prefix is None:
-            return ids
+            return ids, media
         last = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=len(req.messages) - 1)
         template_prefix = self.render(req.messages[:last + 1], req.tools, kwargs, False, template)
-        return replace_prefix_tokens(self.tokenizer.eos_token_id, prefix, template_prefix, ids)
+        spliced = replace_prefix_tokens(self.tokenizer.eos_token_id, prefix, template_prefix, ids)
+        if self.image_token is not None:
+            check_placeholders(spliced, ids, self.tokenizer.convert_tokens_to_ids(self.image_token))
+        return spliced, media
+
+    def request_images(self, req) -> list:
+        """The pictures of the request's image parts, in order (`openai_images.request_images`); a 400 naming the
+        first part when the policy is a text model, and before any is decoded when they could not fit the context."""
+        urls = image_urls(req.messages)
+        if urls and self.processor is None:
+            where = urls[0][0]
+            raise RequestError(400, f"{where}: an image part, and this run's policy ({self.model_name}) is a text "
+                                    "model (no vision_config): send text parts only", param=where)
+        if len(urls) > self.max_len:  # each takes a token at least
+            raise RequestError(400, f"messages: {len(urls)} image parts, more than policy.max_total_sequence_length="
+                                    f"{self.max_len} tokens can hold", param="messages",
+                               code="context_length_exceeded")
+        return request_images(urls, self.settings)
+
+    def encode(self, text: str, images: list) -> tuple[list[int], dict | None]:
+        """``(ids, media)`` of a rendered prompt: with images, the policy's processor's as the data path makes a
+        row's (`grpo.system.vision.encode_with_images`: each placeholder expanded once), else the tokenizer's ids and
+        None. A vision-language policy's text must hold its image token once per picture
+        (`openai_images.check_image_marks`)."""
+        if self.image_token is not None:
+            check_image_marks(text, self.image_token, len(images))
+        if not images:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), None
+        from grpo.system.vision import encode_with_images
+
+        return encode_with_images(self.processor, text, images)
 
     async def _off_loop(self, fn, *args):
         """``fn(*args)`` on a work thread: the event loop goes on serving (/health, other requests' bodies) while a
@@ -294,7 +348,7 @@ class Endpoint(Batching):
             raise RequestError(400, "stream=true is not supported by this endpoint", param="stream")
         profile = check_sampling(req, self.train_pair, self.val_pair)
         check_tools(req, self.tool_parser)
-        prompt = await self._off_loop(self.prompt_ids, req)
+        prompt, media = await self._off_loop(self.prompt_and_media, req)
         room = self.max_len - len(prompt)
         if room <= 0:
             raise RequestError(400, f"the prompt has {len(prompt)} tokens, leaving no room under "
@@ -313,7 +367,7 @@ class Endpoint(Batching):
         for s in seeds:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._queue.put(_Pending(prompt, s, max_new, stops, profile, fut,
-                                     time.monotonic() + self.settings.max_wait_s))
+                                     time.monotonic() + self.settings.max_wait_s, media))
             futures.append(fut)
         if self._stop.is_set():  # the batcher may have ended before these were queued: nothing else answers them
             self._shut(self._drain())
@@ -324,7 +378,7 @@ class Endpoint(Batching):
             if session is not None:
                 with self._lock:
                     session.records.append(CallRecord(list(prompt), list(out.completion_ids), logprobs,
-                                                      out.finish_reason, version))
+                                                      out.finish_reason, version, media))
             choices.append(self._choice(i, req, out, logprobs, stops))
         n_gen = sum(len(out.completion_ids) for out, _ in results)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

@@ -52,6 +52,7 @@ class _Pending:
     profile: str
     future: concurrent.futures.Future
     deadline: float  # time.monotonic() by which a window must have taken it, else 503
+    media: dict | None = None  # its images as the model's tensors (a vision-language policy's), None without any
 
 
 class _Shared:
@@ -224,11 +225,12 @@ class Batching:
         version = self.weight_version  # (an in-flight update may raise it meanwhile)
         prompts, seeds = [i.prompt_ids for i in items], [i.seed for i in items]
         caps, stops = [i.max_new_tokens for i in items], [i.stops or None for i in items]
+        media = [i.media for i in items]
         try:
             if isinstance(self.backend, LockstepGeneration):  # several trainers' endpoints: in the next solo round
                 outs = self.backend.generate_solo(profile, prompts, seeds, caps, stops)
             else:
-                outs = self._generate_profile(profile, prompts, seeds, caps, stops)
+                outs = self._generate_profile(profile, prompts, seeds, caps, stops, media)
         except Exception as err:  # this batch's requests answer 500; the server goes on
             logger.warning("endpoint: generation failed: %s", err, exc_info=True)
             for i in items:
@@ -237,10 +239,12 @@ class Batching:
         for i, out in zip(items, outs):
             _answer(i.future, (out, version))
 
-    def _generate_profile(self, profile: str, prompts, seeds, caps, stops):
-        """``backend.generate`` with the request's own sampling profile ("train" or "val")."""
+    def _generate_profile(self, profile: str, prompts, seeds, caps, stops, media=None):
+        """``backend.generate`` with the request's own sampling profile ("train" or "val"); ``media``: each prompt's
+        images (None entries: text prompts), passed only when one has any (a backend that takes images: hf)."""
+        with_images = {"media": media} if media and any(m is not None for m in media) else {}
         return self.backend.generate(prompts, seeds, max_new_tokens=caps, stop_strings=stops,
-                                     sampling=self.profiles[profile])
+                                     sampling=self.profiles[profile], **with_images)
 
 
 def shutting_down() -> RequestError:

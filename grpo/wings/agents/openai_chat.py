@@ -43,6 +43,7 @@ from grpo.tasks.tool_calls import HERMES_CLOSE, HERMES_OPEN, parse_tool_calls
 # NeMo-RL's floor of a returned logprob (nemo_rl/models/generation/vllm/utils.py VLLM_LOGPROB_FLOOR).
 LOGPROB_FLOOR = -9999.0
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+IMAGE_PART = "image_url"  # OpenAI's image content part: {"type": "image_url", "image_url": {"url": ...}}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_SPAN = re.compile(f"({re.escape(HERMES_OPEN)}.*?(?:{re.escape(HERMES_CLOSE)}|\\Z))", re.DOTALL)
 
@@ -85,14 +86,48 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, v):
-        """Content parts must be text (``{"type": "text", "text": ...}``): the endpoint renders text only, and
-        dropping an image would answer another prompt than the one sent."""
+    def _text_and_image_parts(cls, v):
+        """Content parts are text (``{"type": "text", "text": ...}``) or images (``{"type": "image_url",
+        "image_url": {"url": ...}}``, OpenAI's); any other part is refused rather than dropped (dropping it would
+        answer another prompt than the one sent). Whether the policy takes images is the endpoint's check."""
         for i, part in enumerate(v if isinstance(v, list) else ()):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i} is of type {part.get('type')!r}: this endpoint takes text parts "
-                                 "only ({'type': 'text', 'text': ...}); images and other media are not supported")
+            problem = part_problem(part)
+            if problem is not None:
+                raise ValueError(f"content part {i} {problem}")
         return v
+
+
+def part_problem(part: dict) -> Optional[str]:
+    """What is wrong with one content part of a request (None: a text part or an ``image_url`` part).
+
+        >>> part_problem({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}) is None
+        True
+        >>> part_problem({"type": "input_audio", "input_audio": {}})
+        "is of type 'input_audio': this endpoint takes text parts ({'type': 'text', 'text': ...}) and image parts ({'type': 'image_url', 'image_url': {'url': ...}})"
+    """
+    kind = part.get("type")
+    if kind == "text" and isinstance(part.get("text"), str):
+        return None
+    if kind == IMAGE_PART:
+        image = part.get(IMAGE_PART)
+        if isinstance(image, dict) and isinstance(image.get("url"), str):
+            return None
+        return f"is an image_url part without a url: expected {{'type': 'image_url', 'image_url': {{'url': ...}}}}"
+    return (f"is of type {kind!r}: this endpoint takes text parts ({{'type': 'text', 'text': ...}}) and image parts "
+            "({'type': 'image_url', 'image_url': {'url': ...}})")
+
+
+def image_urls(messages) -> list[tuple[str, str]]:
+    """``(where, url)`` of every image part of ``messages`` (`ChatMessage` list), in the order the chat template
+    renders them: message by message, part by part; ``where`` names the part (``messages.0.content.1``).
+
+        >>> m = ChatMessage(role="user", content=[{"type": "text", "text": "?"},
+        ...                                       {"type": "image_url", "image_url": {"url": "data:x"}}])
+        >>> image_urls([m])
+        [('messages.0.content.1', 'data:x')]
+    """
+    return [(f"messages.{i}.content.{j}", part[IMAGE_PART]["url"]) for i, m in enumerate(messages)
+            if isinstance(m.content, list) for j, part in enumerate(m.content) if part.get("type") == IMAGE_PART]
 
 
 class ChatRequest(BaseModel):
@@ -164,7 +199,9 @@ class TokenizeRequest(BaseModel):
 # --------------------------------------------------------------------------------------------------
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template reads them: list content joined into text (a newline between text parts,
-    as vLLM joins them for a template that reads strings), a tool call's ``arguments`` string parsed into an object
+    as vLLM joins them for a template that reads strings), but list content with an image part kept as parts, as the
+    data path gives a row's to the template (an image as ``{"type": "image"}``: the template writes its placeholder,
+    `grpo.system.vision.render_prompt`), a tool call's ``arguments`` string parsed into an object
     (vLLM does the same; Qwen's template writes them with tojson), the token fields left out.
 
         >>> parts = [{"type": "text", "text": "2+2"}, {"type": "text", "text": "="}]
@@ -181,7 +218,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         d = {k: v for k, v in m.model_dump(exclude_none=True).items()
              if k not in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
         content = d.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(part.get("type") == IMAGE_PART for part in content):
+            d["content"] = [{"type": "image"} if part.get("type") == IMAGE_PART else  # as the data path's rows
+                            {"type": "text", "text": part["text"]} for part in content]
+        elif isinstance(content, list):
             d["content"] = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))  # vLLM's
         d.setdefault("content", "")
         if d.get("tool_calls"):

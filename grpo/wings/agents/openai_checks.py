@@ -3,7 +3,8 @@ these; `grpo.wings.agents.openai_chat` holds the schema): each failure is a `Req
 field, so one client's bad request fails that request only, never the batch it would have joined.
 
 - the body: JSON whose strings are text and whose nesting is bounded (`parse_request`, `check_json_values`), then
-  the schema (content parts must be text: images are not supported, never dropped);
+  the schema (content parts are text or images, `grpo.wings.agents.openai_images`; another part is refused, never
+  dropped);
 - sampling: the run's training or validation parameters (`check_sampling`);
 - token ids of a history: the model's (`check_token_ids`);
 - tools and ``tool_choice``: as vLLM validates them, forcing a call refused (`check_tools`);

@@ -58,6 +58,20 @@ def trajectory_messages(records, decode) -> tuple[list, bool]:
     return messages, True
 
 
+def trajectory_media(records, used: int) -> dict | None:
+    """The images of a trajectory built from the first ``used`` of ``records`` (`trajectory_messages`): its last
+    call's (``CallRecord.media``). A call's prompt begins with every earlier call's tokens, so its media hold the
+    images of all of them, in the order of their placeholders; None when that call had no image.
+
+        >>> from grpo.wings.agents.endpoint import CallRecord
+        >>> calls = [CallRecord([1], [2], [-.1], "stop", 0, {"pixel_values": 1}),
+        ...          CallRecord([1, 2, 3], [4], [-.2], "stop", 0)]
+        >>> trajectory_media(calls, 1), trajectory_media(calls, 2)
+        ({'pixel_values': 1}, None)
+    """
+    return records[used - 1].media if used else None
+
+
 def oldest_version(records) -> int:
     """A sample's generation version: the OLDEST weight version among its calls (``CallRecord.weight_version``), so
     the async loop's staleness bound (``grpo.async_grpo.max_trajectory_age_steps``, age = step - 1 - version) holds
@@ -193,6 +207,7 @@ def fill_trajectory(t, played: Played, decode) -> None:
     messages, contiguous = trajectory_messages(records, decode)
     if messages:
         t.messages, t.num_prompt_messages = messages, 1
+        t.media = trajectory_media(records, len(messages) // 2)
     t.turns, t.retries = len(records), played.retries
     if records:
         t.finish_reason = records[-1].finish_reason

@@ -42,6 +42,11 @@ from grpo.tasks.nemo_gym import (NemoGymEnvironment, check_result, check_token_f
                                  numeric_fields, prepare_row, regroup, reward_of, trajectory_messages)
 
 
+# Where a claimed result keeps the images of its model calls until its trajectory takes them (`GymLedger.claim`): the
+# endpoint's tensors, never JSON; popped before the result is stored or logged.
+MEDIA_KEY = "_grpo_media"
+
+
 class GymLedger:
     """What the run's endpoint generated for the Gym servers, and which sample each generation went to.
 
@@ -109,7 +114,9 @@ class GymLedger:
 
     def claim(self, result: dict) -> str | None:
         """Claim the generations behind ``result``'s model calls (a result `check_token_fields` passed); the problem,
-        with nothing claimed, when one is not an unclaimed record."""
+        with nothing claimed, when one is not an unclaimed record. A claimed result gets its last call's images
+        (``CallRecord.media``: every picture of its conversation, the calls being contiguous) under `MEDIA_KEY`,
+        whatever the server put there, for `fill_gym_trajectory`."""
         with self._lock:
             self._pull()
             chosen: list[tuple[tuple, tuple[int, object]]] = []
@@ -130,6 +137,7 @@ class GymLedger:
                 chosen.append((key, same[0]))
             for key, held in chosen:
                 self._pool[key] = [h for h in self._pool[key] if h is not held]
+        result[MEDIA_KEY] = chosen[-1][1][1].media if chosen else None
         return None
 
 
@@ -202,6 +210,7 @@ def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int
     assistant message gets NeMo-RL's flags (invalid tool call, malformed thinking: `grpo.wings.gym.rewards`, read by the
     reward penalties) from ``env``'s ``invalid_tool_call_patterns`` / ``thinking_tags``."""
     result, failure, retries = outcome
+    media = result.pop(MEDIA_KEY, None) if result is not None else None
     t.retries, t.done = retries, True
     t.metadata = {**(t.metadata or {}), "agent_name": row["agent_ref"]["name"]}
     if failure is not None:
@@ -212,7 +221,7 @@ def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int
     messages, stripped = trajectory_messages(result, decode)  # (a copy, token fields stripped, generation_str kept)
     for message, f in zip([m for m in messages if m.role == "assistant"], flags):
         message.flags = f
-    t.messages, t.num_prompt_messages = messages, 1
+    t.messages, t.num_prompt_messages, t.media = messages, 1, media  # the pictures the endpoint rendered
     t.turns = len(messages) // 2
     t.reward, t.reward_components = reward_of(result)
     t.mask_sample = mask_of(result)
