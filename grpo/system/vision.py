@@ -407,6 +407,41 @@ def media_bytes(media: list | None) -> int:
     return total
 
 
+def pack_media(media: list | None) -> tuple[list[dict], list[int | None]] | None:
+    """Rows' media as they travel over a wire (the generation ranks' bridge): each distinct dict once, and per row the
+    index of its dict (None: a text row), so a prompt group's G rows send their shared images once; None when no row
+    has images. `unpack_media` is the inverse.
+
+        >>> a = {"pixel_values": torch.zeros(1)}
+        >>> distinct, index = pack_media([a, a, None, a])
+        >>> len(distinct), index
+        (1, [0, 0, None, 0])
+    """
+    if not any_media(media):
+        return None
+    slots: dict[int, int] = {}
+    distinct, index = [], []
+    for m in media:
+        if m is None:
+            index.append(None)
+            continue
+        if id(m) not in slots:
+            slots[id(m)] = len(distinct)
+            distinct.append(m)
+        index.append(slots[id(m)])
+    return distinct, index
+
+
+def unpack_media(packed: tuple[list[dict], list[int | None]] | None, n: int) -> list | None:
+    """The ``n`` rows' media of `pack_media`'s ``packed`` (rows of one dict share it again); None for None."""
+    if packed is None:
+        return None
+    distinct, index = packed
+    if len(index) != n:
+        raise ValueError(f"media for {len(index)} rows, expected {n}")
+    return [None if i is None else distinct[i] for i in index]
+
+
 def model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
@@ -418,14 +453,12 @@ def image_keywords(model, media: list | None, device) -> dict:
 
 def check_policy(policy_cfg, model_config) -> None:
     """What a vision-language policy cannot be run with yet, as one ValueError naming the key: another generation
-    backend (`check_generation_backend`), generation ranks of their own, shared prompts asked for
-    (``policy.shared_prompt_forward=true``). Nothing for a text model."""
+    backend (`check_generation_backend`; hf generates on the training ranks or on generation ranks of its own, which
+    receive the images with the prompts), shared prompts asked for (``policy.shared_prompt_forward=true``). Nothing
+    for a text model."""
     if not is_vision_config(model_config):
         return
     check_generation_backend(model_config, policy_cfg.generation.backend)
-    if not policy_cfg.generation.colocated.enabled:
-        raise ValueError("policy.generation.colocated.enabled=false: generation ranks do not receive a "
-                         "vision-language model's images yet; generate on the training ranks (colocated)")
     if policy_cfg.shared_prompt_forward is True:
         raise ValueError("policy.shared_prompt_forward=true: a shared prompt's KV cache does not carry a "
                          "vision-language model's images yet; set it to auto or false")
