@@ -407,6 +407,30 @@ def media_bytes(media: list | None) -> int:
     return total
 
 
+def payload_metrics(media: list | None, boundary: str) -> dict[str, float]:
+    """NeMo-RL's multimodal payload figures of rows' ``media`` at ``boundary`` (the names its
+    ``grpo.debug_payload_metrics`` logs for a sharded boundary, totals; measured without serialising, so always on):
+    bytes and tensors held (physical: a dict shared by a prompt group's rows counts once, `media_bytes`), as if each
+    row held its own (logical), the bytes the sharing saves and the physical share; {} when no row has images.
+
+        >>> a = {"pixel_values": torch.zeros(2)}
+        >>> m = payload_metrics([a, a, None, a], "policy_train")
+        >>> m["payload_bytes/policy_train/physical_media_total"], m["payload_ratio/policy_train/physical_to_logical"]
+        (8, 0.3333333333333333)
+    """
+    rows = [m for m in media or [] if m is not None]
+    if not rows:
+        return {}
+    distinct = list({id(m): m for m in rows}.values())
+    physical, logical = media_bytes(distinct), sum(media_bytes([m]) for m in rows)
+    return {f"payload_bytes/{boundary}/physical_media_total": physical,
+            f"payload_bytes/{boundary}/logical_media_total": logical,
+            f"payload_bytes/{boundary}/estimated_saved_total": logical - physical,
+            f"payload_counts/{boundary}/physical_segments_total": sum(len(m) for m in distinct),
+            f"payload_counts/{boundary}/logical_segments_total": sum(len(m) for m in rows),
+            f"payload_ratio/{boundary}/physical_to_logical": physical / logical if logical else 1.0}
+
+
 def pack_media(media: list | None) -> tuple[list[dict], list[int | None]] | None:
     """Rows' media as they travel over a wire (the generation ranks' bridge): each distinct dict once, and per row the
     index of its dict (None: a text row), so a prompt group's G rows send their shared images once; None when no row

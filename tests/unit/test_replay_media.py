@@ -55,3 +55,22 @@ def test_a_groups_images_are_stored_once_in_the_deque_and_its_checkpoint_and_com
         assert torch.equal(mine[0]["pixel_values"], m["pixel_values"])
     batch = build_batch(trajs, pad_id=0)  # the step's batch: one dict per prompt, shared by its rows
     assert media_bytes(batch.media) == 2 * one_picture
+
+
+def test_payload_figures_count_a_groups_picture_once_as_held_and_once_per_sample_as_logical():
+    """NeMo-RL's multimodal payload names (grpo.debug_payload_metrics) for the step's training batch."""
+    from grpo.system.vision import payload_metrics, share_media
+
+    media = [picture(0), picture(1)]
+    batch = build_batch(vlm_rollout(media), pad_id=0)
+    one = media_bytes(media[:1])
+    m = payload_metrics(batch.media, "policy_train")
+    assert m["payload_bytes/policy_train/physical_media_total"] == 2 * one
+    assert m["payload_bytes/policy_train/logical_media_total"] == 2 * G * one
+    assert m["payload_bytes/policy_train/estimated_saved_total"] == 2 * (G - 1) * one
+    assert m["payload_counts/policy_train/physical_segments_total"] == 2  # one pixel_values tensor per prompt
+    assert m["payload_counts/policy_train/logical_segments_total"] == 2 * G
+    assert m["payload_ratio/policy_train/physical_to_logical"] == 1 / G
+    copied = share_media(batch.media, dedup=False)  # a copy per sample: nothing shared
+    assert payload_metrics(copied, "policy_train")["payload_ratio/policy_train/physical_to_logical"] == 1.0
+    assert payload_metrics(None, "policy_train") == payload_metrics([None, None], "policy_train") == {}
