@@ -7,7 +7,7 @@ classify an exception as a failure and retry it are `grpo.tasks.failures`'.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 INFRA, DATA = "infra", "data"
 
@@ -139,8 +139,10 @@ class Trajectory:
         self.reward, self.reward_components, self.done = 0.0, None, True
 
     def to_dict(self) -> dict:
-        """Plain python (checkpoints load it with ``torch.load(weights_only=True)``)."""
-        return asdict(self)
+        """Plain python (checkpoints load it with ``torch.load(weights_only=True)``). ``media`` stays the same dict
+        (never copied): the samples of a prompt group keep sharing one, so a replay group or a checkpoint holds a
+        prompt's images once (``torch.save`` writes an object referenced several times once and loads it shared)."""
+        return {**asdict(replace(self, media=None)), "media": self.media}
 
     @classmethod
     def from_dict(cls, d: dict) -> Trajectory:

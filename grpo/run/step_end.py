@@ -34,18 +34,21 @@ class StepEnd:
 def record_trained(run: Run, step: int, batch, results: list[dict], metrics: dict, adv_metrics: dict, timing: dict,
                    t_step: float, epoch: int, extra: dict) -> dict:
     """Bookkeeping of a trained step: the state's step, counters and ``epoch`` (`grpo.step.record_step`), the
-    step's seconds; returns the step's row: ``metrics`` (the rollouts'), the advantages' ``adv_metrics`` and the
-    batch's summary (`grpo.rollout_metrics.step_summary`) under ``train/``, the step's own
+    step's seconds; returns the step's row: ``metrics`` (the rollouts'), the advantages' ``adv_metrics``, the
+    batch's summary (`grpo.rollout_metrics.step_summary`) and its images' payload figures (a VLM's,
+    `grpo.system.vision.payload_metrics`) under ``train/``, the step's own
     (`grpo.step.step_metrics`), ``timing``, the step budget's, then ``extra`` (the loop's own) and ``train/epoch``."""
     import time
 
     from grpo.rollout_metrics import step_summary
     from grpo.step import record_step, step_metrics
+    from grpo.system.vision import payload_metrics
 
     record_step(run.state, batch, step)
     run.state.current_epoch = epoch
     timing["timing/train/total_step_time"] = time.perf_counter() - t_step
-    metrics = {**metrics, **{f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch)}.items()}}
+    metrics = {**metrics, **{f"train/{k}": v for k, v in {**adv_metrics, **step_summary(batch),
+                                                          **payload_metrics(batch.media, "policy_train")}.items()}}
     return {**metrics, **step_metrics(batch, results, timing["timing/train/total_step_time"]), **timing,
             **run.checks.rollouts.metrics(), **extra, "train/epoch": epoch}
 

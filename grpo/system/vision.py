@@ -450,6 +450,65 @@ def media_bytes(media: list | None) -> int:
     return total
 
 
+def payload_metrics(media: list | None, boundary: str) -> dict[str, float]:
+    """NeMo-RL's multimodal payload figures of rows' ``media`` at ``boundary`` (the names its
+    ``grpo.debug_payload_metrics`` logs for a sharded boundary, totals; measured without serialising, so always on):
+    bytes and tensors held (physical: a dict shared by a prompt group's rows counts once, `media_bytes`), as if each
+    row held its own (logical), the bytes the sharing saves and the physical share; {} when no row has images.
+
+        >>> a = {"pixel_values": torch.zeros(2)}
+        >>> m = payload_metrics([a, a, None, a], "policy_train")
+        >>> m["payload_bytes/policy_train/physical_media_total"], m["payload_ratio/policy_train/physical_to_logical"]
+        (8, 0.3333333333333333)
+    """
+    rows = [m for m in media or [] if m is not None]
+    if not rows:
+        return {}
+    distinct = list({id(m): m for m in rows}.values())
+    physical, logical = media_bytes(distinct), sum(media_bytes([m]) for m in rows)
+    return {f"payload_bytes/{boundary}/physical_media_total": physical,
+            f"payload_bytes/{boundary}/logical_media_total": logical,
+            f"payload_bytes/{boundary}/estimated_saved_total": logical - physical,
+            f"payload_counts/{boundary}/physical_segments_total": sum(len(m) for m in distinct),
+            f"payload_counts/{boundary}/logical_segments_total": sum(len(m) for m in rows),
+            f"payload_ratio/{boundary}/physical_to_logical": physical / logical if logical else 1.0}
+
+
+def pack_media(media: list | None) -> tuple[list[dict], list[int | None]] | None:
+    """Rows' media as they travel over a wire (the generation ranks' bridge): each distinct dict once, and per row the
+    index of its dict (None: a text row), so a prompt group's G rows send their shared images once; None when no row
+    has images. `unpack_media` is the inverse.
+
+        >>> a = {"pixel_values": torch.zeros(1)}
+        >>> distinct, index = pack_media([a, a, None, a])
+        >>> len(distinct), index
+        (1, [0, 0, None, 0])
+    """
+    if not any_media(media):
+        return None
+    slots: dict[int, int] = {}
+    distinct, index = [], []
+    for m in media:
+        if m is None:
+            index.append(None)
+            continue
+        if id(m) not in slots:
+            slots[id(m)] = len(distinct)
+            distinct.append(m)
+        index.append(slots[id(m)])
+    return distinct, index
+
+
+def unpack_media(packed: tuple[list[dict], list[int | None]] | None, n: int) -> list | None:
+    """The ``n`` rows' media of `pack_media`'s ``packed`` (rows of one dict share it again); None for None."""
+    if packed is None:
+        return None
+    distinct, index = packed
+    if len(index) != n:
+        raise ValueError(f"media for {len(index)} rows, expected {n}")
+    return [None if i is None else distinct[i] for i in index]
+
+
 def model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
@@ -461,14 +520,12 @@ def image_keywords(model, media: list | None, device) -> dict:
 
 def check_policy(policy_cfg, model_config) -> None:
     """What a vision-language policy cannot be run with yet, as one ValueError naming the key: another generation
-    backend (`check_generation_backend`), generation ranks of their own, shared prompts asked for
-    (``policy.shared_prompt_forward=true``). Nothing for a text model."""
+    backend (`check_generation_backend`; hf generates on the training ranks or on generation ranks of its own, which
+    receive the images with the prompts), shared prompts asked for (``policy.shared_prompt_forward=true``). Nothing
+    for a text model."""
     if not is_vision_config(model_config):
         return
     check_generation_backend(model_config, policy_cfg.generation.backend)
-    if not policy_cfg.generation.colocated.enabled:
-        raise ValueError("policy.generation.colocated.enabled=false: generation ranks do not receive a "
-                         "vision-language model's images yet; generate on the training ranks (colocated)")
     if policy_cfg.shared_prompt_forward is True:
         raise ValueError("policy.shared_prompt_forward=true: a shared prompt's KV cache does not carry a "
                          "vision-language model's images yet; set it to auto or false")

@@ -161,8 +161,10 @@ def test_a_vlm_refuses_other_backends_and_asked_for_shared_prompts(vlm_dir):
     config = AutoConfig.from_pretrained(vlm_dir)
     with pytest.raises(ValueError, match="policy.generation.backend='vllm': a vision-language model"):
         vision.check_policy(make_cfg(vlm_dir, generation={"backend": "vllm"}).policy, config)
-    with pytest.raises(ValueError, match="policy.generation.colocated.enabled=false: generation ranks"):
-        vision.check_policy(make_cfg(vlm_dir, generation={"colocated": {"enabled": False, "resources": {"gpus_per_node": 1}}}).policy, config)
+    ranks = {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1}}}  # generation ranks of their own
+    with pytest.raises(ValueError, match="policy.generation.backend='vllm': a vision-language model"):
+        vision.check_policy(make_cfg(vlm_dir, generation={"backend": "vllm", **ranks}).policy, config)
+    vision.check_policy(make_cfg(vlm_dir, generation=ranks).policy, config)  # hf on them receives the images
     with pytest.raises(ValueError, match="policy.shared_prompt_forward=true"):
         vision.check_policy(make_cfg(vlm_dir, shared_prompt_forward=True).policy, config)
     vision.check_policy(make_cfg(vlm_dir).policy, config)

@@ -277,7 +277,7 @@ def test_in_flight_rounds_continue_from_the_partial_output_with_newer_weights():
     gen = _remote(chunk_tokens=3)
     seen = []
 
-    def fake_round(prompts, seeds, caps, stops, *, greedy, sampling):
+    def fake_round(prompts, seeds, caps, stops, *, greedy, sampling, media=None):
         seen.append([(len(p), c) for p, c in zip(prompts, caps)])
         outs = []
         for p, c in zip(prompts, caps):
@@ -304,7 +304,7 @@ def test_in_flight_rounds_end_at_a_stop_token_and_seed_each_round_apart():
     gen = _remote(chunk_tokens=2)
     seeds_seen = []
 
-    def fake_round(prompts, seeds, caps, stops, *, greedy, sampling):
+    def fake_round(prompts, seeds, caps, stops, *, greedy, sampling, media=None):
         seeds_seen.append(seeds)
         return [GenerationOutput(p, [ord("x"), 0][:c], [0.0, 0.0][:c], "stop", "") for p, c in zip(prompts, caps)]
 

@@ -1180,7 +1180,8 @@ def _grpo(w: Walk) -> None:
         w.ignore(f"grpo.{key}", f"NeMo-RL reads no such key (a stale key of NeMo-Gym recipes: no code at 7ea279a "
                  f"reads it); the penalty it names is grpo.{instead} alone, set or null")
     w.ignore("grpo.debug_payload_metrics", "NeMo-RL's telemetry of the bytes its Ray actors pass (serialised "
-             "again to measure them); grpo-ds passes no Ray payloads, and it changes no sample or update")
+             "again to measure them); grpo-ds passes no Ray payloads and logs a step's media figures whenever it has "
+             "images (train/payload_bytes/policy_train/*), and it changes no sample or update")
     gym_grpo_and_penalties(w)
     period = w.get("grpo.val_period")
     if isinstance(period, int) and period < 0:

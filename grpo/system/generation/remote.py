@@ -32,6 +32,7 @@ import torch
 from grpo.system.bridge import Bridge, BridgeError
 from grpo.batch import rank_slice
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, length_caps, per_sample_stops
+from grpo.system.vision import pack_media, unpack_media
 
 # How long trainer 0 waits for the generation ranks to start their engines (at least; bridge_timeout_s if longer):
 # a vLLM engine that compiles its graphs takes minutes.
@@ -120,9 +121,12 @@ class RemoteGeneration(GenerationBackend):
         return int(n.item())
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens=None, stop_strings=None, sampling=None) -> list[GenerationOutput]:
+                 max_new_tokens=None, stop_strings=None, sampling=None, media: list | None = None
+                 ) -> list[GenerationOutput]:
         """See `grpo.system.generation.base.GenerationBackend.generate`. A collective of the trainers: every
-        trainer calls it the same number of times (empty lists included)."""
+        trainer calls it the same number of times (empty lists included). ``media``: each prompt's images (a
+        vision-language model's, `grpo.system.vision`; None: text prompts), packed so that the prompts sharing one
+        dict (a prompt group) carry it once, to the other trainers and over the bridge (`pack_media`)."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
         request, error, sampling = None, None, sampling or self.sampling
@@ -130,7 +134,9 @@ class RemoteGeneration(GenerationBackend):
             caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or sampling.max_new_tokens,
                                self.cfg.policy.max_total_sequence_length) if prompt_ids else []
             stops = per_sample_stops(stop_strings, sampling.stop_strings, len(prompt_ids))
-            request = [list(map(list, prompt_ids)), [int(s) for s in seeds], caps, stops]
+            if media is not None and len(media) != len(prompt_ids):
+                raise ValueError(f"generate: {len(prompt_ids)} prompts but media for {len(media)}")
+            request = [list(map(list, prompt_ids)), [int(s) for s in seeds], caps, stops, pack_media(media)]
         except ValueError as err:
             error = f"trainer rank {self.layout.rank}: {err}"
         gathered = self._gather((request, error))
@@ -139,30 +145,35 @@ class RemoteGeneration(GenerationBackend):
             raise ValueError("; ".join(errors))
         parts = [r for r, _ in gathered]
         flat = [[x for p in parts for x in p[k]] for k in range(4)]
-        result = (self._generate_in_flight(*flat, greedy=greedy, sampling=sampling) if self.in_flight is not None
-                  else self._round(*flat, greedy=greedy, sampling=sampling))
+        rows = [unpack_media(p[4], len(p[0])) or [None] * len(p[0]) for p in parts]
+        flat_media = [m for r in rows for m in r] if any(p[4] is not None for p in parts) else None
+        result = (self._generate_in_flight(*flat, greedy=greedy, sampling=sampling, media=flat_media)
+                  if self.in_flight is not None else self._round(*flat, greedy=greedy, sampling=sampling,
+                                                                 media=flat_media))
         start = sum(len(p[0]) for p in parts[: self.layout.rank])
         return result[start:start + len(prompt_ids)]
 
-    def _round(self, prompts, seeds, caps, stops, *, greedy: bool, sampling) -> list[GenerationOutput]:
+    def _round(self, prompts, seeds, caps, stops, *, greedy: bool, sampling, media=None) -> list[GenerationOutput]:
         """One generation of the trainers' whole batch (the same lists on every trainer): trainer 0 sends it, every
         trainer gets all the outputs (or raises `BridgeError` with trainer 0's)."""
         result, broken = None, None
         if self.bridge is not None:
-            result = (self._generate_remote(prompts, seeds, caps, stops, greedy=greedy, sampling=sampling)
-                      if prompts else [])
+            result = (self._generate_remote(prompts, seeds, caps, stops, greedy=greedy, sampling=sampling,
+                                            media=media) if prompts else [])
             broken = self.bridge.broken
         result, self.broken = self._broadcast((result, broken))
         if isinstance(result, str):
             raise BridgeError(result)
         return result
 
-    def _generate_in_flight(self, prompts, seeds, caps, stops, *, greedy: bool, sampling) -> list[GenerationOutput]:
+    def _generate_in_flight(self, prompts, seeds, caps, stops, *, greedy: bool, sampling,
+                            media=None) -> list[GenerationOutput]:
         """NeMo-RL's in-flight weight updates: every request is decoded ``in_flight_chunk_tokens`` tokens at a time;
         between rounds the newest staged weights are loaded (``self.in_flight``) and the unfinished requests go on
         from their partial output (prompt + tokens so far, the rest of their budget). Where a completion ends is
         decided on the whole completion (`cut_completion`: a stop string across two rounds counts). A sample whose
-        rounds saw several weight versions is counted in ``stats["multi_version_samples"]``."""
+        rounds saw several weight versions is counted in ``stats["multi_version_samples"]``. ``media``: each request's
+        images, sent again with its continuation (they belong to its prompt)."""
         from grpo.system.generation.base import cut_completion
 
         n = len(prompts)
@@ -179,7 +190,8 @@ class RemoteGeneration(GenerationBackend):
                 break
             outs = self._round([prompts[i] + ids[i] for i in todo], [round_seed(seeds[i], k) for i in todo],
                                [min(self.chunk_tokens, caps[i] - len(ids[i])) for i in todo],
-                               [stops[i] for i in todo], greedy=greedy, sampling=sampling)
+                               [stops[i] for i in todo], greedy=greedy, sampling=sampling,
+                               media=None if media is None else [media[i] for i in todo])
             for i, out in zip(todo, outs):
                 ids[i] += out.completion_ids
                 logprobs[i] += out.logprobs
@@ -311,13 +323,14 @@ class RemoteGeneration(GenerationBackend):
     def _peers(self) -> range:
         return range(1, 1 + self.num_ranks)
 
-    def _generate_remote(self, prompts, seeds, caps, stops, *, greedy: bool, sampling) -> list[GenerationOutput] | str:
-        """Trainer 0: the whole batch over the engines; the outputs in order, or an error message."""
+    def _generate_remote(self, prompts, seeds, caps, stops, *, greedy: bool, sampling,
+                         media=None) -> list[GenerationOutput] | str:
+        """Trainer 0: the whole batch over the engines; the outputs in order, or an error message. An engine's
+        share of ``media`` goes with its prompts, each distinct dict once (`generate_command`)."""
         shares = engine_shares(len(prompts), self.num_ranks, self.tp)
         try:
-            replies = self._ask_all("generate", [{"prompts": prompts[sl], "seeds": seeds[sl], "caps": caps[sl],
-                                                  "stops": stops[sl], "greedy": greedy, "sampling": sampling}
-                                                 for sl in shares])
+            replies = self._ask_all("generate", [generate_command(prompts, seeds, caps, stops, greedy, sampling, media,
+                                                                  sl) for sl in shares])
         except BridgeError as err:
             return str(err)
         return _errors(replies) or [o for _, outs in replies for o in outs]
@@ -354,6 +367,21 @@ class RemoteGeneration(GenerationBackend):
         error = self._broadcast(error)
         if error is not None:
             raise RolloutError(f"{doing}: {error}")
+
+
+def generate_command(prompts, seeds, caps, stops, greedy: bool, sampling, media: list | None, sl: slice) -> dict:
+    """The ``generate`` command of one engine's share ``sl`` of a batch: its prompts, seeds, length caps and stop
+    strings, and, for image prompts, ``media`` as `grpo.system.vision.pack_media` packs the share's (a prompt
+    group's one dict sent once, not once per sample); the generation rank unpacks it (`grpo.system.generation.server`).
+
+        >>> generate_command([[1], [2]], [7, 8], [4, 4], [None, None], False, None, None, slice(1, 2))["prompts"]
+        [[2]]
+    """
+    command = {"prompts": prompts[sl], "seeds": seeds[sl], "caps": caps[sl], "stops": stops[sl], "greedy": greedy,
+               "sampling": sampling}
+    if media is not None:
+        command["media"] = pack_media(media[sl])
+    return command
 
 
 def _errors(replies: list[tuple[str, object]], what: str = "") -> str | None:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from grpo.system.bridge import Bridge, BridgeError
+from grpo.system.vision import unpack_media
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +85,13 @@ def build_server_backend(cfg, model_path: str, device: torch.device):
 
 def _run_generate(backend, arg: dict) -> tuple[str, object]:
     """One generate command: ``("ok", outputs)`` or ``("error", message)``. Validation's sampling comes with the
-    command (``sampling``, a `grpo.config.Sampling`)."""
+    command (``sampling``, a `grpo.config.Sampling`); image prompts' ``media`` too, packed
+    (`grpo.system.generation.remote.generate_command`), given to the backend one dict per prompt."""
     try:
+        media = unpack_media(arg.get("media"), len(arg["prompts"]))
         outputs = backend.generate(arg["prompts"], arg["seeds"], greedy=arg["greedy"], max_new_tokens=arg["caps"],
-                                   stop_strings=arg["stops"], sampling=arg["sampling"])
+                                   stop_strings=arg["stops"], sampling=arg["sampling"],
+                                   **({"media": media} if media is not None else {}))
         return "ok", outputs
     except Exception as err:  # noqa: BLE001 - the trainers stop the run with it
         logger.exception("generation failed")
