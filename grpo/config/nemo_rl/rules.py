@@ -1172,6 +1172,7 @@ def _grpo(w: Walk) -> None:
     w.ignore("grpo.debug_payload_metrics", "NeMo-RL's telemetry of the bytes its Ray actors pass (serialised "
              "again to measure them); grpo-ds passes no Ray payloads, and it changes no sample or update")
     gym_grpo_and_penalties(w)
+    _reward_shaping(w)
     period = w.get("grpo.val_period")
     if isinstance(period, int) and period < 0:
         w.translate("grpo.val_period", {"grpo.val_period": 0}, "NeMo-RL validates periodically only for val_period > 0")
@@ -1187,6 +1188,24 @@ def _grpo(w: Walk) -> None:
                      "off-policy samplers); grpo-ds's async loop is grpo.async_grpo (max_trajectory_age_steps)")
     elif rl is None:
         w.take("async_rl")
+
+
+OVERLONG_KEYS = ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+
+
+def _reward_shaping(w: Walk) -> None:
+    """``grpo.reward_shaping`` with ``stop_properly_penalty_coef`` set: NeMo-RL's apply_reward_shaping scales the
+    truncated samples' rewards by it and returns before DAPO's overlong buffer, printing that the overlong keys are
+    ignored (nemo_rl/algorithms/reward_functions.py:67-110); ProRLv2's recipes inherit those keys from DAPO's.
+    The same here: they are ignored, named with that reason (grpo-ds's own config refuses the pair, so a native
+    config says which one it means). The rest of the section is honored by name."""
+    coef = w.get("grpo.reward_shaping.stop_properly_penalty_coef")
+    if coef is None:
+        return
+    for name in OVERLONG_KEYS:
+        if w.get(f"grpo.reward_shaping.{name}") is not None:
+            w.ignore(f"grpo.reward_shaping.{name}", f"stop_properly_penalty_coef={coef!r} is set: NeMo-RL shapes with "
+                     "it alone and ignores DAPO's overlong buffer (its [WARN] says so); grpo-ds does the same")
 
 
 # NeMo-RL's async_rl.rollout_failure (single_controller_utils/config.py): the keys grpo-ds has, and why the others

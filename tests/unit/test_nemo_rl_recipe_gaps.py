@@ -1,0 +1,59 @@
+"""Gaps of the recipe translation that refused NeMo-RL recipes NeMo-RL runs (issue 48): each case is checked
+against what NeMo-RL 7ea279a does with the same keys. The recipes are written here, on top of our fixture
+tests/fixtures/nemo_rl/base_math.yaml (NeMo-RL's format, our values)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo.config.load import ConfigError
+from grpo.config.nemo_rl.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+FIX = REPO / "tests" / "fixtures" / "nemo_rl"
+BASE = FIX / "base_math.yaml"
+GYM = FIX / "examples" / "nemo_gym" / "grpo_workplace_assistant_nemotron_nano_v2_9b.yaml"
+
+
+def rows(table, kind):
+    return {key: why for k, key, why in table if k == kind}
+
+
+def recipe(tmp_path, text: str, parent: Path = BASE) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"defaults: {parent}\n{text}")
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# ProRLv2: stop_properly_penalty_coef beside DAPO's inherited overlong buffer
+# --------------------------------------------------------------------------------------------------
+PRORL = """grpo:
+  reward_shaping:
+    enabled: true
+    overlong_buffer_length: 8
+    overlong_buffer_penalty: 1
+    max_response_length: 24
+    stop_properly_penalty_coef: 0.25
+"""
+
+
+def test_stop_properly_penalty_coef_ignores_the_inherited_overlong_buffer_as_nemo_rl_does(tmp_path):
+    """NeMo-RL's apply_reward_shaping uses stop_properly_penalty_coef alone when it is set and warns that the
+    overlong keys are ignored (ProRLv2's recipes inherit them from DAPO's): the same, with one table row each."""
+    cfg, table = load_recipe(recipe(tmp_path, PRORL))
+    shaping = cfg.grpo.reward_shaping
+    assert shaping.enabled and shaping.stop_properly_penalty_coef == 0.25
+    assert (shaping.overlong_buffer_length, shaping.overlong_buffer_penalty, shaping.max_response_length) == (
+        None, None, None)
+    ignored = rows(table, "ignored")
+    for key in ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length"):
+        assert "stop_properly_penalty_coef=0.25 is set" in ignored[f"grpo.reward_shaping.{key}"]
+    # Without the coefficient the buffer is DAPO's, as before.
+    cfg, table = load_recipe(recipe(tmp_path, PRORL), ["grpo.reward_shaping.stop_properly_penalty_coef=null"])
+    assert cfg.grpo.reward_shaping.overlong_buffer_length == 8 and not rows(table, "ignored").keys() & {
+        "grpo.reward_shaping.overlong_buffer_length"}
