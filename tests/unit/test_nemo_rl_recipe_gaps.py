@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "nemo_rl"
 BASE = FIX / "base_math.yaml"
 GYM = FIX / "examples" / "nemo_gym" / "grpo_workplace_assistant_nemotron_nano_v2_9b.yaml"
+# The fixture's tool parser is the one NeMo-RL's plugin file registers (nemotron_json); a parser vLLM has instead.
+GYM_PARSER = "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.tool_parser=hermes"
 
 
 def rows(table, kind):
@@ -57,3 +59,21 @@ def test_stop_properly_penalty_coef_ignores_the_inherited_overlong_buffer_as_nem
     cfg, table = load_recipe(recipe(tmp_path, PRORL), ["grpo.reward_shaping.stop_properly_penalty_coef=null"])
     assert cfg.grpo.reward_shaping.overlong_buffer_length == 8 and not rows(table, "ignored").keys() & {
         "grpo.reward_shaping.overlong_buffer_length"}
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpointing.metric_name: "val:total_reward/mean" (NeMo-Gym recipes)
+# --------------------------------------------------------------------------------------------------
+def test_gym_val_total_reward_mean_is_validation_accuracy():
+    """NeMo-RL's validate reports the NeMo-Gym rollout's total_reward/mean beside accuracy (the mean of the same
+    rewards over the validation batch, the whole set with val_batch_size=null): it ranks by val:accuracy here."""
+    cfg, table = load_recipe(GYM, ["checkpointing.metric_name=val:total_reward/mean", GYM_PARSER])
+    assert cfg.checkpointing.metric_name == "val:accuracy"
+    assert "val:accuracy" in rows(table, "translated")["checkpointing.metric_name"]
+
+
+def test_val_total_reward_mean_without_nemo_gym_is_still_refused():
+    """Without NeMo-Gym NeMo-RL's validation has no total_reward/mean (its first save raises 'Metric ... not
+    found'): refused at load, naming the key, as before."""
+    with pytest.raises(ConfigError, match="checkpointing.metric_name='val:total_reward/mean'"):
+        load_recipe(BASE, ["checkpointing.metric_name=val:total_reward/mean"])

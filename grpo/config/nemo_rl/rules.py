@@ -1242,10 +1242,21 @@ def _rollout_failure(w: Walk) -> None:
         w.ignore(f"{key}.{name}", why)
 
 
+# What NeMo-Gym recipes rank checkpoints by: a rollout metric NeMo-RL's validate adds only on the NeMo-Gym path
+# (run_nemo_gym_rollout's calculate_single_metric over the results' rewards; nemo_rl/algorithms/grpo.py:3866-3925,
+# nemo_rl/experience/rollouts.py:2697-2702).
+GYM_VAL_REWARD = "val:total_reward/mean"
+
+
 def _checkpointing(w: Walk) -> None:
     key = "checkpointing.metric_name"
     name = w.get(key)
-    if isinstance(name, str) and name.startswith(("val:", "train:")):
+    if name == GYM_VAL_REWARD and is_gym_recipe(w):
+        w.translate(key, {key: "val:accuracy"}, "NeMo-RL's NeMo-Gym validation reports its rollout metrics beside "
+                    "accuracy, total_reward/mean among them: the mean of the same rewards (penalties applied) over "
+                    "the validation batch, which is the whole validation set with NeMo-Gym's val_batch_size=null; "
+                    "grpo-ds's val:accuracy is that mean over the whole set")
+    elif isinstance(name, str) and name.startswith(("val:", "train:")):
         if _accepts_metric_name(name):
             w.honor(key)
         else:  # TODO(names helper): pass "val:accuracy" through once CheckpointingConfig accepts NeMo-RL's form
