@@ -264,11 +264,16 @@ def parent_recipe(path: Path, parent) -> Path:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides; values are parsed as YAML (``8``, ``true``, ``null``, ``[1,2]``)."""
+    """Apply ``a.b.c=value`` overrides; values are parsed as YAML (``8``, ``true``, ``null``, ``[1,2]``).
+    ``~a.b.c`` deletes a key the recipe sets (it then takes its default); a key the recipe does not set is a
+    `ConfigError` naming it."""
     raw = dict(raw)
     for item in overrides:
+        if item.startswith("~") and "=" not in item:
+            raw = _delete_key(raw, item[1:].strip())
+            continue
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+            raise ConfigError(f"override {item!r}: expected dotted.key=value (or ~dotted.key to delete a key)")
         key, _, value = item.partition("=")
         key = key.strip().lstrip("+")
         parts = key.split(".")
@@ -292,6 +297,28 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if (null := null_key_error(node[parts[-1]], "override", key)) is not None:
             raise ConfigError(null)
     return raw
+
+
+def _delete_key(raw: dict, key: str) -> dict:
+    """``raw`` without the dotted ``key`` (the sections on its way copied, ``raw`` itself untouched).
+
+        >>> _delete_key({"grpo": {"seed": 1, "val_period": 5}}, "grpo.seed")
+        {'grpo': {'val_period': 5}}
+    """
+    *parents, last = key.split(".")
+    out = dict(raw)
+    node = out
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node = None
+            break
+        node[part] = dict(node[part])
+        node = node[part]
+    if node is None or last not in node:
+        raise ConfigError(f"override ~{key}: the config sets no such key to delete; check the spelling (a key the "
+                          "config does not set already has its default)")
+    del node[last]
+    return out
 
 
 def _short_repr(value) -> str:

@@ -77,3 +77,61 @@ def test_val_total_reward_mean_without_nemo_gym_is_still_refused():
     found'): refused at load, naming the key, as before."""
     with pytest.raises(ConfigError, match="checkpointing.metric_name='val:total_reward/mean'"):
         load_recipe(BASE, ["checkpointing.metric_name=val:total_reward/mean"])
+
+
+# --------------------------------------------------------------------------------------------------
+# NeMo-RL's seed fields; deleting a key with an override (hydra's ~key)
+# --------------------------------------------------------------------------------------------------
+def test_seed_fields_at_false_pass(tmp_path):
+    """grpo.deduplicate_multimodal_data (honored) and grpo.debug_payload_metrics (Ray payload telemetry: ignored),
+    NeMo-RL's seed fields of grpo_math_1B.yaml, at false."""
+    path = recipe(tmp_path, "grpo:\n  deduplicate_multimodal_data: false\n  debug_payload_metrics: false\n")
+    cfg, table = load_recipe(path)
+    assert cfg.grpo.deduplicate_multimodal_data is False
+    assert "grpo.debug_payload_metrics" in rows(table, "ignored")
+
+
+def test_a_refused_key_is_deleted_with_the_override_its_error_names(tmp_path):
+    """The advice of an unknown key's error is an override that works: ``~key`` deletes it."""
+    path = recipe(tmp_path, "grpo:\n  some_future_key: 1\npolicy:\n  some_section: {a: 1, b: 2}\n")
+    with pytest.raises(ConfigError, match=r"grpo.some_future_key=1: .*delete it with the override ~grpo.some_future_key"):
+        load_recipe(path)
+    cfg, _ = load_recipe(path, ["~grpo.some_future_key", "~policy.some_section"])  # a leaf, a whole section
+    assert cfg.grpo.seed == 7
+    cfg, _ = load_recipe(path, ["~grpo.some_future_key=1", "~policy.some_section={a: 1, b: 2}"])  # only if it holds that
+
+
+def test_deleting_a_key_interpolations_follow(tmp_path):
+    """The deletion is on the recipe before interpolation, as hydra's: what named the key no longer resolves."""
+    with pytest.raises(ConfigError, match="cannot interpolate.*grpo.seed"):
+        load_recipe(BASE, ["~grpo.seed"])
+    cfg, _ = load_recipe(BASE, ["~grpo.reward_shaping"])
+    assert cfg.grpo.reward_shaping.enabled is False and cfg.grpo.reward_shaping.overlong_buffer_length is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("~grpo.no_such_key", "override ~grpo.no_such_key: the recipe has no such key to delete"),
+    ("~policy.tokenizer.nope.deeper", "override ~policy.tokenizer.nope.deeper: the recipe has no such key"),
+    ("~", "override ~: the recipe has no such key"),
+    ("~grpo.seed=8", r"override ~grpo.seed=8: the recipe's grpo.seed is 7, not 8; nothing deleted"),
+])
+def test_deleting_a_missing_key_or_another_value_names_it(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(BASE, [override])
+
+
+def test_native_config_deletes_a_key_back_to_its_default():
+    from grpo.config.load import load_config
+
+    tiny = REPO / "tests" / "configs" / "tiny.yaml"
+    assert load_config(tiny).grpo.num_prompts_per_step == 4
+    assert load_config(tiny, ["~grpo.num_prompts_per_step"]).grpo.num_prompts_per_step == 32  # the default
+    with pytest.raises(ConfigError, match="override ~grpo.nope: the config sets no such key to delete"):
+        load_config(tiny, ["~grpo.nope"])
+
+
+def test_check_config_takes_a_delete_override():
+    p = subprocess.run([sys.executable, "train_grpo.py", "--check-config", "--config", str(BASE), "~grpo.reward_shaping",
+                        "~grpo.nope"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "override ~grpo.nope: the recipe has no such key to delete" in p.stderr, p.stderr
+    assert "unrecognized arguments" not in p.stderr

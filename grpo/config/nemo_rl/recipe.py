@@ -246,13 +246,17 @@ def apply_overrides(cfg, overrides: list[str]):
     """Hydra-style overrides in NeMo-RL's key names on the merged, unresolved recipe (so interpolations follow
     them): ``key=value`` changes a key the recipe has (hydra's struct mode: a misspelt key fails), ``+key=value``
     adds a new one, ``++key=value`` sets either way. Values are YAML (``8``, ``null``, ``[1,2]``, ``{a: 1}``,
-    ``${policy.model_name}``); a mapping merges into the section it replaces, as in hydra."""
+    ``${policy.model_name}``); a mapping merges into the section it replaces, as in hydra. ``~key`` deletes a key
+    (or a whole section) the recipe has, ``~key=value`` only while it holds that value (`delete_key`)."""
     from omegaconf import OmegaConf
 
     for item in overrides:
+        if item.startswith("~"):
+            delete_key(cfg, item)
+            continue
         key, sep, text = item.partition("=")
         if not sep:
-            raise ConfigError(f"override {item!r}: expected key=value, +key=value or ++key=value")
+            raise ConfigError(f"override {item!r}: expected key=value, +key=value, ++key=value or ~key")
         force, add = key.startswith("++"), key.startswith("+") and not key.startswith("++")
         key = key.lstrip("+").strip()
         try:
@@ -277,6 +281,34 @@ def apply_overrides(cfg, overrides: list[str]):
             except Exception as err:  # an override through a value that is not a section
                 raise ConfigError(f"override {key}: {str(err).splitlines()[0]}") from None
     return cfg
+
+
+def delete_key(cfg, item: str) -> None:
+    """Hydra's delete override on the unresolved recipe: ``~key`` removes ``key`` (a leaf or a section) and
+    ``~key=value`` removes it only if it holds ``value`` (as written in the recipe, before interpolation). A key the
+    recipe does not have, or holding another value, is a `ConfigError` naming it (hydra's rule too)."""
+    from omegaconf import OmegaConf
+
+    key, sep, text = item[1:].partition("=")
+    key = key.strip()
+    with omegaconf_errors(f"override ~{key}"):
+        exists = bool(key) and _has_key(cfg, key)
+    if not exists:
+        raise ConfigError(f"override ~{key}: the recipe has no such key to delete; check the spelling (the recipe's "
+                          "keys after its defaults are merged)")
+    *parents, last = key.split(".")
+    parent = OmegaConf.select(cfg, ".".join(parents), throw_on_resolution_failure=False) if parents else cfg
+    if sep:
+        try:
+            expected = _omegaconf_yaml(text) if text != "" else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override ~{key}={text!r}: invalid YAML ({err})") from None
+        node = parent._get_node(int(last) if OmegaConf.is_list(parent) else last)
+        held = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node._value()
+        if held != expected:
+            raise ConfigError(f"override ~{key}={text}: the recipe's {key} is {held!r}, not {expected!r}; nothing "
+                              f"deleted (~{key} deletes it whatever it holds)")
+    del parent[int(last) if OmegaConf.is_list(parent) else last]
 
 
 def _has_key(cfg, key: str) -> bool:

@@ -192,7 +192,7 @@ def translate(nrl: dict, base_dir: Path | str = ".") -> tuple[dict, list[tuple[s
             w.honor(key)
     for key in [k for k in w.leaves if k not in w.used]:
         w.refuse(key, "no translation: grpo-ds does not know this NeMo-RL key, so it cannot promise to honor it "
-                      "(remove it with an override, or file an issue)")
+                      f"(delete it with the override ~{key}, or file an issue)")
     if w.errors:
         raise ConfigError("NeMo-RL recipe: keys grpo-ds cannot honor:\n  " + "\n  ".join(w.errors))
     return w.out, w.table
