@@ -135,3 +135,36 @@ def test_check_config_takes_a_delete_override():
                         "~grpo.nope"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "override ~grpo.nope: the recipe has no such key to delete" in p.stderr, p.stderr
     assert "unrecognized arguments" not in p.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpointing.ft_* (fault tolerance) and vLLM parser plugins
+# --------------------------------------------------------------------------------------------------
+def test_fault_tolerance_checkpoint_keys_are_ignored_with_the_reason(tmp_path):
+    """NeMo-RL's ft_save_period / ft_keep_latest_k add crash-recovery saves and keep the newest of them: no effect on
+    samples or updates, so they are named and ignored (grpo-ds's save_period is the way to save more often)."""
+    cfg, table = load_recipe(recipe(tmp_path, "checkpointing:\n  ft_save_period: 1\n  ft_keep_latest_k: 1\n"))
+    ignored = rows(table, "ignored")
+    for key in ("checkpointing.ft_save_period", "checkpointing.ft_keep_latest_k"):
+        assert "fault-tolerance checkpoints" in ignored[key] and "save_period" in ignored[key]
+    assert cfg.checkpointing.save_period == 10
+
+
+@pytest.mark.parametrize("kind, parser", [("reasoning", "nano_v3"), ("tool", "nemotron_json")])
+def test_a_parser_plugin_is_refused_naming_it_and_its_parser(tmp_path, kind, parser):
+    """NeMo-RL imports the plugin file into vLLM's registry so the recipe can name its parser; grpo-ds imports no
+    plugin, so the key is refused at load (it was ignored with vLLM's internals: with vLLM not installed here the
+    parser's name went unchecked and the run failed when the endpoint started)."""
+    plugin = f"nemo_rl/models/generation/vllm/{kind}_parsers/x.py"
+    path = recipe(tmp_path, f"policy:\n  generation:\n    vllm_cfg:\n      {kind}_parser_plugin: {plugin}\n"
+                            f"      http_server_serving_chat_kwargs:\n        {kind}_parser: {parser}\n")
+    with pytest.raises(ConfigError) as err:
+        load_recipe(path)
+    line = next(x for x in str(err.value).splitlines() if f"{kind}_parser_plugin" in x)
+    assert f"policy.generation.vllm_cfg.{kind}_parser_plugin='{plugin}'" in line and f"{kind}_parser={parser!r}" in line
+    assert f"~policy.generation.vllm_cfg.{kind}_parser_plugin" in line
+    # Deleted, with a parser grpo-ds and vLLM have, the recipe loads.
+    ours = "deepseek_r1" if kind == "reasoning" else "hermes"
+    cfg, _ = load_recipe(path, [f"~policy.generation.vllm_cfg.{kind}_parser_plugin",
+                                f"policy.generation.vllm_cfg.http_server_serving_chat_kwargs.{kind}_parser={ours}"])
+    assert getattr(cfg.policy.generation.vllm_cfg.http_server_serving_chat_kwargs, f"{kind}_parser") == ours

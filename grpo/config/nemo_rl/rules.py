@@ -570,6 +570,7 @@ def _generation(w: Walk) -> None:
               "expose_http_server"):
         w.honor(f"{v}.{k}")
     _serving_chat_kwargs(w, f"{v}.http_server_serving_chat_kwargs")
+    _parser_plugins(w, v)
     w.ignore(v, "vLLM engine internals without an algorithmic effect (async engine, tqdm, DeepGEMM, bf16 layers, "
              "metrics logger, refit server ports)")
     kw = dict(w.get(f"{g}.vllm_kwargs") or {})
@@ -605,6 +606,24 @@ def _serving_chat_kwargs(w: Walk, key: str) -> None:
         w.honor(f"{key}.{k}")
     w.ignore(key, "vLLM serving internals (request logger, content format, auto tools): the endpoint renders "
              "with the chat template and always parses tools with the configured parser")
+
+
+def _parser_plugins(w: Walk, v: str) -> None:
+    """``vllm_cfg.{reasoning,tool}_parser_plugin``: a Python file NeMo-RL's vLLM worker imports into vLLM's parser
+    registry before it serves (vllm_worker_async.py:382-392), so that http_server_serving_chat_kwargs can name the
+    parser it registers (NeMo-Gym's recipes: nano_v3). grpo-ds's endpoint imports no plugin files, so such a name would
+    fail when the endpoint starts: refused here, naming the plugin and the parser, like a parser name nobody has."""
+    for kind in ("reasoning", "tool"):
+        key = f"{v}.{kind}_parser_plugin"
+        plugin = w.get(key)
+        if plugin in (None, ""):
+            w.take(key)
+            continue
+        parser = w.get(f"{v}.http_server_serving_chat_kwargs.{kind}_parser")
+        w.refuse(key, f"a {kind}-parser plugin file NeMo-RL imports into vLLM's registry"
+                 f"{f' (for {kind}_parser={parser!r})' if parser else ''}; grpo-ds's endpoint imports no plugin: "
+                 f"name a parser vLLM or grpo-ds has in http_server_serving_chat_kwargs.{kind}_parser and delete this "
+                 f"key (~{key})")
 
 
 VLLM_FIELDS = ("kv_cache_memory_bytes", "enforce_eager", "gpu_memory_utilization", "max_model_len",
@@ -1270,6 +1289,12 @@ def _checkpointing(w: Walk) -> None:
         w.take("checkpointing.model_save_format")
     else:
         w.ignore("checkpointing.model_save_format", "grpo-ds exports safetensors (the weights, not the algorithm)")
+    for k in ("ft_save_period", "ft_keep_latest_k"):  # nemo_rl/utils/checkpoint.py:109-112, 440-500
+        w.ignore(f"checkpointing.{k}", "NeMo-RL's fault-tolerance checkpoints: extra saves every ft_save_period steps "
+                 "for crash recovery, the newest ft_keep_latest_k of them kept; they change no sample or update, only "
+                 "how many steps a crash loses. grpo-ds saves every checkpointing.save_period steps (the newest always "
+                 "kept; checkpoint_must_save_by saves before a time limit) and resumes from the newest: lower "
+                 "save_period for the same protection")
     if w.get("checkpointing.save_optimizer", True):
         w.take("checkpointing.save_optimizer")
     else:
