@@ -345,14 +345,14 @@ def _format_validation_error(err: ValidationError, config_cls: type = MasterConf
         key = ".".join(str(x) for x in e["loc"])
         value = _short_repr(e.get("input"))
         if e["type"] == "extra_forbidden":
-            line = f"{key}: unknown key (value {value}); check the spelling against {_declared_in(config_cls)}"
+            found = [f"{key}: unknown key (value {value}); check the spelling against {_declared_in(config_cls)}"]
         elif e["type"] == "value_error":
-            # Our own checks already name the dotted key(s).
+            # Our own checks already name the dotted key(s); a rule set reports each broken rule on its own line.
             msg = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
-            line = msg if not key else (msg if msg.split("=")[0].count(".") else f"{key}: {msg}")
+            found = [m if not key or m.split("=")[0].count(".") else f"{key}: {m}" for m in msg.splitlines() or [""]]
         else:
-            line = f"{key}={value}: {e['msg']}"
-        lines.append(line if len(line) <= MAX_ERROR_LINE_CHARS else line[:MAX_ERROR_LINE_CHARS] + " ...")
+            found = [f"{key}={value}: {e['msg']}"]
+        lines += [line if len(line) <= MAX_ERROR_LINE_CHARS else line[:MAX_ERROR_LINE_CHARS] + " ..." for line in found]
     if len(errors) > MAX_ERROR_LINES:
         lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more errors")
     return "invalid config:\n  " + "\n  ".join(lines)

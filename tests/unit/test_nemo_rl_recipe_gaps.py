@@ -168,3 +168,46 @@ def test_a_parser_plugin_is_refused_naming_it_and_its_parser(tmp_path, kind, par
     cfg, _ = load_recipe(path, [f"~policy.generation.vllm_cfg.{kind}_parser_plugin",
                                 f"policy.generation.vllm_cfg.http_server_serving_chat_kwargs.{kind}_parser={ours}"])
     assert getattr(cfg.policy.generation.vllm_cfg.http_server_serving_chat_kwargs, f"{kind}_parser") == ours
+
+
+# --------------------------------------------------------------------------------------------------
+# --check-config lists every problem of a config in one run
+# --------------------------------------------------------------------------------------------------
+THREE = ["policy.draft.enabled=true",  # refused by the translation
+         "policy.train_global_batch_size=24",  # a rule across sections: not a divisor of 8 x 4
+         "+loss_fn.use_kl_in_reward=true"]  # another one: the reward KL is reinforce_plus_plus's
+THREE_LINES = ["policy.draft.enabled=True: trains a speculative-decoding draft model",
+               "policy.train_global_batch_size=24: expected a divisor of",
+               "loss_fn.use_kl_in_reward=true is only used by grpo.adv_estimator.name='reinforce_plus_plus'"]
+
+
+def test_check_config_shows_every_error_of_a_recipe_at_once():
+    """A refused key no longer hides the translated config's own errors, and the rules across sections are all
+    checked, not only the first broken one."""
+    p = subprocess.run([sys.executable, "train_grpo.py", "--check-config", "--config", str(BASE), *THREE], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.splitlines()
+    for expected in THREE_LINES:
+        assert sum(expected in line for line in lines) == 1, (expected, p.stderr)
+
+
+def test_native_config_reports_every_broken_rule_across_sections():
+    from grpo.config.load import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "tests" / "configs" / "tiny.yaml", ["policy.train_global_batch_size=24",
+                                                              "loss_fn.use_kl_in_reward=true", "grpo.batch_multiplier=2"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "invalid config:" and len(lines) == 4, lines
+    assert [x.strip().split("=")[0].split(" ")[0] for x in lines[1:]] == [
+        "policy.train_global_batch_size", "loss_fn.use_kl_in_reward", "grpo.batch_multiplier"]
+
+
+def test_every_bad_override_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_recipe(BASE, ["loss_fn.nope=1", "~grpo.gone", "+grpo.seed=3"])
+    text = str(err.value)
+    assert text.startswith("overrides that cannot apply:")
+    for key in ("override loss_fn.nope:", "override ~grpo.gone:", "override +grpo.seed:"):
+        assert key in text, text

@@ -248,40 +248,52 @@ def apply_overrides(cfg, overrides: list[str]):
     adds a new one, ``++key=value`` sets either way. Values are YAML (``8``, ``null``, ``[1,2]``, ``{a: 1}``,
     ``${policy.model_name}``); a mapping merges into the section it replaces, as in hydra. ``~key`` deletes a key
     (or a whole section) the recipe has, ``~key=value`` only while it holds that value (`delete_key`)."""
-    from omegaconf import OmegaConf
-
-    for item in overrides:
-        if item.startswith("~"):
-            delete_key(cfg, item)
-            continue
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r}: expected key=value, +key=value, ++key=value or ~key")
-        force, add = key.startswith("++"), key.startswith("+") and not key.startswith("++")
-        key = key.lstrip("+").strip()
+    problems = []
+    for item in overrides:  # every bad override is reported, one line each
         try:
-            value = _omegaconf_yaml(text) if text != "" else None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {key}={text!r}: invalid YAML ({err})") from None
-        if (null := null_key_error(value, "override", key)) is not None:
-            raise ConfigError(null)
-        with omegaconf_errors(f"override {key}"):
-            exists = _has_key(cfg, key)
-        if add and exists:
-            raise ConfigError(f"override +{key}: the recipe already has {key} (hydra: drop the + to change it, or "
-                              f"use ++{key}=...)")
-        if not (force or add or exists):
-            raise ConfigError(f"override {key}: the recipe has no such key (hydra's struct mode); check the "
-                              f"spelling, or add it with +{key}={text}")
-        try:
-            OmegaConf.update(cfg, key, value, merge=True, force_add=True)
-        except Exception:  # a list over a mapping (or the reverse) replaces it
-            try:
-                OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-            except Exception as err:  # an override through a value that is not a section
-                raise ConfigError(f"override {key}: {str(err).splitlines()[0]}") from None
+            if item.startswith("~"):
+                delete_key(cfg, item)
+            else:
+                _apply_override(cfg, item)
+        except ConfigError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("overrides that cannot apply:\n  " + "\n  ".join(problems))
     return cfg
 
+
+def _apply_override(cfg, item: str) -> None:
+    """One ``key=value`` / ``+key=value`` / ``++key=value`` override (`apply_overrides`)."""
+    from omegaconf import OmegaConf
+
+    key, sep, text = item.partition("=")
+    if not sep:
+        raise ConfigError(f"override {item!r}: expected key=value, +key=value, ++key=value or ~key")
+    force, add = key.startswith("++"), key.startswith("+") and not key.startswith("++")
+    key = key.lstrip("+").strip()
+    try:
+        value = _omegaconf_yaml(text) if text != "" else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {key}={text!r}: invalid YAML ({err})") from None
+    if (null := null_key_error(value, "override", key)) is not None:
+        raise ConfigError(null)
+    with omegaconf_errors(f"override {key}"):
+        exists = _has_key(cfg, key)
+    if add and exists:
+        raise ConfigError(f"override +{key}: the recipe already has {key} (hydra: drop the + to change it, or "
+                          f"use ++{key}=...)")
+    if not (force or add or exists):
+        raise ConfigError(f"override {key}: the recipe has no such key (hydra's struct mode); check the "
+                          f"spelling, or add it with +{key}={text}")
+    try:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+    except Exception:  # a list over a mapping (or the reverse) replaces it
+        try:
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        except Exception as err:  # an override through a value that is not a section
+            raise ConfigError(f"override {key}: {str(err).splitlines()[0]}") from None
 
 def delete_key(cfg, item: str) -> None:
     """Hydra's delete override on the unresolved recipe: ``~key`` removes ``key`` (a leaf or a section) and
@@ -378,11 +390,27 @@ def load_nemo_rl(path: str | os.PathLike, overrides: list[str] | None = None) ->
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None,
                 config_cls: type[MasterConfig] = MasterConfig) -> tuple[MasterConfig, list[tuple[str, str, str]]]:
     """A NeMo-RL recipe (+ overrides in NeMo-RL's key names) as a validated grpo-ds config, and the table of
-    what was translated and ignored: ``[(kind, dotted key, why)]`` with kind "translated" or "ignored"."""
-    from grpo.config.nemo_rl.rules import translate
+    what was translated and ignored: ``[(kind, dotted key, why)]`` with kind "translated" or "ignored".
 
-    raw, table = translate(load_nemo_rl(path, overrides), base_dir=Path(path).resolve().parent)
+    A recipe with keys grpo-ds refuses is still validated (what its other keys translate to), so the `ConfigError`
+    lists every problem of one run: each refused key, then each error of the translated config."""
+    from grpo.config.nemo_rl.rules import Refused, translate
+
+    try:
+        raw, table = translate(load_nemo_rl(path, overrides), base_dir=Path(path).resolve().parent)
+    except Refused as refused:
+        raise ConfigError(Refused.HEADER + "\n  " + "\n  ".join(refused.errors + _config_errors(refused.out,
+                                                                                            config_cls))) from None
     return build_config(raw, config_cls), table
+
+
+def _config_errors(raw: dict, config_cls: type[MasterConfig]) -> list[str]:
+    """The lines of `build_config`'s error for ``raw`` (one problem each), or none when it is valid."""
+    try:
+        build_config(raw, config_cls)
+    except ConfigError as err:
+        return [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
+    return []
 
 
 def format_table(table: list[tuple[str, str, str]]) -> str:

@@ -194,8 +194,19 @@ def translate(nrl: dict, base_dir: Path | str = ".") -> tuple[dict, list[tuple[s
         w.refuse(key, "no translation: grpo-ds does not know this NeMo-RL key, so it cannot promise to honor it "
                       f"(delete it with the override ~{key}, or file an issue)")
     if w.errors:
-        raise ConfigError("NeMo-RL recipe: keys grpo-ds cannot honor:\n  " + "\n  ".join(w.errors))
+        raise Refused(w.errors, w.out)
     return w.out, w.table
+
+
+class Refused(ConfigError):
+    """The keys of a recipe grpo-ds cannot honor (``errors``: a line each, naming the key and why), with what the
+    other keys translated to (``out``), so that the caller can report that config's own errors in the same run."""
+
+    HEADER = "NeMo-RL recipe: keys grpo-ds cannot honor:"
+
+    def __init__(self, errors: list[str], out: dict):
+        super().__init__(self.HEADER + "\n  " + "\n  ".join(errors))
+        self.errors, self.out = list(errors), out
 
 
 # -- policy -------------------------------------------------------------------------------------------
