@@ -211,3 +211,15 @@ def test_every_bad_override_is_reported_at_once():
     assert text.startswith("overrides that cannot apply:")
     for key in ("override loss_fn.nope:", "override ~grpo.gone:", "override +grpo.seed:"):
         assert key in text, text
+
+
+def test_both_bad_parser_names_are_reported():
+    from grpo.config import MasterConfig
+    from grpo.config.load import build_config
+
+    serving = {"tool_parser": "no_such_tool_parser", "reasoning_parser": "no_such_reasoning_parser"}
+    raw = {"policy": {"generation": {"backend": "hf", "vllm_cfg": {"http_server_serving_chat_kwargs": serving}}}}
+    with pytest.raises(ConfigError) as err:
+        build_config(raw, MasterConfig)
+    assert "tool_parser='no_such_tool_parser'" in str(err.value)
+    assert "reasoning_parser='no_such_reasoning_parser'" in str(err.value)
