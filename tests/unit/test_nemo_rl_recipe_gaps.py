@@ -223,3 +223,16 @@ def test_both_bad_parser_names_are_reported():
         build_config(raw, MasterConfig)
     assert "tool_parser='no_such_tool_parser'" in str(err.value)
     assert "reasoning_parser='no_such_reasoning_parser'" in str(err.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# env.should_log_nemo_gym_responses: NeMo-RL's meaning
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, local_dump", [("true", False), ("false", True)])
+def test_should_log_nemo_gym_responses_true_means_nemo_gym_logs_them(value, local_dump):
+    """NeMo-RL's _should_log_nemo_gym_responses: true says NeMo-Gym is responsible for the full responses, so the
+    run skips its local per-step dump; false (the default) writes it. grpo-ds's local dump follows the same rule."""
+    from grpo.wings.gym import gym_environment
+
+    cfg, _ = load_recipe(GYM, [GYM_PARSER, f"env.should_log_nemo_gym_responses={value}"])
+    assert gym_environment(cfg.env, "train", None).log_responses is local_dump
