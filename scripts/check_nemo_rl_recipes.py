@@ -4,9 +4,11 @@
     python scripts/check_nemo_rl_recipes.py --readme /path/to/NeMo-RL   # docs/nemo_rl.md's generated recipe summary
                                                          # (it quotes NeMo-RL 7ea279a; NEMO_RL_CHECKOUT is the default)
 
-The recipes are examples/configs/{grpo,gdpo}_*.yaml and examples/configs/recipes/llm/{grpo,gdpo}-*.yaml (vision
-and audio ones excluded); each goes through grpo.config.nemo_rl.recipe.load_recipe as `--check-config` would. A failure prints
-the keys grpo-ds refuses, each with why. Exit status 0 when every recipe passes, 1 otherwise.
+The recipes are the GRPO family's for LLMs (`recipes`): examples/configs/{grpo,gdpo,prorlv2}_*.yaml,
+examples/configs/recipes/llm/{grpo,gdpo,dapo,prorlv2,mopd}-*.yaml and its performance/, examples/nemo_gym/,
+examples/swe_bench/ and examples/modelopt/qa_grpo_*.yaml (vision and audio ones excluded); each goes through
+grpo.config.nemo_rl.recipe.load_recipe as `--check-config` would. A failure prints the keys grpo-ds refuses, each
+with why. Exit status 0 when every recipe passes, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -22,10 +24,19 @@ from grpo.config.nemo_rl.recipe import load_recipe  # noqa: E402
 
 
 def recipes(root: Path) -> list[Path]:
-    configs = root / "examples" / "configs"
+    examples = root / "examples"
+    configs = examples / "configs"
     llm = configs / "recipes" / "llm"
-    found = (sorted(configs.glob("grpo_*.yaml")) + sorted(configs.glob("gdpo_*.yaml")) + sorted(llm.glob("grpo-*.yaml"))
-             + sorted(llm.glob("gdpo-*.yaml")))  # GDPO recipes are GRPO with another advantage estimator
+    # Every GRPO-family folder: GDPO is GRPO with another advantage estimator, DAPO and ProRLv2 are GRPO settings, MOPD
+    # is GRPO with on-policy distillation; NeMo-Gym's and SWE-bench's recipes run examples/nemo_gym/run_grpo_nemo_gym.py,
+    # ModelOpt's qa_grpo_* quantisation-aware GRPO. NeMo-Gym's prefetch_* lists and distillation_* recipes are not GRPO.
+    found = (sorted(configs.glob("grpo_*.yaml")) + sorted(configs.glob("gdpo_*.yaml"))
+             + sorted(configs.glob("prorlv2*.yaml"))
+             + [p for family in ("grpo", "gdpo", "dapo", "prorlv2", "mopd") for p in sorted(llm.glob(f"{family}-*.yaml"))]
+             + sorted((llm / "performance").glob("*.yaml"))
+             + sorted(p for p in (examples / "nemo_gym").rglob("*.yaml")
+                      if not p.name.startswith(("prefetch_", "distillation_")))
+             + sorted((examples / "swe_bench").glob("*.yaml")) + sorted((examples / "modelopt").glob("qa_grpo_*.yaml")))
     return [p for p in found if not any(w in p.name for w in ("vlm", "audio"))]
 
 
@@ -60,6 +71,7 @@ def readme_summary(root: Path | None = CHECKOUT) -> str:
     import os
 
     os.environ.setdefault("HF_HOME", "~/.cache/huggingface")  # some recipes interpolate it (NeMo-RL needs it set too)
+    os.environ.setdefault("PERSISTENT_CACHE", "~/.cache")  # NeMo-Gym's Nemotron-3-Super recipes interpolate it
     paths = recipes(root)
     refused: dict[str, tuple[int, str]] = {}
     translated: Counter = Counter()
@@ -102,7 +114,7 @@ def main(argv: list[str]) -> int:
         return 2
     failed = 0
     for path in paths:
-        name = path.relative_to(root / "examples" / "configs")
+        name = path.relative_to(root / "examples")
         try:
             load_recipe(path)
             print(f"pass  {name}")
