@@ -4,6 +4,7 @@ tests/fixtures/nemo_rl/base_math.yaml (NeMo-RL's format, our values)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +237,39 @@ def test_should_log_nemo_gym_responses_true_means_nemo_gym_logs_them(value, loca
 
     cfg, _ = load_recipe(GYM, [GYM_PARSER, f"env.should_log_nemo_gym_responses={value}"])
     assert gym_environment(cfg.env, "train", None).log_responses is local_dump
+
+
+# --------------------------------------------------------------------------------------------------
+# NeMo-RL's own recipes (a checkout at 7ea279a, NEMO_RL_CHECKOUT; not copied here)
+# --------------------------------------------------------------------------------------------------
+CHECKOUT = Path(os.environ["NEMO_RL_CHECKOUT"]) if os.environ.get("NEMO_RL_CHECKOUT") else None
+PRORL_RECIPES = ["examples/configs/prorlv2.v2.yaml",
+                 "examples/configs/recipes/llm/prorlv2-qwen2.5-math-1.5b-instruct-1n8g-fsdp2tp1.v2.yaml",
+                 "examples/configs/recipes/llm/prorlv2-qwen2.5-math-1.5b-instruct-1n8g-fsdp2tp1.v2-tq_mooncake.yaml"]
+SUPER = [f"examples/nemo_gym/nemotron-3-super/{name}.yaml"
+         for name in ("stage1_rlvr", "stage2_swe1", "stage2_swe2", "stage3_rlhf")]
+# What grpo-ds cannot do in them (each refused, naming it), deleted so that the rest is checked.
+SUPER_CAPABILITIES = ["~policy.megatron_cfg.mtp_loss_scaling_factor", "~policy.generation.vllm_cfg.reasoning_parser_plugin",
+                      "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser=deepseek_r1"]
+
+
+@pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
+@pytest.mark.parametrize("rel", PRORL_RECIPES)
+def test_nemo_rl_prorlv2_recipes_load(rel, monkeypatch):
+    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
+    cfg, _ = load_recipe(CHECKOUT / rel)
+    assert cfg.grpo.reward_shaping.stop_properly_penalty_coef == 0.0
+    assert cfg.grpo.reward_shaping.overlong_buffer_length is None
+
+
+@pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
+@pytest.mark.parametrize("rel", SUPER)
+def test_nemo_rl_super_gym_recipes_rank_by_validation_reward(rel, monkeypatch):
+    monkeypatch.setenv("PERSISTENT_CACHE", os.environ.get("PERSISTENT_CACHE", "~/.cache"))
+    with pytest.raises(ConfigError) as err:  # as they are: only what grpo-ds cannot do, every one named
+        load_recipe(CHECKOUT / rel)
+    refused = [line.strip().split("=")[0] for line in str(err.value).splitlines()[1:]]
+    assert refused == ["policy.megatron_cfg.mtp_loss_scaling_factor", "policy.generation.vllm_cfg.reasoning_parser_plugin",
+                       "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser"], refused
+    cfg, _ = load_recipe(CHECKOUT / rel, SUPER_CAPABILITIES)
+    assert cfg.checkpointing.metric_name == "val:accuracy" and cfg.env.should_use_nemo_gym
