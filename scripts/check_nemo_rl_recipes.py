@@ -27,12 +27,12 @@ def recipes(root: Path) -> list[Path]:
     examples = root / "examples"
     configs = examples / "configs"
     llm = configs / "recipes" / "llm"
-    # Every GRPO-family folder: GDPO is GRPO with another advantage estimator, DAPO and ProRLv2 are GRPO settings, MOPD
-    # is GRPO with on-policy distillation; NeMo-Gym's and SWE-bench's recipes run examples/nemo_gym/run_grpo_nemo_gym.py,
-    # ModelOpt's qa_grpo_* quantisation-aware GRPO. NeMo-Gym's prefetch_* lists and distillation_* recipes are not GRPO.
+    # Every GRPO-family folder: GDPO is GRPO with another advantage estimator, DAPO and ProRLv2 are GRPO settings,
+    # MOPD is GRPO with on-policy distillation; NeMo-Gym's and SWE-bench's recipes run NeMo-Gym's GRPO script,
+    # ModelOpt's qa_grpo_* are quantisation-aware GRPO. NeMo-Gym's prefetch_* lists and distillation_* are not GRPO.
     found = (sorted(configs.glob("grpo_*.yaml")) + sorted(configs.glob("gdpo_*.yaml"))
              + sorted(configs.glob("prorlv2*.yaml"))
-             + [p for family in ("grpo", "gdpo", "dapo", "prorlv2", "mopd") for p in sorted(llm.glob(f"{family}-*.yaml"))]
+             + [p for fam in ("grpo", "gdpo", "dapo", "prorlv2", "mopd") for p in sorted(llm.glob(f"{fam}-*.yaml"))]
              + sorted((llm / "performance").glob("*.yaml"))
              + sorted(p for p in (examples / "nemo_gym").rglob("*.yaml")
                       if not p.name.startswith(("prefetch_", "distillation_")))
