@@ -265,12 +265,13 @@ def parent_recipe(path: Path, parent) -> Path:
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply ``a.b.c=value`` overrides; values are parsed as YAML (``8``, ``true``, ``null``, ``[1,2]``).
-    ``~a.b.c`` deletes a key the recipe sets (it then takes its default); a key the recipe does not set is a
-    `ConfigError` naming it."""
+    ``~a.b.c`` deletes a key the recipe sets (it then takes its default), ``~a.b.c=value`` only while it holds
+    ``value``; a key the recipe does not set, or holding another value, is a `ConfigError` naming it."""
     raw = dict(raw)
     for item in overrides:
-        if item.startswith("~") and "=" not in item:
-            raw = _delete_key(raw, item[1:].strip())
+        if item.startswith("~"):
+            key, sep, value = item[1:].partition("=")
+            raw = _delete_key(raw, key.strip(), _override_value(key.strip(), value) if sep else _ANY)
             continue
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected dotted.key=value (or ~dotted.key to delete a key)")
@@ -286,21 +287,32 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"override {key}: {part!r} is a value, not a section")
             node[part] = dict(nxt)
             node = node[part]
-        bad = next((c for c in value if "\udc80" <= c <= "\udcff"), None)  # undecodable bytes of the command line
-        if bad is not None:
-            raise ConfigError(f"override {key}: byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8; pass the value as UTF-8")
-        try:
-            node[parts[-1]] = bounded_yaml(value, f"override {key}") if value != "" else None
-        except yaml.YAMLError as err:
-            raise ConfigError(yaml_error(f"override {key}={_short_repr(value)}", err, value).replace(", line 1,", ",") +
-                              "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
-        if (null := null_key_error(node[parts[-1]], "override", key)) is not None:
-            raise ConfigError(null)
+        node[parts[-1]] = _override_value(key, value)
     return raw
 
 
-def _delete_key(raw: dict, key: str) -> dict:
-    """``raw`` without the dotted ``key`` (the sections on its way copied, ``raw`` itself untouched).
+def _override_value(key: str, value: str):
+    """An override's value, parsed as YAML (empty: null); a `ConfigError` naming ``key`` for bytes that are not
+    UTF-8, bad YAML or a null key inside."""
+    bad = next((c for c in value if "\udc80" <= c <= "\udcff"), None)  # undecodable bytes of the command line
+    if bad is not None:
+        raise ConfigError(f"override {key}: byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8; pass the value as UTF-8")
+    try:
+        parsed = bounded_yaml(value, f"override {key}") if value != "" else None
+    except yaml.YAMLError as err:
+        raise ConfigError(yaml_error(f"override {key}={_short_repr(value)}", err, value).replace(", line 1,", ",") +
+                          "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
+    if (null := null_key_error(parsed, "override", key)) is not None:
+        raise ConfigError(null)
+    return parsed
+
+
+_ANY = object()
+
+
+def _delete_key(raw: dict, key: str, expected=_ANY) -> dict:
+    """``raw`` without the dotted ``key`` (the sections on its way copied, ``raw`` itself untouched); with
+    ``expected``, only if the key holds that value.
 
         >>> _delete_key({"grpo": {"seed": 1, "val_period": 5}}, "grpo.seed")
         {'grpo': {'val_period': 5}}
@@ -317,6 +329,9 @@ def _delete_key(raw: dict, key: str) -> dict:
     if node is None or last not in node:
         raise ConfigError(f"override ~{key}: the config sets no such key to delete; check the spelling (a key the "
                           "config does not set already has its default)")
+    if expected is not _ANY and node[last] != expected:
+        raise ConfigError(f"override ~{key}={_short_repr(expected)}: the config's {key} is {_short_repr(node[last])}; "
+                          f"nothing deleted (~{key} deletes it whatever it holds)")
     del node[last]
     return out
 

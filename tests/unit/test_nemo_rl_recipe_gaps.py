@@ -130,6 +130,10 @@ def test_native_config_deletes_a_key_back_to_its_default():
     assert load_config(tiny, ["~grpo.num_prompts_per_step"]).grpo.num_prompts_per_step == 32  # the default
     with pytest.raises(ConfigError, match="override ~grpo.nope: the config sets no such key to delete"):
         load_config(tiny, ["~grpo.nope"])
+    assert load_config(tiny, ["~grpo.num_prompts_per_step=4"]).grpo.num_prompts_per_step == 32
+    with pytest.raises(ConfigError, match="override ~grpo.num_prompts_per_step=5: the config's grpo.num_prompts_per_step "
+                                          "is 4; nothing deleted"):
+        load_config(tiny, ["~grpo.num_prompts_per_step=5"])
 
 
 def test_check_config_takes_a_delete_override():
