@@ -280,3 +280,28 @@ def test_nemo_rl_super_gym_recipes_rank_by_validation_reward(rel, monkeypatch):
                        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser"], refused
     cfg, _ = load_recipe(CHECKOUT / rel, SUPER_CAPABILITIES)
     assert cfg.checkpointing.metric_name == "val:accuracy" and cfg.env.should_use_nemo_gym
+
+
+def test_time_limit_with_checkpointing_off_is_ignored_as_nemo_rl_saves_nothing(tmp_path):
+    """NeMo-RL stops at checkpoint_must_save_by whether or not it checkpoints; with checkpointing off it saves nothing
+    (the NeMo-Gym SWE recipes): ignored, with why, where grpo-ds's own config refuses a deadline it cannot save at."""
+    cfg, table = load_recipe(recipe(tmp_path, "checkpointing:\n  enabled: false\n  checkpoint_must_save_by: 00:03:30:00\n"))
+    assert cfg.checkpointing.checkpoint_must_save_by is None and not cfg.checkpointing.enabled
+    assert "NeMo-RL stops the run at this time limit" in rows(table, "ignored")["checkpointing.checkpoint_must_save_by"]
+    cfg, _ = load_recipe(recipe(tmp_path, "checkpointing:\n  checkpoint_must_save_by: 00:03:30:00\n"))
+    assert cfg.checkpointing.checkpoint_must_save_by == "00:03:30:00"  # checkpointing on: honored
+
+
+VAL_REWARD_RECIPES = ["examples/configs/recipes/llm/grpo-qwen3-1.7b-1n8g-megatron-super-swe1.yaml",
+                      "examples/configs/recipes/llm/grpo-qwen3-1.7b-2n8g-megatron-super-rlhf.yaml",
+                      "examples/configs/recipes/llm/grpo-qwen3-1.7b-6n8g-megatron-super-rlvr.yaml",
+                      "examples/configs/recipes/llm/grpo-nanov3-30ba3b-3n8g-megatron-dynamo-swe1.yaml"]
+
+
+@pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
+@pytest.mark.parametrize("rel", VAL_REWARD_RECIPES)
+def test_nemo_rl_recipes_ranking_by_val_total_reward_mean_load(rel, monkeypatch):
+    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
+    monkeypatch.setenv("PERSISTENT_CACHE", os.environ.get("PERSISTENT_CACHE", "~/.cache"))
+    cfg, _ = load_recipe(CHECKOUT / rel)
+    assert cfg.checkpointing.metric_name == "val:accuracy" and cfg.env.should_use_nemo_gym

@@ -1300,6 +1300,12 @@ def _checkpointing(w: Walk) -> None:
         w.take("checkpointing.model_save_format")
     else:
         w.ignore("checkpointing.model_save_format", "grpo-ds exports safetensors (the weights, not the algorithm)")
+    deadline = w.get("checkpointing.checkpoint_must_save_by")
+    if deadline is not None and w.get("checkpointing.enabled") is False:  # nemo_rl/algorithms/grpo.py:3519, 3797
+        w.ignore("checkpointing.checkpoint_must_save_by", f"checkpointing.enabled=false: NeMo-RL stops the run at this "
+                 f"time limit ({deadline}) and saves nothing; grpo-ds saves before a time limit only with checkpointing "
+                 "on, so it runs on to max_num_steps or the job's own limit: the same samples and updates until then, "
+                 "nothing saved either way")
     for k in ("ft_save_period", "ft_keep_latest_k"):  # nemo_rl/utils/checkpoint.py:109-112, 440-500
         w.ignore(f"checkpointing.{k}", "NeMo-RL's fault-tolerance checkpoints: extra saves every ft_save_period steps "
                  "for crash recovery, the newest ft_keep_latest_k of them kept; they change no sample or update, only "
