@@ -295,6 +295,7 @@ def _apply_override(cfg, item: str) -> None:
         except Exception as err:  # an override through a value that is not a section
             raise ConfigError(f"override {key}: {str(err).splitlines()[0]}") from None
 
+
 def delete_key(cfg, item: str) -> None:
     """Hydra's delete override on the unresolved recipe: ``~key`` removes ``key`` (a leaf or a section) and
     ``~key=value`` removes it only if it holds ``value`` (as written in the recipe, before interpolation). A key the
@@ -399,8 +400,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None,
     try:
         raw, table = translate(load_nemo_rl(path, overrides), base_dir=Path(path).resolve().parent)
     except Refused as refused:
-        raise ConfigError(Refused.HEADER + "\n  " + "\n  ".join(refused.errors + _config_errors(refused.out,
-                                                                                            config_cls))) from None
+        raise Refused(refused.errors + _config_errors(refused.out, config_cls), refused.out) from None
     return build_config(raw, config_cls), table
 
 

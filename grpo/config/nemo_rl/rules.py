@@ -202,10 +202,8 @@ class Refused(ConfigError):
     """The keys of a recipe grpo-ds cannot honor (``errors``: a line each, naming the key and why), with what the
     other keys translated to (``out``), so that the caller can report that config's own errors in the same run."""
 
-    HEADER = "NeMo-RL recipe: keys grpo-ds cannot honor:"
-
     def __init__(self, errors: list[str], out: dict):
-        super().__init__(self.HEADER + "\n  " + "\n  ".join(errors))
+        super().__init__("NeMo-RL recipe: keys grpo-ds cannot honor:\n  " + "\n  ".join(errors))
         self.errors, self.out = list(errors), out
 
 
