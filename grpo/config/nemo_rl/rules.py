@@ -1170,7 +1170,7 @@ def _loss(w: Walk) -> None:
     if isinstance(mu, (int, float)) and not isinstance(mu, bool) and mu > 0:
         w.translate(key, {key: mu}, "VAPO's NLL on the samples with reward > 0, normalised by the step's count of "
                     "their tokens; NeMo-RL's GRPO loop never hands its loss the rewards (only ppo.py does), so "
-                    "there this weight has no effect: remove it to train as NeMo-RL's GRPO does")
+                    "there this weight has no effect: set it to 0 to train as NeMo-RL's GRPO does")
     else:
         w.honor(key)
 
