@@ -131,8 +131,8 @@ def test_native_config_deletes_a_key_back_to_its_default():
     with pytest.raises(ConfigError, match="override ~grpo.nope: the config sets no such key to delete"):
         load_config(tiny, ["~grpo.nope"])
     assert load_config(tiny, ["~grpo.num_prompts_per_step=4"]).grpo.num_prompts_per_step == 32
-    with pytest.raises(ConfigError, match="override ~grpo.num_prompts_per_step=5: the config's grpo.num_prompts_per_step "
-                                          "is 4; nothing deleted"):
+    with pytest.raises(ConfigError, match="override ~grpo.num_prompts_per_step=5: the config's "
+                                          "grpo.num_prompts_per_step is 4; nothing deleted"):
         load_config(tiny, ["~grpo.num_prompts_per_step=5"])
 
 
@@ -251,6 +251,11 @@ CHECKOUT = Path(os.environ["NEMO_RL_CHECKOUT"]) if os.environ.get("NEMO_RL_CHECK
 PRORL_RECIPES = ["examples/configs/prorlv2.v2.yaml",
                  "examples/configs/recipes/llm/prorlv2-qwen2.5-math-1.5b-instruct-1n8g-fsdp2tp1.v2.yaml",
                  "examples/configs/recipes/llm/prorlv2-qwen2.5-math-1.5b-instruct-1n8g-fsdp2tp1.v2-tq_mooncake.yaml"]
+# NeMo-Gym recipes ranking checkpoints by val:total_reward/mean whose every other key grpo-ds can do.
+VAL_REWARD_RECIPES = ["examples/configs/recipes/llm/grpo-qwen3-1.7b-1n8g-megatron-super-swe1.yaml",
+                      "examples/configs/recipes/llm/grpo-qwen3-1.7b-2n8g-megatron-super-rlhf.yaml",
+                      "examples/configs/recipes/llm/grpo-qwen3-1.7b-6n8g-megatron-super-rlvr.yaml",
+                      "examples/configs/recipes/llm/grpo-nanov3-30ba3b-3n8g-megatron-dynamo-swe1.yaml"]
 SUPER = [f"examples/nemo_gym/nemotron-3-super/{name}.yaml"
          for name in ("stage1_rlvr", "stage2_swe1", "stage2_swe2", "stage3_rlhf")]
 # What grpo-ds cannot do in them (each refused, naming it), deleted so that the rest is checked.
@@ -259,13 +264,23 @@ SUPER_CAPABILITIES = ["~policy.megatron_cfg.mtp_loss_scaling_factor",
                       "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser=deepseek_r1"]
 
 
+def prorl_shaping(cfg) -> bool:
+    return cfg.grpo.reward_shaping.stop_properly_penalty_coef == 0.0 and \
+        cfg.grpo.reward_shaping.overlong_buffer_length is None
+
+
+def ranks_by_val_reward(cfg) -> bool:
+    return cfg.checkpointing.metric_name == "val:accuracy" and cfg.env.should_use_nemo_gym
+
+
 @pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
-@pytest.mark.parametrize("rel", PRORL_RECIPES)
-def test_nemo_rl_prorlv2_recipes_load(rel, monkeypatch):
+@pytest.mark.parametrize("rel, check", [(r, prorl_shaping) for r in PRORL_RECIPES]
+                         + [(r, ranks_by_val_reward) for r in VAL_REWARD_RECIPES])
+def test_nemo_rl_recipes_load(rel, check, monkeypatch):
     monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
+    monkeypatch.setenv("PERSISTENT_CACHE", os.environ.get("PERSISTENT_CACHE", "~/.cache"))
     cfg, _ = load_recipe(CHECKOUT / rel)
-    assert cfg.grpo.reward_shaping.stop_properly_penalty_coef == 0.0
-    assert cfg.grpo.reward_shaping.overlong_buffer_length is None
+    assert check(cfg)
 
 
 @pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
@@ -279,29 +294,16 @@ def test_nemo_rl_super_gym_recipes_rank_by_validation_reward(rel, monkeypatch):
                        "policy.generation.vllm_cfg.reasoning_parser_plugin",
                        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser"], refused
     cfg, _ = load_recipe(CHECKOUT / rel, SUPER_CAPABILITIES)
-    assert cfg.checkpointing.metric_name == "val:accuracy" and cfg.env.should_use_nemo_gym
+    assert ranks_by_val_reward(cfg)
 
 
 def test_time_limit_with_checkpointing_off_is_ignored_as_nemo_rl_saves_nothing(tmp_path):
     """NeMo-RL stops at checkpoint_must_save_by whether or not it checkpoints; with checkpointing off it saves nothing
     (the NeMo-Gym SWE recipes): ignored, with why, where grpo-ds's own config refuses a deadline it cannot save at."""
-    cfg, table = load_recipe(recipe(tmp_path, "checkpointing:\n  enabled: false\n  checkpoint_must_save_by: 00:03:30:00\n"))
+    off = "checkpointing:\n  enabled: false\n  checkpoint_must_save_by: 00:03:30:00\n"
+    cfg, table = load_recipe(recipe(tmp_path, off))
     assert cfg.checkpointing.checkpoint_must_save_by is None and not cfg.checkpointing.enabled
     assert "NeMo-RL stops the run at this time limit" in rows(table, "ignored")["checkpointing.checkpoint_must_save_by"]
     cfg, _ = load_recipe(recipe(tmp_path, "checkpointing:\n  checkpoint_must_save_by: 00:03:30:00\n"))
     assert cfg.checkpointing.checkpoint_must_save_by == "00:03:30:00"  # checkpointing on: honored
 
-
-VAL_REWARD_RECIPES = ["examples/configs/recipes/llm/grpo-qwen3-1.7b-1n8g-megatron-super-swe1.yaml",
-                      "examples/configs/recipes/llm/grpo-qwen3-1.7b-2n8g-megatron-super-rlhf.yaml",
-                      "examples/configs/recipes/llm/grpo-qwen3-1.7b-6n8g-megatron-super-rlvr.yaml",
-                      "examples/configs/recipes/llm/grpo-nanov3-30ba3b-3n8g-megatron-dynamo-swe1.yaml"]
-
-
-@pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
-@pytest.mark.parametrize("rel", VAL_REWARD_RECIPES)
-def test_nemo_rl_recipes_ranking_by_val_total_reward_mean_load(rel, monkeypatch):
-    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
-    monkeypatch.setenv("PERSISTENT_CACHE", os.environ.get("PERSISTENT_CACHE", "~/.cache"))
-    cfg, _ = load_recipe(CHECKOUT / rel)
-    assert cfg.checkpointing.metric_name == "val:accuracy" and cfg.env.should_use_nemo_gym
