@@ -4,11 +4,13 @@
     python scripts/check_nemo_rl_recipes.py --readme /path/to/NeMo-RL   # docs/nemo_rl.md's generated recipe summary
                                                          # (it quotes NeMo-RL 7ea279a; NEMO_RL_CHECKOUT is the default)
 
-The LLM recipes are examples/configs/{grpo,gdpo}_*.yaml and examples/configs/recipes/llm/{grpo,gdpo}-*.yaml (vision
-and audio ones excluded); the VLM recipes examples/configs/vlm_grpo_*.yaml and examples/configs/recipes/vlm/vlm_grpo-*.yaml
-(run_vlm_grpo.py's; NeMo-RL files its omni audio ones there too). Each goes through
-grpo.config.nemo_rl.recipe.load_recipe as `--check-config` would. A failure prints the keys grpo-ds refuses, each with
-why. Exit status 0 when every recipe passes, 1 otherwise. The --readme summary counts the LLM recipes.
+The LLM recipes are the GRPO family's (`recipes`): examples/configs/{grpo,gdpo,prorlv2}_*.yaml,
+examples/configs/recipes/llm/{grpo,gdpo,dapo,prorlv2,mopd}-*.yaml and its performance/, examples/nemo_gym/,
+examples/swe_bench/ and examples/modelopt/qa_grpo_*.yaml (vision and audio ones excluded); the VLM recipes
+(`vlm_recipes`) examples/configs/vlm_grpo_*.yaml and examples/configs/recipes/vlm/vlm_grpo-*.yaml (run_vlm_grpo.py's;
+NeMo-RL files its omni audio ones there too). Each goes through grpo.config.nemo_rl.recipe.load_recipe as
+`--check-config` would. A failure prints the keys grpo-ds refuses, each with why. Exit status 0 when every recipe
+passes, 1 otherwise. The --readme summary counts the LLM recipes.
 """
 
 from __future__ import annotations
@@ -24,10 +26,19 @@ from grpo.config.nemo_rl.recipe import load_recipe  # noqa: E402
 
 
 def recipes(root: Path) -> list[Path]:
-    configs = root / "examples" / "configs"
+    examples = root / "examples"
+    configs = examples / "configs"
     llm = configs / "recipes" / "llm"
-    found = (sorted(configs.glob("grpo_*.yaml")) + sorted(configs.glob("gdpo_*.yaml")) + sorted(llm.glob("grpo-*.yaml"))
-             + sorted(llm.glob("gdpo-*.yaml")))  # GDPO recipes are GRPO with another advantage estimator
+    # Every GRPO-family folder: GDPO is GRPO with another advantage estimator, DAPO and ProRLv2 are GRPO settings,
+    # MOPD is GRPO with on-policy distillation; NeMo-Gym's and SWE-bench's recipes run NeMo-Gym's GRPO script,
+    # ModelOpt's qa_grpo_* are quantisation-aware GRPO. NeMo-Gym's prefetch_* lists and distillation_* are not GRPO.
+    found = (sorted(configs.glob("grpo_*.yaml")) + sorted(configs.glob("gdpo_*.yaml"))
+             + sorted(configs.glob("prorlv2*.yaml"))
+             + [p for fam in ("grpo", "gdpo", "dapo", "prorlv2", "mopd") for p in sorted(llm.glob(f"{fam}-*.yaml"))]
+             + sorted((llm / "performance").glob("*.yaml"))
+             + sorted(p for p in (examples / "nemo_gym").rglob("*.yaml")
+                      if not p.name.startswith(("prefetch_", "distillation_")))
+             + sorted((examples / "swe_bench").glob("*.yaml")) + sorted((examples / "modelopt").glob("qa_grpo_*.yaml")))
     return [p for p in found if not any(w in p.name for w in ("vlm", "audio"))]
 
 
@@ -68,6 +79,7 @@ def readme_summary(root: Path | None = CHECKOUT) -> str:
     import os
 
     os.environ.setdefault("HF_HOME", "~/.cache/huggingface")  # some recipes interpolate it (NeMo-RL needs it set too)
+    os.environ.setdefault("PERSISTENT_CACHE", "~/.cache")  # NeMo-Gym's Nemotron-3-Super recipes interpolate it
     paths = recipes(root)
     refused: dict[str, tuple[int, str]] = {}
     translated: Counter = Counter()
@@ -122,7 +134,7 @@ def check(root: Path, paths: list[Path], verbose: bool) -> int:
     refused and why (12 lines at most, all with ``verbose``); the number that failed."""
     failed = 0
     for path in paths:
-        name = path.relative_to(root / "examples" / "configs")
+        name = path.relative_to(root / "examples")
         try:
             load_recipe(path)
             print(f"pass  {name}")

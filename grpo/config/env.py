@@ -368,8 +368,9 @@ class EnvConfig(EnvSpec):
         "NeMo-RL's section: its keys (invalid_tool_call_patterns, thinking_tags, effort_levels, port_range_low/high), "
         "Gym's global config, and grpo-ds's: where the Gym servers come from."))
     should_log_nemo_gym_responses: bool = Field(False, description=(
-        "NeMo-RL's key: write every Gym result (the full /run answer, token fields left out) to "
-        "<log_dir>/nemo_gym_responses/<stream>_step_<n>.jsonl."))
+        "NeMo-RL's key: true says NeMo-Gym logs the full responses itself, so the run writes no local dump of them; "
+        "false (the default, as NeMo-RL, which then writes train_data_step<n>.jsonl): every Gym result (the full "
+        "/run answer, token fields left out) goes to <log_dir>/nemo_gym_responses/<stream>_step_<n>.jsonl."))
     should_mask_flagged_samples: bool = Field(True, description=(
         "NeMo-RL's key: a sample an environment flags mask_sample (NeMo-Gym's instance_config.mask_sample) is out of "
         "the loss and, in grpo-ds, out of its group's baseline too; false: the flag is ignored and the sample trains."))

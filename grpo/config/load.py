@@ -264,11 +264,17 @@ def parent_recipe(path: Path, parent) -> Path:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides; values are parsed as YAML (``8``, ``true``, ``null``, ``[1,2]``)."""
+    """Apply ``a.b.c=value`` overrides; values are parsed as YAML (``8``, ``true``, ``null``, ``[1,2]``).
+    ``~a.b.c`` deletes a key the recipe sets (it then takes its default), ``~a.b.c=value`` only while it holds
+    ``value``; a key the recipe does not set, or holding another value, is a `ConfigError` naming it."""
     raw = dict(raw)
     for item in overrides:
+        if item.startswith("~"):
+            key, sep, value = item[1:].partition("=")
+            raw = _delete_key(raw, key.strip(), _override_value(key.strip(), value) if sep else _ANY)
+            continue
         if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+            raise ConfigError(f"override {item!r}: expected dotted.key=value (or ~dotted.key to delete a key)")
         key, _, value = item.partition("=")
         key = key.strip().lstrip("+")
         parts = key.split(".")
@@ -281,17 +287,53 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"override {key}: {part!r} is a value, not a section")
             node[part] = dict(nxt)
             node = node[part]
-        bad = next((c for c in value if "\udc80" <= c <= "\udcff"), None)  # undecodable bytes of the command line
-        if bad is not None:
-            raise ConfigError(f"override {key}: byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8; pass the value as UTF-8")
-        try:
-            node[parts[-1]] = bounded_yaml(value, f"override {key}") if value != "" else None
-        except yaml.YAMLError as err:
-            raise ConfigError(yaml_error(f"override {key}={_short_repr(value)}", err, value).replace(", line 1,", ",") +
-                              "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
-        if (null := null_key_error(node[parts[-1]], "override", key)) is not None:
-            raise ConfigError(null)
+        node[parts[-1]] = _override_value(key, value)
     return raw
+
+
+def _override_value(key: str, value: str):
+    """An override's value, parsed as YAML (empty: null); a `ConfigError` naming ``key`` for bytes that are not
+    UTF-8, bad YAML or a null key inside."""
+    bad = next((c for c in value if "\udc80" <= c <= "\udcff"), None)  # undecodable bytes of the command line
+    if bad is not None:
+        raise ConfigError(f"override {key}: byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8; pass the value as UTF-8")
+    try:
+        parsed = bounded_yaml(value, f"override {key}") if value != "" else None
+    except yaml.YAMLError as err:
+        raise ConfigError(yaml_error(f"override {key}={_short_repr(value)}", err, value).replace(", line 1,", ",") +
+                          "\n  (quote a string holding YAML syntax: " + f"{key}='\"...\"')") from None
+    if (null := null_key_error(parsed, "override", key)) is not None:
+        raise ConfigError(null)
+    return parsed
+
+
+_ANY = object()
+
+
+def _delete_key(raw: dict, key: str, expected=_ANY) -> dict:
+    """``raw`` without the dotted ``key`` (the sections on its way copied, ``raw`` itself untouched); with
+    ``expected``, only if the key holds that value.
+
+        >>> _delete_key({"grpo": {"seed": 1, "val_period": 5}}, "grpo.seed")
+        {'grpo': {'val_period': 5}}
+    """
+    *parents, last = key.split(".")
+    out = dict(raw)
+    node = out
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node = None
+            break
+        node[part] = dict(node[part])
+        node = node[part]
+    if node is None or last not in node:
+        raise ConfigError(f"override ~{key}: the config sets no such key to delete; check the spelling (a key the "
+                          "config does not set already has its default)")
+    if expected is not _ANY and node[last] != expected:
+        raise ConfigError(f"override ~{key}={_short_repr(expected)}: the config's {key} is {_short_repr(node[last])}; "
+                          f"nothing deleted (~{key} deletes it whatever it holds)")
+    del node[last]
+    return out
 
 
 def _short_repr(value) -> str:
@@ -318,14 +360,14 @@ def _format_validation_error(err: ValidationError, config_cls: type = MasterConf
         key = ".".join(str(x) for x in e["loc"])
         value = _short_repr(e.get("input"))
         if e["type"] == "extra_forbidden":
-            line = f"{key}: unknown key (value {value}); check the spelling against {_declared_in(config_cls)}"
+            found = [f"{key}: unknown key (value {value}); check the spelling against {_declared_in(config_cls)}"]
         elif e["type"] == "value_error":
-            # Our own checks already name the dotted key(s).
+            # Our own checks already name the dotted key(s); a rule set reports each broken rule on its own line.
             msg = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
-            line = msg if not key else (msg if msg.split("=")[0].count(".") else f"{key}: {msg}")
+            found = [m if not key or m.split("=")[0].count(".") else f"{key}: {m}" for m in msg.splitlines() or [""]]
         else:
-            line = f"{key}={value}: {e['msg']}"
-        lines.append(line if len(line) <= MAX_ERROR_LINE_CHARS else line[:MAX_ERROR_LINE_CHARS] + " ...")
+            found = [f"{key}={value}: {e['msg']}"]
+        lines += [line if len(line) <= MAX_ERROR_LINE_CHARS else line[:MAX_ERROR_LINE_CHARS] + " ..." for line in found]
     if len(errors) > MAX_ERROR_LINES:
         lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more errors")
     return "invalid config:\n  " + "\n  ".join(lines)

@@ -315,10 +315,10 @@ class GenerationConfig(_Section):
     @model_validator(mode="after")
     def _parsers(self) -> "GenerationConfig":
         serving = self.vllm_cfg.http_server_serving_chat_kwargs
-        for kind in ("tool_parser", "reasoning_parser"):
-            problem = parser_problem(kind, getattr(serving, kind) if serving else None, self.backend)
-            if problem is not None:
-                raise ValueError(problem)
+        problems = [parser_problem(kind, getattr(serving, kind) if serving else None, self.backend)
+                    for kind in ("tool_parser", "reasoning_parser")]
+        if any(problems):  # both, when both are wrong (a line each)
+            raise ValueError("\n".join(p for p in problems if p))
         return self
 
     @model_validator(mode="after")

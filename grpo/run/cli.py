@@ -37,9 +37,9 @@ def parse_args(argv=None, description: str | None = None) -> tuple[argparse.Name
                    help="print the config as grpo-ds runs it (YAML; for a NeMo-RL recipe also the table of translated "
                         "and ignored keys) and exit: 0 if it is valid, 2 naming the problem (torch is not imported)")
     args, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if "=" not in o]
+    bad = [o for o in overrides if "=" not in o and not o.startswith("~")]
     if bad:
-        p.error(f"unrecognized arguments: {' '.join(bad)} (overrides are dotted.key=value)")
+        p.error(f"unrecognized arguments: {' '.join(bad)} (overrides are dotted.key=value, or ~dotted.key to delete)")
     return args, overrides
 
 

@@ -407,7 +407,8 @@ class NemoGymEnvironment(Environment):
     (`grpo.wings.gym.rollout`), never stepped. ``cfg``: the ``env.nemo_gym`` section
     (`grpo.config.NemoGymConfig`); ``agent_urls``: agent name -> base URL, filled when the servers are found
     (`grpo.wings.gym.servers`), with ``ledger``, what the run's endpoint generated for them
-    (`grpo.wings.gym.rollout.GymLedger`); ``log_responses``: ``env.should_log_nemo_gym_responses``."""
+    (`grpo.wings.gym.rollout.GymLedger`); ``log_responses``: write the local dump of the results
+    (``env.should_log_nemo_gym_responses=false``)."""
 
     def __init__(self, cfg, log_responses: bool = False):
         self.cfg, self.log_responses = cfg, log_responses

@@ -1,7 +1,7 @@
 """docs/nemo_rl.md's NeMo-RL recipe summary (counts, refused keys, translated keys) is what the code gives on NeMo-RL's
 own recipes (a NeMo-RL checkout at 7ea279a, given as NEMO_RL_CHECKOUT: its recipes are not copied here): regenerate
 it with `python scripts/check_nemo_rl_recipes.py --readme /path/to/NeMo-RL` when the rules change and paste it into
-the page. Translating the 140 recipes takes ~20 s."""
+the page. Translating the 219 recipes takes ~30-60 s."""
 
 import sys
 from pathlib import Path
@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import check_nemo_rl_recipes as check  # noqa: E402
 
 
-@pytest.mark.slow  # 20-60 s: every recipe translated
+@pytest.mark.slow  # 30-90 s: every recipe translated
 @pytest.mark.skipif(check.CHECKOUT is None, reason="NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a) is not set")
 def test_readme_recipe_summary_is_what_the_code_gives():
     page = (REPO / check.SUMMARY_PAGE).read_text()

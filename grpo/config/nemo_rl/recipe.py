@@ -246,37 +246,82 @@ def apply_overrides(cfg, overrides: list[str]):
     """Hydra-style overrides in NeMo-RL's key names on the merged, unresolved recipe (so interpolations follow
     them): ``key=value`` changes a key the recipe has (hydra's struct mode: a misspelt key fails), ``+key=value``
     adds a new one, ``++key=value`` sets either way. Values are YAML (``8``, ``null``, ``[1,2]``, ``{a: 1}``,
-    ``${policy.model_name}``); a mapping merges into the section it replaces, as in hydra."""
+    ``${policy.model_name}``); a mapping merges into the section it replaces, as in hydra. ``~key`` deletes a key
+    (or a whole section) the recipe has, ``~key=value`` only while it holds that value (`delete_key`)."""
+    problems = []
+    for item in overrides:  # every bad override is reported, one line each
+        try:
+            if item.startswith("~"):
+                delete_key(cfg, item)
+            else:
+                _apply_override(cfg, item)
+        except ConfigError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("overrides that cannot apply:\n  " + "\n  ".join(problems))
+    return cfg
+
+
+def _apply_override(cfg, item: str) -> None:
+    """One ``key=value`` / ``+key=value`` / ``++key=value`` override (`apply_overrides`)."""
     from omegaconf import OmegaConf
 
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r}: expected key=value, +key=value or ++key=value")
-        force, add = key.startswith("++"), key.startswith("+") and not key.startswith("++")
-        key = key.lstrip("+").strip()
+    key, sep, text = item.partition("=")
+    if not sep:
+        raise ConfigError(f"override {item!r}: expected key=value, +key=value, ++key=value or ~key")
+    force, add = key.startswith("++"), key.startswith("+") and not key.startswith("++")
+    key = key.lstrip("+").strip()
+    try:
+        value = _omegaconf_yaml(text) if text != "" else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {key}={text!r}: invalid YAML ({err})") from None
+    if (null := null_key_error(value, "override", key)) is not None:
+        raise ConfigError(null)
+    with omegaconf_errors(f"override {key}"):
+        exists = _has_key(cfg, key)
+    if add and exists:
+        raise ConfigError(f"override +{key}: the recipe already has {key} (hydra: drop the + to change it, or "
+                          f"use ++{key}=...)")
+    if not (force or add or exists):
+        raise ConfigError(f"override {key}: the recipe has no such key (hydra's struct mode); check the "
+                          f"spelling, or add it with +{key}={text}")
+    try:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+    except Exception:  # a list over a mapping (or the reverse) replaces it
         try:
-            value = _omegaconf_yaml(text) if text != "" else None
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        except Exception as err:  # an override through a value that is not a section
+            raise ConfigError(f"override {key}: {str(err).splitlines()[0]}") from None
+
+
+def delete_key(cfg, item: str) -> None:
+    """Hydra's delete override on the unresolved recipe: ``~key`` removes ``key`` (a leaf or a section) and
+    ``~key=value`` removes it only if it holds ``value`` (as written in the recipe, before interpolation). A key the
+    recipe does not have, or holding another value, is a `ConfigError` naming it (hydra's rule too)."""
+    from omegaconf import OmegaConf
+
+    key, sep, text = item[1:].partition("=")
+    key = key.strip()
+    with omegaconf_errors(f"override ~{key}"):
+        exists = bool(key) and _has_key(cfg, key)
+    if not exists:
+        raise ConfigError(f"override ~{key}: the recipe has no such key to delete; check the spelling (the recipe's "
+                          "keys after its defaults are merged)")
+    *parents, last = key.split(".")
+    parent = OmegaConf.select(cfg, ".".join(parents), throw_on_resolution_failure=False) if parents else cfg
+    if sep:
+        try:
+            expected = _omegaconf_yaml(text) if text != "" else None
         except yaml.YAMLError as err:
-            raise ConfigError(f"override {key}={text!r}: invalid YAML ({err})") from None
-        if (null := null_key_error(value, "override", key)) is not None:
-            raise ConfigError(null)
-        with omegaconf_errors(f"override {key}"):
-            exists = _has_key(cfg, key)
-        if add and exists:
-            raise ConfigError(f"override +{key}: the recipe already has {key} (hydra: drop the + to change it, or "
-                              f"use ++{key}=...)")
-        if not (force or add or exists):
-            raise ConfigError(f"override {key}: the recipe has no such key (hydra's struct mode); check the "
-                              f"spelling, or add it with +{key}={text}")
-        try:
-            OmegaConf.update(cfg, key, value, merge=True, force_add=True)
-        except Exception:  # a list over a mapping (or the reverse) replaces it
-            try:
-                OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-            except Exception as err:  # an override through a value that is not a section
-                raise ConfigError(f"override {key}: {str(err).splitlines()[0]}") from None
-    return cfg
+            raise ConfigError(f"override ~{key}={text!r}: invalid YAML ({err})") from None
+        node = parent._get_node(int(last) if OmegaConf.is_list(parent) else last)
+        held = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else node._value()
+        if held != expected:
+            raise ConfigError(f"override ~{key}={text}: the recipe's {key} is {held!r}, not {expected!r}; nothing "
+                              f"deleted (~{key} deletes it whatever it holds)")
+    del parent[int(last) if OmegaConf.is_list(parent) else last]
 
 
 def _has_key(cfg, key: str) -> bool:
@@ -346,11 +391,26 @@ def load_nemo_rl(path: str | os.PathLike, overrides: list[str] | None = None) ->
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None,
                 config_cls: type[MasterConfig] = MasterConfig) -> tuple[MasterConfig, list[tuple[str, str, str]]]:
     """A NeMo-RL recipe (+ overrides in NeMo-RL's key names) as a validated grpo-ds config, and the table of
-    what was translated and ignored: ``[(kind, dotted key, why)]`` with kind "translated" or "ignored"."""
-    from grpo.config.nemo_rl.rules import translate
+    what was translated and ignored: ``[(kind, dotted key, why)]`` with kind "translated" or "ignored".
 
-    raw, table = translate(load_nemo_rl(path, overrides), base_dir=Path(path).resolve().parent)
+    A recipe with keys grpo-ds refuses is still validated (what its other keys translate to), so the `ConfigError`
+    lists every problem of one run: each refused key, then each error of the translated config."""
+    from grpo.config.nemo_rl.rules import Refused, translate
+
+    try:
+        raw, table = translate(load_nemo_rl(path, overrides), base_dir=Path(path).resolve().parent)
+    except Refused as refused:
+        raise Refused(refused.errors + _config_errors(refused.out, config_cls), refused.out) from None
     return build_config(raw, config_cls), table
+
+
+def _config_errors(raw: dict, config_cls: type[MasterConfig]) -> list[str]:
+    """The lines of `build_config`'s error for ``raw`` (one problem each), or none when it is valid."""
+    try:
+        build_config(raw, config_cls)
+    except ConfigError as err:
+        return [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
+    return []
 
 
 def format_table(table: list[tuple[str, str, str]]) -> str:

@@ -192,10 +192,19 @@ def translate(nrl: dict, base_dir: Path | str = ".") -> tuple[dict, list[tuple[s
             w.honor(key)
     for key in [k for k in w.leaves if k not in w.used]:
         w.refuse(key, "no translation: grpo-ds does not know this NeMo-RL key, so it cannot promise to honor it "
-                      "(remove it with an override, or file an issue)")
+                      f"(delete it with the override ~{key}, or file an issue)")
     if w.errors:
-        raise ConfigError("NeMo-RL recipe: keys grpo-ds cannot honor:\n  " + "\n  ".join(w.errors))
+        raise Refused(w.errors, w.out)
     return w.out, w.table
+
+
+class Refused(ConfigError):
+    """The keys of a recipe grpo-ds cannot honor (``errors``: a line each, naming the key and why), with what the
+    other keys translated to (``out``), so that the caller can report that config's own errors in the same run."""
+
+    def __init__(self, errors: list[str], out: dict):
+        super().__init__("NeMo-RL recipe: keys grpo-ds cannot honor:\n  " + "\n  ".join(errors))
+        self.errors, self.out = list(errors), out
 
 
 # -- policy -------------------------------------------------------------------------------------------
@@ -570,6 +579,7 @@ def _generation(w: Walk) -> None:
               "expose_http_server"):
         w.honor(f"{v}.{k}")
     _serving_chat_kwargs(w, f"{v}.http_server_serving_chat_kwargs")
+    _parser_plugins(w, v)
     w.ignore(v, "vLLM engine internals without an algorithmic effect (async engine, tqdm, DeepGEMM, bf16 layers, "
              "metrics logger, refit server ports)")
     kw = dict(w.get(f"{g}.vllm_kwargs") or {})
@@ -605,6 +615,24 @@ def _serving_chat_kwargs(w: Walk, key: str) -> None:
         w.honor(f"{key}.{k}")
     w.ignore(key, "vLLM serving internals (request logger, content format, auto tools): the endpoint renders "
              "with the chat template and always parses tools with the configured parser")
+
+
+def _parser_plugins(w: Walk, v: str) -> None:
+    """``vllm_cfg.{reasoning,tool}_parser_plugin``: a Python file NeMo-RL's vLLM worker imports into vLLM's parser
+    registry before it serves (vllm_worker_async.py:382-392), so that http_server_serving_chat_kwargs can name the
+    parser it registers (NeMo-Gym's recipes: nano_v3). grpo-ds's endpoint imports no plugin files, so such a name would
+    fail when the endpoint starts: refused here, naming the plugin and the parser, like a parser name nobody has."""
+    for kind in ("reasoning", "tool"):
+        key = f"{v}.{kind}_parser_plugin"
+        plugin = w.get(key)
+        if plugin in (None, ""):
+            w.take(key)
+            continue
+        parser = w.get(f"{v}.http_server_serving_chat_kwargs.{kind}_parser")
+        w.refuse(key, f"a {kind}-parser plugin file NeMo-RL imports into vLLM's registry"
+                 f"{f' (for {kind}_parser={parser!r})' if parser else ''}; grpo-ds's endpoint imports no plugin: "
+                 f"name a parser vLLM or grpo-ds has in http_server_serving_chat_kwargs.{kind}_parser and delete this "
+                 f"key (~{key})")
 
 
 VLLM_FIELDS = ("kv_cache_memory_bytes", "enforce_eager", "gpu_memory_utilization", "max_model_len",
@@ -1152,7 +1180,7 @@ def _loss(w: Walk) -> None:
     if isinstance(mu, (int, float)) and not isinstance(mu, bool) and mu > 0:
         w.translate(key, {key: mu}, "VAPO's NLL on the samples with reward > 0, normalised by the step's count of "
                     "their tokens; NeMo-RL's GRPO loop never hands its loss the rewards (only ppo.py does), so "
-                    "there this weight has no effect: remove it to train as NeMo-RL's GRPO does")
+                    "there this weight has no effect: set it to 0 to train as NeMo-RL's GRPO does")
     else:
         w.honor(key)
 
@@ -1183,6 +1211,7 @@ def _grpo(w: Walk) -> None:
              "again to measure them); grpo-ds passes no Ray payloads and logs a step's media figures whenever it has "
              "images (train/payload_bytes/policy_train/*), and it changes no sample or update")
     gym_grpo_and_penalties(w)
+    _reward_shaping(w)
     period = w.get("grpo.val_period")
     if isinstance(period, int) and period < 0:
         w.translate("grpo.val_period", {"grpo.val_period": 0}, "NeMo-RL validates periodically only for val_period > 0")
@@ -1198,6 +1227,24 @@ def _grpo(w: Walk) -> None:
                      "off-policy samplers); grpo-ds's async loop is grpo.async_grpo (max_trajectory_age_steps)")
     elif rl is None:
         w.take("async_rl")
+
+
+OVERLONG_KEYS = ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+
+
+def _reward_shaping(w: Walk) -> None:
+    """``grpo.reward_shaping`` with ``stop_properly_penalty_coef`` set: NeMo-RL's apply_reward_shaping scales the
+    truncated samples' rewards by it and returns before DAPO's overlong buffer, printing that the overlong keys are
+    ignored (nemo_rl/algorithms/reward_functions.py:67-110); ProRLv2's recipes inherit those keys from DAPO's.
+    The same here: they are ignored, named with that reason (grpo-ds's own config refuses the pair, so a native
+    config says which one it means). The rest of the section is honored by name."""
+    coef = w.get("grpo.reward_shaping.stop_properly_penalty_coef")
+    if coef is None:
+        return
+    for name in OVERLONG_KEYS:
+        if w.get(f"grpo.reward_shaping.{name}") is not None:
+            w.ignore(f"grpo.reward_shaping.{name}", f"stop_properly_penalty_coef={coef!r} is set: NeMo-RL shapes with "
+                     "it alone and ignores DAPO's overlong buffer (its [WARN] says so); grpo-ds does the same")
 
 
 # NeMo-RL's async_rl.rollout_failure (single_controller_utils/config.py): the keys grpo-ds has, and why the others
@@ -1234,10 +1281,21 @@ def _rollout_failure(w: Walk) -> None:
         w.ignore(f"{key}.{name}", why)
 
 
+# What NeMo-Gym recipes rank checkpoints by: a rollout metric NeMo-RL's validate adds only on the NeMo-Gym path
+# (run_nemo_gym_rollout's calculate_single_metric over the results' rewards; nemo_rl/algorithms/grpo.py:3866-3925,
+# nemo_rl/experience/rollouts.py:2697-2702).
+GYM_VAL_REWARD = "val:total_reward/mean"
+
+
 def _checkpointing(w: Walk) -> None:
     key = "checkpointing.metric_name"
     name = w.get(key)
-    if isinstance(name, str) and name.startswith(("val:", "train:")):
+    if name == GYM_VAL_REWARD and is_gym_recipe(w):
+        w.translate(key, {key: "val:accuracy"}, "NeMo-RL's NeMo-Gym validation reports its rollout metrics beside "
+                    "accuracy, total_reward/mean among them: the mean of the same rewards (penalties applied) over "
+                    "the validation batch, which is the whole validation set with NeMo-Gym's val_batch_size=null; "
+                    "grpo-ds's val:accuracy is that mean over the whole set")
+    elif isinstance(name, str) and name.startswith(("val:", "train:")):
         if _accepts_metric_name(name):
             w.honor(key)
         else:  # TODO(names helper): pass "val:accuracy" through once CheckpointingConfig accepts NeMo-RL's form
@@ -1251,6 +1309,18 @@ def _checkpointing(w: Walk) -> None:
         w.take("checkpointing.model_save_format")
     else:
         w.ignore("checkpointing.model_save_format", "grpo-ds exports safetensors (the weights, not the algorithm)")
+    deadline = w.get("checkpointing.checkpoint_must_save_by")
+    if deadline is not None and w.get("checkpointing.enabled") is False:  # nemo_rl/algorithms/grpo.py:3519, 3797
+        w.ignore("checkpointing.checkpoint_must_save_by", f"checkpointing.enabled=false: NeMo-RL stops the run at this "
+                 f"time limit ({deadline}) and saves nothing; grpo-ds saves before a time limit only with checkpointing "
+                 "on, so it runs on to max_num_steps or the job's own limit: the same samples and updates until then, "
+                 "nothing saved either way")
+    for k in ("ft_save_period", "ft_keep_latest_k"):  # nemo_rl/utils/checkpoint.py:109-112, 440-500
+        w.ignore(f"checkpointing.{k}", "NeMo-RL's fault-tolerance checkpoints: extra saves every ft_save_period steps "
+                 "for crash recovery, the newest ft_keep_latest_k of them kept; they change no sample or update, only "
+                 "how many steps a crash loses. grpo-ds saves every checkpointing.save_period steps (the newest always "
+                 "kept; checkpoint_must_save_by saves before a time limit) and resumes from the newest: lower "
+                 "save_period for the same protection")
     if w.get("checkpointing.save_optimizer", True):
         w.take("checkpointing.save_optimizer")
     else:

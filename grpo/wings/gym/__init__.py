@@ -20,7 +20,8 @@ from grpo.wings.agents.player import register_endpoint_game
 
 def gym_environment(env_spec, key: str, deferred):
     """``env.name: nemo_gym``: its samples are played by Gym's agent servers (`grpo.wings.gym.rollout`)."""
-    return NemoGymEnvironment(env_spec.nemo_gym, env_spec.should_log_nemo_gym_responses)
+    # NeMo-RL's meaning (_should_log_nemo_gym_responses, grpo.py:2173): true = NeMo-Gym logs them, no local dump
+    return NemoGymEnvironment(env_spec.nemo_gym, log_responses=not env_spec.should_log_nemo_gym_responses)
 
 
 def play(env, trajs, seed_keys, endpoint, retry, weight_version):

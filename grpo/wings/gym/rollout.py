@@ -259,8 +259,8 @@ def play_gym(env: NemoGymEnvironment, trajs: list, seed_keys: list[tuple], endpo
 
 
 def log_responses(directory: str, trajs: list, seed_keys: list[tuple]) -> None:
-    """``env.should_log_nemo_gym_responses``: every result (token fields left out) or failure, one JSON line per
-    sample, appended to ``<directory>/<stream>_step_<step>.jsonl``."""
+    """``env.should_log_nemo_gym_responses=false`` (NeMo-Gym does not log them itself): every result (token fields
+    left out) or failure, one JSON line per sample, appended to ``<directory>/<stream>_step_<step>.jsonl``."""
     os.makedirs(directory, exist_ok=True)
     by_file: dict[str, list[str]] = {}
     for t, key in zip(trajs, seed_keys):
