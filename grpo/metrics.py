@@ -282,6 +282,6 @@ def rollout_counts(trajectories: Sequence) -> dict:
     tasks = sorted({t.task_name for t in trajectories})
     if len(tasks) > 1:
         for task in tasks:
-            rewards = [t.reward for t in trajectories if t.task_name == task and t.error is None]
+            rewards = [t.reward for t in trajectories if t.task_name == task and t.scored]
             out[f"reward_mean/{task}"] = sum(rewards) / len(rewards) if rewards else 0.0
     return out

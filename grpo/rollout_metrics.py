@@ -57,9 +57,9 @@ def rollout_summary(trajectories: Sequence) -> dict:
         >>> from types import SimpleNamespace as T
         >>> turn = lambda n: T(token_ids=[0] * n, trained=True)
         >>> a = T(turns=1, terminated=True, max_turns_reached=False, truncated=False, num_generated_tokens=4,
-        ...       observation_tokens=0, reward=1.0, messages=[turn(4)])
+        ...       observation_tokens=0, reward=1.0, scored=True, messages=[turn(4)])
         >>> b = T(turns=3, terminated=False, max_turns_reached=True, truncated=False, num_generated_tokens=6,
-        ...       observation_tokens=2, reward=0.0, messages=[turn(1), turn(5)])
+        ...       observation_tokens=2, reward=0.0, scored=True, messages=[turn(1), turn(5)])
         >>> m = rollout_summary([a, b])
         >>> m["total_turns"], m["natural_termination_rate"], m["max_turns_reached_rate"], m["mean_total_tokens_per_sample"]
         (4, 0.5, 0.5, 6.0)
@@ -71,7 +71,7 @@ def rollout_summary(trajectories: Sequence) -> dict:
     gen = [t.num_generated_tokens for t in trajectories]
     env = [t.observation_tokens for t in trajectories]
     longest_turn = [max((len(m.token_ids) for m in t.messages if m.trained), default=0) for t in trajectories]
-    rewards = [float(t.reward) for t in trajectories if getattr(t, "error", None) is None] or [0.0]
+    rewards = [float(t.reward) for t in trajectories if t.scored] or [0.0]
     return {
         "total_turns": sum(turns),
         "avg_turns_per_sample": sum(turns) / n,

@@ -140,11 +140,13 @@ def failure_counts(trajectories) -> dict:
     then succeeded).
 
         >>> from types import SimpleNamespace as T
-        >>> failure_counts([T(error=None, retries=1), T(error="env_timeout", retries=4), T(error=None, retries=0)])
+        >>> from grpo.trajectory import Failure
+        >>> failure_counts([T(failure=None, retries=1), T(failure=Failure.of("env_timeout"), retries=4),
+        ...                 T(failure=None, retries=0)])
         {'rollout/failed_samples': 1, 'rollout/retries': 5, 'rollout/failed_samples/env_timeout': 1}
     """
     trajs = [t for t in trajectories if t is not None]
-    reasons = [t.error for t in trajs if t.error is not None]
+    reasons = [t.failure.reason for t in trajs if t.failure is not None]
     out = {"rollout/failed_samples": len(reasons), "rollout/retries": sum(int(getattr(t, "retries", 0)) for t in trajs)}
     for reason in sorted(set(reasons)):
         out[f"rollout/failed_samples/{reason}"] = reasons.count(reason)
@@ -306,7 +308,7 @@ def early_stop_reason(cfg, val_metrics: dict | None) -> str | None:
 def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -> dict:
     """The step's ``train/*`` metrics: rewards, lengths, the loss metrics of each optimizer step, tokens/s."""
     lengths = batch.response_lengths_b.float()
-    scored_b = batch.raw_rewards_b[~batch.failed_b]  # a failed sample's reward is no score
+    scored_rewards = batch.raw_rewards_b[batch.scored_b]  # a failed sample has no reward
     agg = aggregate_rollout_metrics(train_results)
     # The loss of a GRPO step is the sum of its optimizer steps' losses; the other loss metrics are
     # means over micro-batches (kl_penalty is the KL itself, before the beta weight).
@@ -314,9 +316,9 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     agg["kl"] = agg.get("kl_penalty", 0.0)
     out = {f"train/{k}": v for k, v in agg.items()}
     out.update({
-        "train/reward_mean": scored_b.mean().item() if len(scored_b) else 0.0,
-        "train/reward_std": scored_b.std().item() if len(scored_b) > 1 else 0.0,
-        "train/shaped_reward_mean": batch.rewards_b[~batch.failed_b].mean().item() if len(scored_b) else 0.0,
+        "train/reward_mean": scored_rewards.mean().item() if len(scored_rewards) else 0.0,
+        "train/reward_std": scored_rewards.std().item() if len(scored_rewards) > 1 else 0.0,
+        "train/shaped_reward_mean": batch.rewards_b[batch.scored_b].mean().item() if len(scored_rewards) else 0.0,
         "train/advantage_abs_mean": batch.advantages_bt.abs().sum().item() / max(batch.token_mask_bt.sum().item(), 1.0),
         "train/response_length_mean": lengths.mean().item(),
         "train/response_length_max": lengths.max().item(),
