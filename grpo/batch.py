@@ -25,6 +25,7 @@ from typing import Optional, Union
 
 import torch
 
+from grpo.advantages import prompt_group_ids
 from grpo.trajectory import filled_components, filled_rewards
 
 
@@ -54,7 +55,9 @@ class TrainBatch:
     attention_mask_bt: torch.Tensor
     token_mask_bt: torch.Tensor
     generation_logprobs_bt: torch.Tensor
-    group_ids_b: torch.Tensor
+    group_ids_b: torch.Tensor             # its prompt's slot in the step (Trajectory.group_id; renumbered by dynamic
+    #                                       sampling): counts the prompts a step consumed. NOT the group of the
+    #                                       statistics: that is prompt_groups() (by prompt tokens)
     raw_rewards_b: torch.Tensor           # the environments' rewards, before penalties / scaling / shaping (a sample
     #                                       that is not scored holds grpo.trajectory.UNSCORED_REWARD: read rewards under scored_b)
     rewards_b: torch.Tensor               # after them (the rewards phase)
@@ -100,6 +103,12 @@ class TrainBatch:
 
     def micro_batches(self, size: int) -> list[TrainBatch]:
         return micro_batches(self, size)
+
+    def prompt_groups(self) -> torch.Tensor:
+        """Group ids ``[B]`` of the rows by prompt tokens (`grpo.advantages.prompt_group_ids`, the one definition of
+        a group: a prompt that came twice in the batch is one group; a sample that failed before generating is in
+        its prompt's group)."""
+        return prompt_group_ids(self.input_ids_bt, self.token_mask_bt, self.attention_mask_bt)
 
 
 def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> TrainBatch:

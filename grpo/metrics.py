@@ -257,7 +257,8 @@ def global_valid_counts(
 
 
 def pass_at_k(rewards_b: torch.Tensor, group_ids_b: torch.Tensor) -> float:
-    """Fraction of prompts with at least one of their k samples rewarded (reward > 0).
+    """Fraction of prompts with at least one of their k samples rewarded (reward > 0); ``group_ids_b``: the prompt
+    groups (`grpo.batch.TrainBatch.prompt_groups`, by prompt tokens as NeMo-RL's ``calculate_pass_rate_per_prompt``).
 
         >>> pass_at_k(torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]))
         0.5

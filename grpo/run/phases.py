@@ -102,7 +102,7 @@ def collect_rollouts(run: Run, prompts, step: int, timing: dict) -> Collected:
             batch = batch.replace(valid_b=torch.zeros_like(batch.valid_b))  # no group of it is kept
         # DAPO: keep whole groups whose (unshaped) rewards differ; regenerate until the batch is full.
         try:
-            batch, dyn_metrics = dynamic.add(batch, batch.group_ids_b, group_std_for_dynamic_sampling(batch))
+            batch, dyn_metrics = dynamic.add(batch, batch.prompt_groups(), group_std_for_dynamic_sampling(batch))
         except DynamicSamplingExhausted:
             if not short:
                 raise

@@ -29,6 +29,7 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     """
     import torch
 
+    from grpo.batch import build_batch
     from grpo.metrics import pass_at_k
     from grpo.rollout_metrics import rollout_summary
     from grpo.step import penalize
@@ -38,13 +39,12 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     n = min(len(run.val_ds), g.max_val_samples or len(run.val_ds))
     k = g.val_num_generations_per_prompt
     rows = [run.val_ds[i] for i in range(n)]
-    trajs, group_ids, timing, t0 = [], [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
+    trajs, timing, t0 = [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
     bs = g.val_batch_size or n
     for start in range(0, n, bs):  # stream "val": validation's sampling profile (`grpo.run.run.turn_settings`)
         r = run_rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val",
                         num_generations=k)
         trajs += r.trajectories
-        group_ids += [start + t.group_id for t in r.trajectories]
         timing = {key: v + r.timing[key] for key, v in timing.items()}
     # NeMo-RL's validate scores with its reward_penalties too: accuracy counts a zeroed sample as wrong.
     rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor(filled_rewards(trajs)), trajs,
@@ -61,9 +61,9 @@ def validate(run: Run, generator, envs, step: int) -> dict:
         "failed_samples": float((~scored_b).sum().item()),
         **penalty_metrics,
     }
-    if k > 1:
+    if k > 1:  # per prompt: the step's groups (by prompt tokens, `grpo.batch.TrainBatch.prompt_groups`)
         metrics["pass_k"] = float("nan") if nothing_scored else pass_at_k(
-            rewards_b[scored_b], torch.tensor(group_ids, dtype=torch.long)[scored_b])
+            rewards_b[scored_b], build_batch(trajs, pad_id=0).prompt_groups()[scored_b])
     if nothing_scored:
         run.logger.write(failed_validation_note(step, trajs))
     timing["total_validation_time"] = time.perf_counter() - t0
