@@ -80,7 +80,8 @@ class Trajectory:
     environment asked to keep it out of the loss; ``failure``: None, or why the sample failed after its retries
     (a `Failure`: reason, kind, detail). A sample is *scored* (`scored`) exactly when it did not fail; a failed
     sample has ``reward`` None and no components (`fail`): it is masked out of the loss and out of its group's
-    baseline, never scored 0 (``grpo.batch.TrainBatch.scored_b`` is this, per row); ``retries``: environment calls retried for it, successful retries included;
+    baseline, never scored 0 (``grpo.batch.TrainBatch.scored_b`` is this, per row); ``retries``: environment calls
+    retried for it, successful retries included;
     ``terminated``: the environment ended it (``terminateds``); ``max_turns_reached``: ``max_rollout_turns`` ended
     it while the environment had not (NeMo-RL's rollout metrics count both: `grpo.rollout_metrics`);
     ``stop_strings``: the data row's stop strings for the first turn (`row_stop_strings`), or None.
