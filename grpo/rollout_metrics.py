@@ -192,9 +192,13 @@ def reward_component_means(components: Mapping[str, Sequence[float] | torch.Tens
 
 def step_summary(batch) -> dict:
     """The summary metrics of a step's `grpo.batch.TrainBatch` (after the advantages phase): group reward shares of the
-    environments' rewards, the advantage summary, and the mean of each reward component."""
+    environments' rewards over the scored samples, the advantage summary, and the mean of each reward component.
+
+    The shares count each prompt drawn (``group_ids_b``, its slot), not the estimators' groups
+    (`grpo.batch.TrainBatch.prompt_groups`): the two differ only where a prompt came twice in a step, and the CPU
+    demos' fingerprints pin these numbers as they are."""
     scored_b = batch.scored_b  # a failed sample has no reward: its group's shares are over the others
-    out = {**group_reward_shares(batch.raw_rewards_b[scored_b], batch.prompt_groups()[scored_b]),
+    out = {**group_reward_shares(batch.raw_rewards_b[scored_b], batch.group_ids_b[scored_b]),
            **advantage_summary(batch.advantages_bt, batch.token_mask_bt, batch.sample_mask_b)}
     if batch.reward_components_bk is not None:
         out.update(reward_component_means({name: batch.reward_components_bk[:, k]
