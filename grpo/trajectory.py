@@ -110,6 +110,13 @@ class Trajectory:
     stop_strings: list[str] | None = None
     media: dict | None = None  # its images as the model's tensors (grpo.system.vision), shared by its prompt group
 
+    def __post_init__(self):
+        if self.failure is not None:  # a failed sample has no reward, whatever it was built with
+            self.reward, self.reward_components = None, None
+        elif self.reward is None:
+            raise ValueError(f"trajectory of prompt {self.prompt_index}: reward None without a failure (a sample "
+                             "has no reward exactly when it failed: Trajectory.fail)")
+
     @property
     def scored(self) -> bool:
         """The sample has a reward: it did not fail (every "is this sample trained / counted" reads this)."""

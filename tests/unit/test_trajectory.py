@@ -4,6 +4,7 @@ scored mask."""
 
 import io
 
+import pytest
 import torch
 
 from grpo.batch import build_batch
@@ -67,3 +68,11 @@ def test_the_batch_reads_one_scored_mask_and_fills_a_missing_reward_once():
     assert batch.valid_b.tolist() == [True, False, True]
     assert batch.raw_rewards_b.tolist() == [1.0, UNSCORED_REWARD, 0.0]
     assert batch.select([1, 2]).scored_b.tolist() == [False, True]  # rows follow every selection
+
+
+def test_no_reward_exactly_when_failed():
+    built = Trajectory(0, 0, "t", "q", "a", [], {}, reward=0.5, reward_components={"a": 0.5},
+                       failure=Failure.of("env_error", "boom"))
+    assert (built.reward, built.reward_components) == (None, None)
+    with pytest.raises(ValueError, match="reward None without a failure"):
+        Trajectory(0, 7, "t", "q", "a", [], {}, reward=None)
