@@ -58,8 +58,8 @@ class TrainBatch:
     group_ids_b: torch.Tensor             # its prompt's slot in the step (Trajectory.group_id; renumbered by dynamic
     #                                       sampling): counts the prompts a step consumed. NOT the group of the
     #                                       statistics: that is prompt_groups() (by prompt tokens)
-    raw_rewards_b: torch.Tensor           # the environments' rewards, before penalties / scaling / shaping (a sample
-    #                                       that is not scored holds grpo.trajectory.UNSCORED_REWARD: read rewards under scored_b)
+    raw_rewards_b: torch.Tensor           # the environments' rewards, before penalties / scaling / shaping (a row
+    #                                       not scored holds trajectory.UNSCORED_REWARD: read them under scored_b)
     rewards_b: torch.Tensor               # after them (the rewards phase)
     task_rewards_b: torch.Tensor          # after penalties and scaling, before shaping: dynamic sampling's
     response_lengths_b: torch.Tensor      # generated tokens
@@ -122,8 +122,8 @@ def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> T
 
     ``mask_flagged``: ``env.should_mask_flagged_samples`` (NeMo-RL's key; false: a flagged sample is trained like
     any other). A sample that is not scored has no reward (None); its row of the reward tensors holds
-    `grpo.trajectory.UNSCORED_REWARD` (`grpo.trajectory.filled_rewards`), a number only because a tensor needs one: ``scored_b``
-    masks it out of every statistic, so it never reaches a valid sample.
+    `grpo.trajectory.UNSCORED_REWARD` (`grpo.trajectory.filled_rewards`), a number only because a tensor needs
+    one: ``scored_b`` masks it out of every statistic, so it never reaches a valid sample.
     """
     B = len(trajectories)
     rows = [t.token_ids() for t in trajectories]

@@ -157,8 +157,8 @@ class Trajectory:
         """The inverse of `to_dict`; also reads the format before `Failure` was kept whole (flat ``error``,
         ``failure_kind``, ``error_detail`` keys and a failed sample's ``reward`` 0.0: now its failure, reward None).
 
-            >>> old = {**Trajectory(0, 0, "t", "q", "a", [], {}).to_dict(), "error": "http_5xx", "failure_kind": "infra",
-            ...        "error_detail": "503"}
+            >>> old = {**Trajectory(0, 0, "t", "q", "a", [], {}).to_dict(), "error": "http_5xx",
+            ...        "failure_kind": "infra", "error_detail": "503"}
             >>> del old["failure"]
             >>> t = Trajectory.from_dict(old)
             >>> t.failure, t.reward, t.scored

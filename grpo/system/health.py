@@ -179,7 +179,7 @@ class RolloutBudget:
     falls short is *skipped* (no optimizer step, its prompts consumed, counted); ``max_consecutive`` skipped
     steps in a row stop the run (an outage must not become hours of training on nothing).
 
-        trainable(scored_b)    Σ scored_b ≥ min_fraction · n      (TrainBatch.scored_b: the samples that got a score)
+        trainable(scored_b)    Σ scored_b ≥ min_fraction · n     (TrainBatch.scored_b: the samples with a score)
         skipped(trajectories)  count a skipped step, remember the environment's last error; True: stop now
         trained()              a step trained: the streak ends
 

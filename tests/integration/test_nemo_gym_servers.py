@@ -183,8 +183,8 @@ def test_components_that_do_not_sum_to_the_reward_raise(gym):
 def test_server_errors_are_retried_then_masked_never_scored(gym):
     trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault="status_503"),
                         _row("1+1=", "2", agent="fault_agent", fault="status_422"), _row("3+4=", "7", tools=False)])
-    assert [(t.failure and t.failure.reason, t.failure and t.failure.kind, t.retries) for t in trajs] == [("http_5xx", "infra", 1), ("http_4xx", "data", 0),
-                                                                      (None, None, 0)]
+    assert [(t.failure and (t.failure.reason, t.failure.kind), t.retries) for t in trajs] == [
+        (("http_5xx", "infra"), 1), (("http_4xx", "data"), 0), (None, 0)]
     assert trajs[2].reward == 1.0
 
 
@@ -385,7 +385,8 @@ def test_a_server_killed_mid_rollout_costs_its_samples_only(gym):
     _, env, servers = gym
     trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault="die"), _row("3+4=", "7", tools=False),
                         _row("1+1=", "2", agent="fault_agent")])
-    assert [(t.failure and t.failure.reason, t.failure and t.failure.kind, t.retries) for t in trajs[:2]] == [("connection", "infra", 1), (None, None, 0)]
+    assert [(t.failure and (t.failure.reason, t.failure.kind), t.retries) for t in trajs[:2]] == [
+        (("connection", "infra"), 1), (None, 0)]
     assert trajs[1].reward == 1.0
     # the fault agent's other row was answered before the process died, or failed the same way: never scored 0
     assert (trajs[2].failure, trajs[2].reward) == (None, 1.0) or trajs[2].failure.reason == "connection"

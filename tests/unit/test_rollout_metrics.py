@@ -78,5 +78,6 @@ def test_group_shares_of_a_step_read_the_scored_samples():
                          sample(2, 6, 1.0)], pad_id=0)
     batch = batch.replace(advantages_bt=torch.zeros(6, 3))
     out = step_summary(batch)
-    assert out["baseline_reward/pct_1"] == pytest.approx(200 / 3) and out["baseline_reward/pct_mixed"] == pytest.approx(0.0, abs=1e-9)
+    assert out["baseline_reward/pct_1"] == pytest.approx(200 / 3)
+    assert out["baseline_reward/pct_mixed"] == pytest.approx(0.0, abs=1e-9)
     assert out["baseline_reward/histogram"] == [1.0, 0.0, 1.0]

@@ -212,8 +212,8 @@ def test_a_prompt_drawn_twice_is_one_group_for_the_filter_as_for_the_baseline():
     from grpo.step import group_std_for_dynamic_sampling
 
     cfg = build_config({})
-    trajs = [traj(0, 1.0, [([7], [])]), traj(0, 1.0, [([8], [])]), traj(1, 0.0, [([7], [])]),
-             traj(1, 0.0, [([9], [])]), traj(2, 0.0, [([7], [])], prompt=(1, 6)), traj(2, 0.0, [([8], [])], prompt=(1, 6))]
+    trajs = [traj(0, 1.0, [([7], [])]), traj(0, 1.0, [([8], [])]), traj(1, 0.0, [([7], [])]), traj(1, 0.0, [([9], [])]),
+             traj(2, 0.0, [([7], [])], prompt=(1, 6)), traj(2, 0.0, [([8], [])], prompt=(1, 6))]
     b, _ = mask_invalid_samples(build_batch(trajs, pad_id=0))
     assert b.prompt_groups().tolist() == [0, 0, 0, 0, 1, 1]
     adv_bt, _, _ = compose_advantages(cfg, b.replace(sample_mask_b=initial_sample_mask(cfg, b)))
@@ -226,7 +226,7 @@ def test_a_prompt_drawn_twice_is_one_group_for_the_filter_as_for_the_baseline():
 
 def test_a_sample_that_failed_before_generating_is_in_its_prompt_s_group():
     """A failed sample with no generated token (an agent or a Gym server that never answered) still counts in its
-    prompt's group: the group of 2 it leaves with one valid member is dropped, and dynamic sampling reads whole groups."""
+    prompt's group: the group of 2 it leaves with one valid member is dropped; dynamic sampling reads whole groups."""
     from grpo.dynamic_sampling import DynamicSamplingCache
     from grpo.step import group_std_for_dynamic_sampling
     from grpo.trajectory import Failure
