@@ -211,7 +211,7 @@ def main() -> None:
         r = generate_rollout(rows(task), args.generations, backend, envs, chat, settings, base_seed=42, step=step,
                              gen_batch=0, stream="train", rank=0, world_size=1, player=agents)
         seconds = time.perf_counter() - t0
-        failed = [t.error_detail for t in r.trajectories if t.error is not None]
+        failed = [t.failure.detail for t in r.trajectories if not t.scored]
         if failed:
             raise SystemExit(f"error: {side}: {len(failed)} samples failed; the first: {failed[0]}")
         lengths = [len(t.token_ids()) for t in r.trajectories]

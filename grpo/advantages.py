@@ -114,21 +114,35 @@ def _set_extreme(gid: torch.Tensor, r: torch.Tensor, valid: torch.Tensor, num_gr
     return torch.where(is_top & (ties_g[gid] == 1), second_g[gid], out)
 
 
-def prompt_group_ids(input_ids_bt: torch.Tensor, token_mask_bt: torch.Tensor) -> torch.Tensor:
-    """Group ids ``[B]`` by prompt content: samples whose tokens before their first generated token are equal
-    share a group, also when they come from different dataloader rows, as NeMo-RL keys every estimator's
-    baseline by the initial prompt's token row (``prompt_ids_for_adv``, nemo_rl/algorithms/grpo.py:3120-3131 and
-    3294 at 7ea279a). A dataset that repeats prompts (DAPO-Math-17k holds each about 100 times) puts some twice
-    in a step; their 2n samples then share one baseline and std.
+def prompt_group_ids(input_ids_bt: torch.Tensor, token_mask_bt: torch.Tensor,
+                     attention_mask_bt: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """THE definition of a group: ids ``[B]`` by prompt content. Samples whose tokens before their first generated
+    token are equal share a group, also when they come from different dataloader rows. Every per-group statistic of
+    a step reads it (`grpo.batch.TrainBatch.prompt_groups`): the baseline and std of the estimators, the thin groups
+    dropped, DAPO's dynamic-sampling filter, the group reward shares and validation's pass@k. Why prompt tokens and
+    not the batch position: NeMo-RL keys every estimator's baseline by the initial prompt's token row
+    (``prompt_ids_for_adv``, nemo_rl/algorithms/grpo.py:3120-3131 and 3294 at 7ea279a), its dynamic sampling filters
+    on the std of that same baseline computation, and its pass@k groups by the prompt tokens
+    (``calculate_pass_rate_per_prompt``); one definition means the filter keeps exactly the groups whose advantages
+    can be non-zero. A dataset that repeats prompts (DAPO-Math-17k holds each about 100 times) puts some twice in a
+    step; their 2n samples then are one group (one baseline and std, kept or dropped together).
+
+    ``attention_mask_bt`` (1 on a row's tokens, 0 on its padding): a row that generated nothing (a sample that
+    failed before its first turn) is all prompt, and its padding is no part of it: it joins its prompt's group.
 
         >>> prompt_group_ids(torch.tensor([[5, 6, 1], [5, 6, 2], [7, 6, 3], [5, 6, 1]]), torch.tensor([[0, 0, 1]] * 4))
         tensor([0, 0, 1, 0])
+        >>> prompt_group_ids(torch.tensor([[5, 6, 1], [5, 6, 0]]), torch.tensor([[0, 0, 1], [0, 0, 0]]),
+        ...                  torch.tensor([[1, 1, 1], [1, 1, 0]]))
+        tensor([0, 0])
     """
     B, T = input_ids_bt.shape
     generated = token_mask_bt > 0
     first = torch.where(generated.any(1), generated.to(torch.long).argmax(1),
                         torch.full((B,), T, dtype=torch.long, device=input_ids_bt.device))
     in_prompt = torch.arange(T, device=input_ids_bt.device)[None, :] < first[:, None]
+    if attention_mask_bt is not None:
+        in_prompt = in_prompt & (attention_mask_bt > 0)
     return group_index(torch.where(in_prompt, input_ids_bt, -1))[0]
 
 

@@ -25,6 +25,10 @@ from typing import Optional, Union
 
 import torch
 
+from grpo.advantages import prompt_group_ids
+from grpo.trajectory import filled_components, filled_rewards
+
+
 def rank_slice(n: int, rank: int, world_size: int) -> slice:
     """Contiguous share of ``n`` items for ``rank`` (sizes differ by at most one).
 
@@ -51,15 +55,19 @@ class TrainBatch:
     attention_mask_bt: torch.Tensor
     token_mask_bt: torch.Tensor
     generation_logprobs_bt: torch.Tensor
-    group_ids_b: torch.Tensor
-    raw_rewards_b: torch.Tensor           # the environments' rewards, before penalties / scaling / shaping
+    group_ids_b: torch.Tensor             # its prompt's slot in the step (Trajectory.group_id; renumbered by dynamic
+    #                                       sampling): counts the prompts a step consumed. NOT the group of the
+    #                                       statistics: that is prompt_groups() (by prompt tokens)
+    raw_rewards_b: torch.Tensor           # the environments' rewards, before penalties / scaling / shaping (a row
+    #                                       not scored holds trajectory.UNSCORED_REWARD: read them under scored_b)
     rewards_b: torch.Tensor               # after them (the rewards phase)
     task_rewards_b: torch.Tensor          # after penalties and scaling, before shaping: dynamic sampling's
     response_lengths_b: torch.Tensor      # generated tokens
     truncated_b: torch.Tensor             # bool: a turn hit its length cap or the conversation ran out of room
     mask_sample_b: torch.Tensor           # bool: the environment flagged the sample (mask_sample)
-    failed_b: torch.Tensor                # bool: its environment or reward call failed (Trajectory.error is set)
-    valid_b: torch.Tensor                 # bool: counts in its group's statistics and may be trained (not failed,
+    scored_b: torch.Tensor                # bool: it has a reward (Trajectory.scored: no environment or reward call
+    #                                       failed for it); the one "is it scored" of the step, built once here
+    valid_b: torch.Tensor                 # bool: counts in its group's statistics and may be trained (scored,
     #                                       not flagged, its group not dropped): the estimators' valid_mask
     sample_mask_b: torch.Tensor           # float: 1 = trained (the sample-mask and advantages phases set zeros)
     message_spans: list[list[MessageSpan]]  # per sample, its generated assistant messages
@@ -96,6 +104,12 @@ class TrainBatch:
     def micro_batches(self, size: int) -> list[TrainBatch]:
         return micro_batches(self, size)
 
+    def prompt_groups(self) -> torch.Tensor:
+        """Group ids ``[B]`` of the rows by prompt tokens (`grpo.advantages.prompt_group_ids`, the one definition of
+        a group: a prompt that came twice in the batch is one group; a sample that failed before generating is in
+        its prompt's group)."""
+        return prompt_group_ids(self.input_ids_bt, self.token_mask_bt, self.attention_mask_bt)
+
 
 def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> TrainBatch:
     """Flatten trajectories (`grpo.trajectory.Trajectory`) into a right-padded `TrainBatch`.
@@ -103,11 +117,13 @@ def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> T
     Rewards start as the environments' rewards (``rewards_b = task_rewards_b = raw_rewards_b``); reward components
     become ``[B, K]`` with names sorted (a missing one is 0). Validity (`grpo.tasks.failures`):
 
-        failed_b = (error is not None)      valid_b = ¬failed_b ∧ ¬(mask_flagged ∧ mask_sample_b)
+        scored_b = Trajectory.scored (failure is None)      valid_b = scored_b ∧ ¬(mask_flagged ∧ mask_sample_b)
         sample_mask_b = valid_b
 
     ``mask_flagged``: ``env.should_mask_flagged_samples`` (NeMo-RL's key; false: a flagged sample is trained like
-    any other). A failed sample's reward is meaningless (0.0 as it stands): it never reaches a valid sample.
+    any other). A sample that is not scored has no reward (None); its row of the reward tensors holds
+    `grpo.trajectory.UNSCORED_REWARD` (`grpo.trajectory.filled_rewards`), a number only because a tensor needs
+    one: ``scored_b`` masks it out of every statistic, so it never reaches a valid sample.
     """
     B = len(trajectories)
     rows = [t.token_ids() for t in trajectories]
@@ -129,13 +145,12 @@ def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> T
                 sample_spans.append((pos, end, tuple(m.flags)))
             pos = end
         spans.append(sample_spans)
-    raw = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    scored_b = torch.tensor([t.scored for t in trajectories], dtype=torch.bool)
+    raw = torch.tensor(filled_rewards(trajectories), dtype=torch.float32)
     flagged_b = torch.tensor([bool(t.mask_sample) for t in trajectories], dtype=torch.bool)
-    failed_b = torch.tensor([t.error is not None for t in trajectories], dtype=torch.bool)
-    valid_b = ~failed_b & ~(flagged_b & mask_flagged)
+    valid_b = scored_b & ~(flagged_b & mask_flagged)
     names = tuple(sorted({k for t in trajectories for k in (t.reward_components or {})}))
-    comps = torch.tensor([[float((t.reward_components or {}).get(k, 0.0)) for k in names] for t in trajectories],
-                         dtype=torch.float32) if names else None
+    comps = torch.tensor(filled_components(trajectories, names), dtype=torch.float32) if names else None
     return TrainBatch(
         input_ids_bt=input_ids, attention_mask_bt=attention_mask, token_mask_bt=token_mask,
         generation_logprobs_bt=gen_lp,
@@ -143,7 +158,7 @@ def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> T
         raw_rewards_b=raw, rewards_b=raw.clone(), task_rewards_b=raw.clone(),
         response_lengths_b=torch.tensor([t.num_generated_tokens for t in trajectories], dtype=torch.long),
         truncated_b=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
-        mask_sample_b=flagged_b, failed_b=failed_b, valid_b=valid_b,
+        mask_sample_b=flagged_b, scored_b=scored_b, valid_b=valid_b,
         sample_mask_b=valid_b.float(), message_spans=spans, task_names=[t.task_name for t in trajectories],
         trajectories=list(trajectories),
         reward_components_bk=comps, task_components_bk=comps, component_names=names,

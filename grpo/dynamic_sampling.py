@@ -64,12 +64,14 @@ class DynamicSamplingCache:
         while (train_batch := cache.add(batch, prompt_ids, std)[0]) is None:
             batch, prompt_ids, std = generate_more()      # a fresh generation batch
 
-    ``add`` keeps the groups (rows sharing a prompt id *within that call*) where any ``std_b > 0``
-    (``std`` ``[B]``, or ``[B, K]`` per GDPO component: a group is kept when any component varies)
+    ``add`` keeps the groups (rows sharing a prompt id *within that call*: `grpo.batch.TrainBatch.prompt_groups`,
+    the estimators' groups, so a prompt drawn twice is one group of 2 · num_generations rows) where any
+    ``std_b > 0`` (``std`` ``[B]``, or ``[B, K]`` per GDPO component: a group is kept when any component varies)
     and appends them to the cache. Once the cache holds ``num_prompts · num_generations`` rows it
-    returns exactly that many (whole groups, in arrival order) with ``group_ids_b``
-    (0..num_prompts−1, unique across the generation batches that fed it), discards the rest (as
-    NeMo-RL does), and starts over for the next step. As NeMo-RL, it gives up (RuntimeError) when the
+    returns exactly that many (whole groups, in arrival order; the last may be cut as NeMo-RL cuts its rows) with
+    ``group_ids_b`` the prompt slots 0..num_prompts−1 (each run of ``num_generations`` kept rows one slot, unique
+    across the generation batches that fed it), discards the rest (as NeMo-RL does), and starts over for the
+    next step. As NeMo-RL, it gives up (RuntimeError) when the
     batch is still not full after ``max_gen_batches + 1`` generation batches: NeMo-RL counts the batch
     before generating it and raises once the count exceeds ``dynamic_sampling_max_gen_batches``.
 
@@ -112,10 +114,11 @@ class DynamicSamplingCache:
         gid, num_groups = group_index(prompt_ids)
         gid = gid.cpu()
         group_sizes = torch.bincount(gid, minlength=num_groups)
-        if num_groups and (group_sizes != self.num_generations).any():
+        if num_groups and (group_sizes % self.num_generations != 0).any():
             raise ValueError(
-                f"DynamicSamplingCache.add: every prompt group must have grpo.num_generations_per_prompt="
-                f"{self.num_generations} rows, got group sizes {sorted(set(group_sizes.tolist()))}"
+                f"DynamicSamplingCache.add: every prompt group must have a multiple of grpo.num_generations_per_prompt="
+                f"{self.num_generations} rows (a prompt drawn k times is one group of k·n), got group sizes "
+                f"{sorted(set(group_sizes.tolist()))}"
             )
         varies_b = (std_b.cpu() > 0).reshape(size, -1).any(dim=1)
         group_keep = torch.zeros(num_groups).index_add_(0, gid, varies_b.float()) > 0
@@ -127,10 +130,8 @@ class DynamicSamplingCache:
         self.num_zero_std += size - len(rows)
         if rows:
             kept = select_rows(batch, rows)
-            offset = self.num_cached // self.num_generations
-            local = {g: j for j, g in enumerate(kept_groups)}
-            group_ids = torch.tensor([offset + local[int(gid[i])] for i in rows], dtype=torch.long)
-            kept = kept.replace(group_ids_b=group_ids)
+            slots = self.num_cached // self.num_generations + torch.arange(len(rows)) // self.num_generations
+            kept = kept.replace(group_ids_b=slots)
             self.cached.append(kept)
             self.num_cached += len(rows)
 

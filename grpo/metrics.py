@@ -238,7 +238,8 @@ def global_valid_counts(
 
 
 def pass_at_k(rewards_b: torch.Tensor, group_ids_b: torch.Tensor) -> float:
-    """Fraction of prompts with at least one of their k samples rewarded (reward > 0).
+    """Fraction of prompts with at least one of their k samples rewarded (reward > 0); ``group_ids_b``: the prompt
+    groups (`grpo.batch.TrainBatch.prompt_groups`, by prompt tokens as NeMo-RL's ``calculate_pass_rate_per_prompt``).
 
         >>> pass_at_k(torch.tensor([0.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]))
         0.5
@@ -263,6 +264,6 @@ def rollout_counts(trajectories: Sequence) -> dict:
     tasks = sorted({t.task_name for t in trajectories})
     if len(tasks) > 1:
         for task in tasks:
-            rewards = [t.reward for t in trajectories if t.task_name == task and t.error is None]
+            rewards = [t.reward for t in trajectories if t.task_name == task and t.scored]
             out[f"reward_mean/{task}"] = sum(rewards) / len(rewards) if rewards else 0.0
     return out

@@ -57,9 +57,9 @@ def rollout_summary(trajectories: Sequence) -> dict:
         >>> from types import SimpleNamespace as T
         >>> turn = lambda n: T(token_ids=[0] * n, trained=True)
         >>> a = T(turns=1, terminated=True, max_turns_reached=False, truncated=False, num_generated_tokens=4,
-        ...       observation_tokens=0, reward=1.0, messages=[turn(4)])
+        ...       observation_tokens=0, reward=1.0, scored=True, messages=[turn(4)])
         >>> b = T(turns=3, terminated=False, max_turns_reached=True, truncated=False, num_generated_tokens=6,
-        ...       observation_tokens=2, reward=0.0, messages=[turn(1), turn(5)])
+        ...       observation_tokens=2, reward=0.0, scored=True, messages=[turn(1), turn(5)])
         >>> m = rollout_summary([a, b])
         >>> m["total_turns"], m["natural_termination_rate"], m["max_turns_reached_rate"], m["mean_total_tokens_per_sample"]
         (4, 0.5, 0.5, 6.0)
@@ -71,7 +71,7 @@ def rollout_summary(trajectories: Sequence) -> dict:
     gen = [t.num_generated_tokens for t in trajectories]
     env = [t.observation_tokens for t in trajectories]
     longest_turn = [max((len(m.token_ids) for m in t.messages if m.trained), default=0) for t in trajectories]
-    rewards = [float(t.reward) for t in trajectories if getattr(t, "error", None) is None] or [0.0]
+    rewards = [float(t.reward) for t in trajectories if t.scored] or [0.0]
     return {
         "total_turns": sum(turns),
         "avg_turns_per_sample": sum(turns) / n,
@@ -192,8 +192,13 @@ def reward_component_means(components: Mapping[str, Sequence[float] | torch.Tens
 
 def step_summary(batch) -> dict:
     """The summary metrics of a step's `grpo.batch.TrainBatch` (after the advantages phase): group reward shares of the
-    environments' rewards, the advantage summary, and the mean of each reward component."""
-    out = {**group_reward_shares(batch.raw_rewards_b, batch.group_ids_b),
+    environments' rewards over the scored samples, the advantage summary, and the mean of each reward component.
+
+    The shares count each prompt drawn (``group_ids_b``, its slot), not the estimators' groups
+    (`grpo.batch.TrainBatch.prompt_groups`): the two differ only where a prompt came twice in a step, and the CPU
+    demos' fingerprints pin these numbers as they are."""
+    scored_b = batch.scored_b  # a failed sample has no reward: its group's shares are over the others
+    out = {**group_reward_shares(batch.raw_rewards_b[scored_b], batch.group_ids_b[scored_b]),
            **advantage_summary(batch.advantages_bt, batch.token_mask_bt, batch.sample_mask_b)}
     if batch.reward_components_bk is not None:
         out.update(reward_component_means({name: batch.reward_components_bk[:, k]

@@ -21,7 +21,6 @@ import torch
 
 from grpo.advantages import (
     apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages, drop_thin_groups,
-    prompt_group_ids,
 )
 from grpo.batch import TrainBatch
 from grpo.logprobs import mask_by_seq_logprob_error
@@ -112,9 +111,10 @@ def _turns_open_thinking(traj, tokenizer, rp) -> list[bool]:
 
 def group_std_for_dynamic_sampling(batch: TrainBatch) -> torch.Tensor:
     """The std DAPO's group filter reads: of the unshaped task reward over each group's valid members, per
-    component for GDPO's components (`grpo.dynamic_sampling.group_reward_std`)."""
+    component for GDPO's components (`grpo.dynamic_sampling.group_reward_std`); groups by prompt tokens
+    (`TrainBatch.prompt_groups`), the estimators' groups."""
     task = batch.task_components_bk if batch.task_components_bk is not None else batch.task_rewards_b
-    return group_reward_std(batch.group_ids_b, task, batch.valid_b)
+    return group_reward_std(batch.prompt_groups(), task, batch.valid_b)
 
 
 # ---- validity: failed and flagged samples ----------------------------------------------------------
@@ -127,8 +127,7 @@ def mask_invalid_samples(batch: TrainBatch) -> tuple[TrainBatch, dict]:
     group's statistics (the estimators' ``valid_mask``). Counts (`failure_counts`): ``rollout/failed_samples/
     <reason>``, ``rollout/retries``, ``rollout/masked_samples`` (samples left invalid), ``rollout/dropped_groups``.
     """
-    groups_b = prompt_group_ids(batch.input_ids_bt, batch.token_mask_bt)
-    valid_b, dropped = drop_thin_groups(groups_b, batch.valid_b)
+    valid_b, dropped = drop_thin_groups(batch.prompt_groups(), batch.valid_b)
     batch = batch.replace(valid_b=valid_b)
     return batch, {**failure_counts(batch.trajectories), "rollout/masked_samples": int((~valid_b).sum().item()),
                    "rollout/dropped_groups": dropped}
@@ -140,11 +139,13 @@ def failure_counts(trajectories) -> dict:
     then succeeded).
 
         >>> from types import SimpleNamespace as T
-        >>> failure_counts([T(error=None, retries=1), T(error="env_timeout", retries=4), T(error=None, retries=0)])
+        >>> from grpo.trajectory import Failure
+        >>> failure_counts([T(failure=None, retries=1), T(failure=Failure.of("env_timeout"), retries=4),
+        ...                 T(failure=None, retries=0)])
         {'rollout/failed_samples': 1, 'rollout/retries': 5, 'rollout/failed_samples/env_timeout': 1}
     """
     trajs = [t for t in trajectories if t is not None]
-    reasons = [t.error for t in trajs if t.error is not None]
+    reasons = [t.failure.reason for t in trajs if t.failure is not None]
     out = {"rollout/failed_samples": len(reasons), "rollout/retries": sum(int(getattr(t, "retries", 0)) for t in trajs)}
     for reason in sorted(set(reasons)):
         out[f"rollout/failed_samples/{reason}"] = reasons.count(reason)
@@ -213,9 +214,8 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     if loss_cfg.use_kl_in_reward and batch.ref_logprobs_bt is not None:  # skipped at beta = 0: the term is 0
         kl_bt = calculate_kl(batch.prev_logprobs_bt, batch.ref_logprobs_bt, loss_cfg.reference_policy_kl_type,
                              loss_cfg.kl_input_clamp_value, loss_cfg.kl_output_clamp_value)
-    prompt_groups_b = prompt_group_ids(batch.input_ids_bt, batch.token_mask_bt)  # a repeated prompt: one group
     adv_bt = compute_advantages(
-        g.adv_estimator.name, group_ids=prompt_groups_b, rewards=batch.rewards_b,
+        g.adv_estimator.name, group_ids=batch.prompt_groups(), rewards=batch.rewards_b,  # a repeated prompt: one group
         valid_mask=valid_b.to(batch.rewards_b.dtype), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
         reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty,
         sample_mask=sample_mask_b, master_cfg=cfg)
@@ -310,7 +310,7 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     tokens, tokens/s. The environments' rewards, lengths and truncation are the rollout's
     (`grpo.rollout_metrics.rollout_summary`: ``mean_total_reward``, ``mean_gen_tokens_per_sample``, ...)."""
     lengths = batch.response_lengths_b.float()
-    scored_b = batch.raw_rewards_b[~batch.failed_b]  # a failed sample's reward is no score
+    scored_rewards = batch.raw_rewards_b[batch.scored_b]  # a failed sample has no reward
     agg = aggregate_rollout_metrics(train_results)
     # The loss of a GRPO step is the sum of its optimizer steps' losses; the other loss metrics are
     # means over micro-batches.
@@ -318,8 +318,8 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     agg.setdefault("kl_penalty", 0.0)
     out = {f"train/{k}": v for k, v in agg.items()}
     out.update({
-        "train/reward_std": scored_b.std().item() if len(scored_b) > 1 else 0.0,
-        "train/reward": batch.rewards_b[~batch.failed_b].mean().item() if len(scored_b) else 0.0,
+        "train/reward_std": scored_rewards.std().item() if len(scored_rewards) > 1 else 0.0,
+        "train/reward": batch.rewards_b[batch.scored_b].mean().item() if len(scored_rewards) else 0.0,
         "train/advantage_abs_mean": batch.advantages_bt.abs().sum().item() / max(batch.token_mask_bt.sum().item(), 1.0),
         "train/num_completion_tokens": lengths.sum().item(),
         "train/num_valid_samples": batch.sample_mask_b.sum().item(),

@@ -77,11 +77,11 @@ class Trajectory:
     named components (GDPO), summed over turns, or None; ``finish_reason`` of the last generated turn;
     ``truncated``: a turn hit its length cap or the conversation ran out of room; ``generation_version``:
     the oldest weight version that generated one of its turns (async GRPO); ``mask_sample``: the
-    environment asked to keep it out of the loss; ``error``: None, or the reason the sample failed after its
-    retries (a key of `REASONS`: "env_error", "env_timeout", "reward_error", ...), with
-    ``failure_kind`` its class ("infra" / "data") and ``error_detail`` its traceback or message: a failed
-    sample's ``reward`` is 0.0 and meaningless (it is masked out of the loss and out of its group's baseline,
-    never read for training); ``retries``: environment calls retried for it, successful retries included;
+    environment asked to keep it out of the loss; ``failure``: None, or why the sample failed after its retries
+    (a `Failure`: reason, kind, detail). A sample is *scored* (`scored`) exactly when it did not fail; a failed
+    sample has ``reward`` None and no components (`fail`): it is masked out of the loss and out of its group's
+    baseline, never scored 0 (``grpo.batch.TrainBatch.scored_b`` is this, per row); ``retries``: environment calls
+    retried for it, successful retries included;
     ``terminated``: the environment ended it (``terminateds``); ``max_turns_reached``: ``max_rollout_turns`` ended
     it while the environment had not (NeMo-RL's rollout metrics count both: `grpo.rollout_metrics`);
     ``stop_strings``: the data row's stop strings for the first turn (`row_stop_strings`), or None.
@@ -94,16 +94,14 @@ class Trajectory:
     answer: str
     messages: list[Message]
     metadata: dict
-    reward: float = 0.0
+    reward: float | None = 0.0  # None exactly when failed (`fail`)
     reward_components: dict[str, float] | None = None
     finish_reason: str = "stop"
     truncated: bool = False
     turns: int = 0
     generation_version: int = 0
     mask_sample: bool = False
-    error: str | None = None
-    error_detail: str | None = None
-    failure_kind: str | None = None
+    failure: Failure | None = None
     retries: int = 0
     done: bool = False
     num_prompt_messages: int = 0
@@ -111,6 +109,18 @@ class Trajectory:
     max_turns_reached: bool = False
     stop_strings: list[str] | None = None
     media: dict | None = None  # its images as the model's tensors (grpo.system.vision), shared by its prompt group
+
+    def __post_init__(self):
+        if self.failure is not None:  # a failed sample has no reward, whatever it was built with
+            self.reward, self.reward_components = None, None
+        elif self.reward is None:
+            raise ValueError(f"trajectory of prompt {self.prompt_index}: reward None without a failure (a sample "
+                             "has no reward exactly when it failed: Trajectory.fail)")
+
+    @property
+    def scored(self) -> bool:
+        """The sample has a reward: it did not fail (every "is this sample trained / counted" reads this)."""
+        return self.failure is None
 
     @property
     def observation_tokens(self) -> int:
@@ -133,20 +143,62 @@ class Trajectory:
         return [t for m in self.messages if m.trained for t in m.token_ids]
 
     def fail(self, failure: Failure) -> None:
-        """End this sample as failed: its reason, class and detail; no reward, neither this turn's nor the earlier
-        turns' (the trainer masks it, `grpo.tasks.failures`)."""
-        self.error, self.failure_kind, self.error_detail = failure.reason, failure.kind, failure.detail
-        self.reward, self.reward_components, self.done = 0.0, None, True
+        """End this sample as failed: its `Failure`; no reward (None), neither this turn's nor the earlier turns'
+        (the trainer masks it, `grpo.tasks.failures`)."""
+        self.failure = failure
+        self.reward, self.reward_components, self.done = None, None, True
 
     def to_dict(self) -> dict:
         """Plain python (checkpoints load it with ``torch.load(weights_only=True)``). ``media`` stays the same dict
         (never copied): the samples of a prompt group keep sharing one, so a replay group or a checkpoint holds a
-        prompt's images once (``torch.save`` writes an object referenced several times once and loads it shared)."""
+        prompt's images once (``torch.save`` writes an object referenced several times once and loads it shared);
+        ``failure`` as a dict."""
         return {**asdict(replace(self, media=None)), "media": self.media}
 
     @classmethod
     def from_dict(cls, d: dict) -> Trajectory:
+        """The inverse of `to_dict`; also reads the format before `Failure` was kept whole (flat ``error``,
+        ``failure_kind``, ``error_detail`` keys and a failed sample's ``reward`` 0.0: now its failure, reward None).
+
+            >>> old = {**Trajectory(0, 0, "t", "q", "a", [], {}).to_dict(), "error": "http_5xx",
+            ...        "failure_kind": "infra", "error_detail": "503"}
+            >>> del old["failure"]
+            >>> t = Trajectory.from_dict(old)
+            >>> t.failure, t.reward, t.scored
+            (Failure(reason='http_5xx', kind='infra', detail='503'), None, False)
+        """
+        d = dict(d)
+        reason, kind, detail = d.pop("error", None), d.pop("failure_kind", None), d.pop("error_detail", None)
+        failure = d.get("failure")
+        if failure is None and reason is not None:
+            failure = {"reason": reason, "kind": kind or REASONS.get(reason) or DATA, "detail": detail or ""}
+        if failure is not None:
+            d["failure"], d["reward"] = Failure(**failure), None
         return cls(**{**d, "messages": [Message(**m) for m in d["messages"]]})
+
+
+# What a tensor of rewards holds for a sample that is not scored (its reward is None): a number only because a tensor
+# needs one; every statistic reads such a tensor under the scored mask (`grpo.batch.TrainBatch.scored_b`).
+UNSCORED_REWARD = 0.0
+
+
+def filled_rewards(trajectories) -> list[float]:
+    """Each sample's reward, `UNSCORED_REWARD` for one that is not scored: the one place a missing reward becomes a
+    number (the training batch, the environments' batch and validation build their reward tensors with it).
+
+        >>> ok, failed = Trajectory(0, 0, "t", "q", "a", [], {}, reward=1.0), Trajectory(0, 0, "t", "q", "a", [], {})
+        >>> failed.fail(Failure.of("env_timeout"))
+        >>> filled_rewards([ok, failed]), [ok.scored, failed.scored]
+        ([1.0, 0.0], [True, False])
+    """
+    return [float(t.reward) if t.scored else UNSCORED_REWARD for t in trajectories]
+
+
+def filled_components(trajectories, names) -> list[list[float]]:
+    """Per sample, its reward components ``names`` (0.0 for one it has not got), all `UNSCORED_REWARD` for a sample
+    that is not scored (its components are None, `Trajectory.fail`), as `filled_rewards`."""
+    return [[float((t.reward_components or {}).get(k, 0.0)) if t.scored else UNSCORED_REWARD for k in names]
+            for t in trajectories]
 
 
 @dataclass

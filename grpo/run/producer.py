@@ -17,7 +17,7 @@ happen while the trainer trains: the producer hands their scoring to the trainer
 the trainer runs it while it waits for the groups of the step the rollout is for (`RolloutProducer.take`), so on
 every rank the same scoring passes run at the same point between two training steps.
 
-Samples whose environment or reward failed (`grpo.trajectory.Trajectory.error`) enter the deque as they came
+Samples whose environment or reward failed (`grpo.trajectory.Trajectory.failure`) enter the deque as they came
 back, failed and without a made-up reward: the trainer masks them and applies the step budget
 (``grpo.rollout_failure``). A rollout that fails as a whole (`grpo.system.rollout.RolloutError`) is retried on the
 next prompt batch; more than

@@ -72,7 +72,7 @@ def log_step(run: Run, step: int, batch, results: list[dict], metrics: dict, fai
     (non-finite losses, a collapsing policy: `grpo.system.health.StepChecks`), the row logged (``metrics``, in
     NeMo-RL's names as the phases made them), the rollouts dumped. A ``failure`` already known (a refit that broke)
     or found by the checks ends the step here: the later phases pass it on."""
-    failure = failure or run.checks.after_step(batch.trajectories, batch.raw_rewards_b, results, metrics)
+    failure = failure or run.checks.after_step(batch.raw_rewards_b, batch.scored_b, results, metrics)
     run.logger.log(metrics, step)
     run.logger.progress(step, metrics)
     dump_rollouts(run, "train", step, batch.trajectories, batch)
@@ -127,7 +127,7 @@ def skip_step(run: Run, step: int, last: StepEnd, batch, metrics: dict, epoch: i
     budget = run.checks.rollouts
     stop = budget.skipped(batch.trajectories)
     record_step(run.state, batch, step, trained=False)
-    run.logger.write(budget.skip_note(step, int(batch.failed_b.sum()), len(batch)))
+    run.logger.write(budget.skip_note(step, batch.scored_b))
     run.logger.log({**metrics, **budget.metrics(), "train/skipped_step": 1}, step)
     dump_rollouts(run, "train", step, batch.trajectories, batch)
     run.state.current_epoch = epoch

@@ -29,27 +29,28 @@ def validate(run: Run, generator, envs, step: int) -> dict:
     """
     import torch
 
+    from grpo.batch import build_batch
     from grpo.metrics import pass_at_k
     from grpo.rollout_metrics import rollout_summary
     from grpo.step import penalize
+    from grpo.trajectory import filled_rewards
 
     g = run.cfg.grpo
     n = min(len(run.val_ds), g.max_val_samples or len(run.val_ds))
     k = g.val_num_generations_per_prompt
     rows = [run.val_ds[i] for i in range(n)]
-    trajs, group_ids, timing, t0 = [], [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
+    trajs, timing, t0 = [], {"generate_s": 0.0, "env_step_s": 0.0}, time.perf_counter()
     bs = g.val_batch_size or n
     for start in range(0, n, bs):  # stream "val": validation's sampling profile (`grpo.run.run.turn_settings`)
         r = run_rollout(run, generator, envs, rows[start: start + bs], 0, start // bs, stream="val",
                         num_generations=k)
         trajs += r.trajectories
-        group_ids += [start + t.group_id for t in r.trajectories]
         timing = {key: v + r.timing[key] for key, v in timing.items()}
     # NeMo-RL's validate scores with its reward_penalties too: accuracy counts a zeroed sample as wrong.
-    rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor([float(t.reward) for t in trajs]), trajs,
+    rewards_b, _, penalty_metrics, _, _ = penalize(torch.tensor(filled_rewards(trajs)), trajs,
                                                    run.cfg.reward_penalties, run.tokenizer, run.cfg.env)
     rollout = rollout_summary(trajs)  # {} without samples
-    scored_b = torch.tensor([t.error is None for t in trajs], dtype=torch.bool)
+    scored_b = torch.tensor([t.scored for t in trajs], dtype=torch.bool)
     nothing_scored = not scored_b.any()  # a score of nothing is no score: NaN, never 0 (`failed_validation_note`)
     metrics = {
         "accuracy": float("nan") if nothing_scored else rewards_b[scored_b].mean().item(),
@@ -60,9 +61,9 @@ def validate(run: Run, generator, envs, step: int) -> dict:
         "failed_samples": float((~scored_b).sum().item()),
         **penalty_metrics,
     }
-    if k > 1:
+    if k > 1:  # per prompt: the step's groups (by prompt tokens, `grpo.batch.TrainBatch.prompt_groups`)
         metrics["pass_k"] = float("nan") if nothing_scored else pass_at_k(
-            rewards_b[scored_b], torch.tensor(group_ids, dtype=torch.long)[scored_b])
+            rewards_b[scored_b], build_batch(trajs, pad_id=0).prompt_groups()[scored_b])
     if nothing_scored:
         run.logger.write(failed_validation_note(step, trajs))
     timing["total_validation_time"] = time.perf_counter() - t0
@@ -77,7 +78,8 @@ def failed_validation_note(step: int, trajs: list) -> str:
     """The line of a validation whose samples all failed: how many, by reason, and the first one's detail.
 
         >>> from types import SimpleNamespace as T
-        >>> failed = T(error="reward_error", error_detail="Traceback ...\\nValueError: down", retries=1)
+        >>> from grpo.trajectory import Failure
+        >>> failed = T(failure=Failure.of("reward_error", "Traceback ...\\nValueError: down"), retries=1)
         >>> note = failed_validation_note(3, [failed, failed])
         >>> note[:84]
         'validation at step 3 failed: all 2 samples failed (reward_error: 2), none was scored'
@@ -88,7 +90,7 @@ def failed_validation_note(step: int, trajs: list) -> str:
 
     prefix = "rollout/failed_samples/"
     reasons = ", ".join(f"{k[len(prefix):]}: {v}" for k, v in failure_counts(trajs).items() if k.startswith(prefix))
-    detail = next((t.error_detail for t in trajs if t.error_detail), "") or ""
+    detail = next((t.failure.detail for t in trajs if t.failure is not None and t.failure.detail), "")
     last = detail.strip().splitlines()[-1][:300] if detail.strip() else ""
     return (f"validation at step {step} failed: all {len(trajs)} samples failed ({reasons}), none was scored: "
             f"validation/accuracy is NaN, not 0" + (f"; the first: {last}" if last else ""))

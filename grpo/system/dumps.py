@@ -18,7 +18,8 @@ Record schema (the loop builds each record with exactly these keys; ``write`` ch
     question           str    the prompt's question (None if the task has none)
     answer             any    the reference answer (None if the task has none)
     reward             float  the environment's reward: what train/mean_total_reward averages (reward
-                              penalties, which validation/accuracy applies, scaling and shaping show in the advantage)
+                              penalties, which validation/accuracy applies, scaling and shaping show in the advantage);
+                              None for a failed sample (dumps written before held 0.0 there)
     reward_components  dict   {name: float} as the environment returned them, or None
     advantage          float  mean advantage over the sample's trained tokens; None for validation
     masked             bool   the sample is excluded from the loss
@@ -31,8 +32,8 @@ Record schema (the loop builds each record with exactly these keys; ``write`` ch
     response_length    int    generated tokens
     logprob_error      float  mean over trained tokens of exp|generation - previous-policy logprob|
                               (``grpo.logprobs.seq_logprob_error``); None when unknown
-    error              str    None, or why the sample failed (a reason of ``grpo.tasks.failures.REASONS``): its
-                              reward is no score (it was masked, never trained on)
+    error              str    None, or why the sample failed (``Failure.reason``, a key of
+                              ``grpo.trajectory.REASONS``): it has no reward (it was masked, never trained on)
     failure_kind       str    None | "infra" | "data" (the failure's class)
     error_detail       str    None, or the failure's traceback / message
     retries            int    environment or reward calls retried for the sample (also when a retry succeeded)
@@ -132,7 +133,7 @@ def check_record(record: dict, split: str | None = None, step: int | None = None
         "split": (lambda v: v in SPLITS, f"one of {SPLITS}"),
         "task_name": (lambda v: isinstance(v, str), "a str"),
         "question": (lambda v: v is None or isinstance(v, str), "a str or None"),
-        "reward": (_is_number, "a number"),
+        "reward": (lambda v: v is None or _is_number(v), "a number, or None for a failed sample"),
         "reward_components": (lambda v: v is None or (isinstance(v, dict) and all(_is_number(x) for x in v.values())),
                               "None or a dict of numbers"),
         "advantage": (lambda v: v is None or _is_number(v), "a number or None"),
@@ -352,6 +353,18 @@ def wandb_table(records: list[dict]):
     return wandb.Table(columns=list(RECORD_KEYS), data=rows)
 
 
+def failure_fields(failure) -> dict:
+    """A `grpo.trajectory.Failure` (or None) as a record's flat ``error`` / ``failure_kind`` / ``error_detail``.
+
+        >>> from grpo.trajectory import Failure
+        >>> failure_fields(Failure.of("http_5xx", "503")), failure_fields(None)["error"]
+        ({'error': 'http_5xx', 'failure_kind': 'infra', 'error_detail': '503'}, None)
+    """
+    if failure is None:
+        return {"error": None, "failure_kind": None, "error_detail": None}
+    return {"error": failure.reason, "failure_kind": failure.kind, "error_detail": failure.detail}
+
+
 def rollout_records(trajectories: list, split: str, step: int, batch=None, overlong_filtering: bool = False
                     ) -> list[dict]:
     """Dump records (the schema above) of a rollout's trajectories (`grpo.trajectory.Trajectory`). ``batch``: the
@@ -373,10 +386,10 @@ def rollout_records(trajectories: list, split: str, step: int, batch=None, overl
                                       batch.token_mask_bt).tolist()
     records = []
     for i, t in enumerate(trajectories):
-        masked = (mask_b is not None and mask_b[i] == 0) or t.error is not None
+        masked = (mask_b is not None and mask_b[i] == 0) or not t.scored
         reason = None
         if masked:
-            reason = ("failed" if t.error is not None else
+            reason = ("failed" if not t.scored else
                       "mask_sample" if t.mask_sample and not valid_b[i] else
                       "dropped_group" if not valid_b[i] else
                       "overlong" if overlong_filtering and t.truncated else "logprob_error")
@@ -389,7 +402,7 @@ def rollout_records(trajectories: list, split: str, step: int, batch=None, overl
             "advantage": None if adv_b is None else adv_b[i], "masked": masked, "mask_reason": reason,
             "finish_reason": t.finish_reason, "truncated": t.truncated, "turns": t.turns,
             "response_length": t.num_generated_tokens, "logprob_error": None if err_b is None else err_b[i],
-            "error": t.error, "failure_kind": t.failure_kind, "error_detail": t.error_detail,
+            **failure_fields(t.failure),
             "retries": int(t.retries),
         })
     return records

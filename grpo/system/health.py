@@ -179,7 +179,7 @@ class RolloutBudget:
     falls short is *skipped* (no optimizer step, its prompts consumed, counted); ``max_consecutive`` skipped
     steps in a row stop the run (an outage must not become hours of training on nothing).
 
-        trainable(failed, n)   n − failed ≥ min_fraction · n
+        trainable(scored_b)    Σ scored_b ≥ min_fraction · n     (TrainBatch.scored_b: the samples with a score)
         skipped(trajectories)  count a skipped step, remember the environment's last error; True: stop now
         trained()              a step trained: the streak ends
 
@@ -187,10 +187,11 @@ class RolloutBudget:
     run's failed samples per reason and retries (`count`).
 
         >>> b = RolloutBudget(min_fraction=0.75, max_consecutive=2)
-        >>> b.trainable(1, 4), b.trainable(2, 4)
+        >>> b.trainable(torch.tensor([True, True, True, False])), b.trainable(torch.tensor([True, True, False, False]))
         (True, False)
         >>> from types import SimpleNamespace as T
-        >>> bad = [T(task_name="judge", error="http_5xx", failure_kind="infra", error_detail="Traceback...\\n503 down")]
+        >>> from grpo.trajectory import Failure
+        >>> bad = [T(task_name="judge", failure=Failure.of("http_5xx", "Traceback...\\n503 down"))]
         >>> b.skipped(bad), b.skipped(bad), b.skipped_steps
         (False, True, 2)
         >>> b.message()[:96]
@@ -208,8 +209,9 @@ class RolloutBudget:
         self.retries = 0
         self.last_error: str | None = None
 
-    def trainable(self, num_failed: int, num_samples: int) -> bool:
-        return num_samples - num_failed >= self.min_fraction * num_samples - 1e-9
+    def trainable(self, scored_b: torch.Tensor) -> bool:
+        """At least ``min_fraction`` of the samples are scored (``scored_b``: bool ``[B]``)."""
+        return int(scored_b.sum()) >= self.min_fraction * scored_b.numel() - 1e-9
 
     def count(self, trajectories: Sequence) -> None:
         """Add a rollout's failed samples and retries to the run totals; remember its last error."""
@@ -217,15 +219,15 @@ class RolloutBudget:
             if t is None:
                 continue
             self.retries += int(getattr(t, "retries", 0))
-            if t.error is not None:
-                self.failed_samples[t.error] = self.failed_samples.get(t.error, 0) + 1
+            if t.failure is not None:
+                self.failed_samples[t.failure.reason] = self.failed_samples.get(t.failure.reason, 0) + 1
                 self.last_error = last_error_text(t)
 
     def skipped(self, trajectories: Sequence) -> bool:
         """Count a skipped step (its failed samples name the environment's last error); True: the run stops."""
         self.skipped_steps += 1
         self.consecutive += 1
-        failed = [t for t in trajectories if t is not None and t.error is not None]
+        failed = [t for t in trajectories if t is not None and t.failure is not None]
         if failed:
             self.last_error = last_error_text(failed[-1])
         return self.consecutive >= self.max_consecutive
@@ -233,7 +235,8 @@ class RolloutBudget:
     def trained(self) -> None:
         self.consecutive = 0
 
-    def skip_note(self, step: int, num_failed: int, num_samples: int) -> str:
+    def skip_note(self, step: int, scored_b: torch.Tensor) -> str:
+        num_failed, num_samples = int((~scored_b).sum()), scored_b.numel()
         return (f"step {step} skipped: {num_failed} of {num_samples} samples failed, more than "
                 f"grpo.rollout_failure.min_step_batch_fraction={self.min_fraction} allows ({self.consecutive} in a row "
                 f"of max_consecutive_skipped_steps={self.max_consecutive}); last error: {self.last_error}")
@@ -265,13 +268,13 @@ def last_error_text(t) -> str:
     error text.
 
         >>> from types import SimpleNamespace as T
-        >>> last_error_text(T(task_name="math", error="reward_timeout", failure_kind="infra",
-        ...                   error_detail="no score within 5 s\\n"))
+        >>> from grpo.trajectory import Failure
+        >>> last_error_text(T(task_name="math", failure=Failure.of("reward_timeout", "no score within 5 s\\n")))
         "environment 'math': reward_timeout (infra): no score within 5 s"
     """
-    lines = [line.strip() for line in (t.error_detail or "").splitlines() if line.strip()]
-    kind = f" ({t.failure_kind})" if getattr(t, "failure_kind", None) else ""
-    return f"environment {t.task_name!r}: {t.error}{kind}" + (f": {lines[-1][:300]}" if lines else "")
+    f = t.failure
+    lines = [line.strip() for line in f.detail.splitlines() if line.strip()]
+    return f"environment {t.task_name!r}: {f.reason} ({f.kind})" + (f": {lines[-1][:300]}" if lines else "")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,10 +306,10 @@ class StepChecks:
         self.rollouts = RolloutBudget(f.min_step_batch_fraction, f.max_consecutive_skipped_steps)
         self.stop_kind: HealthStop | None = None  # why the checks stopped the run, or None
 
-    def after_step(self, trajectories: list, raw_rewards_b: torch.Tensor, train_results: list[dict],
+    def after_step(self, raw_rewards_b: torch.Tensor, scored_b: torch.Tensor, train_results: list[dict],
                    metrics: dict) -> str | None:
-        scored = [t is None or t.error is None for t in trajectories]  # a failed sample's reward is no score
-        raw_rewards_b = raw_rewards_b[torch.tensor(scored, dtype=torch.bool)]
+        """``raw_rewards_b`` read under ``scored_b`` (`grpo.batch.TrainBatch`'s): a failed sample has no score."""
+        raw_rewards_b = raw_rewards_b[scored_b]
         problem = nonfinite(rewards_b=raw_rewards_b)
         for r in train_results:
             problem = problem or nonfinite(r["loss"], r["grad_norm"])

@@ -195,7 +195,7 @@ def run_conversations(trajs: list[Trajectory], seed_keys: list[tuple], generator
                 t = trajs[i]
                 t.retries += retries[j]
                 if ret.failures[j] is not None:  # still failed after its retries: it ends here, unscored
-                    _fail(t, ret.failures[j])
+                    t.fail(ret.failures[j])
                     continue
                 _apply_step(t, ret, j)
                 if t.done:
@@ -295,13 +295,6 @@ def _by_task(trajs: list[Trajectory], idx: list[int]) -> dict[str, list[int]]:
 _PER_TURN_KEYS = (*MESSAGE_FLAGS, "reward_components")
 
 
-def _fail(t: Trajectory, failure) -> None:
-    """End sample t as failed (`grpo.tasks.failures.Failure`): its reason, class and detail; no reward, neither
-    this turn's nor the earlier turns' (the trainer masks it)."""
-    t.error, t.failure_kind, t.error_detail = failure.reason, failure.kind, failure.detail
-    t.reward, t.reward_components, t.done = 0.0, None, True
-
-
 def _apply_step(t: Trajectory, ret, j: int) -> None:
     """Fold sample j of an environment's (checked) return into its trajectory."""
     rewards = ret.rewards
@@ -384,7 +377,7 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
     trajectories are gathered over ``group`` (None: the default group). An exception on any rank becomes a
     `RolloutError` on every rank, so no rank is left waiting in a collective; so does a rollout that comes back
     with more or fewer than P x G samples. Samples whose environment failed after its retries are in it, failed
-    (``Trajectory.error``): the trainer masks them. ``player``: the run's `grpo.system.players.Player` (None: none):
+    (``Trajectory.failure``): the trainer masks them. ``player``: the run's `grpo.system.players.Player` (None: none):
     the samples of its tasks are played by it instead of `run_conversations`. ``score_pending``: the deferred scoring point
     (`grpo.system.deferred.DeferredScorers.score_pending`), called once on every rank after its conversations end
     (with none when they failed), before the environments' metrics; its seconds are ``reward_model_s``, also

@@ -324,7 +324,8 @@ class MetricsLogger:
 
     def print_samples(self, trajectories: list, n: int, title: str = "validation samples") -> None:
         """Print ``n`` samples (`grpo.trajectory.Trajectory`) as conversations: a single-turn sample as its
-        question and completion, a multi-turn one message by message; then the gold answer and reward."""
+        question and completion, a multi-turn one message by message; then the gold answer and reward (a failed
+        sample's failure instead: it has no reward)."""
         if not self.enabled or n <= 0 or not trajectories:
             return
         lines = [f"---- {title} ({min(n, len(trajectories))} of {len(trajectories)}) ----"]
@@ -334,7 +335,8 @@ class MetricsLogger:
             else:
                 lines.append(f"Q: {t.question!r}")
                 lines += [f"  [{m.role}] {m.content!r}" for m in t.messages[t.num_prompt_messages:]]
-            lines[-1] += f"  (gold {t.answer!r}, reward {t.reward:.3g}" + (f", {t.turns} turns)" if t.turns > 1 else ")")
+            score = f"reward {t.reward:.3g}" if t.scored else f"failed: {t.failure.reason} ({t.failure.kind})"
+            lines[-1] += f"  (gold {t.answer!r}, {score}" + (f", {t.turns} turns)" if t.turns > 1 else ")")
         self.write("\n".join(lines))
 
     def close(self) -> None:

@@ -365,7 +365,7 @@ def gym_metrics(trajectories) -> dict[str, float]:
     ones left out): turns, total and generated tokens per sample and the longest turn, each as `single_metric`;
     ``natural_termination_rate`` / ``truncation_rate`` (NeMo-RL: a sample truncated when its tokens reach the
     context length); per agent, every numeric top-level field of its results as ``<agent>/<field>/<stat>``."""
-    done = [t for t in trajectories if t.error is None]
+    done = [t for t in trajectories if t.scored]
     if not done:
         return {}
     turns = [sum(1 for m in t.messages if m.role == "user") for t in done]
@@ -433,4 +433,4 @@ class NemoGymEnvironment(Environment):
     def global_post_process_and_metrics(self, batch: dict) -> tuple[dict, dict]:
         """NeMo-RL's Gym rollout metrics (`gym_metrics`) and the failed samples' count."""
         trajs = batch["trajectories"]
-        return batch, {**gym_metrics(trajs), "failed_samples": sum(t.error is not None for t in trajs)}
+        return batch, {**gym_metrics(trajs), "failed_samples": sum(not t.scored for t in trajs)}

@@ -50,10 +50,10 @@ def add_score(t, p: PendingScore, score: float) -> str | None:
         >>> add_score(t, PendingScore(0, [5, 6], component="rm", own="rm"), 0.5)
         >>> t.reward, t.reward_components, t.metadata
         (1.5, {'math': 1.0, 'rm': 0.5}, {'combined_rewards': {'math': 1.0, 'rm': 0.5}})
-        >>> add_score(t, PendingScore(0, [5, 6]), float("nan")), t.error, t.reward
-        ("the reward model's score is nan: expected a finite number", 'env_malformed', 0.0)
+        >>> add_score(t, PendingScore(0, [5, 6]), float("nan")), t.failure.reason, t.reward
+        ("the reward model's score is nan: expected a finite number", 'env_malformed', None)
     """
-    if t.error is not None:  # failed already (by another reward model's score): nothing to add to
+    if not t.scored:  # failed already (by another reward model's score): nothing to add to
         return None
     problem = reward_problem(score, "the reward model's score") or reward_problem(t.reward + p.weight * score,
                                                                                  "the sample's reward with it")

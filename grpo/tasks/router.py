@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from grpo.tasks.failures import RetryPolicy, failure_of_exception
+from grpo.trajectory import filled_components, filled_rewards
 from grpo.tasks.function import EnvError
 from grpo.tasks.interface import Environment, EnvironmentReturn, check_return
 from grpo.trajectory import INFRA, Failure
@@ -320,8 +321,8 @@ def rollout_batch(trajectories: list) -> dict:
     - ``extra_env_info``: the sample's metadata as the environment left it; ``task_name``; ``idx``: the data
       row's index (a list); ``stop_strings``: the row's first-turn stop strings (or None);
     - ``length``: prompt tokens [B]; ``batch_max_length`` [B]; ``loss_multiplier`` [B]: 0.0 for samples the
-      environment masked (``mask_sample``) and failed ones (``Trajectory.error``: their ``total_reward`` is a
-      0.0 placeholder, not a score), else 1.0;
+      environment masked (``mask_sample``) and failed ones (not ``Trajectory.scored``: their ``total_reward`` is
+      ``UNSCORED_REWARD``, a placeholder, not a score), else 1.0;
     - ``total_reward`` [B] (float32) and ``truncated`` [B] (bool); each named reward component (dict rewards)
       under its own name, [B] (0.0 where a sample has not got it).
 
@@ -356,7 +357,7 @@ def rollout_batch(trajectories: list) -> dict:
         return d
 
     length = torch.tensor(n_prompt, dtype=torch.long)
-    total = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    total = torch.tensor(filled_rewards(trajectories), dtype=torch.float32)
     truncated = torch.tensor([t.truncated for t in trajectories], dtype=torch.bool)
     batch = {
         "message_log": [[message(m) for m in t.messages] for t in trajectories],
@@ -366,7 +367,7 @@ def rollout_batch(trajectories: list) -> dict:
         "stop_strings": [getattr(t, "stop_strings", None) for t in trajectories],
         "length": length,
         "batch_max_length": torch.full_like(length, width),
-        "loss_multiplier": torch.tensor([0.0 if t.mask_sample or t.error is not None else 1.0 for t in trajectories]),
+        "loss_multiplier": torch.tensor([1.0 if t.scored and not t.mask_sample else 0.0 for t in trajectories]),
         "total_reward": total,
         "truncated": truncated,
         "rewards": total.clone(),
@@ -377,7 +378,7 @@ def rollout_batch(trajectories: list) -> dict:
         "trajectories": list(trajectories),
     }
     names = sorted({k for t in trajectories for k in (t.reward_components or {})} - set(batch))
-    for name in names:
-        batch[name] = torch.tensor([(t.reward_components or {}).get(name, 0.0) for t in trajectories],
-                                   dtype=torch.float32)
+    comps = filled_components(trajectories, names)
+    for k, name in enumerate(names):
+        batch[name] = torch.tensor([row[k] for row in comps], dtype=torch.float32)
     return batch

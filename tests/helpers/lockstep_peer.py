@@ -206,7 +206,8 @@ def agents(rank: int, world: int, gen: LockstepGeneration, inner: Collective) ->
     dist.barrier()  # every trainer's rollout is done: a trainer that closes stops every driver
     endpoint.close()
     gen.close()
-    return {"samples": [(t.task_name, t.error, t.reward, t.generation_version) for t in rollout.trajectories],
+    return {"samples": [(t.task_name, t.failure and t.failure.reason, t.reward, t.generation_version)
+                        for t in rollout.trajectories],
             "log": inner.log}
 
 

@@ -34,7 +34,7 @@ def main(rm_dir: str, out: str, placement: str, shares: str) -> None:
     from grpo.system.dist import all_gather_objects, init_distributed
     from grpo.wings.reward_model.scorer import RewardModels
     from grpo.wings.reward_model.environment import RewardModelEnvironment
-    from grpo.trajectory import Trajectory
+    from grpo.trajectory import Failure, Trajectory
 
     torch.manual_seed(0)
     rank, _, world_size, device = init_distributed()
@@ -55,7 +55,7 @@ def main(rm_dir: str, out: str, placement: str, shares: str) -> None:
                                                                                          ret.rewards.tolist())]
     for t in trajs:
         if t.prompt_index == FAILED:  # a failed sample keeps no score
-            t.error = "env_error"
+            t.fail(Failure.of("env_error"))
     models.score_pending(trajs)
     rewards = all_gather_objects([[t.reward for t in trajs]])
     calls = all_gather_objects([forwards])

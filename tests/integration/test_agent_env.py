@@ -62,7 +62,7 @@ def test_an_agents_trajectory_is_the_tokens_it_generated(endpoint):
     trajs, envs = _play(endpoint, {"fn": f"{FNS}:calc_agent"})
     tok = endpoint.tokenizer
     for t in trajs:
-        assert (t.reward, t.reward_components, t.error, t.mask_sample, t.turns) == (1.0, {"answered": 1.0}, None,
+        assert (t.reward, t.reward_components, t.failure, t.mask_sample, t.turns) == (1.0, {"answered": 1.0}, None,
                                                                                        False, 2)
         assert [(m.role, m.trained) for m in t.messages] == [("user", False), ("assistant", True), ("user", False),
                                                              ("assistant", True)]
@@ -76,9 +76,9 @@ def test_an_agents_trajectory_is_the_tokens_it_generated(endpoint):
 
 def test_an_agent_program(endpoint):
     trajs, _ = _play(endpoint, {"command": [sys.executable, "-m", FNS]})
-    assert [(t.reward, t.error, t.turns) for t in trajs] == [(1.0, None, 2)] * 2
+    assert [(t.reward, t.failure, t.turns) for t in trajs] == [(1.0, None, 2)] * 2
     trajs, _ = _play(endpoint, {"command": [sys.executable, "-m", FNS]}, question="crash")
-    assert trajs[0].error == "env_error" and "fell over" in trajs[0].error_detail
+    assert trajs[0].failure.reason == "env_error" and "fell over" in trajs[0].failure.detail
 
 
 def test_a_rewritten_history_is_masked_and_counted_never_retemplated(endpoint):
@@ -98,7 +98,7 @@ def test_a_rewritten_history_is_masked_and_counted_never_retemplated(endpoint):
 def test_failed_agents_fail_their_samples(endpoint, agent, reason, kind, words):
     trajs, envs = _play(endpoint, agent)
     for t in trajs:
-        assert (t.error, t.failure_kind, t.reward) == (reason, kind, 0.0) and words in t.error_detail
+        assert (t.failure.reason, t.failure.kind, t.reward) == (reason, kind, None) and words in t.failure.detail
     assert envs.post_process(trajs)[1]["env/agent/failed_samples"] == 2.0
 
 
@@ -146,7 +146,7 @@ def test_an_agent_sample_whose_calls_span_weight_versions_is_aged_by_its_oldest_
     finally:
         ep.close()
     t = version_first[0]
-    assert t.turns == 2 and t.error is None and ep.weight_version == 6  # its calls: versions 5, then 6
+    assert t.turns == 2 and t.scored and ep.weight_version == 6  # its calls: versions 5, then 6
     assert t.generation_version == 5
     group = groups_from_trajectories([t])[0]
     assert group.version == 5
@@ -192,7 +192,7 @@ def test_the_demo_agent_ends_a_conversation_that_outgrows_the_context_unanswered
     finally:
         ep.close()
     t = trajs[0]
-    assert (t.error, t.reward, t.mask_sample) == (None, 0.0, False)
+    assert (t.failure, t.reward, t.mask_sample) == (None, 0.0, False)
     # two calls fit (their tokens trained); the third (of MAX_TURNS=3), with both tool results, had no room
     assert [m.role for m in t.messages] == ["user", "assistant", "user", "assistant"]
     _, metrics = envs.post_process(trajs)

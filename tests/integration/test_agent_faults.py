@@ -50,8 +50,8 @@ def test_an_agent_that_never_yields_is_abandoned_at_its_timeout(endpoint, agent)
     trajs, envs = _play(endpoint, {"fn": f"{FNS}:{agent}", "timeout_s": 0.5})
     assert agent_fns.WOKE == []  # play returned while the agents were still blocked or spinning
     for t in trajs:
-        assert (t.error, t.failure_kind, t.reward) == ("env_timeout", "infra", 0.0), t.error_detail
-        assert "timeout_s=0.5" in t.error_detail
+        assert (t.failure.reason, t.failure.kind, t.reward) == ("env_timeout", "infra", None), t.failure.detail
+        assert "timeout_s=0.5" in t.failure.detail
     assert envs.post_process(trajs)[1]["env/agent/failed_samples"] == 2.0
     if agent == "spinning_agent":  # it never awaits, so only an exception raised inside its thread ends it
         assert agent_fns.SPUN_OUT.wait(10)
@@ -62,7 +62,7 @@ def test_a_program_that_ignores_sigterm_is_killed_with_its_children_at_its_timeo
     pids = tmp_path / "pids"
     script = f"trap '' TERM; sleep 1000 & echo $$ $! > {pids}; wait"
     trajs, _ = _play(endpoint, {"command": ["bash", "-c", script], "timeout_s": 1.0}, n=1)
-    assert trajs[0].error == "env_timeout"
+    assert trajs[0].failure.reason == "env_timeout"
     running = [int(p) for p in pids.read_text().split()]
     deadline = time.monotonic() + 10
     while (running := [p for p in running if _alive(p)]) and time.monotonic() < deadline:
@@ -82,10 +82,10 @@ def test_a_timed_out_agent_is_retried_until_a_stop_is_requested(endpoint):
     set no sample is retried, so a stop waits for no more than the attempts running (one timeout_s)."""
     agent = {"fn": f"{FNS}:blocking_agent", "timeout_s": 0.3}
     trajs, _ = _play(endpoint, agent, rollout_failure=_retry(infra=3))
-    assert [(t.error, t.retries) for t in trajs] == [("env_timeout", 2)] * 2
+    assert [(t.failure.reason, t.retries) for t in trajs] == [("env_timeout", 2)] * 2
     stopping = AgentPlayer(endpoint, stop_requested=lambda: True)
     trajs, _ = _play(endpoint, agent, rollout_failure=_retry(infra=3), player=stopping)
-    assert [(t.error, t.retries) for t in trajs] == [("env_timeout", 0)] * 2
+    assert [(t.failure.reason, t.retries) for t in trajs] == [("env_timeout", 0)] * 2
 
 
 def test_an_agent_that_never_closes_its_client_prints_no_event_loop_traceback(endpoint, caplog):
@@ -93,7 +93,7 @@ def test_an_agent_that_never_closes_its_client_prints_no_event_loop_traceback(en
     then; its connections belonged to the agent's loop, closed by then: ``RuntimeError: Event loop is closed`` from
     a task nobody awaited. The agent's loop now closes its connections as it closes."""
     trajs, _ = _play(endpoint, {"fn": f"{FNS}:leaky_agent"})
-    assert [t.error for t in trajs] == [None, None] and len(agent_fns.LEAKED) == 2
+    assert [t.failure for t in trajs] == [None, None] and len(agent_fns.LEAKED) == 2
 
     async def collected_later():  # the next loop of the run (the next rollout, the endpoint's)
         agent_fns.LEAKED.clear()
@@ -117,11 +117,11 @@ def test_a_program_that_prints_without_end_costs_bounded_memory(endpoint, questi
     finally:
         tracemalloc.stop()
     t = trajs[0]
-    assert t.error == error and t.turns == 2
+    assert (t.failure and t.failure.reason) == error and t.turns == 2
     if error is None:
         assert t.reward == 1.0  # the result line, read after 32 MB of log lines
     else:
-        assert "exited with status 3" in t.error_detail and "the last words on stderr" in t.error_detail
+        assert "exited with status 3" in t.failure.detail and "the last words on stderr" in t.failure.detail
     assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB held for 64 MiB of output"
 
 
@@ -135,7 +135,7 @@ def test_a_failed_attempt_is_retried_under_a_fresh_key_and_trained_on_the_retrys
     failed)."""
     trajs, _ = _play(endpoint, {"fn": f"{FNS}:{agent}", "timeout_s": timeout_s}, n=1, rollout_failure=_retry())
     t = trajs[0]
-    assert (t.error, t.reward, t.retries, t.turns) == (None, 1.0, 1, 2), t.error_detail
+    assert (t.failure, t.reward, t.retries, t.turns) == (None, 1.0, 1, 2), t.failure
     assert endpoint.tokenizer.decode(t.token_ids()) == CALC_TRAJECTORY  # no "FIRST TRY" in it
     (first_key,) = agent_fns.FIRST_KEYS
     client = openai.OpenAI(base_url=endpoint.base_url, api_key=first_key, max_retries=0)
@@ -147,5 +147,5 @@ def test_a_failed_attempt_is_retried_under_a_fresh_key_and_trained_on_the_retrys
 def test_a_sample_whose_attempts_all_fail_keeps_its_last_failure_and_counts_its_retries(endpoint):
     """A deterministic failure (the agent's own bug: data) takes max_data_attempts_per_prompt attempts in all."""
     trajs, envs = _play(endpoint, {"fn": f"{FNS}:broken_agent"}, rollout_failure=_retry(data=2))
-    assert [(t.error, t.failure_kind, t.retries) for t in trajs] == [("env_error", "data", 1)] * 2
+    assert [(t.failure.reason, t.failure.kind, t.retries) for t in trajs] == [("env_error", "data", 1)] * 2
     assert envs.post_process(trajs)[1]["env/agent/failed_samples"] == 2.0

@@ -246,7 +246,7 @@ def test_an_agents_picture_trajectory_trains_token_exact(served):
     rows = [PromptRow(0, "go", "red", "agent", [{"role": "user", "content": "go", "token_ids": ids}], ids)]
     trajs = new_trajectories(rows, 2)
     AgentPlayer(served).play(trajs, [(1, 0, i, "train") for i in range(2)], envs)
-    assert all(t.error is None and not t.mask_sample and t.turns == 2 for t in trajs), [t.error_detail for t in trajs]
+    assert all(t.failure is None and not t.mask_sample and t.turns == 2 for t in trajs), [t.failure for t in trajs]
     assert all(t.media["pixel_values"].shape[0] == 2 for t in trajs)
     assert abs(mult_prob_error(served.model, trajs, served.tokenizer.pad_token_id) - 1.0) < 1e-3
     # the pictures are what makes it exact: the tool result's picture swapped for another, the same tokens score

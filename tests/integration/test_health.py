@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpo.system.health import CollapseWatch, NonFiniteGuard, RolloutBudget, nonfinite, overflow_check_gap, skip_nonfinite_loss
+from grpo.trajectory import Failure
 from tests.helpers.batches import train_batch
 
 NAN, INF = float("nan"), float("inf")
@@ -165,12 +166,15 @@ def test_collapse_watch_zero_grad_norm_only_counts_when_rewards_vary():
 # the step budget of failed rollouts (grpo.rollout_failure)
 # --------------------------------------------------------------------------------------------------
 def _failed(task="judge", reason="http_5xx", detail="Traceback (most recent call last):\n  ...\nHTTPError: 503"):
-    return SimpleNamespace(task_name=task, error=reason, failure_kind="infra", error_detail=detail, retries=4)
+    return SimpleNamespace(task_name=task, failure=Failure.of(reason, detail), retries=4)
 
 
 def test_rollout_budget_trains_at_the_fraction_skips_below_and_stops_after_the_streak():
     budget = RolloutBudget(min_fraction=0.9, max_consecutive=3)
-    assert budget.trainable(1, 10) and not budget.trainable(2, 10) and budget.trainable(0, 1)
+    def scored(n_failed, n):
+        return torch.arange(n) >= n_failed
+
+    assert budget.trainable(scored(1, 10)) and not budget.trainable(scored(2, 10)) and budget.trainable(scored(0, 1))
     assert not budget.skipped([_failed()]) and not budget.skipped([_failed(task="other")])
     budget.trained()  # a trained step ends the streak, not the run total
     assert (budget.consecutive, budget.skipped_steps) == (0, 2)
@@ -182,7 +186,7 @@ def test_rollout_budget_trains_at_the_fraction_skips_below_and_stops_after_the_s
 
 def test_rollout_budget_counters_survive_a_checkpoint():
     budget = RolloutBudget(0.5, 4)
-    budget.count([_failed(), SimpleNamespace(task_name="judge", error=None, retries=1), None])
+    budget.count([_failed(), SimpleNamespace(task_name="judge", failure=None, retries=1), None])
     budget.skipped([_failed()])
     state = budget.state_dict()
     again = RolloutBudget(0.5, 4)

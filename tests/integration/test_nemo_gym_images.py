@@ -66,7 +66,7 @@ def test_a_gym_row_with_an_image_trains_on_its_picture_token_exact(gym):
     play_gym(env, trajs, [(1, 0, i, "train") for i in range(len(trajs))], endpoint, RETRY)
     image_id = endpoint.tokenizer.convert_tokens_to_ids("<image>")
     for t in trajs:
-        assert t.error is None, t.error_detail
+        assert t.failure is None, t.failure
         assert t.media["pixel_values"].shape[0] == 1 and t.token_ids().count(image_id) == IMAGE_TOKENS
         assert MEDIA_KEY not in json.dumps(t.metadata["nemo_gym_result"], default=str)
     # each sample carries its own row's picture: red rows and blue rows differ

@@ -110,7 +110,7 @@ def test_a_trajectory_is_exactly_the_tokens_of_the_model_calls(gym):
     before = len(endpoint.backend.calls)
     [t] = _play(gym, [_row("37*58=", "2146")])
     tok = endpoint.tokenizer
-    assert (t.error, t.reward, t.reward_components, t.mask_sample, t.turns) == (None, 1.0, {"correct": 1.0}, False, 2)
+    assert (t.failure, t.reward, t.reward_components, t.mask_sample, t.turns) == (None, 1.0, {"correct": 1.0}, False, 2)
     assert [(m.role, m.trained) for m in t.messages] == [("user", False), ("assistant", True), ("user", False),
                                                          ("assistant", True)]
     assert tok.decode(t.token_ids()) == "<bos>37*58=<calc>37*58</calc><eos><r>2146</r>2146<eos>"
@@ -132,7 +132,7 @@ def test_answers_that_come_back_out_of_order_are_regrouped_by_row(gym):
                                                    agent="fault_agent")]
     trajs = _play(gym, records)
     tok = gym[0].tokenizer
-    assert [t.error for t in trajs] == [None] * 5
+    assert [t.failure for t in trajs] == [None] * 5
     assert [tok.decode(t.messages[0].token_ids) for t in trajs[:4]] == ["<bos>37*58=", "<bos>3+4=", "<bos>37*58=",
                                                                        "<bos>5+2="]
     assert [t.turns for t in trajs] == [2, 1, 2, 1, 1]
@@ -143,7 +143,7 @@ def test_validation_rows_get_the_validation_sampling(gym):
     endpoint, env, _ = gym
     # the endpoint answers 400 to sampling that is neither profile; a row stamped with validation's is answered
     trajs = _play(gym, [_row("3+4=", "7", tools=False)], stream="val")
-    assert trajs[0].error is None and trajs[0].reward == 1.0
+    assert trajs[0].scored and trajs[0].reward == 1.0
 
 
 def test_the_endpoint_answers_gyms_model_server_as_nemo_rls_vllm_server_does(gym):
@@ -167,7 +167,7 @@ def test_the_endpoint_answers_gyms_model_server_as_nemo_rls_vllm_server_does(gym
 
 def test_mask_sample_and_reward_components_are_honoured(gym):
     [t] = _play(gym, [_row("3+4=", "8", tools=False, instance_config={"mask_sample": True})])
-    assert (t.error, t.reward, t.reward_components, t.mask_sample) == (None, 0.0, {"correct": 0.0}, True)
+    assert (t.failure, t.reward, t.reward_components, t.mask_sample) == (None, 0.0, {"correct": 0.0}, True)
 
 
 def test_a_non_contiguous_result_raises(gym):
@@ -183,8 +183,8 @@ def test_components_that_do_not_sum_to_the_reward_raise(gym):
 def test_server_errors_are_retried_then_masked_never_scored(gym):
     trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault="status_503"),
                         _row("1+1=", "2", agent="fault_agent", fault="status_422"), _row("3+4=", "7", tools=False)])
-    assert [(t.error, t.failure_kind, t.retries) for t in trajs] == [("http_5xx", "infra", 1), ("http_4xx", "data", 0),
-                                                                      (None, None, 0)]
+    assert [(t.failure and (t.failure.reason, t.failure.kind), t.retries) for t in trajs] == [
+        (("http_5xx", "infra"), 1), (("http_4xx", "data"), 0), (None, 0)]
     assert trajs[2].reward == 1.0
 
 
@@ -225,17 +225,17 @@ def test_servers_you_started_are_found_through_the_head_server(gym, tmp_path):
 
 def _refused(t, *words: str) -> None:
     """Sample ``t`` failed as env_malformed (never trained), its detail naming the fault agent's server and row."""
-    assert (t.error, t.failure_kind, t.reward) == ("env_malformed", "data", 0.0), (t.error, t.error_detail)
-    assert "'fault_agent' (http://127.0.0.1:" in t.error_detail
-    assert f"train data row {t.prompt_index}:" in t.error_detail
+    assert (t.failure.reason, t.failure.kind, t.reward) == ("env_malformed", "data", None), t.failure
+    assert "'fault_agent' (http://127.0.0.1:" in t.failure.detail
+    assert f"train data row {t.prompt_index}:" in t.failure.detail
     for word in words:
-        assert word in t.error_detail, t.error_detail
+        assert word in t.failure.detail, t.failure.detail
 
 
 def test_a_result_of_tokens_the_endpoint_never_generated_is_refused(gym):
     trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault="forged"), _row("3+4=", "7", tools=False)])
     _refused(trajs[0], "no generation the run's endpoint made")
-    assert (trajs[1].error, trajs[1].reward) == (None, 1.0)
+    assert (trajs[1].failure, trajs[1].reward) == (None, 1.0)
 
 
 def test_a_generation_backs_one_sample_only(gym):
@@ -243,11 +243,11 @@ def test_a_generation_backs_one_sample_only(gym):
     the same rollout or a later one."""
     trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", tag="same"),
                         _row("1+1=", "2", agent="fault_agent", fault="replay", tag="same")])
-    assert sorted(t.error is None for t in trajs) == [False, True]
-    _refused(next(t for t in trajs if t.error is not None), "another sample claimed")
+    assert sorted(t.scored for t in trajs) == [False, True]
+    _refused(next(t for t in trajs if not t.scored), "another sample claimed")
     [first] = _play(gym, [_row("5+2=", "7", agent="fault_agent", tag="later")])
     [replayed] = _play(gym, [_row("5+2=", "7", agent="fault_agent", fault="replay", tag="later")])
-    assert first.error is None
+    assert first.scored
     _refused(replayed, "no generation the run's endpoint made")
 
 
@@ -257,7 +257,7 @@ def test_token_ids_outside_the_vocabulary_fail_their_sample_only(gym, fault):
     field, token = fault.split("_")[1:]
     trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault=fault), _row("3+4=", "7", tools=False)])
     _refused(trajs[0], f"{field}_token_ids[0]={token} is not a token id of the policy's tokenizer (ints in [0, 89))")
-    assert (trajs[1].error, trajs[1].reward) == (None, 1.0)
+    assert (trajs[1].failure, trajs[1].reward) == (None, 1.0)
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0.5", "-inf"])
@@ -265,7 +265,7 @@ def test_a_logprob_must_be_finite_and_not_above_zero(gym, value):
     trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault=f"logprob_{value}"), _row("3+4=", "7",
                                                                                               tools=False)])
     _refused(trajs[0], f"generation_log_probs[0]={float(value)} is not a log-probability (finite and <= 0)")
-    assert (trajs[1].error, trajs[1].reward) == (None, 1.0)
+    assert (trajs[1].failure, trajs[1].reward) == (None, 1.0)
 
 
 def _gated_cfg(low: int, data: dict | None = None):
@@ -291,7 +291,7 @@ def test_a_server_bound_on_the_head_servers_port_first_is_not_trusted(gym, tmp_p
         assert servers.foreign_ports == [int(decoy.url.rsplit(":", 1)[1])]
         assert servers.head_url != decoy.url and env.agent_urls["calc_simple_agent"] != decoy.url
         trajs = _play((endpoint, env, servers), [_row("3+4=", "7", tools=False)])
-        assert (trajs[0].error, trajs[0].reward) == (None, 1.0) and decoy.runs == 0
+        assert (trajs[0].failure, trajs[0].reward) == (None, 1.0) and decoy.runs == 0
     finally:
         servers.close()
         decoys.close()
@@ -373,7 +373,7 @@ def test_the_run_gives_its_gym_servers_their_own_key_and_its_environments_the_le
         assert read_global_config(closables[0].head_url)["policy_api_key"] == train.ledger.key
         assert set(train.agent_urls) == {"calculator", "calc_simple_agent"} and "servers launched" in logger.lines[-1]
         trajs = _play((endpoint, train, closables[0]), [_row("3+4=", "7", tools=False)], stream="val")
-        assert (trajs[0].error, trajs[0].reward) == (None, 1.0)
+        assert (trajs[0].failure, trajs[0].reward) == (None, 1.0)
     finally:
         for c in closables:
             c.close()
@@ -385,10 +385,11 @@ def test_a_server_killed_mid_rollout_costs_its_samples_only(gym):
     _, env, servers = gym
     trajs = _play(gym, [_row("1+1=", "2", agent="fault_agent", fault="die"), _row("3+4=", "7", tools=False),
                         _row("1+1=", "2", agent="fault_agent")])
-    assert [(t.error, t.failure_kind, t.retries) for t in trajs[:2]] == [("connection", "infra", 1), (None, None, 0)]
+    assert [(t.failure and (t.failure.reason, t.failure.kind), t.retries) for t in trajs[:2]] == [
+        (("connection", "infra"), 1), (None, 0)]
     assert trajs[1].reward == 1.0
     # the fault agent's other row was answered before the process died, or failed the same way: never scored 0
-    assert (trajs[2].error, trajs[2].reward) == (None, 1.0) or trajs[2].error == "connection"
+    assert (trajs[2].failure, trajs[2].reward) == (None, 1.0) or trajs[2].failure.reason == "connection"
     _, metrics = env.global_post_process_and_metrics({"trajectories": trajs})
     assert metrics["failed_samples"] >= 1 and metrics["turns_per_sample/mean"] == 1.0
     assert metrics["calc_simple_agent/reward/mean"] == 1.0

@@ -197,11 +197,11 @@ def test_a_step_skipped_for_failures_dumps_without_advantages():
     one masked with its reason, the others with no advantage (this crashed the run with dumps on)."""
     from grpo.batch import build_batch
     from grpo.system.dumps import rollout_records
-    from grpo.trajectory import Message, Trajectory
+    from grpo.trajectory import Failure, Message, Trajectory
 
     def traj(i, error=None):
         return Trajectory(0, 0, "t", "q", "a", [Message("user", "q", [1, 2]), Message("assistant", "x", [3], [-0.5])],
-                          {}, reward=1.0, error=error, failure_kind="data" if error else None)
+                          {}, reward=None if error else 1.0, failure=Failure.of(error, kind="data") if error else None)
 
     batch = build_batch([traj(0), traj(1, "reward_error")], pad_id=0)
     assert batch.advantages_bt is None

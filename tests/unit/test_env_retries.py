@@ -210,7 +210,7 @@ def test_an_environment_sees_copies_and_a_failed_sample_leaves_the_hooks_loss_mu
     ok = Trajectory(0, 0, "t", "q", "a", [Message("user", "q", [1]), Message("assistant", "x", [2], [-0.1])], {},
                     reward=1.0, num_prompt_messages=1)
     failed = Trajectory(0, 0, "t", "q", "a", [Message("user", "q", [1]), Message("assistant", "y", [3], [-0.1])], {},
-                        error="env_timeout", failure_kind="infra", num_prompt_messages=1)
+                        reward=None, failure=Failure.of("env_timeout"), num_prompt_messages=1)
     assert rollout_batch([ok, failed])["loss_multiplier"].tolist() == [1.0, 0.0]
 
 

@@ -19,7 +19,7 @@ from grpo.wings.gym.rewards import (
     effort_levels_of, gym_message_flags, has_duplicated_reasoning, has_empty_final_answer, has_malformed_think_tag,
     last_user_prompt, resolve_think_ids, shape_gym_rewards, thinking_tags_of,
 )
-from grpo.trajectory import Message, Trajectory
+from grpo.trajectory import Failure, Message, Trajectory
 
 TAGS = ["<think>", "</think>"]
 OPEN, CLOSE = 7, 8  # the think tags' ids in these tests
@@ -201,7 +201,7 @@ def gym_traj(reward, messages, output, prompt, error=None):
     return Trajectory(group_id=0, prompt_index=0, task_name="nemo_gym", question="", answer="", messages=messages,
                       metadata={"nemo_gym_result": {"reward": reward, "response": {"output": output}},
                                 "meta": {"responses_create_params": {"input": prompt}}},
-                      reward=reward, error=error)
+                      reward=None if error else reward, failure=error and Failure.of(error))
 
 
 def test_shape_gym_rewards_runs_effort_then_penalties_and_step_penalize_dispatches():

@@ -15,7 +15,7 @@ from grpo.config.load import build_config
 from grpo.dynamic_sampling import group_reward_std
 from grpo.loss import clipped_pg_loss
 from grpo.step import compose_advantages, failure_counts, initial_sample_mask, mask_invalid_samples
-from grpo.trajectory import Message, Trajectory
+from grpo.trajectory import Failure, Message, Trajectory
 
 # Three groups of four; samples 1, 6 and 7 failed (their "rewards" are what a failed call leaves: anything).
 GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
@@ -87,8 +87,8 @@ def test_dynamic_sampling_reads_the_std_of_the_valid_members():
 def traj(group: int, reward: float, completion: list[int], error: str | None = None, mask_sample=False,
          retries=0) -> Trajectory:
     messages = [Message("user", "p", [1, 10 + group]), Message("assistant", "a", completion, [-0.5] * len(completion))]
-    return Trajectory(group, group, "t", "q", "a", messages, {}, reward=reward, turns=1, error=error,
-                      failure_kind=None if error is None else "infra", error_detail=error and "boom",
+    return Trajectory(group, group, "t", "q", "a", messages, {}, reward=reward, turns=1,
+                      failure=None if error is None else Failure.of(error, "boom", "infra"),
                       retries=retries, mask_sample=mask_sample, num_prompt_messages=1)
 
 
@@ -96,7 +96,7 @@ def _trajectories():
     out = []
     for b in range(12):
         error = {1: "reward_error", 6: "env_timeout", 7: "env_timeout"}.get(b)
-        out.append(traj(b // 4, float(REWARDS[b]) if error is None else 0.0, [7, 8, 2 + b % 3][: 2 + b % 2],
+        out.append(traj(b // 4, float(REWARDS[b]) if error is None else None, [7, 8, 2 + b % 3][: 2 + b % 2],
                         error=error, retries=2 if error else b % 2))
     return out
 
@@ -106,7 +106,7 @@ def test_a_failed_sample_leaves_the_step_exactly_and_adds_nothing_to_the_loss(es
     trajs = _trajectories()
     if estimator == "gdpo":
         for t in trajs:
-            t.reward_components = {"a": t.reward, "b": float(t.group_id == 1)}
+            t.reward_components = {"a": t.reward, "b": float(t.group_id == 1)} if t.scored else None
     cfg = build_config({"grpo": {"adv_estimator": {"name": estimator}}, "loss_fn": {"reference_policy_kl_penalty": 0.0}})
 
     def advantages(ts):
@@ -116,7 +116,7 @@ def test_a_failed_sample_leaves_the_step_exactly_and_adds_nothing_to_the_loss(es
         return batch, adv_bt, mask_b, counts
 
     full, adv, mask, counts = advantages(trajs)
-    clean, adv_clean, mask_clean, _ = advantages([t for t in trajs if t.error is None])
+    clean, adv_clean, mask_clean, _ = advantages([t for t in trajs if t.scored])
     assert counts == {"rollout/failed_samples": 3, "rollout/retries": 6 + 4, "rollout/failed_samples/env_timeout": 2,
                       "rollout/failed_samples/reward_error": 1, "rollout/masked_samples": 3, "rollout/dropped_groups": 0}
     assert torch.equal(full.valid_b, VALID) and torch.equal(mask, VALID.float())

@@ -17,7 +17,7 @@ from grpo.wings.gym.rollout import GymLedger
 from grpo.wings.gym.servers import agent_names, launched_by
 from grpo.tasks.nemo_gym import (GymResultError, check_data_agents, check_result, check_token_fields, data_agents,
                                  gym_metrics, prepare_row, regroup, reward_of, trajectory_messages)
-from grpo.trajectory import Trajectory
+from grpo.trajectory import Failure, Trajectory
 
 GYM = {"should_use_nemo_gym": True, "nemo_gym": {"agent_urls": {"a": "http://127.0.0.1:5001"}}}
 
@@ -215,7 +215,7 @@ def test_metrics_are_nemo_rls_over_the_scored_samples():
                                                                       else _item([0, 9] + [5] * (k - 1) * 2 + [5], [9])
                                                                       for k in range(turns)]}}, str)
         return Trajectory(0, 0, "nemo_gym", "", "", msgs, {"agent_name": agent, "nemo_gym_numbers": {"reward": reward}},
-                          reward=reward, error=error, truncated=truncated)
+                          reward=None if error else reward, failure=error and Failure.of(error), truncated=truncated)
     trajs = [traj(1.0, turns=2), traj(0.0, truncated=True), traj(0.0, error="connection")]
     m = gym_metrics(trajs)
     assert m["turns_per_sample/mean"] == 1.5 and m["turns_per_sample/max"] == 2.0

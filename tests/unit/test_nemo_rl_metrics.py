@@ -14,7 +14,7 @@ from grpo.metrics import FORMER_NAMES, checkpoint_metric, checkpoint_metric_keys
 from grpo.rollout_metrics import percentile, rollout_summary
 from grpo.step import due_validation
 from grpo.system.health import RolloutBudget
-from grpo.trajectory import Message, Trajectory
+from grpo.trajectory import Failure, Message, Trajectory
 
 
 # ---- names -----------------------------------------------------------------------------------------------
@@ -98,9 +98,9 @@ def traj(turn_tokens, env_tokens=(), *, reward=0.0, terminated=False, max_turns=
         if i < len(env_tokens):
             messages.append(Message("user", "o", [3] * env_tokens[i]))
     return Trajectory(group_id=0, prompt_index=0, task_name="t", question="q", answer="a", messages=messages,
-                      metadata={}, reward=reward, truncated=truncated, turns=len(turn_tokens), done=True,
+                      metadata={}, truncated=truncated, turns=len(turn_tokens), done=True,
                       num_prompt_messages=1, terminated=terminated, max_turns_reached=max_turns, mask_sample=mask,
-                      error=error)
+                      failure=error and Failure.of(error), reward=None if error else reward)
 
 
 def test_rollout_summary_by_hand():

@@ -124,11 +124,11 @@ def test_a_conversation_over_max_model_len_fails_and_is_not_scored(scorers):
 
 def test_metrics_are_nemo_rl_s_over_the_samples_that_did_not_fail():
     from grpo.wings.reward_model.environment import RewardModelEnvironment
-    from grpo.trajectory import Message, Trajectory
+    from grpo.trajectory import Failure, Message, Trajectory
 
     ts = [Trajectory(0, i, "reward_model", "q", "", [Message("user", "q", [1]), Message("assistant", "a", [2], [0.0])],
                      {}, reward=r, num_prompt_messages=1) for i, r in enumerate([1.0, 3.0, 0.0])]
-    ts[2].error = "env_malformed"
+    ts[2].fail(Failure.of("env_malformed"))
     from grpo.tasks.router import rollout_batch
 
     _, m = RewardModelEnvironment(None, 1).global_post_process_and_metrics(rollout_batch(ts))

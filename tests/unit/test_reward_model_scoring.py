@@ -47,6 +47,7 @@ def test_the_run_s_scorers_defer_and_the_point_adds_what_the_step_would_have(rm_
     from grpo.wings.reward_model.scorer import RewardModels, RewardModelScorer
     from grpo.tasks.pending import PENDING
     from grpo.wings.reward_model.environment import RewardModelEnvironment
+    from grpo.trajectory import Failure
 
     models = RewardModels(torch.device("cpu"))
     deferred = RewardModelEnvironment(models(rm_cfg), rm_cfg.batch_size)
@@ -54,12 +55,12 @@ def test_the_run_s_scorers_defer_and_the_point_adds_what_the_step_would_have(rm_
     ret = deferred.step(CONVERSATIONS, [{"answer": ""}] * 3)
     assert ret.rewards.tolist() == [0.0] * 3 and all(len(md[PENDING]) == 1 for md in ret.metadata)
     trajs = _trajectories(ret)
-    trajs[2].error = "env_error"  # a failed sample is not scored
+    trajs[2].fail(Failure.of("env_error"))  # a failed sample is not scored
     assert models.score_pending(trajs) >= 0 and all(PENDING not in t.metadata for t in trajs)
     immediate = RewardModelEnvironment(RewardModelScorer(rm_cfg, torch.device("cpu")), rm_cfg.batch_size)
     want = immediate.step(CONVERSATIONS, [{}] * 3).rewards
     torch.testing.assert_close(torch.tensor([t.reward for t in trajs[:2]]), want[:2], atol=1e-6, rtol=0)
-    assert trajs[2].reward == 0.0 and want.std() > 0.01
+    assert trajs[2].reward is None and want.std() > 0.01
     assert models.score_pending(trajs) >= 0 and trajs[0].reward == pytest.approx(float(want[0]))  # nothing left: no-op
     models.close()
 

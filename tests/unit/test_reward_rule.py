@@ -120,5 +120,5 @@ def test_a_reward_model_score_that_is_no_reward_fails_its_sample_at_the_scoring_
     good, broken = (Trajectory(i, i, "rm", "q", "a", [], {}, reward=0.5) for i in range(2))
     assert add_score(good, PendingScore(0, [1]), 1.5) is None and good.reward == 2.0
     assert add_score(broken, PendingScore(0, [1]), bad) is not None
-    assert (broken.error, broken.failure_kind, broken.reward) == ("env_malformed", "data", 0.0)
-    assert "the reward model's score is" in broken.error_detail
+    assert (broken.failure.reason, broken.failure.kind, broken.reward) == ("env_malformed", "data", None)
+    assert "the reward model's score is" in broken.failure.detail

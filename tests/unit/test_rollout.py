@@ -171,10 +171,10 @@ def test_an_environment_that_raises_hangs_or_returns_garbage_fails_only_its_samp
     run_conversations(trajs, [(1, 1, i, "t") for i in range(4)], FakeGenerator(), envs, ChatFormat(TOK),
                       TurnSettings(max_turns=3, max_total_len=64, chunk_size=8, max_new_tokens=8))
     assert time.perf_counter() - t0 < 10
-    assert [t.error for t in trajs] == [error, error, None, None]
-    assert [t.failure_kind for t in trajs] == [kind, kind, None, None]
-    assert trajs[0].error_detail and [t.retries for t in trajs] == [1, 1, 0, 0]  # tried twice, failed twice
-    assert [t.reward for t in trajs] == [0.0, 0.0, 1.0, 1.0] and all(t.done for t in trajs)
+    assert [t.failure and t.failure.reason for t in trajs] == [error, error, None, None]
+    assert [t.failure and t.failure.kind for t in trajs] == [kind, kind, None, None]
+    assert trajs[0].failure.detail and [t.retries for t in trajs] == [1, 1, 0, 0]  # tried twice, failed twice
+    assert [t.reward for t in trajs] == [None, None, 1.0, 1.0] and all(t.done for t in trajs)
     assert envs.num_failures == 4 and sleeps == ([0.25] if kind == "infra" else [])
 
 
@@ -197,7 +197,7 @@ def test_a_turn_retried_after_a_failure_plays_exactly_as_a_clean_one_and_counts_
                                    sleep=sleeps.append),
                       ChatFormat(TOK), TurnSettings(max_turns=4, max_total_len=64, chunk_size=3, max_new_tokens=8))
     assert [t.token_ids() for t in trajs] == [t.token_ids() for t in clean]
-    assert [t.reward for t in trajs] == [t.reward for t in clean] and all(t.error is None for t in trajs)
+    assert [t.reward for t in trajs] == [t.reward for t in clean] and all(t.scored for t in trajs)
     assert [t.retries for t in trajs] == [1, 1, 1, 1] and sleeps == [0.5]
 
 

@@ -60,3 +60,24 @@ def test_outputs_aggregate_across_rollouts_like_other_metrics():
     b = advantage_summary(-torch.ones(1, 2), torch.ones(1, 2), torch.ones(1))
     merged = aggregate_rollout_metrics([a, b])
     assert merged["advantages/histogram"] == [1.0, 1.0, -1.0] and merged["advantages/mean"] == 0.0
+
+
+def test_group_shares_of_a_step_read_the_scored_samples():
+    """A failed sample has no reward: the group of a right answer and a failed sample is all 1, not mixed."""
+    from grpo.batch import build_batch
+    from grpo.rollout_metrics import step_summary
+    from grpo.trajectory import Failure, Message, Trajectory
+
+    def sample(slot, prompt, reward):
+        return Trajectory(slot, slot, "t", "q", "a", [Message("user", "q", [1, prompt]),
+                                                      Message("assistant", "x", [7], [-0.5])], {}, reward=reward)
+
+    failed = sample(0, 5, 0.0)
+    failed.fail(Failure.of("env_timeout"))
+    batch = build_batch([sample(0, 5, 1.0), failed, sample(1, 6, 0.0), sample(1, 6, 0.0), sample(2, 6, 1.0),
+                         sample(2, 6, 1.0)], pad_id=0)
+    batch = batch.replace(advantages_bt=torch.zeros(6, 3))
+    out = step_summary(batch)
+    assert out["baseline_reward/pct_1"] == pytest.approx(200 / 3)
+    assert out["baseline_reward/pct_mixed"] == pytest.approx(0.0, abs=1e-9)
+    assert out["baseline_reward/histogram"] == [1.0, 0.0, 1.0]

@@ -8,7 +8,7 @@ import torch
 from grpo.batch import build_batch
 from grpo.config.load import build_config
 from grpo.trajectory import Message, Trajectory
-from grpo.step import compose_advantages, initial_sample_mask, shape_rewards, step_advantages
+from grpo.step import compose_advantages, initial_sample_mask, mask_invalid_samples, shape_rewards, step_advantages
 from grpo.tasks.toy import build_char_tokenizer
 
 
@@ -197,11 +197,49 @@ def test_dynamic_sampling_drops_a_group_of_wrong_answers_whose_overlong_penaltie
                         "grpo": {"reward_shaping": {"enabled": True, "max_response_length": 4096,
                                                     "overlong_buffer_length": 1024, "overlong_buffer_penalty": 1.0}}})
     wrong = [traj(0, 0.0, [([5] * n, [])]) for n in (100, 3500, 4000, 4096)]
-    right = [traj(1, r, [([5] * 10, [])]) for r in (1.0, 0.0, 0.0, 0.0)]
+    right = [traj(1, r, [([5] * 10, [])], prompt=(1, 6)) for r in (1.0, 0.0, 0.0, 0.0)]  # another prompt
     b, _ = shape_rewards(cfg, build_batch(wrong + right, pad_id=0), build_char_tokenizer())
     torch.testing.assert_close(b.rewards_b[:4], torch.tensor([0.0, -0.418, -0.906, -1.0]), atol=1e-3, rtol=0)
-    kept, _ = DynamicSamplingCache(1, 4, 2).add(b, b.group_ids_b, group_std_for_dynamic_sampling(b))
+    kept, _ = DynamicSamplingCache(1, 4, 2).add(b, b.prompt_groups(), group_std_for_dynamic_sampling(b))
     assert kept is not None and kept.raw_rewards_b.tolist() == [1.0, 0.0, 0.0, 0.0]  # only the mixed group
+
+
+def test_a_prompt_drawn_twice_is_one_group_for_the_filter_as_for_the_baseline():
+    """One definition of a group (by prompt tokens): slots 0 and 1 hold the same prompt, all right and all wrong. The
+    baseline sees one group of 4 that varies (non-zero advantages), so DAPO's filter must keep it, and count two
+    prompts; slot 2 (another prompt, all wrong) is dropped."""
+    from grpo.dynamic_sampling import DynamicSamplingCache
+    from grpo.step import group_std_for_dynamic_sampling
+
+    cfg = build_config({})
+    trajs = [traj(0, 1.0, [([7], [])]), traj(0, 1.0, [([8], [])]), traj(1, 0.0, [([7], [])]), traj(1, 0.0, [([9], [])]),
+             traj(2, 0.0, [([7], [])], prompt=(1, 6)), traj(2, 0.0, [([8], [])], prompt=(1, 6))]
+    b, _ = mask_invalid_samples(build_batch(trajs, pad_id=0))
+    assert b.prompt_groups().tolist() == [0, 0, 0, 0, 1, 1]
+    adv_bt, _, _ = compose_advantages(cfg, b.replace(sample_mask_b=initial_sample_mask(cfg, b)))
+    assert (adv_bt[:4].abs().sum(1) > 0).all() and (adv_bt[4:] == 0).all()
+    std_b = group_std_for_dynamic_sampling(b)
+    assert (std_b[:4] > 0).all() and (std_b[4:] == 0).all()
+    kept, _ = DynamicSamplingCache(2, 2, 1).add(b, b.prompt_groups(), std_b)
+    assert kept.raw_rewards_b.tolist() == [1.0, 1.0, 0.0, 0.0] and kept.group_ids_b.tolist() == [0, 0, 1, 1]
+
+
+def test_a_sample_that_failed_before_generating_is_in_its_prompt_s_group():
+    """A failed sample with no generated token (an agent or a Gym server that never answered) still counts in its
+    prompt's group: the group of 2 it leaves with one valid member is dropped; dynamic sampling reads whole groups."""
+    from grpo.dynamic_sampling import DynamicSamplingCache
+    from grpo.step import group_std_for_dynamic_sampling
+    from grpo.trajectory import Failure
+
+    never = traj(0, 0.0, [])
+    never.fail(Failure.of("connection", "refused"))
+    trajs = [traj(0, 1.0, [([7, 8], [])]), never, traj(1, 1.0, [([7], [])], prompt=(1, 6)),
+             traj(1, 0.0, [([8], [])], prompt=(1, 6))]
+    b, counts = mask_invalid_samples(build_batch(trajs, pad_id=0))
+    assert b.prompt_groups().tolist() == [0, 0, 1, 1]
+    assert b.valid_b.tolist() == [False, False, True, True] and counts["rollout/dropped_groups"] == 1
+    kept, _ = DynamicSamplingCache(1, 2, 1).add(b, b.prompt_groups(), group_std_for_dynamic_sampling(b))
+    assert kept.raw_rewards_b.tolist() == [1.0, 0.0]
 
 
 def test_validation_accuracy_counts_a_penalised_sample_as_wrong(monkeypatch):

@@ -131,3 +131,16 @@ def test_claim_metrics_truncates_only_this_runs_resume_and_keeps_another_runs_fi
     log([1])
     assert "metrics.run-b.1.jsonl" in claim_metrics(tmp_path, "run-c", 5, resumed=True)  # run c resumes: not its file
     assert (tmp_path / "metrics.run_id").read_text().strip() == "run-c"
+
+
+def test_printed_samples_show_a_failed_sample_s_failure_not_a_reward(tmp_path, capsys):
+    from grpo.trajectory import Failure, Message, Trajectory
+
+    logger = MetricsLogger(LoggerConfig(log_dir=str(tmp_path), progress_bar=False))
+    ok = Trajectory(0, 0, "t", "1+1=", "2", [Message("user", "1+1=", [1]), Message("assistant", "2", [2], [0.0])], {},
+                    reward=1.0, turns=1, num_prompt_messages=1)
+    failed = Trajectory(0, 1, "t", "1+2=", "3", [Message("user", "1+2=", [1])], {}, num_prompt_messages=1)
+    failed.fail(Failure.of("reward_timeout", "no score within 5 s"))
+    logger.print_samples([ok, failed], 2)
+    out = capsys.readouterr().out
+    assert "(gold '2', reward 1)" in out and "(gold '3', failed: reward_timeout (infra))" in out

@@ -81,7 +81,7 @@ def check_against_whole_conversation(processor, trajs, row):
     """Each sample's ids are the processor's rendering of its whole conversation, then its last completion; its media
     both pictures in order; the prompt row's media (shared by the group) still holds the first alone."""
     for t in trajs:
-        assert t.error is None and t.turns == 2 and t.reward == 1.25
+        assert t.failure is None and t.turns == 2 and t.reward == 1.25
         assert [m.role for m in t.messages] == ["user", "assistant", "user", "assistant"]
         assert t.messages[2].content == vision.IMAGE_MARK + "and now?"   # environments read a picture as <image>
         whole = whole_conversation(processor, t)
@@ -152,7 +152,7 @@ def test_a_raw_observation_writes_its_image_as_the_placeholder_expanded_once(vlm
     t = trajs[0]
     want = processor(text=["<image>and now?"], images=[vision.load_image(SECOND, "x")], add_special_tokens=False,
                      return_tensors="pt")
-    assert t.error is None and t.messages[2].token_ids == want["input_ids"][0].tolist()
+    assert t.failure is None and t.messages[2].token_ids == want["input_ids"][0].tolist()
     assert torch.equal(t.media["pixel_values"][1:], want["pixel_values"])
     check_training_scores_what_was_sampled(vlm, trajs)
 
@@ -164,8 +164,8 @@ def test_a_raw_observation_writes_its_image_as_the_placeholder_expanded_once(vlm
 def test_an_observation_image_that_cannot_be_read_fails_its_sample_by_name(vlm_dir, processor, vlm, picture, says):
     trajs, _ = play(vlm_dir, processor, vlm, ShowsAnother(picture), generations=2)
     for t in trajs:
-        assert t.error == "env_malformed" and t.failure_kind == "data" and t.done
-        assert "environment 'pics'" in t.error_detail and says in t.error_detail
+        assert t.failure.reason == "env_malformed" and t.failure.kind == "data" and t.done
+        assert "environment 'pics'" in t.failure.detail and says in t.failure.detail
         assert t.media["pixel_values"].shape[0] == 1 and t.reward == 0.0
 
 
@@ -179,7 +179,7 @@ def test_an_observation_whose_text_holds_the_placeholder_fails_its_sample(vlm_di
     """A text observation spelling ``<image>`` would put a placeholder without pixels into the row (the training
     forward would refuse the batch): the sample fails, named."""
     trajs, _ = play(vlm_dir, processor, vlm, WritesThePlaceholder(), generations=1)
-    assert trajs[0].error == "env_malformed" and "holds the image placeholder '<image>'" in trajs[0].error_detail
+    assert trajs[0].failure.reason == "env_malformed" and "holds the image placeholder '<image>'" in trajs[0].failure.detail
 
 
 def test_an_observation_cut_by_the_length_limit_keeps_no_partial_picture(vlm_dir, processor, vlm):
@@ -190,7 +190,7 @@ def test_an_observation_cut_by_the_length_limit_keeps_no_partial_picture(vlm_dir
     before = len(probe[0].messages[0].token_ids) + len(probe[0].messages[1].token_ids)
     trajs, _ = play(vlm_dir, processor, vlm, ShowsAnother(), generations=1, max_total_len=before + 6)
     t = trajs[0]
-    assert t.truncated and t.done and t.turns == 1 and t.error is None
+    assert t.truncated and t.done and t.turns == 1 and t.failure is None
     assert processor.image_token_id not in t.messages[2].token_ids and len(t.messages[2].token_ids) <= 6
     assert t.media["pixel_values"].shape[0] == 1 and IMAGE_TOKENS == t.token_ids().count(processor.image_token_id)
 
@@ -237,6 +237,6 @@ def test_a_text_policy_given_an_image_observation_fails_that_sample_not_the_run(
                       Environments({"pics": PictureForSomeone()}, step_timeout_s=5), chat,
                       TurnSettings(max_turns=3, max_total_len=200, chunk_size=8, max_new_tokens=4))
     failed, *others = trajs
-    assert failed.error == "env_malformed" and failed.failure_kind == "data" and failed.reward == 0.0
-    assert "environment 'pics'" in failed.error_detail and "text model" in failed.error_detail
-    assert all(t.error is None and t.turns == 2 and t.reward == 2.0 for t in others)
+    assert failed.failure.reason == "env_malformed" and failed.failure.kind == "data" and failed.reward is None
+    assert "environment 'pics'" in failed.failure.detail and "text model" in failed.failure.detail
+    assert all(t.failure is None and t.turns == 2 and t.reward == 2.0 for t in others)

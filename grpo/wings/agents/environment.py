@@ -110,7 +110,7 @@ class AgentEnvironment(Environment):
         calls per sample (mean)."""
         trajs = batch["trajectories"]
         n = max(len(trajs), 1)
-        return batch, {"failed_samples": sum(t.error is not None for t in trajs),
+        return batch, {"failed_samples": sum(not t.scored for t in trajs),
                        "noncontiguous_samples": sum(bool((t.metadata or {}).get("agent_noncontiguous"))
                                                     for t in trajs),
                        "calls_per_sample": sum(t.turns for t in trajs) / n}

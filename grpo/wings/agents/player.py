@@ -15,7 +15,7 @@ in the context it produced them in, never a re-templated text.
 A sample whose calls are not contiguous (the agent rewrote or cut its history, or used ``n > 1``) is kept as its
 contiguous head and masked (``mask_sample``; ``metadata["agent_noncontiguous"]``, counted as
 ``env/<task>/noncontiguous_samples``): NeMo-RL asserts instead. A sample whose last attempt made no call, or whose
-agent failed, fails (`grpo.tasks.failures`: ``Trajectory.error``, masked by the step, never scored 0).
+agent failed, fails (`grpo.tasks.failures`: ``Trajectory.failure``, masked by the step, never scored 0).
 """
 
 from __future__ import annotations
@@ -215,8 +215,7 @@ def fill_trajectory(t, played: Played, decode) -> None:
         t.generation_version = oldest_version(records)
     t.done = t.terminated = True
     if failure is not None:
-        t.error, t.error_detail, t.failure_kind = failure.reason, failure.detail, failure.kind
-        t.reward, t.reward_components = 0.0, None
+        t.fail(failure)
         return
     t.reward, t.reward_components = outcome.reward, outcome.reward_components
     t.mask_sample = outcome.mask_sample or not contiguous

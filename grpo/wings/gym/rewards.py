@@ -211,7 +211,7 @@ class GymSample(NamedTuple):
 def gym_sample(traj) -> Optional[GymSample]:
     """A core-path Trajectory as a `GymSample` (module docstring), or None for a failed sample (no result)."""
     result = (traj.metadata or {}).get(RESULT_KEY)
-    if traj.error is not None or not isinstance(result, dict):
+    if not traj.scored or not isinstance(result, dict):
         return None
     row = (traj.metadata or {}).get(ROW_KEY) or {}
     return GymSample(list(traj.messages), list((result.get("response") or {}).get("output") or []),

@@ -16,7 +16,7 @@ a server that is not the run's (another run's Gym, a decoy on its port) or a res
 A row whose POST fails (no answer, a dropped connection, 5xx / 408 / 429, ``env.nemo_gym.request_timeout_s`` passed,
 an answer that is not a verify result or is refused as above: ``env_malformed``, naming the agent server and the row)
 fails the way `grpo.tasks.failures` says: retried within ``grpo.rollout_failure``'s budgets (infra failures with
-backoff), then its sample is masked (``Trajectory.error``), never scored 0. So a Gym server that dies mid-rollout
+backoff), then its sample is masked (``Trajectory.failure``), never scored 0. So a Gym server that dies mid-rollout
 costs the samples it held, counted as ``env/nemo_gym/failed_samples``. What NeMo-RL asserts
 (`grpo.tasks.nemo_gym.GymResultError`) stops the rollout.
 """
@@ -214,8 +214,7 @@ def fill_gym_trajectory(t, row: dict, outcome: tuple, decode, max_total_len: int
     t.retries, t.done = retries, True
     t.metadata = {**(t.metadata or {}), "agent_name": row["agent_ref"]["name"]}
     if failure is not None:
-        t.error, t.error_detail, t.failure_kind = failure.reason, failure.detail, failure.kind
-        t.reward, t.reward_components = 0.0, None
+        t.fail(failure)
         return
     flags = annotate_gym_items(result, decode, env.invalid_tool_call_patterns, env.thinking_tags)
     messages, stripped = trajectory_messages(result, decode)  # (a copy, token fields stripped, generation_str kept)
@@ -266,7 +265,8 @@ def log_responses(directory: str, trajs: list, seed_keys: list[tuple]) -> None:
     for t, key in zip(trajs, seed_keys):
         path = os.path.join(directory, f"{key[3]}_step_{key[1]}.jsonl")
         record = {"prompt_index": t.prompt_index, "group_id": t.group_id, "time": time.time(),
-                  "result": t.metadata.get("nemo_gym_result"), "error": t.error, "error_detail": t.error_detail}
+                  "result": t.metadata.get("nemo_gym_result"), "error": t.failure and t.failure.reason,
+                  "error_detail": t.failure and t.failure.detail}
         by_file.setdefault(path, []).append(json.dumps(record, default=str))
     for path, lines in by_file.items():
         with open(path, "a") as f:

@@ -156,7 +156,7 @@ class RewardModelEnvironment(Environment):
 
         trajectories = batch.get("trajectories") or []
         rewards = batch["rewards"]
-        keep = torch.tensor([t.error is None for t in trajectories], dtype=torch.bool) if trajectories else \
+        keep = torch.tensor([t.scored for t in trajectories], dtype=torch.bool) if trajectories else \
             torch.ones(len(rewards), dtype=torch.bool)
         r = rewards[keep]
         metrics: dict[str, float] = {"reward_model_env/num_samples": float(len(r))}

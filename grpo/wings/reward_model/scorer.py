@@ -379,7 +379,7 @@ class RewardModels:
         todo: list[list] = [[] for _ in scorers]
         for t in trajectories:
             for p in (t.metadata.pop(PENDING, None) if isinstance(t.metadata, dict) else None) or []:
-                if t.error is None:
+                if t.scored:
                     todo[p.model].append((t, p))
         counts = torch.tensor([len(items) for items in todo], dtype=torch.long)
         if self.collective:
