@@ -166,7 +166,7 @@ def test_an_observation_image_that_cannot_be_read_fails_its_sample_by_name(vlm_d
     for t in trajs:
         assert t.failure.reason == "env_malformed" and t.failure.kind == "data" and t.done
         assert "environment 'pics'" in t.failure.detail and says in t.failure.detail
-        assert t.media["pixel_values"].shape[0] == 1 and t.reward == 0.0
+        assert t.media["pixel_values"].shape[0] == 1 and t.reward is None
 
 
 class WritesThePlaceholder(ShowsAnother):
