@@ -141,8 +141,11 @@ def agent_targets(max_operand: int, p_tool: float, seed: int = 0) -> list[tuple[
     trained, then the result copied) at weight ``p_tool``, and a direct answer, the product with one digit off
     (`perturb`, one fixed slip per prompt: the toy cannot multiply), at ``1 - p_tool``.
 
-    >>> agent_targets(10, 0.25)
-    [('10*10=', [('<calc>10*10</calc>', True), ('<r>100</r>', False), ('100', True)], 0.25), ('10*10=', [('170', True)], 0.75)]
+    >>> tool, direct = agent_targets(10, 0.25)
+    >>> tool
+    ('10*10=', [('<calc>10*10</calc>', True), ('<r>100</r>', False), ('100', True)], 0.25)
+    >>> direct
+    ('10*10=', [('170', True)], 0.75)
     """
     rng = random.Random(seed)
     targets = []
