@@ -190,8 +190,7 @@ def make_calculator_agent_model(out_dir: str, max_operand: int = 19, p_tool: flo
 
 
 def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: float = 1.0, p_copy_ok: float = 1.0,
-                               steps: int = 400, batch_size: int = 32, seed: int = 0, log_every: int = 0,
-                               call_end: str = "", chat_template: str | None = None) -> str:
+                               steps: int = 400, batch_size: int = 32, seed: int = 0, log_every: int = 0) -> str:
     """Build the tools demo's starting policy (the ``small`` toy) into ``out_dir``; returns ``out_dir``.
 
     Supervised on `demo_transcript` rows (loss on the assistant text and the final ``<eos>`` only). The
@@ -202,12 +201,11 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
     calls in 51% of the samples, reward 0.37 with the tool and 0.002 with tools disabled; 30 steps of a bare
     group-normalised policy gradient take it to 0.81 with the tool (calls in 99.6%) and leave the ablation
     at 0.00. The build takes ~40 CPU-seconds with one thread. Deterministic for a given seed and thread
-    count. ``call_end``: trained text after a tool call (the agent demo's ``<eos>``); ``chat_template``: saved with
-    the tokenizer.
+    count.
     """
     from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer, supervise
 
-    tok = build_char_tokenizer(chat_template)
+    tok = build_char_tokenizer()
     model = build_tiny_model(tok, size="small", seed=seed)
     rng = random.Random(seed)
 
@@ -216,7 +214,6 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
         ids = tok(f"{a}*{b}=")["input_ids"]
         labels = [-100] * len(ids)
         for text, trained in demo_transcript(a, b, rng, p_tool, p_call_ok, p_copy_ok):
-            text += call_end if text.startswith("<calc>") else ""
             piece = tok(text, add_special_tokens=False)["input_ids"]
             ids += piece
             labels += piece if trained else [-100] * len(piece)
