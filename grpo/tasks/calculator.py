@@ -11,6 +11,8 @@ with the ``compact`` call format a whole tool-using answer is a few dozen charac
 - `make_calculator_demo_model`: the demo's starting policy (``toy:calc_demo``), supervised on noisy transcripts: it calls the
   tool in about half its samples, and copies operands and results imperfectly, so GRPO has something to
   learn (calling more, copying better);
+- `make_calculator_agent_model`: the agent demo's starting policy (``toy:calc_agent``), fitted exactly to
+  `agent_targets` (the products of 10..19: a call in a quarter of its answers, the result copied);
 - the ablation is the same environment with ``disable_tools=True`` (see `grpo.tasks.tools`).
 
 The environment: ``ToolEnvironment(["grpo.tasks.calculator:calc"], "grpo.tasks.arithmetic:arithmetic_reward",
@@ -168,8 +170,9 @@ def make_calculator_agent_model(out_dir: str, max_operand: int = 19, p_tool: flo
     Why an exact fit over the demo's 100 products (issue 44): the model was supervised on 1,200 noisy batches of
     products of 10..99 until then, and had to learn to copy the tool's result (an induction circuit that appears
     abruptly during supervision); on one CPU it copied 22 of 32 results and the demo rose 0.28 -> 0.73, on another it
-    copied none and the demo stayed at 0 (no group with a mixed reward). The fitted model writes each prompt's
-    conversations at their weights on any machine. About a minute of CPU with one thread."""
+    copied none and the demo stayed at 0 (no group with a mixed reward). The fit converges to each prompt's
+    conversations at their weights, a state float rounding barely moves, as toy:demo's (measured on the built model: the call at 0.238-0.252 per prompt,
+    the result copied in 100 of 100 greedy answers). 73 CPU-seconds with one thread."""
     from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, fit_exact, save_char_tokenizer
 
     tok = build_char_tokenizer(AGENT_CHAT_TEMPLATE)
