@@ -11,6 +11,8 @@ with the ``compact`` call format a whole tool-using answer is a few dozen charac
 - `make_calculator_demo_model`: the demo's starting policy (``toy:calc_demo``), supervised on noisy transcripts: it calls the
   tool in about half its samples, and copies operands and results imperfectly, so GRPO has something to
   learn (calling more, copying better);
+- `make_calculator_agent_model`: the agent demo's starting policy (``toy:calc_agent``), fitted exactly to
+  `agent_targets` (the products of 10..19: a call in a quarter of its answers, the result copied);
 - the ablation is the same environment with ``disable_tools=True`` (see `grpo.tasks.tools`).
 
 The environment: ``ToolEnvironment(["grpo.tasks.calculator:calc"], "grpo.tasks.arithmetic:arithmetic_reward",
@@ -135,22 +137,63 @@ AGENT_CHAT_TEMPLATE = (
 )
 
 
-def make_calculator_agent_model(out_dir: str, steps: int = 1200) -> str:
-    """The agent demo's starting policy (``toy:calc_agent``): `make_calculator_demo_model` whose tool calls end
-    their turn with ``<eos>`` and whose tokenizer carries `AGENT_CHAT_TEMPLATE`.
+def agent_targets(max_operand: int, p_tool: float, seed: int = 0) -> list[tuple[str, list[tuple[str, bool]], float]]:
+    """The agent demo model's target distribution: every prompt ``"a*b="`` (a, b in [10, max_operand]) with two
+    conversations, as ``(question, [(text, trained), ...], weight)``: the tool path (the call, the tool's result, not
+    trained, then the result copied) at weight ``p_tool``, and a direct answer, the product with one digit off
+    (`perturb`, one fixed slip per prompt: the toy cannot multiply), at ``1 - p_tool``.
 
-    Why 1200 supervised steps and not the tools demo's 400: copying the tool's result (a 2-layer model's induction
-    circuit) appears abruptly during supervision, and later with the ``<eos>`` after the call. Measured 2026-12-03
-    (seed 0, one thread, greedy, the answer after a correct tool result, 32 products): the plain format copies at
-    400 steps; with ``<eos>`` 0/32 up to step 600, 6/32 at 700-800, 18/32 at 900, 22/32 at 1000. At 400 steps the
-    agent demo started at validation reward 0 with nothing to learn from (GRPO cannot reinforce a copy it never
-    samples)."""
-    return make_calculator_demo_model(out_dir, steps=steps, call_end="<eos>", chat_template=AGENT_CHAT_TEMPLATE)
+    >>> tool, direct = agent_targets(10, 0.25)
+    >>> tool
+    ('10*10=', [('<calc>10*10</calc>', True), ('<r>100</r>', False), ('100', True)], 0.25)
+    >>> direct
+    ('10*10=', [('170', True)], 0.75)
+    """
+    rng = random.Random(seed)
+    targets = []
+    for a in range(10, max_operand + 1):
+        for b in range(10, max_operand + 1):
+            tool = [(f"<calc>{a}*{b}</calc>", True), (f"<r>{a * b}</r>", False), (str(a * b), True)]
+            targets += [(f"{a}*{b}=", tool, p_tool), (f"{a}*{b}=", [(str(perturb(a * b, rng)), True)], 1 - p_tool)]
+    return targets
+
+
+def make_calculator_agent_model(out_dir: str, max_operand: int = 19, p_tool: float = 0.25, steps: int = 300,
+                                seed: int = 0, log_every: int = 0) -> str:
+    """The agent demo's starting policy (``toy:calc_agent``): the ``small`` toy fitted (`grpo.tasks.toy.fit_exact`) to
+    `agent_targets`, its tool calls ending their turn with ``<eos>`` (as an endpoint's turns end) and its tokenizer
+    carrying `AGENT_CHAT_TEMPLATE`. On every prompt of the demo (configs/cpu_demo_agent.yaml:
+    ``data.calculator_max_operand`` 19, the 100 products of 10..19) it calls the calculator with probability ``p_tool``
+    and copies the result, and answers directly, wrongly, otherwise: sampled at temperature 1 it scores about
+    ``p_tool``, and GRPO has one behaviour to learn, which each group shows side by side (call the tool).
+
+    Why an exact fit over the demo's 100 products (issue 44): the model was supervised on 1,200 noisy batches of
+    products of 10..99 until then, and had to learn to copy the tool's result (an induction circuit that appears
+    abruptly during supervision); on one CPU it copied 22 of 32 results and the demo rose 0.28 -> 0.73, on another it
+    copied none and the demo stayed at 0 (no group with a mixed reward). The fit converges to each prompt's
+    conversations at their weights, a state float rounding barely moves, as toy:demo's (measured on the built model: the call at 0.238-0.252 per prompt,
+    the result copied in 100 of 100 greedy answers). 73 CPU-seconds with one thread."""
+    from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, fit_exact, save_char_tokenizer
+
+    tok = build_char_tokenizer(AGENT_CHAT_TEMPLATE)
+    model = build_tiny_model(tok, size="small", seed=seed)
+    rows = []
+    for question, turns, weight in agent_targets(max_operand, p_tool, seed):
+        ids = tok(question)["input_ids"]
+        labels = [-100] * len(ids)
+        for text, trained in turns:
+            piece = tok(text, add_special_tokens=False)["input_ids"]
+            piece += [tok.eos_token_id] if text.startswith("<calc>") else []
+            ids, labels = ids + piece, labels + (piece if trained else [-100] * len(piece))
+        rows.append((ids + [tok.eos_token_id], labels + [tok.eos_token_id], weight))
+    fit_exact(model, tok.pad_token_id, rows, steps, log_every=log_every, name="calculator agent model")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_char_tokenizer(tok, out_dir)
+    return out_dir
 
 
 def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: float = 1.0, p_copy_ok: float = 1.0,
-                               steps: int = 400, batch_size: int = 32, seed: int = 0, log_every: int = 0,
-                               call_end: str = "", chat_template: str | None = None) -> str:
+                               steps: int = 400, batch_size: int = 32, seed: int = 0, log_every: int = 0) -> str:
     """Build the tools demo's starting policy (the ``small`` toy) into ``out_dir``; returns ``out_dir``.
 
     Supervised on `demo_transcript` rows (loss on the assistant text and the final ``<eos>`` only). The
@@ -161,12 +204,11 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
     calls in 51% of the samples, reward 0.37 with the tool and 0.002 with tools disabled; 30 steps of a bare
     group-normalised policy gradient take it to 0.81 with the tool (calls in 99.6%) and leave the ablation
     at 0.00. The build takes ~40 CPU-seconds with one thread. Deterministic for a given seed and thread
-    count. ``call_end``: trained text after a tool call (the agent demo's ``<eos>``); ``chat_template``: saved with
-    the tokenizer.
+    count.
     """
     from grpo.tasks.toy import build_char_tokenizer, build_tiny_model, save_char_tokenizer, supervise
 
-    tok = build_char_tokenizer(chat_template)
+    tok = build_char_tokenizer()
     model = build_tiny_model(tok, size="small", seed=seed)
     rng = random.Random(seed)
 
@@ -175,7 +217,6 @@ def make_calculator_demo_model(out_dir: str, p_tool: float = 0.5, p_call_ok: flo
         ids = tok(f"{a}*{b}=")["input_ids"]
         labels = [-100] * len(ids)
         for text, trained in demo_transcript(a, b, rng, p_tool, p_call_ok, p_copy_ok):
-            text += call_end if text.startswith("<calc>") else ""
             piece = tok(text, add_special_tokens=False)["input_ids"]
             ids += piece
             labels += piece if trained else [-100] * len(piece)

@@ -35,10 +35,12 @@ def test_the_agent_demo_trains_on_the_recorded_tokens(tmp_path):
 
 @pytest.mark.slow
 def test_the_agent_demo_learns(tmp_path):
-    """The agent demo as shipped raises validation reward by 0.2 or more (issue 32's bar: within 15 minutes on 2
-    cores; docs/measurements.md's numbers come from scripts/measure_demos.py --demo agent). It learns to call the
-    calculator (sampled in about half the answers at the start) and to copy its result."""
-    run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path, "logger.progress_bar=false")],
-        timeout=3600)
+    """The agent demo as shipped (20 steps, two torch threads, DS_ACCELERATOR=cpu) raises validation reward by 0.5 or
+    more, README's figure (scripts/measure_demos.py --demo agent, seeds 0-4 x threads 1 and 2: docs/measurements.md).
+    Its policy, fitted exactly (toy:calc_agent), calls the calculator in a quarter of its answers and copies the
+    result; it learns to call it (issue 44: the noisily supervised toy it replaced copied no result on an Intel
+    Xeon, and the demo stayed at 0)."""
+    run([sys.executable, "train_grpo.py", "--config", CONFIG, *paths(tmp_path, "logger.progress_bar=false",
+                                                                      "checkpointing.enabled=false")], timeout=3600)
     val = [r["validation/accuracy"] for r in metrics(tmp_path) if "validation/accuracy" in r]
-    assert len(val) >= 2 and val[-1] >= val[0] + 0.2, val
+    assert len(val) >= 2 and val[-1] >= val[0] + 0.5, val

@@ -15,7 +15,8 @@ import torch
 import grpo.tasks.calculator
 import grpo.tasks.tool_calls
 import grpo.tasks.tools
-from grpo.tasks.calculator import calc, calculator_rows, demo_transcript
+from grpo.config.load import load_config
+from grpo.tasks.calculator import agent_targets, calc, calculator_rows, demo_transcript
 from grpo.tasks.function import EnvError
 from grpo.tasks.interface import check_return
 from grpo.tasks.tool_calls import (ParsedCall, check_arguments, function_spec, parse_tool_calls, resolve_tools,
@@ -323,6 +324,27 @@ def test_calculator_rows_and_transcripts():
     assert 0.4 < kinds.count(3) / 400 < 0.6  # the tool path (call, result, answer) about half the time
     direct = [demo_transcript(37, 58, rng, 0.0, 1.0, 1.0)[0][0] for _ in range(50)]
     assert "2146" not in direct  # a direct answer is never trained to be right
+
+
+def test_the_agent_demo_asks_only_what_its_model_is_fitted_to():
+    """toy:calc_agent is fitted to an exact distribution over the demo's products (issue 44): every question the
+    agent demo asks is one of them, each with the tool path (its result copied) and a wrong direct answer, weights
+    summing to 1."""
+    from tests.helpers.e2e import REPO
+
+    cfg = load_config(str(REPO / "configs" / "cpu_demo_agent.yaml"))
+    targets = agent_targets(cfg.data.calculator_max_operand, p_tool=0.25)
+    by_prompt = {}
+    for question, turns, weight in targets:
+        by_prompt.setdefault(question, []).append((turns, weight))
+    for split in ("train", "val"):
+        asked = {r["question"] for r in grpo.tasks.calculator.rows("calculator", cfg.data, 2048, 0, split)}
+        assert asked <= set(by_prompt), sorted(asked - set(by_prompt))[:5]
+    for question, paths in by_prompt.items():
+        product = calc(question.rstrip("="))
+        (tool, w_tool), (direct, w_direct) = paths
+        assert [text for text, _ in tool] == [f"<calc>{question.rstrip('=')}</calc>", f"<r>{product}</r>", product]
+        assert direct[0][0] != product and w_tool + w_direct == 1.0
 
 
 def test_calculator_env_end_to_end_in_compact_format():
