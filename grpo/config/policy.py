@@ -509,6 +509,10 @@ class PolicyConfig(_Section):
         "Samples packed into rows by token budget in the logprob and training forwards (NeMo-RL's)."))
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig, description=(
         "Micro-batches by token budget in the logprob and training forwards (NeMo-RL's)."))
+    is_vlm: bool | None = Field(None, description=(
+        "NeMo-RL's policy.is_vlm: true asks for a vision-language checkpoint (one with a vision_config), false for a "
+        "text one; a checkpoint of the other kind fails at model load, naming this key. null: the checkpoint decides "
+        "(the model class and the processor follow its config either way)."))
     vision: VisionConfig = Field(default_factory=VisionConfig, description=(
         "A vision-language policy's vision tower (ignored for a text model)."))
 

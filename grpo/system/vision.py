@@ -519,11 +519,16 @@ def image_keywords(model, media: list | None, device) -> dict:
 
 
 def check_policy(policy_cfg, model_config) -> None:
-    """What a vision-language policy cannot be run with yet, as one ValueError naming the key: another generation
+    """A policy's kind as ``policy.is_vlm`` asks, and what a vision-language policy cannot be run with yet, as one ValueError naming the key: another generation
     backend (`check_generation_backend`; hf generates on the training ranks or on generation ranks of its own, which
     receive the images with the prompts), shared prompts asked for (``policy.shared_prompt_forward=true``). Nothing
-    for a text model."""
-    if not is_vision_config(model_config):
+    for a text model. ``policy.is_vlm`` (NeMo-RL's key), when set, must name the checkpoint's kind."""
+    vision = is_vision_config(model_config)
+    if policy_cfg.is_vlm is not None and policy_cfg.is_vlm != vision:
+        kind = "a vision-language model (its config has a vision_config)" if vision else "a text model (no vision_config)"
+        raise ValueError(f"policy.is_vlm={str(policy_cfg.is_vlm).lower()}: {policy_cfg.model_name} is {kind}; "
+                         "set policy.is_vlm to match it, or leave it null to follow the checkpoint")
+    if not vision:
         return
     check_generation_backend(model_config, policy_cfg.generation.backend)
     if policy_cfg.shared_prompt_forward is True:

@@ -48,7 +48,7 @@ def test_the_recipe_check_covers_nemo_rl_s_vlm_recipes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "VLM GRPO recipes (1)\npass  configs/vlm_grpo_3B.yaml\n1 of 1 VLM recipes pass, 0 fail" in out, out
     bad = configs / "vlm_grpo_3B.yaml"
-    bad.write_text(f"defaults: {fixtures / 'examples' / 'configs' / 'vlm_grpo_3B.yaml'}\npolicy:\n  is_vlm: true\n")
+    bad.write_text(f"defaults: {fixtures / 'examples' / 'configs' / 'vlm_grpo_3B.yaml'}\npolicy:\n  draft:\n    enabled: true\n")
     assert check.check(tmp_path, [bad], verbose=False) == 1
     out = capsys.readouterr().out
-    assert out.startswith("FAIL  configs/vlm_grpo_3B.yaml\n") and "policy.is_vlm=True: no translation" in out, out
+    assert out.startswith("FAIL  configs/vlm_grpo_3B.yaml\n") and "policy.draft.enabled=True: trains a speculative-decoding draft" in out, out

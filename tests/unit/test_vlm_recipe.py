@@ -68,3 +68,20 @@ def test_a_list_of_image_datasets_becomes_sources_each_with_its_columns_and_envi
     assert ("ignored", "env.refcoco", "not the data's env_name (clevr-cogent): unused, as in NeMo-RL") in table
     with pytest.raises(ConfigError, match=r"env.geometry3k.reward_functions=None: NeMo-RL's VLMEnvironment needs"):
         load_recipe(RECIPE, [f"data.train={train}", "data.validation=null", "env.geometry3k=null"])
+
+
+def test_policy_is_vlm_must_name_the_checkpoints_kind():
+    """NeMo-RL's ``policy.is_vlm`` translates as it is; at model load a checkpoint of the other kind fails naming the
+    key (null follows the checkpoint), so a recipe that asks for a VLM never trains a text model silently."""
+    from transformers import LlamaConfig, LlavaConfig
+
+    from grpo.config.policy import PolicyConfig
+    from grpo.system.vision import check_policy
+
+    text, vlm = LlamaConfig(), LlavaConfig()
+    for asked, model_config in ((None, text), (False, text), (None, vlm), (True, vlm)):
+        check_policy(PolicyConfig(model_name="toy:tiny", is_vlm=asked), model_config)
+    with pytest.raises(ValueError, match=r"policy.is_vlm=true: toy:tiny is a text model"):
+        check_policy(PolicyConfig(model_name="toy:tiny", is_vlm=True), text)
+    with pytest.raises(ValueError, match=r"policy.is_vlm=false: toy:tiny is a vision-language model"):
+        check_policy(PolicyConfig(model_name="toy:tiny", is_vlm=False), vlm)

@@ -224,6 +224,9 @@ def _policy(w: Walk) -> None:
     # Applied to the policy, the reference and vLLM's hf_overrides, as NeMo-RL does (models/automodel/setup.py:309-334,
     # algorithms/grpo.py:1345-1346): grpo.system.model_config; a key the model config lacks fails at load.
     w.honor("policy.hf_config_overrides")
+    # NeMo-RL loads the processor when it is set (examples/nemo_gym/run_grpo_nemo_gym.py); grpo-ds follows the
+    # checkpoint and checks the key against it at model load (grpo.system.vision.check_policy).
+    w.honor("policy.is_vlm")
     w.ignore("policy.activation_checkpointing_enabled", "NeMo-RL reads no such key (a stale key of this recipe; "
              "dtensor_cfg / megatron_cfg.activation_checkpointing are the ones read)")
     w.ignore("policy.offload_optimizer_for_logprob", "memory placement for non-colocated generation only")
