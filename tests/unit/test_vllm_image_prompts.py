@@ -62,3 +62,7 @@ def test_a_vision_engine_uses_transformers_modelling_and_no_processor_cache_as_n
     vision = llm_kwargs(cfg, **common, vision=True)
     assert vision["mm_processor_cache_gb"] == 0 and vision["model_impl"] == "transformers"
     assert not set(VISION_LLM_KWARGS) & set(llm_kwargs(cfg, **common))
+    # NeMo-RL's recipes set the cache in vllm_kwargs; a GPU with torchvision may ask for vLLM's own modelling.
+    own = build_config({"policy": {"model_name": "m", "generation": {"backend": "hf", "vllm_cfg": {
+        "vllm_kwargs": {"model_impl": "vllm", "mm_processor_cache_gb": 4}}}}})
+    assert llm_kwargs(own, **common, vision=True)["model_impl"] == "vllm"

@@ -44,7 +44,8 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     - ``hf_overrides``: the model config's changes (``policy.hf_config_overrides`` as
       `grpo.system.model_config.vllm_hf_overrides` resolves them), when there are any;
     - with ``policy.lora.enabled``: vLLM's LoRA support (`lora_llm_kwargs`);
-    - ``vision`` (a vision-language model): `VISION_LLM_KWARGS`;
+    - ``vision`` (a vision-language model): `VISION_LLM_KWARGS` (vllm_kwargs may change them: on a GPU with
+      torchvision, ``model_impl: vllm`` runs vLLM's own modelling);
     - then ``vllm_cfg.vllm_kwargs`` (keys the above does not set).
     """
     p, v = cfg.policy, cfg.policy.generation.vllm_cfg
