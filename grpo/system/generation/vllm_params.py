@@ -11,6 +11,11 @@ from grpo.system.generation.base import GenerationOutput
 # vLLM on the CPU otherwise reserves 92% of RAM for the KV cache.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
+# A vision-language model on vLLM: transformers' modelling code (vLLM's native LLaVA imports its Pixtral file, which
+# needs torchvision, absent from the CPU environment), and no processor cache, as NeMo-RL's VLM recipes set it
+# (``mm_processor_cache_gb: 0``: each prompt's images are processed from its own pixels).
+VISION_LLM_KWARGS = {"model_impl": "transformers", "mm_processor_cache_gb": 0}
+
 # What vLLM logs at each in-place reload (vllm 0.32 model_executor/model_loader/reload/layerwise.py and
 # inplace.py): a warning per layer the push did not touch, the push's duration (info), then the set of
 # parameter names it did not load.
@@ -293,12 +298,6 @@ def startup_memory_problem(free_bytes: int, total_bytes: int, gpu_memory_utiliza
 # --------------------------------------------------------------------------------------------------
 # Image prompts (issue 47): vLLM expands the placeholders itself
 # --------------------------------------------------------------------------------------------------
-# A vision-language model on vLLM: transformers' modelling code (vLLM's native LLaVA imports its Pixtral file, which
-# needs torchvision, absent from the CPU environment), and no processor cache, as NeMo-RL's VLM recipes set it
-# (``mm_processor_cache_gb: 0``: each prompt's images are processed from its own pixels).
-VISION_LLM_KWARGS = {"model_impl": "transformers", "mm_processor_cache_gb": 0}
-
-
 def collapse_image_runs(ids: list[int], image_token_id: int, tokens_per_image: list[int]) -> list[int]:
     """The unexpanded prompt of a trainer-expanded one: the ``tokens_per_image[i]`` consecutive ``image_token_id``
     of image i (in order) become one placeholder, as vLLM takes a token-id prompt with its raw images (it expands
