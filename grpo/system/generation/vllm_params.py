@@ -298,6 +298,8 @@ def startup_memory_problem(free_bytes: int, total_bytes: int, gpu_memory_utiliza
 # --------------------------------------------------------------------------------------------------
 # Image prompts (issue 47): vLLM expands the placeholders itself
 # --------------------------------------------------------------------------------------------------
+
+
 def collapse_image_runs(ids: list[int], image_token_id: int, tokens_per_image: list[int]) -> list[int]:
     """The unexpanded prompt of a trainer-expanded one: the ``tokens_per_image[i]`` consecutive ``image_token_id``
     of image i (in order) become one placeholder, as vLLM takes a token-id prompt with its raw images (it expands
