@@ -11,6 +11,11 @@ from grpo.system.generation.base import GenerationOutput
 # vLLM on the CPU otherwise reserves 92% of RAM for the KV cache.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
+# A vision-language model on vLLM: transformers' modelling code (vLLM's native LLaVA imports its Pixtral file, which
+# needs torchvision, absent from the CPU environment), and no processor cache, as NeMo-RL's VLM recipes set it
+# (``mm_processor_cache_gb: 0``: each prompt's images are processed from its own pixels).
+VISION_LLM_KWARGS = {"model_impl": "transformers", "mm_processor_cache_gb": 0}
+
 # What vLLM logs at each in-place reload (vllm 0.32 model_executor/model_loader/reload/layerwise.py and
 # inplace.py): a warning per layer the push did not touch, the push's duration (info), then the set of
 # parameter names it did not load.
@@ -31,7 +36,7 @@ ADAPTER_CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "exclude_modules", "
 
 
 def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, on_cpu: bool,
-               sleep_mode_available: bool, hf_overrides: dict | None = None) -> dict:
+               sleep_mode_available: bool, hf_overrides: dict | None = None, vision: bool = False) -> dict:
     """Keyword arguments of ``vllm.LLM`` for this rank.
 
     - seed = grpo.seed + rank // tensor_parallel_size (the ranks of one TP group must agree; every
@@ -44,6 +49,8 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     - ``hf_overrides``: the model config's changes (``policy.hf_config_overrides`` as
       `grpo.system.model_config.vllm_hf_overrides` resolves them), when there are any;
     - with ``policy.lora.enabled``: vLLM's LoRA support (`lora_llm_kwargs`);
+    - ``vision`` (a vision-language model): `VISION_LLM_KWARGS` (vllm_kwargs may change them: on a GPU with
+      torchvision, ``model_impl: vllm`` runs vLLM's own modelling);
     - then ``vllm_cfg.vllm_kwargs`` (keys the above does not set).
     """
     p, v = cfg.policy, cfg.policy.generation.vllm_cfg
@@ -73,6 +80,8 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
         kw["hf_overrides"] = hf_overrides
     if lora_enabled(cfg):
         kw.update(lora_llm_kwargs(cfg.policy.lora))
+    if vision:
+        kw.update(VISION_LLM_KWARGS)
     return {**kw, **v.vllm_kwargs}  # the config refuses a key set above (VllmConfig.vllm_kwargs)
 
 
@@ -284,3 +293,86 @@ def startup_memory_problem(free_bytes: int, total_bytes: int, gpu_memory_utiliza
             f"kv_cache_memory_bytes set), and the trainer leaves {free_bytes / 2**30:.1f} GiB free: lower "
             f"gpu_memory_utilization to at most {free_bytes / total_bytes:.2f} (it must still cover vLLM's weights, "
             "KV cache and activations when kv_cache_memory_bytes is null)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Image prompts (issue 47): vLLM expands the placeholders itself
+# --------------------------------------------------------------------------------------------------
+
+
+def collapse_image_runs(ids: list[int], image_token_id: int, tokens_per_image: list[int]) -> list[int]:
+    """The unexpanded prompt of a trainer-expanded one: the ``tokens_per_image[i]`` consecutive ``image_token_id``
+    of image i (in order) become one placeholder, as vLLM takes a token-id prompt with its raw images (it expands
+    each placeholder itself; sent expanded, a prompt is expanded a second time: trl#6294, trl#6401). A run of
+    placeholders may hold several adjacent images. ValueError when the runs do not split into the images' counts.
+
+        >>> collapse_image_runs([1, 9, 9, 9, 5, 9, 9, 9, 9, 9, 9, 2], 9, [3, 3, 3])
+        [1, 9, 5, 9, 9, 2]
+    """
+    out: list[int] = []
+    want = list(tokens_per_image)
+    i = 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == image_token_id:
+            j += 1
+        run = j - i
+        while run > 0:
+            if not want or want[0] > run:
+                raise ValueError(f"a run of {j - i} image placeholders at position {i} does not split into the "
+                                 f"images' placeholder counts {list(tokens_per_image)}")
+            run -= want.pop(0)
+            out.append(image_token_id)
+        i = j
+    if want:
+        raise ValueError(f"{len(tokens_per_image) - len(want)} image placeholder runs for {len(tokens_per_image)} "
+                         "images")
+    return out
+
+
+def even_tokens_per_image(ids: list[int], image_token_id: int, n_images: int) -> list[int]:
+    """Each image's placeholder count where every image has the same (LLaVA at its fixed resolution): the prompt's
+    placeholders divided evenly; ValueError when they do not divide.
+
+        >>> even_tokens_per_image([1, 9, 9, 9, 9, 2], 9, 2)
+        [2, 2]
+    """
+    total = sum(1 for t in ids if t == image_token_id)
+    if n_images <= 0 or total % n_images or total < n_images:
+        raise ValueError(f"{total} image placeholders for {n_images} images: expected a positive multiple")
+    return [total // n_images] * n_images
+
+
+def expansion_problem(expanded_by_vllm: list[int], trainer_ids: list[int], image_token_id: int) -> str | None:
+    """Why the prompt vLLM ran (its placeholders expanded by its processor) is not the trainer's expanded prompt,
+    in one line; None when they are equal. More placeholders than the trainer's: expanded twice.
+
+        >>> expansion_problem([1, 9, 9, 9, 9, 9, 2], [1, 9, 9, 9, 2], 9)
+        "vLLM's prompt has 5 image placeholders in 7 ids, the trainer's 3 in 5 (expanded twice?); first difference at 4"
+        >>> expansion_problem([1, 9, 2], [1, 9, 2], 9) is None
+        True
+    """
+    if list(expanded_by_vllm) == list(trainer_ids):
+        return None
+    n_vllm = sum(1 for t in expanded_by_vllm if t == image_token_id)
+    n_trainer = sum(1 for t in trainer_ids if t == image_token_id)
+    first = next((k for k, (a, b) in enumerate(zip(expanded_by_vllm, trainer_ids)) if a != b),
+                 min(len(expanded_by_vllm), len(trainer_ids)))
+    hint = " (expanded twice?)" if n_vllm > n_trainer else ""
+    return (f"vLLM's prompt has {n_vllm} image placeholders in {len(expanded_by_vllm)} ids, the trainer's "
+            f"{n_trainer} in {len(trainer_ids)}{hint}; first difference at {first}")
+
+
+def image_prompt(trainer_ids: list[int], images: list, image_token_id: int) -> dict:
+    """What vLLM takes for a trainer-expanded prompt with its raw ``images`` (PIL, in order): the unexpanded ids
+    (`collapse_image_runs`, every image with the same count) and ``multi_modal_data``; the trainer's ids alone
+    without images. A dict of ``vllm.inputs.TokensPrompt``'s keys."""
+    if not images:
+        return {"prompt_token_ids": list(trainer_ids)}
+    counts = even_tokens_per_image(trainer_ids, image_token_id, len(images))
+    return {"prompt_token_ids": collapse_image_runs(list(trainer_ids), image_token_id, counts),
+            "multi_modal_data": {"image": list(images)}}
