@@ -97,7 +97,8 @@ def new_trajectories(prompts: list[PromptRow], num_generations: int) -> list[Tra
                                   question=row.question, answer=row.answer, messages=messages,
                                   metadata=metadata, num_prompt_messages=len(messages),
                                   stop_strings=None if stop_strings is None else list(stop_strings),
-                                  media=row.media))  # the row's images, stored once for the group
+                                  media=row.media,  # the row's images, stored once for the group
+                                  prompt_parts=row.prompt_parts))
     return out
 
 
