@@ -155,9 +155,11 @@ class Trajectory:
         """Plain python (checkpoints load it with ``torch.load(weights_only=True)``). ``media`` stays the same dict
         (never copied): the samples of a prompt group keep sharing one, so a replay group or a checkpoint holds a
         prompt's images once (``torch.save`` writes an object referenced several times once and loads it shared);
-        ``failure`` as a dict. ``prompt_parts`` is left out (None): the sample has been played, and a PIL image in it
-        would not load with ``weights_only``."""
-        return {**asdict(replace(self, media=None, prompt_parts=None)), "media": self.media}
+        ``failure`` as a dict. ``prompt_parts`` is left out (`from_dict` gives None; the stored form is the one it
+        always had): the sample has been played, and a PIL image in it would not load with ``weights_only``."""
+        d = asdict(replace(self, media=None, prompt_parts=None))
+        del d["prompt_parts"]
+        return {**d, "media": self.media}
 
     @classmethod
     def from_dict(cls, d: dict) -> Trajectory:
