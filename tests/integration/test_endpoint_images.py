@@ -262,12 +262,13 @@ def test_an_agents_picture_trajectory_trains_token_exact(served):
 
 
 def _image_rows(tmp_path) -> list[dict]:
-    """A row whose picture is a datasets Image value (bytes), one whose picture is a JPEG file, a text row."""
+    """A row whose picture is a datasets Image value (bytes), one whose picture is a JPEG file, a text row, a row of
+    two pictures (a PIL image, as a hub dataset decodes one, and a data: URL)."""
     from PIL import Image
 
     Image.new("RGB", (20, 12), (0, 160, 40)).save(tmp_path / "green.jpg", quality=80)
     return [image_row("r:0", {"bytes": png((255, 0, 0)), "path": None}), image_row("r:1", str(tmp_path / "green.jpg")),
-            text_row("r:2")]
+            text_row("r:2"), image_row("r:3", Image.new("RGBA", (24, 10), (40, 0, 200, 90)), data_url((1, 2, 3)))]
 
 
 def test_an_agent_forwarding_an_image_rows_messages_trains_token_exact_on_the_data_paths_ids(served, tmp_path):
@@ -284,6 +285,7 @@ def test_an_agent_forwarding_an_image_rows_messages_trains_token_exact_on_the_da
     assert [p["type"] for p in shown[0][0]["content"]] == ["image_url", "text"]
     assert shown[2][0]["content"][0]["image_url"]["url"].startswith("data:image/jpeg;base64,")  # the file's bytes
     assert shown[4] == [{"role": "user", "content": "text only"}]  # a text row as it was
+    assert [p["type"] for p in shown[6][0]["content"]] == ["image_url", "image_url", "text"]
     envs = build_environments(MasterConfig.model_validate(
         {"env": {"name": "agent", "agent": {"fn": "tests.helpers.image_agents:forwarding_agent"}}}).env)
     AgentPlayer(served).play(trajs, [(1, 0, i, "train") for i in range(len(trajs))], envs)
