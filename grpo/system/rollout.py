@@ -405,6 +405,8 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
             local, metrics = envs.post_process(local)
     except Exception as err:
         error = error or _failed(rank, step, err)
+    for t in local:  # the row's image values were for its player (an agent's prompt): played, they do not travel
+        t.prompt_parts = None
     parts = all_gather_objects([(local, error, timing, metrics)], group)
     errors = [p[1] for p in parts if p[1] is not None]
     if errors:
