@@ -109,6 +109,9 @@ class Trajectory:
     max_turns_reached: bool = False
     stop_strings: list[str] | None = None
     media: dict | None = None  # its images as the model's tensors (grpo.system.vision), shared by its prompt group
+    # a row with images: its prompt messages' content with the image values (`grpo.tasks.rows.PromptRow`), what an
+    # agent is shown; shared by its prompt group, never in `to_dict` (a stored sample has been played)
+    prompt_parts: list | None = None
 
     def __post_init__(self):
         if self.failure is not None:  # a failed sample has no reward, whatever it was built with
@@ -152,8 +155,11 @@ class Trajectory:
         """Plain python (checkpoints load it with ``torch.load(weights_only=True)``). ``media`` stays the same dict
         (never copied): the samples of a prompt group keep sharing one, so a replay group or a checkpoint holds a
         prompt's images once (``torch.save`` writes an object referenced several times once and loads it shared);
-        ``failure`` as a dict."""
-        return {**asdict(replace(self, media=None)), "media": self.media}
+        ``failure`` as a dict. ``prompt_parts`` is left out (`from_dict` gives None; the stored form is the one it
+        always had): the sample has been played, and a PIL image in it would not load with ``weights_only``."""
+        d = asdict(replace(self, media=None, prompt_parts=None))
+        del d["prompt_parts"]
+        return {**d, "media": self.media}
 
     @classmethod
     def from_dict(cls, d: dict) -> Trajectory:

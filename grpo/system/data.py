@@ -662,10 +662,11 @@ class PromptDataset(Dataset):
                                     "filter such prompts, or set data.on_bad_row=skip to skip and count them")
                 self.num_too_long += 1
                 continue
+            parts = None if media is None else [m["content"] for m in formatters[index].messages(row["question"])]
             self.items.append(PromptRow(
                 index=index, question=question_text(row["question"]), answer=row["answer"], task_name=task,
                 prompt_messages=messages, prompt_ids=ids, source=row.get("source", ""), meta=row.get("meta") or {},
-                extra={k: v for k, v in row.items() if k not in ROW_KEYS}, media=media))
+                extra={k: v for k, v in row.items() if k not in ROW_KEYS}, media=media, prompt_parts=parts))
         if not self.items:
             raise DataError(
                 f"all {len(rows)} prompts are longer than data.max_input_seq_length={max_input_seq_length} tokens "

@@ -97,7 +97,8 @@ def new_trajectories(prompts: list[PromptRow], num_generations: int) -> list[Tra
                                   question=row.question, answer=row.answer, messages=messages,
                                   metadata=metadata, num_prompt_messages=len(messages),
                                   stop_strings=None if stop_strings is None else list(stop_strings),
-                                  media=row.media))  # the row's images, stored once for the group
+                                  media=row.media,  # the row's images, stored once for the group
+                                  prompt_parts=row.prompt_parts))
     return out
 
 
@@ -404,6 +405,8 @@ def generate_rollout(prompts: list[PromptRow], num_generations: int, generator, 
             local, metrics = envs.post_process(local)
     except Exception as err:
         error = error or _failed(rank, step, err)
+    for t in local:  # the row's image values were for its player (an agent's prompt): played, they do not travel
+        t.prompt_parts = None
     parts = all_gather_objects([(local, error, timing, metrics)], group)
     errors = [p[1] for p in parts if p[1] is not None]
     if errors:

@@ -228,6 +228,60 @@ def load_image(value, where: str):
                     "a datasets Image")
 
 
+def image_data_url(value, where: str) -> str:
+    """An image part's value (what `load_image` reads) as the ``data:image/<format>;base64,...`` URL of an OpenAI
+    ``image_url`` part: a data: URL of an image as it is, the bytes a value holds or names (bytes, a datasets
+    ``Image``, a path) as they are, a PIL image PNG-encoded in RGB (`png_data_url`); so the endpoint decodes the
+    very picture `load_image` decoded. Nothing is decoded here (a format is read from the file's header). A file
+    that is gone, or bytes that are not an image, raise `DataError` naming ``where``.
+
+        >>> image_data_url("data:image/png;base64,iVBO", "row 0")
+        'data:image/png;base64,iVBO'
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return png_data_url(value.convert("RGB"))
+    if isinstance(value, str) and value.startswith("data:image/") and value.partition(",")[0].endswith(";base64"):
+        return value
+    try:
+        if isinstance(value, dict) and value.get("bytes"):
+            data = value["bytes"]
+        elif isinstance(value, (bytes, bytearray)):
+            data = bytes(value)
+        elif isinstance(value, str) and value.startswith("data:"):  # another header: the bytes are the image's
+            data = base64.b64decode(value.partition(",")[2], validate=True)
+        elif isinstance(value, (str, dict)) and not str(value).startswith(("http://", "https://")):
+            with open((value["path"] if isinstance(value, dict) else value).removeprefix("file://"), "rb") as f:
+                data = f.read()
+        else:
+            return png_data_url(load_image(value, where))  # load_image says what is wrong with it
+        with Image.open(io.BytesIO(data)) as img:  # the header only
+            mime = img.get_format_mimetype()
+        if mime is None:  # a format with no MIME type: its picture as PNG
+            return png_data_url(_open(io.BytesIO(data)))
+    except FileNotFoundError:
+        raise DataError(f"{where}: image {str(value)[:200]!r}: no such file") from None
+    except (UnidentifiedImageError, OSError, ValueError, KeyError, TypeError) as err:
+        shown = str(value)[:60] + ("..." if len(str(value)) > 60 else "")
+        raise DataError(f"{where}: image {shown!r} cannot be read ({type(err).__name__}: {err})") from None
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def openai_content(content, where: str):
+    """A message's content as OpenAI's chat form: a string as is; parts with each image part an ``image_url`` part
+    carrying its picture (`image_data_url`), text parts as they are.
+
+        >>> openai_content([{"type": "image", "image": "data:image/png;base64,iVBO"}, {"type": "text", "text": "?"}],
+        ...                "row 0")[0]
+        {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,iVBO'}}
+    """
+    if isinstance(content, str):
+        return content
+    return [{"type": "image_url", "image_url": {"url": image_data_url(p["image"], where)}}
+            if p.get("type") == "image" else {"type": "text", "text": p["text"]} for p in content]
+
+
 def _open(source):
     from PIL import Image
 

@@ -29,7 +29,9 @@ class PromptRow:
     message); ``task_name``: the environment that scores it; ``prompt_messages``: the formatted prompt as
     ``{"role", "content", "token_ids"}`` messages, ``prompt_ids`` their ids end to end; ``source``: where the row
     came from (``"train.jsonl:3"``, ``"arithmetic/train:0"``); ``meta``: what a scorer needs besides the answer;
-    ``extra``: any other keys of the source row, as they were.
+    ``extra``: any other keys of the source row, as they were; ``prompt_parts``: a row with images, each prompt
+    message's content as the data gave it (text, or parts whose image parts hold the row's image values), what an
+    agent is shown (`grpo.wings.agents.environment.agent_messages`); None for a text row.
 
         >>> PromptRow(0, "3+4=", "7", "arithmetic", [{"role": "user", "content": "3+4=", "token_ids": [5, 6]}],
         ...           [5, 6]).meta
@@ -46,6 +48,7 @@ class PromptRow:
     meta: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     media: dict[str, Any] | None = None  # a VLM prompt's image tensors (grpo.system.vision), None without images
+    prompt_parts: list[Any] | None = None  # a row with images: its prompt messages' content with the image values
 
 
 class DataError(ValueError):

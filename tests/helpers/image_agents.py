@@ -76,3 +76,11 @@ async def picture_agent(row, base_url, api_key, model):
                          "content": [{"type": "text", "text": "look:"}, image_part(data_url((0, 0, 255)))]})
         r = await client.chat.completions.create(model=model, messages=messages, logprobs=True, **row["sampling"])
     return float(len(r.choices[0].message.content or "") % 2)  # rewards that differ within a group
+
+
+async def forwarding_agent(row, base_url, api_key, model):
+    """One call with the row's prompt messages sent unchanged (a row's pictures are its ``image_url`` parts)."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        r = await client.chat.completions.create(model=model, messages=row["messages"], logprobs=True,
+                                                 **row["sampling"])
+    return float(len(r.choices[0].message.content or "") % 2)

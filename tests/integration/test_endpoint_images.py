@@ -19,7 +19,7 @@ import torch
 
 from grpo.batch import build_batch
 from grpo.config import MasterConfig
-from grpo.system.data import PromptFormatter
+from grpo.system.data import PromptDataset, PromptFormatter
 from grpo.system.generation.hf import HFGeneration
 from grpo.system.rollout import new_trajectories
 from grpo.system.training import forward_logprobs
@@ -28,8 +28,9 @@ from grpo.tasks.rows import PromptRow
 from grpo.tasks.toy import SIMPLE_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 from grpo.tasks.visual import IMAGE_TOKENS
 from grpo.wings.agents.endpoint import Endpoint
-from grpo.wings.agents.player import AgentPlayer
+from grpo.wings.agents.player import AgentPlayer, prompts_shown
 from tests.helpers.image_agents import MODEL, TEMPLATE, data_url, image_part, mult_prob_error, vlm_endpoint
+from tests.helpers.vision_rows import image_row, png, text_row
 from tests.helpers.vision_rows import qwen  # noqa: F401 (fixture: the tiny Qwen2-VL, then the tiny Qwen2.5-VL)
 
 RED, BLUE = data_url((255, 0, 0)), data_url((0, 0, 255))
@@ -258,6 +259,59 @@ def test_an_agents_picture_trajectory_trains_token_exact(served):
         swapped_bt = forward_logprobs(served.model, batch.input_ids_bt, batch.attention_mask_bt, media=other)
     mask_bt = batch.token_mask_bt.bool()
     assert not torch.allclose(seen_bt[mask_bt], swapped_bt[mask_bt], atol=1e-5)
+
+
+def _image_rows(tmp_path) -> list[dict]:
+    """A row whose picture is a datasets Image value (bytes), one whose picture is a JPEG file, a text row, a row of
+    two pictures (a PIL image, as a hub dataset decodes one, and a data: URL)."""
+    from PIL import Image
+
+    Image.new("RGB", (20, 12), (0, 160, 40)).save(tmp_path / "green.jpg", quality=80)
+    return [image_row("r:0", {"bytes": png((255, 0, 0)), "path": None}), image_row("r:1", str(tmp_path / "green.jpg")),
+            text_row("r:2"), image_row("r:3", Image.new("RGBA", (24, 10), (40, 0, 200, 90)), data_url((1, 2, 3)))]
+
+
+def test_an_agent_forwarding_an_image_rows_messages_trains_token_exact_on_the_data_paths_ids(served, tmp_path):
+    """An agent on an image dataset gets the row's picture as an ``image_url`` part (a data: URL): forwarding the
+    row's messages unchanged, its request renders to the row's own ids (/tokenize), its sample's prompt tokens and
+    pictures are the row's, and it trains token-exact; a text row's messages stay text."""
+    formatter = PromptFormatter(served.tokenizer, served.cfg.data, TEMPLATE, processor=served.processor)
+    prompts = PromptDataset(_image_rows(tmp_path), formatter, default_task="agent")
+    trajs = new_trajectories(list(prompts), 2)
+    shown = prompts_shown(trajs)
+    for row, messages in zip(prompts, shown[::2]):
+        tokens = _post(served, "/tokenize", {"model": MODEL, "messages": messages}).json()["tokens"]
+        assert tokens == row.prompt_ids, row.source
+    assert [p["type"] for p in shown[0][0]["content"]] == ["image_url", "text"]
+    assert shown[2][0]["content"][0]["image_url"]["url"].startswith("data:image/jpeg;base64,")  # the file's bytes
+    assert shown[4] == [{"role": "user", "content": "text only"}]  # a text row as it was
+    assert [p["type"] for p in shown[6][0]["content"]] == ["image_url", "image_url", "text"]
+    envs = build_environments(MasterConfig.model_validate(
+        {"env": {"name": "agent", "agent": {"fn": "tests.helpers.image_agents:forwarding_agent"}}}).env)
+    AgentPlayer(served).play(trajs, [(1, 0, i, "train") for i in range(len(trajs))], envs)
+    assert all(t.failure is None and t.turns == 1 for t in trajs), [t.failure for t in trajs]
+    for t in trajs:
+        row = prompts[t.group_id]
+        assert t.messages[0].token_ids == row.prompt_ids
+        assert (t.media is None) == (row.media is None)
+        if row.media is not None:
+            assert torch.equal(t.media["pixel_values"], row.media["pixel_values"])
+    assert abs(mult_prob_error(served.model, trajs, served.tokenizer.pad_token_id) - 1.0) < 1e-3
+
+
+def test_a_row_whose_picture_file_is_gone_by_play_time_fails_that_sample_only(tmp_path):
+    """A picture read when the data loaded and deleted before the agent plays: that row's samples fail
+    (``env_error``, naming the file), once per prompt group; the others are shown."""
+    from grpo.tasks.visual import build_vlm_processor, build_vlm_tokenizer
+
+    tok = build_vlm_tokenizer()
+    cfg = _cfg()
+    formatter = PromptFormatter(tok, cfg.data, TEMPLATE, processor=build_vlm_processor(tok))
+    trajs = new_trajectories(list(PromptDataset(_image_rows(tmp_path), formatter)), 2)
+    (tmp_path / "green.jpg").unlink()
+    shown = prompts_shown(trajs)
+    assert shown[2] is shown[3] and shown[2].reason == "env_error" and "green.jpg" in shown[2].detail
+    assert shown[0] is shown[1] and shown[0][0]["content"][0]["type"] == "image_url"
 
 
 def test_a_qwen_vl_policy_renders_its_pictures_as_the_data_path_and_answers_with_its_own_positions(qwen):

@@ -223,6 +223,26 @@ def test_a_rollout_that_comes_back_short_is_an_error_never_a_shorter_batch(monke
                          settings, **kw)
 
 
+def test_the_rows_image_values_do_not_travel_with_the_gathered_samples(monkeypatch):
+    """``Trajectory.prompt_parts`` (a row's pictures as the data gave them, for an agent's prompt) is dropped once
+    the samples are played: the gather over ranks carries the samples' media, never the row's pictures again."""
+    import grpo.system.rollout as rollout
+
+    sent = []
+
+    def gather(objs, group=None):
+        sent.append([t.prompt_parts for t in objs[0][0]])
+        return objs
+
+    monkeypatch.setattr(rollout, "all_gather_objects", gather)
+    prompts = rows(["ab", "cd"])
+    prompts[0].prompt_parts = [[{"type": "image", "image": b"\x89PNG..."}, {"type": "text", "text": "ab"}]]
+    settings = TurnSettings(max_turns=1, max_total_len=64, chunk_size=4, max_new_tokens=8)
+    generate_rollout(prompts, 2, FakeGenerator(), Environments({"echo": Echo()}, 5), ChatFormat(TOK), settings,
+                     base_seed=3, step=2, gen_batch=0, stream="train", rank=0, world_size=1)
+    assert sent == [[None] * 4]
+
+
 def test_chunks_tag_the_weight_version_they_were_generated_with():
     class Weights:
         versions = iter([5, 6, 7, 8])

@@ -4,6 +4,7 @@ take them, and the batch keeps each sample's images."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import io
 import os
@@ -183,6 +184,53 @@ def test_a_trajectory_with_images_round_trips_a_checkpoint_without_pickle(vlm_di
     torch.save({"t": traj.to_dict()}, tmp_path / "t.pt")
     back = type(traj).from_dict(torch.load(tmp_path / "t.pt", weights_only=True)["t"])
     assert torch.equal(back.media["pixel_values"], row.media["pixel_values"]) and back.token_ids() == row.prompt_ids
+
+
+def _sources(tmp_path) -> dict:
+    """An image part's value of each kind the data path reads, the same picture but for the JPEG's loss."""
+    Image.new("RGBA", (20, 12), (10, 200, 30, 128)).save(tmp_path / "a.png")
+    Image.new("RGB", (20, 12), (200, 10, 30)).save(tmp_path / "a.jpg", quality=70)
+    raw = (tmp_path / "a.png").read_bytes()
+    return {"data_url": data_url((1, 2, 3)), "bytes": raw, "datasets_bytes": {"bytes": raw, "path": None},
+            "datasets_path": {"bytes": None, "path": str(tmp_path / "a.png")}, "path": str(tmp_path / "a.jpg"),
+            "file_url": f"file://{tmp_path / 'a.png'}", "pil_rgba": Image.open(tmp_path / "a.png"),
+            "other_header": "data:application/octet-stream;base64," + base64.b64encode(raw).decode()}
+
+
+def test_an_image_part_of_any_kind_is_a_data_url_the_endpoint_decodes_to_the_data_paths_picture(tmp_path):
+    """`image_data_url`: what an agent is sent for a row's picture; the endpoint (openai_images) reads it to the very
+    pixels `load_image` gives the data path, a file's own bytes kept (a JPEG is not re-encoded)."""
+    from grpo.config import HttpServerConfig
+    from grpo.wings.agents.openai_images import decode_image, image_bytes
+
+    settings = HttpServerConfig()
+    for kind, value in _sources(tmp_path).items():
+        url = vision.image_data_url(value, "row 0")
+        picture = decode_image(image_bytes(url, "messages.0.content.0", settings), "m", settings.max_image_pixels)
+        assert picture.tobytes() == vision.load_image(value, "row 0").tobytes(), kind
+    jpeg = vision.image_data_url(str(tmp_path / "a.jpg"), "row 0")
+    assert jpeg.startswith("data:image/jpeg;base64,")
+    assert base64.b64decode(jpeg.partition(",")[2]) == (tmp_path / "a.jpg").read_bytes()
+
+
+@pytest.mark.parametrize("value, says", [("/no/such.png", "no such file"), (b"not an image", "cannot be read"),
+                                         ("https://example.com/a.png", "not fetched")])
+def test_an_image_part_that_cannot_be_sent_is_refused_naming_the_row(value, says):
+    with pytest.raises(DataError, match=f"row 7: .*{says}"):
+        vision.image_data_url(value, "row 7")
+
+
+def test_a_trajectory_of_a_row_with_a_pil_picture_checkpoints_without_its_prompt_parts(vlm_dir, processor, tmp_path):
+    """A row's image values (a PIL image from a hub dataset) are what an agent is shown, never a checkpoint's: a
+    stored trajectory loads with ``weights_only``."""
+    from grpo.system.rollout import new_trajectories
+
+    row = dataset(vlm_dir, processor, [image_row("r:0", Image.new("RGB", (20, 12), (9, 9, 9)))])[0]
+    traj = new_trajectories([row], 1)[0]
+    assert traj.prompt_parts is row.prompt_parts and isinstance(row.prompt_parts[0][0]["image"], Image.Image)
+    torch.save({"t": traj.to_dict()}, tmp_path / "t.pt")
+    back = type(traj).from_dict(torch.load(tmp_path / "t.pt", weights_only=True)["t"])
+    assert back.prompt_parts is None and back.token_ids() == row.prompt_ids
 
 
 def test_qwen2_vls_vision_tower_is_found_and_its_positions_are_computed():

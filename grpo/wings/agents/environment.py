@@ -13,9 +13,11 @@ or a program (``env.agent.command: [argv...]``) that reads the row as JSON on st
 environment, and prints the result as JSON on the last line of its stdout (what it prints before is read and
 dropped, its last megabyte kept: `grpo.wings.agents.call.run_program`). ``row`` is
 ``{"question", "answer", "meta", "task_name", "messages", "sampling"}`` (``messages``: the prompt as the data
-formatted it, role / content dicts; ``sampling``: the ``temperature`` and ``top_p`` to send, the run's training or
-validation pair: the endpoint refuses others). A number is the reward; a dict has ``reward`` and optionally ``reward_components`` (named
-finite numbers) and ``mask_sample`` (keep the sample out of the loss).
+formatted it, role / content dicts in OpenAI's chat form, a row's picture an ``image_url`` part with a ``data:`` URL
+(`agent_messages`): forwarded unchanged, the endpoint renders them to the row's own ids; ``sampling``: the
+``temperature`` and ``top_p`` to send, the run's training or validation pair: the endpoint refuses others). A
+number is the reward; a dict has ``reward`` and optionally ``reward_components`` (named finite numbers) and
+``mask_sample`` (keep the sample out of the loss).
 
 Every attempt of a sample gets its own API key, so the endpoint records each call it makes; the trainer builds the
 sample's trajectory from those records (`grpo.wings.agents.player`), never from what the agent says it saw.
@@ -147,6 +149,23 @@ def timed_out(timeout_s: float) -> AgentOutcome:
 
 def agent_row(question: str, answer: str, meta: dict, task_name: str, messages: list[dict],
               sampling: dict[str, float]) -> dict:
-    """The row an agent gets (module docstring)."""
+    """The row an agent gets (module docstring); ``messages`` as `agent_messages` makes them."""
     return {"question": question, "answer": answer, "meta": meta, "task_name": task_name,
             "messages": [{"role": m["role"], "content": m["content"]} for m in messages], "sampling": dict(sampling)}
+
+
+def agent_messages(messages: list[dict], prompt_parts: list | None, where: str) -> list[dict]:
+    """A sample's prompt ``messages`` (role / content, the content text) as its agent gets them: where the row gave
+    a message as parts with images (``prompt_parts``, `grpo.tasks.rows.PromptRow`), that content in OpenAI's form,
+    each picture an ``image_url`` part with a ``data:`` URL (`grpo.system.vision.openai_content`), so the endpoint
+    renders the row's own ids; a text row's messages as they are. A picture that cannot be read any more (a file
+    gone since the data was loaded) raises `grpo.tasks.rows.DataError` naming ``where``.
+
+        >>> agent_messages([{"role": "user", "content": "hi"}], None, "row 0")
+        [{'role': 'user', 'content': 'hi'}]
+    """
+    from grpo.system.vision import openai_content
+
+    if prompt_parts is None:
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{"role": m["role"], "content": openai_content(parts, where)} for m, parts in zip(messages, prompt_parts)]

@@ -27,8 +27,11 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from grpo.trajectory import INFRA, Failure, Message
-from grpo.wings.agents.environment import AgentEnvironment, AgentOutcome, agent_row, outcome_of, timed_out
+from grpo.tasks.rows import DataError
+from grpo.trajectory import DATA, INFRA, Failure, Message
+from grpo.wings.agents.environment import (
+    AgentEnvironment, AgentOutcome, agent_messages, agent_row, outcome_of, timed_out,
+)
 from grpo.wings.agents.call import AgentCall
 from grpo.tasks.failures import RetryPolicy
 
@@ -200,6 +203,24 @@ def _settle(abandoned: list[AgentCall]) -> None:
             call.interrupt()
 
 
+def prompts_shown(trajs: list) -> list:
+    """Each sample's prompt as its agent gets it (`grpo.wings.agents.environment.agent_messages`), made once per
+    prompt group (its samples share their ``prompt_parts``: a picture is encoded once), or the `Failure` of a sample
+    whose picture cannot be read (``env_error``, data)."""
+    made: dict[int, list | Failure] = {}
+    out = []
+    for t in trajs:
+        key = id(t.prompt_parts) if t.prompt_parts is not None else id(t)
+        if key not in made:
+            try:
+                made[key] = agent_messages([{"role": m.role, "content": m.content} for m in t.messages],
+                                           t.prompt_parts, f"prompt {t.prompt_index}")
+            except DataError as err:
+                made[key] = Failure.of("env_error", str(err), kind=DATA)
+        out.append(made[key])
+    return out
+
+
 def fill_trajectory(t, played: Played, decode) -> None:
     """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its last attempt (`Played`)."""
     records, outcome = played.records, played.outcome
@@ -287,9 +308,17 @@ class AgentPlayer:
                 game(env, [trajs[i] for i in idx], [seed_keys[i] for i in idx], endpoint, envs.retry,
                      endpoint.weight_version if weight_version is None else weight_version)
                 continue
-            rows = [agent_row(trajs[i].question, trajs[i].answer, trajs[i].metadata.get("meta", {}), task,
-                              [{"role": m.role, "content": m.content} for m in trajs[i].messages],
-                              endpoint.sampling("val" if "val" in seed_keys[i] else "train")) for i in idx]
+            ready = []
+            for i, shown in zip(idx, prompts_shown([trajs[i] for i in idx])):
+                if isinstance(shown, Failure):  # its picture cannot be shown: the sample fails, not the run
+                    trajs[i].fail(shown)
+                else:
+                    ready.append((i, shown))
+            if not ready:
+                continue
+            idx = [i for i, _ in ready]
+            rows = [agent_row(trajs[i].question, trajs[i].answer, trajs[i].metadata.get("meta", {}), task, shown,
+                              endpoint.sampling("val" if "val" in seed_keys[i] else "train")) for i, shown in ready]
             with endpoint.serving(weight_version):
                 played = play_agents(env, rows, [":".join(str(p) for p in seed_keys[i]) for i in idx], endpoint,
                                      envs.retry, self.stop_requested)
