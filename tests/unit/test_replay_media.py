@@ -46,7 +46,8 @@ def test_a_groups_images_are_stored_once_in_the_deque_and_its_checkpoint_and_com
     assert len(data) < 2 * one_picture + 16_384, (len(data), one_picture)  # two pictures, not 2 x G
     back = ReplayBuffer(max_age_steps=1)
     back.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
-    assert len(saved(back)) == len(data)  # a resumed run saves them once again
+    assert len(saved(back)) < 2 * one_picture + 16_384  # a resumed run saves them once again (not the file's exact
+    # size: the pickle around the pictures moves with every field a sample gains)
     entries, _ = back.take(step=1, n=2)
     trajs = trajectories_from_groups([e.group for e in entries])
     for p, m in enumerate(media):
