@@ -36,13 +36,13 @@ def record_trained(run: Run, step: int, batch, results: list[dict], metrics: dic
     """Bookkeeping of a trained step: the state's step, counters and ``epoch`` (`grpo.step.record_step`), the
     step's seconds; returns the step's row: ``metrics`` (the rollouts'), the advantages' ``adv_metrics``, the
     batch's summary (`grpo.rollout_metrics.step_summary`) and its images' payload figures (a VLM's,
-    `grpo.system.vision.payload_metrics`) under ``train/``, the step's own
+    `grpo.system.media.payload_metrics`) under ``train/``, the step's own
     (`grpo.step.step_metrics`), ``timing``, the step budget's, then ``extra`` (the loop's own) and ``train/epoch``."""
     import time
 
     from grpo.rollout_metrics import step_summary
     from grpo.step import record_step, step_metrics
-    from grpo.system.vision import payload_metrics
+    from grpo.system.media import payload_metrics
 
     record_step(run.state, batch, step)
     run.state.current_epoch = epoch

@@ -40,9 +40,9 @@ from grpo.batch import rank_slice
 from grpo.system.dist import all_gather_objects
 from grpo.config import Sampling
 from grpo.system.generation.base import chunk_slices
+from grpo.system.media import concat_media
 from grpo.system.vision import (
-    concat_media, content_text, cut_observation, encode_observation, has_images, observation_raw_text,
-    template_messages,
+    content_text, cut_observation, encode_observation, has_images, observation_raw_text, template_messages,
 )
 
 logger = logging.getLogger(__name__)

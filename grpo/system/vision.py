@@ -6,7 +6,8 @@ LLaVA, Qwen2-VL, Gemma 3, ...); every other one loads as a causal LM, as before 
 
 Media: a sample's images as the processor makes them, one dict of tensors per sample (``{"pixel_values": [N, 3, H, W]}``
 for LLaVA; Qwen2-VL adds ``image_grid_thw``), its images concatenated along dim 0 in the order their placeholders
-appear in the sample's tokens. A batch's media is the rows' dicts concatenated in row order (`collate_media`): the
+appear in the sample's tokens. A batch's media is the rows' dicts concatenated in row order
+(`grpo.system.media.collate_media`; that module holds a batch's media and their wire form): the
 model fills its placeholder tokens with image features in that same row-major order, so left or right padding and any
 row selection keep each sample's images with its tokens. The G samples of a prompt share one dict (stored once per
 prompt group, `grpo.deduplicate_multimodal_data`); a forward still runs each row's images.
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from grpo.system.media import any_media, collate_media, concat_media
 from grpo.tasks.rows import DataError
 
 IMAGE_MARK = "<image>"  # how an image part shows in a message's text (logs, dumps, environments): never its bytes
@@ -457,110 +459,6 @@ def format_record(fmt: str, record: dict, fill=None, index: int = 0, where: str 
     text = fill(text) if fill is not None else text
     user = {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
     return {PROMPT_KEY: [user], ANSWER_KEY: truth}
-
-
-# --------------------------------------------------------------------------------------------------
-# Media of a batch
-# --------------------------------------------------------------------------------------------------
-def concat_media(parts: list[dict]) -> dict:
-    """Media dicts concatenated key by key along dim 0 (every part must have the same keys).
-
-        >>> concat_media([{"pixel_values": torch.zeros(1, 3)}, {"pixel_values": torch.ones(2, 3)}])["pixel_values"].shape
-        torch.Size([3, 3])
-    """
-    keys = list(parts[0])
-    if any(list(p) != keys for p in parts):
-        raise ValueError(f"media with different keys: {[sorted(p) for p in parts]}")
-    return {k: torch.cat([p[k] for p in parts], dim=0) for k in keys}
-
-
-def collate_media(media: list | None, device=None, dtype: torch.dtype | None = None) -> dict:
-    """The model's image keywords for rows whose media are ``media`` (None entries: text-only rows): the rows'
-    tensors concatenated in row order, floats cast to ``dtype``; {} when no row has images."""
-    parts = [m for m in (media or []) if m is not None]
-    if not parts:
-        return {}
-    out = concat_media(parts)
-    return {k: v.to(device=device, dtype=dtype if (dtype is not None and v.is_floating_point()) else v.dtype)
-            for k, v in out.items()}
-
-
-def any_media(media: list | None) -> bool:
-    return bool(media) and any(m is not None for m in media)
-
-
-def share_media(media: list, dedup: bool) -> list:
-    """Media of a prompt group's samples: the same dict object for all (``dedup``: stored once) or a copy each."""
-    return media if dedup else [None if m is None else {k: v.clone() for k, v in m.items()} for m in media]
-
-
-def media_bytes(media: list | None) -> int:
-    """Bytes of the distinct media dicts of ``media`` (a dict shared by several rows counts once)."""
-    seen, total = set(), 0
-    for m in media or []:
-        if m is not None and id(m) not in seen:
-            seen.add(id(m))
-            total += sum(v.numel() * v.element_size() for v in m.values())
-    return total
-
-
-def payload_metrics(media: list | None, boundary: str) -> dict[str, float]:
-    """NeMo-RL's multimodal payload figures of rows' ``media`` at ``boundary`` (the names its
-    ``grpo.debug_payload_metrics`` logs for a sharded boundary, totals; measured without serialising, so always on):
-    bytes and tensors held (physical: a dict shared by a prompt group's rows counts once, `media_bytes`), as if each
-    row held its own (logical), the bytes the sharing saves and the physical share; {} when no row has images.
-
-        >>> a = {"pixel_values": torch.zeros(2)}
-        >>> m = payload_metrics([a, a, None, a], "policy_train")
-        >>> m["payload_bytes/policy_train/physical_media_total"], m["payload_ratio/policy_train/physical_to_logical"]
-        (8, 0.3333333333333333)
-    """
-    rows = [m for m in media or [] if m is not None]
-    if not rows:
-        return {}
-    distinct = list({id(m): m for m in rows}.values())
-    physical, logical = media_bytes(distinct), sum(media_bytes([m]) for m in rows)
-    return {f"payload_bytes/{boundary}/physical_media_total": physical,
-            f"payload_bytes/{boundary}/logical_media_total": logical,
-            f"payload_bytes/{boundary}/estimated_saved_total": logical - physical,
-            f"payload_counts/{boundary}/physical_segments_total": sum(len(m) for m in distinct),
-            f"payload_counts/{boundary}/logical_segments_total": sum(len(m) for m in rows),
-            f"payload_ratio/{boundary}/physical_to_logical": physical / logical if logical else 1.0}
-
-
-def pack_media(media: list | None) -> tuple[list[dict], list[int | None]] | None:
-    """Rows' media as they travel over a wire (the generation ranks' bridge): each distinct dict once, and per row the
-    index of its dict (None: a text row), so a prompt group's G rows send their shared images once; None when no row
-    has images. `unpack_media` is the inverse.
-
-        >>> a = {"pixel_values": torch.zeros(1)}
-        >>> distinct, index = pack_media([a, a, None, a])
-        >>> len(distinct), index
-        (1, [0, 0, None, 0])
-    """
-    if not any_media(media):
-        return None
-    slots: dict[int, int] = {}
-    distinct, index = [], []
-    for m in media:
-        if m is None:
-            index.append(None)
-            continue
-        if id(m) not in slots:
-            slots[id(m)] = len(distinct)
-            distinct.append(m)
-        index.append(slots[id(m)])
-    return distinct, index
-
-
-def unpack_media(packed: tuple[list[dict], list[int | None]] | None, n: int) -> list | None:
-    """The ``n`` rows' media of `pack_media`'s ``packed`` (rows of one dict share it again); None for None."""
-    if packed is None:
-        return None
-    distinct, index = packed
-    if len(index) != n:
-        raise ValueError(f"media for {len(index)} rows, expected {n}")
-    return [None if i is None else distinct[i] for i in index]
 
 
 def model_dtype(model) -> torch.dtype:

@@ -78,13 +78,14 @@ def plain_loss_and_grad_norm(model, batch, scale: float = 30.0):
     import torch
 
     from grpo.system import vision
+    from grpo.system.media import collate_media
 
     model.zero_grad()
     total = 0.0
     for b in range(len(batch)):
         n = int(batch.attention_mask_bt[b].sum())
         ids = batch.input_ids_bt[b: b + 1, :n]
-        kw = vision.collate_media([batch.media[b]])
+        kw = collate_media([batch.media[b]])
         if vision.rope_index_module(model) is not None:
             kw["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
         logits = model(input_ids=ids, **kw).logits[0, :-1]

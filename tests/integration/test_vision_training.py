@@ -97,11 +97,13 @@ def test_a_qwen_vl_trains_on_the_engine_with_its_own_positions(qwen, dist_group)
 
 
 def test_deduplicated_and_copied_media_train_the_same(vlm_dir, batch, dist_group):
+    from grpo.system.media import media_bytes, share_media
+
     shared = batch
     assert shared.media[0] is shared.media[1]                            # stored once per prompt group
-    copied = batch.replace(media=vision.share_media(batch.media, dedup=False))
+    copied = batch.replace(media=share_media(batch.media, dedup=False))
     assert copied.media[0] is not copied.media[1]
-    assert vision.media_bytes(copied.media) > vision.media_bytes(shared.media)
+    assert media_bytes(copied.media) > media_bytes(shared.media)
     outs = []
     for b in (shared, copied):
         engine = engines.build_policy_engine(make_cfg(vlm_dir), 1, 1)

@@ -1,5 +1,5 @@
 """Image prompts on generation ranks of their own (policy.generation.colocated.enabled=false): the trainers' generate
-command carries each prompt group's media once (`grpo.system.vision.pack_media`), the generation rank hands each
+command carries each prompt group's media once (`grpo.system.media.pack_media`), the generation rank hands each
 prompt its images (`grpo.system.generation.server._run_generate`), and an in-flight continuation keeps its prompt's
 images. (The wire and the hf backend end to end: tests/e2e/test_vlm_async_e2e.py.)"""
 
@@ -11,7 +11,7 @@ from grpo.system.bridge import from_bytes_tensor, to_bytes_tensor
 from grpo.system.generation.base import GenerationBackend, GenerationOutput
 from grpo.system.generation.remote import RemoteGeneration, generate_command
 from grpo.system.generation.server import _run_generate
-from grpo.system.vision import media_bytes
+from grpo.system.media import media_bytes
 
 G = 4
 

@@ -8,7 +8,7 @@ import torch
 
 from grpo.batch import build_batch
 from grpo.system.replay import GroupInfo, ReplayBuffer, groups_from_trajectories, trajectories_from_groups
-from grpo.system.vision import media_bytes
+from grpo.system.media import media_bytes
 from grpo.trajectory import Message, Trajectory
 
 G = 3  # samples per prompt
@@ -60,7 +60,7 @@ def test_a_groups_images_are_stored_once_in_the_deque_and_its_checkpoint_and_com
 
 def test_payload_figures_count_a_groups_picture_once_as_held_and_once_per_sample_as_logical():
     """NeMo-RL's multimodal payload names (grpo.debug_payload_metrics) for the step's training batch."""
-    from grpo.system.vision import payload_metrics, share_media
+    from grpo.system.media import payload_metrics, share_media
 
     media = [picture(0), picture(1)]
     batch = build_batch(vlm_rollout(media), pad_id=0)

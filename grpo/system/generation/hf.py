@@ -77,7 +77,7 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     noise), and until they leave their tokens are not recorded. A cache that cannot select rows keeps them all. Positions are those transformers' generate gives: the count of the row's
     earlier tokens under the attention mask, or an M-RoPE model's own (`grpo.system.vision.multimodal_positions`,
     ``[3, B, L]``; a generated token's are its predecessor's plus one, as the model's rope deltas give).
-    ``images``: the rows' image tensors (`grpo.system.vision.collate_media`), given to the prefill only (the KV cache
+    ``images``: the rows' image tensors (`grpo.system.media.collate_media`), given to the prefill only (the KV cache
     holds what they became).
     """
     B, T = ids_bt.shape[0], max(caps)

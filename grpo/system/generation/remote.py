@@ -32,7 +32,7 @@ import torch
 from grpo.system.bridge import Bridge, BridgeError
 from grpo.batch import rank_slice
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, length_caps, per_sample_stops
-from grpo.system.vision import pack_media, unpack_media
+from grpo.system.media import pack_media, unpack_media
 
 # How long trainer 0 waits for the generation ranks to start their engines (at least; bridge_timeout_s if longer):
 # a vLLM engine that compiles its graphs takes minutes.
@@ -371,7 +371,7 @@ class RemoteGeneration(GenerationBackend):
 
 def generate_command(prompts, seeds, caps, stops, greedy: bool, sampling, media: list | None, sl: slice) -> dict:
     """The ``generate`` command of one engine's share ``sl`` of a batch: its prompts, seeds, length caps and stop
-    strings, and, for image prompts, ``media`` as `grpo.system.vision.pack_media` packs the share's (a prompt
+    strings, and, for image prompts, ``media`` as `grpo.system.media.pack_media` packs the share's (a prompt
     group's one dict sent once, not once per sample); the generation rank unpacks it (`grpo.system.generation.server`).
 
         >>> generate_command([[1], [2]], [7, 8], [4, 4], [None, None], False, None, None, slice(1, 2))["prompts"]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from grpo.system.bridge import Bridge, BridgeError
-from grpo.system.vision import unpack_media
+from grpo.system.media import unpack_media
 
 logger = logging.getLogger(__name__)
 
