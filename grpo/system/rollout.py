@@ -253,7 +253,7 @@ def _observation_ids(t: Trajectory, new: list[dict], envs, chat) -> tuple[list[i
     one that cannot be read, is a `DataError` naming the environment (its sample fails, not the run)."""
     fmt = envs.observation_format(t.task_name) if hasattr(envs, "observation_format") else "chat_template"
     where = f"environment {t.task_name!r}'s observation"
-    processor = getattr(chat, "processor", None)  # None: a text policy
+    processor = chat.processor  # None: a text policy
     if processor is None and has_images(new):
         raise DataError(f"{where} holds an image but the policy is a text model (no vision_config): an observation "
                         "with images needs a vision-language policy")
@@ -277,7 +277,7 @@ def _observation_ids(t: Trajectory, new: list[dict], envs, chat) -> tuple[list[i
 
 def _image_token_id(chat) -> int | None:
     """The image placeholder id of a vision-language policy's processor; None for a text policy."""
-    return getattr(getattr(chat, "processor", None), "image_token_id", None)
+    return None if chat.processor is None else chat.processor.image_token_id
 
 
 def _log(t: Trajectory) -> list[dict]:

@@ -157,6 +157,8 @@ def test_the_conversation_loop_sets_terminated_and_max_turns_reached():
                                    next_stop_strings=[None] * len(logs), failures=[None] * len(logs)), [0] * len(logs)
 
     class Chat:
+        processor = None  # a text policy (grpo.system.chat.ChatFormat.processor)
+
         def observation_ids(self, log, new, last):
             return [9]
 
