@@ -2,6 +2,10 @@
 for a forward (`collate_media`), shared by a prompt group (`share_media`), counted (`media_bytes`, NeMo-RL's payload
 figures `payload_metrics`) and sent over a wire once per distinct dict (`pack_media` / `unpack_media`).
 
+With a generator that runs its own processor (vLLM takes pictures, not ``pixel_values``), a dict also holds the raw
+pictures its tensors were made from (`PICTURE_KEYS`, `picture_tensors` / `media_pictures`): concatenated along dim 0
+like every key, sent and stored with the rest, never given to the model (`collate_media` leaves them out).
+
 A prompt group's G samples reference one dict: everything here counts and sends a dict shared by several rows once,
 by identity, and gives each row its dict back.
 """
@@ -25,13 +29,55 @@ def concat_media(parts: list[dict]) -> dict:
 
 def collate_media(media: list | None, device=None, dtype: torch.dtype | None = None) -> dict:
     """The model's image keywords for rows whose media are ``media`` (None entries: text-only rows): the rows'
-    tensors concatenated in row order, floats cast to ``dtype``; {} when no row has images."""
+    tensors concatenated in row order, floats cast to ``dtype``, the raw pictures left out; {} when no row has
+    images."""
     parts = [m for m in (media or []) if m is not None]
     if not parts:
         return {}
     out = concat_media(parts)
     return {k: v.to(device=device, dtype=dtype if (dtype is not None and v.is_floating_point()) else v.dtype)
-            for k, v in out.items()}
+            for k, v in out.items() if k not in PICTURE_KEYS}
+
+
+# --------------------------------------------------------------------------------------------------
+# Raw pictures, for a generator that runs its own processor (vLLM)
+# --------------------------------------------------------------------------------------------------
+# Every picture's RGB bytes, flat, and its (height, width): tensors that concatenate along dim 0 as the processor's do.
+PICTURE_KEYS = ("picture_rgb", "picture_hw")
+
+
+def picture_tensors(images: list) -> dict[str, torch.Tensor]:
+    """RGB PIL ``images`` as media entries: ``picture_rgb`` (uint8, every picture's H*W*3 bytes in order) and
+    ``picture_hw`` (int64, [n, 2]); lossless (`media_pictures` gives the same pictures back).
+
+        >>> from PIL import Image
+        >>> t = picture_tensors([Image.new("RGB", (3, 2), (9, 8, 7))])
+        >>> t["picture_rgb"].shape, t["picture_hw"].tolist()
+        (torch.Size([18]), [[2, 3]])
+    """
+    import numpy as np
+
+    arrays = [np.asarray(img.convert("RGB"), dtype=np.uint8) for img in images]
+    return {"picture_rgb": torch.cat([torch.from_numpy(a.copy()).reshape(-1) for a in arrays]),
+            "picture_hw": torch.tensor([a.shape[:2] for a in arrays], dtype=torch.long).reshape(-1, 2)}
+
+
+def media_pictures(media: dict) -> list:
+    """The RGB PIL pictures a media dict holds (`picture_tensors`), in order; ValueError when it holds none (its
+    processor did not keep them: `grpo.system.vision.load_processor` keeps them for a vLLM policy)."""
+    from PIL import Image
+
+    if not all(k in media for k in PICTURE_KEYS):
+        raise ValueError(f"media with keys {sorted(media)} hold no raw pictures ({', '.join(PICTURE_KEYS)}): a "
+                         "generator that runs its own processor (vLLM) needs them")
+    flat, out, at = media["picture_rgb"], [], 0
+    for h, w in media["picture_hw"].tolist():
+        n = h * w * 3
+        out.append(Image.fromarray(flat[at:at + n].reshape(h, w, 3).numpy(), "RGB"))
+        at += n
+    if at != flat.numel():
+        raise ValueError(f"picture_rgb holds {flat.numel()} bytes, picture_hw {at}")
+    return out
 
 
 def any_media(media: list | None) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from grpo.system.media import any_media, collate_media, concat_media
+from grpo.system.media import any_media, collate_media, concat_media, picture_tensors
 from grpo.tasks.rows import DataError
 
 IMAGE_MARK = "<image>"  # how an image part shows in a message's text (logs, dumps, environments): never its bytes
@@ -120,11 +120,35 @@ def prepare_model(model, train_vision_tower: bool = True):
     return model
 
 
-def check_generation_backend(model_config, backend: str) -> None:
-    """Images are generated with on the hf backend only (this part of issue 46): anything else is refused by name."""
-    if is_vision_config(model_config) and backend != "hf":
-        raise ValueError(f"policy.generation.backend={backend!r}: a vision-language model ({model_config.model_type}) "
-                         "generates with backend 'hf' only for now; set policy.generation.backend=hf")
+def vision_model_impl(vllm_kwargs: dict, on_cpu: bool) -> str:
+    """The ``model_impl`` vLLM runs a vision-language model with: ``vllm_kwargs``' own, else on the CPU transformers'
+    modelling (`grpo.system.generation.vllm_params.CPU_VISION_LLM_KWARGS`), else vLLM's default ("auto": its own
+    modelling where it has the architecture)."""
+    return vllm_kwargs.get("model_impl") or ("transformers" if on_cpu else "auto")
+
+
+def check_generation_backend(model_config, generation_cfg, on_cpu: bool | None = None) -> None:
+    """Where a vision-language model generates: hf (on the training ranks or on generation ranks of its own), or
+    vLLM on generation ranks of its own (``colocated.enabled=false``), or vLLM colocated where it runs its own
+    modelling. Colocated vLLM running transformers' modelling (``vllm_kwargs.model_impl: transformers``, the CPU's
+    default: `vision_model_impl`) is refused: that backend patches transformers'
+    decoder classes in place, and the trainer's own model in the same process then fails. ``on_cpu`` None: no CUDA
+    device here. A ValueError naming the key; nothing for a text model."""
+    if not is_vision_config(model_config) or generation_cfg.backend == "hf":
+        return
+    if generation_cfg.backend != "vllm":
+        raise ValueError(f"policy.generation.backend={generation_cfg.backend!r}: a vision-language model "
+                         f"({model_config.model_type}) generates with 'hf' or 'vllm'")
+    on_cpu = not torch.cuda.is_available() if on_cpu is None else on_cpu
+    impl = vision_model_impl(generation_cfg.vllm_cfg.vllm_kwargs, on_cpu)
+    if generation_cfg.colocated.enabled and impl == "transformers":
+        raise ValueError(
+            f"policy.generation.backend=vllm with policy.generation.colocated.enabled=true: vLLM runs this "
+            f"vision-language model ({model_config.model_type}) with transformers' modelling (model_impl="
+            f"transformers{', the CPU default' if on_cpu else ''}), which patches transformers' classes in the "
+            "trainer's process and breaks its model; generate on ranks of their own "
+            "(policy.generation.colocated.enabled=false), or set policy.generation.vllm_cfg.vllm_kwargs.model_impl=vllm "
+            "(vLLM's own modelling; on a GPU install with torchvision)")
 
 
 # Model types whose multimodal (M-RoPE) positions grpo-ds computes (`multimodal_positions`), tested on a tiny one each
@@ -311,9 +335,13 @@ def render_prompt(processor, chat, messages: list[dict], where: str) -> tuple[li
 def encode_with_images(processor, text: str, images: list) -> tuple[list[int], dict]:
     """``(ids, media)`` of a rendered ``text`` and its ``images`` (PIL, in the order of their placeholders in the
     text): the processor's ids (each placeholder expanded) without special tokens added, and every tensor it made
-    besides the ids ({} without images)."""
+    besides the ids ({} without images), with the pictures themselves where the processor keeps them
+    (`keeps_pictures`: a vLLM policy)."""
     enc = processor(text=[text], images=images or None, add_special_tokens=False, return_tensors="pt")
-    return enc["input_ids"][0].tolist(), {k: v for k, v in enc.items() if k not in NOT_MEDIA}
+    media = {k: v for k, v in enc.items() if k not in NOT_MEDIA}
+    if images and keeps_pictures(processor):
+        media.update(picture_tensors(images))
+    return enc["input_ids"][0].tolist(), media
 
 
 def message_images(message: dict, where: str) -> list:
@@ -381,13 +409,22 @@ def _template_content(content):
 
 def load_processor(policy_cfg, model_config):
     """The policy's processor (``AutoProcessor`` from the tokenizer's directory, else the model's) for a VLM; None
-    for a text model."""
+    for a text model. For a policy generating with vLLM it keeps the raw pictures in the media it makes
+    (`keeps_pictures`): vLLM runs its own processor on pictures, never on the trainer's ``pixel_values``."""
     if not is_vision_config(model_config):
         return None
     from transformers import AutoProcessor
 
     name = policy_cfg.tokenizer.name or policy_cfg.model_name
-    return AutoProcessor.from_pretrained(name, trust_remote_code=policy_cfg.trust_remote_code)
+    processor = AutoProcessor.from_pretrained(name, trust_remote_code=policy_cfg.trust_remote_code)
+    if policy_cfg.generation.backend == "vllm":
+        processor.grpo_keep_pictures = True  # read by `keeps_pictures`
+    return processor
+
+
+def keeps_pictures(processor) -> bool:
+    """Whether media made with ``processor`` hold their raw pictures (`grpo.system.media.picture_tensors`)."""
+    return bool(getattr(processor, "grpo_keep_pictures", False))
 
 
 # NeMo-RL's image datasets whose columns `format_record` reads (data.row_format), the keys of its records.
@@ -471,10 +508,10 @@ def image_keywords(model, media: list | None, device) -> dict:
 
 
 def check_policy(policy_cfg, model_config) -> None:
-    """A policy's kind as ``policy.is_vlm`` asks, and what a vision-language policy cannot be run with yet, as one ValueError naming the key: another generation
-    backend (`check_generation_backend`; hf generates on the training ranks or on generation ranks of its own, which
-    receive the images with the prompts), shared prompts asked for (``policy.shared_prompt_forward=true``). Nothing
-    for a text model. ``policy.is_vlm`` (NeMo-RL's key), when set, must name the checkpoint's kind."""
+    """A policy's kind as ``policy.is_vlm`` asks, and what a vision-language policy cannot be run with yet, as one
+    ValueError naming the key: a generation backend or placement that cannot take images
+    (`check_generation_backend`), shared prompts asked for (``policy.shared_prompt_forward=true``). Nothing for a
+    text model. ``policy.is_vlm`` (NeMo-RL's key), when set, must name the checkpoint's kind."""
     vision = is_vision_config(model_config)
     if policy_cfg.is_vlm is not None and policy_cfg.is_vlm != vision:
         kind = "a vision-language model (its config has a vision_config)" if vision else "a text model (no vision_config)"
@@ -482,7 +519,7 @@ def check_policy(policy_cfg, model_config) -> None:
                          "set policy.is_vlm to match it, or leave it null to follow the checkpoint")
     if not vision:
         return
-    check_generation_backend(model_config, policy_cfg.generation.backend)
+    check_generation_backend(model_config, policy_cfg.generation)
     if policy_cfg.shared_prompt_forward is True:
         raise ValueError("policy.shared_prompt_forward=true: a shared prompt's KV cache does not carry a "
                          "vision-language model's images yet; set it to auto or false")

