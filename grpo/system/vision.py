@@ -352,6 +352,24 @@ def message_images(message: dict, where: str) -> list:
     return [load_image(p["image"], where) for p in content if p.get("type") == "image"]
 
 
+def placeholder_problem(text: str, image_token: str, n_images: int) -> str | None:
+    """Why a rendered ``text`` and its ``n_images`` pictures do not pair up, or None: the processor's
+    ``image_token`` must stand in the text exactly once per picture (one typed in a text part, or a template that
+    writes none, would leave a placeholder without pixels or pixels without a place). The endpoint's requests and the
+    environments' observations are checked by it.
+
+        >>> placeholder_problem("user: <image>what?", "<image>", 1) is None
+        True
+        >>> placeholder_problem("look: <image>", "<image>", 0)
+        "holds the image placeholder '<image>' 1 time(s) for 0 picture(s): a text part may not contain it (a picture is an image content part)"
+    """
+    found = text.count(image_token)
+    if found == n_images:
+        return None
+    return (f"holds the image placeholder {image_token!r} {found} time(s) for {n_images} picture(s): a text part may "
+            "not contain it (a picture is an image content part)")
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """``{"role", "content"}`` messages as a chat template reads them (an image part as ``{"type": "image"}``)."""
     return [{"role": m["role"], "content": _template_content(m["content"])} for m in messages]
@@ -371,14 +389,12 @@ def encode_observation(processor, text: str, messages: list[dict], where: str) -
     """``(ids, media)`` of an observation: ``text``, its rendering (chat template or raw) with each image part
     written as the processor's placeholder, tokenised by ``processor`` with the images of ``messages`` in order, so
     each placeholder is expanded once, as `render_prompt` does for a prompt message; media None without images.
-    A text that holds the placeholder itself (the image would be missing its pixels) or an image that cannot be
-    read is a `DataError` naming ``where``."""
-    for m in messages:
-        texts = [m["content"]] if isinstance(m["content"], str) else [p.get("text", "") for p in m["content"]]
-        if any(processor.image_token in x for x in texts):
-            raise DataError(f"{where}: its text holds the image placeholder {processor.image_token!r} itself; an "
-                            "image is a {'type': 'image', 'image': ...} content part")
+    A text that holds the placeholder itself (`placeholder_problem`: the image would be missing its pixels) or an
+    image that cannot be read is a `DataError` naming ``where``."""
     images = [img for m in messages for img in message_images(m, where)]
+    problem = placeholder_problem(text, processor.image_token, len(images))
+    if problem is not None:
+        raise DataError(f"{where}: its rendering {problem}")
     try:
         ids, media = encode_with_images(processor, text, images)
     except ValueError as err:  # placeholders and images that do not pair up (a template that drops an image part)

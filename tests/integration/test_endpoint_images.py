@@ -137,7 +137,7 @@ def _png_url(data: bytes) -> str:
     ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "of type 'input_audio'"),
     ([image_part(data_url((0, 0, 0), size=(65, 64)))], "content.0: the image is 65x64 = 4160 pixels, over the 4096"),
     ([image_part(data_url((0, 0, 0), size=(48, 48)))] * 2, "content.1: the image is 48x48 = 2304 pixels, over the 1792"),
-    ([image_part(RED), {"type": "text", "text": "<image> twice"}], "image token '<image>' 2 times"),
+    ([image_part(RED), {"type": "text", "text": "<image> twice"}], "image placeholder '<image>' 2 time(s) for 1 picture(s)"),
     ([image_part("data:image/png;base64,AAAA")] * 97, "97 image parts, more than"),
 ])
 def test_a_bad_image_part_is_a_400_naming_it(served, content, words):

@@ -60,7 +60,7 @@ from grpo.wings.agents.endpoint_limits import TemplateTimeout, read_body, templa
 from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
                                                 cut_at_stop, error_body, extract_tool_calls, image_urls, parse_message,
                                                 replace_prefix_tokens, required_prefix, template_messages)
-from grpo.wings.agents.openai_images import check_image_marks, check_placeholders, request_images
+from grpo.wings.agents.openai_images import check_placeholders, request_images
 from grpo.wings.agents.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
                                                   request_template)
 
@@ -326,13 +326,14 @@ class Endpoint(Batching):
         """``(ids, media)`` of a rendered prompt: with images, the policy's processor's as the data path makes a
         row's (`grpo.system.vision.encode_with_images`: each placeholder expanded once), else the tokenizer's ids and
         None. A vision-language policy's text must hold its image token once per picture
-        (`openai_images.check_image_marks`)."""
-        if self.image_token is not None:
-            check_image_marks(text, self.image_token, len(images))
+        (`grpo.system.vision.placeholder_problem`), else a 400."""
+        from grpo.system.vision import encode_with_images, placeholder_problem
+
+        problem = None if self.image_token is None else placeholder_problem(text, self.image_token, len(images))
+        if problem is not None:
+            raise RequestError(400, f"messages: the rendered prompt {problem}", param="messages")
         if not images:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), None
-        from grpo.system.vision import encode_with_images
-
         return encode_with_images(self.processor, text, images)
 
     async def _off_loop(self, fn, *args):

@@ -10,9 +10,9 @@ never the batch it would have joined.
   or a ``file://`` URL would read the trainer's own files.
 - **Decoding**: the picture's size is read from its header first, and one past ``http_server.max_image_pixels`` (the
   request's pictures together) is refused before it is decoded; then it is decoded to RGB as the data path does.
-- **Placeholders** (`check_image_marks`, `check_placeholders`): the rendered text holds the processor's image token
-  once per image part (a text part that types it would get placeholders with no picture behind them, and the
-  model would fail the whole batch); a history spliced onto the model's own tokens keeps the placeholders of its
+- **Placeholders** (`grpo.system.vision.placeholder_problem`, `check_placeholders`): the rendered text holds the
+  processor's image token once per image part (a text part that types it would get placeholders with no picture
+  behind them, and the model would fail the whole batch); a history spliced onto the model's own tokens keeps the placeholders of its
   images, no more and no fewer.
 """
 
@@ -118,22 +118,6 @@ def request_images(urls: list[tuple[str, str]], settings: HttpServerConfig) -> l
         left -= image.width * image.height
         images.append(image)
     return images
-
-
-def check_image_marks(text: str, image_token: str, n_images: int) -> None:
-    """The rendered ``text`` must hold the processor's ``image_token`` exactly once per image part: one typed in a
-    text part (or a template that writes none) would leave placeholders and pictures unequal.
-
-        >>> check_image_marks("user: <image>what?", "<image>", 1)
-        >>> check_image_marks("user: <image><image>what?", "<image>", 1)
-        Traceback (most recent call last):
-        ...
-        grpo.wings.agents.openai_chat.RequestError: messages: the rendered prompt holds the image token '<image>' 2 times for 1 image part(s): a text part may not contain it
-    """
-    found = text.count(image_token)
-    if found != n_images:
-        raise RequestError(400, f"messages: the rendered prompt holds the image token {image_token!r} {found} times "
-                                f"for {n_images} image part(s): a text part may not contain it", param="messages")
 
 
 def check_placeholders(spliced: list[int], rendered: list[int], image_token_id: int) -> None:
