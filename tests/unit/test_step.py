@@ -262,3 +262,21 @@ def test_validation_accuracy_counts_a_penalised_sample_as_wrong(monkeypatch):
     metrics = validation_mod.validate(run, object(), None, step=3)
     assert metrics["accuracy"] == 0.5 and metrics["malformed_think_tag_rate"] == 0.5
     assert logged["validation/accuracy"] == 0.5
+
+
+# NeMo-RL's _placeholder_seq_logprob_error_metrics (nemo_rl/algorithms/grpo.py at 7ea279a), as it is written there.
+NEMO_RL_PLACEHOLDER = {"max_seq_mult_prob_error": 0.0, "mean_seq_mult_prob_error": 0.0, "min_seq_mult_prob_error": 0.0,
+                       "max_seq_mult_prob_error_after_mask": 0.0, "mean_seq_mult_prob_error_after_mask": 0.0,
+                       "min_seq_mult_prob_error_after_mask": 0.0, "num_masked_seqs_by_logprob_error": 0,
+                       "masked_correct_pct": 0.0}
+
+
+def test_seq_logprob_error_metrics_are_zero_when_the_previous_logprob_pass_is_skipped():
+    """Without previous-policy logprobs (the pass skipped: force_on_policy_ratio, one update per step) NeMo-RL logs
+    the sequence logprob-error metrics at 0, not nothing; with them, the same names carry the measured values."""
+    skipped = _batch().replace(prev_logprobs_bt=None)
+    _, mask_b, metrics = compose_advantages(build_config({}), skipped)
+    assert {k: metrics[k] for k in NEMO_RL_PLACEHOLDER} == NEMO_RL_PLACEHOLDER
+    assert isinstance(metrics["num_masked_seqs_by_logprob_error"], int) and mask_b.all()
+    _, _, measured = compose_advantages(build_config({}), _batch())
+    assert measured.keys() >= NEMO_RL_PLACEHOLDER.keys() and measured["max_seq_mult_prob_error"] > 1.0
