@@ -74,3 +74,28 @@ def test_both_modes_judge_a_recipe_on_its_keys_not_on_the_shell(tmp_path, capsys
         assert "1 of 1 LLM recipes pass, 0 fail" in capsys.readouterr().out
     else:
         assert ", 1 of its 1 LLM GRPO recipes pass" in check.readme_summary(tmp_path)
+
+
+# Recipe files of a NeMo-RL checkout that are not GRPO's (SFT, DPO, reward models, PPO, off-policy and plain
+# distillation, evaluation, NeMo-Gym's environment prefetch lists, ModelOpt's quantisation and the fault-tolerance
+# launcher's settings): a file or folder name that starts with one of these.
+NOT_GRPO = ("sft", "dpo", "rm", "ppo", "distillation", "xtoken", "qa_distillation", "evals", "prefetch_",
+            "quant_configs", "ft_launcher")
+
+
+@pytest.mark.skipif(check.CHECKOUT is None, reason="NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a) is not set")
+def test_the_recipe_check_covers_every_grpo_family_recipe_of_the_checkout():
+    """Every YAML recipe under the checkout's examples/ is checked (LLM or VLM section: GRPO, GDPO, DAPO, ProRLv2,
+    MOPD, performance/, NeMo-Gym, SWE-bench, ModelOpt's qa_grpo, vision, audio and omni) unless its name says it is
+    not a GRPO recipe; none is checked twice."""
+    root = check.CHECKOUT
+    checked = check.recipes(root) + check.vlm_recipes(root)
+    assert len(checked) == len(set(checked))
+    missed = [str(p.relative_to(root / "examples")) for p in sorted((root / "examples").rglob("*.yaml"))
+              if p not in set(checked)
+              and not any(part.startswith(NOT_GRPO) for part in p.relative_to(root / "examples").parts)]
+    assert missed == [], missed
+    names = {str(p.relative_to(root / "examples")) for p in checked}
+    for family in ("recipes/llm/dapo-", "recipes/llm/prorlv2-", "recipes/llm/mopd-", "recipes/llm/performance/",
+                   "nemo_gym/", "recipes/vlm/vlm_grpo-", "recipes/vlm/mopd-", "configs/audio_grpo_"):
+        assert any(family in n for n in names), family
