@@ -274,6 +274,19 @@ def _min_mean_max(values: torch.Tensor, suffix: str = "") -> dict:
     return {f"{stat}_seq_mult_prob_error{suffix}": v for stat, v in zip(("min", "mean", "max"), stats)}
 
 
+def skipped_seq_logprob_error_metrics() -> dict:
+    """The sequence logprob-error metrics of a step whose previous-policy logprobs were not computed (the pass is
+    skipped): every one 0, as NeMo-RL's ``_placeholder_seq_logprob_error_metrics`` (nemo_rl/algorithms/grpo.py
+    at 7ea279a), so a dashboard's series has a point at every step. 0 is not a value the error takes (it is >= 1).
+
+        >>> skipped_seq_logprob_error_metrics()["max_seq_mult_prob_error_after_mask"]
+        0.0
+    """
+    none = torch.empty(0)
+    return {"num_masked_seqs_by_logprob_error": 0, "masked_correct_pct": 0.0,
+            **_min_mean_max(none), **_min_mean_max(none, "_after_mask")}
+
+
 def mask_by_seq_logprob_error(
     generation_logprobs: torch.Tensor,
     prev_logprobs: torch.Tensor,

@@ -15,7 +15,11 @@ _NAME_TOKENS = re.compile(r"[/_.\-@]")
 
 def _reduction(key: str) -> str:
     """How a key aggregates, by name: "min" / "max" when that word is one of its tokens
-    (``probs_ratio_min``, ``seq/max``, ``min_len``), "sum" for ``total_turns``, else "mean"."""
+    (``probs_ratio_min``, ``seq/max``, ``min_len``) and the name is not a rate (``max_turns_reached_rate`` is a
+    share of samples: its mean over the parts is the whole's, as NeMo-RL's aggregate_rollout_metrics keeps
+    ``_rate`` names out of min / max), "sum" for ``total_turns``, else "mean"."""
+    if key.endswith("_rate"):
+        return "mean"
     tokens = _NAME_TOKENS.split(key)
     if "min" in tokens:
         return "min"
@@ -48,7 +52,7 @@ def aggregate_rollout_metrics(metric_dicts: Sequence[dict]) -> dict:
 
     Per key, over the dicts that have it (None values skipped):
       - list / multi-element tensor values (histograms): concatenated into one flat list;
-      - names with a "min" / "max" token (``x_min``, ``x/max``, ``min_x``): min / max;
+      - names with a "min" / "max" token (``x_min``, ``x/max``, ``min_x``) that do not end in ``_rate``: min / max;
       - ``total_turns``: sum;  - everything else: mean.
 
         >>> aggregate_rollout_metrics([{"r": 1.0, "r_max": 1, "lens": [3]}, {"r": 0.0, "r_max": 5, "lens": [4, 5]}])

@@ -23,7 +23,7 @@ from grpo.advantages import (
     apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages, drop_thin_groups,
 )
 from grpo.batch import TrainBatch
-from grpo.logprobs import mask_by_seq_logprob_error
+from grpo.logprobs import mask_by_seq_logprob_error, skipped_seq_logprob_error_metrics
 from grpo.loss import calculate_kl
 from grpo.metrics import aggregate_rollout_metrics
 from grpo.rewards import (
@@ -210,6 +210,8 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
         sample_mask_b, metrics = mask_by_seq_logprob_error(
             batch.generation_logprobs_bt, batch.prev_logprobs_bt, batch.token_mask_bt, sample_mask_b,
             batch.rewards_b, g.seq_logprob_error_threshold)
+    else:  # the previous-logprob pass was skipped: the metrics at 0, as NeMo-RL logs them
+        metrics = skipped_seq_logprob_error_metrics()
     kl_bt = None
     if loss_cfg.use_kl_in_reward and batch.ref_logprobs_bt is not None:  # skipped at beta = 0: the term is 0
         kl_bt = calculate_kl(batch.prev_logprobs_bt, batch.ref_logprobs_bt, loss_cfg.reference_policy_kl_type,

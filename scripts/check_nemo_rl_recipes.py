@@ -7,10 +7,12 @@
 The LLM recipes are the GRPO family's (`recipes`): examples/configs/{grpo,gdpo,prorlv2}_*.yaml,
 examples/configs/recipes/llm/{grpo,gdpo,dapo,prorlv2,mopd}-*.yaml and its performance/, examples/nemo_gym/,
 examples/swe_bench/ and examples/modelopt/qa_grpo_*.yaml (vision and audio ones excluded); the VLM recipes
-(`vlm_recipes`) examples/configs/vlm_grpo_*.yaml and examples/configs/recipes/vlm/vlm_grpo-*.yaml (run_vlm_grpo.py's;
-NeMo-RL files its omni audio ones there too). Each goes through grpo.config.nemo_rl.recipe.load_recipe as
-`--check-config` would. A failure prints the keys grpo-ds refuses, each with why. Exit status 0 when every recipe
-passes, 1 otherwise. The --readme summary counts the LLM recipes.
+(`vlm_recipes`) examples/configs/{vlm,audio}_grpo_*.yaml and examples/configs/recipes/vlm/{vlm_grpo,mopd}-*.yaml
+(run_vlm_grpo.py's, and the omni MOPD recipes NeMo-Gym's GRPO script runs; NeMo-RL files its omni audio ones there
+too). Each goes through grpo.config.nemo_rl.recipe.load_recipe as `--check-config` would, with HF_HOME and
+PERSISTENT_CACHE defaulted where unset (some recipes interpolate them), so both modes count alike. A failure prints
+the keys grpo-ds refuses, each with why. Exit status 0 when every recipe passes, 1 otherwise. The --readme summary
+counts the LLM recipes.
 """
 
 from __future__ import annotations
@@ -43,9 +45,12 @@ def recipes(root: Path) -> list[Path]:
 
 
 def vlm_recipes(root: Path) -> list[Path]:
-    """NeMo-RL's vision-language GRPO recipes (``examples/run_vlm_grpo.py``'s), sorted within each folder."""
-    configs = root / "examples" / "configs"
-    return sorted(configs.glob("vlm_grpo_*.yaml")) + sorted((configs / "recipes" / "vlm").glob("vlm_grpo-*.yaml"))
+    """NeMo-RL's vision-language and audio GRPO recipes (``examples/run_vlm_grpo.py``'s: vlm_grpo_*, audio_grpo_*)
+    and its omni MOPD recipes (recipes/vlm/mopd-*, GRPO with on-policy distillation, run by NeMo-Gym's GRPO
+    script), sorted within each folder."""
+    configs, vlm = root / "examples" / "configs", root / "examples" / "configs" / "recipes" / "vlm"
+    return (sorted(configs.glob("vlm_grpo_*.yaml")) + sorted(configs.glob("audio_grpo_*.yaml"))
+            + sorted(vlm.glob("vlm_grpo-*.yaml")) + sorted(vlm.glob("mopd-*.yaml")))
 
 
 # A NeMo-RL checkout (its examples/configs): NeMo-RL's recipes are not copied into this repository.
@@ -70,16 +75,20 @@ def refused_keys(message: str) -> list[tuple[str, str]]:
     return out or [(message.splitlines()[0], "")]
 
 
+def default_interpolated_env() -> None:
+    """Set the environment variables NeMo-RL's recipes interpolate, where unset (NeMo-RL needs them set too), so
+    that a recipe is judged on its keys, not on this shell: the pass / fail listing and --readme count alike."""
+    os.environ.setdefault("HF_HOME", "~/.cache/huggingface")  # some recipes' data paths
+    os.environ.setdefault("PERSISTENT_CACHE", "~/.cache")  # NeMo-Gym's Nemotron-3-Super recipes
+
+
 def readme_summary(root: Path | None = CHECKOUT) -> str:
     """The generated paragraph of `SUMMARY_PAGE`: how many recipes pass, the keys the others fail on (with how many
     recipes each and why) and the keys translated (with how many recipes). What tests/unit/test_readme_recipes.py
     compares."""
     from collections import Counter
 
-    import os
-
-    os.environ.setdefault("HF_HOME", "~/.cache/huggingface")  # some recipes interpolate it (NeMo-RL needs it set too)
-    os.environ.setdefault("PERSISTENT_CACHE", "~/.cache")  # NeMo-Gym's Nemotron-3-Super recipes interpolate it
+    default_interpolated_env()
     paths = recipes(root)
     refused: dict[str, tuple[int, str]] = {}
     translated: Counter = Counter()
@@ -116,6 +125,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     root, verbose = Path(argv[0]), "--verbose" in argv
+    default_interpolated_env()
     groups = (("LLM", recipes(root)), ("VLM", vlm_recipes(root)))
     if not groups[0][1]:
         print(f"{root}: no examples/configs/grpo_*.yaml here (expected a NeMo-RL checkout)", file=sys.stderr)

@@ -79,3 +79,12 @@ def test_global_valid_counts_all_reduce_two_ranks():
         results = manager.dict()
         mp.spawn(_worker, args=(free_port(), results), nprocs=2, join=True)
         assert dict(results) == {0: (7.0, 3.0), 1: (7.0, 3.0)}
+
+
+def test_rates_are_averaged_even_with_a_min_or_max_in_their_name():
+    """NeMo-RL's aggregate_rollout_metrics (nemo_rl/algorithms/grpo.py at 7ea279a) keeps names ending in ``_rate``
+    out of min / max: ``max_turns_reached_rate`` is the share of samples that hit the turn limit, so two halves of
+    a batch at 0.25 and 0.75 are 0.5 of it, not 0.75."""
+    out = aggregate_rollout_metrics([{"max_turns_reached_rate": 0.25, "min_len_rate": 0.5, "max_len": 3},
+                                     {"max_turns_reached_rate": 0.75, "min_len_rate": 0.0, "max_len": 9}])
+    assert out == {"max_turns_reached_rate": 0.5, "min_len_rate": 0.25, "max_len": 9}

@@ -247,6 +247,29 @@ def test_seq_logprob_error_masking_matches_nemo_rl_on_random_batches():
         assert m_g == pytest.approx(m_n, rel=1e-9, abs=1e-12), seed
 
 
+def test_a_down_weighted_sequence_is_scored_by_its_own_error_not_by_its_weight():
+    """NeMo-RL#4171 (open after 7ea279a): NeMo-RL scores a sequence with exp(|gen − prev| · w) under the mask
+    token_mask · w, so a sample weight w < 1 shrinks its error and lets it pass the threshold more easily. grpo-ds
+    keeps its own on purpose (docs/nemo_rl.md, differences): the weight decides how much a kept sequence trains,
+    not whether it is kept; e_b is the mean of exp(|gen − prev|) over the sequence's tokens, the same at every
+    w > 0, and masking keeps the weight of a kept sequence (as NeMo-RL does). With 0/1 masks the two agree (the
+    test above); num_masked_seqs_by_logprob_error counts sequences (NeMo-RL sums the dropped weights)."""
+    from grpo.logprobs import mask_by_seq_logprob_error
+
+    token_mask = torch.ones(3, 4, dtype=torch.float64)
+    prev = torch.full((3, 4), -1.0, dtype=torch.float64)
+    gen = prev + torch.tensor([[0.5], [0.5], [0.01]], dtype=torch.float64)  # e = exp(0.5) = 1.65 for rows 0 and 1
+    rewards = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)
+    for w in (1.0, 0.5, 0.25):
+        sample_mask = torch.tensor([1.0, w, w], dtype=torch.float64)
+        new, metrics = mask_by_seq_logprob_error(gen, prev, token_mask, sample_mask, rewards, threshold=1.5)
+        assert new.tolist() == [0.0, 0.0, w], w  # rows 0 and 1 dropped alike; row 2 kept with its weight
+        assert metrics["num_masked_seqs_by_logprob_error"] == 2 and metrics["masked_correct_pct"] == 1.0
+        assert metrics["max_seq_mult_prob_error"] == pytest.approx(torch.tensor(0.5).exp().item())
+    nrl_new, _ = nrl_seq_logprob_error_masking(token_mask, sample_mask, prev, gen, rewards, 1.5)
+    assert nrl_new.tolist() == [0.0, 0.25, 0.25]  # NeMo-RL at w = 0.25: exp(0.5 · 0.25) = 1.13 passes 1.5
+
+
 # ----------------------------------------------------------------------------------------------
 # ClippedPGLossFn: loss value, gradient, and the engine-mismatch metrics
 # ----------------------------------------------------------------------------------------------

@@ -80,16 +80,38 @@ def test_val_total_reward_mean_without_nemo_gym_is_still_refused():
         load_recipe(BASE, ["checkpointing.metric_name=val:total_reward/mean"])
 
 
+def test_split_keys_a_gym_recipe_inherits_are_ignored_as_nemo_rl_warns(tmp_path):
+    """A NeMo-Gym recipe over grpo_math_1B.yaml inherits its math dataset's split_validation_size and seed into
+    data.train (NeMo-RL's MOPD recipe, mopd-qwen3-1.7b-3n8g-megatron-pack.yaml, ranking by val:total_reward/mean).
+    NemoGymDataset takes data_path and repeat: NeMo-RL's load_response_dataset warns that it ignores the others and
+    runs. The same here, one ignored row each, where they were refused."""
+    path = recipe(tmp_path, "data:\n  train:\n    split_validation_size: 0.05\n    seed: 42\n    subset: null\n",
+                  parent=GYM)
+    cfg, table = load_recipe(path, ["checkpointing.metric_name=val:total_reward/mean", GYM_PARSER])
+    ignored = rows(table, "ignored")
+    assert "NeMo-RL warns that it ignores split_validation_size=0.05" in ignored["data.train.split_validation_size"]
+    assert "seed=42" in ignored["data.train.seed"] and "data.train.subset" not in ignored  # null: no warning
+    assert cfg.data.train_data_path.endswith("workplace_assistant/train.jsonl") and cfg.data.split_validation_size == 0
+    assert cfg.checkpointing.metric_name == "val:accuracy"
+    with pytest.raises(ConfigError, match="data.train.video_target_num_patches=1024: a NemoGymDataset key"):
+        load_recipe(recipe(tmp_path, "data:\n  train:\n    video_target_num_patches: 1024\n", parent=GYM),
+                    [GYM_PARSER])  # a key NeMo-RL's processors read is still refused
+
+
 # --------------------------------------------------------------------------------------------------
 # NeMo-RL's seed fields; deleting a key with an override (hydra's ~key)
 # --------------------------------------------------------------------------------------------------
-def test_seed_fields_at_false_pass(tmp_path):
+@pytest.mark.parametrize("value", [False, True])
+def test_seed_fields_pass_either_way(tmp_path, value):
     """grpo.deduplicate_multimodal_data (honored) and grpo.debug_payload_metrics (Ray payload telemetry: ignored),
-    NeMo-RL's seed fields of grpo_math_1B.yaml, at false."""
-    path = recipe(tmp_path, "grpo:\n  deduplicate_multimodal_data: false\n  debug_payload_metrics: false\n")
-    cfg, table = load_recipe(path)
-    assert cfg.grpo.deduplicate_multimodal_data is False
+    NeMo-RL's seed fields of grpo_math_1B.yaml, at false as its recipes set them and at true."""
+    text = f"grpo:\n  deduplicate_multimodal_data: {str(value).lower()}\n  debug_payload_metrics: {str(value).lower()}\n"
+    cfg, table = load_recipe(recipe(tmp_path, text))
+    assert cfg.grpo.deduplicate_multimodal_data is value
     assert "grpo.debug_payload_metrics" in rows(table, "ignored")
+    p = subprocess.run([sys.executable, "train_grpo.py", "--check-config", "--config", str(tmp_path / "recipe.yaml")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and f"deduplicate_multimodal_data: {str(value).lower()}" in p.stdout, p.stderr
 
 
 def test_a_refused_key_is_deleted_with_the_override_its_error_names(tmp_path):
@@ -251,6 +273,8 @@ CHECKOUT = Path(os.environ["NEMO_RL_CHECKOUT"]) if os.environ.get("NEMO_RL_CHECK
 PRORL_RECIPES = ["examples/configs/prorlv2.v2.yaml",
                  "examples/configs/recipes/llm/prorlv2-qwen2.5-math-1.5b-instruct-1n8g-fsdp2tp1.v2.yaml",
                  "examples/configs/recipes/llm/prorlv2-qwen2.5-math-1.5b-instruct-1n8g-fsdp2tp1.v2-tq_mooncake.yaml"]
+PRORL_1_MOE = "examples/configs/prorlv2_1_moe.v2.yaml"
+MOPD_RECIPE = "examples/configs/recipes/llm/mopd-qwen3-1.7b-3n8g-megatron-pack.yaml"
 # NeMo-Gym recipes ranking checkpoints by val:total_reward/mean whose every other key grpo-ds can do.
 VAL_REWARD_RECIPES = ["examples/configs/recipes/llm/grpo-qwen3-1.7b-1n8g-megatron-super-swe1.yaml",
                       "examples/configs/recipes/llm/grpo-qwen3-1.7b-2n8g-megatron-super-rlhf.yaml",
@@ -295,6 +319,31 @@ def test_nemo_rl_super_gym_recipes_rank_by_validation_reward(rel, monkeypatch):
                        "policy.generation.vllm_cfg.http_server_serving_chat_kwargs.reasoning_parser"], refused
     cfg, _ = load_recipe(CHECKOUT / rel, SUPER_CAPABILITIES)
     assert ranks_by_val_reward(cfg)
+
+
+@pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
+def test_prorl_v2_1_is_refused_for_what_nemo_rl_asserts_and_loads_without_it(monkeypatch):
+    """The fourth ProRLv2 recipe, prorlv2_1_moe.v2.yaml, turns dynamic sampling off and inherits
+    batch_multiplier=1.5: NeMo-RL's setup asserts "batch_multiplier>1 can only be used if use_dynamic_sampling=True"
+    (grpo.py at 7ea279a), so NeMo-RL does not run it as written either. Refused for that alone; with the multiplier
+    at 1 it loads with ProRLv2's shaping."""
+    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
+    with pytest.raises(ConfigError) as err:
+        load_recipe(CHECKOUT / PRORL_1_MOE)
+    assert [line.strip().split("=")[0] for line in str(err.value).splitlines()[1:]] == ["grpo.batch_multiplier"]
+    cfg, _ = load_recipe(CHECKOUT / PRORL_1_MOE, ["grpo.batch_multiplier=1"])
+    assert prorl_shaping(cfg) and cfg.loss_fn.force_on_policy_ratio
+
+
+@pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
+def test_the_mopd_recipe_ranks_by_validation_reward(monkeypatch):
+    """The fifth recipe ranking by val:total_reward/mean is NeMo-RL's LLM MOPD recipe: with its distillation keys
+    set aside (their translation is the MOPD work's), every other key loads (its inherited data.train split keys
+    ignored as NeMo-RL warns) and it ranks by val:accuracy."""
+    monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
+    cfg, table = load_recipe(CHECKOUT / MOPD_RECIPE, ["~on_policy_distillation", "grpo.adv_estimator.name=grpo"])
+    assert ranks_by_val_reward(cfg)
+    assert {"data.train.split_validation_size", "data.train.seed"} <= rows(table, "ignored").keys()
 
 
 def test_time_limit_with_checkpointing_off_is_ignored_as_nemo_rl_saves_nothing(tmp_path):

@@ -262,3 +262,55 @@ def test_validation_accuracy_counts_a_penalised_sample_as_wrong(monkeypatch):
     metrics = validation_mod.validate(run, object(), None, step=3)
     assert metrics["accuracy"] == 0.5 and metrics["malformed_think_tag_rate"] == 0.5
     assert logged["validation/accuracy"] == 0.5
+
+
+# NeMo-RL's _placeholder_seq_logprob_error_metrics (nemo_rl/algorithms/grpo.py at 7ea279a), as it is written there.
+NEMO_RL_PLACEHOLDER = {"max_seq_mult_prob_error": 0.0, "mean_seq_mult_prob_error": 0.0, "min_seq_mult_prob_error": 0.0,
+                       "max_seq_mult_prob_error_after_mask": 0.0, "mean_seq_mult_prob_error_after_mask": 0.0,
+                       "min_seq_mult_prob_error_after_mask": 0.0, "num_masked_seqs_by_logprob_error": 0,
+                       "masked_correct_pct": 0.0}
+
+
+def test_seq_logprob_error_metrics_are_zero_when_the_previous_logprob_pass_is_skipped():
+    """Without previous-policy logprobs (the pass skipped: force_on_policy_ratio, one update per step) NeMo-RL logs
+    the sequence logprob-error metrics at 0, not nothing; with them, the same names carry the measured values."""
+    skipped = _batch().replace(prev_logprobs_bt=None)
+    _, mask_b, metrics = compose_advantages(build_config({}), skipped)
+    assert {k: metrics[k] for k in NEMO_RL_PLACEHOLDER} == NEMO_RL_PLACEHOLDER
+    assert isinstance(metrics["num_masked_seqs_by_logprob_error"], int) and mask_b.all()
+    _, _, measured = compose_advantages(build_config({}), _batch())
+    assert measured.keys() >= NEMO_RL_PLACEHOLDER.keys() and measured["max_seq_mult_prob_error"] > 1.0
+
+
+def test_the_reward_kl_honours_the_configured_kl_clamps_where_nemo_rl_uses_its_defaults():
+    """NeMo-RL#3853 (open after 7ea279a): NeMo-RL's reward-side KL (use_kl_in_reward) calls calculate_kl without
+    loss_fn.kl_input_clamp_value / kl_output_clamp_value, so it clamps at the defaults (20, 10) whatever the config
+    says. grpo-ds keeps its own on purpose (docs/nemo_rl.md, differences): the reward KL is the loss's KL, clamped
+    as configured; at the default clamps the two agree."""
+    from grpo.advantages import compute_advantages
+    from grpo.loss import calculate_kl
+
+    def config(**clamps):
+        return build_config({"grpo": {"adv_estimator": {"name": "reinforce_plus_plus"}},
+                             "loss_fn": {"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.5, **clamps}})
+
+    g = torch.Generator().manual_seed(1)
+    batch = _batch()
+    ref = batch.prev_logprobs_bt + torch.randn(batch.prev_logprobs_bt.shape, generator=g) * 2.0  # uneven KL per token
+    batch = batch.replace(ref_logprobs_bt=ref * batch.token_mask_bt)
+
+    def with_kl(cfg, input_clamp, output_clamp):
+        return compute_advantages("reinforce_plus_plus", group_ids=batch.prompt_groups(), rewards=batch.rewards_b,
+                                  valid_mask=batch.valid_b.float(), token_mask=batch.token_mask_bt,
+                                  cfg=cfg.grpo.adv_estimator, kl_bt=calculate_kl(batch.prev_logprobs_bt,
+                                                                                batch.ref_logprobs_bt, "k3",
+                                                                                input_clamp, output_clamp),
+                                  kl_coef=0.5, sample_mask=batch.sample_mask_b, master_cfg=cfg)
+
+    tight = config(kl_input_clamp_value=0.5, kl_output_clamp_value=0.1)
+    adv, _, _ = compose_advantages(tight, batch)
+    m = batch.token_mask_bt.bool()
+    torch.testing.assert_close(adv[m], with_kl(tight, 0.5, 0.1)[m])
+    assert not torch.allclose(adv[m], with_kl(tight, 20.0, 10.0)[m])  # NeMo-RL's reward KL: the defaults
+    default, _, _ = compose_advantages(config(), batch)
+    torch.testing.assert_close(default[m], with_kl(config(), 20.0, 10.0)[m])

@@ -12,6 +12,8 @@ env.should_mask_flagged_samples               env.should_mask_flagged_samples (s
 data.train (NemoGymDataset: data_path)        data.train_data_path, data.input_key=responses_create_params
 data.validation (NemoGymDataset: data_path,   data.val_data_path, data.val_repeat
   repeat)
+data.{train,validation}.{seed,                ignored: NeMo-RL warns that NemoGymDataset ignores them
+  split_validation_size, ...}                   (GYM_IGNORED_SPEC_KEYS)
 reward_penalties.token_ids.*                  reward_penalties.token_ids.* (same)
 reward_penalties.penalize_* without Gym       refused: NeMo-RL's _raise_if_reward_penalties_enabled_without_nemo_gym
 grpo.invalid_tool_call_advantage /            refused without Gym: NeMo-RL's _resolve_message_level_advantage_penalties
@@ -27,6 +29,12 @@ GYM_INPUT_KEY = "responses_create_params"  # NemoGymDataset's rows: the whole re
 # Dataset-spec keys of a NemoGymDataset and what grpo-ds makes of them (NeMo-RL: nemogym_dataset.py takes data_path
 # and repeat; the processor nemo_gym_data_processor keeps each JSONL record whole).
 GYM_SPEC_KEYS = ("dataset_name", "data_path", "repeat", "env_name", "processor", "prompt_file", "system_prompt_file")
+# Dataset keys NeMo-RL's load_response_dataset warns about and ignores when the class takes no such argument
+# (nemo_rl/data/datasets/utils.py, _BEHAVIORAL_DATASET_CONFIG_KEYS; NemoGymDataset takes data_path and repeat): a Gym
+# recipe inherits them from its base's math dataset (grpo_math_1B.yaml's split_validation_size, seed). Ignored here
+# too, where NeMo-RL warns (not null; split_validation_size not 0).
+GYM_IGNORED_SPEC_KEYS = ("chosen_key", "download_dir", "input_key", "output_key", "prompt_key", "rejected_key", "seed",
+                         "split", "split_validation_size", "subset")
 # Keys of NeMo-Gym recipes that NeMo-RL's GRPOConfig (extra="allow") accepts and no code at 7ea279a reads.
 STALE_GRPO_KEYS = ("use_best_at_k", "best_at_k_k", "best_at_k_m", "use_combined_training",
                    "combined_training_weight_mode", "combined_training_best_at_k_weight",
@@ -54,14 +62,15 @@ def _gym_spec(w, key: str, spec: dict, default: dict) -> dict | None:
                  value=full.get("dataset_name"))
         ok = False
     for k in full:
-        if k not in GYM_SPEC_KEYS and k != "split_validation_size":
+        if k in GYM_IGNORED_SPEC_KEYS and k in spec and full[k] is not None and (
+                k != "split_validation_size" or full[k]):
+            w.ignore(f"{key}.{k}", f"{GYM_DATASET} takes data_path and repeat: NeMo-RL warns that it ignores "
+                     f"{k}={full[k]!r} (no split, the rows of data_path whole; validation rows come from "
+                     "data.validation.data_path)")
+        elif k not in GYM_SPEC_KEYS and k not in GYM_IGNORED_SPEC_KEYS:
             w.refuse(f"{key}.{k}", f"a {GYM_DATASET} key grpo-ds does not translate (NeMo-RL's dataset takes "
                      "data_path and repeat)", value=full[k])
             ok = False
-    if full.get("split_validation_size"):
-        w.refuse(f"{key}.split_validation_size", f"NeMo-RL's {GYM_DATASET} does not split (it takes data_path and "
-                 "repeat); give the validation rows as data.validation.data_path", value=full["split_validation_size"])
-        ok = False
     for k in ("prompt_file", "system_prompt_file"):
         if full.get(k) is not None:
             w.refuse(f"{key}.{k}", "NeMo-Gym rows carry their whole prompt (responses_create_params.input); NeMo-RL's "
