@@ -22,7 +22,7 @@ from grpo.tasks.toy import build_char_tokenizer, build_tiny_model
 from grpo.wings.agents.endpoint import Endpoint
 from grpo.wings.agents.player import AgentPlayer
 from tests.helpers import responses_agents
-from tests.helpers.image_agents import mult_prob_error
+from tests.helpers.image_agents import TEMPLATE, data_url, mult_prob_error, vlm_endpoint
 from tests.helpers.scripted_backend import ScriptedBackend
 
 MODEL = "toy:tiny"
@@ -255,3 +255,26 @@ def test_agents_playing_over_responses_train_token_exact():
     assert [(t.failure, t.mask_sample, t.turns, t.reward) for t in trajs] == [(None, False, 3, 1.0)] * 3
     assert all(tok.decode(t.token_ids()).startswith("<bos>Be brief.37*58=") for t in trajs)
     assert abs(mult_prob_error(model, trajs, tok.pad_token_id) - 1.0) < 1e-3
+
+
+def test_an_input_image_renders_as_chat_completions_renders_its_image_url_part():
+    """A vision-language policy: an ``input_image`` part is the chat path's ``image_url`` part, its picture in the
+    call's record and the same prompt ids as /tokenize gives the chat form."""
+    cfg = MasterConfig.model_validate({"policy": {
+        "model_name": "toy:tiny_vlm", "precision": "float32", "max_total_sequence_length": 96,
+        "tokenizer": {"chat_template": TEMPLATE},
+        "generation": {"max_new_tokens": 4, "port_range_low": 26000, "port_range_high": 26999,
+                       "http_server": {"batch_window_s": 0.02}}}})
+    ep = vlm_endpoint(cfg)
+    red = data_url((255, 0, 0))
+    try:
+        key = ep.open_session("picture")
+        _create(ep, key, model="toy:tiny_vlm", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": red, "detail": "auto"}, {"type": "input_text", "text": "colour?"}]}])
+        (record,) = ep.close_session(key)
+        chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": red}},
+                                             {"type": "text", "text": "colour?"}]}]
+        tokens = _post(ep.base_url.removesuffix("/v1") + "/tokenize", {"messages": chat}, ep.api_key).json()
+    finally:
+        ep.close()
+    assert tokens["tokens"] == record.prompt_token_ids and record.media["pixel_values"].shape[0] == 1
