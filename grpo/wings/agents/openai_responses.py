@@ -30,10 +30,11 @@ replaced by what the model saw before.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -103,25 +104,29 @@ class ResponseStore:
         self.kept = kept
         self._responses: OrderedDict[str, Remembered] = OrderedDict()
         self._items: dict[str, str] = {}
+        self._lock = threading.Lock()  # requests of one key are read on the endpoint's work threads
 
     def put(self, response_id: str, remembered: Remembered, item_ids: list[str]) -> None:
-        self._responses[response_id] = remembered
-        self._items.update((i, response_id) for i in item_ids)
-        while len(self._responses) > self.kept:
-            old, _ = self._responses.popitem(last=False)
-            self._items = {i: r for i, r in self._items.items() if r != old}
+        with self._lock:
+            self._responses[response_id] = remembered
+            self._items.update((i, response_id) for i in item_ids)
+            while len(self._responses) > self.kept:
+                old, _ = self._responses.popitem(last=False)
+                self._items = {i: r for i, r in self._items.items() if r != old}
 
     def get(self, response_id: str) -> Optional[Remembered]:
-        return self._responses.get(response_id)
+        with self._lock:
+            return self._responses.get(response_id)
 
     def made(self, item_ids: list[str]) -> Optional[str]:
         """The id of the response whose output held all of ``item_ids`` (None: none, or not one response's)."""
-        made = {self._items.get(i) for i in item_ids}
+        with self._lock:
+            made = {self._items.get(i) for i in item_ids}
         return made.pop() if len(made) == 1 else None
 
     def continued(self, response_id: str) -> Remembered:
         """The stored response ``previous_response_id`` names, or OpenAI's 400 ``previous_response_not_found``."""
-        found = self._responses.get(response_id)
+        found = self.get(response_id)
         if found is None or not found.stored:
             raise RequestError(400, f"previous_response_id: no stored response {response_id!r} under this key (a "
                                     f"response is kept when store is not false, the newest {self.kept} per key, and "
@@ -231,11 +236,11 @@ class _Turn:
 
     reasoning: Optional[str] = None
     content: Optional[str] = None
-    calls: list = None
-    item_ids: list = None
+    calls: list[dict] = field(default_factory=list)
+    item_ids: list[str] = field(default_factory=list)
 
     def message(self) -> dict:
-        return assistant_message(self.content, self.calls or [], self.reasoning)
+        return assistant_message(self.content, self.calls, self.reasoning)
 
 
 def assistant_message(content: Optional[str], calls: list[dict], reasoning: Optional[str]) -> dict:
@@ -300,7 +305,7 @@ def chat_messages(items: Union[str, list[dict]]) -> tuple[list[dict], list[str],
         # a reasoning item or a message begins the next turn once this one has text or calls
         if turn is None or (kind != "function_call" and (turn.content is not None or turn.calls)):
             flush()
-            turn = _Turn(calls=[], item_ids=[])
+            turn = _Turn()
             sources.append(where)
         if item.get("id"):
             turn.item_ids.append(item["id"])
@@ -454,9 +459,10 @@ def response_body(req: ResponsesRequest, chat: dict, output: list[dict], respons
 
 async def create_response(endpoint, req: ResponsesRequest, session, store: ResponseStore) -> dict:
     """Answer ``req`` through ``endpoint.chat`` (the chat path: checks, rendering, batches, the session's record)
-    and remember it in ``store`` (the key's)."""
+    and remember it in ``store`` (the key's). The conversation is gathered on the endpoint's work threads, as
+    requests are parsed there (a long ``input`` costs the event loop nothing)."""
     refuse_unsupported(req)
-    talk = conversation(req, store)
+    talk = await endpoint._off_loop(conversation, req, store)
     try:
         chat = await endpoint.chat(chat_request(req, talk.messages), session)
     except RequestError as err:
@@ -467,7 +473,7 @@ async def create_response(endpoint, req: ResponsesRequest, session, store: Respo
     reply.update((k, message[k]) for k in TOKEN_FIELDS)
     output = output_items(message)
     response_id = f"resp_{uuid.uuid4().hex}"
-    store.put(response_id, Remembered(talk.history, [plain(m) for m in talk.prompt], chat_tools(req.tools),
+    store.put(response_id, Remembered(talk.history, talk.prompt, chat_tools(req.tools),
                                       req.chat_template_kwargs, reply, req.store is not False),
               [item["id"] for item in output])
     return response_body(req, chat, output, response_id)
