@@ -3,7 +3,8 @@ the tokens the endpoint recorded.
 
 `AgentPlayer.play` opens the endpoint for generation and plays each task's samples (`play_agents`): every attempt
 of a sample gets a key of its own (`grpo.wings.agents.endpoint.Endpoint.open_session`, seeded by the sample's
-seed key) and a base URL of its own (`Endpoint.rollout_url`: a harness that ignores the key is still attributed) and runs its agent in a thread of its own (`grpo.wings.agents.environment.AgentEnvironment.start`), which the run
+seed key) and a base URL of its own (`Endpoint.rollout_url`: a harness that sends one key for all its conversations
+is still attributed) and runs its agent in a thread of its own (`grpo.wings.agents.environment.AgentEnvironment.start`), which the run
 stops waiting for at ``env.agent.timeout_s`` whatever the agent does (`grpo.wings.agents.call`). A failed attempt is
 retried within ``grpo.rollout_failure``'s budgets, as the other environments' calls are (`grpo.tasks.failures`).
 Then each trajectory is built from its last attempt's calls (`trajectory_messages`): NeMo-RL's NeMo-Gym path
