@@ -1,7 +1,9 @@
 """The run's OpenAI-compatible endpoint over the policy being trained (NeMo-RL's ``expose_http_server``).
 
-Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering and splice as chat), ``GET
-/v1/models``, ``GET /health``. Requests and answers and the prefix splice are `grpo.wings.agents.openai_chat`'s,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/responses`` (OpenAI's Responses API, answered through chat:
+`grpo.wings.agents.openai_responses`), ``POST /tokenize`` (the same rendering and splice as chat), ``GET
+/v1/models``, ``GET /health``; all but ``/health`` again under each sample's own base URL, ``/rollout/<id>/v1/...``
+(`Endpoint.rollout_url`). Requests and answers and the prefix splice are `grpo.wings.agents.openai_chat`'s,
 the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds the generation backend.
 
 - **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
@@ -9,7 +11,9 @@ the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds
   ``policy.generation.port_range_low..high``). Binds ``policy.generation.http_server.host`` (loopback).
 - **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
   random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
-  (`CallRecord`) for the agent environment to build that sample's trajectory from.
+  (`CallRecord`) for the agent environment to build that sample's trajectory from. A call to a sample's base URL
+  (`Endpoint.rollout_url`) is that sample's with either key (a harness that sends one key for all its
+  conversations); a rollout that is unknown or finished answers 404, another sample's key 403.
 - **Batching** (`grpo.wings.agents.endpoint_batching`): handlers put their prompts on a queue; one batcher thread
   takes them while they keep coming (until none has come for ``http_server.batch_window_s`` while the server reads or
   answers no other, or a full ``policy.generation_batch_size``) and generates them in one `GenerationBackend.generate` call, so concurrent
@@ -61,11 +65,14 @@ from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestEr
                                                 cut_at_stop, error_body, extract_tool_calls, image_urls, parse_message,
                                                 replace_prefix_tokens, required_prefix, template_messages)
 from grpo.wings.agents.openai_images import check_placeholders, request_images
+from grpo.wings.agents.openai_responses import ResponsesRequest, ResponseStore, create_response
 from grpo.wings.agents.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
                                                   request_template)
 
 logger = logging.getLogger(__name__)
 
+# A sample's own base URL (`Endpoint.rollout_url`): the routes again under this prefix.
+ROLLOUT_PREFIX = "/rollout/{rollout_id}"
 # Threads that parse and render requests (`Endpoint._off_loop`), so the event loop only moves bytes; each rendering
 # is bounded in time.
 WORK_THREADS = 4
@@ -88,6 +95,8 @@ class _Session:
     seed_key: str
     calls: int = 0
     records: list[CallRecord] = field(default_factory=list)
+    rollout_id: str = ""  # its base URL's: ``/rollout/<rollout_id>/v1`` (`Endpoint.rollout_url`)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # its /v1/responses (previous_response_id)
 
 
 
@@ -161,6 +170,8 @@ class Endpoint(Batching):
         self.api_key = "sk-grpo-" + secrets.token_hex(16)
         self.weight_version = 0
         self._sessions: dict[str, _Session] = {}
+        self._rollouts: dict[str, str] = {}  # a session's rollout id -> its key
+        self._responses = ResponseStore()  # the /v1/responses made under the run's key
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Pending] = queue.Queue()
         self._open = threading.Event()
@@ -216,16 +227,28 @@ class Endpoint(Batching):
 
     # ---------------------------------------------------------------- sessions
     def open_session(self, seed_key: str) -> str:
-        """A new key whose calls are recorded (one per sample); ``seed_key`` seeds its calls."""
-        key = "sk-grpo-s-" + secrets.token_hex(16)
+        """A new key whose calls are recorded (one per sample); ``seed_key`` seeds its calls. The session has a base
+        URL of its own too (`rollout_url`)."""
+        key, rollout_id = "sk-grpo-s-" + secrets.token_hex(16), secrets.token_hex(8)
         with self._lock:
-            self._sessions[key] = _Session(seed_key)
+            self._sessions[key] = _Session(seed_key, rollout_id=rollout_id)
+            self._rollouts[rollout_id] = key
         return key
 
     def close_session(self, key: str) -> list[CallRecord]:
-        """Forget the key; returns its calls' records in the order they were answered."""
+        """Forget the key and its base URL; returns its calls' records in the order they were answered."""
         with self._lock:
-            return self._sessions.pop(key).records
+            session = self._sessions.pop(key)
+            del self._rollouts[session.rollout_id]
+        return session.records
+
+    def rollout_url(self, key: str) -> str:
+        """Session ``key``'s own base URL (``http://host:port/rollout/<id>/v1``): every call under it is recorded
+        for that session, whichever key the client sends (the run's or the session's), so a harness configured with
+        one key for all its conversations is still attributed per sample. Answers 404 once the session is closed."""
+        with self._lock:
+            rollout_id = self._sessions[key].rollout_id
+        return f"{self.base_url.removesuffix('/v1')}{ROLLOUT_PREFIX.format(rollout_id=rollout_id)}/v1"
 
     def take_records(self, key: str) -> list[CallRecord]:
         """The calls recorded under session ``key`` since the last take, in the order they were answered; the key
@@ -236,16 +259,31 @@ class Endpoint(Batching):
         return records
 
     # ---------------------------------------------------------------- requests
-    def _authorize(self, header: str | None) -> _Session | None:
+    def _authorize(self, header: str | None, rollout_id: str | None = None) -> _Session | None:
+        """The session a request is recorded under (None: the run's own): its key's, or under a rollout's base URL
+        (``rollout_id``) that rollout's, with the run's key or that session's own (401 for another key, 404 for a
+        rollout that is unknown or closed, 403 for another sample's key)."""
         key = (header or "").removeprefix("Bearer ").strip()
-        if key == self.api_key:
-            return None
         with self._lock:
             session = self._sessions.get(key)
-        if session is None:
+            owner = self._rollouts.get(rollout_id) if rollout_id is not None else None
+            rollout = self._sessions[owner] if owner is not None else None
+        if session is None and key != self.api_key:
             raise RequestError(401, "a valid API key is required (Authorization: Bearer <key>): the run's key or a "
                                     "sample's", kind="authentication_error", code="invalid_api_key")
-        return session
+        if rollout_id is None:
+            return session
+        if rollout is None:
+            raise RequestError(404, f"rollout {rollout_id!r} is unknown or finished: a rollout's base URL serves "
+                                    "while its sample plays", code="rollout_not_found")
+        if session is not None and session is not rollout:
+            raise RequestError(403, f"this key is another sample's than rollout {rollout_id!r}'s: send the run's "
+                                    "key or that sample's", kind="permission_error", code="rollout_key_mismatch")
+        return rollout
+
+    async def responses(self, req: ResponsesRequest, session: _Session | None) -> dict:
+        """``POST /v1/responses`` (`grpo.wings.agents.openai_responses`): through `chat`, remembered per key."""
+        return await create_response(self, req, session, self._responses if session is None else session.responses)
 
     def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool,
                template: str | None = None) -> list[int]:
@@ -443,11 +481,11 @@ class Endpoint(Batching):
         def refuse(err: RequestError) -> JSONResponse:
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-        async def guarded(request: Request, model_cls, handle):
+        async def guarded(request: Request, model_cls, handle, rollout_id: str | None = None):
             settings, admitted = self.settings, False
             self._inflight += 1
             try:
-                session = self._authorize(request.headers.get("authorization"))
+                session = self._authorize(request.headers.get("authorization"), rollout_id)
                 body = await read_body(request, settings.max_body_bytes, settings.read_timeout_s)
                 if self._admitted >= settings.max_concurrent_requests:
                     raise RequestError(429, f"more than {settings.max_concurrent_requests} requests in flight "
@@ -472,25 +510,39 @@ class Endpoint(Batching):
                 self._inflight -= 1
                 self._admitted -= admitted
 
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request):
-            return await guarded(request, ChatRequest, self.chat)
+        def serve(path: str, model_cls, handle) -> None:
+            """POST ``path`` at the run's base URL and at every rollout's (`rollout_url`)."""
+            async def shared(request: Request):
+                return await guarded(request, model_cls, handle)
+
+            async def per_rollout(request: Request, rollout_id: str):
+                return await guarded(request, model_cls, handle, rollout_id)
+
+            app.post(path)(shared)
+            app.post(ROLLOUT_PREFIX + path)(per_rollout)
 
         async def tokenize_handler(req, session):
             return await self._off_loop(self.tokenize, req)
 
-        @app.post("/tokenize")
-        async def tokenize(request: Request):
-            return await guarded(request, TokenizeRequest, tokenize_handler)
+        serve("/v1/chat/completions", ChatRequest, self.chat)
+        serve("/v1/responses", ResponsesRequest, self.responses)
+        serve("/tokenize", TokenizeRequest, tokenize_handler)
 
-        @app.get("/v1/models")
-        async def models(request: Request):
+        def model_list(request: Request, rollout_id: str | None = None):
             try:
-                self._authorize(request.headers.get("authorization"))
+                self._authorize(request.headers.get("authorization"), rollout_id)
             except RequestError as err:
                 return refuse(err)
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                 "owned_by": "grpo-ds", "max_model_len": self.max_len}]}
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            return model_list(request)
+
+        @app.get(ROLLOUT_PREFIX + "/v1/models")
+        async def rollout_models(request: Request, rollout_id: str):
+            return model_list(request, rollout_id)
 
         @app.get("/health")
         async def health():

@@ -19,8 +19,10 @@ formatted it, role / content dicts in OpenAI's chat form, a row's picture an ``i
 number is the reward; a dict has ``reward`` and optionally ``reward_components`` (named finite numbers) and
 ``mask_sample`` (keep the sample out of the loss).
 
-Every attempt of a sample gets its own API key, so the endpoint records each call it makes; the trainer builds the
-sample's trajectory from those records (`grpo.wings.agents.player`), never from what the agent says it saw.
+Every attempt of a sample gets its own API key and its own ``base_url`` (``.../rollout/<id>/v1``, where the run's key
+works too: a harness that sends one key for all its conversations), so the endpoint records each call it makes,
+chat completions and the Responses API alike; the trainer builds the sample's trajectory from those records
+(`grpo.wings.agents.player`), never from what the agent says it saw.
 
 Each call of the function runs on an event loop of its own, in a thread of its own (`grpo.wings.agents.call`: so
 that the timeout and stop signals hold whatever the agent does); make clients inside the function, as above, not at

@@ -3,7 +3,8 @@ the tokens the endpoint recorded.
 
 `AgentPlayer.play` opens the endpoint for generation and plays each task's samples (`play_agents`): every attempt
 of a sample gets a key of its own (`grpo.wings.agents.endpoint.Endpoint.open_session`, seeded by the sample's
-seed key) and runs its agent in a thread of its own (`grpo.wings.agents.environment.AgentEnvironment.start`), which the run
+seed key) and a base URL of its own (`Endpoint.rollout_url`: a harness that sends one key for all its conversations
+is still attributed) and runs its agent in a thread of its own (`grpo.wings.agents.environment.AgentEnvironment.start`), which the run
 stops waiting for at ``env.agent.timeout_s`` whatever the agent does (`grpo.wings.agents.call`). A failed attempt is
 retried within ``grpo.rollout_failure``'s budgets, as the other environments' calls are (`grpo.tasks.failures`).
 Then each trajectory is built from its last attempt's calls (`trajectory_messages`): NeMo-RL's NeMo-Gym path
@@ -160,7 +161,8 @@ def play_agents(env: AgentEnvironment, rows: list[dict], seed_keys: list[str], e
                 waiting.remove(s)
                 s.key = endpoint.open_session(s.seed_key)
                 s.deadline = now + env.timeout_s
-                running[env.start(rows[s.index], endpoint.base_url, s.key, endpoint.model_name, ended.put)] = s
+                running[env.start(rows[s.index], endpoint.rollout_url(s.key), s.key, endpoint.model_name,
+                                  ended.put)] = s
             wake = [now + POLL_S] + [s.deadline for s in running.values()]
             if len(running) < env.max_concurrency:
                 wake += [s.not_before for s in waiting]
