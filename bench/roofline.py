@@ -57,8 +57,9 @@ def best_rate(op, amount: float, seconds: float) -> float:
     return amount / best
 
 
-def matmul_peak(seconds: float, n: int = 2048) -> float:
-    """FLOP/s of an ``n x n`` fp32 matmul (``2 n^3`` FLOPs), the best over ``seconds``."""
+def matmul_peak(seconds: float, n: int = 1024) -> float:
+    """FLOP/s of an ``n x n`` fp32 matmul (``2 n^3`` FLOPs), the best over ``seconds``: a size that runs at the
+    sgemm's full rate yet takes milliseconds, so that a loaded machine still gives many tries."""
     import torch
 
     a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
@@ -243,6 +244,11 @@ def step_work(run, batch, calls: list[GenerateCall], updates: int, refitted: boo
 # --------------------------------------------------------------------------------------------------
 # The report
 # --------------------------------------------------------------------------------------------------
+def figure(x: float) -> float:
+    """``x`` to 4 significant digits (a small fraction stays above 0)."""
+    return float(f"{x:.4g}")
+
+
 def summarize(records: list[StepRecord], peak_flops: float, bandwidth: float) -> dict:
     """Per phase over the records: mean seconds, GFLOP and GB per step, the bound and the fraction of it achieved
     (the summed work's bound time over the summed seconds); phases no record has are left out."""
@@ -257,9 +263,9 @@ def summarize(records: list[StepRecord], peak_flops: float, bandwidth: float) ->
         work = sum((w for _, w in rows), Work())
         a = achieved(work, seconds, peak_flops, bandwidth)
         n = len(rows)
-        out[phase] = {"s": round(seconds / n, 4), "gflop": round(work.flops / n / 1e9, 3),
-                      "gbyte": round(work.bytes / n / 1e9, 4), "bound": a.bound,
-                      "fraction": round(a.fraction, 4) if a.fraction is not None else None}
+        out[phase] = {"s": figure(seconds / n), "gflop": figure(work.flops / n / 1e9),
+                      "gbyte": figure(work.bytes / n / 1e9), "bound": a.bound,
+                      "fraction": figure(a.fraction) if a.fraction is not None else None}
     return out
 
 
