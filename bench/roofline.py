@@ -1,22 +1,22 @@
 #!/usr/bin/env python
 """How close each phase of a GRPO step runs to this machine's bound, and which bound it is (issue 50).
 
-    python bench/roofline.py                                   # the bench workload (WORKLOAD.md), bench model, 4 steps
+    python bench/roofline.py                         # the bench workload (WORKLOAD.md), bench model, 4 steps
     python bench/roofline.py --model tiny --steps 2
     python bench/roofline.py --config configs/cpu_demo.yaml grpo.num_prompts_per_step=4   # any config
 
 Builds the run as train_grpo.py does (`grpo.run.run_setup.setup`, one process; by default the bench workload's
 settings, bench/bench_step.py's) and measures the machine with ``--threads`` threads: the fp32 matmul peak (square
-sgemm) and the memory bandwidth (a large copy and a triad, the better of the two), each the best rate seen in probes
-before and after the steps (other jobs slow a probe down, never up). Then plays the step's phases one by one, each
-under its own clock: generation (each generate call timed; its prefill timed again afterwards as a call of one new
-token on the same prompts, outside the step's time; decode = the rest), environment steps, the previous-policy,
-reference (and teacher) logprob passes apart, advantages, training (the DeepSpeed engine's ``step``, the optimizer,
-timed inside it; forward and backward = the rest), refit. For each phase it counts the FLOPs and bytes the phase must
-do from the model's config and the step's batch (`grpo.tools.roofline`) and prints the time, the work, whether
-compute or memory bounds it, and the fraction of that bound achieved: the bound's time over the measured time, over
-the steps after the first (a warm-up). Checkpoints, validation and logging are off; nothing is written but a
-temporary log directory. The last line is one JSON object.
+sgemms, 512 to 2048) and the memory bandwidth (a large copy and a triad, the better of the two), each the best rate
+seen in probes before and after the steps (other jobs slow a probe down, never up). Then plays the step's phases one
+by one, each under its own clock: generation (each generate call timed; its prefill timed again afterwards as a call
+of one new token on the same prompts, outside the step's time; decode = the rest), environment steps, the
+previous-policy, reference (and teacher) logprob passes apart, advantages, training (the DeepSpeed engine's
+``step``, the optimizer, timed inside it; forward and backward = the rest), refit. For each phase it counts the
+FLOPs and bytes the phase must do from the model's config and the step's batch (`grpo.tools.roofline`) and prints
+the time, the work, whether compute or memory bounds it, and the fraction of that bound achieved: the bound's time
+over the measured time, over the steps after the first (a warm-up). Checkpoints, validation and logging are off;
+nothing is written but a temporary log directory. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -57,13 +57,17 @@ def best_rate(op, amount: float, seconds: float) -> float:
     return amount / best
 
 
-def matmul_peak(seconds: float, n: int = 1024) -> float:
-    """FLOP/s of an ``n x n`` fp32 matmul (``2 n^3`` FLOPs), the best over ``seconds``: a size that runs at the
-    sgemm's full rate yet takes milliseconds, so that a loaded machine still gives many tries."""
+def matmul_peak(seconds: float, sizes: tuple[int, ...] = (512, 1024, 2048)) -> tuple[float, int]:
+    """(FLOP/s, n): the best rate of an ``n x n`` fp32 matmul (``2 n^3`` FLOPs) over ``seconds`` shared by the
+    ``sizes``. The small sizes take a millisecond or so: on a loaded machine they still find moments when both
+    threads run; the large ones are the sgemm's rate on a quiet machine."""
     import torch
 
-    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-    return best_rate(lambda: torch.mm(a, b, out=c), 2.0 * n ** 3, seconds)
+    rates = []
+    for n in sizes:
+        a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+        rates.append((best_rate(lambda: torch.mm(a, b, out=c), 2.0 * n ** 3, seconds / len(sizes)), n))
+    return max(rates)
 
 
 def memory_bandwidth(seconds: float, numel: int = 1 << 25) -> dict:
@@ -285,7 +289,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps run; the first is a warm-up, left out of the figures")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--probe-seconds", type=float, default=2.0,
-                    help="seconds for each of the peak and the bandwidth probes (half before the steps, half after)")
+                    help="seconds of the peak probe before the steps and again after (the bandwidth's: half that)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.num_generations_per_prompt=16")
     args = ap.parse_args()
     os.environ.update(trainer_env(args.threads))  # before torch loads: its thread pool reads them once
@@ -312,7 +316,7 @@ def main() -> None:
         raise SystemExit("roofline: this config generates on ranks of its own; run it with the colocated generation")
     try:
         # The machine, before and after the steps (the better of the two: other jobs slow a probe down, never up).
-        probes = [(matmul_peak(args.probe_seconds / 2), memory_bandwidth(args.probe_seconds / 2))]
+        probes = [(matmul_peak(args.probe_seconds), memory_bandwidth(args.probe_seconds / 2))]
         generate, optimizer = RecordedGenerate(run.generator), TimedStep(run.policy)
         prompts = PromptStream(run.loader, run.cfg.grpo.max_num_epochs, run.state.current_epoch)
         records = []
@@ -322,19 +326,19 @@ def main() -> None:
                 break
             records.append(rec)
             run.state.current_step = step
-        probes.append((matmul_peak(args.probe_seconds / 2), memory_bandwidth(args.probe_seconds / 2)))
+        probes.append((matmul_peak(args.probe_seconds), memory_bandwidth(args.probe_seconds / 2)))
     finally:
         finish(run)
         shutil.rmtree(log_dir, ignore_errors=True)
     if not records:
         raise SystemExit("roofline: no step trained (the data ran out, or every step was skipped)")
-    peak = max(p for p, _ in probes)
+    peak, peak_n = max(p for p, _ in probes)
     bw = {kind: max(b[kind] for _, b in probes) for kind in ("copy", "triad")}
     bandwidth = max(bw.values())
 
     timed = records[1:] or records
     phases = summarize(timed, peak, bandwidth)
-    print(f"peak {peak / 1e9:.1f} GFLOP/s fp32 matmul, {bandwidth / 1e9:.2f} GB/s memory "
+    print(f"peak {peak / 1e9:.1f} GFLOP/s fp32 matmul (n={peak_n}), {bandwidth / 1e9:.2f} GB/s memory "
           f"(copy {bw['copy'] / 1e9:.2f}, triad {bw['triad'] / 1e9:.2f}), {args.threads} threads; "
           f"ridge {peak / bandwidth:.1f} FLOP/byte; per step, over {len(timed)} step(s) after the first; "
           f"load average {os.getloadavg()[0]:.2f}")
@@ -346,6 +350,7 @@ def main() -> None:
         "timed_steps": len(timed),
         "threads": args.threads,
         "peak_gflops": round(peak / 1e9, 2),
+        "peak_matmul_n": peak_n,
         "bandwidth_gbs": round(bandwidth / 1e9, 3),
         "copy_gbs": round(bw["copy"] / 1e9, 3),
         "triad_gbs": round(bw["triad"] / 1e9, 3),
