@@ -292,6 +292,8 @@ def main() -> None:
                     help="seconds of the peak probe before the steps and again after (the bandwidth's: half that)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.num_generations_per_prompt=16")
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: at least 1 (2 or more: the first is a warm-up)")
     os.environ.update(trainer_env(args.threads))  # before torch loads: its thread pool reads them once
 
     import torch
