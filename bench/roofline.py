@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -281,25 +280,9 @@ def table(phases: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=None, help="a run config instead of the bench workload (with the overrides)")
-    ap.add_argument("--workload", default=str(REPO / "bench_workload"), help="the bench workload's directory")
-    ap.add_argument("--model", default="bench", choices=["bench", "tiny"], help="the bench workload's model")
-    ap.add_argument("--steps", type=int, default=4, help="steps run; the first is a warm-up, left out of the figures")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--probe-seconds", type=float, default=2.0,
-                    help="seconds of the peak probe before the steps and again after (the bandwidth's: half that)")
-    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.num_generations_per_prompt=16")
-    args = ap.parse_args()
-    if args.steps < 1:
-        ap.error(f"--steps {args.steps}: at least 1 (2 or more: the first is a warm-up)")
-    os.environ.update(trainer_env(args.threads))  # before torch loads: its thread pool reads them once
-
-    import torch
-
-    torch.set_num_threads(args.threads)
-    log_dir = tempfile.mkdtemp(prefix="grpo_roofline_")
+def measure(args, log_dir: str) -> tuple[list[StepRecord], list[tuple]]:
+    """Set the run up (its log in ``log_dir``), probe the machine, run ``args.steps`` steps phase by phase, probe
+    again; returns the steps' records and the two probes ``((peak FLOP/s, n), {"copy": B/s, "triad": B/s})``."""
     if args.config is None:
         workload = Path(args.workload).resolve()
         build_workload(workload)
@@ -331,7 +314,29 @@ def main() -> None:
         probes.append((matmul_peak(args.probe_seconds), memory_bandwidth(args.probe_seconds / 2)))
     finally:
         finish(run)
-        shutil.rmtree(log_dir, ignore_errors=True)
+    return records, probes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="a run config instead of the bench workload (with the overrides)")
+    ap.add_argument("--workload", default=str(REPO / "bench_workload"), help="the bench workload's directory")
+    ap.add_argument("--model", default="bench", choices=["bench", "tiny"], help="the bench workload's model")
+    ap.add_argument("--steps", type=int, default=4, help="steps run; the first is a warm-up, left out of the figures")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--probe-seconds", type=float, default=2.0,
+                    help="seconds of the peak probe before the steps and again after (the bandwidth's: half that)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.num_generations_per_prompt=16")
+    args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: at least 1 (2 or more: the first is a warm-up)")
+    os.environ.update(trainer_env(args.threads))  # before torch loads: its thread pool reads them once
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="grpo_roofline_", ignore_cleanup_errors=True) as log_dir:
+        records, probes = measure(args, log_dir)
     if not records:
         raise SystemExit("roofline: no step trained (the data ran out, or every step was skipped)")
     peak, peak_n = max(p for p, _ in probes)
