@@ -51,5 +51,6 @@ module or folder:
    step that both loops share (`grpo.run.step_end`: log, validate, checkpoint), the async loop's generation side
    (`grpo.run.async_generation`) and its producer thread (`grpo.run.producer`); the loops themselves are the
    scripts ``train_grpo.py`` and ``train_async_grpo.py``.
-9. tools (`grpo.tools`): ``python -m grpo.tools.inspect`` (rollout dumps) and ``python -m grpo.tools.plot`` (curves).
+9. tools (`grpo.tools`): ``python -m grpo.tools.inspect`` (rollout dumps), ``python -m grpo.tools.plot`` (curves)
+   and the work each phase of a step must do (`grpo.tools.roofline`, which bench/roofline.py prints).
 """
