@@ -1,13 +1,14 @@
 """The run's OpenAI-compatible endpoint over the policy being trained (NeMo-RL's ``expose_http_server``).
 
-Routes: ``POST /v1/chat/completions``, ``POST /tokenize`` (the same rendering and splice as chat), ``GET
+Routes: ``POST /v1/chat/completions``, ``POST /v1/messages`` (Anthropic's Messages API as a dialect of chat:
+`grpo.wings.agents.anthropic_messages`), ``POST /tokenize`` (the same rendering and splice as chat), ``GET
 /v1/models``, ``GET /health``. Requests and answers and the prefix splice are `grpo.wings.agents.openai_chat`'s,
 the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds the generation backend.
 
 - **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
   way; FastAPI gives pydantic request models and OpenAI's JSON for free, and uvicorn runs on a socket we bind in
   ``policy.generation.port_range_low..high``). Binds ``policy.generation.http_server.host`` (loopback).
-- **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
+- **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key``): the run's key (`Endpoint.api_key`,
   random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
   (`CallRecord`) for the agent environment to build that sample's trajectory from.
 - **Batching** (`grpo.wings.agents.endpoint_batching`): handlers put their prompts on a queue; one batcher thread
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import os
@@ -52,14 +54,17 @@ import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from these globals
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
+from grpo.wings.agents import anthropic_messages
+from grpo.wings.agents.anthropic_messages import MessagesRequest
 from grpo.wings.agents.endpoint_batching import Batching, _Pending, shutting_down
 from grpo.wings.agents.endpoint_limits import TemplateTimeout, read_body, template_deadline
-from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
-                                                cut_at_stop, error_body, extract_tool_calls, image_urls, parse_message,
-                                                replace_prefix_tokens, required_prefix, template_messages)
+from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatMessage, ChatRequest, RequestError,
+                                                TokenizeRequest, cut_at_stop, extract_tool_calls, first_stop,
+                                                image_urls, parse_message, replace_prefix_tokens, required_prefix,
+                                                template_messages)
 from grpo.wings.agents.openai_images import check_image_marks, check_placeholders, request_images
 from grpo.wings.agents.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
                                                   request_template)
@@ -88,6 +93,7 @@ class _Session:
     seed_key: str
     calls: int = 0
     records: list[CallRecord] = field(default_factory=list)
+    answers: dict[str, list[int]] = field(default_factory=dict)  # /v1/messages: conversation -> its tokens
 
 
 
@@ -236,15 +242,19 @@ class Endpoint(Batching):
         return records
 
     # ---------------------------------------------------------------- requests
-    def _authorize(self, header: str | None) -> _Session | None:
-        key = (header or "").removeprefix("Bearer ").strip()
+    def _authorize(self, headers) -> _Session | None:
+        """The session of the request's key (None for the run's key): ``Authorization: Bearer <key>`` (OpenAI's
+        clients), else ``x-api-key`` (Anthropic's); a 401 without a valid one."""
+        bearer = headers.get("authorization")
+        key = bearer.removeprefix("Bearer ").strip() if bearer else (headers.get("x-api-key") or "").strip()
         if key == self.api_key:
             return None
         with self._lock:
             session = self._sessions.get(key)
         if session is None:
-            raise RequestError(401, "a valid API key is required (Authorization: Bearer <key>): the run's key or a "
-                                    "sample's", kind="authentication_error", code="invalid_api_key")
+            raise RequestError(401, "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>): "
+                                    "the run's key or a sample's", kind="authentication_error",
+                               code="invalid_api_key")
         return session
 
     def render(self, messages, tools, kwargs: dict | None, add_generation_prompt: bool,
@@ -417,6 +427,39 @@ class Endpoint(Batching):
             content, calls = extract_tool_calls(content, self.tool_parser, tools)  # compact: grpo-ds's own
         return reasoning, content, calls
 
+    async def messages(self, req: MessagesRequest, session: _Session | None) -> dict | Response:
+        """``POST /v1/messages``: the request as a chat completion (`anthropic_messages.chat_request`), generated and
+        recorded by `chat`, answered as Anthropic's Message (server-sent events with ``stream``). Under a sample's key
+        a history that continues one of its answers is spliced onto that answer's tokens
+        (`anthropic_messages.history_key`: the client does not send them back)."""
+        chat = await self._off_loop(anthropic_messages.chat_request, req, self.train_pair[1])
+        if session is not None and await self._off_loop(lambda: self.turns_end_with_eos):
+            key = await self._off_loop(anthropic_messages.history_key, req)
+            with self._lock:
+                chat.required_prefix_token_ids = session.answers.get(key)
+        completion = await self.chat(chat, session)
+        said = anthropic_messages.choice_of(completion)["message"]
+        text = self.tokenizer.decode(said["generation_token_ids"], skip_special_tokens=True)
+        message = anthropic_messages.anthropic_message(completion, first_stop(text, chat.stop or []))
+        if session is not None:
+            key = await self._off_loop(anthropic_messages.answer_key, req, message)
+            with self._lock:
+                session.answers[key] = said["prompt_token_ids"] + said["generation_token_ids"]
+        if req.stream:
+            return Response(anthropic_messages.sse_events(message), media_type="text/event-stream")
+        return message
+
+    @functools.cached_property
+    def turns_end_with_eos(self) -> bool:
+        """Whether the run's chat template ends an assistant turn with the end-of-sequence token: what NeMo-RL's
+        prefix splice counts (`openai_chat.replace_prefix_tokens`), so what `messages` needs to splice a history onto
+        its answers' tokens (without it a history is rendered as text, as chat renders one without token fields)."""
+        turn = [ChatMessage(role="user", content="?"), ChatMessage(role="assistant", content="!")]
+        try:
+            return self.tokenizer.eos_token_id in self.render(turn, None, None, False)
+        except RequestError:
+            return False
+
     def _token_logprob(self, token_id: int, logprob: float, top: int | None) -> dict:
         """OpenAI's per-token entry. The backends return the sampled token's logprob only: ``top_logprobs`` holds
         that token (when top_logprobs >= 1), not the alternatives."""
@@ -439,34 +482,37 @@ class Endpoint(Batching):
     def app(self):
         app = FastAPI(title="grpo-ds endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
-        def refuse(err: RequestError) -> JSONResponse:
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        def refuse(err: RequestError, shape=RequestError.body) -> JSONResponse:
+            return JSONResponse(shape(err), status_code=err.status, headers=err.headers)
 
-        async def guarded(request: Request, model_cls, handle):
+        async def guarded(request: Request, model_cls, handle, shape=RequestError.body):
+            """``handle(request as model_cls, session)`` within the limits (module docstring); its answer as JSON
+            (or as the Response it returns); errors in ``shape``'s body (OpenAI's, or another dialect's)."""
             settings, admitted = self.settings, False
             self._inflight += 1
             try:
-                session = self._authorize(request.headers.get("authorization"))
+                session = self._authorize(request.headers)
                 body = await read_body(request, settings.max_body_bytes, settings.read_timeout_s)
                 if self._admitted >= settings.max_concurrent_requests:
                     raise RequestError(429, f"more than {settings.max_concurrent_requests} requests in flight "
                                             "(policy.generation.http_server.max_concurrent_requests)",
                                        kind="rate_limit_error", code="rate_limit_exceeded")
                 self._admitted, admitted = self._admitted + 1, True
-                return JSONResponse(await handle(await self._off_loop(parse_request, model_cls, body), session))
+                answer = await handle(await self._off_loop(parse_request, model_cls, body), session)
+                return answer if isinstance(answer, Response) else JSONResponse(answer)
             except RequestError as err:
-                return refuse(err)
+                return refuse(err, shape)
             except ClientDisconnect:  # nobody to answer
                 logger.warning("endpoint: a client of %s disconnected before its request body was complete",
                                request.url.path)
-                return refuse(RequestError(400, "the client disconnected"))
+                return refuse(RequestError(400, "the client disconnected"), shape)
             except asyncio.CancelledError:  # the server stops (`close`) and cancels what is still being read
                 if not self._stop.is_set():
                     raise
-                return refuse(shutting_down())
+                return refuse(shutting_down(), shape)
             except Exception as err:  # a bug or a backend failure: this request fails, the run goes on
                 logger.warning("endpoint: %s failed", request.url.path, exc_info=True)
-                return JSONResponse(error_body(f"{type(err).__name__}: {err}", "server_error"), status_code=500)
+                return refuse(RequestError(500, f"{type(err).__name__}: {err}", kind="server_error"), shape)
             finally:
                 self._inflight -= 1
                 self._admitted -= admitted
@@ -474,6 +520,10 @@ class Endpoint(Batching):
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             return await guarded(request, ChatRequest, self.chat)
+
+        @app.post("/v1/messages")
+        async def messages(request: Request):
+            return await guarded(request, MessagesRequest, self.messages, anthropic_messages.error_body)
 
         async def tokenize_handler(req, session):
             return await self._off_loop(self.tokenize, req)
@@ -485,7 +535,7 @@ class Endpoint(Batching):
         @app.get("/v1/models")
         async def models(request: Request):
             try:
-                self._authorize(request.headers.get("authorization"))
+                self._authorize(request.headers)
             except RequestError as err:
                 return refuse(err)
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
