@@ -40,6 +40,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpo.wings.agents.openai_chat import IMAGE_PART, ChatRequest, RequestError
+from grpo.wings.agents.openai_checks import validated
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors); another 4xx is an
 # invalid_request_error, another 5xx an api_error.
@@ -95,9 +96,10 @@ def chat_request(req: MessagesRequest, train_top_p: float) -> ChatRequest:
     arguments (a client sends them in ``extra_body``), so the chat route's "top_p must be set" would refuse every
     client."""
     top_p = train_top_p if req.top_p is None else req.top_p
-    return ChatRequest(model=req.model, messages=chat_messages(req.system, req.messages), max_tokens=req.max_tokens,
-                       stop=req.stop_sequences or None, temperature=req.temperature, top_p=top_p, top_k=req.top_k,
-                       tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice), logprobs=True)
+    return validated(ChatRequest, dict(
+        model=req.model, messages=chat_messages(req.system, req.messages), max_tokens=req.max_tokens,
+        stop=req.stop_sequences or None, temperature=req.temperature, top_p=top_p, top_k=req.top_k,
+        tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice), logprobs=True))
 
 
 def chat_messages(system, messages: list[AnthropicMessage]) -> list[dict]:
@@ -139,8 +141,8 @@ def user_messages(content, where: str) -> list[dict]:
         ...                                    {"type": "text", "text": "and 3+3?"}], "messages.2")]
         ['tool', 'user']
     """
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
+    if isinstance(content, str) or not content:
+        return [{"role": "user", "content": content or ""}]
     out: list[dict] = []
     for j, block in enumerate(content):
         here = f"{where}.content.{j}"
@@ -148,6 +150,9 @@ def user_messages(content, where: str) -> list[dict]:
             if not isinstance(block.get("tool_use_id"), str):
                 raise RequestError(400, f"{here}: a tool_result block without its tool_use_id", param=here)
             result = block.get("content", "")
+            if not isinstance(result, (str, list)):
+                raise RequestError(400, f"{here}.content: a tool result's content is a string or a list of text and "
+                                        "image blocks", param=f"{here}.content")
             parts = result if isinstance(result, str) else [content_part(b, f"{here}.content.{k}")
                                                             for k, b in enumerate(result)]
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": parts})
@@ -167,8 +172,11 @@ def content_part(block: dict, where: str) -> dict:
         >>> content_part({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}, "m")
         {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,AAAA'}}
     """
-    kind = block.get("type")
-    if kind == "text" and isinstance(block.get("text"), str):
+    kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+    if kind == "text":
+        if not isinstance(block.get("text"), str):
+            raise RequestError(400, f"{where}: a text block without its text ({{'type': 'text', 'text': ...}})",
+                               param=where)
         return {"type": "text", "text": block["text"]}
     if kind == "image":
         source = block.get("source") if isinstance(block.get("source"), dict) else {}
@@ -196,8 +204,8 @@ def assistant_message(content, where: str) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": []}
     for j, block in enumerate(content):
         here, kind = f"{where}.content.{j}", block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
-            message["content"].append({"type": "text", "text": block["text"]})
+        if kind == "text":
+            message["content"].append(content_part(block, here))
         elif kind == "tool_use":
             if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
                     and isinstance(block.get("input"), dict)):
@@ -263,7 +271,8 @@ def chat_tool_choice(choice: Optional[dict]) -> Optional[Union[str, dict]]:
 def anthropic_message(completion: dict, stop_sequence: Optional[str]) -> dict:
     """Anthropic's Message of a one-choice chat completion (`grpo.wings.agents.endpoint.Endpoint.chat`'s answer);
     ``stop_sequence``: the request's stop sequence the generation ended at, if any. A stop sequence is the stop
-    reason before a tool call (the text was cut there), a tool call before the length.
+    reason before a tool call (the text was cut there), a tool call before the length. Text that is only whitespace
+    beside tool calls (the newline after a reasoning) is no block: Anthropic's API refuses such a block in a history.
 
         >>> anthropic_message({"model": "m", "weight_version": 0, "usage": {"prompt_tokens": 3, "completion_tokens": 2},
         ...     "choices": [{"message": {"content": "4"}, "finish_reason": "stop"}]}, None)["stop_reason"]
@@ -274,9 +283,10 @@ def anthropic_message(completion: dict, stop_sequence: Optional[str]) -> dict:
     blocks: list[dict] = []
     if message.get("reasoning_content"):
         blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if message.get("content"):
-        blocks.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or ():
+    content, calls = message.get("content"), message.get("tool_calls")
+    if content and (content.strip() or not calls):  # not the newline between the reasoning and a call
+        blocks.append({"type": "text", "text": content})
+    for call in calls or ():
         blocks.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
                        "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])})
     reason = "stop_sequence" if stop_sequence is not None else STOP_REASONS.get(choice["finish_reason"], "end_turn")
