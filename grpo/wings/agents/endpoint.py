@@ -74,6 +74,9 @@ logger = logging.getLogger(__name__)
 # Threads that parse and render requests (`Endpoint._off_loop`), so the event loop only moves bytes; each rendering
 # is bounded in time.
 WORK_THREADS = 4
+# /v1/messages: the answers a session keeps the tokens of, to splice a history onto (`Endpoint.messages`); an agent
+# continues its latest answers, and more would hold a long-lived key's every turn.
+MAX_ANSWERS = 64
 
 
 @dataclass
@@ -445,6 +448,8 @@ class Endpoint(Batching):
             key = await self._off_loop(anthropic_messages.answer_key, req, message)
             with self._lock:
                 session.answers[key] = said["prompt_token_ids"] + said["generation_token_ids"]
+                while len(session.answers) > MAX_ANSWERS:  # a long-lived key (NeMo-Gym's) keeps its latest
+                    session.answers.pop(next(iter(session.answers)))
         if req.stream:
             return Response(anthropic_messages.sse_events(message), media_type="text/event-stream")
         return message
