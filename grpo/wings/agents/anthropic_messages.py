@@ -169,7 +169,8 @@ def content_part(block: dict, where: str) -> dict:
     """The chat content part of a ``text`` or ``image`` block (an image's ``base64`` source as a ``data:`` URL, a
     ``url`` source as it is); another block is a 400 naming it.
 
-        >>> content_part({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}, "m")
+        >>> content_part({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+        ...              "messages.0.content.0")
         {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,AAAA'}}
     """
     kind = block.get("type") if isinstance(block, dict) else type(block).__name__

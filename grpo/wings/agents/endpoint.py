@@ -8,9 +8,9 @@ the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds
 - **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
   way; FastAPI gives pydantic request models and OpenAI's JSON for free, and uvicorn runs on a socket we bind in
   ``policy.generation.port_range_low..high``). Binds ``policy.generation.http_server.host`` (loopback).
-- **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key``): the run's key (`Endpoint.api_key`,
-  random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
-  (`CallRecord`) for the agent environment to build that sample's trajectory from.
+- **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``):
+  the run's key (`Endpoint.api_key`, random per run) or a sample's own key (`Endpoint.open_session`), under which
+  every call is recorded (`CallRecord`) for the agent environment to build that sample's trajectory from.
 - **Batching** (`grpo.wings.agents.endpoint_batching`): handlers put their prompts on a queue; one batcher thread
   takes them while they keep coming (until none has come for ``http_server.batch_window_s`` while the server reads or
   answers no other, or a full ``policy.generation_batch_size``) and generates them in one `GenerationBackend.generate` call, so concurrent
@@ -24,7 +24,8 @@ the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds
   (404), anything malformed, a token id that is not the model's, a prompt with no room left (400), all decided before
   the request joins a batch; parsing and rendering run off the event loop, rendering within ``render_timeout_s``
   (`grpo.wings.agents.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
-  the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
+  the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body (Anthropic's on
+  ``/v1/messages``).
 - **Images** (a vision-language policy's): ``image_url`` parts, read and bounded by
   `grpo.wings.agents.openai_images`, rendered with the chat template and tokenised by the policy's processor as the
   data path renders a row (`prompt_and_media`); the prompt's media go to the backend with its tokens and into the
