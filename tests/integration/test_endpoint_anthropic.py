@@ -150,6 +150,22 @@ def test_tool_use_and_tool_results_over_turns_continue_the_models_own_tokens(too
     assert "<tool_response>\n2146\n</tool_response>" in rest and rest.index("2146") < rest.index("So?")
 
 
+def test_a_history_without_its_thinking_blocks_still_continues_the_models_tokens(tooled):
+    """Anthropic's clients may drop a turn's thinking blocks (and send a block as a plain dict): still the session's
+    answer, spliced onto the tokens the model wrote, its thinking included."""
+    key = tooled.open_session("dropped thinking")
+    question = [{"role": "user", "content": "What is 37*58?"}]
+    with tooled.serving():
+        r = _client(tooled, key).messages.create(model=MODEL, max_tokens=200, messages=question, tools=TOOLS)
+        call = r.content[1]
+        _client(tooled, key).messages.create(model=MODEL, max_tokens=200, tools=TOOLS, messages=[
+            *question, {"role": "assistant", "content": [call.model_dump()]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "2146"}]}])
+    first, second = tooled.close_session(key)
+    seen = first.prompt_token_ids + first.generation_token_ids
+    assert second.prompt_token_ids[:len(seen)] == seen and "big numbers" in tooled.tokenizer.decode(seen)
+
+
 def test_a_history_the_session_did_not_answer_is_rendered_by_the_template(tooled):
     """Another session's answer handed back is not this session's to splice: the history renders as chat
     completions render it without token fields (the call's JSON written the template's way, not the model's)."""

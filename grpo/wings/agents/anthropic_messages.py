@@ -109,16 +109,19 @@ def chat_messages(system, messages: list[AnthropicMessage]) -> list[dict]:
         >>> chat_messages("Be brief.", [AnthropicMessage(role="user", content="2+2?")])
         [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': '2+2?'}]
     """
+    if messages and messages[-1].role == "assistant":
+        where = f"messages.{len(messages) - 1}"
+        raise RequestError(400, f"{where}: the last message is the assistant's (a prefill), which this endpoint "
+                                "does not continue: end with a user turn", param=where)
+    return conversation(system, messages)
+
+
+def conversation(system, messages: list[AnthropicMessage]) -> list[dict]:
+    """`chat_messages` of any conversation, one that ends with the assistant's turn too."""
     out = [{"role": "system", "content": text_content(system, "system")}] if system else []
     for i, m in enumerate(messages):
         where = f"messages.{i}"
-        if m.role == "assistant":
-            if i == len(messages) - 1:
-                raise RequestError(400, f"{where}: the last message is the assistant's (a prefill), which this "
-                                        "endpoint does not continue: end with a user turn", param=where)
-            out.append(assistant_message(m.content, where))
-        else:
-            out += user_messages(m.content, where)
+        out += [assistant_message(m.content, where)] if m.role == "assistant" else user_messages(m.content, where)
     return out
 
 
@@ -342,16 +345,23 @@ def sse_events(message: dict) -> str:
 # The session's splice
 # --------------------------------------------------------------------------------------------------
 def conversation_key(system, messages: list[AnthropicMessage]) -> str:
-    """A digest of a conversation as the template would read it (its chat messages, `chat_messages` without the
-    prefill check): equal for the conversation an answer ended and the history a client sends back with that answer
-    as its last assistant turn, whatever form the client gives a block in (a string or a text block, extra fields)."""
-    chat = [{"role": "system", "content": text_content(system, "system")}] if system else []
-    for i, m in enumerate(messages):
-        chat += [assistant_message(m.content, f"messages.{i}")] if m.role == "assistant" else user_messages(
-            m.content, f"messages.{i}")
-    for m in chat:  # a string and one text block read the same
+    """A digest of a conversation as the template reads it (`conversation`): equal for the conversation an answer
+    ended and the history a client sends back with that answer as its last assistant turn, whatever form the client
+    gives a block in (a string or text blocks, extra fields), and whether it keeps the thinking blocks (Anthropic's
+    clients may drop them; the splice keeps the model's tokens, its thinking included, either way).
+
+        >>> text = [AnthropicMessage(role="user", content="2+2?"), AnthropicMessage(role="assistant", content="4")]
+        >>> blocks = [AnthropicMessage(role="user", content=[{"type": "text", "text": "2+2?"}]),
+        ...           AnthropicMessage(role="assistant", content=[{"type": "thinking", "thinking": "hm"},
+        ...                                                       {"type": "text", "text": "4", "citations": None}])]
+        >>> conversation_key(None, text) == conversation_key(None, blocks)
+        True
+    """
+    chat = conversation(system, messages)
+    for m in chat:
+        m.pop("reasoning_content", None)
         if isinstance(m.get("content"), list) and all(p.get("type") == "text" for p in m["content"]):
-            m["content"] = "\n".join(p["text"] for p in m["content"])
+            m["content"] = "\n".join(p["text"] for p in m["content"])  # as the chat path joins them
     return hashlib.sha256(json.dumps(chat, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
