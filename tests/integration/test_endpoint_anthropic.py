@@ -351,3 +351,20 @@ def test_image_blocks_render_as_chat_completions_image_parts():
         assert not torch.equal(record.media["pixel_values"][0], record.media["pixel_values"][1])
     finally:
         ep.close()
+
+
+def test_a_request_that_finds_no_generation_window_is_anthropics_overloaded_error():
+    """While the run trains the endpoint is closed: past http_server.max_wait_s the 503 (with Retry-After) comes in
+    Anthropic's body, which its client reads as a server error to retry."""
+    cfg = _cfg(max_wait_s=0.3)
+    tok = build_char_tokenizer(EOS_TEMPLATE)
+    ep = Endpoint(cfg, ScriptedBackend(tok, cfg.policy.generation, ["ok"]), tok)
+    ep.start()
+    try:
+        with pytest.raises(anthropic.InternalServerError) as err:
+            _client(ep).messages.create(model=MODEL, max_tokens=3, messages=USER)
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
+        assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "overloaded_error"
+        assert "max_wait_s=0.3" in err.value.body["error"]["message"]
+    finally:
+        ep.close()
