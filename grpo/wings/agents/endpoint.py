@@ -1,7 +1,8 @@
 """The run's OpenAI-compatible endpoint over the policy being trained (NeMo-RL's ``expose_http_server``).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/responses`` (OpenAI's Responses API, answered through chat:
-`grpo.wings.agents.openai_responses`), ``POST /tokenize`` (the same rendering and splice as chat), ``GET
+`grpo.wings.agents.openai_responses`), ``POST /v1/messages`` (Anthropic's Messages API as a dialect of chat:
+`grpo.wings.agents.anthropic_messages`), ``POST /tokenize`` (the same rendering and splice as chat), ``GET
 /v1/models``, ``GET /health``; all but ``/health`` again under each sample's own base URL, ``/rollout/<id>/v1/...``
 (`Endpoint.rollout_url`). Requests and answers and the prefix splice are `grpo.wings.agents.openai_chat`'s,
 the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds the generation backend.
@@ -9,11 +10,11 @@ the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds
 - **Server**: FastAPI on uvicorn, in a thread of the trainer process (NeMo-RL serves vLLM's FastAPI app the same
   way; FastAPI gives pydantic request models and OpenAI's JSON for free, and uvicorn runs on a socket we bind in
   ``policy.generation.port_range_low..high``). Binds ``policy.generation.http_server.host`` (loopback).
-- **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>``: the run's key (`Endpoint.api_key`,
-  random per run) or a sample's own key (`Endpoint.open_session`), under which every call is recorded
-  (`CallRecord`) for the agent environment to build that sample's trajectory from. A call to a sample's base URL
-  (`Endpoint.rollout_url`) is that sample's with either key (a harness that sends one key for all its
-  conversations); a rollout that is unknown or finished answers 404, another sample's key 403.
+- **Keys**: every route but ``/health`` needs ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``):
+  the run's key (`Endpoint.api_key`, random per run) or a sample's own key (`Endpoint.open_session`), under which
+  every call is recorded (`CallRecord`) for the agent environment to build that sample's trajectory from. A call to
+  a sample's base URL (`Endpoint.rollout_url`) is that sample's with either key (a harness that sends one key for
+  all its conversations); a rollout that is unknown or finished answers 404, another sample's key 403.
 - **Batching** (`grpo.wings.agents.endpoint_batching`): handlers put their prompts on a queue; one batcher thread
   takes them while they keep coming (until none has come for ``http_server.batch_window_s`` while the server reads or
   answers no other, or a full ``policy.generation_batch_size``) and generates them in one `GenerationBackend.generate` call, so concurrent
@@ -27,7 +28,8 @@ the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds
   (404), anything malformed, a token id that is not the model's, a prompt with no room left (400), all decided before
   the request joins a batch; parsing and rendering run off the event loop, rendering within ``render_timeout_s``
   (`grpo.wings.agents.endpoint_limits`). A failure of the backend answers 500 to the requests of that batch and
-  the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body.
+  the server goes on; a client gone mid-request is one line of log. Errors use OpenAI's body (Anthropic's on
+  ``/v1/messages``).
 - **Images** (a vision-language policy's): ``image_url`` parts, read and bounded by
   `grpo.wings.agents.openai_images`, rendered with the chat template and tokenised by the policy's processor as the
   data path renders a row (`prompt_and_media`); the prompt's media go to the backend with its tokens and into the
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import os
@@ -56,14 +59,17 @@ import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request  # module level: FastAPI reads the handlers' annotations from these globals
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
+from grpo.wings.agents import anthropic_messages
+from grpo.wings.agents.anthropic_messages import MessagesRequest
 from grpo.wings.agents.endpoint_batching import Batching, _Pending, shutting_down
 from grpo.wings.agents.endpoint_limits import TemplateTimeout, read_body, template_deadline
-from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatRequest, RequestError, TokenizeRequest,
-                                                cut_at_stop, error_body, extract_tool_calls, image_urls, parse_message,
-                                                replace_prefix_tokens, required_prefix, template_messages)
+from grpo.wings.agents.openai_chat import (LOGPROB_FLOOR, ChatMessage, ChatRequest, RequestError,
+                                                TokenizeRequest, cut_at_stop, extract_tool_calls,
+                                                first_stop, image_urls, parse_message, replace_prefix_tokens,
+                                                required_prefix, template_messages)
 from grpo.wings.agents.openai_images import check_placeholders, request_images
 from grpo.wings.agents.openai_responses import ResponsesRequest, ResponseStore, create_response
 from grpo.wings.agents.openai_checks import (check_sampling, check_token_ids, check_tools, parse_request,
@@ -76,6 +82,9 @@ ROLLOUT_PREFIX = "/rollout/{rollout_id}"
 # Threads that parse and render requests (`Endpoint._off_loop`), so the event loop only moves bytes; each rendering
 # is bounded in time.
 WORK_THREADS = 4
+# /v1/messages: the answers a session keeps the tokens of, to splice a history onto (`Endpoint.messages`); an agent
+# continues its latest answers, and more would hold a long-lived key's every turn.
+MAX_ANSWERS = 64
 
 
 @dataclass
@@ -97,6 +106,7 @@ class _Session:
     records: list[CallRecord] = field(default_factory=list)
     rollout_id: str = ""  # its base URL's: ``/rollout/<rollout_id>/v1`` (`Endpoint.rollout_url`)
     responses: ResponseStore = field(default_factory=ResponseStore)  # its /v1/responses (previous_response_id)
+    answers: dict[str, list[int]] = field(default_factory=dict)  # /v1/messages: conversation -> its tokens
 
 
 
@@ -259,18 +269,21 @@ class Endpoint(Batching):
         return records
 
     # ---------------------------------------------------------------- requests
-    def _authorize(self, header: str | None, rollout_id: str | None = None) -> _Session | None:
-        """The session a request is recorded under (None: the run's own): its key's, or under a rollout's base URL
-        (``rollout_id``) that rollout's, with the run's key or that session's own (401 for another key, 404 for a
+    def _authorize(self, headers, rollout_id: str | None = None) -> _Session | None:
+        """The session a request is recorded under (None: the run's own). The key: ``Authorization: Bearer <key>``
+        (OpenAI's clients), else ``x-api-key`` (Anthropic's); a 401 without a valid one. Its session's, or under a
+        rollout's base URL (``rollout_id``) that rollout's, with the run's key or that session's own (404 for a
         rollout that is unknown or closed, 403 for another sample's key)."""
-        key = (header or "").removeprefix("Bearer ").strip()
+        bearer = headers.get("authorization")
+        key = bearer.removeprefix("Bearer ").strip() if bearer else (headers.get("x-api-key") or "").strip()
         with self._lock:
             session = self._sessions.get(key)
             owner = self._rollouts.get(rollout_id) if rollout_id is not None else None
             rollout = self._sessions[owner] if owner is not None else None
         if session is None and key != self.api_key:
-            raise RequestError(401, "a valid API key is required (Authorization: Bearer <key>): the run's key or a "
-                                    "sample's", kind="authentication_error", code="invalid_api_key")
+            raise RequestError(401, "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>): "
+                                    "the run's key or a sample's", kind="authentication_error",
+                               code="invalid_api_key")
         if rollout_id is None:
             return session
         if rollout is None:
@@ -456,6 +469,41 @@ class Endpoint(Batching):
             content, calls = extract_tool_calls(content, self.tool_parser, tools)  # compact: grpo-ds's own
         return reasoning, content, calls
 
+    async def messages(self, req: MessagesRequest, session: _Session | None) -> dict | Response:
+        """``POST /v1/messages``: the request as a chat completion (`anthropic_messages.chat_request`), generated and
+        recorded by `chat`, answered as Anthropic's Message (server-sent events with ``stream``). Under a sample's key
+        a history that continues one of its answers is spliced onto that answer's tokens
+        (`anthropic_messages.history_key`: the client does not send them back)."""
+        chat = await self._off_loop(anthropic_messages.chat_request, req, self.train_pair[1])
+        if session is not None and await self._off_loop(lambda: self.turns_end_with_eos):
+            key = await self._off_loop(anthropic_messages.history_key, req)
+            with self._lock:
+                chat.required_prefix_token_ids = session.answers.get(key)
+        completion = await self.chat(chat, session)
+        said = anthropic_messages.choice_of(completion)["message"]
+        text = self.tokenizer.decode(said["generation_token_ids"], skip_special_tokens=True)
+        message = anthropic_messages.anthropic_message(completion, first_stop(text, chat.stop or []))
+        if session is not None:
+            key = await self._off_loop(anthropic_messages.answer_key, req, message)
+            with self._lock:
+                session.answers[key] = said["prompt_token_ids"] + said["generation_token_ids"]
+                while len(session.answers) > MAX_ANSWERS:  # a long-lived key (NeMo-Gym's) keeps its latest
+                    session.answers.pop(next(iter(session.answers)))
+        if req.stream:
+            return Response(anthropic_messages.sse_events(message), media_type="text/event-stream")
+        return message
+
+    @functools.cached_property
+    def turns_end_with_eos(self) -> bool:
+        """Whether the run's chat template ends an assistant turn with the end-of-sequence token: what NeMo-RL's
+        prefix splice counts (`openai_chat.replace_prefix_tokens`), so what `messages` needs to splice a history onto
+        its answers' tokens (without it a history is rendered as text, as chat renders one without token fields)."""
+        turn = [ChatMessage(role="user", content="?"), ChatMessage(role="assistant", content="!")]
+        try:
+            return self.tokenizer.eos_token_id in self.render(turn, None, None, False)
+        except RequestError:
+            return False
+
     def _token_logprob(self, token_id: int, logprob: float, top: int | None) -> dict:
         """OpenAI's per-token entry. The backends return the sampled token's logprob only: ``top_logprobs`` holds
         that token (when top_logprobs >= 1), not the alternatives."""
@@ -478,45 +526,50 @@ class Endpoint(Batching):
     def app(self):
         app = FastAPI(title="grpo-ds endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
-        def refuse(err: RequestError) -> JSONResponse:
-            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        def refuse(err: RequestError, shape=RequestError.body) -> JSONResponse:
+            return JSONResponse(shape(err), status_code=err.status, headers=err.headers)
 
-        async def guarded(request: Request, model_cls, handle, rollout_id: str | None = None):
+        async def guarded(request: Request, model_cls, handle, rollout_id: str | None = None,
+                          shape=RequestError.body):
+            """``handle(request as model_cls, session)`` within the limits (module docstring); its answer as JSON
+            (or as the Response it returns); errors in ``shape``'s body (OpenAI's, or another dialect's)."""
             settings, admitted = self.settings, False
             self._inflight += 1
             try:
-                session = self._authorize(request.headers.get("authorization"), rollout_id)
+                session = self._authorize(request.headers, rollout_id)
                 body = await read_body(request, settings.max_body_bytes, settings.read_timeout_s)
                 if self._admitted >= settings.max_concurrent_requests:
                     raise RequestError(429, f"more than {settings.max_concurrent_requests} requests in flight "
                                             "(policy.generation.http_server.max_concurrent_requests)",
                                        kind="rate_limit_error", code="rate_limit_exceeded")
                 self._admitted, admitted = self._admitted + 1, True
-                return JSONResponse(await handle(await self._off_loop(parse_request, model_cls, body), session))
+                answer = await handle(await self._off_loop(parse_request, model_cls, body), session)
+                return answer if isinstance(answer, Response) else JSONResponse(answer)
             except RequestError as err:
-                return refuse(err)
+                return refuse(err, shape)
             except ClientDisconnect:  # nobody to answer
                 logger.warning("endpoint: a client of %s disconnected before its request body was complete",
                                request.url.path)
-                return refuse(RequestError(400, "the client disconnected"))
+                return refuse(RequestError(400, "the client disconnected"), shape)
             except asyncio.CancelledError:  # the server stops (`close`) and cancels what is still being read
                 if not self._stop.is_set():
                     raise
-                return refuse(shutting_down())
+                return refuse(shutting_down(), shape)
             except Exception as err:  # a bug or a backend failure: this request fails, the run goes on
                 logger.warning("endpoint: %s failed", request.url.path, exc_info=True)
-                return JSONResponse(error_body(f"{type(err).__name__}: {err}", "server_error"), status_code=500)
+                return refuse(RequestError(500, f"{type(err).__name__}: {err}", kind="server_error"), shape)
             finally:
                 self._inflight -= 1
                 self._admitted -= admitted
 
-        def serve(path: str, model_cls, handle) -> None:
-            """POST ``path`` at the run's base URL and at every rollout's (`rollout_url`)."""
+        def serve(path: str, model_cls, handle, shape=RequestError.body) -> None:
+            """POST ``path`` at the run's base URL and at every rollout's (`rollout_url`), errors in ``shape``'s
+            body."""
             async def shared(request: Request):
-                return await guarded(request, model_cls, handle)
+                return await guarded(request, model_cls, handle, shape=shape)
 
             async def per_rollout(request: Request, rollout_id: str):
-                return await guarded(request, model_cls, handle, rollout_id)
+                return await guarded(request, model_cls, handle, rollout_id, shape=shape)
 
             app.post(path)(shared)
             app.post(ROLLOUT_PREFIX + path)(per_rollout)
@@ -526,11 +579,12 @@ class Endpoint(Batching):
 
         serve("/v1/chat/completions", ChatRequest, self.chat)
         serve("/v1/responses", ResponsesRequest, self.responses)
+        serve("/v1/messages", MessagesRequest, self.messages, anthropic_messages.error_body)
         serve("/tokenize", TokenizeRequest, tokenize_handler)
 
         def model_list(request: Request, rollout_id: str | None = None):
             try:
-                self._authorize(request.headers.get("authorization"), rollout_id)
+                self._authorize(request.headers, rollout_id)
             except RequestError as err:
                 return refuse(err)
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,

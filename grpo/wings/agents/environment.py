@@ -9,7 +9,8 @@ An agent is an async Python function (``env.agent.fn: package.module:function``)
         return {"reward": 1.0, "reward_components": {"correct": 1.0}, "mask_sample": False}
 
 or a program (``env.agent.command: [argv...]``) that reads the row as JSON on stdin, finds ``GRPO_BASE_URL``,
-``GRPO_API_KEY``, ``GRPO_MODEL`` (and the ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` the openai package reads) in its
+``GRPO_API_KEY``, ``GRPO_MODEL`` (and the ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` the openai package reads, the
+``ANTHROPIC_BASE_URL`` / ``ANTHROPIC_API_KEY`` the anthropic package reads: the endpoint's ``/v1/messages``) in its
 environment, and prints the result as JSON on the last line of its stdout (what it prints before is read and
 dropped, its last megabyte kept: `grpo.wings.agents.call.run_program`). ``row`` is
 ``{"question", "answer", "meta", "task_name", "messages", "sampling"}`` (``messages``: the prompt as the data
@@ -126,7 +127,8 @@ class AgentEnvironment(Environment):
         if self.fn is not None:
             return AgentCall(lambda call: self.fn(row, base_url, api_key, model), on_done)
         env = {**os.environ, "GRPO_BASE_URL": base_url, "GRPO_API_KEY": api_key, "GRPO_MODEL": model,
-               "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+               "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+               "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": api_key}
         return AgentCall(lambda call: run_program(self.command, row, env, call), on_done)
 
 

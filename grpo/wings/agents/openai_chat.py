@@ -368,5 +368,15 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
         >>> cut_at_stop("12</a>3", ["</a>"])
         '12'
     """
-    hits = [text.index(s) for s in stops if s and s in text]
-    return text[:min(hits)] if hits else text
+    stop = first_stop(text, stops)
+    return text if stop is None else text[:text.index(stop)]
+
+
+def first_stop(text: str, stops: list[str]) -> Optional[str]:
+    """The stop string that occurs first in ``text`` (the one generation ended at), or None.
+
+        >>> first_stop("1;2.", [".", ";"]), first_stop("12", ["."])
+        (';', None)
+    """
+    hits = [(text.index(s), s) for s in stops if s and s in text]
+    return min(hits)[1] if hits else None

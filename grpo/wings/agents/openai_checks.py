@@ -37,6 +37,11 @@ def parse_request(model_cls, body: bytes):
     if not isinstance(data, dict):
         raise RequestError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     check_json_values(data)
+    return validated(model_cls, data)
+
+
+def validated(model_cls, data: dict):
+    """``model_cls`` of ``data``, or a `RequestError` 400 naming the first bad field."""
     try:
         return model_cls.model_validate(data)
     except ValidationError as err:
