@@ -109,6 +109,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     total_steps = min(g.max_num_steps, g.max_num_epochs * len(loader))
     samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
     opt_steps = total_steps * samples_per_step // cfg.policy.train_global_batch_size
+    check_teacher_routing(cfg, train_ds)  # every training row has its teacher, before any model loads
     policy = engines.build_policy_engine(cfg, world_size, opt_steps)
     if skip_ref:
         reference = None
@@ -116,7 +117,6 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         reference = engines.AdaptersOff(policy)
     else:
         reference = engines.build_reference_engine(cfg, world_size)
-    check_teacher_routing(cfg, train_ds)  # every training row has its teacher, before any teacher loads
     teachers = build_teachers(cfg, rank, world_size, engines.build_reference_engine)
     ckpt = CheckpointManager(cfg.checkpointing, rank, weight_config=weights_recorded)
     packing_note = ""
