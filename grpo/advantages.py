@@ -1,4 +1,4 @@
-"""Advantage estimators: per-prompt baselines, GRPO, GDPO, Reinforce++, clipping, message penalties.
+"""Advantage estimators: per-prompt baselines, GRPO, GDPO, Reinforce++, OPD (distillation), clipping, message penalties.
 
 Shapes: ``prompt_ids`` is ``[B]`` integer group ids (or ``[B, P]`` prompt token rows: equal rows are
 one group), ``rewards`` / ``valid_mask`` are ``[B]``, per-token tensors are ``[B, T]``. Every
@@ -344,6 +344,53 @@ def reinforce_plus_plus_estimator(*, group_ids, rewards, valid_mask, token_mask,
                                           sample_mask=sample_mask)
 
 
+def opd_advantages(teacher_logprobs_bt: torch.Tensor, prev_logprobs_bt: torch.Tensor,
+                   mask_bt: torch.Tensor) -> torch.Tensor:
+    """Multi-teacher on-policy distillation (MOPD, arXiv:2601.02780, Eq. 8), NeMo-RL's ``OPDAdvantageEstimator``:
+
+        A_t = sg[log π_teacher(y_t | y_<t) − log π_student(y_t | y_<t)] · mask_t
+
+    The student's logprobs are the previous policy's (the training engine's under the weights that are trained, not
+    the generation engine's); ``mask_bt`` is NeMo-RL's ``token_mask · sample_mask[:, None]``. No reward, baseline or
+    coefficient enters: the teacher is the signal. (NeMo-RL pairs it with ``loss_fn.disable_ppo_ratio`` and icepop
+    importance weights; the loss config says that, not this function.)
+
+        >>> opd_advantages(torch.tensor([[-0.5, -0.5]]), torch.tensor([[-1.0, -2.0]]), torch.tensor([[0.0, 1.0]]))
+        tensor([[0.0000, 1.5000]])
+    """
+    return (teacher_logprobs_bt - prev_logprobs_bt).detach() * mask_bt
+
+
+def opd_estimator(*, token_mask, valid_mask, teacher_logprobs=None, prev_logprobs=None, sample_mask=None, **extra):
+    """``opd``: `opd_advantages` with the teacher's and the previous policy's logprobs ``[B, T]`` over the loss's
+    tokens (``token_mask · sample_mask``; ``valid_mask`` where no sample mask is given)."""
+    if teacher_logprobs is None:
+        raise ValueError("grpo.adv_estimator.name='opd' needs teacher logprobs (on_policy_distillation.enabled=true)")
+    if prev_logprobs is None:
+        raise ValueError("grpo.adv_estimator.name='opd' needs previous-policy logprobs (the student's), which this run "
+                         "skipped")
+    rows_b = sample_mask if sample_mask is not None else valid_mask
+    return opd_advantages(teacher_logprobs, prev_logprobs, token_mask * rows_b.to(token_mask.dtype)[:, None])
+
+
+def opd_metrics(teacher_logprobs_bt: torch.Tensor, student_logprobs_bt: torch.Tensor, advantages_bt: torch.Tensor,
+                mask_bt: torch.Tensor) -> dict:
+    """NeMo-RL's OPD metrics over the masked tokens: the mean teacher − student gap, and the mean and (unbiased) std
+    of the advantages (0 where there are too few tokens).
+
+        >>> opd_metrics(torch.tensor([[0.0, -1.0]]), torch.tensor([[-1.0, -1.0]]), torch.tensor([[1.0, 0.0]]),
+        ...             torch.ones(1, 2))
+        {'on_policy_distillation/teacher_student_logprob_gap_mean': 0.5, 'on_policy_distillation/adv_mean': 0.5, \
+'on_policy_distillation/adv_std': 0.7071067690849304}
+    """
+    valid = mask_bt.bool()
+    gap = torch.masked_select(teacher_logprobs_bt - student_logprobs_bt, valid)
+    adv = torch.masked_select(advantages_bt, valid)
+    return {"on_policy_distillation/teacher_student_logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
+            "on_policy_distillation/adv_mean": adv.mean().item() if adv.numel() else 0.0,
+            "on_policy_distillation/adv_std": adv.std().item() if adv.numel() > 1 else 0.0}
+
+
 def compute_advantages(
     name: str,
     *,
@@ -358,8 +405,9 @@ def compute_advantages(
 
     Per-sample estimators (grpo, gdpo) are broadcast over the token dimension of ``token_mask``
     (every position of a row holds A_i; the loss masks the untrained ones). ``extra``: the estimator's
-    other inputs: ``reward_components``, ``kl_bt``, ``kl_coef``, and ``sample_mask`` (the loss's samples:
-    Reinforce++'s global whitening runs over them, as NeMo-RL's; grpo and gdpo do not read it).
+    other inputs: ``reward_components``, ``kl_bt``, ``kl_coef``, ``sample_mask`` (the loss's samples:
+    Reinforce++'s global whitening runs over them, as NeMo-RL's, and opd masks by them; grpo and gdpo do not read
+    it), and ``prev_logprobs`` / ``teacher_logprobs`` / ``generation_logprobs`` ``[B, T]`` (opd reads the first two).
     """
     adv = get_estimator(name)(group_ids=group_ids, rewards=rewards, valid_mask=valid_mask, token_mask=token_mask,
                               cfg=cfg, **extra)

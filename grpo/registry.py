@@ -11,8 +11,8 @@ tokens) or ``[B, T]``::
 
 ``group_ids`` ``[B]``, ``rewards`` ``[B]`` (after penalties, scaling, shaping), ``valid_mask`` ``[B]``,
 ``token_mask`` ``[B, T]``, ``cfg``: the ``grpo.adv_estimator`` config; ``extra`` holds
-``reward_components`` (``[B, K]`` or None), ``kl_bt`` (the reward KL or None), ``kl_coef``, ``sample_mask`` and
-``master_cfg`` (the run's whole config: a fork's own sections, `grpo.config.load.build_config`). Select it
+``reward_components`` (``[B, K]`` or None), ``kl_bt`` (the reward KL or None), ``kl_coef``, ``sample_mask``,
+``prev_logprobs`` / ``teacher_logprobs`` / ``generation_logprobs`` (``[B, T]`` or None) and ``master_cfg`` (the run's whole config: a fork's own sections, `grpo.config.load.build_config`). Select it
 with ``grpo.adv_estimator.name=my_rloo``: the config's name is checked against this registry when the
 config loads (before any model), so register before calling the script's ``main()``.
 
@@ -30,6 +30,7 @@ _ESTIMATORS: dict[str, Callable | str] = {
     "grpo": "grpo.advantages:grpo_estimator",
     "gdpo": "grpo.advantages:gdpo_estimator",
     "reinforce_plus_plus": "grpo.advantages:reinforce_plus_plus_estimator",
+    "opd": "grpo.advantages:opd_estimator",
 }
 
 
@@ -39,6 +40,7 @@ _NEEDS_GROUP: dict[str, bool | Callable] = {
     "grpo": True,
     "gdpo": True,
     "reinforce_plus_plus": lambda cfg: cfg.minus_baseline,  # a global baseline only with minus_baseline=false
+    "opd": False,  # a teacher per token, no baseline
 }
 
 
@@ -71,7 +73,7 @@ def estimator_names() -> list[str]:
     """Every registered name, sorted.
 
         >>> estimator_names()[:3]
-        ['gdpo', 'grpo', 'reinforce_plus_plus']
+        ['gdpo', 'grpo', 'opd']
     """
     return sorted(_ESTIMATORS)
 

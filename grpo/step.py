@@ -21,6 +21,7 @@ import torch
 
 from grpo.advantages import (
     apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages, drop_thin_groups,
+    opd_metrics,
 )
 from grpo.batch import TrainBatch
 from grpo.logprobs import mask_by_seq_logprob_error, skipped_seq_logprob_error_metrics
@@ -192,7 +193,9 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
                         kl = KL(prev || ref) if use_kl_in_reward, master_cfg = cfg)
               groups: by prompt tokens (`grpo.advantages.prompt_group_ids`, NeMo-RL's key): a prompt that came
               twice in the step is one group of 2n
-        A  += −kl_coef · (student − teacher)                         (on-policy distillation; student = prev)
+              opd: A_t = sg[teacher_t − prev_t] · token_mask · sample_mask   (NeMo-RL's MOPD; no reward, no kl_coef)
+        A  += −kl_coef · (student − teacher)                         (on-policy distillation with another estimator;
+                                                                      student = prev)
         A[message] = malformed_thinking_advantage, then invalid_tool_call_advantage   (flagged messages;
                                                                           invalid wins, as in NeMo-RL)
         A   = clamp(A, advantage_clip_low, advantage_clip_high)
@@ -220,11 +223,16 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
         g.adv_estimator.name, group_ids=batch.prompt_groups(), rewards=batch.rewards_b,  # a repeated prompt: one group
         valid_mask=valid_b.to(batch.rewards_b.dtype), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
         reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty,
-        sample_mask=sample_mask_b, master_cfg=cfg)
+        sample_mask=sample_mask_b, prev_logprobs=batch.prev_logprobs_bt, teacher_logprobs=batch.teacher_logprobs_bt,
+        generation_logprobs=batch.generation_logprobs_bt, master_cfg=cfg)
     if batch.teacher_logprobs_bt is not None:
         student_bt = batch.prev_logprobs_bt if batch.prev_logprobs_bt is not None else batch.generation_logprobs_bt
-        adv_bt = adv_bt + distillation_advantages(student_bt, batch.teacher_logprobs_bt, batch.token_mask_bt,
-                                                  cfg.on_policy_distillation.kl_coef)
+        if g.adv_estimator.name == "opd":  # the estimator is the distillation term (NeMo-RL's metrics of it)
+            metrics.update(opd_metrics(batch.teacher_logprobs_bt, student_bt, adv_bt,
+                                       batch.token_mask_bt * sample_mask_b[:, None]))
+        else:
+            adv_bt = adv_bt + distillation_advantages(student_bt, batch.teacher_logprobs_bt, batch.token_mask_bt,
+                                                      cfg.on_policy_distillation.kl_coef)
     adv_bt = apply_message_advantage_penalties(adv_bt, batch.message_spans, "malformed_thinking",
                                                g.malformed_thinking_advantage)
     adv_bt = apply_message_advantage_penalties(adv_bt, batch.message_spans, "invalid_tool_call",

@@ -422,9 +422,21 @@ NEMO_RL_PENALTY_FLAGS = ("penalize_duplicated_reasoning", "penalize_empty_final_
 
 
 class OnPolicyDistillationConfig(_Section):
+    """On-policy distillation from frozen teachers on the training ranks. Two shapes:
+
+    - grpo-ds's: one ``teacher_model_name``, its reverse KL added to the estimator's advantages with ``kl_coef``;
+    - NeMo-RL's multi-teacher (MOPD): ``teacher_model_by_agent_name`` (alias -> checkpoint), each row scored by the
+      teacher of its NeMo-Gym agent (``agent_ref.name``) or, for the other environments, of its task; with
+      ``grpo.adv_estimator.name=opd`` the advantage is NeMo-RL's sg[log pi_teacher - log pi_student] per token.
+
+    A row's alias is its agent or task name when the map has it; else ``default_teacher_alias``, or an error under
+    ``strict_agent_name_match`` (NeMo-RL's ``resolve_reference_aliases``; checked on the training data at startup).
+    """
+
     enabled: bool = Field(
-        False, description="Add a frozen teacher's reverse KL to the advantages (on-policy distillation).")
-    teacher_model_name: Optional[str] = Field(None, description="The teacher (shares the policy's tokenizer).")
+        False, description="Distill from frozen teachers (on-policy distillation).")
+    teacher_model_name: Optional[str] = Field(None, description=(
+        "grpo-ds's single teacher (shares the policy's tokenizer); or teacher_model_by_agent_name, not both."))
 
     @field_validator("teacher_model_name")
     @classmethod
@@ -432,13 +444,45 @@ class OnPolicyDistillationConfig(_Section):
         return check_toy_model(v, "on_policy_distillation.teacher_model_name")
 
     kl_coef: float = Field(
-        1.0, ge=0, description="Weight of the per-token reverse KL: A += -kl_coef * (lp - lp_teacher).")
+        1.0, ge=0, description=("Weight of the per-token reverse KL: A += -kl_coef * (lp - lp_teacher); 1.0 with "
+                                "grpo.adv_estimator.name=opd, whose advantage is that gap itself."))
+    teacher_model_by_agent_name: dict[str, str] = Field(default_factory=dict, description=(
+        "NeMo-RL's MOPD map: teacher alias (a NeMo-Gym agent name or a task name) -> the teacher's checkpoint "
+        "(sharing the policy's tokenizer); each row is scored by the teacher of its agent or task."))
+    default_teacher_alias: Optional[str] = Field(None, description=(
+        "The alias (a key of teacher_model_by_agent_name) of rows whose agent or task the map does not name."))
+    strict_agent_name_match: bool = Field(False, description=(
+        "A row whose agent or task the map does not name is an error (checked on the training data at startup) "
+        "instead of going to default_teacher_alias."))
+    deduplicate_shared_teacher_checkpoints: bool = Field(True, description=(
+        "Aliases naming the same checkpoint share one loaded teacher; false: one copy per alias."))
+
+    @field_validator("teacher_model_by_agent_name")
+    @classmethod
+    def _teacher_models(cls, v: dict[str, str]) -> dict[str, str]:
+        for alias, model in v.items():
+            if not model:
+                raise ValueError(f"on_policy_distillation.teacher_model_by_agent_name.{alias}={model!r}: expected a "
+                                 "model (a local directory, a hub name or toy:<name>)")
+            check_toy_model(model, f"on_policy_distillation.teacher_model_by_agent_name.{alias}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "OnPolicyDistillationConfig":
-        if self.enabled and not self.teacher_model_name:
+        mapped = self.teacher_model_by_agent_name
+        if self.teacher_model_name and mapped:
             raise ValueError(
-                "on_policy_distillation.teacher_model_name=None: expected a model when "
-                "on_policy_distillation.enabled=true"
+                f"on_policy_distillation.teacher_model_name={self.teacher_model_name!r} with "
+                f"on_policy_distillation.teacher_model_by_agent_name={mapped!r}: expected one of the two (one teacher, "
+                "or teachers by agent / task name)")
+        if self.enabled and not (self.teacher_model_name or mapped):
+            raise ValueError(
+                "on_policy_distillation.teacher_model_name=None: expected a model (or "
+                "on_policy_distillation.teacher_model_by_agent_name) when on_policy_distillation.enabled=true"
             )
+        if (self.default_teacher_alias is not None and not self.strict_agent_name_match
+                and self.default_teacher_alias not in mapped):  # NeMo-RL's _validate_default_teacher_alias
+            raise ValueError(
+                f"on_policy_distillation.default_teacher_alias={self.default_teacher_alias!r}: expected a key of "
+                f"on_policy_distillation.teacher_model_by_agent_name (available: {sorted(mapped)})")
         return self

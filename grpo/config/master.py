@@ -117,6 +117,15 @@ class MasterConfig(_Section):
                 f"loss_fn.use_kl_in_reward=true is only used by grpo.adv_estimator.name='reinforce_plus_plus' "
                 f"(got {g.adv_estimator.name!r})"
             )
+        opd = self.on_policy_distillation
+        if g.adv_estimator.name == "opd" and not opd.enabled:
+            problems.append("grpo.adv_estimator.name='opd' needs teacher logprobs: set on_policy_distillation.enabled="
+                            "true with on_policy_distillation.teacher_model_by_agent_name (or teacher_model_name)")
+        if g.adv_estimator.name == "opd" and opd.kl_coef != 1.0:
+            problems.append(f"on_policy_distillation.kl_coef={opd.kl_coef} with grpo.adv_estimator.name='opd': expected "
+                            "1.0 (the default): the opd advantage is the teacher-student logprob gap itself, with no "
+                            "coefficient (NeMo-RL's); use another estimator to add kl_coef times the gap to its "
+                            "advantages")
         if g.reward_shaping.enabled and g.reward_shaping.max_response_length is not None:
             if g.reward_shaping.max_response_length > p.generation.max_new_tokens:
                 problems.append(

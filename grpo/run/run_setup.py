@@ -109,6 +109,7 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     total_steps = min(g.max_num_steps, g.max_num_epochs * len(loader))
     samples_per_step = g.num_prompts_per_step * g.num_generations_per_prompt
     opt_steps = total_steps * samples_per_step // cfg.policy.train_global_batch_size
+    check_teacher_routing(cfg, train_ds)  # every training row has its teacher, before any model loads
     policy = engines.build_policy_engine(cfg, world_size, opt_steps)
     if skip_ref:
         reference = None
@@ -116,18 +117,13 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         reference = engines.AdaptersOff(policy)
     else:
         reference = engines.build_reference_engine(cfg, world_size)
-    teacher = None
-    if cfg.on_policy_distillation.enabled:  # a frozen ZeRO-3 teacher sharing the policy's tokenizer
-        name = resolve_model_name(cfg.on_policy_distillation.teacher_model_name, rank)
-        # The teacher is another checkpoint: its config as is (policy.hf_config_overrides is the policy's).
-        teacher = engines.build_reference_engine(
-            cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}), world_size)
+    teachers = build_teachers(cfg, rank, world_size, engines.build_reference_engine)
     ckpt = CheckpointManager(cfg.checkpointing, rank, weight_config=weights_recorded)
     packing_note = ""
     if cfg.policy.sequence_packing.enabled:  # every model whose logprobs run packed
         from grpo.system.packed import check_packable, unpackable_reason
 
-        for engine in (policy, reference, teacher):
+        for engine in (policy, reference, *teachers.values()):
             if engine is None or not cfg.policy.sequence_packing.enabled:
                 continue
             if "enabled" in cfg.policy.sequence_packing.model_fields_set:  # asked for: a model that cannot is an error
@@ -193,10 +189,47 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     closables.append(stop)
     return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
                chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
-               policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
+               policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teachers),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
                player=player, turn_stop=turn_stop, deferred=deferred)
+
+
+def build_teachers(cfg: MasterConfig, rank: int, world_size: int, build: Callable) -> dict[str, object]:
+    """On-policy distillation's frozen teachers on the training ranks, by primary alias: one per checkpoint under
+    ``on_policy_distillation.deduplicate_shared_teacher_checkpoints`` (`grpo.distillation.shared_teachers`), else
+    one per alias; each built as the reference is (``build``: `grpo.system.engines.build_reference_engine`, a plain
+    module or a ZeRO-3 inference engine), sharing the policy's tokenizer. {} without distillation."""
+    from grpo.distillation import shared_teachers, teacher_models
+    from grpo.tasks.catalogue import resolve_model_name
+
+    opd = cfg.on_policy_distillation
+    models = teacher_models(opd)
+    teachers: dict[str, object] = {}
+    for alias in dict.fromkeys(shared_teachers(models, opd.deduplicate_shared_teacher_checkpoints).values()):
+        name = resolve_model_name(models[alias], rank)
+        # Another checkpoint: its config as is (policy.hf_config_overrides is the policy's).
+        teachers[alias] = build(cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}),
+                                world_size)
+    return teachers
+
+
+def check_teacher_routing(cfg: MasterConfig, train_ds) -> None:
+    """Every training row resolves to a teacher (`grpo.distillation.resolve_teacher_aliases` on its NeMo-Gym agent or
+    task name), or `RunError` naming the first row that does not; nothing without distillation."""
+    from grpo.distillation import agent_name, resolve_teacher_aliases, routing, teacher_key
+
+    if not cfg.on_policy_distillation.enabled:
+        return
+    models, default, strict = routing(cfg.on_policy_distillation)
+    first: dict[str, str] = {}  # key -> the first row that has it
+    for row in train_ds.items:
+        first.setdefault(teacher_key(row.task_name, agent_name(row.meta)), row.source)
+    for key, source in first.items():
+        try:
+            resolve_teacher_aliases([key], models, default, strict)
+        except ValueError as err:
+            raise RunError(f"{source}: {err}") from None
 
 
 def vision_processor(policy_cfg):

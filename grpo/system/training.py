@@ -13,12 +13,13 @@ Every forward of a ZeRO-3 engine is a collective: all ranks call `compute_logpro
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from grpo.batch import (TrainBatch, build_batch, pad_columns, rank_slice, select_rows, to_device, trim_padding,
                         with_fields)
+from grpo.distillation import rows_by_teacher, trajectory_teacher_key
 from grpo.logprobs import aligned_entropy_from_logits, aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
 from grpo.packing import dynamic_micro_batches, pack_bins, round_up
 from grpo.loss import LossInputs, clipped_pg_loss_fn, loss_needs
@@ -354,12 +355,13 @@ def token_micro_batches(batch: TrainBatch, batching: TokenBatching) -> list[Trai
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class LogprobEngines:
-    """The engines `step_logprobs` scores with; None where the run skips them (`grpo.config.resolve_skip_flags`,
-    no distillation)."""
+    """The engines `step_logprobs` scores with; None where the run skips them (`grpo.config.resolve_skip_flags`).
+    ``teachers``: on-policy distillation's, one engine per loaded checkpoint by its primary alias
+    (`grpo.distillation.shared_teachers`); empty without distillation."""
 
     prev: object | None
     reference: object | None
-    teacher: object | None = None
+    teachers: dict[str, object] = field(default_factory=dict)
 
 
 def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, temperature: float,
@@ -385,19 +387,38 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
     """Previous-policy, reference and teacher logprobs ``[B, T]`` under the current weights (a collective).
 
     The previous policy's are scored under the sampling distribution (temperature, top-k, top-p: what the
-    generation logprobs are), the reference's and teacher's with the temperature only, as NeMo-RL."""
+    generation logprobs are), the reference's and teachers' with the temperature only, as NeMo-RL; each row by its own
+    teacher (`teacher_logprobs`)."""
     p, gen = cfg.policy, cfg.policy.generation
 
-    def score(engine, sampled: bool = False):
+    def score(engine, sampled: bool = False, rows: TrainBatch = batch):
         if engine is None:
             return None
         top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
-        return gather_logprobs(engine, batch, rank, world_size, gen.temperature, p.logprob_batch_size,
+        return gather_logprobs(engine, rows, rank, world_size, gen.temperature, p.logprob_batch_size,
                                p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module),
                                batching=token_batching(p, "logprob"), **top)
 
     return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
-                         teacher_logprobs_bt=score(engines.teacher))
+                         teacher_logprobs_bt=teacher_logprobs(cfg, batch, engines.teachers,
+                                                              lambda engine, rows: score(engine, rows=rows)))
+
+
+def teacher_logprobs(cfg, batch: TrainBatch, teachers: dict[str, object],
+                     score: Callable[[object, TrainBatch], torch.Tensor]) -> torch.Tensor | None:
+    """Each row's logprobs ``[B, T]`` under its own teacher (`grpo.distillation.rows_by_teacher`: by its NeMo-Gym agent
+    or task), None without teachers. ``score(engine, rows)`` is the collective `gather_logprobs` of a batch; every
+    rank holds the whole batch, so every rank routes alike and scores the same sub-batches in the same order. One
+    teacher for every row scores the batch as it is (the single teacher's path)."""
+    if not teachers:
+        return None
+    rows = rows_by_teacher([trajectory_teacher_key(t) for t in batch.trajectories], cfg.on_policy_distillation)
+    if len(rows) == 1:
+        return score(teachers[next(iter(rows))], batch)
+    out_bt = torch.zeros(batch.input_ids_bt.shape, dtype=torch.float32)
+    for alias, index in rows.items():
+        out_bt[index] = score(teachers[alias], batch.select(index))
+    return out_bt
 
 
 def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,

@@ -1354,11 +1354,42 @@ def _logger_cluster_rest(w: Walk) -> None:
             w.ignore(f"cluster.{k}", "Ray cluster ports and topology; the launcher (deepspeed / torchrun) starts grpo-ds")
     w.ignore("data_plane", "the TransferQueue data plane moves batches between Ray actors; grpo-ds's loop runs in "
              "process")
+    w.ignore("_teachers", "a holder of teacher checkpoints that on_policy_distillation.teacher_model_by_agent_name "
+             "interpolates (${_teachers.<role>}, resolved above); NeMo-RL's code reads no such key")
     opd = w.get("on_policy_distillation")
     if _enabled(opd):
-        w.refuse("on_policy_distillation", "NeMo-RL's multi-teacher on-policy distillation (teachers served by "
-                 "non-colocated worker groups, NeMo-Gym); grpo-ds's on_policy_distillation has another shape: "
-                 "set it in a native config")
+        _on_policy_distillation(w)
     elif opd is not None:
         w.ignore("on_policy_distillation", "enabled=false: no distillation")
     w.take("on_policy_distillation")
+
+
+def _on_policy_distillation(w: Walk) -> None:
+    """NeMo-RL's multi-teacher on-policy distillation (nemo_rl/algorithms/opd.py): its routing keys mean the same in
+    grpo-ds (`grpo.distillation`), whose teachers run on the training ranks, plain or ZeRO-3 as the reference."""
+    key = "on_policy_distillation"
+    estimator = w.get("grpo.adv_estimator.name") or "grpo"
+    if estimator == "opd":
+        w.honor(f"{key}.enabled")
+    else:  # nemo_rl/algorithms/grpo.py: only OPDAdvantageEstimator reads teacher_logprobs
+        w.translate(f"{key}.enabled", {f"{key}.enabled": True, f"{key}.kl_coef": 0.0},
+                    f"grpo.adv_estimator.name={estimator!r} ignores the teachers' logprobs in NeMo-RL (only 'opd' "
+                    "reads them); grpo-ds's other estimators would add kl_coef times the teacher-student gap")
+    for name in ("teacher_model_by_agent_name", "default_teacher_alias", "strict_agent_name_match",
+                 "deduplicate_shared_teacher_checkpoints"):
+        w.honor(f"{key}.{name}")
+    for name, off in (("use_orm_advantage", False), ("orm_advantage_weight", 0.0)):  # read by no code at 7ea279a
+        if w.get(f"{key}.{name}", off) in (off, None):
+            w.ignore(f"{key}.{name}", f"{name}={off}: NeMo-RL 7ea279a reads no such key (its OnPolicyDistillationConfig "
+                     "takes extra keys)")
+        else:
+            w.refuse(f"{key}.{name}", "NeMo-RL 7ea279a reads no such key, so no reward advantage joins the teachers' "
+                     "there; grpo-ds adds on_policy_distillation.kl_coef times the teacher-student gap to another "
+                     "estimator's advantages")
+    if _enabled(w.get(f"{key}.non_colocated_teachers")):
+        w.refuse(f"{key}.non_colocated_teachers", "teachers on GPUs of their own (Megatron worker groups sized by "
+                 "default_teacher_cfg / teacher_overrides); grpo-ds runs the teachers on the training ranks: set "
+                 "non_colocated_teachers.enabled=false (the same logprobs, the teachers' memory on the training GPUs)")
+    else:
+        w.ignore(f"{key}.non_colocated_teachers", "non_colocated_teachers.enabled=false: the teachers run on the "
+                 "training ranks (NeMo-RL loads teachers only on GPUs of their own)")
