@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from grpo.run.cli import exporting, load_run_config
-from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags
+from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags, teacher_ranks
 from grpo.run.export import claim_export, export_checkpoint
 from grpo.run.run import Closable, Resume, Run, RunError, RunLocks, claim_on_rank0
-from grpo.run.serving import build_generation_backend, serve_generation, serve_player, start_split
+from grpo.run.serving import (build_generation_backend, serve_generation, serve_player, serve_teacher_rank, start_split,
+                              start_teacher)
 from grpo.system.chat import load_tokenizer
 
 if TYPE_CHECKING:
@@ -66,14 +67,18 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo.system.banner import startup_line
     from grpo.system.tracking import MetricsLogger, claim_metrics
     from grpo.system.signals import StopRequest
-    from grpo.system.training import LogprobEngines
+    from grpo.system.teacher import RemoteTeacher
     from grpo.tasks.catalogue import resolve_model_name
 
     layout = None
-    if generation_ranks(cfg.policy.generation) and not export:  # the last ranks of the launch only generate
+    # the last ranks of the launch only generate, the teacher's ranks come before them
+    if (generation_ranks(cfg.policy.generation) or teacher_ranks(cfg.on_policy_distillation)) and not export:
         layout, device = start_split(cfg)
         if layout.role == "generate":
             serve_generation(cfg, layout, device)
+            return None
+        if layout.role == "teach":
+            serve_teacher_rank(cfg, layout, device)
             return None
         rank, world_size = layout.rank, layout.world_size
     else:
@@ -117,27 +122,21 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     else:
         reference = engines.build_reference_engine(cfg, world_size)
     teacher = None
-    if cfg.on_policy_distillation.enabled:  # a frozen ZeRO-3 teacher sharing the policy's tokenizer
-        name = resolve_model_name(cfg.on_policy_distillation.teacher_model_name, rank)
-        # The teacher is another checkpoint: its config as is (policy.hf_config_overrides is the policy's).
-        teacher = engines.build_reference_engine(
-            cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}), world_size)
+    if cfg.on_policy_distillation.enabled:  # a frozen teacher sharing the policy's tokenizer
+        teacher = start_teacher(cfg, layout, rank, world_size)
     ckpt = CheckpointManager(cfg.checkpointing, rank, weight_config=weights_recorded)
     packing_note = ""
     if cfg.policy.sequence_packing.enabled:  # every model whose logprobs run packed
-        from grpo.system.packed import check_packable, unpackable_reason
+        from grpo.system.packed import settle_packing
 
-        for engine in (policy, reference, teacher):
-            if engine is None or not cfg.policy.sequence_packing.enabled:
+        for engine in (policy, reference, teacher):  # (teacher ranks of their own settle their own)
+            if engine is None or isinstance(engine, RemoteTeacher):
                 continue
-            if "enabled" in cfg.policy.sequence_packing.model_fields_set:  # asked for: a model that cannot is an error
-                try:
-                    check_packable(engine.module)
-                except ValueError as err:
-                    raise RunError(str(err)) from err
-            elif (reason := unpackable_reason(engine.module)) is not None:  # the default gives way, said at startup
-                cfg.policy.sequence_packing.enabled = False
-                packing_note = f" (sequence packing off: {reason})"
+            try:  # asked for: a model that cannot is an error; the default gives way, said at startup
+                if (reason := settle_packing(cfg.policy, engine.module)) is not None:
+                    packing_note = f" (sequence packing off: {reason})"
+            except ValueError as err:
+                raise RunError(str(err)) from err
 
     if (gap := overflow_check_gap(policy)) is not None:
         raise RunError(gap)
@@ -177,9 +176,12 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                            rank, enabled=cfg.logger.dump_rollouts)
     closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [deferred,
                                                                                                  RunLocks(locks)]
+    if isinstance(teacher, RemoteTeacher):  # trainer 0 tells the teacher ranks to exit
+        closables.append(teacher)
     generator = None
-    if layout is not None or not asynchronous:  # the async loop builds its own, unless generation ranks serve it
-        generator = build_generation_backend(cfg, tokenizer, policy, device, layout)
+    gen_layout = layout if layout is not None and layout.num_generation else None  # generation ranks of their own
+    if gen_layout is not None or not asynchronous:  # the async loop builds its own, unless generation ranks serve it
+        generator = build_generation_backend(cfg, tokenizer, policy, device, gen_layout)
         closables.append(generator)
         if not asynchronous:  # (the async producer pushes the staged weights to generation ranks itself)
             generator.refit(policy)
@@ -193,10 +195,21 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     closables.append(stop)
     return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
                chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
-               policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teacher),
+               policy=policy, logprob_engines=logprob_engines(policy if not skip_prev else None, reference, teacher),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
                player=player, turn_stop=turn_stop, deferred=deferred)
+
+
+def logprob_engines(prev, reference, teacher):
+    """The engines `grpo.system.training.step_logprobs` scores with; a teacher on ranks of its own (a
+    `grpo.system.teacher.RemoteTeacher`) goes to ``teacher_ranks``."""
+    from grpo.system.teacher import RemoteTeacher
+    from grpo.system.training import LogprobEngines
+
+    if isinstance(teacher, RemoteTeacher):
+        return LogprobEngines(prev, reference, teacher_ranks=teacher)
+    return LogprobEngines(prev, reference, teacher)
 
 
 def vision_processor(policy_cfg):

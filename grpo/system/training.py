@@ -360,6 +360,7 @@ class LogprobEngines:
     prev: object | None
     reference: object | None
     teacher: object | None = None
+    teacher_ranks: object | None = None  # a grpo.system.teacher.RemoteTeacher: the teacher on ranks of its own
 
 
 def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, temperature: float,
@@ -385,8 +386,13 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
     """Previous-policy, reference and teacher logprobs ``[B, T]`` under the current weights (a collective).
 
     The previous policy's are scored under the sampling distribution (temperature, top-k, top-p: what the
-    generation logprobs are), the reference's and teacher's with the temperature only, as NeMo-RL."""
+    generation logprobs are), the reference's and teacher's with the temperature only, as NeMo-RL. A teacher on
+    ranks of its own (``engines.teacher_ranks``, `grpo.system.teacher.RemoteTeacher`) gets the rows first and scores them while the trainers
+    score the others; its logprobs come back padded to the batch's width."""
     p, gen = cfg.policy, cfg.policy.generation
+    remote = engines.teacher_ranks
+    if remote is not None:
+        remote.submit(batch)
 
     def score(engine, sampled: bool = False):
         if engine is None:
@@ -396,8 +402,21 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
                                p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module),
                                batching=token_batching(p, "logprob"), **top)
 
-    return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
-                         teacher_logprobs_bt=score(engines.teacher))
+    prev, ref = score(engines.prev, sampled=True), score(engines.reference)
+    teacher = (remote.result(batch.input_ids_bt.shape[1]) if remote is not None
+               else None if engines.teacher is None else teacher_logprobs(cfg, batch, engines.teacher, rank, world_size))
+    return batch.replace(prev_logprobs_bt=prev, ref_logprobs_bt=ref, teacher_logprobs_bt=teacher)
+
+
+def teacher_logprobs(cfg, batch: TrainBatch, engine, rank: int, world_size: int) -> torch.Tensor:
+    """A teacher's logprobs ``[B, T]`` of the batch (a collective of ``world_size`` ranks, each scoring its share):
+    with the temperature only, micro-batched as ``cfg.policy`` says, as the reference. The same call on the training
+    ranks and on teacher ranks of their own (`grpo.system.teacher`, whose ``batch`` is a
+    `grpo.system.teacher.ScoreRequest`: the fields read here)."""
+    p = cfg.policy
+    return gather_logprobs(engine, batch, rank, world_size, p.generation.temperature, p.logprob_batch_size,
+                           p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module),
+                           batching=token_batching(p, "logprob"))
 
 
 def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,
