@@ -163,6 +163,18 @@ def all_gather_objects(local: list, group=None) -> list:
     return [x for part in gathered for x in part]
 
 
+def broadcast_object(item, group=None):
+    """Rank 0's ``item`` (any picklable object) on every rank of ``group``; ``item`` itself where ``group`` is None
+    (one rank: nothing to agree with). The trainers' own gloo group carries what trainer 0 heard over a bridge."""
+    if group is None:
+        return item
+    import torch.distributed as dist
+
+    box = [item]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (a collective)."""
     import torch

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.system.bridge import Bridge, BridgeError
+from grpo.system.dist import broadcast_object
 
 logger = logging.getLogger(__name__)
 
@@ -178,13 +179,7 @@ class RemoteTeacher:
         return replies[0][1], errors or None
 
     def _broadcast(self, item):
-        if self.group is None:
-            return item
-        import torch.distributed as dist
-
-        box = [item]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return broadcast_object(item, self.group)
 
     def _agree(self, error: str | None, doing: str) -> None:
         error = self._broadcast(error)

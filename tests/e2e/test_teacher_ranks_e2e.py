@@ -2,7 +2,8 @@
 training rank and 1 teacher rank under torchrun, against the same teacher on the training rank (one process).
 
 Default suite (~45 s): the synchronous loop, 3 steps, the same losses. ``-m slow``: the asynchronous loop the same
-way, a teacher beside a generation rank (3 ranks), and a teacher that cannot load stopping the launch with one line.
+way, a teacher beside a generation rank (3 ranks), a ZeRO-3 teacher over two teacher ranks, and a teacher that cannot
+load stopping the launch with one line.
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ def test_a_teacher_rank_beside_a_generation_rank_trains_the_same_losses(tmp_path
                  "policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=1")
     assert "3 ranks: 1 train, 1 teach (on_policy_distillation.non_colocated_teachers), 1 generate (hf" in \
         p.stdout + p.stderr
+    run([sys.executable, "train_grpo.py", "--config", TINY, *paths(tmp_path / "one"), *OPD, "grpo.max_num_steps=2"])
+    same_losses(tmp_path, 2)
+
+
+@pytest.mark.slow  # 50 s
+def test_two_teacher_ranks_sharing_a_zero3_teacher_train_the_same_losses(tmp_path):
+    """The teacher over two teacher ranks as a ZeRO-3 inference engine (each rank scores its share of the rows, their
+    own group gathers them) gives the teacher logprobs of a plain teacher on the training rank."""
+    TEACHER_RANK_2 = [a.replace("gpus_per_node=1", "gpus_per_node=2") for a in TEACHER_RANK]
+    p = run([*launcher("torchrun"), "--standalone", "--nproc_per_node", "3", "train_grpo.py", "--config", TINY,
+             *paths(tmp_path / "split"), *OPD, *TEACHER_RANK_2, "policy.reference_placement=zero3",
+             "grpo.max_num_steps=2"], threads=None)
+    assert "3 ranks: 1 train, 2 teach" in p.stdout + p.stderr
     run([sys.executable, "train_grpo.py", "--config", TINY, *paths(tmp_path / "one"), *OPD, "grpo.max_num_steps=2"])
     same_losses(tmp_path, 2)
 
