@@ -83,3 +83,41 @@ def test_a_teacher_that_cannot_load_stops_the_launch_with_one_line(tmp_path):
     assert line in out, out[-4000:]
     assert f'File "{REPO}' not in out, out[-4000:]  # the ranks say lines, no traceback of ours (torchrun's own stays)
     assert not (tmp_path / "logs" / "metrics.jsonl").exists() or not train_rows(tmp_path)
+
+
+@pytest.mark.slow  # 30 s per loop
+@pytest.mark.parametrize("script, extra", [("train_grpo.py", []), ("train_async_grpo.py", ASYNC)])
+def test_a_killed_teacher_rank_stops_the_run_with_one_line_and_the_last_trained_step_saved(tmp_path, script, extra):
+    """kill -9 of the teacher rank after step 2 (checkpoints every 10 steps): the trainer stops at once, naming the
+    teacher rank, exit 1, with step 2 checkpointed by the run's end (not lost to the save period)."""
+    import json
+    import subprocess
+    import time
+
+    from tests.helpers.e2e import child_env, free_port
+
+    port, procs = free_port(), []
+    for rank in (0, 1):
+        env = {**child_env(1), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        cmd = [sys.executable, script, "--config", TINY, *paths(tmp_path), *OPD, *TEACHER_RANK, *extra,
+               "checkpointing.enabled=true", "checkpointing.save_period=10", "grpo.max_num_steps=40"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(tmp_path / f"rank{rank}.log", "w"),
+                                      stderr=subprocess.STDOUT))
+    try:
+        deadline = time.time() + 240
+        while not ((tmp_path / "logs" / "metrics.jsonl").exists() and 2 in train_rows(tmp_path)):
+            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()[-3000:]
+            time.sleep(0.3)
+        procs[1].kill()
+        assert procs[0].wait(timeout=120) == 1
+    finally:
+        for p in procs:
+            p.kill()
+    log = (tmp_path / "rank0.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "teacher rank 0 is gone" in errors[0], log[-3000:]
+    assert "Traceback" not in log
+    stopped_at = max(train_rows(tmp_path))
+    status = json.loads((tmp_path / "ckpt" / "latest_checkpoint_status.json").read_text())
+    assert (tmp_path / "ckpt" / f"step_{stopped_at:06d}").is_dir(), (status, log[-2000:])
