@@ -387,8 +387,8 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
 
     The previous policy's are scored under the sampling distribution (temperature, top-k, top-p: what the
     generation logprobs are), the reference's and teacher's with the temperature only, as NeMo-RL. A teacher on
-    ranks of its own (``engines.teacher_ranks``, `grpo.system.teacher.RemoteTeacher`) gets the rows first and scores them while the trainers
-    score the others; its logprobs come back padded to the batch's width."""
+    ranks of its own (``engines.teacher_ranks``, `grpo.system.teacher.RemoteTeacher`) gets the rows first and scores
+    them while the trainers score the others; its logprobs come back padded to the batch's width."""
     p, gen = cfg.policy, cfg.policy.generation
     remote = engines.teacher_ranks
     if remote is not None:
@@ -402,9 +402,11 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
                                p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module),
                                batching=token_batching(p, "logprob"), **top)
 
-    prev, ref = score(engines.prev, sampled=True), score(engines.reference)
-    teacher = (remote.result(batch.input_ids_bt.shape[1]) if remote is not None
-               else None if engines.teacher is None else teacher_logprobs(cfg, batch, engines.teacher, rank, world_size))
+    prev, ref, teacher = score(engines.prev, sampled=True), score(engines.reference), None
+    if remote is not None:
+        teacher = remote.result(batch.input_ids_bt.shape[1])
+    elif engines.teacher is not None:
+        teacher = teacher_logprobs(cfg, batch, engines.teacher, rank, world_size)
     return batch.replace(prev_logprobs_bt=prev, ref_logprobs_bt=ref, teacher_logprobs_bt=teacher)
 
 

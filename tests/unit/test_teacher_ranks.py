@@ -39,7 +39,8 @@ def test_teacher_logprobs_wider_than_the_batch_are_refused_as_nemo_rl_does():
 
 def test_a_request_carries_the_rows_cut_to_the_longest_and_each_image_dict_once():
     image = {"pixel_values": torch.ones(2, 3)}
-    batch = ScoreRequest(torch.tensor([[4, 5, 6, 0, 0], [7, 8, 0, 0, 0]]), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]),
+    batch = ScoreRequest(torch.tensor([[4, 5, 6, 0, 0], [7, 8, 0, 0, 0]]),
+                         torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]),
                          torch.tensor([[0, 1, 1, 0, 0], [0, 1, 0, 0, 0]]), [image, image])
     request = ScoreRequest.of(batch)
     assert request.input_ids_bt.tolist() == [[4, 5, 6], [7, 8, 0]]
@@ -118,8 +119,8 @@ def test_teacher_resources_that_fit_load():
 def _teacher_rank(mode: str, model: str = "toy:tiny", policy: str = "toy:tiny"):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.teacher_peer", str(port), mode, model, policy], cwd=REPO,
-                            env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.teacher_peer", str(port), mode, model, policy],
+                            cwd=REPO, env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     layout = Layout("train", 0, 1, 0, 2, 0, store, num_teacher=1)
     return layout, proc
 
