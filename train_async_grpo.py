@@ -32,10 +32,11 @@ from __future__ import annotations
 import os
 import time
 
+from grpo.run.phases import score_logprobs
 from grpo.run.run import finish, run_script
 from grpo.run.run_setup import setup
 from grpo.run.step_end import (
-    checkpoint_step, log_step, record_trained, skip_step, validate_first, validate_step,
+    StepEnd, checkpoint_step, log_step, record_trained, skip_step, validate_first, validate_step,
 )
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo_async.yaml")
@@ -52,7 +53,7 @@ def main(argv=None) -> int | None:
     from grpo.step import initial_sample_mask, step_advantages
     from grpo.system.replay import ReplayClosed, StopKind
     from grpo.system.tracking import timed
-    from grpo.system.training import step_logprobs, train_step
+    from grpo.system.training import train_step
 
     cfg, state = run.cfg, run.state
     # ---- the replay deque, the weight stage (the current weights as version current_step), the thread -------
@@ -86,7 +87,10 @@ def main(argv=None) -> int | None:
 
         # ---- 6. previous-policy, reference (and teacher) logprobs, under the CURRENT weights -------
         with timed(timing, "logprobs"):
-            batch = step_logprobs(cfg, batch, run.logprob_engines, run.rank, run.world_size)
+            batch, failure = score_logprobs(run, batch, step)
+        if failure is not None:  # the teacher ranks are gone: the run ends, the last trained step saved
+            end = StepEnd(end.stop, failure, end.metrics)
+            break
 
         # ---- 7. logprob-error masking, advantages, message penalties, clipping -------------------
         batch, adv_metrics = step_advantages(cfg, batch)

@@ -26,7 +26,7 @@ from grpo.run.run_setup import setup
 from grpo.run.step_end import (
     checkpoint_step, log_step, record_trained, skip_step, validate_first, validate_step,
 )
-from grpo.run.phases import Collected, Outcome, collect_rollouts, sync_weights
+from grpo.run.phases import Collected, Outcome, collect_rollouts, score_logprobs, sync_weights
 from grpo.run.validation import validate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_demo.yaml")
@@ -43,7 +43,7 @@ def main(argv=None) -> int | None:
     from grpo.system.checkpoint import rng_state
     from grpo.system.data import PromptStream
     from grpo.system.tracking import timed
-    from grpo.system.training import step_logprobs, train_step
+    from grpo.system.training import train_step
 
     cfg, state = run.cfg, run.state
     prompts = PromptStream(run.loader, cfg.grpo.max_num_epochs, state.current_epoch,
@@ -76,7 +76,10 @@ def main(argv=None) -> int | None:
 
         # ---- 6. previous-policy, reference (and teacher) logprobs; each rank scores its share ----
         with timed(timing, "logprobs"):
-            batch = step_logprobs(cfg, batch, run.logprob_engines, run.rank, run.world_size)
+            batch, failure = score_logprobs(run, batch, step)
+        if failure is not None:  # the teacher ranks are gone: the run ends, the last finished step saved
+            got = Collected(Outcome.FAILED, failure=failure)
+            break
         if stop_requested(run):  # the last safe point before the weights change
             got = Collected(Outcome.ABANDONED)
             break

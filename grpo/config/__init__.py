@@ -20,9 +20,10 @@ dotted key, the value and what was expected.
 
 from grpo.config.base import check_toy_model, dhms_seconds, model_path_problem
 from grpo.config.algorithm import (AdvEstimatorConfig, AsyncGRPOConfig, ClippedPGLossConfig, GRPOConfig,
-                                   NEMO_RL_PENALTY_FLAGS, OnPolicyDistillationConfig, RewardPenaltyConfig,
-                                   RewardPenaltyTokenIdsConfig, RewardScalingConfig, RewardShapingConfig,
-                                   RolloutFailureConfig, reward_penalties_without_nemo_gym)
+                                   NEMO_RL_PENALTY_FLAGS, NonColocatedTeachersConfig, OnPolicyDistillationConfig,
+                                   RewardPenaltyConfig, RewardPenaltyTokenIdsConfig, RewardScalingConfig,
+                                   RewardShapingConfig, RolloutFailureConfig, TeacherResourcesConfig,
+                                   reward_penalties_without_nemo_gym, teacher_ranks)
 from grpo.config.policy import (CHAT_TEMPLATE_ARGS_SET_BY_GRPO, ColocatedConfig, ColocatedResourcesConfig,
                                 DynamicBatchingConfig, GenerationConfig, HttpServerConfig, LoraConfig, OptimizerConfig,
                                 PolicyConfig, REASONING_PARSERS, Sampling, SchedulerConfig, SequencePackingConfig,
@@ -35,14 +36,15 @@ from grpo.config.env import (AgentConfig, EffortLevelsConfig, EnvConfig, EnvSpec
                              RewardModelTypeConfig)
 from grpo.config.run import (CheckpointingConfig, ClusterConfig, LoggerConfig, VALIDATION_METRIC_ALIASES, WandbConfig,
                              checkpoint_metric_form, cluster_mismatch, validation_metric_name, validation_metric_names)
-from grpo.config.master import (MasterConfig, check_generation_resources, needs_reference,
+from grpo.config.master import (MasterConfig, check_generation_resources, check_teacher_resources, needs_reference,
                                 prev_logprobs_needed_before_training, resolve_skip_flags, serves_endpoint)
 
 __all__ = [
     "check_toy_model", "dhms_seconds", "model_path_problem", "AdvEstimatorConfig", "AsyncGRPOConfig",
     "ClippedPGLossConfig", "GRPOConfig", "NEMO_RL_PENALTY_FLAGS", "OnPolicyDistillationConfig", "RewardPenaltyConfig",
     "RewardPenaltyTokenIdsConfig", "RewardScalingConfig", "RewardShapingConfig", "RolloutFailureConfig",
-    "reward_penalties_without_nemo_gym", "CHAT_TEMPLATE_ARGS_SET_BY_GRPO", "ColocatedConfig",
+    "reward_penalties_without_nemo_gym", "NonColocatedTeachersConfig", "TeacherResourcesConfig", "teacher_ranks",
+    "check_teacher_resources", "CHAT_TEMPLATE_ARGS_SET_BY_GRPO", "ColocatedConfig",
     "ColocatedResourcesConfig", "DynamicBatchingConfig", "GenerationConfig", "HttpServerConfig", "LoraConfig",
     "OptimizerConfig", "PolicyConfig", "REASONING_PARSERS", "Sampling", "SchedulerConfig", "SequencePackingConfig",
     "ServingChatKwargs", "TOOL_PARSERS", "TokenizerConfig", "VLLM_KWARGS_SET_BY_GRPO", "VLLM_LORA_KWARGS",

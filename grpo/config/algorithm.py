@@ -421,6 +421,49 @@ NEMO_RL_PENALTY_FLAGS = ("penalize_duplicated_reasoning", "penalize_empty_final_
                          "penalize_malformed_think_tag")
 
 
+class TeacherResourcesConfig(_Section):
+    """The ranks of one teacher on ranks of its own (NeMo-RL's ``non_colocated_teachers.default_teacher_cfg``, its
+    names and defaults; the Megatron parallel sizes and ``precision`` have no meaning here: the teacher runs at
+    ``policy.precision``, whole on each teacher rank where it fits, else as a ZeRO-3 inference engine over them)."""
+
+    gpus_per_node: int = Field(8, gt=0, description=(
+        "Teacher ranks per node: on one node the teacher ranks come just before the generation ranks (the last of "
+        "the launch); with cluster.num_nodes > 1 it must equal cluster.gpus_per_node (whole nodes run the teacher)."))
+    num_nodes: int = Field(1, gt=0, description=(
+        "Nodes that run the teacher. Teacher ranks = gpus_per_node x num_nodes."))
+    micro_batch_size: Optional[int] = Field(None, gt=0, description=(
+        "Rows per teacher forward on a teacher rank (NeMo-RL's; null: policy.logprob_batch_size)."))
+
+
+class NonColocatedTeachersConfig(_Section):
+    """NeMo-RL's ``on_policy_distillation.non_colocated_teachers``: the teacher on ranks of its own
+    (`grpo.system.teacher`) instead of on the training ranks."""
+
+    enabled: bool = Field(False, description=(
+        "true: the teacher runs on ranks of its own (default_teacher_cfg's), which score each step's batch while "
+        "the trainers score the previous policy and the reference; false: on the training ranks, like the "
+        "reference."))
+    default_teacher_cfg: TeacherResourcesConfig = Field(
+        default_factory=TeacherResourcesConfig, description="The teacher's ranks.")
+    timeout_s: float = Field(600.0, gt=0, description=(
+        "grpo-ds: seconds trainer rank 0 waits for the teacher ranks' logprobs of a step before it stops the run "
+        "naming them as hung."))
+
+
+def teacher_ranks(opd: "OnPolicyDistillationConfig") -> int:
+    """How many ranks of the launch only run the teacher: 0 unless ``non_colocated_teachers.enabled`` (and
+    distillation), else ``default_teacher_cfg.gpus_per_node x num_nodes``.
+
+        >>> teacher_ranks(OnPolicyDistillationConfig(enabled=True, teacher_model_name="t",
+        ...               non_colocated_teachers={"enabled": True, "default_teacher_cfg": {"gpus_per_node": 2}}))
+        2
+    """
+    nct = opd.non_colocated_teachers
+    if not (opd.enabled and nct.enabled):
+        return 0
+    return nct.default_teacher_cfg.gpus_per_node * nct.default_teacher_cfg.num_nodes
+
+
 class OnPolicyDistillationConfig(_Section):
     """On-policy distillation from frozen teachers on the training ranks. Two shapes:
 
@@ -466,6 +509,8 @@ class OnPolicyDistillationConfig(_Section):
                                  "model (a local directory, a hub name or toy:<name>)")
             check_toy_model(model, f"on_policy_distillation.teacher_model_by_agent_name.{alias}")
         return v
+    non_colocated_teachers: NonColocatedTeachersConfig = Field(
+        default_factory=NonColocatedTeachersConfig, description="The teacher on ranks of its own (NeMo-RL's).")
 
     @model_validator(mode="after")
     def _check(self) -> "OnPolicyDistillationConfig":
@@ -485,4 +530,10 @@ class OnPolicyDistillationConfig(_Section):
             raise ValueError(
                 f"on_policy_distillation.default_teacher_alias={self.default_teacher_alias!r}: expected a key of "
                 f"on_policy_distillation.teacher_model_by_agent_name (available: {sorted(mapped)})")
+        if self.enabled and self.non_colocated_teachers.enabled and mapped:
+            raise ValueError(
+                "on_policy_distillation.non_colocated_teachers.enabled=true with "
+                "on_policy_distillation.teacher_model_by_agent_name: teacher ranks run one teacher "
+                "(teacher_model_name); teachers by agent or task run on the training ranks (set "
+                "non_colocated_teachers.enabled=false)")
         return self

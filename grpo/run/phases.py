@@ -1,7 +1,7 @@
 """The phases before training that the loops compose with the run: scoring a rollout's samples (`score_rollouts`,
 both loops), the synchronous loop's collection of a step's rollouts (`collect_rollouts`: play and score prompt
-batches until the step's batch is full, and say what the step does next as one typed `Outcome`) and its weight
-sync into the generation engine (`sync_weights`).
+batches until the step's batch is full, and say what the step does next as one typed `Outcome`), the logprobs of
+both loops (`score_logprobs`) and the synchronous loop's weight sync into the generation engine (`sync_weights`).
 
     got = collect_rollouts(run, prompts, step, timing)
     match got.outcome:
@@ -120,6 +120,20 @@ def collect_rollouts(run: Run, prompts, step: int, timing: dict) -> Collected:
         return Collected(Outcome.SKIP, batch, metrics)
     budget.trained()
     return Collected(Outcome.TRAIN, batch, metrics)
+
+
+def score_logprobs(run: Run, batch, step: int) -> tuple[object, str | None]:
+    """Phase 6 of both loops: previous-policy, reference and teacher logprobs (`grpo.system.training.step_logprobs`,
+    a collective). Returns ``(batch, None)``, or ``(None, failure)`` (one line) when the teacher ranks failed, died or
+    hang (``on_policy_distillation.non_colocated_teachers``): the step is abandoned before training, and the run
+    ends with the last finished step saved."""
+    from grpo.system.teacher import TeacherError
+    from grpo.system.training import step_logprobs
+
+    try:
+        return step_logprobs(run.cfg, batch, run.logprob_engines, run.rank, run.world_size), None
+    except TeacherError as err:
+        return None, f"step {step} stops before training: {err}"
 
 
 def sync_weights(run: Run, step: int, timing: dict) -> str | None:

@@ -304,6 +304,7 @@ def known_error_message(err: BaseException) -> str | None:
     for module, names in (("grpo.system.data", ("DataError",)), ("grpo.system.chat", ("ChatFormatError",)),
                           ("grpo.system.checkpoint", ("CheckpointError",)), ("grpo.system.rundir", ("RunDirError",)),
                           ("grpo.system.weights", ("ExportError",)), ("grpo.system.rollout", ("RolloutError",)),
+                          ("grpo.system.teacher", ("TeacherError",)),
                           ("grpo.tasks.function", ("EnvError",))):
         mod = sys.modules.get(module)  # an error of a module never imported cannot have been raised
         known += [getattr(mod, n) for n in names if mod is not None and hasattr(mod, n)]

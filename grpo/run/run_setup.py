@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from grpo.run.cli import exporting, load_run_config
-from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags
+from grpo.config import MasterConfig, cluster_mismatch, generation_ranks, resolve_skip_flags, teacher_ranks
 from grpo.run.export import claim_export, export_checkpoint
 from grpo.run.run import Closable, Resume, Run, RunError, RunLocks, claim_on_rank0
-from grpo.run.serving import build_generation_backend, serve_generation, serve_player, start_split
+from grpo.run.serving import (build_generation_backend, serve_generation, serve_player, serve_teacher_rank, start_split,
+                              start_teachers)
 from grpo.system.chat import load_tokenizer
 
 if TYPE_CHECKING:
@@ -70,10 +71,14 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     from grpo.tasks.catalogue import resolve_model_name
 
     layout = None
-    if generation_ranks(cfg.policy.generation) and not export:  # the last ranks of the launch only generate
+    # the last ranks of the launch only generate, the teacher's ranks come before them
+    if (generation_ranks(cfg.policy.generation) or teacher_ranks(cfg.on_policy_distillation)) and not export:
         layout, device = start_split(cfg)
         if layout.role == "generate":
             serve_generation(cfg, layout, device)
+            return None
+        if layout.role == "teach":
+            serve_teacher_rank(cfg, layout, device)
             return None
         rank, world_size = layout.rank, layout.world_size
     else:
@@ -117,23 +122,20 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
         reference = engines.AdaptersOff(policy)
     else:
         reference = engines.build_reference_engine(cfg, world_size)
-    teachers = build_teachers(cfg, rank, world_size, engines.build_reference_engine)
+    teachers, teacher_ranks_handle = start_teachers(cfg, layout, rank, world_size)  # ({}, None) without distillation
     ckpt = CheckpointManager(cfg.checkpointing, rank, weight_config=weights_recorded)
     packing_note = ""
     if cfg.policy.sequence_packing.enabled:  # every model whose logprobs run packed
-        from grpo.system.packed import check_packable, unpackable_reason
+        from grpo.system.packed import settle_packing
 
-        for engine in (policy, reference, *teachers.values()):
-            if engine is None or not cfg.policy.sequence_packing.enabled:
+        for engine in (policy, reference, *teachers.values()):  # (teacher ranks of their own settle their own)
+            if engine is None:
                 continue
-            if "enabled" in cfg.policy.sequence_packing.model_fields_set:  # asked for: a model that cannot is an error
-                try:
-                    check_packable(engine.module)
-                except ValueError as err:
-                    raise RunError(str(err)) from err
-            elif (reason := unpackable_reason(engine.module)) is not None:  # the default gives way, said at startup
-                cfg.policy.sequence_packing.enabled = False
-                packing_note = f" (sequence packing off: {reason})"
+            try:  # asked for: a model that cannot is an error; the default gives way, said at startup
+                if (reason := settle_packing(cfg.policy, engine.module)) is not None:
+                    packing_note = f" (sequence packing off: {reason})"
+            except ValueError as err:
+                raise RunError(str(err)) from err
 
     if (gap := overflow_check_gap(policy)) is not None:
         raise RunError(gap)
@@ -173,9 +175,12 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
                            rank, enabled=cfg.logger.dump_rollouts)
     closables: list[Closable] = [logger, envs] + ([val_envs] if val_envs is not envs else []) + [deferred,
                                                                                                  RunLocks(locks)]
+    if teacher_ranks_handle is not None:  # trainer 0 tells the teacher ranks to exit
+        closables.append(teacher_ranks_handle)
     generator = None
-    if layout is not None or not asynchronous:  # the async loop builds its own, unless generation ranks serve it
-        generator = build_generation_backend(cfg, tokenizer, policy, device, layout)
+    gen_layout = layout if layout is not None and layout.num_generation else None  # generation ranks of their own
+    if gen_layout is not None or not asynchronous:  # the async loop builds its own, unless generation ranks serve it
+        generator = build_generation_backend(cfg, tokenizer, policy, device, gen_layout)
         closables.append(generator)
         if not asynchronous:  # (the async producer pushes the staged weights to generation ranks itself)
             generator.refit(policy)
@@ -189,29 +194,11 @@ def setup(argv, default_config: str, *, asynchronous: bool, description: str | N
     closables.append(stop)
     return Run(cfg=cfg, args=args, rank=rank, world_size=world_size, device=device, tokenizer=tokenizer,
                chat=formatter.chat, train_ds=train_ds, val_ds=val_ds, loader=loader, envs=envs, val_envs=val_envs,
-               policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teachers),
+               policy=policy, logprob_engines=LogprobEngines(None if skip_prev else policy, reference, teachers,
+                                                             teacher_ranks_handle),
                ckpt=ckpt, logger=logger, state=state, total_steps=total_steps, deadline=deadline, checks=checks,
                stop=stop, dumper=dumper, run_id=run_id, generator=generator, resume=resume, closables=closables,
                player=player, turn_stop=turn_stop, deferred=deferred)
-
-
-def build_teachers(cfg: MasterConfig, rank: int, world_size: int, build: Callable) -> dict[str, object]:
-    """On-policy distillation's frozen teachers on the training ranks, by primary alias: one per checkpoint under
-    ``on_policy_distillation.deduplicate_shared_teacher_checkpoints`` (`grpo.distillation.shared_teachers`), else
-    one per alias; each built as the reference is (``build``: `grpo.system.engines.build_reference_engine`, a plain
-    module or a ZeRO-3 inference engine), sharing the policy's tokenizer. {} without distillation."""
-    from grpo.distillation import shared_teachers, teacher_models
-    from grpo.tasks.catalogue import resolve_model_name
-
-    opd = cfg.on_policy_distillation
-    models = teacher_models(opd)
-    teachers: dict[str, object] = {}
-    for alias in dict.fromkeys(shared_teachers(models, opd.deduplicate_shared_teacher_checkpoints).values()):
-        name = resolve_model_name(models[alias], rank)
-        # Another checkpoint: its config as is (policy.hf_config_overrides is the policy's).
-        teachers[alias] = build(cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}),
-                                world_size)
-    return teachers
 
 
 def check_teacher_routing(cfg: MasterConfig, train_ds) -> None:

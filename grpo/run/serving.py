@@ -1,29 +1,31 @@
-"""Where a run's generation runs and how it is served: the launch split into training and generation ranks, a
-generation rank's whole run, the trainers' generation backend (hf, vLLM, or the generation ranks behind the
-bridge) and the player over it (`grpo.system.players`: the OpenAI-compatible endpoint, where a wing serves one)."""
+"""Where a run's generation runs and how it is served: the launch split into training, teacher and generation ranks,
+a generation rank's and a teacher rank's whole run, the run's distillation teacher, the trainers' generation backend
+(hf, vLLM, or the generation ranks behind the bridge) and the player over it (`grpo.system.players`: the
+OpenAI-compatible endpoint, where a wing serves one)."""
 
 from __future__ import annotations
 
 import os
 
-from grpo.config import cluster_mismatch, generation_ranks
+from grpo.config import cluster_mismatch, generation_ranks, teacher_ranks
 from grpo.run.run import RunError
 
 
 def start_split(cfg):
-    """``policy.generation.colocated.enabled=false``: check the launch against the config, then split it into
-    training and generation ranks (`grpo.system.dist.init_split`); returns ``(layout, device)``."""
+    """``policy.generation.colocated.enabled=false`` and / or ``on_policy_distillation.non_colocated_teachers``:
+    check the launch against the config, then split it into training, teacher and generation ranks
+    (`grpo.system.dist.init_split`); returns ``(layout, device)``."""
     from grpo.config import generation_split_problem
     from grpo.system.dist import EnvMismatch, init_split
     from grpo.system.engines import local_world_size
 
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched, n_teacher = int(os.environ.get("WORLD_SIZE", "1")), teacher_ranks(cfg.on_policy_distillation)
     problem = (cluster_mismatch(cfg.cluster, launched, local_world_size())
-               or generation_split_problem(cfg.policy.generation, launched))
+               or generation_split_problem(cfg.policy.generation, launched, n_teacher))
     if problem is not None:
         raise RunError(problem.removeprefix("error: "))
     try:
-        return init_split(generation_ranks(cfg.policy.generation))
+        return init_split(generation_ranks(cfg.policy.generation), num_teacher=n_teacher)
     except EnvMismatch as err:
         raise RunError(str(err)) from None
 
@@ -38,6 +40,34 @@ def serve_generation(cfg, layout, device) -> None:
         serve(cfg, layout, device)
     except BridgeError as err:
         raise RunError(f"generation rank {layout.rank} (launcher rank {layout.global_rank}) stops: {err}") from None
+
+
+def serve_teacher_rank(cfg, layout, device) -> None:
+    """A teacher rank's whole run (`grpo.system.teacher.serve_teacher`): returns when trainer 0 closes the teacher
+    bridge; raises `RunError` (one line) when the trainers are gone or the teacher cannot load."""
+    from grpo.system.bridge import BridgeError
+    from grpo.system.teacher import serve_teacher
+
+    try:
+        serve_teacher(cfg, layout, device)
+    except Exception as err:  # noqa: BLE001 - its traceback is in this rank's log (serve_teacher logged it)
+        why = str(err) if isinstance(err, BridgeError) else f"{type(err).__name__}: {err}"
+        raise RunError(f"teacher rank {layout.rank} (launcher rank {layout.global_rank}) stops: {why}") from None
+
+
+def start_teachers(cfg, layout, rank: int, world_size: int):
+    """The run's distillation teachers: ``(teachers on the training ranks by alias, the teacher ranks' handle)``. On
+    the teacher ranks (``non_colocated_teachers.enabled``: a `grpo.system.teacher.RemoteTeacher`, once they have
+    loaded it) or on the training ranks (frozen engines, like the reference: `grpo.system.teacher.build_teachers`);
+    ``({}, None)`` without distillation. A teacher that cannot load stops every trainer with one line (`RunError`)."""
+    from grpo.system.teacher import TeacherError, build_teachers, connect_teacher
+
+    if layout is None or not layout.num_teacher:
+        return build_teachers(cfg, rank, world_size), None
+    try:
+        return {}, connect_teacher(cfg, layout)
+    except TeacherError as err:
+        raise RunError(str(err)) from None
 
 
 def build_generation_backend(cfg, tokenizer, policy_engine, device, layout=None):

@@ -35,8 +35,11 @@ def startup_line(cfg: MasterConfig, *, asynchronous: bool, world_size: int, layo
     if share == "once" and cfg.policy.sequence_packing.enabled:
         share = "once or packed, whichever runs fewer tokens,"
     ranks = (f"{world_size} rank(s)" if layout is None else
-             f"{layout.global_world_size} ranks: {world_size} train, {layout.num_generation} generate "
-             f"({cfg.policy.generation.backend}, policy.generation.colocated.enabled=false)")
+             f"{layout.global_world_size} ranks: {world_size} train"
+             + (f", {layout.num_teacher} teach (on_policy_distillation.non_colocated_teachers)" if layout.num_teacher
+                else "")
+             + (f", {layout.num_generation} generate ({cfg.policy.generation.backend}, "
+                "policy.generation.colocated.enabled=false)" if layout.num_generation else ""))
     return (f"grpo-ds{' async' if asynchronous else ''}: {ranks}, {len(train_ds)} train / "
             f"{len(val_ds)} val prompts ({train_ds.num_filtered} over data.max_input_seq_length filtered, "
             f"{train_ds.num_too_long} with no room under policy.max_total_sequence_length skipped, "

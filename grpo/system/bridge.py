@@ -47,13 +47,16 @@ def from_bytes_tensor(t: torch.Tensor):
     return pickle.loads(t.numpy().tobytes())
 
 
-def peer_name(bridge_rank: int) -> str:
-    """How messages name a bridge rank.
+GENERATION_PEERS = ("generation rank", "policy.generation.colocated.bridge_timeout_s")
 
-        >>> peer_name(0), peer_name(3)
-        ('trainer rank 0', 'generation rank 2')
+
+def peer_name(bridge_rank: int, peer: str = GENERATION_PEERS[0]) -> str:
+    """How messages name a bridge rank (``peer``: what the ranks beside trainer 0 are called).
+
+        >>> peer_name(0), peer_name(3), peer_name(1, "teacher rank")
+        ('trainer rank 0', 'generation rank 2', 'teacher rank 0')
     """
-    return "trainer rank 0" if bridge_rank == 0 else f"generation rank {bridge_rank - 1}"
+    return "trainer rank 0" if bridge_rank == 0 else f"{peer} {bridge_rank - 1}"
 
 
 def weights_group(store, rank: int, size: int, timeout: datetime.timedelta, device: torch.device, objects,
@@ -67,10 +70,12 @@ def weights_group(store, rank: int, size: int, timeout: datetime.timedelta, devi
     return objects
 
 
-def wait_for_peers(store, rank: int, size: int, timeout_s: float, prefix: str = "bridge") -> None:
+def wait_for_peers(store, rank: int, size: int, timeout_s: float, prefix: str = "bridge",
+                   peers: tuple[str, str] = GENERATION_PEERS) -> None:
     """Join the bridge: each rank marks itself present in the store; trainer 0 (bridge rank 0) waits up to
     ``timeout_s`` for every generation rank and raises `BridgeError` naming those that never came (a process that
-    stalls or dies before it serves), instead of the store's bare ``DistStoreError`` deep in the gloo group's set-up."""
+    stalls or dies before it serves), instead of the store's bare ``DistStoreError`` deep in the gloo group's set-up.
+    ``peers``: what the other ranks are called and the key of ``timeout_s`` (the teacher bridge's differ)."""
     joined = dist.PrefixStore(f"{prefix}/joined", store)
     joined.set(str(rank), "1")
     if rank != 0:
@@ -81,24 +86,25 @@ def wait_for_peers(store, rank: int, size: int, timeout_s: float, prefix: str = 
         missing = [r for r in range(1, size) if not joined.check([str(r)])]
         if not missing:
             return
-        who = ", ".join(peer_name(r) for r in missing)
+        who = ", ".join(peer_name(r, peers[0]) for r in missing)
         raise BridgeError(
-            f"{who} did not join the bridge within {timeout_s:g} s (policy.generation.colocated.bridge_timeout_s): "
+            f"{who} did not join the bridge within {timeout_s:g} s ({peers[1]}): "
             f"check {'its' if len(missing) == 1 else 'their'} log (the last ranks of the launch) for an error or a "
             "stall before it starts serving (imports, a full disk, a device it waits for), that the launcher "
-            "started every rank, or raise bridge_timeout_s if its start is just slow") from None
+            f"started every rank, or raise {peers[1].rsplit('.', 1)[-1]} if its start is just slow") from None
 
 
 class Bridge:
     """This process's end of the bridge. ``store``: the launch's rendezvous store; ``rank`` / ``size``: bridge
     rank and 1 + number of generation ranks; ``device``: where weights travel (CUDA: NCCL, else gloo);
-    ``timeout_s``: how long this side waits for one transfer."""
+    ``timeout_s``: how long this side waits for one transfer; ``prefix``: the store prefix of its groups (one per
+    bridge); ``peers``: what its messages call the ranks beside trainer 0, and the key of ``timeout_s``."""
 
     def __init__(self, store, rank: int, size: int, timeout_s: float, device: torch.device | None = None,
-                 prefix: str = "bridge"):
-        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+                 prefix: str = "bridge", peers: tuple[str, str] = GENERATION_PEERS):
+        self.rank, self.size, self.timeout_s, self.peers = rank, size, timeout_s, peers
         timeout = datetime.timedelta(seconds=timeout_s)
-        wait_for_peers(store, rank, size, timeout_s, prefix)
+        wait_for_peers(store, rank, size, timeout_s, prefix, peers)
         self.objects = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/objects", store), rank, size, timeout)
         self.device = torch.device("cpu") if device is None else device
         self.tensors = _weights_group()(store, rank, size, timeout, self.device, self.objects, prefix)
@@ -147,7 +153,7 @@ class Bridge:
         for r in range(1, self.size):
             answer = self.recv(r)
             if answer != "received":
-                self.broken = f"bridge: {peer_name(r)} answered {answer!r} to a weight broadcast"
+                self.broken = f"bridge: {peer_name(r, self.peers[0])} answered {answer!r} to a weight broadcast"
                 self._abort_tensors()
                 raise BridgeError(self.broken)
 
@@ -168,16 +174,16 @@ class Bridge:
             return op()
         except RuntimeError as err:
             if peer is not None:
-                who = peer_name(peer)
+                who = peer_name(peer, self.peers[0])
             elif self.rank != 0:
                 who = "trainer rank 0"
             else:  # a broadcast does not say which peer failed
-                who = peer_name(1) if self.size == 2 else f"one of the {self.size - 1} generation ranks"
+                who = peer_name(1, self.peers[0]) if self.size == 2 else f"one of the {self.size - 1} {self.peers[0]}s"
             text = str(err)
             if "Timed out" in text or "timed out" in text or "Timeout" in text:
                 limit = self.timeout_s if timeout_s is None else timeout_s
                 why = (f"no answer from {who} within {limit:g} s"
-                       + (" (policy.generation.colocated.bridge_timeout_s)" if timeout_s is None else "")
+                       + (f" ({self.peers[1]})" if timeout_s is None else "")
                        + ": it hangs or is far slower than expected")
             elif "closed" in text or "reset" in text or "Broken pipe" in text or "Connection" in text:
                 why = f"{who} is gone (its process died or exited: see its log)"

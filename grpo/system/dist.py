@@ -60,12 +60,14 @@ def _launch_settings(local_rank: int | None) -> tuple[int, torch.device, str]:
 @dataclass
 class Layout:
     """This process's place in a launch whose last ``num_generation`` ranks only generate
-    (``policy.generation.colocated.enabled=false``).
+    (``policy.generation.colocated.enabled=false``) and whose ``num_teacher`` ranks before them only score with the
+    distillation teacher (``on_policy_distillation.non_colocated_teachers.enabled=true``).
 
-    ``role``: "train" or "generate"; ``rank`` / ``world_size``: within its side's own process group (what
+    ``role``: "train", "teach" or "generate"; ``rank`` / ``world_size``: within its side's own process group (what
     DeepSpeed or vLLM sees); ``global_rank`` / ``global_world_size``: the launcher's; ``store``: the launch's
-    rendezvous store, from which the bridge (`grpo.system.bridge`) builds its groups; ``bridge_rank``: 0 for trainer
-    0, 1 + i for generation rank i, None for the other trainers.
+    rendezvous store, from which the bridges (`grpo.system.bridge`) build their groups; ``bridge_rank``: on the
+    generation bridge, 0 for trainer 0, 1 + i for generation rank i, None for the other ranks (the teacher bridge
+    numbers its ranks the same way: `grpo.system.teacher`).
     """
 
     role: str
@@ -75,35 +77,43 @@ class Layout:
     global_world_size: int
     num_generation: int
     store: object = None
+    num_teacher: int = 0
 
     @property
     def bridge_rank(self) -> int | None:
         if self.role == "generate":
             return 1 + self.rank
-        return 0 if self.rank == 0 else None
+        return 0 if self.role == "train" and self.rank == 0 else None
 
 
-def split_ranks(global_rank: int, global_world_size: int, num_generation: int) -> tuple[str, int, int]:
-    """``(role, rank, world_size)`` of a launcher's rank when its last ``num_generation`` ranks generate: ranks
-    [0, W - R) train (rank 0 stays a trainer), [W - R, W) generate, each side numbered from 0.
+def split_ranks(global_rank: int, global_world_size: int, num_generation: int, num_teacher: int = 0
+                ) -> tuple[str, int, int]:
+    """``(role, rank, world_size)`` of a launcher's rank when its last ``num_generation`` ranks generate and the
+    ``num_teacher`` ranks before them run the teacher: ranks [0, W - R - K) train (rank 0 stays a trainer),
+    [W - R - K, W - R) teach, [W - R, W) generate, each side numbered from 0.
 
         >>> [split_ranks(r, 8, 4) for r in (0, 3, 4, 7)]
         [('train', 0, 4), ('train', 3, 4), ('generate', 0, 4), ('generate', 3, 4)]
+        >>> [split_ranks(r, 4, 1, 2) for r in (0, 1, 2, 3)]
+        [('train', 0, 1), ('teach', 0, 2), ('teach', 1, 2), ('generate', 0, 1)]
     """
-    n_train = global_world_size - num_generation
-    if n_train < 1 or num_generation < 0:
-        raise ValueError(f"{num_generation} generation ranks of {global_world_size} leave none to train")
+    n_train = global_world_size - num_generation - num_teacher
+    if n_train < 1 or num_generation < 0 or num_teacher < 0:
+        raise ValueError(f"{num_generation} generation and {num_teacher} teacher ranks of {global_world_size} leave "
+                         "none to train")
     if global_rank < n_train:
         return "train", global_rank, n_train
-    return "generate", global_rank - n_train, num_generation
+    if global_rank < n_train + num_teacher:
+        return "teach", global_rank - n_train, num_teacher
+    return "generate", global_rank - n_train - num_teacher, num_generation
 
 
-def init_split(num_generation: int, local_rank: int | None = None, timeout_s: float = 1800.0
+def init_split(num_generation: int, local_rank: int | None = None, timeout_s: float = 1800.0, num_teacher: int = 0
                ) -> tuple[Layout, torch.device]:
-    """Two process groups in one launch, no Ray: rendezvous once over the launcher's store
+    """Two (three, with teacher ranks) process groups in one launch, no Ray: rendezvous once over the launcher's store
     (``torch.distributed.rendezvous("env://")``: torchrun's agent store, the deepspeed launcher's and
     accelerate's MASTER_ADDR / MASTER_PORT), then each side starts its own default group over a prefix of that
-    store (``PrefixStore("train" | "generate", store)``) with its own rank and size. RANK / WORLD_SIZE (and
+    store (``PrefixStore("train" | "teach" | "generate", store)``) with its own rank and size. RANK / WORLD_SIZE (and
     LOCAL_WORLD_SIZE on one node) are rewritten to the side's, so DeepSpeed on the trainers and vLLM's
     ``external_launcher`` on the generation ranks each see an ordinary world; LOCAL_RANK (the device) stays.
     Backend: nccl with CUDA, gloo without. Returns the `Layout` and this rank's device.
@@ -115,7 +125,7 @@ def init_split(num_generation: int, local_rank: int | None = None, timeout_s: fl
 
     _, device, backend = _launch_settings(local_rank)
     global_rank, global_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    role, rank, world_size = split_ranks(global_rank, global_world, num_generation)
+    role, rank, world_size = split_ranks(global_rank, global_world, num_generation, num_teacher)
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", global_rank, global_world, timeout=timeout))
     check_env_agrees(store, global_rank, global_world)  # before any NCCL: a mismatch would hang, not fail
@@ -127,9 +137,9 @@ def init_split(num_generation: int, local_rank: int | None = None, timeout_s: fl
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=rank, world_size=world_size,
                             timeout=timeout)
-    if role == "train":
+    if role in ("train", "teach"):  # (a teacher that does not fit one rank runs as a ZeRO-3 inference engine)
         deepspeed.init_distributed(dist_backend=backend, verbose=False)  # joins the group just made
-    return Layout(role, rank, world_size, global_rank, global_world, num_generation, store), device
+    return Layout(role, rank, world_size, global_rank, global_world, num_generation, store, num_teacher), device
 
 
 def _free_port() -> int:
@@ -151,6 +161,18 @@ def all_gather_objects(local: list, group=None) -> list:
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
     return [x for part in gathered for x in part]
+
+
+def broadcast_object(item, group=None):
+    """Rank 0's ``item`` (any picklable object) on every rank of ``group``; ``item`` itself where ``group`` is None
+    (one rank: nothing to agree with). The trainers' own gloo group carries what trainer 0 heard over a bridge."""
+    if group is None:
+        return item
+    import torch.distributed as dist
+
+    box = [item]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def any_rank(flag: bool) -> bool:

@@ -76,6 +76,22 @@ def check_packable(module: torch.nn.Module) -> None:
             "model with one of those")
 
 
+def settle_packing(policy_cfg, module: torch.nn.Module) -> str | None:
+    """Whether ``module`` runs packed under ``policy_cfg`` (a `grpo.config.PolicyConfig`, changed in place): where
+    ``policy.sequence_packing.enabled`` was asked for, a model that cannot is a ValueError (`check_packable`);
+    where packing is on by default, it gives way: turned off, and the reason returned (said at startup). None
+    when nothing changed."""
+    if not policy_cfg.sequence_packing.enabled:
+        return None
+    if "enabled" in policy_cfg.sequence_packing.model_fields_set:
+        check_packable(module)
+        return None
+    reason = unpackable_reason(module)
+    if reason is not None:
+        policy_cfg.sequence_packing.enabled = False
+    return reason
+
+
 def packed_rows(lengths: list[int], attention: str, sequence_length_round: int = 1,
                 algorithm: str = "first_fit_decreasing") -> tuple[list[list[int]], int]:
     """(the samples of each packed row, the row length) for samples of ``lengths`` under ``attention``: one row of

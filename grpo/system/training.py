@@ -361,7 +361,8 @@ class LogprobEngines:
 
     prev: object | None
     reference: object | None
-    teachers: dict[str, object] = field(default_factory=dict)
+    teachers: dict[str, object] = field(default_factory=dict)  # on the training ranks, by alias
+    teacher_ranks: object | None = None  # a grpo.system.teacher.RemoteTeacher: the teacher on ranks of its own
 
 
 def gather_logprobs(engine, batch: TrainBatch, rank: int, world_size: int, temperature: float,
@@ -388,20 +389,35 @@ def step_logprobs(cfg, batch: TrainBatch, engines: LogprobEngines, rank: int, wo
 
     The previous policy's are scored under the sampling distribution (temperature, top-k, top-p: what the
     generation logprobs are), the reference's and teachers' with the temperature only, as NeMo-RL; each row by its own
-    teacher (`teacher_logprobs`)."""
-    p, gen = cfg.policy, cfg.policy.generation
+    teacher (`teacher_logprobs`). A teacher on ranks of its own (``engines.teacher_ranks``,
+    `grpo.system.teacher.RemoteTeacher`) gets the rows first and scores them while the trainers score the others; its
+    logprobs come back padded to the batch's width."""
+    remote = engines.teacher_ranks
+    if remote is not None:
+        remote.submit(batch)
 
     def score(engine, sampled: bool = False, rows: TrainBatch = batch):
-        if engine is None:
-            return None
-        top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
-        return gather_logprobs(engine, rows, rank, world_size, gen.temperature, p.logprob_batch_size,
-                               p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module),
-                               batching=token_batching(p, "logprob"), **top)
+        return None if engine is None else frozen_logprobs(cfg, rows, engine, rank, world_size, sampled)
 
-    return batch.replace(prev_logprobs_bt=score(engines.prev, sampled=True), ref_logprobs_bt=score(engines.reference),
-                         teacher_logprobs_bt=teacher_logprobs(cfg, batch, engines.teachers,
-                                                              lambda engine, rows: score(engine, rows=rows)))
+    prev, ref = score(engines.prev, sampled=True), score(engines.reference)
+    if remote is not None:
+        teacher = remote.result(batch.input_ids_bt.shape[1])
+    else:
+        teacher = teacher_logprobs(cfg, batch, engines.teachers, lambda engine, rows: score(engine, rows=rows))
+    return batch.replace(prev_logprobs_bt=prev, ref_logprobs_bt=ref, teacher_logprobs_bt=teacher)
+
+
+def frozen_logprobs(cfg, batch: TrainBatch, engine, rank: int, world_size: int, sampled: bool = False) -> torch.Tensor:
+    """An engine's logprobs ``[B, T]`` of the batch without training it (a collective of ``world_size`` ranks, each
+    scoring its share), micro-batched as ``cfg.policy`` says: under the sampling distribution (``sampled``:
+    temperature, top-k, top-p; the previous policy) or with the temperature only (the reference and teachers). The same
+    call on the training ranks and on teacher ranks of their own (`grpo.system.teacher`, whose ``batch`` is a
+    `grpo.system.teacher.ScoreRequest`: the fields read here)."""
+    p, gen = cfg.policy, cfg.policy.generation
+    top = dict(top_k=gen.top_k, top_p=gen.top_p) if sampled else {}
+    return gather_logprobs(engine, batch, rank, world_size, gen.temperature, p.logprob_batch_size,
+                           p.logprob_chunk_size, shares_prompts(p.shared_prompt_forward, engine.module),
+                           batching=token_batching(p, "logprob"), **top)
 
 
 def teacher_logprobs(cfg, batch: TrainBatch, teachers: dict[str, object],

@@ -1387,8 +1387,9 @@ def _on_policy_distillation(w: Walk) -> None:
                      "there; grpo-ds adds on_policy_distillation.kl_coef times the teacher-student gap to another "
                      "estimator's advantages")
     if _enabled(w.get(f"{key}.non_colocated_teachers")):
-        w.refuse(f"{key}.non_colocated_teachers", "teachers on GPUs of their own (Megatron worker groups sized by "
-                 "default_teacher_cfg / teacher_overrides); grpo-ds runs the teachers on the training ranks: set "
+        w.refuse(f"{key}.non_colocated_teachers", "teachers by agent on GPUs of their own (Megatron worker groups "
+                 "sized by default_teacher_cfg / teacher_overrides); grpo-ds runs one teacher (teacher_model_name) on "
+                 "ranks of its own, and teachers by agent or task on the training ranks: set "
                  "non_colocated_teachers.enabled=false (the same logprobs, the teachers' memory on the training GPUs)")
     else:
         w.ignore(f"{key}.non_colocated_teachers", "non_colocated_teachers.enabled=false: the teachers run on the "

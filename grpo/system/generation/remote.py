@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from grpo.system.bridge import Bridge, BridgeError
+from grpo.system.dist import broadcast_object
 from grpo.batch import rank_slice
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, length_caps, per_sample_stops
 from grpo.system.media import pack_media, unpack_media
@@ -352,13 +353,7 @@ class RemoteGeneration(GenerationBackend):
         return parts
 
     def _broadcast(self, item):
-        if self.group is None:
-            return item
-        import torch.distributed as dist
-
-        box = [item]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return broadcast_object(item, self.group)
 
     def _agree(self, error: str | None, doing: str) -> None:
         """Trainer 0's ``error`` on every trainer, raised as `grpo.system.rollout.RolloutError` (a collective)."""

@@ -1,0 +1,49 @@
+"""A teacher rank for tests/unit/test_teacher_ranks.py: ``python -m tests.helpers.teacher_peer PORT MODE MODEL
+[POLICY]`` (POLICY: the run's policy, toy:tiny by default).
+
+serve: a teacher rank's whole life (`grpo.system.teacher.serve_teacher`) with teacher MODEL, until trainer 0 says
+close; die / hang: join the teacher bridge, say ready, receive one score command, then exit without a word / sleep.
+"""
+
+import datetime
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+from grpo.config import MasterConfig
+from grpo.system.dist import Layout
+from grpo.system.teacher import PEERS, PREFIX, serve_teacher
+
+
+def teacher_config(model: str, policy: str = "toy:tiny") -> MasterConfig:
+    """The run config both sides of the test use: ``policy``, and ``model`` the teacher on one rank of its own."""
+    return MasterConfig.model_validate({
+        "policy": {"model_name": policy, "logprob_batch_size": 3},
+        "on_policy_distillation": {"enabled": True, "teacher_model_name": model,
+                                   "non_colocated_teachers": {"enabled": True,
+                                                              "default_teacher_cfg": {"gpus_per_node": 1}}}})
+
+
+if __name__ == "__main__":
+    port, mode, model = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    policy = sys.argv[4] if len(sys.argv) > 4 else "toy:tiny"
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    store.set("peer_up", "1")  # imports done: the test may start its side with a short timeout
+    layout = Layout("teach", 0, 1, 1, 2, 0, store, num_teacher=1)
+    if mode == "serve":
+        try:
+            serve_teacher(teacher_config(model, policy), layout, None)
+        except Exception as err:  # noqa: BLE001 - what the rank's log would say
+            print(f"teacher peer: {type(err).__name__}: {err}", flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # no interpreter teardown of a gloo group whose threads still run
+    from grpo.system.bridge import Bridge
+
+    bridge = Bridge(store, 1, 2, 60.0, prefix=PREFIX, peers=PEERS)
+    bridge.send(("ready", None), 0)
+    bridge.recv(0)
+    if mode == "die":
+        os._exit(3)
+    time.sleep(120)
