@@ -94,11 +94,11 @@ class ScoreRequest:
                             unpack_media(self.media, self.input_ids_bt.shape[0]))
 
 
-def build_teachers(cfg, rank: int, world_size: int) -> dict[str, object]:
+def build_teachers(cfg, rank: int, world_size: int, build=None) -> dict[str, object]:
     """On-policy distillation's frozen teachers over ``world_size`` ranks, by primary alias: one per checkpoint under
     ``on_policy_distillation.deduplicate_shared_teacher_checkpoints`` (`grpo.distillation.shared_teachers`), else one
-    per alias; {} without distillation. Each is built as the reference is
-    (`grpo.system.engines.build_reference_engine`: a plain copy per rank where it fits, else a ZeRO-3 inference engine)
+    per alias; {} without distillation. Each is built as the reference is (``build``, by default
+    `grpo.system.engines.build_reference_engine`: a plain copy per rank where it fits, else a ZeRO-3 inference engine)
     and shares the policy's tokenizer; it is another checkpoint, so its own config is taken as is
     (``policy.hf_config_overrides`` is the policy's). A collective of those ranks (a ``toy:`` model is built by their
     rank 0)."""
@@ -106,13 +106,14 @@ def build_teachers(cfg, rank: int, world_size: int) -> dict[str, object]:
     from grpo.system.engines import build_reference_engine
     from grpo.tasks.catalogue import resolve_model_name
 
+    build = build or build_reference_engine
     opd = cfg.on_policy_distillation
     models = teacher_models(opd)
     teachers: dict[str, object] = {}
     for alias in dict.fromkeys(shared_teachers(models, opd.deduplicate_shared_teacher_checkpoints).values()):
         name = resolve_model_name(models[alias], rank)
-        teachers[alias] = build_reference_engine(
-            cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}), world_size)
+        teachers[alias] = build(cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}),
+                                world_size)
     return teachers
 
 

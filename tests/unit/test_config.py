@@ -72,7 +72,7 @@ def test_every_shipped_recipe_loads(path):
     (["grpo.num_generations_per_prompt=0"], "grpo.num_generations_per_prompt", "greater than 0"),
     (["policy.precision=fp8"], "policy.precision", "'float32', 'bfloat16' or 'float16'"),
     (["loss_fn.reference_policy_kl_type=k4"], "loss_fn.reference_policy_kl_type", "'k1', 'k2' or 'k3'"),
-    (["grpo.adv_estimator.name=ppo"], "grpo.adv_estimator.name", "['gdpo', 'grpo', 'reinforce_plus_plus'"),
+    (["grpo.adv_estimator.name=ppo"], "grpo.adv_estimator.name", "['gdpo', 'grpo', 'opd', 'reinforce_plus_plus'"),
     (["grpo.advantage_clip_low=2", "grpo.advantage_clip_high=1"], "grpo.advantage_clip_low", "expected <"),
     (["grpo.async_grpo.enabled=true"], "grpo.async_grpo.enabled", "use_importance_sampling_correction=true"),
     (["reward_penalties.penalize_unwanted_tokens=true"], "reward_penalties.token_ids.unwanted", "list of token ids"),

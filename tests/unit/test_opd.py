@@ -191,7 +191,7 @@ def test_teacher_logprobs_put_each_teacher_s_numbers_on_its_rows_and_score_the_w
 
 
 def test_identical_checkpoints_load_once_and_each_alias_otherwise():
-    from grpo.run.run_setup import build_teachers
+    from grpo.system.teacher import build_teachers
 
     built = []
     for dedup, expected in ((True, ["ckpt/a", "ckpt/b"]), (False, ["ckpt/a", "ckpt/b", "ckpt/a"])):

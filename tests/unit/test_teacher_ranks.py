@@ -135,13 +135,13 @@ def _same_as_local(teacher: RemoteTeacher, cfg, batch, local) -> torch.Tensor:
     """The teacher rank's logprobs of ``batch``, checked equal to the training rank's teacher ``local``'s (packing
     settled as the run's setup settles it)."""
     from grpo.system.packed import settle_packing
-    from grpo.system.training import teacher_logprobs
+    from grpo.system.training import frozen_logprobs
 
     settle_packing(cfg.policy, local.module)
 
     teacher.submit(batch)
     remote_bt = teacher.result(batch.input_ids_bt.shape[1])
-    torch.testing.assert_close(remote_bt, teacher_logprobs(cfg, batch, local, 0, 1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(remote_bt, frozen_logprobs(cfg, batch, local, 0, 1), rtol=0, atol=1e-6)
     assert (remote_bt * batch.token_mask_bt).abs().sum() > 0
     return remote_bt
 
