@@ -307,3 +307,11 @@ def test_nemo_rl_mopd_keys_translate_and_non_colocated_teachers_keep_their_refus
         load_recipe(mopd_recipe(tmp_path, non_colocated=True))
     with pytest.raises(ConfigError, match=r"on_policy_distillation\.use_orm_advantage=True: NeMo-RL 7ea279a reads"):
         load_recipe(mopd_recipe(tmp_path, orm=True))
+
+
+def test_teachers_by_agent_are_refused_on_teacher_ranks_of_their_own():
+    """Teacher ranks run one teacher (teacher_model_name); teachers by agent or task run on the training ranks: the
+    two together fail at load naming both keys, before any rank is split off."""
+    with pytest.raises(ConfigError, match=r"non_colocated_teachers\.enabled=true with "
+                                          r"on_policy_distillation\.teacher_model_by_agent_name"):
+        build_config({"on_policy_distillation": {**MOPD, "non_colocated_teachers": {"enabled": True}}})
