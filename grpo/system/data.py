@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import random
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,7 +303,33 @@ def _hub_rows(name: str, split: str, cfg: DataConfig, report: LoadReport, key: s
             f"({type(err).__name__}: {err}). Hub names need network access; for local data give a "
             f".jsonl/.json/.parquet/.arrow file or directory, 'arithmetic' or 'reasoning_gym:<task>'"
         ) from err
-    return _rows_from_records(enumerate(ds), f"{name}/{hub_split}", cfg, report, line_numbers=False)
+    return _rows_from_records(enumerate(undecoded(ds)), f"{name}/{hub_split}", cfg, report, line_numbers=False)
+
+
+def undecoded(ds):
+    """A `datasets.Dataset` whose image columns give their stored bytes (``{"bytes", "path"}``, what
+    `grpo.system.vision.load_image` reads) instead of decoded PIL pictures: the rows of an image dataset are kept for
+    the run, and a decoded picture costs its pixels (CLEVR's 480x320: 460 KB, against some 30 KB of PNG)."""
+    import dataclasses as dc
+
+    import datasets
+
+    def plain(feature):
+        if isinstance(feature, datasets.Image):
+            return datasets.Image(decode=False)
+        if isinstance(feature, dict):
+            return type(feature)({k: plain(v) for k, v in feature.items()})
+        if isinstance(feature, list):
+            return [plain(f) for f in feature]
+        if dc.is_dataclass(feature) and hasattr(feature, "feature"):  # List, LargeList, Sequence
+            return dc.replace(feature, feature=plain(feature.feature))
+        return feature
+
+    features = getattr(ds, "features", None)
+    if not features:
+        return ds
+    changed = plain(features)
+    return ds if changed == features else ds.cast(changed)
 
 
 def _looks_local(name: str) -> bool:
@@ -626,6 +653,11 @@ class PromptDataset(Dataset):
     trained on: with ``on_bad_row="error"`` it fails naming the row, with "skip" it is dropped and counted
     in ``num_too_long``. A row whose image is missing or cannot be decoded fails naming the row ("error") or is
     dropped and counted in ``num_bad_images`` ("skip").
+
+    A row with images is rendered once here (its ids decide the filters above), but its media (the processor's
+    tensors: a few MB a picture for Qwen-VL) are not kept for the run: `__getitem__` renders them again when the row is
+    drawn (the same processor on the same pictures: the same tensors), so a dataset of 70K pictures holds its rows'
+    image values (a hub dataset's undecoded bytes, `undecoded`) rather than every picture's pixels.
     """
 
     def __init__(self, rows: list[Row], formatter: PromptFormatter, max_input_seq_length: int | None = None,
@@ -633,6 +665,7 @@ class PromptDataset(Dataset):
                  max_total_sequence_length: int | None = None, on_bad_row: str = "error"):
         self.items: list[PromptRow] = []
         self.num_filtered = self.num_too_long = self.num_bad_images = 0
+        self._render: dict[int, tuple[PromptFormatter, Any, str]] = {}  # an image row's item -> how to render its media
         formatters = [formatter] * len(rows)  # a source with prompts of its own (`Rows.spans`) formats its rows
         for start, stop, cfg in getattr(rows, "spans", []):
             formatters[start:stop] = [formatter.with_prompts(cfg)] * (stop - start)
@@ -663,6 +696,9 @@ class PromptDataset(Dataset):
                 self.num_too_long += 1
                 continue
             parts = None if media is None else [m["content"] for m in formatters[index].messages(row["question"])]
+            if media is not None:  # rendered again when drawn (`__getitem__`)
+                self._render[len(self.items)] = (formatters[index], row["question"], row.get("source", f"row {index}"))
+                media = None
             self.items.append(PromptRow(
                 index=index, question=question_text(row["question"]), answer=row["answer"], task_name=task,
                 prompt_messages=messages, prompt_ids=ids, source=row.get("source", ""), meta=row.get("meta") or {},
@@ -677,7 +713,14 @@ class PromptDataset(Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> PromptRow:
-        return self.items[i]
+        """Item ``i``; an image row with its media rendered now (a `DataError` naming the row when its picture can no
+        longer be read)."""
+        item = self.items[i]
+        if i not in self._render:
+            return item
+        formatter, question, where = self._render[i]
+        _, media = formatter.prompt_messages_and_media(question, where)
+        return dataclasses.replace(item, media=media)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -269,3 +269,56 @@ def test_a_local_jsonl_of_nemo_rl_image_rows_loads_through_the_data_path(vlm_dir
     (tmp_path / "img.png").unlink()
     with pytest.raises(DataError, match=r"train.jsonl:1: image .*img.png.*: no such file"):
         dataset(vlm_dir, processor, load_rows(cfg, "train", seed=0))
+
+
+def test_a_dataset_keeps_its_image_rows_values_not_their_pixels_and_renders_them_when_drawn(vlm_dir, processor,
+                                                                                         tmp_path):
+    """The rows' media are not held for the run (a dataset of 70K pictures would hold every picture's pixel values):
+    an item is rendered again when drawn, to the tensors the first rendering made; a picture deleted after loading
+    fails the draw naming the row."""
+    import json
+
+    from grpo.system.data import load_rows
+    from grpo.system.vision import render_prompt
+
+    (tmp_path / "img.png").write_bytes(png((0, 0, 200)))
+    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "img.png")},
+                                                      {"type": "text", "text": "colour?"}]}], "answer": "blue"}
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    cfg = MasterConfig.model_validate({"data": {"dataset_name": str(path), "input_key": "messages",
+                                                "output_key": "answer", "num_train_samples": 1}}).data
+    ds = dataset(vlm_dir, processor, load_rows(cfg, "train", seed=0))
+    assert ds.items[0].media is None  # what the dataset holds for the run
+    first, again = ds[0], ds[0]
+    assert first.media is not again.media and torch.equal(first.media["pixel_values"], again.media["pixel_values"])
+    chat_row = ds.items[0]
+    _, eager = render_prompt(processor, ds_chat(ds), [{"role": "user", "content": row["messages"][0]["content"]}], "x")
+    assert torch.equal(first.media["pixel_values"], eager["pixel_values"]) and first.prompt_ids == chat_row.prompt_ids
+    (tmp_path / "img.png").unlink()
+    with pytest.raises(DataError, match=r"train.jsonl:1: image .*img.png.*: no such file"):
+        ds[0]
+
+
+def ds_chat(ds):
+    formatter, _, _ = next(iter(ds._render.values()))
+    return formatter.chat
+
+
+def test_a_hub_datasets_image_columns_are_read_undecoded():
+    """`undecoded`: an image column (and a list of them) gives the stored bytes, which the data path reads to the same
+    picture, instead of a decoded PIL image held per row."""
+    import datasets
+
+    from grpo.system.data import undecoded
+    from grpo.system.vision import load_image
+
+    img = Image.new("RGB", (8, 6), (1, 2, 3))
+    features = datasets.Features({"image": datasets.Image(), "images": datasets.List(datasets.Image()),
+                                  "problem": datasets.Value("string")})
+    ds = datasets.Dataset.from_dict({"image": [img], "images": [[img, img]], "problem": ["x"]}, features=features)
+    row = undecoded(ds)[0]
+    assert set(row["image"]) == {"bytes", "path"} and set(row["images"][1]) == {"bytes", "path"}
+    assert load_image(row["image"], "w").tobytes() == img.tobytes() == load_image(row["images"][1], "w").tobytes()
+    text = datasets.Dataset.from_dict({"problem": ["x"]})
+    assert undecoded(text) is text
