@@ -22,7 +22,7 @@ import torch
 from grpo.advantages import (
     apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages, drop_thin_groups,
 )
-from grpo.batch import TrainBatch
+from grpo.batch import TrainBatch, spread_to_rows
 from grpo.logprobs import mask_by_seq_logprob_error
 from grpo.loss import calculate_kl
 from grpo.metrics import aggregate_rollout_metrics
@@ -49,8 +49,11 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
     ``reward_penalties.penalize_malformed_think_tag`` zeroes the sample's reward on its own).
     """
     g, rp = cfg.grpo, cfg.reward_penalties
-    task_b, flags, metrics, turns, think_ids = penalize(batch.raw_rewards_b, batch.trajectories, rp, tokenizer,
+    first = batch.first_rows()  # a sample's branches share its reward: penalised once, on its first row
+    task_s, flags, metrics, turns, think_ids = penalize(batch.raw_rewards_b[first], batch.samples(), rp, tokenizer,
                                                         cfg.env)
+    task_b = spread_to_rows(batch, task_s)
+    flags = {name: spread_to_rows(batch, f) for name, f in flags.items()}
     task_b = scale_rewards(task_b, g.reward_scaling)
     rewards_b = shape_overlong_rewards(task_b, batch.response_lengths_b, batch.truncated_b, g.reward_shaping)
     changes = {"task_rewards_b": task_b, "rewards_b": rewards_b}
@@ -114,7 +117,8 @@ def group_std_for_dynamic_sampling(batch: TrainBatch) -> torch.Tensor:
     component for GDPO's components (`grpo.dynamic_sampling.group_reward_std`); groups by prompt tokens
     (`TrainBatch.prompt_groups`), the estimators' groups."""
     task = batch.task_components_bk if batch.task_components_bk is not None else batch.task_rewards_b
-    return group_reward_std(batch.prompt_groups(), task, batch.valid_b)
+    first = batch.first_rows()  # a sample once, whatever its branches
+    return spread_to_rows(batch, group_reward_std(batch.prompt_groups()[first], task[first], batch.valid_b[first]))
 
 
 # ---- validity: failed and flagged samples ----------------------------------------------------------
@@ -127,9 +131,10 @@ def mask_invalid_samples(batch: TrainBatch) -> tuple[TrainBatch, dict]:
     group's statistics (the estimators' ``valid_mask``). Counts (`failure_counts`): ``rollout/failed_samples/
     <reason>``, ``rollout/retries``, ``rollout/masked_samples`` (samples left invalid), ``rollout/dropped_groups``.
     """
-    valid_b, dropped = drop_thin_groups(batch.prompt_groups(), batch.valid_b)
-    batch = batch.replace(valid_b=valid_b)
-    return batch, {**failure_counts(batch.trajectories), "rollout/masked_samples": int((~valid_b).sum().item()),
+    first = batch.first_rows()  # a sample once, whatever its branches
+    valid_s, dropped = drop_thin_groups(batch.prompt_groups()[first], batch.valid_b[first])
+    batch = batch.replace(valid_b=spread_to_rows(batch, valid_s))
+    return batch, {**failure_counts(batch.samples()), "rollout/masked_samples": int((~valid_s).sum().item()),
                    "rollout/dropped_groups": dropped}
 
 
@@ -191,7 +196,8 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
         A   = estimator(groups, rewards, valid, token_mask, sample_mask,
                         kl = KL(prev || ref) if use_kl_in_reward, master_cfg = cfg)
               groups: by prompt tokens (`grpo.advantages.prompt_group_ids`, NeMo-RL's key): a prompt that came
-              twice in the step is one group of 2n
+              twice in the step is one group of 2n; the estimator sees a sample once (its first row), its
+              branch rows get its advantage (`advantages_of_branches`)
         A  += −kl_coef · (student − teacher)                         (on-policy distillation; student = prev)
         A[message] = malformed_thinking_advantage, then invalid_tool_call_advantage   (flagged messages;
                                                                           invalid wins, as in NeMo-RL)
@@ -214,11 +220,17 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     if loss_cfg.use_kl_in_reward and batch.ref_logprobs_bt is not None:  # skipped at beta = 0: the term is 0
         kl_bt = calculate_kl(batch.prev_logprobs_bt, batch.ref_logprobs_bt, loss_cfg.reference_policy_kl_type,
                              loss_cfg.kl_input_clamp_value, loss_cfg.kl_output_clamp_value)
-    adv_bt = compute_advantages(
-        g.adv_estimator.name, group_ids=batch.prompt_groups(), rewards=batch.rewards_b,  # a repeated prompt: one group
-        valid_mask=valid_b.to(batch.rewards_b.dtype), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
-        reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty,
-        sample_mask=sample_mask_b, master_cfg=cfg)
+    first = batch.first_rows().to(valid_b.device)  # the estimator sees each sample once (its first row)
+
+    def once(x):
+        return x if x is None or bool(first.all()) else x[first]
+
+    adv_first_bt = compute_advantages(
+        g.adv_estimator.name, group_ids=once(batch.prompt_groups()), rewards=once(batch.rewards_b),
+        valid_mask=once(valid_b.to(batch.rewards_b.dtype)), token_mask=once(batch.token_mask_bt),
+        cfg=g.adv_estimator, reward_components=once(batch.reward_components_bk), kl_bt=once(kl_bt),
+        kl_coef=loss_cfg.reference_policy_kl_penalty, sample_mask=once(sample_mask_b), master_cfg=cfg)
+    adv_bt = advantages_of_branches(batch, adv_first_bt)
     if batch.teacher_logprobs_bt is not None:
         student_bt = batch.prev_logprobs_bt if batch.prev_logprobs_bt is not None else batch.generation_logprobs_bt
         adv_bt = adv_bt + distillation_advantages(student_bt, batch.teacher_logprobs_bt, batch.token_mask_bt,
@@ -230,6 +242,25 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     metrics.update(message_penalty_metrics(batch.message_spans, g.invalid_tool_call_advantage,
                                            g.malformed_thinking_advantage))
     return clip_advantages(adv_bt, g.advantage_clip_low, g.advantage_clip_high), sample_mask_b, metrics
+
+
+def advantages_of_branches(batch: TrainBatch, adv_first_bt: torch.Tensor) -> torch.Tensor:
+    """Advantages ``[B, T]`` of every row from those of the first rows (``adv_first_bt``, one per sample): a first row
+    keeps its own, a branch row (`grpo.batch.TrainBatch.branch_b`) gets its sample's advantage A_i on every position,
+    as `grpo.advantages.compute_advantages` broadcasts a per-sample estimator's. A_i is the mean of the first row's
+    advantage over its generated tokens (in float64: exactly A_i where it is constant, as every per-sample
+    estimator's is; a per-token estimator's, Reinforce++ with the KL in the reward, gives the sample's mean), its
+    first position's where it generated none. A batch without branches is returned as it is."""
+    first = batch.first_rows().to(adv_first_bt.device)
+    if bool(first.all()):
+        return adv_first_bt
+    mask_bt = batch.token_mask_bt.to(adv_first_bt.device)[first].to(torch.float64)
+    n_s = mask_bt.sum(1)
+    mean_s = (adv_first_bt.to(torch.float64) * mask_bt).sum(1) / n_s.clamp(min=1)
+    adv_s = torch.where(n_s > 0, mean_s, adv_first_bt[:, 0].to(torch.float64)).to(adv_first_bt.dtype)
+    adv_bt = spread_to_rows(batch, adv_s)[:, None].expand(batch.token_mask_bt.shape).clone()
+    adv_bt[first] = adv_first_bt
+    return adv_bt
 
 
 def message_penalty_metrics(message_spans, invalid_tool_call_advantage, malformed_thinking_advantage) -> dict:
