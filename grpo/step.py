@@ -340,8 +340,10 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     advantages read: after penalties, scaling and shaping, as NeMo-RL's grpo_train logs it), reward spread,
     tokens, tokens/s. The environments' rewards, lengths and truncation are the rollout's
     (`grpo.rollout_metrics.rollout_summary`: ``mean_total_reward``, ``mean_gen_tokens_per_sample``, ...)."""
-    lengths = batch.response_lengths_b.float()
-    scored_rewards = batch.raw_rewards_b[batch.scored_b]  # a failed sample has no reward
+    first = batch.first_rows()  # per-sample figures read each sample once, whatever its branches
+    lengths = batch.response_lengths_b[first].float()
+    scored = batch.scored_b & first
+    scored_rewards = batch.raw_rewards_b[scored]  # a failed sample has no reward
     agg = aggregate_rollout_metrics(train_results)
     # The loss of a GRPO step is the sum of its optimizer steps' losses; the other loss metrics are
     # means over micro-batches.
@@ -350,10 +352,10 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     out = {f"train/{k}": v for k, v in agg.items()}
     out.update({
         "train/reward_std": scored_rewards.std().item() if len(scored_rewards) > 1 else 0.0,
-        "train/reward": batch.rewards_b[batch.scored_b].mean().item() if len(scored_rewards) else 0.0,
+        "train/reward": batch.rewards_b[scored].mean().item() if len(scored_rewards) else 0.0,
         "train/advantage_abs_mean": batch.advantages_bt.abs().sum().item() / max(batch.token_mask_bt.sum().item(), 1.0),
         "train/num_completion_tokens": lengths.sum().item(),
-        "train/num_valid_samples": batch.sample_mask_b.sum().item(),
+        "train/num_valid_samples": batch.sample_mask_b[first].sum().item(),
         "train/num_samples": float(len(lengths)),
         "train/tokens_per_s": float(batch.token_mask_bt.sum().item()) / max(seconds, 1e-9),
     })

@@ -124,3 +124,18 @@ def test_branches_survive_the_replay_deque_s_round_trip():
     back = Trajectory.from_dict(t.to_dict())
     assert back.branches == t.branches and back.messages == t.messages
     assert branch_messages(grow_branches(COMPACTED)[1], decode=str) == back.branches[0]
+
+
+def test_the_step_s_metrics_and_dumps_count_each_sample_once():
+    from grpo.step import step_metrics
+    from grpo.system.dumps import rollout_records
+
+    trajs = _group()
+    b = build_batch(trajs, pad_id=0)
+    b = b.replace(advantages_bt=torch.ones_like(b.token_mask_bt))
+    m = step_metrics(b, [{"loss": 0.0}], 1.0)
+    assert m["train/num_samples"] == 5.0 and m["train/num_valid_samples"] == 5.0
+    assert m["train/num_completion_tokens"] == sum(t.num_generated_tokens for t in trajs) == 6 + 3 + 3 + 1 + 1
+    assert m["train/reward"] == pytest.approx(sum(t.reward for t in trajs) / 5)
+    records = rollout_records(b.trajectories, "train", 1, b)
+    assert [r["reward"] for r in records] == [t.reward for t in trajs]  # a record per sample, its first row's
