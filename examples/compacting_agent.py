@@ -1,7 +1,7 @@
 """A harness that rewrites its history, as coding agents do, written with the official ``openai`` package: it hands
-the model's tool calls to a sub-agent and compacts its own conversation before it answers. Its samples are trained as
-trees (grpo/wings/agents/branches.py): each conversation a row, every generated token trained once, the sample's
-reward on every row.
+the model's tool calls to a sub-agent and rebuilds (compacts) its own conversation from its record before the model
+answers. Its samples are trained as trees (grpo/wings/agents/branches.py): each conversation a row, every generated
+token trained once, the sample's reward on every row.
 
 One sample (``env.agent.fn: examples.compacting_agent:compacting_agent``, configs/cpu_demo_agent_tree.yaml):
 
@@ -9,11 +9,18 @@ One sample (``env.agent.fn: examples.compacting_agent:compacting_agent``, config
 2. the model's calculator call goes to a **sub-agent**: a conversation of its own asked the call's expression, the
    calculator offered too; the harness runs the calculator for the sub-agent, and the sub-agent's answer is the
    result of the main conversation's call;
-3. the main conversation is **compacted**: the model's call is dropped, the question and the result kept, and the
-   model answers from that. Its prompt does not continue the first call: a new branch.
+3. the main conversation is **compacted**: rebuilt from the harness's record, as a harness does when it summarises
+   its context: the question, the call in the harness's canonical form (operands sorted: ``17*13`` becomes
+   ``13*17``) and the result, without the endpoint's token fields; the model answers from that. Where the call was
+   rewritten the prompt no longer continues the first call: a new branch (``env.agent.fork_threshold_tokens`` at
+   12 or more would keep it in the first row instead, the rewritten call's tail untrained).
 
-The reward is the final answer's (1 if right). A model that answers at once, without the tool, makes one call.
-Run it by hand against a running demo (``<log_dir>/endpoint.json`` holds the URL, key and model)::
+The reward is the final answer's (1 if right). Why the call is rewritten rather than dropped: the demo's policy
+(``toy:calc_agent``) is fitted to copy a result that follows its call; after a history with the call dropped it
+copied none of 48 results (a measured fact of the toy, not of the trainer), so such a demo could not learn.
+
+A model that answers at once, without the tool, makes one call. Run it by hand against a running demo
+(``<log_dir>/endpoint.json`` holds the URL, key and model)::
 
     python examples/compacting_agent.py results/cpu_demo_agent_tree/logs/endpoint.json 17*13= 221
 """
@@ -69,6 +76,18 @@ async def sub_agent(client, model: str, expression: str, sampling: dict) -> str:
     return "" if msg is None else (msg.content or "").strip()
 
 
+def canonical(expression: str) -> str:
+    """The harness's form of a product: its operands sorted (anything else as it is).
+
+        >>> canonical("17*13"), canonical("12*18"), canonical("7+1")
+        ('13*17', '12*18', '7+1')
+    """
+    parts = expression.split("*")
+    if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+        return "*".join(sorted((p.strip() for p in parts), key=int))
+    return expression
+
+
 async def compacting_agent(row: dict, base_url: str, api_key: str, model: str) -> dict:
     """One sample (module docstring): ask, hand a calculator call to the sub-agent, compact, answer; the reward."""
     sampling = row.get("sampling", {"temperature": 1.0, "top_p": 1.0})  # the run's (training or validation)
@@ -77,10 +96,17 @@ async def compacting_agent(row: dict, base_url: str, api_key: str, model: str) -
         msg = await ask(client, model, [{"role": "user", "content": question}], sampling)
         used_tool = msg is not None and bool(msg.tool_calls)
         if used_tool:
-            expression = json.loads(msg.tool_calls[0].function.arguments).get("expression", "")
-            result = await sub_agent(client, model, str(expression), sampling)
-            compacted = [{"role": "user", "content": question},  # the call dropped, its result kept
-                         {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": result}]
+            call = msg.tool_calls[0]
+            try:
+                expression = str(json.loads(call.function.arguments).get("expression", ""))
+            except (json.JSONDecodeError, AttributeError):
+                expression = ""
+            result = await sub_agent(client, model, expression, sampling)
+            rewritten = {"name": "calc", "arguments": json.dumps({"expression": canonical(expression)})}
+            compacted = [{"role": "user", "content": question},  # rebuilt from the record: no token fields
+                         {"role": "assistant", "content": "",
+                          "tool_calls": [{"id": call.id, "type": "function", "function": rewritten}]},
+                         {"role": "tool", "tool_call_id": call.id, "content": result}]
             msg = await ask(client, model, compacted, sampling)
         answer = "" if msg is None or msg.tool_calls else (msg.content or "")
     return {"reward": arithmetic_reward(question, answer, row["answer"], {}),
