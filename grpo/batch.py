@@ -150,7 +150,7 @@ def spread_to_rows(batch: TrainBatch, values_s: torch.Tensor) -> torch.Tensor:
     if bool(first.all()):
         return values_s
     rank = torch.cumsum(first.to(torch.long), 0) - 1  # a first row's position among the first rows
-    return values_s[rank[first_row_index(batch)].to(values_s.device)]
+    return values_s[rank[first_row_index(batch).to(rank.device)].to(values_s.device)]
 
 
 def sample_chunks(batch: TrainBatch, size: int) -> list:
