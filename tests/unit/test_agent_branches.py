@@ -12,8 +12,8 @@ from grpo.wings.agents.player import trajectory_messages
 
 
 def _call(prompt, gen, lp=None):
-    return CallRecord(list(prompt), list(gen), list(lp if lp is not None else [-0.1 * (i + 1) for i in range(len(gen))]),
-                      "stop", 0)
+    lp = lp if lp is not None else [-0.1 * (i + 1) for i in range(len(gen))]
+    return CallRecord(list(prompt), list(gen), list(lp), "stop", 0)
 
 
 def _check_each_generation_trained_once_where_it_was_generated(calls, branches, threshold=0):

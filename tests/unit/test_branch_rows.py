@@ -139,3 +139,12 @@ def test_the_step_s_metrics_and_dumps_count_each_sample_once():
     assert m["train/reward"] == pytest.approx(sum(t.reward for t in trajs) / 5)
     records = rollout_records(b.trajectories, "train", 1, b)
     assert [r["reward"] for r in records] == [t.reward for t in trajs]  # a record per sample, its first row's
+
+
+def test_an_image_sample_whose_calls_part_is_still_its_contiguous_head_masked():
+    """A branch row would need images of its own: such a sample is kept as before branches (masked, counted)."""
+    records = _calls(([1, 5], [7, 7]), ([1, 5, 9], [6]))
+    records[0].media = records[1].media = {"pixel_values": torch.zeros(1)}
+    t = _sample(records, 1.0)
+    assert t.branches == [] and t.mask_sample and t.metadata["agent_noncontiguous"]
+    assert t.token_ids() == [1, 5, 7, 7] and t.media is records[0].media

@@ -16,8 +16,9 @@ A sample whose calls are not contiguous (the agent compacted, rewrote or cut its
 ``n > 1``) is trained as a tree: a row per branch (`grpo.wings.agents.branches`, ``Trajectory.branches``), each
 generated token trained once, the sample's reward and advantage on each row, the sample counted once in its group
 (NeMo-RL asserts instead). Only a sample with images whose calls part is kept as its contiguous head and masked
-(``mask_sample``; ``metadata["agent_noncontiguous"]``, counted as ``env/<task>/noncontiguous_samples``). A sample whose last attempt made no call, or whose
-agent failed, fails (`grpo.tasks.failures`: ``Trajectory.failure``, masked by the step, never scored 0).
+(``mask_sample``; ``metadata["agent_noncontiguous"]``, counted as ``env/<task>/noncontiguous_samples``). A sample
+whose last attempt made no call, or whose agent failed, fails (`grpo.tasks.failures`: ``Trajectory.failure``, masked
+by the step, never scored 0).
 """
 
 from __future__ import annotations
