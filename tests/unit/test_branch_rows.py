@@ -148,3 +148,14 @@ def test_an_image_sample_whose_calls_part_is_still_its_contiguous_head_masked():
     t = _sample(records, 1.0)
     assert t.branches == [] and t.mask_sample and t.metadata["agent_noncontiguous"]
     assert t.token_ids() == [1, 5, 7, 7] and t.media is records[0].media
+
+
+def test_dynamic_sampling_cuts_a_full_batch_by_samples_with_their_branch_rows():
+    trajs = [_sample(_calls(([1, 6], [7])), 1.0, group=1), _sample(_calls(([1, 6], [8])), 0.0, group=1),
+             *_group()[:2]]  # the second prompt's group: a branched sample (2 rows) and a plain one
+    b, _ = mask_invalid_samples(build_batch(trajs, pad_id=0))
+    kept, metrics = DynamicSamplingCache(1, 2, 1).add(b, b.prompt_groups(), group_std_for_dynamic_sampling(b))
+    assert kept.branch_b.tolist() == [0, 0] and metrics["dynamic_sampling_num_discarded_valid_samples"] == 2
+    kept, _ = DynamicSamplingCache(1, 2, 1).add(b.select([2, 3, 4, 0, 1]), b.select([2, 3, 4, 0, 1]).prompt_groups(),
+                                                group_std_for_dynamic_sampling(b.select([2, 3, 4, 0, 1])))
+    assert kept.branch_b.tolist() == [0, 1, 0]  # the first two samples, the branched one with its branch row
