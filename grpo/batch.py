@@ -70,6 +70,9 @@ class TrainBatch:
     valid_b: torch.Tensor                 # bool: counts in its group's statistics and may be trained (scored,
     #                                       not flagged, its group not dropped): the estimators' valid_mask
     sample_mask_b: torch.Tensor           # float: 1 = trained (the sample-mask and advantages phases set zeros)
+    branch_b: torch.Tensor                # long: 0 on a sample's first row, k on the row of its branch k
+    #                                       (Trajectory.branches: an agent that rewrote its history); every per-sample
+    #                                       statistic reads first rows only (first_rows, spread_to_rows)
     message_spans: list[list[MessageSpan]]  # per sample, its generated assistant messages
     task_names: list[str]
     trajectories: list                    # per sample, its grpo.trajectory.Trajectory (rows follow every selection)
@@ -108,11 +111,71 @@ class TrainBatch:
         """Group ids ``[B]`` of the rows by prompt tokens (`grpo.advantages.prompt_group_ids`, the one definition of
         a group: a prompt that came twice in the batch is one group; a sample that failed before generating is in
         its prompt's group)."""
-        return prompt_group_ids(self.input_ids_bt, self.token_mask_bt, self.attention_mask_bt)
+        first = self.first_rows()
+        if bool(first.all()):
+            return prompt_group_ids(self.input_ids_bt, self.token_mask_bt, self.attention_mask_bt)
+        return spread_to_rows(self, prompt_group_ids(self.input_ids_bt[first], self.token_mask_bt[first],
+                                                     self.attention_mask_bt[first]))
+
+    def first_rows(self) -> torch.Tensor:
+        """bool ``[B]``: the rows that are a sample's first branch, one per sample: the rows every per-sample
+        statistic reads (a sample's further branches are not more members of its group)."""
+        return self.branch_b == 0
+
+    def samples(self) -> list:
+        """The trajectories of the batch, each sample once (its first row's)."""
+        return [t for t, k in zip(self.trajectories, self.branch_b.tolist()) if k == 0]
+
+
+def first_row_index(batch: TrainBatch) -> torch.Tensor:
+    """long ``[B]``: for each row, the index of its sample's first row (a first row: itself). A branch row's sample
+    is its trajectory (the same object on each of its rows); its first row must be in the batch (rows are selected
+    by whole groups, and a sample's rows share its group: `TrainBatch.prompt_groups`)."""
+    kinds = batch.branch_b.tolist()
+    first = {id(t): i for i, (t, k) in enumerate(zip(batch.trajectories, kinds)) if k == 0}
+    try:
+        return torch.tensor([i if k == 0 else first[id(t)] for i, (t, k) in enumerate(zip(batch.trajectories, kinds))],
+                            dtype=torch.long)
+    except KeyError:
+        raise ValueError("a branch row without its sample's first row in the batch (select a sample's rows "
+                         "together)") from None
+
+
+def spread_to_rows(batch: TrainBatch, values_s: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``values_s`` (one per first row, in row order: what a statistic computed on
+    ``batch.first_rows()`` returns) as per-row values: each branch row gets its sample's. Rows of samples
+    ``t, u`` as ``t, u, t`` (``branch_b`` 0, 0, 1) and values ``[5, 7]`` give ``[5, 7, 5]``.
+    """
+    first = batch.first_rows()
+    if bool(first.all()):
+        return values_s
+    rank = torch.cumsum(first.to(torch.long), 0) - 1  # a first row's position among the first rows
+    return values_s[rank[first_row_index(batch).to(rank.device)].to(values_s.device)]
+
+
+def sample_chunks(batch: TrainBatch, size: int) -> list:
+    """The rows of consecutive chunks of ``size`` samples (an optimizer step's: ``policy.train_global_batch_size``),
+    each sample with its branch rows: slices where the batch has no branch row (a row per sample), else bool masks.
+    Rows are in sample order (`build_batch` puts a sample's branch rows right after its first row; row selections keep
+    the order).
+    """
+    first = batch.first_rows()
+    if bool(first.all()):
+        return [slice(start, start + size) for start in range(0, first.numel(), size)]
+    sample_b = torch.cumsum(first.to(torch.long), 0) - 1
+    return [(sample_b >= start) & (sample_b < start + size) for start in range(0, int(first.sum()), size)]
+
+
+def batch_rows(trajectories: list) -> list[tuple]:
+    """The rows of ``trajectories``: ``(trajectory, k, messages)``, a sample's first branch (``messages``, k = 0)
+    then its further ones (``branches``, k = 1, 2, ...)."""
+    return [(t, k, msgs) for t in trajectories for k, msgs in enumerate([t.messages, *t.branches])]
 
 
 def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> TrainBatch:
-    """Flatten trajectories (`grpo.trajectory.Trajectory`) into a right-padded `TrainBatch`.
+    """Flatten trajectories (`grpo.trajectory.Trajectory`) into a right-padded `TrainBatch`, a row per branch
+    (`batch_rows`: one per sample unless an agent rewrote its history, ``Trajectory.branches``); a sample's
+    per-sample fields (rewards, validity, group, lengths) are repeated on each of its rows.
 
     Rewards start as the environments' rewards (``rewards_b = task_rewards_b = raw_rewards_b``); reward components
     become ``[B, K]`` with names sorted (a missing one is 0). Validity (`grpo.tasks.failures`):
@@ -125,19 +188,21 @@ def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> T
     `grpo.trajectory.UNSCORED_REWARD` (`grpo.trajectory.filled_rewards`), a number only because a tensor needs
     one: ``scored_b`` masks it out of every statistic, so it never reaches a valid sample.
     """
-    B = len(trajectories)
-    rows = [t.token_ids() for t in trajectories]
+    table = batch_rows(trajectories)
+    trajectories = [t for t, _, _ in table]
+    B = len(table)
+    rows = [[tok for m in msgs for tok in m.token_ids] for _, _, msgs in table]
     T = max(len(r) for r in rows)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     token_mask = torch.zeros((B, T), dtype=torch.float32)
     gen_lp = torch.zeros((B, T), dtype=torch.float32)
     spans: list[list[MessageSpan]] = []
-    for b, (traj, ids) in enumerate(zip(trajectories, rows)):
+    for b, ((_, _, messages), ids) in enumerate(zip(table, rows)):
         input_ids[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         attention_mask[b, :len(ids)] = 1
         pos, sample_spans = 0, []
-        for m in traj.messages:
+        for m in messages:
             end = pos + len(m.token_ids)
             if m.trained:
                 token_mask[b, pos:end] = 1.0
@@ -159,7 +224,8 @@ def build_batch(trajectories: list, pad_id: int, mask_flagged: bool = True) -> T
         response_lengths_b=torch.tensor([t.num_generated_tokens for t in trajectories], dtype=torch.long),
         truncated_b=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
         mask_sample_b=flagged_b, scored_b=scored_b, valid_b=valid_b,
-        sample_mask_b=valid_b.float(), message_spans=spans, task_names=[t.task_name for t in trajectories],
+        sample_mask_b=valid_b.float(), branch_b=torch.tensor([k for _, k, _ in table], dtype=torch.long),
+        message_spans=spans, task_names=[t.task_name for t in trajectories],
         trajectories=list(trajectories),
         reward_components_bk=comps, task_components_bk=comps, component_names=names,
         media=[t.media for t in trajectories] if any(t.media is not None for t in trajectories) else None,

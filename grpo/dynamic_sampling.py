@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from grpo.advantages import baseline_and_std_per_prompt, group_index
-from grpo.batch import TrainBatch, batch_size, concat_batches, select_rows
+from grpo.batch import TrainBatch, batch_size, concat_batches, select_rows, spread_to_rows
 
 
 def overlong_filter_mask(truncated_b: torch.Tensor, sample_mask_b: torch.Tensor) -> torch.Tensor:
@@ -113,7 +113,8 @@ class DynamicSamplingCache:
         self.num_gen_batches += 1
         gid, num_groups = group_index(prompt_ids)
         gid = gid.cpu()
-        group_sizes = torch.bincount(gid, minlength=num_groups)
+        first_b = batch.first_rows().cpu()  # samples are counted, not rows: a sample's branch rows go with it
+        group_sizes = torch.bincount(gid[first_b], minlength=num_groups)
         if num_groups and (group_sizes % self.num_generations != 0).any():
             raise ValueError(
                 f"DynamicSamplingCache.add: every prompt group must have a multiple of grpo.num_generations_per_prompt="
@@ -127,13 +128,15 @@ class DynamicSamplingCache:
             0, gid, torch.arange(size), reduce="amin")
         kept_groups = [g for g in torch.argsort(first_row).tolist() if group_keep[g]]
         rows = [i for g in kept_groups for i in (gid == g).nonzero().flatten().tolist()]
-        self.num_zero_std += size - len(rows)
+        kept_samples = int(first_b[rows].sum()) if rows else 0
+        self.num_zero_std += int(first_b.sum()) - kept_samples
         if rows:
             kept = select_rows(batch, rows)
-            slots = self.num_cached // self.num_generations + torch.arange(len(rows)) // self.num_generations
+            sample_s = torch.arange(kept_samples)  # the kept samples in order; a branch row takes its sample's slot
+            slots = spread_to_rows(kept, self.num_cached // self.num_generations + sample_s // self.num_generations)
             kept = kept.replace(group_ids_b=slots)
             self.cached.append(kept)
-            self.num_cached += len(rows)
+            self.num_cached += kept_samples
 
         metrics = {
             "dynamic_sampling_num_gen_batches": self.num_gen_batches,
@@ -152,6 +155,7 @@ class DynamicSamplingCache:
             return None, metrics
         full = concat_batches(self.cached, self.pad_values)
         metrics["dynamic_sampling_num_discarded_valid_samples"] = self.num_cached - self.target
-        out = select_rows(full, list(range(self.target)))
+        sample_b = torch.cumsum(full.first_rows().to(torch.long), 0) - 1  # the sample of each row, in order
+        out = select_rows(full, sample_b.cpu() < self.target)  # the first target samples, with their branch rows
         self.reset()
         return out, metrics

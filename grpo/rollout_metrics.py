@@ -197,7 +197,8 @@ def step_summary(batch) -> dict:
     The shares count each prompt drawn (``group_ids_b``, its slot), not the estimators' groups
     (`grpo.batch.TrainBatch.prompt_groups`): the two differ only where a prompt came twice in a step, and the CPU
     demos' fingerprints pin these numbers as they are."""
-    scored_b = batch.scored_b  # a failed sample has no reward: its group's shares are over the others
+    scored_b = batch.scored_b & batch.first_rows()  # a failed sample has no reward: its group's shares are over the
+    #                                                 others; a sample once, whatever its branches
     out = {**group_reward_shares(batch.raw_rewards_b[scored_b], batch.group_ids_b[scored_b]),
            **advantage_summary(batch.advantages_bt, batch.token_mask_bt, batch.sample_mask_b)}
     if batch.reward_components_bk is not None:

@@ -23,7 +23,7 @@ from grpo.advantages import (
     apply_message_advantage_penalties, clip_advantages, compute_advantages, distillation_advantages, drop_thin_groups,
     opd_metrics,
 )
-from grpo.batch import TrainBatch
+from grpo.batch import TrainBatch, spread_to_rows
 from grpo.logprobs import mask_by_seq_logprob_error, skipped_seq_logprob_error_metrics
 from grpo.loss import calculate_kl
 from grpo.metrics import aggregate_rollout_metrics
@@ -50,8 +50,11 @@ def shape_rewards(cfg, batch: TrainBatch, tokenizer) -> tuple[TrainBatch, dict]:
     ``reward_penalties.penalize_malformed_think_tag`` zeroes the sample's reward on its own).
     """
     g, rp = cfg.grpo, cfg.reward_penalties
-    task_b, flags, metrics, turns, think_ids = penalize(batch.raw_rewards_b, batch.trajectories, rp, tokenizer,
+    first = batch.first_rows()  # a sample's branches share its reward: penalised once, on its first row
+    task_s, flags, metrics, turns, think_ids = penalize(batch.raw_rewards_b[first], batch.samples(), rp, tokenizer,
                                                         cfg.env)
+    task_b = spread_to_rows(batch, task_s)
+    flags = {name: spread_to_rows(batch, f) for name, f in flags.items()}
     task_b = scale_rewards(task_b, g.reward_scaling)
     rewards_b = shape_overlong_rewards(task_b, batch.response_lengths_b, batch.truncated_b, g.reward_shaping)
     changes = {"task_rewards_b": task_b, "rewards_b": rewards_b}
@@ -115,7 +118,8 @@ def group_std_for_dynamic_sampling(batch: TrainBatch) -> torch.Tensor:
     component for GDPO's components (`grpo.dynamic_sampling.group_reward_std`); groups by prompt tokens
     (`TrainBatch.prompt_groups`), the estimators' groups."""
     task = batch.task_components_bk if batch.task_components_bk is not None else batch.task_rewards_b
-    return group_reward_std(batch.prompt_groups(), task, batch.valid_b)
+    first = batch.first_rows()  # a sample once, whatever its branches
+    return spread_to_rows(batch, group_reward_std(batch.prompt_groups()[first], task[first], batch.valid_b[first]))
 
 
 # ---- validity: failed and flagged samples ----------------------------------------------------------
@@ -128,9 +132,10 @@ def mask_invalid_samples(batch: TrainBatch) -> tuple[TrainBatch, dict]:
     group's statistics (the estimators' ``valid_mask``). Counts (`failure_counts`): ``rollout/failed_samples/
     <reason>``, ``rollout/retries``, ``rollout/masked_samples`` (samples left invalid), ``rollout/dropped_groups``.
     """
-    valid_b, dropped = drop_thin_groups(batch.prompt_groups(), batch.valid_b)
-    batch = batch.replace(valid_b=valid_b)
-    return batch, {**failure_counts(batch.trajectories), "rollout/masked_samples": int((~valid_b).sum().item()),
+    first = batch.first_rows()  # a sample once, whatever its branches
+    valid_s, dropped = drop_thin_groups(batch.prompt_groups()[first], batch.valid_b[first])
+    batch = batch.replace(valid_b=spread_to_rows(batch, valid_s))
+    return batch, {**failure_counts(batch.samples()), "rollout/masked_samples": int((~valid_s).sum().item()),
                    "rollout/dropped_groups": dropped}
 
 
@@ -192,8 +197,10 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
         A   = estimator(groups, rewards, valid, token_mask, sample_mask,
                         kl = KL(prev || ref) if use_kl_in_reward, master_cfg = cfg)
               groups: by prompt tokens (`grpo.advantages.prompt_group_ids`, NeMo-RL's key): a prompt that came
-              twice in the step is one group of 2n
-              opd: A_t = sg[teacher_t − prev_t] · token_mask · sample_mask   (NeMo-RL's MOPD; no reward, no kl_coef)
+              twice in the step is one group of 2n; the estimator sees a sample once (its first row), its
+              branch rows get its advantage (`advantages_of_branches`)
+              opd: A_t = sg[teacher_t − prev_t] · token_mask · sample_mask   (NeMo-RL's MOPD; no reward, no kl_coef;
+                   per token of every row, branch rows included)
         A  += −kl_coef · (student − teacher)                         (on-policy distillation with another estimator;
                                                                       student = prev)
         A[message] = malformed_thinking_advantage, then invalid_tool_call_advantage   (flagged messages;
@@ -219,12 +226,20 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     if loss_cfg.use_kl_in_reward and batch.ref_logprobs_bt is not None:  # skipped at beta = 0: the term is 0
         kl_bt = calculate_kl(batch.prev_logprobs_bt, batch.ref_logprobs_bt, loss_cfg.reference_policy_kl_type,
                              loss_cfg.kl_input_clamp_value, loss_cfg.kl_output_clamp_value)
-    adv_bt = compute_advantages(
-        g.adv_estimator.name, group_ids=batch.prompt_groups(), rewards=batch.rewards_b,  # a repeated prompt: one group
-        valid_mask=valid_b.to(batch.rewards_b.dtype), token_mask=batch.token_mask_bt, cfg=g.adv_estimator,
-        reward_components=batch.reward_components_bk, kl_bt=kl_bt, kl_coef=loss_cfg.reference_policy_kl_penalty,
-        sample_mask=sample_mask_b, prev_logprobs=batch.prev_logprobs_bt, teacher_logprobs=batch.teacher_logprobs_bt,
-        generation_logprobs=batch.generation_logprobs_bt, master_cfg=cfg)
+    per_row = g.adv_estimator.name == "opd"  # per token of each row's own logprobs: every row, branches included
+    first = batch.first_rows().to(valid_b.device)  # the other estimators see each sample once (its first row)
+
+    def once(x):
+        return x if x is None or per_row or bool(first.all()) else x[first]
+
+    adv_first_bt = compute_advantages(
+        g.adv_estimator.name, group_ids=once(batch.prompt_groups()), rewards=once(batch.rewards_b),
+        valid_mask=once(valid_b.to(batch.rewards_b.dtype)), token_mask=once(batch.token_mask_bt),
+        cfg=g.adv_estimator, reward_components=once(batch.reward_components_bk), kl_bt=once(kl_bt),
+        kl_coef=loss_cfg.reference_policy_kl_penalty, sample_mask=once(sample_mask_b),
+        prev_logprobs=once(batch.prev_logprobs_bt), teacher_logprobs=once(batch.teacher_logprobs_bt),
+        generation_logprobs=once(batch.generation_logprobs_bt), master_cfg=cfg)
+    adv_bt = adv_first_bt if per_row else advantages_of_branches(batch, adv_first_bt)
     if batch.teacher_logprobs_bt is not None:
         student_bt = batch.prev_logprobs_bt if batch.prev_logprobs_bt is not None else batch.generation_logprobs_bt
         if g.adv_estimator.name == "opd":  # the estimator is the distillation term (NeMo-RL's metrics of it)
@@ -240,6 +255,25 @@ def compose_advantages(cfg, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tens
     metrics.update(message_penalty_metrics(batch.message_spans, g.invalid_tool_call_advantage,
                                            g.malformed_thinking_advantage))
     return clip_advantages(adv_bt, g.advantage_clip_low, g.advantage_clip_high), sample_mask_b, metrics
+
+
+def advantages_of_branches(batch: TrainBatch, adv_first_bt: torch.Tensor) -> torch.Tensor:
+    """Advantages ``[B, T]`` of every row from those of the first rows (``adv_first_bt``, one per sample): a first row
+    keeps its own, a branch row (`grpo.batch.TrainBatch.branch_b`) gets its sample's advantage A_i on every position,
+    as `grpo.advantages.compute_advantages` broadcasts a per-sample estimator's. A_i is the mean of the first row's
+    advantage over its generated tokens (in float64: exactly A_i where it is constant, as every per-sample
+    estimator's is; a per-token estimator's, Reinforce++ with the KL in the reward, gives the sample's mean), its
+    first position's where it generated none. A batch without branches is returned as it is."""
+    first = batch.first_rows().to(adv_first_bt.device)
+    if bool(first.all()):
+        return adv_first_bt
+    mask_bt = batch.token_mask_bt.to(adv_first_bt.device)[first].to(torch.float64)
+    n_s = mask_bt.sum(1)
+    mean_s = (adv_first_bt.to(torch.float64) * mask_bt).sum(1) / n_s.clamp(min=1)
+    adv_s = torch.where(n_s > 0, mean_s, adv_first_bt[:, 0].to(torch.float64)).to(adv_first_bt.dtype)
+    adv_bt = spread_to_rows(batch, adv_s)[:, None].expand(batch.token_mask_bt.shape).clone()
+    adv_bt[first] = adv_first_bt
+    return adv_bt
 
 
 def message_penalty_metrics(message_spans, invalid_tool_call_advantage, malformed_thinking_advantage) -> dict:
@@ -319,8 +353,10 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     advantages read: after penalties, scaling and shaping, as NeMo-RL's grpo_train logs it), reward spread,
     tokens, tokens/s. The environments' rewards, lengths and truncation are the rollout's
     (`grpo.rollout_metrics.rollout_summary`: ``mean_total_reward``, ``mean_gen_tokens_per_sample``, ...)."""
-    lengths = batch.response_lengths_b.float()
-    scored_rewards = batch.raw_rewards_b[batch.scored_b]  # a failed sample has no reward
+    first = batch.first_rows()  # per-sample figures read each sample once, whatever its branches
+    lengths = batch.response_lengths_b[first].float()
+    scored = batch.scored_b & first
+    scored_rewards = batch.raw_rewards_b[scored]  # a failed sample has no reward
     agg = aggregate_rollout_metrics(train_results)
     # The loss of a GRPO step is the sum of its optimizer steps' losses; the other loss metrics are
     # means over micro-batches.
@@ -329,10 +365,10 @@ def step_metrics(batch: TrainBatch, train_results: list[dict], seconds: float) -
     out = {f"train/{k}": v for k, v in agg.items()}
     out.update({
         "train/reward_std": scored_rewards.std().item() if len(scored_rewards) > 1 else 0.0,
-        "train/reward": batch.rewards_b[batch.scored_b].mean().item() if len(scored_rewards) else 0.0,
+        "train/reward": batch.rewards_b[scored].mean().item() if len(scored_rewards) else 0.0,
         "train/advantage_abs_mean": batch.advantages_bt.abs().sum().item() / max(batch.token_mask_bt.sum().item(), 1.0),
         "train/num_completion_tokens": lengths.sum().item(),
-        "train/num_valid_samples": batch.sample_mask_b.sum().item(),
+        "train/num_valid_samples": batch.sample_mask_b[first].sum().item(),
         "train/num_samples": float(len(lengths)),
         "train/tokens_per_s": float(batch.token_mask_bt.sum().item()) / max(seconds, 1e-9),
     })

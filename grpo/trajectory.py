@@ -112,6 +112,9 @@ class Trajectory:
     # a row with images: its prompt messages' content with the image values (`grpo.tasks.rows.PromptRow`), what an
     # agent is shown; shared by its prompt group, never in `to_dict` (a stored sample has been played)
     prompt_parts: list | None = None
+    # the sample's further training rows, each a whole row's messages like ``messages`` (its first): an agent whose
+    # calls rewrote the history (`grpo.wings.agents.branches`); its reward and advantage apply to each, counted once
+    branches: list[list[Message]] = field(default_factory=list)
 
     def __post_init__(self):
         if self.failure is not None:  # a failed sample has no reward, whatever it was built with
@@ -136,7 +139,8 @@ class Trajectory:
 
     @property
     def num_generated_tokens(self) -> int:
-        return sum(len(m.token_ids) for m in self.messages if m.trained)
+        """Tokens generated for the sample, in all its rows (``messages`` and ``branches``)."""
+        return sum(len(m.token_ids) for row in (self.messages, *self.branches) for m in row if m.trained)
 
     def completion_text(self) -> str:
         """The generated assistant messages' text, joined (a single-turn sample's completion)."""
@@ -180,7 +184,8 @@ class Trajectory:
             failure = {"reason": reason, "kind": kind or REASONS.get(reason) or DATA, "detail": detail or ""}
         if failure is not None:
             d["failure"], d["reward"] = Failure(**failure), None
-        return cls(**{**d, "messages": [Message(**m) for m in d["messages"]]})
+        branches = [[Message(**m) for m in row] for row in d.get("branches", ())]
+        return cls(**{**d, "messages": [Message(**m) for m in d["messages"]], "branches": branches})
 
 
 # What a tensor of rewards holds for a sample that is not scored (its reward is None): a number only because a tensor

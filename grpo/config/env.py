@@ -27,6 +27,11 @@ class AgentConfig(_Section):
         "Per-attempt deadline in seconds, whatever the agent does: an agent still running is abandoned (cancelled, "
         "a program killed) and the attempt fails (env_timeout: retried within grpo.rollout_failure, then masked, "
         "never scored 0)."))
+    fork_threshold_tokens: int = Field(0, ge=0, description=(
+        "A call whose prompt parts from the conversation inside the last generated answer, with fewer than this many "
+        "generated tokens after the parting point (a re-rendered end of the answer), continues its row, those tokens "
+        "untrained; otherwise the call starts a new row (a branch). 0: every rewrite is a branch, every generated "
+        "token trained (TRL's fork_threshold_tokens; grpo/wings/agents/branches.py)."))
 
     @model_validator(mode="after")
     def _one(self) -> "AgentConfig":

@@ -72,7 +72,8 @@ def log_step(run: Run, step: int, batch, results: list[dict], metrics: dict, fai
     (non-finite losses, a collapsing policy: `grpo.system.health.StepChecks`), the row logged (``metrics``, in
     NeMo-RL's names as the phases made them), the rollouts dumped. A ``failure`` already known (a refit that broke)
     or found by the checks ends the step here: the later phases pass it on."""
-    failure = failure or run.checks.after_step(batch.raw_rewards_b, batch.scored_b, results, metrics)
+    first = batch.first_rows()  # each sample once, whatever its branches
+    failure = failure or run.checks.after_step(batch.raw_rewards_b[first], batch.scored_b[first], results, metrics)
     run.logger.log(metrics, step)
     run.logger.progress(step, metrics)
     dump_rollouts(run, "train", step, batch.trajectories, batch)
@@ -125,9 +126,9 @@ def skip_step(run: Run, step: int, last: StepEnd, batch, metrics: dict, epoch: i
     from grpo.system.health import HealthStop
 
     budget = run.checks.rollouts
-    stop = budget.skipped(batch.trajectories)
+    stop = budget.skipped(batch.samples())
     record_step(run.state, batch, step, trained=False)
-    run.logger.write(budget.skip_note(step, batch.scored_b))
+    run.logger.write(budget.skip_note(step, batch.scored_b[batch.first_rows()]))
     run.logger.log({**metrics, **budget.metrics(), "train/skipped_step": 1}, step)
     dump_rollouts(run, "train", step, batch.trajectories, batch)
     run.state.current_epoch = epoch

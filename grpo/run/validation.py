@@ -61,9 +61,10 @@ def validate(run: Run, generator, envs, step: int) -> dict:
         "failed_samples": float((~scored_b).sum().item()),
         **penalty_metrics,
     }
-    if k > 1:  # per prompt: the step's groups (by prompt tokens, `grpo.batch.TrainBatch.prompt_groups`)
+    if k > 1:  # per prompt: the step's groups (by prompt tokens, `grpo.batch.TrainBatch.prompt_groups`), a sample once
+        rows = build_batch(trajs, pad_id=0)
         metrics["pass_k"] = float("nan") if nothing_scored else pass_at_k(
-            rewards_b[scored_b], build_batch(trajs, pad_id=0).prompt_groups()[scored_b])
+            rewards_b[scored_b], rows.prompt_groups()[rows.first_rows()][scored_b])
     if nothing_scored:
         run.logger.write(failed_validation_note(step, trajs))
     timing["total_validation_time"] = time.perf_counter() - t0

@@ -376,7 +376,10 @@ def rollout_records(trajectories: list, split: str, step: int, batch=None, overl
     from grpo.rollout_metrics import sample_token_means
 
     adv_b = err_b = mask_b = valid_b = None
-    if batch is not None:
+    if batch is not None:  # a record per sample: its first row (a branch row's sample has its reward and advantage)
+        if not bool(batch.first_rows().all()):
+            batch = batch.select(batch.first_rows())
+            trajectories = batch.trajectories
         if batch.advantages_bt is not None:  # None in a step skipped for failures (grpo.run.step_end.skip_step)
             adv_b = sample_token_means(batch.advantages_bt, batch.token_mask_bt).tolist()
         mask_b = batch.sample_mask_b.tolist()

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo.batch import (TrainBatch, build_batch, pad_columns, rank_slice, select_rows, to_device, trim_padding,
-                        with_fields)
+from grpo.batch import (TrainBatch, build_batch, pad_columns, rank_slice, sample_chunks, select_rows, to_device,
+                        trim_padding, with_fields)
 from grpo.distillation import rows_by_teacher, trajectory_teacher_key
 from grpo.logprobs import aligned_entropy_from_logits, aligned_logprobs_from_logits, mask_out_of_filter, needs_filter
 from grpo.packing import dynamic_micro_batches, pack_bins, round_up
@@ -455,8 +455,11 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,
     needs = loss_needs(loss_fn)
     batching = token_batching(p, "train")
     results = []
-    for start in range(0, len(batch), p.train_global_batch_size):
-        mine = batch.select(slice(start, start + p.train_global_batch_size)).shard(rank, world_size)
+    # Optimizer steps count samples: a sample's branch rows (TrainBatch.branch_b) train in its step, and then a rank
+    # has more rows than gradient_accumulation_steps micro-batches hold: its count varies (as under token batching).
+    branched = not bool(batch.first_rows().all())
+    for rows in sample_chunks(batch, p.train_global_batch_size):
+        mine = batch.select(rows).shard(rank, world_size)
         n_tokens, n_seqs = global_valid_counts(mine.token_mask_bt, mine.sample_mask_b)
         n_correct = None  # VAPO's NLL normaliser: the step's valid tokens of samples with reward > 0
         if cfg.loss_fn.positive_example_nll_weight > 0:
@@ -471,7 +474,7 @@ def train_step(cfg, policy, batch: TrainBatch, rank: int, world_size: int,
         results.append(train_on_batch(policy, mbs, skip_nonfinite_loss(loss_closure), temperature=gen.temperature,
                                       top_k=gen.top_k, top_p=gen.top_p,
                                       share_prompts=shares_prompts(p.shared_prompt_forward, policy.module),
-                                      needs=needs, variable=batching is not None,
+                                      needs=needs, variable=batching is not None or branched,
                                       packing=batching.packing() if batching is not None else None))
     return results
 

@@ -46,6 +46,40 @@ async def rewriting_agent(row, base_url, api_key, model):
     return 0.5
 
 
+ANSWERS: dict[str, list[tuple[list[int], list[int]]]] = {}  # api key -> (prompt, generated) token ids of each answer
+
+
+async def compacting_agent(row, base_url, api_key, model):
+    """A harness that rewrites its history: it solves the question with the tool (calls 1, 2), compacts the
+    conversation into one summary message and goes on from it (call 3: a new branch), asks a sub-agent (call 4: a
+    conversation of its own) and hands the sub-agent's answer to the compacted conversation as the tool's result
+    (call 5: continues call 3's branch). Every answer's token fields are kept in ``ANSWERS[api_key]``; the reward is
+    the final answer's correctness."""
+    seen = ANSWERS.setdefault(api_key, [])
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        async def ask(messages):
+            r = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, logprobs=True,
+                                                     **row["sampling"])
+            msg = r.choices[0].message
+            seen.append((msg.prompt_token_ids, msg.generation_token_ids))
+            return msg
+
+        def tool_results(msg, content):
+            return [{"role": "tool", "tool_call_id": c.id, "content": content} for c in msg.tool_calls or []]
+
+        main = [{"role": "user", "content": row["question"]}]
+        first = await ask(main)
+        main += [first.model_dump(exclude_none=True), *tool_results(first, "2146")]
+        solved = await ask(main)
+        compacted = [{"role": "user", "content": f"{row['question']} (so far: {solved.content})"}]
+        again = await ask(compacted)
+        sub = await ask([{"role": "user", "content": "check " + row["question"]}])
+        compacted += [again.model_dump(exclude_none=True),
+                      *tool_results(again, "2146" if sub.tool_calls else "?")]
+        final = await ask(compacted)
+    return float((final.content or "").strip() == row["answer"])
+
+
 async def broken_agent(row, base_url, api_key, model):
     raise KeyError("the agent's own bug")
 

@@ -27,6 +27,7 @@ def train_batch(**fields) -> TrainBatch:
         task_rewards_b=torch.zeros(B), response_lengths_b=torch.zeros(B, dtype=torch.long),
         truncated_b=torch.zeros(B, dtype=torch.bool), mask_sample_b=torch.zeros(B, dtype=torch.bool),
         scored_b=torch.ones(B, dtype=torch.bool), valid_b=torch.ones(B, dtype=torch.bool),
-        sample_mask_b=torch.ones(B), message_spans=[[] for _ in range(B)], task_names=["t"] * B,
+        sample_mask_b=torch.ones(B), branch_b=torch.zeros(B, dtype=torch.long), message_spans=[[] for _ in range(B)],
+        task_names=["t"] * B,
         trajectories=[None] * B)
     return TrainBatch(**{**neutral, **fields})

@@ -1,6 +1,6 @@
 """env.name=agent (grpo/wings/agents/environment.py, grpo/wings/agents/player.py): agents written with the openai client play
-samples over a real endpoint on loopback; the trajectories come from the recorded tokens, contiguity is checked,
-and every failure is a masked failure, never a 0."""
+samples over a real endpoint on loopback; the trajectories come from the recorded tokens (a row per branch where an
+agent rewrote its history), and every failure is a masked failure, never a 0."""
 
 from __future__ import annotations
 
@@ -71,7 +71,9 @@ def test_an_agents_trajectory_is_the_tokens_it_generated(endpoint):
         assert all(m.generation_logprobs == [-0.5] * len(m.token_ids) for m in t.messages if m.trained)
     _, metrics = envs.post_process(trajs)
     assert metrics == {"env/agent/failed_samples": 0.0, "env/agent/noncontiguous_samples": 0.0,
-                       "env/agent/calls_per_sample": 2.0}
+                       "env/agent/calls_per_sample": 2.0, "env/agent/branches_per_sample": 1.0,
+                       "env/agent/trained_tokens_per_sample": 24.0, "env/agent/row_tokens_per_sample": 42.0,
+                       "env/agent/realigned_tokens_per_sample": 0.0}
 
 
 def test_an_agent_program(endpoint):
@@ -81,12 +83,53 @@ def test_an_agent_program(endpoint):
     assert trajs[0].failure.reason == "env_error" and "fell over" in trajs[0].failure.detail
 
 
-def test_a_rewritten_history_is_masked_and_counted_never_retemplated(endpoint):
+def test_a_rewritten_history_trains_as_two_branches_never_retemplated(endpoint):
+    """An agent that keeps only the text and rewrites it: its second call's prompt does not continue the first call,
+    so the sample is two rows (was: masked), each the tokens the endpoint saw and generated."""
     trajs, envs = _play(endpoint, {"fn": f"{FNS}:rewriting_agent"})
     t = trajs[0]
-    assert t.reward == 0.5 and t.mask_sample and t.metadata["agent_noncontiguous"] and t.turns == 2
-    assert endpoint.tokenizer.decode(t.token_ids()) == "<bos>37*58=<calc>37*58</calc><eos>"  # the contiguous head
-    assert envs.post_process(trajs)[1]["env/agent/noncontiguous_samples"] == 2.0
+    assert t.reward == 0.5 and not t.mask_sample and t.turns == 2 and len(t.branches) == 1
+    tok = endpoint.tokenizer
+    assert tok.decode(t.token_ids()) == "<bos>37*58=<calc>37*58</calc><eos>"
+    assert tok.decode([i for m in t.branches[0] for i in m.token_ids]).endswith("<r>2146</r>2146<eos>")
+    metrics = envs.post_process(trajs)[1]
+    assert metrics["env/agent/noncontiguous_samples"] == 0.0 and metrics["env/agent/branches_per_sample"] == 2.0
+
+
+def test_a_compacting_agent_with_a_sub_agent_trains_as_branches_each_token_once_with_the_sample_s_advantage(
+        endpoint):
+    from grpo.batch import build_batch
+    from grpo.step import compose_advantages, initial_sample_mask, mask_invalid_samples
+    from tests.helpers import agent_fns
+
+    agent_fns.ANSWERS.clear()
+    trajs, envs = _play(endpoint, {"fn": f"{FNS}:compacting_agent"})
+    answers = list(agent_fns.ANSWERS.values())
+    assert len(answers) == 2 and answers[0] == answers[1] and len(answers[0]) == 5
+    generated = sorted((tuple(p), tuple(g)) for p, g in answers[0])
+    for t in trajs:
+        assert (t.reward, t.turns, t.mask_sample, t.failure, len(t.branches)) == (1.0, 5, False, None, 2)
+        trained = []  # (the row's tokens before it, the tokens) of every trained message of every row
+        for row in [t.messages, *t.branches]:
+            ids = []
+            for m in row:
+                if m.trained:
+                    trained.append((tuple(ids), tuple(m.token_ids)))
+                    assert m.generation_logprobs == [-0.5] * len(m.token_ids)
+                ids += m.token_ids
+        assert sorted(trained) == generated  # what the endpoint generated, after what it was given, each once
+    metrics = envs.post_process(trajs)[1]
+    assert metrics["env/agent/branches_per_sample"] == 3.0
+    assert metrics["env/agent/trained_tokens_per_sample"] == sum(len(g) for _, g in generated)
+    trajs[1].reward = 0.0  # one sample right, one wrong: advantages +1 and -1 (a group of 2, leave-one-out)
+    cfg = _cfg({"fn": f"{FNS}:compacting_agent"})
+    b, counts = mask_invalid_samples(build_batch(trajs, endpoint.tokenizer.pad_token_id))
+    adv_bt, _, _ = compose_advantages(cfg, b.replace(sample_mask_b=initial_sample_mask(cfg, b)))
+    assert b.branch_b.tolist() == [0, 1, 2] * 2 and counts["rollout/masked_samples"] == 0
+    trained_bt = b.token_mask_bt.bool()
+    assert int(trained_bt.sum()) == 2 * sum(len(g) for _, g in generated)
+    for row, want in zip(range(6), [1.0] * 3 + [-1.0] * 3):
+        assert adv_bt[row][trained_bt[row]].tolist() == [want] * int(trained_bt[row].sum())
 
 
 @pytest.mark.parametrize("agent, reason, kind, words", [

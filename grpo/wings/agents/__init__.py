@@ -33,7 +33,8 @@ def agent_environment(env_spec, key: str, deferred):
     from grpo.wings.agents.environment import AgentEnvironment
 
     a = env_spec.agent
-    return AgentEnvironment(a.fn, a.command, a.max_concurrency, a.timeout_s, key=f"{key}.agent")
+    return AgentEnvironment(a.fn, a.command, a.max_concurrency, a.timeout_s, key=f"{key}.agent",
+                            fork_threshold_tokens=a.fork_threshold_tokens)
 
 
 def start_endpoint(cfg, generator, tokenizer, envs_list, closables: list, logger, rank: int, asynchronous: bool,

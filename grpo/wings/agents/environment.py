@@ -97,8 +97,9 @@ class AgentEnvironment(Environment):
     `grpo.system.rollout.generate_rollout` hands them to `grpo.wings.agents.player.play_agents`."""
 
     def __init__(self, fn: str | None = None, command: list[str] | None = None, max_concurrency: int = 64,
-                 timeout_s: float = 300.0, key: str = "env.agent"):
+                 timeout_s: float = 300.0, key: str = "env.agent", fork_threshold_tokens: int = 0):
         self.command, self.max_concurrency, self.timeout_s = command, max_concurrency, timeout_s
+        self.fork_threshold_tokens = fork_threshold_tokens
         self.fn = None
         if fn is not None:
             self.fn = resolve_function(fn, f"{key}.fn")
@@ -111,14 +112,22 @@ class AgentEnvironment(Environment):
                        "(grpo.wings.agents.player), not stepped")
 
     def global_post_process_and_metrics(self, batch: dict) -> tuple[dict, dict]:
-        """Metrics of the agent samples (``env/<task>/<name>``): failed and non-contiguous samples (counts), model
-        calls per sample (mean)."""
+        """Metrics of the agent samples (``env/<task>/<name>``): failed and masked non-contiguous samples (counts),
+        model calls per sample (mean), and what their rows cost (`grpo.wings.agents.branches`): training rows
+        (branches) per sample, trained (generated) tokens per sample, row tokens per sample (context included:
+        what the forward passes read) and generated tokens a realign left untrained (means)."""
         trajs = batch["trajectories"]
         n = max(len(trajs), 1)
+        rows = [[t.messages, *t.branches] for t in trajs]
         return batch, {"failed_samples": sum(not t.scored for t in trajs),
                        "noncontiguous_samples": sum(bool((t.metadata or {}).get("agent_noncontiguous"))
                                                     for t in trajs),
-                       "calls_per_sample": sum(t.turns for t in trajs) / n}
+                       "calls_per_sample": sum(t.turns for t in trajs) / n,
+                       "branches_per_sample": sum(len(r) for r in rows) / n,
+                       "trained_tokens_per_sample": sum(t.num_generated_tokens for t in trajs) / n,
+                       "row_tokens_per_sample": sum(len(m.token_ids) for r in rows for row in r for m in row) / n,
+                       "realigned_tokens_per_sample": sum(int((t.metadata or {}).get("agent_realigned_tokens", 0))
+                                                          for t in trajs) / n}
 
     def start(self, row: dict, base_url: str, api_key: str, model: str,
               on_done: Callable[[AgentCall], None]) -> AgentCall:

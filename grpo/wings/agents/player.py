@@ -13,10 +13,13 @@ prompts and generations); its new prompt tokens become an untrained ``user`` mes
 trained ``assistant`` message with their logprobs. So the trainer scores exactly the tokens the model produced,
 in the context it produced them in, never a re-templated text.
 
-A sample whose calls are not contiguous (the agent rewrote or cut its history, or used ``n > 1``) is kept as its
-contiguous head and masked (``mask_sample``; ``metadata["agent_noncontiguous"]``, counted as
-``env/<task>/noncontiguous_samples``): NeMo-RL asserts instead. A sample whose last attempt made no call, or whose
-agent failed, fails (`grpo.tasks.failures`: ``Trajectory.failure``, masked by the step, never scored 0).
+A sample whose calls are not contiguous (the agent compacted, rewrote or cut its history, ran a sub-agent, or used
+``n > 1``) is trained as a tree: a row per branch (`grpo.wings.agents.branches`, ``Trajectory.branches``), each
+generated token trained once, the sample's reward and advantage on each row, the sample counted once in its group
+(NeMo-RL asserts instead). Only a sample with images whose calls part is kept as its contiguous head and masked
+(``mask_sample``; ``metadata["agent_noncontiguous"]``, counted as ``env/<task>/noncontiguous_samples``). A sample
+whose last attempt made no call, or whose agent failed, fails (`grpo.tasks.failures`: ``Trajectory.failure``, masked
+by the step, never scored 0).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from grpo.trajectory import DATA, INFRA, Failure, Message
 from grpo.wings.agents.environment import (
     AgentEnvironment, AgentOutcome, agent_messages, agent_row, outcome_of, timed_out,
 )
+from grpo.wings.agents.branches import branch_messages, grow_branches
 from grpo.wings.agents.call import AgentCall
 from grpo.tasks.failures import RetryPolicy
 
@@ -223,14 +227,29 @@ def prompts_shown(trajs: list) -> list:
     return out
 
 
-def fill_trajectory(t, played: Played, decode) -> None:
-    """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its last attempt (`Played`)."""
+def fill_trajectory(t, played: Played, decode, fork_threshold_tokens: int = 0) -> None:
+    """Sample ``t`` (a `grpo.trajectory.Trajectory`) from its last attempt (`Played`): its calls' branches
+    (`grpo.wings.agents.branches.grow_branches`), the first as ``t.messages``, the others as ``t.branches``, each a
+    training row. A sample with images whose calls part is kept as its contiguous head and masked, as all were before
+    branches (a branch row would need images of its own)."""
     records, outcome = played.records, played.outcome
     failure = attempt_failure(outcome, records)
-    messages, contiguous = trajectory_messages(records, decode)
+    branches = grow_branches(records, fork_threshold_tokens) if records else []
+    contiguous = True
+    if len(branches) > 1 and any(r.media is not None for r in records):
+        messages, contiguous = trajectory_messages(records, decode)
+        t.media = trajectory_media(records, len(messages) // 2)
+        branches = []
+    elif branches:
+        messages = branch_messages(branches[0], decode)
+        t.media = trajectory_media(records, len(records)) if len(branches) == 1 else None
+        t.branches = [branch_messages(b, decode) for b in branches[1:]]
+        t.metadata = {**(t.metadata or {}), "agent_branches": len(branches),
+                      "agent_realigned_tokens": sum(b.realigned_tokens for b in branches)}
+    else:
+        messages = []
     if messages:
         t.messages, t.num_prompt_messages = messages, 1
-        t.media = trajectory_media(records, len(messages) // 2)
     t.turns, t.retries = len(records), played.retries
     if records:
         t.finish_reason = records[-1].finish_reason
@@ -239,6 +258,7 @@ def fill_trajectory(t, played: Played, decode) -> None:
     t.done = t.terminated = True
     if failure is not None:
         t.fail(failure)
+        t.branches = []  # a failed sample trains nothing: no row more than its first (kept for the dumps)
         return
     t.reward, t.reward_components = outcome.reward, outcome.reward_components
     t.mask_sample = outcome.mask_sample or not contiguous
@@ -325,5 +345,5 @@ class AgentPlayer:
                 played = play_agents(env, rows, [":".join(str(p) for p in seed_keys[i]) for i in idx], endpoint,
                                      envs.retry, self.stop_requested)
             for i, p in zip(idx, played):
-                fill_trajectory(trajs[i], p, decode)
+                fill_trajectory(trajs[i], p, decode, env.fork_threshold_tokens)
         return time.perf_counter() - t0
