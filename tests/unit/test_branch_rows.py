@@ -159,3 +159,17 @@ def test_dynamic_sampling_cuts_a_full_batch_by_samples_with_their_branch_rows():
     kept, _ = DynamicSamplingCache(1, 2, 1).add(b.select([2, 3, 4, 0, 1]), b.select([2, 3, 4, 0, 1]).prompt_groups(),
                                                 group_std_for_dynamic_sampling(b.select([2, 3, 4, 0, 1])))
     assert kept.branch_b.tolist() == [0, 1, 0]  # the first two samples, the branched one with its branch row
+
+
+def test_opd_scores_every_row_of_a_branched_sample_by_its_own_tokens():
+    """NeMo-RL's `opd` advantage is per token of a row's own logprobs (teacher - previous policy): a branch row gets
+    its own gap, not its sample's first row's spread onto it as the reward estimators' advantage is."""
+    cfg = build_config({"grpo": {"adv_estimator": {"name": "opd"}},
+                        "on_policy_distillation": {"enabled": True, "teacher_model_name": "toy:tiny"}})
+    b, _ = mask_invalid_samples(build_batch(_group(), pad_id=0))
+    g = torch.Generator().manual_seed(0)
+    prev_bt, teacher_bt = (-torch.rand(b.input_ids_bt.shape, generator=g) for _ in range(2))
+    b = b.replace(sample_mask_b=initial_sample_mask(cfg, b), prev_logprobs_bt=prev_bt, teacher_logprobs_bt=teacher_bt)
+    a_bt, _, _ = compose_advantages(cfg, b)
+    expected_bt = (teacher_bt - prev_bt) * b.token_mask_bt * b.sample_mask_b[:, None]
+    assert b.branch_b.tolist()[1] == 1 and torch.equal(a_bt, expected_bt)
