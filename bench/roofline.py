@@ -191,12 +191,13 @@ def run_step(run, prompts, step: int, generate: RecordedGenerate, optimizer: Tim
         return None
     batch = got.batch.replace(sample_mask_b=initial_sample_mask(cfg, got.batch))
     scored = {}  # each logprob pass alone
-    for name, key in (("prev", "prev_logprobs_bt"), ("reference", "ref_logprobs_bt"),
-                      ("teacher", "teacher_logprobs_bt")):
-        engine = getattr(run.logprob_engines, name)
-        if engine is None:  # skipped (grpo.skip_*), or no distillation
+    engines = run.logprob_engines
+    for name, key, alone in (
+            ("prev", "prev_logprobs_bt", LogprobEngines(engines.prev, None)),
+            ("reference", "ref_logprobs_bt", LogprobEngines(None, engines.reference)),
+            ("teacher", "teacher_logprobs_bt", LogprobEngines(None, None, engines.teachers, engines.teacher_ranks))):
+        if alone == LogprobEngines(None, None):  # skipped (grpo.skip_*), or no distillation
             continue
-        alone = LogprobEngines(**{n: engine if n == name else None for n in ("prev", "reference", "teacher")})
         with clock(seconds, f"logprob_{name}"):
             scored[key] = getattr(step_logprobs(cfg, batch, alone, run.rank, run.world_size), key)
     batch, _ = step_advantages(cfg, batch.replace(**scored))
@@ -237,8 +238,11 @@ def step_work(run, batch, calls: list[GenerateCall], updates: int, refitted: boo
             "train_fwd_bwd": train_work(shape, groups, trainable, not cfg.policy.lora.enabled, updates),
             "optimizer": optimizer_work(trainable, nbytes, updates),
             "refit": refit_work(trainable if cfg.policy.lora.enabled else all_params, nbytes) if refitted else Work()}
-    for name in ("prev", "reference", "teacher"):
-        engine = getattr(run.logprob_engines, name)
+    engines = run.logprob_engines
+    # One teacher on the training ranks scores every row; several split the rows by task or agent, and teacher ranks
+    # of their own run outside this process: their work is not counted (the phase shows its time only).
+    teacher = next(iter(engines.teachers.values())) if len(engines.teachers) == 1 else None
+    for name, engine in (("prev", engines.prev), ("reference", engines.reference), ("teacher", teacher)):
         if engine is not None:
             work[f"logprob_{name}"] = forward_work(engine_shape(engine, nbytes), groups)
     return work

@@ -40,11 +40,11 @@ def fake_backend(group, calls: list) -> VllmGeneration:
     from grpo.config import MasterConfig
 
     gen = VllmGeneration.__new__(VllmGeneration)
-    gen._tp_group, gen._refitted, gen._asleep, gen.recorder = group, True, False, []
+    gen._tp_group, gen._refitted, gen._asleep, gen.recorder, gen.images = group, True, False, [], None
     gen.cfg = MasterConfig.model_validate({"policy": {"max_total_sequence_length": 16,
                                                       "generation": {"max_new_tokens": 4}}})
     gen.sampling = gen.cfg.policy.generation.sampling()
-    gen._run_engine = lambda p, s, greedy, sampling, caps, stops: fake_engine(calls)(p, s)
+    gen._run_engine = lambda p, s, greedy, sampling, caps, stops, media: fake_engine(calls)(p, s)
     return gen
 
 

@@ -33,7 +33,11 @@ READ_ONLY_BY_THE_SCHEMA = {
         "NeMo-RL's name; grpo.config.generation_ranks turns it into the number of generation ranks, which "
         "grpo/run/serving.py's start_split uses",
     "policy.generation.colocated.resources.num_nodes": "the same: generation_ranks",
-    "policy.generation.colocated.enabled": "the same: generation_ranks (0 when true: every rank trains and generates)",
+    "on_policy_distillation.non_colocated_teachers.enabled":
+        "NeMo-RL's name; grpo.config.teacher_ranks turns it into the number of teacher ranks (0 when false), which "
+        "grpo/run/run_setup.py's split uses",
+    "on_policy_distillation.non_colocated_teachers.default_teacher_cfg.gpus_per_node": "the same: teacher_ranks",
+    "on_policy_distillation.non_colocated_teachers.default_teacher_cfg.num_nodes": "the same: teacher_ranks",
     "policy.sequence_packing.logprob_mb_tokens":
         "read through grpo.config.PolicyConfig.mb_tokens('logprob') (null: max_total_sequence_length x "
         "logprob_batch_size), which grpo/system/training.py token_batching calls for the logprob passes",
