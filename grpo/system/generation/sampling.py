@@ -22,12 +22,13 @@ def filter_logits(logits_bv: torch.Tensor, temperature: float = 1.0, top_k: int 
                   top_p: float = 1.0) -> torch.Tensor:
     """The logits actually sampled from (fp32); removed tokens are -inf.
 
-    x = logits / temperature, then the top-k / top-p filter of `grpo.logprobs.filter_keep_mask`.
+    x = logits / temperature, then the top-k / top-p filter of `grpo.logprobs.filter_keep_mask`. With nothing to do
+    (fp32 logits, temperature 1, no filter) it is ``logits_bv`` itself, not a copy.
 
         >>> filter_logits(torch.tensor([[0.0, 1.0, 2.0]]), top_k=2)
         tensor([[-inf, 1., 2.]])
     """
-    x_bv = logits_bv.float() / temperature
+    x_bv = logits_bv.float() if temperature == 1.0 else logits_bv.float() / temperature  # x / 1 is x, bit for bit
     if top_k is None and top_p >= 1.0:
         return x_bv
     return x_bv.masked_fill(~filter_keep_mask(x_bv, top_k, top_p), float("-inf"))
@@ -41,9 +42,12 @@ def processed_logprobs(logits_bv: torch.Tensor, tokens_b: torch.Tensor, temperat
 
 
 def gumbel_noise(generators: Sequence[torch.Generator], vocab: int, device) -> torch.Tensor:
-    """[B, V] standard Gumbel noise, row b from ``generators[b]``: G = -log(E), E ~ Exp(1)."""
-    rows = [torch.empty(vocab, device=device).exponential_(generator=g) for g in generators]
-    return -torch.stack(rows).log()
+    """[B, V] standard Gumbel noise, row b from ``generators[b]``: G = -log(E), E ~ Exp(1), drawn into one tensor
+    row by row (a row's V draws are the same as into a tensor of its own)."""
+    noise_bv = torch.empty((len(generators), vocab), device=device)
+    for row_v, g in zip(noise_bv, generators):
+        row_v.exponential_(generator=g)
+    return noise_bv.log_().neg_()
 
 
 def row_generators(seeds: Sequence[int], device) -> list[torch.Generator]:
