@@ -337,6 +337,8 @@ class HFGeneration(GenerationBackend):
             hf_config = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
                                          eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
                                          bos_token_id=self.tokenizer.bos_token_id)
+            if cache is None:
+                cache = preallocated_cache(self.model, L + max(caps))
             seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
                                           generation_config=hf_config, logits_processor=LogitsProcessorList([sampler]),
                                           stopping_criteria=StoppingCriteriaList([limits]), **images,
