@@ -12,6 +12,11 @@ Two decode loops give the same samples (`policy.generation.hf_drop_finished_rows
 this module's own loop over the model's KV cache, takes ended rows out of the batch and its cache (once they are
 a quarter of it), so a chunk costs about the sum of its samples' lengths rather than its longest sample times its rows; transformers'
 `generate` (false) decodes every row until the chunk's last one ends.
+
+A decode step's work besides the matmuls, and what is done about it (the numbers stay those of transformers' own
+cache and attention, bit for bit): the KV cache is written in place (`PreallocatedLayer`; transformers concatenates,
+copying the whole cache every token), and a grouped-query model's masked attention hands its key/value heads to the
+kernel (`sdpa_sharing_kv_heads`; transformers copies them ``num_key_value_groups`` times first).
 """
 
 from __future__ import annotations
@@ -169,12 +174,13 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     Returns ``(tokens [B, max(caps)], logprobs [B, max(caps)])``: row b's generated tokens (the rest is ``pad_id`` /
     0), ending at its first stop token, its cap, or once its last ``window`` tokens hold one of its stop
     strings (`cut_completion` then finds the exact end). ``cache``: the KV cache of ``ids_bt[:, :-1]`` (a shared
-    prompt's prefill) or None (prefill here). Rows that ended leave the batch once they are `DROP_ENDED_SHARE` of
-    it: their rows of the KV cache (``cache.batch_select_indices``), of the attention mask and their generators; the
-    others' tokens are the same as with them present (each row attends to its own cache only and draws its own
-    noise), and until they leave their tokens are not recorded. A cache that cannot select rows keeps them all. Positions are those transformers' generate gives: the count of the row's
-    earlier tokens under the attention mask, or an M-RoPE model's own (`grpo.system.vision.multimodal_positions`,
-    ``[3, B, L]``; a generated token's are its predecessor's plus one, as the model's rope deltas give).
+    prompt's prefill) or None (prefill here, into a `preallocated_cache`). Rows that ended leave the batch once they
+    are `DROP_ENDED_SHARE` of it: their rows of the KV cache (``cache.batch_select_indices``), of the attention mask
+    and their generators; the others' tokens are the same as with them present (each row attends to its own cache
+    only and draws its own noise), and until they leave their tokens are not recorded. A cache that cannot select
+    rows keeps them all. Positions are those transformers' generate gives: the count of the row's earlier tokens
+    under the attention mask, or an M-RoPE model's own (`grpo.system.vision.multimodal_positions`, ``[3, B, L]``; a
+    generated token's are its predecessor's plus one, as the model's rope deltas give).
     ``images``: the rows' image tensors (`grpo.system.media.collate_media`), given to the prefill only (the KV cache
     holds what they became).
     """
