@@ -70,10 +70,12 @@ class PreallocatedLayer(DynamicLayer):
 
     `DynamicLayer` concatenates every step's keys and values to the cache: a new tensor each token, the whole cache
     copied. Here the first update (the prefill) is kept as given (contiguous, as the concatenation makes it); the
-    next one moves the cache into buffers of ``capacity`` positions (``[B, H, capacity, D]``) and every step writes its
-    positions in place. ``keys`` / ``values`` are views of the filled part: attention reads the same numbers in the
-    same shape. Where the cache outgrows the buffers, or something replaced ``keys`` (transformers' own cache
-    methods), the next update moves it into new ones."""
+    next one moves the cache into buffers (``[B, H, room, D]``) with room for twice its length, up to ``capacity``
+    (the most positions the caller will write), and steps write their positions in place until the room is full
+    (then the buffers move again, as twice as large): a few moves per call instead of one per token, and never more
+    than twice the memory of the filled part (as `DynamicLayer`'s concatenation briefly takes). ``keys`` /
+    ``values`` are views of the filled part: attention reads the same numbers in the same shape. Where something
+    replaced ``keys`` (transformers' own cache methods), the next update moves it into new buffers."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -88,7 +90,7 @@ class PreallocatedLayer(DynamicLayer):
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
         if not self._holds_keys() or end > self._keys_bhcd.shape[-2]:
-            room = max(self.capacity, end) if self._keys_bhcd is None else 2 * end
+            room = min(2 * end, self.capacity) if end <= self.capacity else 2 * end
             self._keys_bhcd, self._values_bhcd = (_with_room(x, room) for x in (self.keys, self.values))
         self._keys_bhcd[:, :, start:end] = key_states
         self._values_bhcd[:, :, start:end] = value_states
