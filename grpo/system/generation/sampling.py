@@ -42,12 +42,9 @@ def processed_logprobs(logits_bv: torch.Tensor, tokens_b: torch.Tensor, temperat
 
 
 def gumbel_noise(generators: Sequence[torch.Generator], vocab: int, device) -> torch.Tensor:
-    """[B, V] standard Gumbel noise, row b from ``generators[b]``: G = -log(E), E ~ Exp(1), drawn into one tensor
-    row by row (a row's V draws are the same as into a tensor of its own)."""
-    noise_bv = torch.empty((len(generators), vocab), device=device)
-    for row_v, g in zip(noise_bv, generators):
-        row_v.exponential_(generator=g)
-    return noise_bv.log_().neg_()
+    """[B, V] standard Gumbel noise, row b from ``generators[b]``: G = -log(E), E ~ Exp(1)."""
+    rows = [torch.empty(vocab, device=device).exponential_(generator=g) for g in generators]
+    return -torch.stack(rows).log()
 
 
 def row_generators(seeds: Sequence[int], device) -> list[torch.Generator]:
