@@ -103,6 +103,12 @@ def test_sampler_rows_depend_only_on_their_seed():
     assert [t[[2, 0]].tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
 
 
+def test_filter_logits_copies_nothing_when_there_is_nothing_to_compute():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(3))
+    assert filter_logits(logits) is logits                         # temperature 1, no filter: the logits themselves
+    assert torch.equal(filter_logits(logits, temperature=0.5), logits / 0.5)
+
+
 def test_length_caps_and_cut_completion():
     assert length_caps([3, 10], 8, 12) == [8, 2]
     with pytest.raises(ValueError, match="prompt 1 has 12 tokens"):
@@ -425,3 +431,96 @@ def test_dropping_finished_rows_with_stop_strings_caps_and_a_shared_prompt_prefi
     assert all(len(o.completion_ids) <= 5 for o in drop[3:6])
     # the shared prompt's prefill (3 distinct prompts), then every row from its last prompt token, then live rows
     assert drop_rows[:2] == [3, 7] and sum(drop_rows[2:]) == sum(len(o.completion_ids) - 1 for o in drop)
+
+
+# --------------------------------------------------------------------------------------------------
+# the decode step's copies: the KV cache written in place, grouped key/value heads given to the kernel
+# --------------------------------------------------------------------------------------------------
+def _kv(seed, batch, length):
+    """Keys and values [batch, 2 heads, length, 4]."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 2, length, 4, generator=g), torch.randn(batch, 2, length, 4, generator=g)
+
+
+def test_the_preallocated_layer_holds_what_transformers_dynamic_layer_holds():
+    from transformers.cache_utils import DynamicLayer
+
+    from grpo.system.generation.hf import PreallocatedLayer
+
+    ours, theirs = PreallocatedLayer(capacity=4), DynamicLayer()
+    steps = [("update", _kv(0, 3, 2)), ("update", _kv(1, 3, 1)), ("select", torch.tensor([2, 0, 0])),
+             ("update", _kv(2, 3, 1)), ("update", _kv(3, 3, 2)),     # past the capacity of 4: the buffers grow
+             ("select", torch.tensor([1])), ("update", _kv(4, 1, 1))]
+    buffer_ptrs = []
+    for op, arg in steps:
+        for layer in (ours, theirs):
+            layer.update(*arg) if op == "update" else layer.batch_select_indices(arg)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), (op, len(buffer_ptrs))
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        buffer_ptrs.append(ours.keys.data_ptr())
+    # a step that fits is written in place (no new tensor); past the room, new buffers
+    assert buffer_ptrs[2] == buffer_ptrs[3] != buffer_ptrs[4] and buffer_ptrs[5] == buffer_ptrs[6]
+    assert ours.keys.shape[-2] == 7
+
+
+def _transformers_own_decode(monkeypatch):
+    """Generation as before: transformers' growing cache and its "sdpa" attention (which copies grouped heads)."""
+    from contextlib import nullcontext
+
+    from grpo.system.generation import hf
+
+    monkeypatch.setattr(hf, "preallocated_cache", lambda model, capacity: None)
+    monkeypatch.setattr(hf, "sharing_kv_heads", nullcontext)
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_decode_writes_its_kv_cache_in_place_and_samples_the_same_numbers(tok, model, monkeypatch, drop):
+    from grpo.system.generation import hf
+
+    monkeypatch.setattr(hf, "DROP_ENDED_SHARE", 2.0)        # no row leaves: one batch, one buffer throughout
+    prompts = encode(tok, PROMPTS)                          # ragged: left padding, so every attention has a mask
+    gen = make_gen(tok, model, hf_drop_finished_rows=drop, temperature=1.3, max_new_tokens=12)
+    key_ptrs = []
+    gen.model.register_forward_hook(
+        lambda m, a, k, out: key_ptrs.append(out.past_key_values.layers[0].keys.data_ptr()), with_kwargs=True)
+    outs = gen.generate(prompts, list(range(6)))
+    assert max(len(o.completion_ids) for o in outs) > 3
+    assert len(set(key_ptrs[1:])) == 1, "a decode step reallocated the KV cache"
+    _transformers_own_decode(monkeypatch)
+    expected = make_gen(tok, model, hf_drop_finished_rows=drop, temperature=1.3, max_new_tokens=12).generate(
+        prompts, list(range(6)))
+    assert [(o.completion_ids, o.logprobs) for o in outs] == [(o.completion_ids, o.logprobs) for o in expected]
+
+
+def test_generation_gives_grouped_heads_to_the_kernel_and_other_forwards_keep_transformers_attention(
+        tok, model, monkeypatch):
+    import threading
+
+    from transformers.integrations import sdpa_attention
+
+    from grpo.system.generation.hf import sharing_kv_heads
+
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    copies = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or real(x, n))
+    prompts = encode(tok, PROMPTS)
+    make_gen(tok, model, max_new_tokens=6).generate(prompts, list(range(6)))
+    assert copies == [], "generation copied the key/value heads"
+    ids, mask = _left_padded(tok, prompts)
+    with torch.no_grad(), sharing_kv_heads():
+        shared_heads = model(input_ids=ids, attention_mask=mask).logits
+    assert copies == []
+    with torch.no_grad():                                   # outside the block: transformers' own, the same numbers
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, shared_heads) and copies
+    copies.clear()
+    with sharing_kv_heads():                                # a forward with autograd (training) keeps transformers'
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    assert copies
+    copies.clear()
+    with torch.no_grad(), sharing_kv_heads():               # another thread (the trainer beside the async loop's)
+        other = threading.Thread(target=torch.no_grad()(lambda: model(input_ids=ids, attention_mask=mask)))
+        other.start()
+        other.join()
+    assert copies
+    model.zero_grad(set_to_none=True)

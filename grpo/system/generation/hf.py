@@ -12,15 +12,24 @@ Two decode loops give the same samples (`policy.generation.hf_drop_finished_rows
 this module's own loop over the model's KV cache, takes ended rows out of the batch and its cache (once they are
 a quarter of it), so a chunk costs about the sum of its samples' lengths rather than its longest sample times its rows; transformers'
 `generate` (false) decodes every row until the chunk's last one ends.
+
+A decode step's work besides the matmuls, and what is done about it (the numbers stay those of transformers' own
+cache and attention, bit for bit): the KV cache is written in place (`PreallocatedLayer`; transformers concatenates,
+copying the whole cache every token), and a grouped-query model's masked attention hands its key/value heads to the
+kernel (`sdpa_sharing_kv_heads`; transformers copies them ``num_key_value_groups`` times first).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (AttentionInterface, DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteria,
+                          StoppingCriteriaList)
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grpo.system.engines import DTYPES, apply_lora
 from grpo.system.weights import iter_gathered_params
@@ -56,6 +65,102 @@ class _RowLimits(StoppingCriteria):
         return done_b
 
 
+class PreallocatedLayer(DynamicLayer):
+    """transformers' `DynamicLayer` whose decode steps write into preallocated room instead of concatenating.
+
+    `DynamicLayer` concatenates every step's keys and values to the cache: a new tensor each token, the whole cache
+    copied. Here the first update (the prefill) is kept as given (contiguous, as the concatenation makes it); the
+    next one moves the cache into buffers (``[B, H, room, D]``) with room for twice its length, up to ``capacity``
+    (the most positions the caller will write), and steps write their positions in place until the room is full
+    (then the buffers move again, as twice as large): a few moves per call instead of one per token, and never more
+    than twice the memory of the filled part (as `DynamicLayer`'s concatenation briefly takes). ``keys`` /
+    ``values`` are views of the filled part: attention reads the same numbers in the same shape. Where something
+    replaced ``keys`` (transformers' own cache methods), the next update moves it into new buffers."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self._keys_bhcd = self._values_bhcd = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            self.keys, self.values = key_states.contiguous(), value_states.contiguous()
+            return self.keys, self.values
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if not self._holds_keys() or end > self._keys_bhcd.shape[-2]:
+            room = min(2 * end, self.capacity) if end <= self.capacity else 2 * end
+            self._keys_bhcd, self._values_bhcd = (_with_room(x, room) for x in (self.keys, self.values))
+        self._keys_bhcd[:, :, start:end] = key_states
+        self._values_bhcd[:, :, start:end] = value_states
+        self.keys, self.values = self._keys_bhcd[:, :, :end], self._values_bhcd[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (their room too, once there are buffers)."""
+        if not self._holds_keys():
+            return super().batch_select_indices(indices)
+        n = self.keys.shape[-2]
+        self._keys_bhcd, self._values_bhcd = self._keys_bhcd[indices], self._values_bhcd[indices]
+        self.keys, self.values = self._keys_bhcd[:, :, :n], self._values_bhcd[:, :, :n]
+
+    def _holds_keys(self) -> bool:
+        """Whether ``keys`` is still the view of the buffers this layer last gave out."""
+        return (self._keys_bhcd is not None and self.keys is not None and self.keys.shape[0] == self._keys_bhcd.shape[0]
+                and self.keys.data_ptr() == self._keys_bhcd.data_ptr())
+
+
+def _with_room(x_bhld: torch.Tensor, room: int) -> torch.Tensor:
+    """``[B, H, room, D]``: ``x_bhld`` in its first L positions, the rest uninitialised."""
+    out_bhrd = x_bhld.new_empty((*x_bhld.shape[:2], room, x_bhld.shape[3]))
+    out_bhrd[:, :, :x_bhld.shape[2]] = x_bhld
+    return out_bhrd
+
+
+def preallocated_cache(model, capacity: int):
+    """A `DynamicCache` for ``model`` whose layers are `PreallocatedLayer`s of ``capacity`` positions; None (the model
+    makes its own cache) where a layer is not plain full attention (sliding windows, linear attention)."""
+    cache = DynamicCache(config=model.config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
+    return cache
+
+
+_generating_here = threading.local()  # .on: this thread is inside `sharing_kv_heads`
+
+
+def sdpa_sharing_kv_heads(module, query, key, value, attention_mask, **kwargs):
+    """transformers' "sdpa" attention (registered in its place), except inside `sharing_kv_heads` without autograd on
+    the CPU: there a grouped-query layer's masked attention hands its key/value heads to the kernel
+    (``enable_gqa=True``, query head h reads key/value head h // groups) where transformers first copies each
+    ``num_key_value_groups`` times (it does so whenever there is a mask). The kernel computes the same numbers."""
+    if (not getattr(_generating_here, "on", False) or torch.is_grad_enabled() or attention_mask is None
+            or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
+            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out_bhqd = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"),
+        enable_gqa=True)
+    return out_bhqd.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("sdpa", sdpa_sharing_kv_heads)
+
+
+@contextmanager
+def sharing_kv_heads():
+    """For the block, this thread's "sdpa" attention shares key/value heads in the kernel (`sdpa_sharing_kv_heads`);
+    other threads (a training step beside the async loop's generation thread) keep transformers' own."""
+    saved = getattr(_generating_here, "on", False)
+    _generating_here.on = True
+    try:
+        yield
+    finally:
+        _generating_here.on = saved
+
+
 # Ended rows leave the batch once they are this share of it. Dropping copies the kept rows' KV cache (as each step's
 # cache append does); rows that ended cost their cache append and attention every step they stay. At 1/4 the copy
 # is repaid within about three steps, and the batch never holds more than 4/3 of its live rows.
@@ -71,12 +176,13 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     Returns ``(tokens [B, max(caps)], logprobs [B, max(caps)])``: row b's generated tokens (the rest is ``pad_id`` /
     0), ending at its first stop token, its cap, or once its last ``window`` tokens hold one of its stop
     strings (`cut_completion` then finds the exact end). ``cache``: the KV cache of ``ids_bt[:, :-1]`` (a shared
-    prompt's prefill) or None (prefill here). Rows that ended leave the batch once they are `DROP_ENDED_SHARE` of
-    it: their rows of the KV cache (``cache.batch_select_indices``), of the attention mask and their generators; the
-    others' tokens are the same as with them present (each row attends to its own cache only and draws its own
-    noise), and until they leave their tokens are not recorded. A cache that cannot select rows keeps them all. Positions are those transformers' generate gives: the count of the row's
-    earlier tokens under the attention mask, or an M-RoPE model's own (`grpo.system.vision.multimodal_positions`,
-    ``[3, B, L]``; a generated token's are its predecessor's plus one, as the model's rope deltas give).
+    prompt's prefill) or None (prefill here, into a `preallocated_cache`). Rows that ended leave the batch once they
+    are `DROP_ENDED_SHARE` of it: their rows of the KV cache (``cache.batch_select_indices``), of the attention mask
+    and their generators; the others' tokens are the same as with them present (each row attends to its own cache
+    only and draws its own noise), and until they leave their tokens are not recorded. A cache that cannot select
+    rows keeps them all. Positions are those transformers' generate gives: the count of the row's earlier tokens
+    under the attention mask, or an M-RoPE model's own (`grpo.system.vision.multimodal_positions`, ``[3, B, L]``; a
+    generated token's are its predecessor's plus one, as the model's rope deltas give).
     ``images``: the rows' image tensors (`grpo.system.media.collate_media`), given to the prefill only (the KV cache
     holds what they became).
     """
@@ -86,7 +192,9 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
     logprobs_bt = torch.zeros((B, T))
     stop_ids = torch.tensor(stop_token_ids, device=device)
     caps_b = torch.tensor(caps, device=device)
+    L = ids_bt.shape[1]
     if cache is None:                                     # prefill every prompt token
+        cache = preallocated_cache(model, L + T)
         step_ids = ids_bt
         positions = multimodal_positions(model, ids_bt, mask_bt, images or {}).get(
             "position_ids", (mask_bt.cumsum(-1) - 1).masked_fill(mask_bt == 0, 0))
@@ -95,10 +203,10 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
         positions = mask_bt.sum(-1, keepdim=True) - 1
     rows_a = torch.arange(B, device=device)               # the samples still in the batch, in batch order
     alive_a = torch.ones(B, dtype=torch.bool, device=device)  # not ended (all of them once ended rows are dropped)
-    mask_al = mask_bt
+    mask_ac = torch.cat([mask_bt, mask_bt.new_ones((B, T))], dim=1)  # step t attends to the first L + t positions
     for t in range(T):
-        out = model(input_ids=step_ids, attention_mask=mask_al, position_ids=positions, past_key_values=cache,
-                    use_cache=True, **((images or {}) if t == 0 else {}))
+        out = model(input_ids=step_ids, attention_mask=mask_ac[:, :L + t], position_ids=positions,
+                    past_key_values=cache, use_cache=True, **((images or {}) if t == 0 else {}))
         cache = out.past_key_values
         if cache is None:
             raise RuntimeError(f"HFGeneration: {type(model).__name__} returned no KV cache; generate with "
@@ -120,9 +228,8 @@ def decode_dropping_finished(model, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
         if n_ended and n_ended >= DROP_ENDED_SHARE * len(rows_a) and hasattr(cache, "batch_select_indices"):
             keep = alive_a.nonzero()[:, 0]                   # drop the rows that ended
             cache.batch_select_indices(keep)
-            rows_a, alive_a, mask_al, tok_a = (x[keep] for x in (rows_a, alive_a, mask_al, tok_a))
+            rows_a, alive_a, mask_ac, tok_a = (x[keep] for x in (rows_a, alive_a, mask_ac, tok_a))
             positions = positions.index_select(-2, keep)  # [B, 1] or M-RoPE's [3, B, 1]
-        mask_al = torch.cat([mask_al, mask_al.new_ones((mask_al.shape[0], 1))], dim=1)
         step_ids, positions = tok_a[:, None], positions[..., -1:] + 1
     return tokens_bt, logprobs_bt
 
@@ -140,7 +247,8 @@ def _generating(model, generation_config):
     model.eval()
     model.generation_config = generation_config
     try:
-        yield
+        with sharing_kv_heads():
+            yield
     finally:
         model.generation_config = saved
         model.train(training)
@@ -225,7 +333,7 @@ class HFGeneration(GenerationBackend):
         sampler = SeededSampler(seeds, sampling.temperature, sampling.top_k, sampling.top_p, greedy, self.device)
         ids_bt, mask_bt = ids_bt.to(self.device), mask_bt.to(self.device)
         images = image_keywords(self.model, media, self.device)  # rows in order: each row's placeholders, its images
-        cache = self._shared_prompt_cache(ids_bt, mask_bt) if not images and shares_prompts(
+        cache = self._shared_prompt_cache(ids_bt, mask_bt, max(caps)) if not images and shares_prompts(
             self.cfg.shared_prompt_forward, self.model) else None
         if self.cfg.generation.hf_drop_finished_rows:
             new_bt, lp_bt = decode_dropping_finished(
@@ -237,6 +345,8 @@ class HFGeneration(GenerationBackend):
             hf_config = GenerationConfig(max_new_tokens=max(caps), do_sample=False, num_beams=1, use_cache=True,
                                          eos_token_id=self.stop_token_ids, pad_token_id=self.pad_id,
                                          bos_token_id=self.tokenizer.bos_token_id)
+            if cache is None:
+                cache = preallocated_cache(self.model, L + max(caps))
             seqs_bt = self.model.generate(input_ids=ids_bt, attention_mask=mask_bt, past_key_values=cache,
                                           generation_config=hf_config, logits_processor=LogitsProcessorList([sampler]),
                                           stopping_criteria=StoppingCriteriaList([limits]), **images,
@@ -257,7 +367,7 @@ class HFGeneration(GenerationBackend):
                                             text=self._decode(ids[:n])))
         return outputs
 
-    def _shared_prompt_cache(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor):
+    def _shared_prompt_cache(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor, max_new: int = 0):
         """The KV cache of the chunk's left-padded prompts but their last token, each distinct prompt computed
         once and copied to the rows that share it (G samples of a prompt: (G - 1) / G of the prefill saved);
         None when no prompt repeats. `generate` then runs from the prompts' last token, as it would after its
@@ -268,7 +378,8 @@ class HFGeneration(GenerationBackend):
         first_u = torch.tensor(first, device=ids_bt.device)
         ids_ul, mask_ul = ids_bt[first_u, :-1], mask_bt[first_u, :-1]
         positions_ul = (mask_ul.cumsum(-1) - 1).masked_fill(mask_ul == 0, 1)
-        out = self.model(input_ids=ids_ul, attention_mask=mask_ul, position_ids=positions_ul, use_cache=True)
+        out = self.model(input_ids=ids_ul, attention_mask=mask_ul, position_ids=positions_ul, use_cache=True,
+                         past_key_values=preallocated_cache(self.model, ids_bt.shape[1] + max_new))
         return cache_for_rows(out, torch.tensor(row_prompt, device=ids_bt.device))
 
     def refit(self, engine) -> float:

@@ -22,12 +22,13 @@ def filter_logits(logits_bv: torch.Tensor, temperature: float = 1.0, top_k: int 
                   top_p: float = 1.0) -> torch.Tensor:
     """The logits actually sampled from (fp32); removed tokens are -inf.
 
-    x = logits / temperature, then the top-k / top-p filter of `grpo.logprobs.filter_keep_mask`.
+    x = logits / temperature, then the top-k / top-p filter of `grpo.logprobs.filter_keep_mask`. With nothing to do
+    (fp32 logits, temperature 1, no filter) it is ``logits_bv`` itself, not a copy.
 
         >>> filter_logits(torch.tensor([[0.0, 1.0, 2.0]]), top_k=2)
         tensor([[-inf, 1., 2.]])
     """
-    x_bv = logits_bv.float() / temperature
+    x_bv = logits_bv.float() if temperature == 1.0 else logits_bv.float() / temperature  # x / 1 is x, bit for bit
     if top_k is None and top_p >= 1.0:
         return x_bv
     return x_bv.masked_fill(~filter_keep_mask(x_bv, top_k, top_p), float("-inf"))
