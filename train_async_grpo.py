@@ -75,7 +75,7 @@ def main(argv=None) -> int | None:
         batch, metrics, timing = took.batch, took.metrics, took.timing
 
         # ---- the step budget: too few samples got a score -> the step is skipped, counted, logged ---------
-        if not run.checks.rollouts.trainable(batch.scored_b[batch.first_rows()]):  # each sample once
+        if not run.checks.rollouts.trainable(batch.scored_samples()):  # each sample once
             gen.publish(step, trained=False)
             end = skip_step(run, step, end, batch, metrics, gen.trained_mark.epoch,
                             lambda: gen.trained_mark.loader, gen.replay_extra)

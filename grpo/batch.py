@@ -126,6 +126,10 @@ class TrainBatch:
         """The trajectories of the batch, each sample once (its first row's)."""
         return [t for t, k in zip(self.trajectories, self.branch_b.tolist()) if k == 0]
 
+    def scored_samples(self) -> torch.Tensor:
+        """bool ``[S]``: ``scored_b`` of each sample once (its first row's): what the rollout budget counts."""
+        return self.scored_b[self.first_rows()]
+
 
 def first_row_index(batch: TrainBatch) -> torch.Tensor:
     """long ``[B]``: for each row, the index of its sample's first row (a first row: itself). A branch row's sample

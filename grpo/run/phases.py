@@ -97,7 +97,7 @@ def collect_rollouts(run: Run, prompts, step: int, timing: dict) -> Collected:
         if not g.use_dynamic_sampling:
             break
         gathered = batch
-        if not budget.trainable(batch.scored_b[batch.first_rows()]):  # too many failures: draw more prompts
+        if not budget.trainable(batch.scored_samples()):  # too many failures: draw more prompts
             short += 1
             batch = batch.replace(valid_b=torch.zeros_like(batch.valid_b))  # no group of it is kept
         # DAPO: keep whole groups whose (unshaped) rewards differ; regenerate until the batch is full.
@@ -116,7 +116,7 @@ def collect_rollouts(run: Run, prompts, step: int, timing: dict) -> Collected:
     metrics = {**{f"train/{k}": v for k, v in metrics.items()}, **counts}
     if stop_requested(run):  # a stop signal: abandon the step now rather than after training
         return Collected(Outcome.ABANDONED)
-    if not budget.trainable(batch.scored_b[batch.first_rows()]):
+    if not budget.trainable(batch.scored_samples()):
         return Collected(Outcome.SKIP, batch, metrics)
     budget.trained()
     return Collected(Outcome.TRAIN, batch, metrics)

@@ -128,7 +128,7 @@ def skip_step(run: Run, step: int, last: StepEnd, batch, metrics: dict, epoch: i
     budget = run.checks.rollouts
     stop = budget.skipped(batch.samples())
     record_step(run.state, batch, step, trained=False)
-    run.logger.write(budget.skip_note(step, batch.scored_b[batch.first_rows()]))
+    run.logger.write(budget.skip_note(step, batch.scored_samples()))
     run.logger.log({**metrics, **budget.metrics(), "train/skipped_step": 1}, step)
     dump_rollouts(run, "train", step, batch.trajectories, batch)
     run.state.current_epoch = epoch

@@ -175,6 +175,15 @@ def broadcast_object(item, group=None):
     return box[0]
 
 
+def raise_agreed(error: str | None, doing: str, error_type: type[Exception], group=None) -> None:
+    """Rank 0's ``error`` (what it heard over a bridge, or None) on every rank of ``group`` (`broadcast_object`),
+    raised there as ``error_type("<doing>: <error>")``: every rank stops with the same line, none waits in a later
+    collective. A collective of ``group``."""
+    error = broadcast_object(error, group)
+    if error is not None:
+        raise error_type(f"{doing}: {error}")
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (a collective)."""
     import torch

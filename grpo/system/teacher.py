@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.system.bridge import Bridge, BridgeError
-from grpo.system.dist import broadcast_object
+from grpo.system.dist import broadcast_object, raise_agreed
 
 logger = logging.getLogger(__name__)
 
@@ -199,9 +199,8 @@ class RemoteTeacher:
         return broadcast_object(item, self.group)
 
     def _agree(self, error: str | None, doing: str) -> None:
-        error = self._broadcast(error)
-        if error is not None:
-            raise TeacherError(f"{doing}: {error}")
+        """Trainer 0's ``error`` on every trainer, raised as `TeacherError` (a collective)."""
+        raise_agreed(error, doing, TeacherError, self.group)
 
 
 def connect_teacher(cfg, layout) -> RemoteTeacher:

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from grpo.system.bridge import Bridge, BridgeError
-from grpo.system.dist import broadcast_object
+from grpo.system.dist import broadcast_object, raise_agreed
 from grpo.batch import rank_slice
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, length_caps, per_sample_stops
 from grpo.system.media import pack_media, unpack_media
@@ -359,9 +359,7 @@ class RemoteGeneration(GenerationBackend):
         """Trainer 0's ``error`` on every trainer, raised as `grpo.system.rollout.RolloutError` (a collective)."""
         from grpo.system.rollout import RolloutError
 
-        error = self._broadcast(error)
-        if error is not None:
-            raise RolloutError(f"{doing}: {error}")
+        raise_agreed(error, doing, RolloutError, self.group)
 
 
 def generate_command(prompts, seeds, caps, stops, greedy: bool, sampling, media: list | None, sl: slice) -> dict:

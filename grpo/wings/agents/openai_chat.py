@@ -38,6 +38,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from grpo.tasks.nemo_gym import TOKEN_FIELDS
 from grpo.tasks.tool_calls import HERMES_CLOSE, HERMES_OPEN, parse_tool_calls
 
 # NeMo-RL's floor of a returned logprob (nemo_rl/models/generation/vllm/utils.py VLLM_LOGPROB_FLOOR).
@@ -216,7 +217,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for m in messages:
         d = {k: v for k, v in m.model_dump(exclude_none=True).items()
-             if k not in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
+             if k not in TOKEN_FIELDS}
         content = d.get("content")
         if isinstance(content, list) and any(part.get("type") == IMAGE_PART for part in content):
             d["content"] = [{"type": "image"} if part.get("type") == IMAGE_PART else  # as the data path's rows

@@ -39,10 +39,10 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from grpo.tasks.nemo_gym import TOKEN_FIELDS
 from grpo.wings.agents.openai_chat import ChatRequest, RequestError, tool_call
 
 RESPONSES_KEPT = 64  # responses remembered per key (a sample's or the run's): what previous_response_id can name
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PARTS = ("input_text", "output_text", "text")  # text parts (output_text: an assistant message handed back)
