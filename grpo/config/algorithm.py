@@ -499,7 +499,8 @@ def loaded_teachers(opd: "OnPolicyDistillationConfig") -> list[str]:
         ...     "math": "m", "chat": "m", "code": "c"}))
         ['math', 'code']
     """
-    return list(dict.fromkeys(shared_teachers(teacher_models(opd), opd.deduplicate_shared_teacher_checkpoints).values()))
+    primary = shared_teachers(teacher_models(opd), opd.deduplicate_shared_teacher_checkpoints)
+    return list(dict.fromkeys(primary.values()))
 
 
 def ranks_per_teacher(opd: "OnPolicyDistillationConfig") -> int:

@@ -20,13 +20,13 @@ def start_split(cfg):
     from grpo.system.engines import local_world_size
 
     launched, n_teacher = int(os.environ.get("WORLD_SIZE", "1")), teacher_ranks(cfg.on_policy_distillation)
+    teachers = max(len(loaded_teachers(cfg.on_policy_distillation)), 1)  # a block of teacher ranks each
     problem = (cluster_mismatch(cfg.cluster, launched, local_world_size())
-               or generation_split_problem(cfg.policy.generation, launched, n_teacher))
+               or generation_split_problem(cfg.policy.generation, launched, n_teacher, teachers))
     if problem is not None:
         raise RunError(problem.removeprefix("error: "))
     try:
-        return init_split(generation_ranks(cfg.policy.generation), num_teacher=n_teacher,
-                          teacher_groups=max(len(loaded_teachers(cfg.on_policy_distillation)), 1))
+        return init_split(generation_ranks(cfg.policy.generation), num_teacher=n_teacher, teacher_groups=teachers)
     except EnvMismatch as err:
         raise RunError(str(err)) from None
 

@@ -157,7 +157,8 @@ class RemoteTeacher:
 
         from grpo.config import loaded_teachers
 
-        self.opd, self.layout, self.bridge, self.num_ranks = cfg.on_policy_distillation, layout, bridge, layout.num_teacher
+        self.opd, self.layout, self.bridge = cfg.on_policy_distillation, layout, bridge
+        self.num_ranks = layout.num_teacher
         self.aliases = loaded_teachers(self.opd)
         self.per = self.num_ranks // len(self.aliases)
         self.group = dist.new_group(backend="gloo") if layout.world_size > 1 else None
@@ -165,7 +166,7 @@ class RemoteTeacher:
         error = bridge_error
         if bridge is not None:
             timeout = max(START_TIMEOUT_S, bridge.timeout_s)
-            error = "; ".join(e for e in (self._answers(g, timeout)[1] for g in range(len(self.aliases))) if e) or None
+            error = joined(self._answers(g, timeout)[1] for g in range(len(self.aliases)))
         self._agree(error, "starting the teacher ranks")
 
     def bridge_ranks(self, teacher: int) -> range:
@@ -228,7 +229,7 @@ class RemoteTeacher:
                 out_bt = lp_bt
             else:
                 out_bt[index] = lp_bt
-        return (None, "; ".join(errors)) if errors else (out_bt, None)
+        return (None, joined(errors)) if errors else (out_bt, None)
 
     def close(self) -> None:
         """Tell the teacher ranks to exit (trainer 0; nothing when the bridge already failed)."""
@@ -277,6 +278,15 @@ class RemoteTeacher:
     def _agree(self, error: str | None, doing: str) -> None:
         """Trainer 0's ``error`` on every trainer, raised as `TeacherError` (a collective)."""
         raise_agreed(error, doing, TeacherError, self.group)
+
+
+def joined(errors) -> str | None:
+    """The teachers' error messages as one, each once (a broken bridge answers every later call alike), or None.
+
+        >>> joined(["a", None, "b", "a"]), joined([None])
+        ('a; b', None)
+    """
+    return "; ".join(dict.fromkeys(e for e in errors if e)) or None
 
 
 def connect_teacher(cfg, layout) -> RemoteTeacher:
@@ -343,8 +353,9 @@ def teacher_settings(cfg, engine):
 
 
 def _run_score(cfg, policy_cfg, engine, request: ScoreRequest, layout) -> tuple[str, object]:
-    """One score command: every rank of the teacher's block scores its share (a collective of the block); the block's
-    rank 0 answers ``("ok", logprobs [b, T'])``, the others ``("ok", None)``; a failure answers ``("error", message)``."""
+    """One score command: every rank of the teacher's block scores its share (a collective of the block); the
+    block's rank 0 answers ``("ok", logprobs [b, T'])``, the others ``("ok", None)``; a failure answers
+    ``("error", message)``."""
     from grpo.system.training import frozen_logprobs
 
     try:

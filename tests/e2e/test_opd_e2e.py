@@ -79,11 +79,12 @@ def run_with_two_teachers(tmp: Path, script: str, *extra: str, ranks: int = 1):
          "on_policy_distillation.default_teacher_alias=arithmetic"], threads=1 if ranks > 1 else 2)
 
 
-@pytest.mark.slow  # three processes: 16 s on an idle machine, more than the default suite has room for
-def test_teachers_on_ranks_of_their_own_score_each_row_with_its_tasks_teacher(tmp_path):
+@pytest.mark.slow  # three processes: 16-23 s per loop, more than the default suite has room for
+@pytest.mark.parametrize("script", ["train_grpo", "train_async_grpo"])
+def test_teachers_on_ranks_of_their_own_score_each_row_with_its_tasks_teacher(tmp_path, script):
     """NeMo-RL's MOPD with non_colocated_teachers: toy:tiny and toy:small on a teacher rank each (torchrun, 3 ranks:
     1 train, 2 teach); trainer 0 sends each teacher its rows and puts the answers back in row order."""
-    p = run_with_two_teachers(tmp_path, "train_grpo", "on_policy_distillation.non_colocated_teachers.enabled=true",
+    p = run_with_two_teachers(tmp_path, script, "on_policy_distillation.non_colocated_teachers.enabled=true",
                               "on_policy_distillation.non_colocated_teachers.default_teacher_cfg.gpus_per_node=1",
                               ranks=3)
     assert ("3 ranks: 1 train, 2 teach (on_policy_distillation.non_colocated_teachers: 'arithmetic' on teacher "

@@ -311,8 +311,8 @@ def test_nemo_rl_mopd_keys_translate_with_the_teachers_on_ranks_of_their_own(tmp
     assert teacher_ranks(cfg.on_policy_distillation) == 4  # one checkpoint (deduplicated): one block of 4
     assert "Megatron parallel sizes" in {key: why for _, key, why in table}[
         "on_policy_distillation.non_colocated_teachers.default_teacher_cfg"]
-    with pytest.raises(ConfigError, match=r"non_colocated_teachers\.teacher_overrides=\{'math': \{'gpus_per_node': 4\}\}: "
-                                          r"per-teacher sizes"):
+    with pytest.raises(ConfigError, match=r"non_colocated_teachers\.teacher_overrides="
+                                          r"\{'math': \{'gpus_per_node': 4\}\}: per-teacher sizes"):
         load_recipe(mopd_recipe(tmp_path, non_colocated=True), [
             "+on_policy_distillation.non_colocated_teachers.teacher_overrides.math.gpus_per_node=4"])
     with pytest.raises(ConfigError, match=r"on_policy_distillation\.use_orm_advantage=True: NeMo-RL 7ea279a reads"):

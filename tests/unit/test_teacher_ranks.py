@@ -258,11 +258,11 @@ def test_teachers_by_agent_that_do_not_fit_the_launch_fail_naming_the_key_and_th
         MasterConfig.model_validate(mopd(gpus_per_node=8, cluster={"num_nodes": 3, "gpus_per_node": 8}, policy={
             "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 8, "num_nodes": 1}}}}))
     n = teacher_ranks(MasterConfig.model_validate(mopd()).on_policy_distillation)
-    assert generation_split_problem(GenerationConfig(), 2, num_teacher=n) == (
-        "on_policy_distillation.non_colocated_teachers.default_teacher_cfg: 2 teacher ranks of the 2 the launcher "
-        "started leave none to train")
+    assert generation_split_problem(GenerationConfig(), 2, num_teacher=n, teachers=2) == (
+        "on_policy_distillation.non_colocated_teachers.default_teacher_cfg: 2 teacher ranks (1 per teacher x 2 "
+        "teachers) of the 2 the launcher started leave none to train")
     with pytest.raises(ValueError, match=r"teacher_overrides=\{'b': \{'gpus_per_node': 4\}\}: expected \{\}"):
-        MasterConfig.model_validate({"on_policy_distillation": {**mopd()["on_policy_distillation"], "non_colocated_teachers": {
+        MasterConfig.model_validate({"on_policy_distillation": {**MOPD, "non_colocated_teachers": {
             "enabled": True, "teacher_overrides": {"b": {"gpus_per_node": 4}}}}})
 
 
