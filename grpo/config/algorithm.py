@@ -526,7 +526,8 @@ def teacher_ranks(opd: "OnPolicyDistillationConfig") -> int:
 
 
 class OnPolicyDistillationConfig(_Section):
-    """On-policy distillation from frozen teachers on the training ranks. Two shapes:
+    """On-policy distillation from frozen teachers, on the training ranks or on ranks of their own
+    (``non_colocated_teachers``). Two shapes:
 
     - grpo-ds's: one ``teacher_model_name``, its reverse KL added to the estimator's advantages with ``kl_coef``;
     - NeMo-RL's multi-teacher (MOPD): ``teacher_model_by_agent_name`` (alias -> checkpoint), each row scored by the
@@ -571,7 +572,7 @@ class OnPolicyDistillationConfig(_Section):
             check_toy_model(model, f"on_policy_distillation.teacher_model_by_agent_name.{alias}")
         return v
     non_colocated_teachers: NonColocatedTeachersConfig = Field(
-        default_factory=NonColocatedTeachersConfig, description="The teacher on ranks of its own (NeMo-RL's).")
+        default_factory=NonColocatedTeachersConfig, description="The teachers on ranks of their own (NeMo-RL's).")
 
     @model_validator(mode="after")
     def _check(self) -> "OnPolicyDistillationConfig":

@@ -1,7 +1,9 @@
 """The distillation teacher on ranks of its own (on_policy_distillation.non_colocated_teachers): the padding to the
 training width, the rank layout, the config's launch rules, and trainer 0's side against a real teacher rank (a
 second process on the teacher bridge: it scores what the training rank's teacher scores; one that cannot load, dies
-or hangs stops the trainers with one line, never a wait)."""
+or hangs stops the trainers with one line, never a wait); teachers by agent or task on a block of teacher ranks each
+(trainer 0 against real processes on the teacher bridge that answer what they were sent: the routing and the row
+order, an alias's rank that dies or hangs named with its alias)."""
 
 from __future__ import annotations
 
