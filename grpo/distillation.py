@@ -16,21 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Optional
 
+from grpo.config.algorithm import SINGLE_TEACHER, shared_teachers, teacher_models  # noqa: F401 (re-exported)
+
 if TYPE_CHECKING:
     from grpo.config import OnPolicyDistillationConfig
-
-SINGLE_TEACHER = "teacher"  # the alias of grpo-ds's own single teacher (on_policy_distillation.teacher_model_name)
-
-
-def teacher_models(opd_cfg: OnPolicyDistillationConfig) -> dict[str, str]:
-    """Alias -> checkpoint of the teachers an ``on_policy_distillation`` config names: its
-    ``teacher_model_by_agent_name``, or ``{"teacher": teacher_model_name}`` (grpo-ds's single teacher); {} when off."""
-    if not opd_cfg.enabled:
-        return {}
-    if opd_cfg.teacher_model_by_agent_name:
-        return dict(opd_cfg.teacher_model_by_agent_name)
-    return {SINGLE_TEACHER: opd_cfg.teacher_model_name}
-
 
 def routing(opd_cfg: OnPolicyDistillationConfig) -> tuple[dict[str, str], Optional[str], bool]:
     """``(alias -> checkpoint, default alias, strict)`` of a config: the single teacher takes every row."""
@@ -93,20 +82,6 @@ def resolve_teacher_aliases(keys: Sequence[str], teacher_model_by_agent_name: Ma
                              f"(available: {sorted(teacher_model_by_agent_name)}) and no "
                              "on_policy_distillation.default_teacher_alias")
     return aliases
-
-
-def shared_teachers(teacher_models: Mapping[str, str], deduplicate: bool = True) -> dict[str, str]:
-    """Alias -> the alias whose loaded teacher it uses: with ``deduplicate``, the first alias naming the same
-    checkpoint (compared as written, as NeMo-RL's ``create_teacher_configs_from_opd_config``); else itself.
-
-        >>> shared_teachers({"a": "m", "b": "m"}, deduplicate=False)
-        {'a': 'a', 'b': 'b'}
-    """
-    first: dict[str, str] = {}
-    out = {}
-    for alias, model in teacher_models.items():
-        out[alias] = first.setdefault(model, alias) if deduplicate else alias
-    return out
 
 
 def rows_by_teacher(keys: Sequence[str], opd_cfg: OnPolicyDistillationConfig) -> dict[str, list[int]]:

@@ -23,7 +23,8 @@ from grpo.config.algorithm import (AdvEstimatorConfig, AsyncGRPOConfig, ClippedP
                                    NEMO_RL_PENALTY_FLAGS, NonColocatedTeachersConfig, OnPolicyDistillationConfig,
                                    RewardPenaltyConfig, RewardPenaltyTokenIdsConfig, RewardScalingConfig,
                                    RewardShapingConfig, RolloutFailureConfig, TeacherResourcesConfig,
-                                   reward_penalties_without_nemo_gym, teacher_ranks)
+                                   reward_penalties_without_nemo_gym, teacher_ranks,
+                                   loaded_teachers, ranks_per_teacher)
 from grpo.config.policy import (CHAT_TEMPLATE_ARGS_SET_BY_GRPO, ColocatedConfig, ColocatedResourcesConfig,
                                 DynamicBatchingConfig, GenerationConfig, HttpServerConfig, LoraConfig, OptimizerConfig,
                                 PolicyConfig, REASONING_PARSERS, Sampling, SchedulerConfig, SequencePackingConfig,
@@ -44,6 +45,7 @@ __all__ = [
     "ClippedPGLossConfig", "GRPOConfig", "NEMO_RL_PENALTY_FLAGS", "OnPolicyDistillationConfig", "RewardPenaltyConfig",
     "RewardPenaltyTokenIdsConfig", "RewardScalingConfig", "RewardShapingConfig", "RolloutFailureConfig",
     "reward_penalties_without_nemo_gym", "NonColocatedTeachersConfig", "TeacherResourcesConfig", "teacher_ranks",
+    "loaded_teachers", "ranks_per_teacher",
     "check_teacher_resources", "CHAT_TEMPLATE_ARGS_SET_BY_GRPO", "ColocatedConfig",
     "ColocatedResourcesConfig", "DynamicBatchingConfig", "GenerationConfig", "HttpServerConfig", "LoraConfig",
     "OptimizerConfig", "PolicyConfig", "REASONING_PARSERS", "Sampling", "SchedulerConfig", "SequencePackingConfig",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -436,36 +437,97 @@ class TeacherResourcesConfig(_Section):
 
 
 class NonColocatedTeachersConfig(_Section):
-    """NeMo-RL's ``on_policy_distillation.non_colocated_teachers``: the teacher on ranks of its own
-    (`grpo.system.teacher`) instead of on the training ranks."""
+    """NeMo-RL's ``on_policy_distillation.non_colocated_teachers``: the teachers on ranks of their own
+    (`grpo.system.teacher`) instead of on the training ranks: each loaded teacher (`loaded_teachers`) gets
+    ``default_teacher_cfg``'s ranks, the teachers' blocks one after the other (`teacher_ranks`)."""
 
     enabled: bool = Field(False, description=(
-        "true: the teacher runs on ranks of its own (default_teacher_cfg's), which score each step's batch while "
-        "the trainers score the previous policy and the reference; false: on the training ranks, like the "
-        "reference."))
+        "true: each teacher runs on ranks of its own (default_teacher_cfg's, per teacher), which score their rows of "
+        "each step's batch while the trainers score the previous policy and the reference; false: on the training "
+        "ranks, like the reference."))
     default_teacher_cfg: TeacherResourcesConfig = Field(
-        default_factory=TeacherResourcesConfig, description="The teacher's ranks.")
+        default_factory=TeacherResourcesConfig, description="Each teacher's ranks.")
+    teacher_overrides: dict[str, dict] = Field(default_factory=dict, description=(
+        "NeMo-RL's per-alias resources: refused when not empty (every teacher gets default_teacher_cfg's ranks)."))
     timeout_s: float = Field(600.0, gt=0, description=(
         "grpo-ds: seconds trainer rank 0 waits for the teacher ranks' logprobs of a step before it stops the run "
         "naming them as hung."))
 
+    @field_validator("teacher_overrides")
+    @classmethod
+    def _no_overrides(cls, v: dict) -> dict:
+        if v:
+            raise ValueError(f"on_policy_distillation.non_colocated_teachers.teacher_overrides={v!r}: expected {{}} "
+                             "(grpo-ds gives every teacher default_teacher_cfg's ranks; size those for the largest "
+                             "teacher)")
+        return v
+
+
+SINGLE_TEACHER = "teacher"  # the alias of grpo-ds's own single teacher (on_policy_distillation.teacher_model_name)
+
+
+def teacher_models(opd_cfg: "OnPolicyDistillationConfig") -> dict[str, str]:
+    """Alias -> checkpoint of the teachers an ``on_policy_distillation`` config names: its
+    ``teacher_model_by_agent_name``, or ``{"teacher": teacher_model_name}`` (grpo-ds's single teacher); {} when off."""
+    if not opd_cfg.enabled:
+        return {}
+    if opd_cfg.teacher_model_by_agent_name:
+        return dict(opd_cfg.teacher_model_by_agent_name)
+    return {SINGLE_TEACHER: opd_cfg.teacher_model_name}
+
+
+def shared_teachers(teacher_models: Mapping[str, str], deduplicate: bool = True) -> dict[str, str]:
+    """Alias -> the alias whose loaded teacher it uses: with ``deduplicate``, the first alias naming the same
+    checkpoint (compared as written, as NeMo-RL's ``create_teacher_configs_from_opd_config``); else itself.
+
+        >>> shared_teachers({"a": "m", "b": "m"}, deduplicate=False)
+        {'a': 'a', 'b': 'b'}
+    """
+    first: dict[str, str] = {}
+    out = {}
+    for alias, model in teacher_models.items():
+        out[alias] = first.setdefault(model, alias) if deduplicate else alias
+    return out
+
+
+def loaded_teachers(opd: "OnPolicyDistillationConfig") -> list[str]:
+    """The primary aliases of the teachers a run loads, in the map's order (one per checkpoint under
+    ``deduplicate_shared_teacher_checkpoints``); on ranks of their own, teacher i runs on the i-th block of
+    `ranks_per_teacher` teacher ranks.
+
+        >>> loaded_teachers(OnPolicyDistillationConfig(enabled=True, teacher_model_by_agent_name={
+        ...     "math": "m", "chat": "m", "code": "c"}))
+        ['math', 'code']
+    """
+    primary = shared_teachers(teacher_models(opd), opd.deduplicate_shared_teacher_checkpoints)
+    return list(dict.fromkeys(primary.values()))
+
+
+def ranks_per_teacher(opd: "OnPolicyDistillationConfig") -> int:
+    """Ranks of one teacher on ranks of its own: ``default_teacher_cfg.gpus_per_node x num_nodes``."""
+    t = opd.non_colocated_teachers.default_teacher_cfg
+    return t.gpus_per_node * t.num_nodes
+
 
 def teacher_ranks(opd: "OnPolicyDistillationConfig") -> int:
-    """How many ranks of the launch only run the teacher: 0 unless ``non_colocated_teachers.enabled`` (and
-    distillation), else ``default_teacher_cfg.gpus_per_node x num_nodes``.
+    """How many ranks of the launch only run teachers: 0 unless ``non_colocated_teachers.enabled`` (and
+    distillation), else `ranks_per_teacher` times the number of loaded teachers (NeMo-RL's worker group per teacher).
 
         >>> teacher_ranks(OnPolicyDistillationConfig(enabled=True, teacher_model_name="t",
         ...               non_colocated_teachers={"enabled": True, "default_teacher_cfg": {"gpus_per_node": 2}}))
         2
+        >>> teacher_ranks(OnPolicyDistillationConfig(enabled=True, teacher_model_by_agent_name={"a": "m1", "b": "m2"},
+        ...               non_colocated_teachers={"enabled": True, "default_teacher_cfg": {"gpus_per_node": 2}}))
+        4
     """
-    nct = opd.non_colocated_teachers
-    if not (opd.enabled and nct.enabled):
+    if not (opd.enabled and opd.non_colocated_teachers.enabled):
         return 0
-    return nct.default_teacher_cfg.gpus_per_node * nct.default_teacher_cfg.num_nodes
+    return ranks_per_teacher(opd) * len(loaded_teachers(opd))
 
 
 class OnPolicyDistillationConfig(_Section):
-    """On-policy distillation from frozen teachers on the training ranks. Two shapes:
+    """On-policy distillation from frozen teachers, on the training ranks or on ranks of their own
+    (``non_colocated_teachers``). Two shapes:
 
     - grpo-ds's: one ``teacher_model_name``, its reverse KL added to the estimator's advantages with ``kl_coef``;
     - NeMo-RL's multi-teacher (MOPD): ``teacher_model_by_agent_name`` (alias -> checkpoint), each row scored by the
@@ -510,7 +572,7 @@ class OnPolicyDistillationConfig(_Section):
             check_toy_model(model, f"on_policy_distillation.teacher_model_by_agent_name.{alias}")
         return v
     non_colocated_teachers: NonColocatedTeachersConfig = Field(
-        default_factory=NonColocatedTeachersConfig, description="The teacher on ranks of its own (NeMo-RL's).")
+        default_factory=NonColocatedTeachersConfig, description="The teachers on ranks of their own (NeMo-RL's).")
 
     @model_validator(mode="after")
     def _check(self) -> "OnPolicyDistillationConfig":
@@ -530,10 +592,4 @@ class OnPolicyDistillationConfig(_Section):
             raise ValueError(
                 f"on_policy_distillation.default_teacher_alias={self.default_teacher_alias!r}: expected a key of "
                 f"on_policy_distillation.teacher_model_by_agent_name (available: {sorted(mapped)})")
-        if self.enabled and self.non_colocated_teachers.enabled and mapped:
-            raise ValueError(
-                "on_policy_distillation.non_colocated_teachers.enabled=true with "
-                "on_policy_distillation.teacher_model_by_agent_name: teacher ranks run one teacher "
-                "(teacher_model_name); teachers by agent or task run on the training ranks (set "
-                "non_colocated_teachers.enabled=false)")
         return self

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pydantic import Field, model_validator
 
 from grpo.config.algorithm import (ClippedPGLossConfig, GRPOConfig, OnPolicyDistillationConfig, RewardPenaltyConfig,
-                                   teacher_ranks)
+                                   loaded_teachers, teacher_ranks)
 from grpo.config.base import _Section
 from grpo.config.data import DataConfig
 from grpo.config.env import EnvConfig
@@ -241,12 +241,15 @@ def check_generation_resources(cfg: "MasterConfig") -> None:
 
 
 def check_teacher_resources(cfg: "MasterConfig") -> None:
-    """``on_policy_distillation.non_colocated_teachers.enabled=true``: the teacher's ranks fit the launch beside the
-    training (and generation) ranks, as `check_generation_resources` asks of the generation ranks: ValueError naming
-    the key, its value and what is expected."""
+    """``on_policy_distillation.non_colocated_teachers.enabled=true``: the teachers' ranks (``default_teacher_cfg``'s
+    per loaded teacher, `grpo.config.teacher_ranks`) fit the launch beside the training (and generation) ranks, as
+    `check_generation_resources` asks of the generation ranks: ValueError naming the key, its value and what is
+    expected."""
     cluster, gen = cfg.cluster, cfg.policy.generation.colocated
-    t = cfg.on_policy_distillation.non_colocated_teachers.default_teacher_cfg
+    opd = cfg.on_policy_distillation
+    t, n = opd.non_colocated_teachers.default_teacher_cfg, len(loaded_teachers(opd))
     key = "on_policy_distillation.non_colocated_teachers.default_teacher_cfg"
+    times = f" x {n} teachers ({', '.join(loaded_teachers(opd))})" if n > 1 else ""
     gen_gpus = 0 if gen.enabled else (gen.resources.gpus_per_node or 0)
     if cluster.num_nodes is not None and cluster.num_nodes > 1:
         if cluster.gpus_per_node is not None and t.gpus_per_node != cluster.gpus_per_node:
@@ -254,16 +257,16 @@ def check_teacher_resources(cfg: "MasterConfig") -> None:
                              f"expected cluster.gpus_per_node={cluster.gpus_per_node} (whole nodes run the teacher, "
                              "as in NeMo-RL)")
         gen_nodes = 0 if gen.enabled else (gen.resources.num_nodes or 1)
-        if gen_nodes + t.num_nodes >= cluster.num_nodes:
-            raise ValueError(f"{key}.num_nodes={t.num_nodes}: expected < cluster.num_nodes={cluster.num_nodes}"
+        if gen_nodes + t.num_nodes * n >= cluster.num_nodes:
+            raise ValueError(f"{key}.num_nodes={t.num_nodes}{times}: expected < cluster.num_nodes={cluster.num_nodes}"
                              + (f" - {gen_nodes} generation nodes" if gen_nodes else "")
                              + " (at least one node must train)")
         return
     if t.num_nodes != 1:
         raise ValueError(f"{key}.num_nodes={t.num_nodes} with cluster.num_nodes={cluster.num_nodes}: expected 1 (a "
                          "teacher on several nodes needs cluster.num_nodes > 1)")
-    if cluster.gpus_per_node is not None and t.gpus_per_node + gen_gpus >= cluster.gpus_per_node:
-        raise ValueError(f"{key}.gpus_per_node={t.gpus_per_node}"
+    if cluster.gpus_per_node is not None and t.gpus_per_node * n + gen_gpus >= cluster.gpus_per_node:
+        raise ValueError(f"{key}.gpus_per_node={t.gpus_per_node}{times}"
                          + (f" + policy.generation.colocated.resources.gpus_per_node={gen_gpus}" if gen_gpus else "")
                          + f": expected < cluster.gpus_per_node={cluster.gpus_per_node} (at least one rank must train)")
 

@@ -581,19 +581,23 @@ def generation_ranks(gen: GenerationConfig) -> int:
     return 0 if c.enabled else (c.resources.gpus_per_node or 0) * (c.resources.num_nodes or 1)
 
 
-def generation_split_problem(gen: GenerationConfig, world_size: int, num_teacher: int = 0) -> str | None:
+def generation_split_problem(gen: GenerationConfig, world_size: int, num_teacher: int = 0, teachers: int = 1
+                             ) -> str | None:
     """Why a launch of ``world_size`` ranks cannot give ``generation_ranks`` of them to generation (and
-    ``num_teacher`` to the distillation teacher, `grpo.config.teacher_ranks`), or None.
+    ``num_teacher`` to the distillation teachers, ``teachers`` blocks of them: `grpo.config.teacher_ranks`), or None.
 
         >>> generation_split_problem(GenerationConfig(colocated={"enabled": False, "resources": {"gpus_per_node": 2}}), 2)
         'policy.generation.colocated.resources: 2 generation ranks of the 2 the launcher started leave none to train'
         >>> generation_split_problem(GenerationConfig(), 2, num_teacher=2)
         'on_policy_distillation.non_colocated_teachers.default_teacher_cfg: 2 teacher ranks of the 2 the launcher started leave none to train'
+        >>> generation_split_problem(GenerationConfig(), 3, num_teacher=4, teachers=2)
+        'on_policy_distillation.non_colocated_teachers.default_teacher_cfg: 4 teacher ranks (2 per teacher x 2 teachers) of the 3 the launcher started leave none to train'
     """
     n = generation_ranks(gen)
     if (n or num_teacher) and world_size - n - num_teacher < 1:
         parts = ([f"policy.generation.colocated.resources: {n} generation ranks"] if n else []) + \
-                ([f"on_policy_distillation.non_colocated_teachers.default_teacher_cfg: {num_teacher} teacher ranks"]
+                ([f"on_policy_distillation.non_colocated_teachers.default_teacher_cfg: {num_teacher} teacher ranks"
+                  + (f" ({num_teacher // teachers} per teacher x {teachers} teachers)" if teachers > 1 else "")]
                  if num_teacher else [])
         return f"{' and '.join(parts)} of the {world_size} the launcher started leave none to train"
     return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from grpo.config import cluster_mismatch, generation_ranks, teacher_ranks
+from grpo.config import cluster_mismatch, generation_ranks, loaded_teachers, teacher_ranks
 from grpo.run.run import RunError
 
 
@@ -20,12 +20,13 @@ def start_split(cfg):
     from grpo.system.engines import local_world_size
 
     launched, n_teacher = int(os.environ.get("WORLD_SIZE", "1")), teacher_ranks(cfg.on_policy_distillation)
+    teachers = max(len(loaded_teachers(cfg.on_policy_distillation)), 1)  # a block of teacher ranks each
     problem = (cluster_mismatch(cfg.cluster, launched, local_world_size())
-               or generation_split_problem(cfg.policy.generation, launched, n_teacher))
+               or generation_split_problem(cfg.policy.generation, launched, n_teacher, teachers))
     if problem is not None:
         raise RunError(problem.removeprefix("error: "))
     try:
-        return init_split(generation_ranks(cfg.policy.generation), num_teacher=n_teacher)
+        return init_split(generation_ranks(cfg.policy.generation), num_teacher=n_teacher, teacher_groups=teachers)
     except EnvMismatch as err:
         raise RunError(str(err)) from None
 
@@ -52,7 +53,9 @@ def serve_teacher_rank(cfg, layout, device) -> None:
         serve_teacher(cfg, layout, device)
     except Exception as err:  # noqa: BLE001 - its traceback is in this rank's log (serve_teacher logged it)
         why = str(err) if isinstance(err, BridgeError) else f"{type(err).__name__}: {err}"
-        raise RunError(f"teacher rank {layout.rank} (launcher rank {layout.global_rank}) stops: {why}") from None
+        alias = loaded_teachers(cfg.on_policy_distillation)[layout.teacher_group]
+        raise RunError(f"teacher rank {layout.teacher_index} ({alias!r}, launcher rank {layout.global_rank}) stops: "
+                       f"{why}") from None
 
 
 def start_teachers(cfg, layout, rank: int, world_size: int):

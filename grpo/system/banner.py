@@ -36,8 +36,8 @@ def startup_line(cfg: MasterConfig, *, asynchronous: bool, world_size: int, layo
         share = "once or packed, whichever runs fewer tokens,"
     ranks = (f"{world_size} rank(s)" if layout is None else
              f"{layout.global_world_size} ranks: {world_size} train"
-             + (f", {layout.num_teacher} teach (on_policy_distillation.non_colocated_teachers)" if layout.num_teacher
-                else "")
+             + (f", {layout.num_teacher} teach (on_policy_distillation.non_colocated_teachers"
+                f"{teacher_blocks(cfg.on_policy_distillation)})" if layout.num_teacher else "")
              + (f", {layout.num_generation} generate ({cfg.policy.generation.backend}, "
                 "policy.generation.colocated.enabled=false)" if layout.num_generation else ""))
     return (f"grpo-ds{' async' if asynchronous else ''}: {ranks}, {len(train_ds)} train / "
@@ -49,3 +49,23 @@ def startup_line(cfg: MasterConfig, *, asynchronous: bool, world_size: int, layo
             "{} ({})".format(*policy_ds_config_path(cfg.policy, world_size)) + f", tasks {tasks}, "
             f"up to {cfg.grpo.max_rollout_turns} turn(s) per rollout, micro-batches: {describe_batching(cfg.policy)}"
             f"{packing_note}, a shared prompt runs {share} in the logprob and training forwards{hf_decode}")
+
+
+def teacher_blocks(opd) -> str:
+    """Which teacher ranks serve which teacher, when there are several: ``": 'a' on teacher ranks 0-1, 'b' on
+    2-3"`` (`grpo.system.dist.teacher_block`); "" for one teacher.
+
+        >>> from grpo.config import OnPolicyDistillationConfig
+        >>> teacher_blocks(OnPolicyDistillationConfig(enabled=True, teacher_model_by_agent_name={"a": "m", "b": "n"},
+        ...                non_colocated_teachers={"enabled": True, "default_teacher_cfg": {"gpus_per_node": 2}}))
+        ": 'a' on teacher ranks 0-1, 'b' on 2-3"
+    """
+    from grpo.config import loaded_teachers, ranks_per_teacher
+
+    aliases, per = loaded_teachers(opd), ranks_per_teacher(opd)
+    if len(aliases) < 2:
+        return ""
+    label = "teacher ranks " if per > 1 else "teacher rank "
+    spans = [f"{alias!r} on {label if g == 0 else ''}{g * per}"
+             + (f"-{(g + 1) * per - 1}" if per > 1 else "") for g, alias in enumerate(aliases)]
+    return ": " + ", ".join(spans)

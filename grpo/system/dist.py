@@ -67,7 +67,9 @@ class Layout:
     DeepSpeed or vLLM sees); ``global_rank`` / ``global_world_size``: the launcher's; ``store``: the launch's
     rendezvous store, from which the bridges (`grpo.system.bridge`) build their groups; ``bridge_rank``: on the
     generation bridge, 0 for trainer 0, 1 + i for generation rank i, None for the other ranks (the teacher bridge
-    numbers its ranks the same way: `grpo.system.teacher`).
+    numbers its ranks the same way: `grpo.system.teacher`). With several teachers on ranks of their own
+    (``num_teacher`` = ``teacher_groups`` blocks of equal size), a teacher rank's side is its teacher's block:
+    ``teacher_group`` says which (`teacher_block`), ``teacher_index`` its place among all the teacher ranks.
     """
 
     role: str
@@ -78,6 +80,12 @@ class Layout:
     num_generation: int
     store: object = None
     num_teacher: int = 0
+    teacher_group: int = 0
+
+    @property
+    def teacher_index(self) -> int:
+        """A teacher rank's number among all the teacher ranks (its teacher bridge rank - 1)."""
+        return self.teacher_group * self.world_size + self.rank
 
     @property
     def bridge_rank(self) -> int | None:
@@ -108,13 +116,27 @@ def split_ranks(global_rank: int, global_world_size: int, num_generation: int, n
     return "generate", global_rank - n_train - num_teacher, num_generation
 
 
-def init_split(num_generation: int, local_rank: int | None = None, timeout_s: float = 1800.0, num_teacher: int = 0
-               ) -> tuple[Layout, torch.device]:
+def teacher_block(teacher_rank: int, num_teacher: int, teacher_groups: int) -> tuple[int, int, int]:
+    """``(teacher, rank, world_size)`` of teacher rank ``teacher_rank`` when ``num_teacher`` ranks run
+    ``teacher_groups`` teachers, each on a block of its own (NeMo-RL's worker group per teacher).
+
+        >>> [teacher_block(i, 4, 2) for i in range(4)]
+        [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    """
+    if teacher_groups < 1 or num_teacher % teacher_groups:
+        raise ValueError(f"{num_teacher} teacher ranks do not split into {teacher_groups} equal teachers' blocks")
+    per = num_teacher // teacher_groups
+    return teacher_rank // per, teacher_rank % per, per
+
+
+def init_split(num_generation: int, local_rank: int | None = None, timeout_s: float = 1800.0, num_teacher: int = 0,
+               teacher_groups: int = 1) -> tuple[Layout, torch.device]:
     """Two (three, with teacher ranks) process groups in one launch, no Ray: rendezvous once over the launcher's store
     (``torch.distributed.rendezvous("env://")``: torchrun's agent store, the deepspeed launcher's and
     accelerate's MASTER_ADDR / MASTER_PORT), then each side starts its own default group over a prefix of that
     store (``PrefixStore("train" | "teach" | "generate", store)``) with its own rank and size. RANK / WORLD_SIZE (and
-    LOCAL_WORLD_SIZE on one node) are rewritten to the side's, so DeepSpeed on the trainers and vLLM's
+    LOCAL_WORLD_SIZE on one node) are rewritten to the side's (a teacher rank's side: its teacher's block,
+    `teacher_block`, over ``PrefixStore("teach<i>", store)``), so DeepSpeed on the trainers and vLLM's
     ``external_launcher`` on the generation ranks each see an ordinary world; LOCAL_RANK (the device) stays.
     Backend: nccl with CUDA, gloo without. Returns the `Layout` and this rank's device.
     """
@@ -126,6 +148,10 @@ def init_split(num_generation: int, local_rank: int | None = None, timeout_s: fl
     _, device, backend = _launch_settings(local_rank)
     global_rank, global_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     role, rank, world_size = split_ranks(global_rank, global_world, num_generation, num_teacher)
+    group, prefix = 0, role
+    if role == "teach":
+        group, rank, world_size = teacher_block(rank, num_teacher, teacher_groups)
+        prefix = f"teach{group}"
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", global_rank, global_world, timeout=timeout))
     check_env_agrees(store, global_rank, global_world)  # before any NCCL: a mismatch would hang, not fail
@@ -135,11 +161,11 @@ def init_split(num_generation: int, local_rank: int | None = None, timeout_s: fl
     if local_world and int(local_world) == global_world:  # one node: each side's ranks on it
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
-    dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
                             timeout=timeout)
     if role in ("train", "teach"):  # (a teacher that does not fit one rank runs as a ZeRO-3 inference engine)
         deepspeed.init_distributed(dist_backend=backend, verbose=False)  # joins the group just made
-    return Layout(role, rank, world_size, global_rank, global_world, num_generation, store, num_teacher), device
+    return Layout(role, rank, world_size, global_rank, global_world, num_generation, store, num_teacher, group), device
 
 
 def _free_port() -> int:

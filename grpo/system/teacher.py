@@ -1,28 +1,32 @@
-"""The distillation teacher: built on the training ranks like the reference, or on ranks of its own
+"""The distillation teachers: built on the training ranks like the reference, or on ranks of their own
 (``on_policy_distillation.non_colocated_teachers.enabled=true``, NeMo-RL's non-colocated teachers), no Ray.
 
-Of the W ranks a launcher starts, the K before the generation ranks only run the teacher
-(`grpo.system.dist.split_ranks`); trainer rank 0 talks to them over a bridge of their own (`grpo.system.bridge`,
-prefix ``teacher_bridge``: bridge rank 0 = trainer 0, 1 + i = teacher rank i; gloo only, nothing but rows and
-logprobs travel):
+Of the W ranks a launcher starts, the K before the generation ranks only run teachers
+(`grpo.system.dist.split_ranks`): one block of ``default_teacher_cfg`` ranks per loaded teacher, in the order of
+`grpo.config.loaded_teachers` (NeMo-RL's worker group per teacher; `grpo.system.dist.teacher_block`), each block its
+own process group that builds only its teacher. Trainer rank 0 talks to them over a bridge of their own
+(`grpo.system.bridge`, prefix ``teacher_bridge``: bridge rank 0 = trainer 0, 1 + i = teacher rank i; gloo only,
+nothing but rows and logprobs travel):
 
     trainers (step_logprobs): submit(batch) -> score the previous policy and the reference -> result(T)
-    trainer 0: ("score", rows) -> every teacher rank; each scores its share, teacher rank 0 answers [B, T'] ->
-               broadcast to the trainers -> right-padded with 0 to the batch's width T (`pad_teacher_logprobs`)
-    teacher rank i: serve_teacher() -- join the bridge -> build the teacher -> ready | error -> [score]* -> close
+    trainer 0: each row to its teacher (`grpo.distillation.rows_by_teacher`, by agent or task): ("score", its rows)
+               -> every rank of that teacher's block; they score their share, the block's rank 0 answers [b, T'] ->
+               each answer right-padded with 0 to the batch's width T (`pad_teacher_logprobs`), put back in row
+               order [B, T] -> broadcast to the trainers
+    teacher rank i: serve_teacher() -- join the bridge -> build its teacher -> ready | error -> [score]* -> close
 
 The rows go trimmed to the batch's longest row (T' <= T) with their images (a vision-language teacher's), so the
 teacher ranks score exactly what a teacher on the training ranks scores (`grpo.system.training.frozen_logprobs`).
 A teacher rank that fails to start or to score answers its error; one that dies or hangs is named by the bridge
 within ``non_colocated_teachers.timeout_s``: every trainer raises `TeacherError` (one line), never waits forever.
 
-`RemoteTeacher` is one teacher (one checkpoint on its ranks): a router over several teachers picks the rows each
-scores and calls `submit` / `result` per teacher.
+Errors name the teacher rank and its teacher's alias (``teacher rank 2 ('code')``).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -94,15 +98,16 @@ class ScoreRequest:
                             unpack_media(self.media, self.input_ids_bt.shape[0]))
 
 
-def build_teachers(cfg, rank: int, world_size: int, build=None) -> dict[str, object]:
+def build_teachers(cfg, rank: int, world_size: int, build=None, aliases=None) -> dict[str, object]:
     """On-policy distillation's frozen teachers over ``world_size`` ranks, by primary alias: one per checkpoint under
-    ``on_policy_distillation.deduplicate_shared_teacher_checkpoints`` (`grpo.distillation.shared_teachers`), else one
-    per alias; {} without distillation. Each is built as the reference is (``build``, by default
-    `grpo.system.engines.build_reference_engine`: a plain copy per rank where it fits, else a ZeRO-3 inference engine)
-    and shares the policy's tokenizer; it is another checkpoint, so its own config is taken as is
-    (``policy.hf_config_overrides`` is the policy's). A collective of those ranks (a ``toy:`` model is built by their
-    rank 0)."""
-    from grpo.distillation import shared_teachers, teacher_models
+    ``on_policy_distillation.deduplicate_shared_teacher_checkpoints`` (`grpo.config.loaded_teachers`), else one
+    per alias; only ``aliases`` of them when given (a teacher rank's block builds its own); {} without distillation.
+    Each is built as the reference is (``build``, by default `grpo.system.engines.build_reference_engine`: a plain
+    copy per rank where it fits, else a ZeRO-3 inference engine) and shares the policy's tokenizer; it is another
+    checkpoint, so its own config is taken as is (``policy.hf_config_overrides`` is the policy's). A collective of
+    those ranks (a ``toy:`` model is built by their rank 0)."""
+    from grpo.config import loaded_teachers
+    from grpo.distillation import teacher_models
     from grpo.system.engines import build_reference_engine
     from grpo.tasks.catalogue import resolve_model_name
 
@@ -110,73 +115,121 @@ def build_teachers(cfg, rank: int, world_size: int, build=None) -> dict[str, obj
     opd = cfg.on_policy_distillation
     models = teacher_models(opd)
     teachers: dict[str, object] = {}
-    for alias in dict.fromkeys(shared_teachers(models, opd.deduplicate_shared_teacher_checkpoints).values()):
+    for alias in (loaded_teachers(opd) if aliases is None else aliases):
         name = resolve_model_name(models[alias], rank)
         teachers[alias] = build(cfg.policy.model_copy(update={"model_name": name, "hf_config_overrides": {}}),
                                 world_size)
     return teachers
 
 
-def build_teacher(cfg, rank: int, world_size: int):
-    """The one teacher of ``on_policy_distillation.teacher_model_name`` (`build_teachers`): what teacher ranks of their
-    own run (the config refuses teachers by agent or task there)."""
-    (engine,) = build_teachers(cfg, rank, world_size).values()
-    return engine
+def build_teacher(cfg, rank: int, world_size: int, alias: str | None = None):
+    """One teacher, ``alias`` (by default the first loaded, `grpo.config.loaded_teachers`), over ``world_size`` ranks
+    (`build_teachers`): what a teacher rank's block runs."""
+    from grpo.config import loaded_teachers
+
+    alias = alias or loaded_teachers(cfg.on_policy_distillation)[0]
+    return build_teachers(cfg, rank, world_size, aliases=[alias])[alias]
+
+
+def teacher_model_key(opd, alias: str) -> str:
+    """The config key that names teacher ``alias``'s checkpoint.
+
+        >>> from grpo.config import OnPolicyDistillationConfig
+        >>> teacher_model_key(OnPolicyDistillationConfig(teacher_model_by_agent_name={"math": "m"}), "math")
+        'on_policy_distillation.teacher_model_by_agent_name.math'
+    """
+    key = "on_policy_distillation.teacher_model_"
+    return f"{key}by_agent_name.{alias}" if opd.teacher_model_by_agent_name else f"{key}name"
 
 
 # ------------------------------------------------------------------------------------------------ trainers' side
 class RemoteTeacher:
     """The trainers' handle on the teacher ranks. Built on every trainer (a collective of the trainers: their gloo
     group); ``bridge``: trainer 0's end (None on the other trainers, and on trainer 0 when it did not form:
-    ``bridge_error`` says why, and every trainer raises it). Waits until the teacher ranks have loaded the teacher;
-    raises `TeacherError` on every trainer when one could not."""
+    ``bridge_error`` says why, and every trainer raises it). Waits until every teacher rank has loaded its teacher;
+    raises `TeacherError` on every trainer when one could not.
+
+    ``aliases``: the loaded teachers (`grpo.config.loaded_teachers`); teacher ``g`` runs on teacher ranks
+    ``[g * per, (g + 1) * per)`` (bridge ranks one more)."""
 
     def __init__(self, cfg, layout, bridge: Bridge | None, bridge_error: str | None = None):
         import torch.distributed as dist
 
-        self.layout, self.bridge, self.num_ranks = layout, bridge, layout.num_teacher
+        from grpo.config import loaded_teachers
+
+        self.opd, self.layout, self.bridge = cfg.on_policy_distillation, layout, bridge
+        self.num_ranks = layout.num_teacher
+        self.aliases = loaded_teachers(self.opd)
+        self.per = self.num_ranks // len(self.aliases)
         self.group = dist.new_group(backend="gloo") if layout.world_size > 1 else None
-        self.pending = False
+        self.pending, self.sent = False, {}
         error = bridge_error
         if bridge is not None:
-            try:
-                error = self._answers(max(START_TIMEOUT_S, bridge.timeout_s))[1]
-            except BridgeError as err:
-                error = str(err)
+            timeout = max(START_TIMEOUT_S, bridge.timeout_s)
+            error = joined(self._answers(g, timeout)[1] for g in range(len(self.aliases)))
         self._agree(error, "starting the teacher ranks")
 
+    def bridge_ranks(self, teacher: int) -> range:
+        """The bridge ranks of teacher ``teacher``'s block."""
+        return range(1 + teacher * self.per, 1 + (teacher + 1) * self.per)
+
+    def route(self, batch) -> dict[int, list[int] | None]:
+        """Teacher -> the rows of ``batch`` it scores (`grpo.distillation.rows_by_teacher`, by each row's agent or
+        task); one teacher scores the whole batch (None: every row, as it is)."""
+        if len(self.aliases) == 1:
+            return {0: None}
+        from grpo.distillation import rows_by_teacher, trajectory_teacher_key
+
+        rows = rows_by_teacher([trajectory_teacher_key(t) for t in batch.trajectories], self.opd)
+        return {self.aliases.index(alias): index for alias, index in rows.items()}
+
     def submit(self, batch) -> None:
-        """Trainer 0 sends ``batch``'s rows (`ScoreRequest`) to every teacher rank, which start scoring them (the
-        trainers go on with their own logprobs meanwhile); the other trainers do nothing. A send that fails is kept
-        for `result` to raise on every trainer."""
-        self.pending, self.send_error = True, None
+        """Trainer 0 sends each teacher its rows of ``batch`` (`route`, as a `ScoreRequest`) on every rank of its block,
+        which start scoring them (the trainers go on with their own logprobs meanwhile); the other trainers do nothing.
+        A routing or send failure is kept for `result` to raise on every trainer."""
+        self.pending, self.send_error, self.sent, self.num_rows = True, None, {}, len(batch.input_ids_bt)
         if self.bridge is None:
             return
-        request = ScoreRequest.of(batch)
         try:
-            for r in range(1, 1 + self.num_ranks):
-                self.bridge.send(("score", request), r)
-        except BridgeError as err:
+            self.sent = self.route(batch)
+            for g, index in self.sent.items():
+                request = ScoreRequest.of(batch if index is None else batch.select(index))
+                for r in self.bridge_ranks(g):
+                    self._send(("score", request), r)
+        except (BridgeError, ValueError) as err:  # ValueError: a row without a teacher (strict_agent_name_match)
             self.send_error = str(err)
 
     def result(self, train_T: int) -> torch.Tensor:
-        """The submitted batch's teacher logprobs ``[B, train_T]`` on every trainer (a collective of the trainers),
-        or `TeacherError` on every trainer."""
+        """The submitted batch's teacher logprobs ``[B, train_T]`` in row order on every trainer (a collective of
+        the trainers), or `TeacherError` on every trainer."""
         if not self.pending:
             raise RuntimeError("RemoteTeacher.result without a submitted batch")
         self.pending = False
         logprobs_bt, error = None, None
         if self.bridge is not None:
-            error = self.send_error
-            if error is None:
-                try:
-                    logprobs_bt, error = self._answers()
-                except BridgeError as err:
-                    error = str(err)
+            logprobs_bt, error = self._gather(train_T)
         logprobs_bt, error = self._broadcast((logprobs_bt, error))
         if error is not None:
             raise TeacherError(f"teacher logprobs: {error}")
-        return pad_teacher_logprobs(logprobs_bt, train_T)
+        return logprobs_bt
+
+    def _gather(self, train_T: int) -> tuple[torch.Tensor | None, str | None]:
+        """Trainer 0: every teacher's answer, each padded to ``train_T`` and put at its rows: ``([B, train_T], None)``
+        or ``(None, the errors)``."""
+        if self.send_error is not None:
+            return None, self.send_error
+        out_bt, errors = torch.zeros(self.num_rows, train_T), []
+        for g, index in self.sent.items():
+            lp_bt, error = self._answers(g)
+            if error is not None:
+                errors.append(error)
+                continue
+            lp_bt = pad_teacher_logprobs(lp_bt, train_T)
+            if index is None:
+                out_bt = lp_bt
+            else:
+                out_bt[index] = lp_bt
+        return (None, joined(errors)) if errors else (out_bt, None)
 
     def close(self) -> None:
         """Tell the teacher ranks to exit (trainer 0; nothing when the bridge already failed)."""
@@ -188,11 +241,35 @@ class RemoteTeacher:
                     break
             self.bridge.broken = "closed: the run is over"
 
-    def _answers(self, timeout_s: float | None = None) -> tuple[object, str | None]:
-        """Trainer 0: every teacher rank's answer ``(kind, result)``; returns teacher rank 0's result and the error
-        answers as one message (``teacher rank i: message``), or None. Raises `BridgeError`."""
-        replies = [self.bridge.recv(r, timeout_s=timeout_s) for r in range(1, 1 + self.num_ranks)]
-        errors = "; ".join(f"teacher rank {i}: {msg}" for i, (kind, msg) in enumerate(replies) if kind == "error")
+    def name(self, bridge_rank: int) -> str:
+        """A teacher rank as errors name it: ``teacher rank i``, with its teacher's alias when there are several
+        (``teacher rank 2 ('code')``)."""
+        alias = f" ({self.aliases[(bridge_rank - 1) // self.per]!r})" if len(self.aliases) > 1 else ""
+        return f"teacher rank {bridge_rank - 1}{alias}"
+
+    def named(self, err: BridgeError) -> str:
+        """The bridge's message with each teacher rank it names given its teacher's alias (`name`): the rank that
+        broke the bridge may be another than the one just called."""
+        return re.sub(r"teacher rank (\d+)", lambda m: self.name(1 + int(m.group(1))), str(err))
+
+    def _send(self, message, bridge_rank: int) -> None:
+        try:
+            self.bridge.send(message, bridge_rank)
+        except BridgeError as err:
+            raise BridgeError(self.named(err)) from None
+
+    def _answers(self, teacher: int, timeout_s: float | None = None) -> tuple[object, str | None]:
+        """Trainer 0: every answer ``(kind, result)`` of teacher ``teacher``'s ranks; returns its block's rank 0's
+        result and the error answers as one message (``teacher rank i ('alias'): message``), or None. A rank that
+        is gone or hung (`BridgeError`) is an error answer naming it."""
+        replies = []
+        for r in self.bridge_ranks(teacher):
+            try:
+                replies.append(self.bridge.recv(r, timeout_s=timeout_s))
+            except BridgeError as err:
+                return None, self.named(err)
+        errors = "; ".join(f"{self.name(r)}: {msg}" for r, (kind, msg) in zip(self.bridge_ranks(teacher), replies)
+                           if kind == "error")
         return replies[0][1], errors or None
 
     def _broadcast(self, item):
@@ -201,6 +278,15 @@ class RemoteTeacher:
     def _agree(self, error: str | None, doing: str) -> None:
         """Trainer 0's ``error`` on every trainer, raised as `TeacherError` (a collective)."""
         raise_agreed(error, doing, TeacherError, self.group)
+
+
+def joined(errors) -> str | None:
+    """The teachers' error messages as one, each once (a broken bridge answers every later call alike), or None.
+
+        >>> joined(["a", None, "b", "a"]), joined([None])
+        ('a; b', None)
+    """
+    return "; ".join(dict.fromkeys(e for e in errors if e)) or None
 
 
 def connect_teacher(cfg, layout) -> RemoteTeacher:
@@ -219,24 +305,28 @@ def connect_teacher(cfg, layout) -> RemoteTeacher:
 
 # ------------------------------------------------------------------------------------------------ teacher ranks
 def serve_teacher(cfg, layout, device: torch.device) -> None:
-    """A teacher rank's life: join the teacher bridge, build the teacher (over the teacher ranks' own group), say
-    ready (or the error, and raise it), then score batches until trainer 0 says close. Raises `BridgeError` when
-    trainer 0 is gone. SIGTERM / SIGINT are ignored, as on the generation ranks (the trainers' answer to them
-    needs the teacher until they close the bridge)."""
+    """A teacher rank's life: join the teacher bridge, build its teacher (`grpo.config.loaded_teachers`' entry
+    ``layout.teacher_group``, over its block's own group), say ready (or the error, and raise it), then score batches
+    until trainer 0 says close. Raises `BridgeError` when trainer 0 is gone. SIGTERM / SIGINT are ignored, as on the
+    generation ranks (the trainers' answer to them needs the teacher until they close the bridge)."""
     import signal
 
+    from grpo.config import loaded_teachers
+    from grpo.distillation import teacher_models
     from grpo.system.generation.server import SERVER_TIMEOUT_S
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    bridge = Bridge(layout.store, 1 + layout.rank, 1 + layout.num_teacher, SERVER_TIMEOUT_S, torch.device("cpu"),
-                    prefix=PREFIX, peers=PEERS)
+    opd = cfg.on_policy_distillation
+    alias = loaded_teachers(opd)[layout.teacher_group]
+    bridge = Bridge(layout.store, 1 + layout.teacher_index, 1 + layout.num_teacher, SERVER_TIMEOUT_S,
+                    torch.device("cpu"), prefix=PREFIX, peers=PEERS)
     try:
-        engine = build_teacher(cfg, layout.rank, layout.world_size)
+        engine = build_teacher(cfg, layout.rank, layout.world_size, alias)
         policy_cfg = teacher_settings(cfg, engine)
     except Exception as err:  # noqa: BLE001 - said to trainer 0, which stops the run with it
-        bridge.send(("error", f"could not load on_policy_distillation.teacher_model_name="
-                              f"{cfg.on_policy_distillation.teacher_model_name!r}: {type(err).__name__}: {err}"), 0)
+        bridge.send(("error", f"could not load {teacher_model_key(opd, alias)}={teacher_models(opd)[alias]!r}: "
+                              f"{type(err).__name__}: {err}"), 0)
         raise
     bridge.send(("ready", None), 0)
     while True:
@@ -263,8 +353,9 @@ def teacher_settings(cfg, engine):
 
 
 def _run_score(cfg, policy_cfg, engine, request: ScoreRequest, layout) -> tuple[str, object]:
-    """One score command: every teacher rank scores its share (a collective of the teacher ranks); teacher rank 0
-    answers ``("ok", logprobs [B, T'])``, the others ``("ok", None)``; a failure answers ``("error", message)``."""
+    """One score command: every rank of the teacher's block scores its share (a collective of the block); the
+    block's rank 0 answers ``("ok", logprobs [b, T'])``, the others ``("ok", None)``; a failure answers
+    ``("error", message)``."""
     from grpo.system.training import frozen_logprobs
 
     try:

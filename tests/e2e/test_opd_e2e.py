@@ -62,21 +62,34 @@ def teacher_logprobs(model_dir: str, input_ids_bt, attention_mask_bt) -> torch.T
     return torch.nn.functional.pad(lp, (1, 0))
 
 
-def run_with_two_teachers(tmp: Path, script: str, *extra: str, ranks: int = 1) -> None:
+def run_with_two_teachers(tmp: Path, script: str, *extra: str, ranks: int = 1):
     """``script`` (train_grpo / train_async_grpo) on rows of three tasks with a teacher per task, through the
-    recording driver; ``ranks`` > 1: under torchrun."""
+    recording driver; ``ranks`` > 1: under torchrun. Returns the finished process."""
     driver = tmp / "driver.py"
     driver.write_text(DRIVER)
     data = three_task_rows(tmp)
     if script == "train_async_grpo":
         extra = ("grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true", *extra)
     launch = [sys.executable] if ranks == 1 else [*launcher("torchrun"), "--standalone", "--nproc_per_node", str(ranks)]
-    run([*launch, str(driver), str(tmp), script, "--config", TINY, *paths(tmp), *extra,
+    return run([*launch, str(driver), str(tmp), script, "--config", TINY, *paths(tmp), *extra,
          f"data.train_data_path={data}", f"data.val_data_path={data}", "env.tasks.sum.name=arithmetic",
          "env.tasks.carry.name=arithmetic", "grpo.max_num_steps=2", "checkpointing.enabled=false",
          "grpo.adv_estimator.name=opd", "on_policy_distillation.enabled=true",
          *[f"on_policy_distillation.teacher_model_by_agent_name.{k}={v}" for k, v in TEACHERS.items()],
          "on_policy_distillation.default_teacher_alias=arithmetic"], threads=1 if ranks > 1 else 2)
+
+
+@pytest.mark.slow  # three processes: 16-23 s per loop, more than the default suite has room for
+@pytest.mark.parametrize("script", ["train_grpo", "train_async_grpo"])
+def test_teachers_on_ranks_of_their_own_score_each_row_with_its_tasks_teacher(tmp_path, script):
+    """NeMo-RL's MOPD with non_colocated_teachers: toy:tiny and toy:small on a teacher rank each (torchrun, 3 ranks:
+    1 train, 2 teach); trainer 0 sends each teacher its rows and puts the answers back in row order."""
+    p = run_with_two_teachers(tmp_path, script, "on_policy_distillation.non_colocated_teachers.enabled=true",
+                              "on_policy_distillation.non_colocated_teachers.default_teacher_cfg.gpus_per_node=1",
+                              ranks=3)
+    assert ("3 ranks: 1 train, 2 teach (on_policy_distillation.non_colocated_teachers: 'arithmetic' on teacher "
+            "rank 0, 'sum' on 1)") in p.stdout + p.stderr
+    check_rows_against_their_teachers(tmp_path)
 
 
 def check_rows_against_their_teachers(tmp: Path, expected: dict[str, str] = EXPECTED, steps: int = 2) -> None:

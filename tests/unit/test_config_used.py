@@ -38,6 +38,11 @@ READ_ONLY_BY_THE_SCHEMA = {
         "grpo/run/run_setup.py's split uses",
     "on_policy_distillation.non_colocated_teachers.default_teacher_cfg.gpus_per_node": "the same: teacher_ranks",
     "on_policy_distillation.non_colocated_teachers.default_teacher_cfg.num_nodes": "the same: teacher_ranks",
+    "on_policy_distillation.non_colocated_teachers.teacher_overrides":
+        "NeMo-RL's name, accepted only empty (its validator refuses per-teacher sizes by name)",
+    "on_policy_distillation.teacher_model_name":
+        "read through grpo.config.teacher_models (alias 'teacher' -> it), which grpo/system/teacher.py's "
+        "build_teachers and grpo/distillation.py's routing use",
     "policy.sequence_packing.logprob_mb_tokens":
         "read through grpo.config.PolicyConfig.mb_tokens('logprob') (null: max_total_sequence_length x "
         "logprob_batch_size), which grpo/system/training.py token_batching calls for the logprob passes",

@@ -337,13 +337,22 @@ def test_prorl_v2_1_is_refused_for_what_nemo_rl_asserts_and_loads_without_it(mon
 
 @pytest.mark.skipif(CHECKOUT is None, reason="needs NEMO_RL_CHECKOUT (a NeMo-RL checkout at 7ea279a)")
 def test_the_mopd_recipe_ranks_by_validation_reward(monkeypatch):
-    """The fifth recipe ranking by val:total_reward/mean is NeMo-RL's LLM MOPD recipe: with its distillation keys
-    set aside (their translation is the MOPD work's), every other key loads (its inherited data.train split keys
-    ignored as NeMo-RL warns) and it ranks by val:accuracy."""
+    """The fifth recipe ranking by val:total_reward/mean is NeMo-RL's LLM MOPD recipe: it loads as it is (its
+    inherited data.train split keys ignored as NeMo-RL warns) and ranks by val:accuracy, its teacher on a node of
+    its own as NeMo-RL's worker group (default_teacher_cfg: 8 GPUs x 1 node, micro_batch_size 1; the Megatron sizes
+    ignored), beside the generation node and one training node of the three."""
+    from grpo.config import teacher_ranks
+
     monkeypatch.setenv("HF_HOME", os.environ.get("HF_HOME", "~/.cache/huggingface"))
-    cfg, table = load_recipe(CHECKOUT / MOPD_RECIPE, ["~on_policy_distillation", "grpo.adv_estimator.name=grpo"])
-    assert ranks_by_val_reward(cfg)
+    cfg, table = load_recipe(CHECKOUT / MOPD_RECIPE)
+    assert ranks_by_val_reward(cfg) and cfg.grpo.adv_estimator.name == "opd"
     assert {"data.train.split_validation_size", "data.train.seed"} <= rows(table, "ignored").keys()
+    opd = cfg.on_policy_distillation
+    assert opd.teacher_model_by_agent_name == {"default_teacher": "Qwen/Qwen3-1.7B"}
+    assert opd.non_colocated_teachers.enabled and opd.non_colocated_teachers.default_teacher_cfg.micro_batch_size == 1
+    assert teacher_ranks(opd) == 8 and cfg.cluster.num_nodes == 3
+    assert "Megatron parallel sizes" in rows(table, "ignored")[
+        "on_policy_distillation.non_colocated_teachers.default_teacher_cfg"]
 
 
 def test_time_limit_with_checkpointing_off_is_ignored_as_nemo_rl_saves_nothing(tmp_path):

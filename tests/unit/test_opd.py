@@ -284,12 +284,13 @@ on_policy_distillation:
     enabled: {str(non_colocated).lower()}
     default_teacher_cfg:
       tensor_model_parallel_size: 2
-      gpus_per_node: 8
+      gpus_per_node: 4
 """)
     return path
 
 
-def test_nemo_rl_mopd_keys_translate_and_non_colocated_teachers_keep_their_refusal(tmp_path):
+def test_nemo_rl_mopd_keys_translate_with_the_teachers_on_ranks_of_their_own(tmp_path):
+    from grpo.config import teacher_ranks
     from grpo.config.nemo_rl.recipe import load_recipe
 
     cfg, table = load_recipe(mopd_recipe(tmp_path))
@@ -303,15 +304,25 @@ def test_nemo_rl_mopd_keys_translate_and_non_colocated_teachers_keep_their_refus
     # NeMo-RL's other estimators ignore the teachers' logprobs: so does the translation (kl_coef 0)
     cfg, table = load_recipe(mopd_recipe(tmp_path, estimator="grpo"))
     assert cfg.on_policy_distillation.enabled and cfg.on_policy_distillation.kl_coef == 0.0
-    with pytest.raises(ConfigError, match=r"on_policy_distillation\.non_colocated_teachers=\{'enabled': True"):
-        load_recipe(mopd_recipe(tmp_path, non_colocated=True))
+    # teachers by agent on GPUs of their own: NeMo-RL's worker group per loaded teacher, a block of ranks here
+    cfg, table = load_recipe(mopd_recipe(tmp_path, non_colocated=True))
+    nct = cfg.on_policy_distillation.non_colocated_teachers
+    assert nct.enabled and nct.default_teacher_cfg.gpus_per_node == 4
+    assert teacher_ranks(cfg.on_policy_distillation) == 4  # one checkpoint (deduplicated): one block of 4
+    assert "Megatron parallel sizes" in {key: why for _, key, why in table}[
+        "on_policy_distillation.non_colocated_teachers.default_teacher_cfg"]
+    with pytest.raises(ConfigError, match=r"non_colocated_teachers\.teacher_overrides="
+                                          r"\{'math': \{'gpus_per_node': 4\}\}: per-teacher sizes"):
+        load_recipe(mopd_recipe(tmp_path, non_colocated=True), [
+            "+on_policy_distillation.non_colocated_teachers.teacher_overrides.math.gpus_per_node=4"])
     with pytest.raises(ConfigError, match=r"on_policy_distillation\.use_orm_advantage=True: NeMo-RL 7ea279a reads"):
         load_recipe(mopd_recipe(tmp_path, orm=True))
 
 
-def test_teachers_by_agent_are_refused_on_teacher_ranks_of_their_own():
-    """Teacher ranks run one teacher (teacher_model_name); teachers by agent or task run on the training ranks: the
-    two together fail at load naming both keys, before any rank is split off."""
-    with pytest.raises(ConfigError, match=r"non_colocated_teachers\.enabled=true with "
-                                          r"on_policy_distillation\.teacher_model_by_agent_name"):
-        build_config({"on_policy_distillation": {**MOPD, "non_colocated_teachers": {"enabled": True}}})
+def test_teachers_by_agent_load_on_teacher_ranks_of_their_own():
+    """Teachers by agent or task on ranks of their own: a block of default_teacher_cfg's ranks per loaded teacher."""
+    from grpo.config import teacher_ranks
+
+    cfg = build_config({"on_policy_distillation": {**MOPD, "non_colocated_teachers": {"enabled": True}}})
+    n = len(dict.fromkeys(MOPD["teacher_model_by_agent_name"].values()))
+    assert teacher_ranks(cfg.on_policy_distillation) == 8 * n

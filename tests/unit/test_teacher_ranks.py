@@ -1,7 +1,9 @@
 """The distillation teacher on ranks of its own (on_policy_distillation.non_colocated_teachers): the padding to the
 training width, the rank layout, the config's launch rules, and trainer 0's side against a real teacher rank (a
 second process on the teacher bridge: it scores what the training rank's teacher scores; one that cannot load, dies
-or hangs stops the trainers with one line, never a wait)."""
+or hangs stops the trainers with one line, never a wait); teachers by agent or task on a block of teacher ranks each
+(trainer 0 against real processes on the teacher bridge that answer what they were sent: the routing and the row
+order, an alias's rank that dies or hangs named with its alias)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import GenerationConfig, MasterConfig, generation_split_problem, teacher_ranks
-from grpo.system.dist import Layout, split_ranks
+from grpo.system.dist import Layout, split_ranks, teacher_block
 from grpo.system.teacher import (PEERS, PREFIX, RemoteTeacher, ScoreRequest, TeacherError, build_teacher,
                                  pad_teacher_logprobs)
 from grpo.system.bridge import Bridge
@@ -226,3 +228,113 @@ def test_a_teacher_rank_that_hangs_times_out_naming_it_and_the_key():
             teacher.result(11)
     finally:
         proc.kill()
+
+
+# ---------------------------------------------------------------- teachers by agent or task, a block each
+MOPD = {"enabled": True, "teacher_model_by_agent_name": {"a": "toy:tiny", "b": "toy:small", "c": "toy:tiny"},
+        "default_teacher_alias": "a"}  # c shares a's checkpoint: two teachers load, a's and b's
+
+
+def mopd(gpus_per_node: int = 1, **more) -> dict:
+    return {"on_policy_distillation": {**MOPD, "non_colocated_teachers": {
+        "enabled": True, "default_teacher_cfg": {"gpus_per_node": gpus_per_node}}}, **more}
+
+
+def test_teachers_by_agent_get_a_block_of_teacher_ranks_each():
+    cfg = MasterConfig.model_validate(mopd(gpus_per_node=2))
+    assert teacher_ranks(cfg.on_policy_distillation) == 4  # 2 per teacher x 2 loaded teachers (a = c)
+    assert [teacher_block(i, 4, 2) for i in range(4)] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert Layout("teach", 1, 2, 4, 5, 0, None, 4, teacher_group=1).teacher_index == 3
+    from grpo.system.banner import teacher_blocks
+    assert teacher_blocks(cfg.on_policy_distillation) == ": 'a' on teacher ranks 0-1, 'b' on 2-3"
+
+
+def test_teachers_by_agent_that_do_not_fit_the_launch_fail_naming_the_key_and_the_numbers():
+    MasterConfig.model_validate(mopd(cluster={"num_nodes": 1, "gpus_per_node": 3}))  # 2 teachers + 1 trainer
+    with pytest.raises(ValueError) as err:
+        MasterConfig.model_validate(mopd(cluster={"num_nodes": 1, "gpus_per_node": 2}))
+    assert ("on_policy_distillation.non_colocated_teachers.default_teacher_cfg.gpus_per_node=1 x 2 teachers (a, b): "
+            "expected < cluster.gpus_per_node=2 (at least one rank must train)") in str(err.value)
+    with pytest.raises(ValueError, match=r"default_teacher_cfg.num_nodes=1 x 2 teachers \(a, b\): expected < "
+                                         r"cluster.num_nodes=3 - 1 generation nodes"):
+        MasterConfig.model_validate(mopd(gpus_per_node=8, cluster={"num_nodes": 3, "gpus_per_node": 8}, policy={
+            "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 8, "num_nodes": 1}}}}))
+    n = teacher_ranks(MasterConfig.model_validate(mopd()).on_policy_distillation)
+    assert generation_split_problem(GenerationConfig(), 2, num_teacher=n, teachers=2) == (
+        "on_policy_distillation.non_colocated_teachers.default_teacher_cfg: 2 teacher ranks (1 per teacher x 2 "
+        "teachers) of the 2 the launcher started leave none to train")
+    with pytest.raises(ValueError, match=r"teacher_overrides=\{'b': \{'gpus_per_node': 4\}\}: expected \{\}"):
+        MasterConfig.model_validate({"on_policy_distillation": {**MOPD, "non_colocated_teachers": {
+            "enabled": True, "teacher_overrides": {"b": {"gpus_per_node": 4}}}}})
+
+
+def _mark_ranks(k: int, timeout_s: float = 60.0):
+    """Trainer 0's end of a teacher bridge to ``k`` teacher ranks in ``mark`` mode (`tests.helpers.teacher_peer`),
+    ``timeout_s`` its wait for an answer."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1 + k, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.teacher_peer", str(port), "mark", str(i), str(k)],
+                              cwd=REPO, env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(k)]
+    store.wait([f"peer_up{i}" for i in range(k)])
+    layout = Layout("train", 0, 1, 0, 1 + k, 0, store, num_teacher=k)
+    return RemoteTeacher(MasterConfig.model_validate(mopd()), layout,
+                         Bridge(store, 0, 1 + k, timeout_s, prefix=PREFIX, peers=PEERS)), procs
+
+
+def _keyed_rows(keys: list[str], seed: int = 0):
+    """`_rows`-like rows of a `grpo.batch.TrainBatch` whose trajectories are keyed by task ``keys``."""
+    from types import SimpleNamespace
+
+    from tests.helpers.batches import train_batch
+
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(keys), 9
+    lengths = torch.tensor([3 + (5 * b) % 6 for b in range(B)])
+    mask_bt = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    return train_batch(input_ids_bt=torch.randint(1, 89, (B, T), generator=g) * mask_bt, attention_mask_bt=mask_bt,
+                       token_mask_bt=mask_bt.float(), task_names=keys,
+                       trajectories=[SimpleNamespace(task_name=k, metadata={}) for k in keys])
+
+
+def test_rows_of_two_teachers_go_to_their_own_teacher_ranks_and_come_back_in_row_order():
+    """Rows keyed b, a, x (default: a), b, c (a's checkpoint): teacher rank 0 (a's block) scores rows 0-based 1, 2,
+    4, teacher rank 1 (b's) rows 0 and 3, each only its own; the answers land on their rows, padded to the batch's
+    width, two steps running."""
+    from tests.helpers.teacher_peer import mark
+
+    teacher, procs = _mark_ranks(2)
+    try:
+        for seed in (0, 1):
+            batch = _keyed_rows(["b", "a", "x", "b", "c"], seed)
+            teacher.submit(batch)
+            got_bt = teacher.result(12)
+            assert got_bt.shape == (5, 12) and not got_bt[:, 9:].any()
+            for b, rank in enumerate([1, 0, 0, 1, 0]):
+                torch.testing.assert_close(got_bt[b, :9], mark(rank, batch.select([b]))[0], rtol=0, atol=0)
+        teacher.close()
+        assert [p.wait(timeout=30) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.parametrize("fault, message", [
+    pytest.param("hang", r"no answer from teacher rank 1 \('b'\) within 5 s \(on_policy_distillation\."
+                 r"non_colocated_teachers\.timeout_s\)", marks=pytest.mark.slow),  # 8 s: the timeout runs out
+    ("die", r"teacher rank 1 \('b'\) is gone")])
+def test_a_teacher_rank_that_dies_or_hangs_is_named_with_its_teachers_alias(fault, message):
+    """b's rank stops (SIGSTOP: it hangs) or is killed while a's answers: the trainers' one line names b."""
+    import signal
+
+    teacher, procs = _mark_ranks(2, timeout_s=5.0)
+    try:
+        procs[1].send_signal(signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
+        teacher.submit(_keyed_rows(["a", "b"]))
+        with pytest.raises(TeacherError, match=f"^teacher logprobs: .*{message}") as err:
+            teacher.result(9)
+        assert "\n" not in str(err.value)
+    finally:
+        for p in procs:
+            p.kill()

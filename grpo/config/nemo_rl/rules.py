@@ -1366,7 +1366,8 @@ def _logger_cluster_rest(w: Walk) -> None:
 
 def _on_policy_distillation(w: Walk) -> None:
     """NeMo-RL's multi-teacher on-policy distillation (nemo_rl/algorithms/opd.py): its routing keys mean the same in
-    grpo-ds (`grpo.distillation`), whose teachers run on the training ranks, plain or ZeRO-3 as the reference."""
+    grpo-ds (`grpo.distillation`), whose teachers run on the training ranks, plain or ZeRO-3 as the reference, or on
+    ranks of their own (``non_colocated_teachers``)."""
     key = "on_policy_distillation"
     estimator = w.get("grpo.adv_estimator.name") or "grpo"
     if estimator == "opd":
@@ -1387,10 +1388,25 @@ def _on_policy_distillation(w: Walk) -> None:
                      "there; grpo-ds adds on_policy_distillation.kl_coef times the teacher-student gap to another "
                      "estimator's advantages")
     if _enabled(w.get(f"{key}.non_colocated_teachers")):
-        w.refuse(f"{key}.non_colocated_teachers", "teachers by agent on GPUs of their own (Megatron worker groups "
-                 "sized by default_teacher_cfg / teacher_overrides); grpo-ds runs one teacher (teacher_model_name) on "
-                 "ranks of its own, and teachers by agent or task on the training ranks: set "
-                 "non_colocated_teachers.enabled=false (the same logprobs, the teachers' memory on the training GPUs)")
+        _non_colocated_teachers(w, f"{key}.non_colocated_teachers")
     else:
         w.ignore(f"{key}.non_colocated_teachers", "non_colocated_teachers.enabled=false: the teachers run on the "
                  "training ranks (NeMo-RL loads teachers only on GPUs of their own)")
+
+
+def _non_colocated_teachers(w: Walk, nct: str) -> None:
+    """NeMo-RL's teachers on GPUs of their own (nemo_rl/models/policy/teacher_worker_group.py): a worker group per
+    loaded teacher, each ``default_teacher_cfg.gpus_per_node x num_nodes`` GPUs; in grpo-ds a block of teacher ranks
+    per loaded teacher, the same sizes (`grpo.system.teacher`)."""
+    w.honor(f"{nct}.enabled")
+    d = f"{nct}.default_teacher_cfg"
+    for name in ("gpus_per_node", "num_nodes", "micro_batch_size"):
+        w.honor(f"{d}.{name}")
+    w.ignore(d, "Megatron parallel sizes, precision and megatron_cfg_overrides of NeMo-RL's teacher workers: "
+             "grpo-ds's teacher runs in policy.precision, whole on each of its ranks where it fits, else as a ZeRO-3 "
+             "inference engine over them (the same logprobs)")
+    if w.get(f"{nct}.teacher_overrides"):
+        w.refuse(f"{nct}.teacher_overrides", "per-teacher sizes: grpo-ds gives every teacher default_teacher_cfg's "
+                 "ranks (size those for the largest teacher and delete the overrides)")
+    else:
+        w.ignore(f"{nct}.teacher_overrides", "no per-teacher sizes: every teacher gets default_teacher_cfg's ranks")
