@@ -65,11 +65,13 @@ class AsyncGeneration:
         would have trained."""
         import time
 
+        def before_wait(target: int) -> None:  # a stop signal's save waits too: say why nothing happens meanwhile
+            self.run.logger.write(f"checkpoint of step {self.stage.version}: waiting for the prompt batch of step "
+                                  f"{target} in flight (generated with older weights) to save it with the replay deque")
+
         t0 = time.perf_counter()
-        waited = self.producer.settle(self.stage.version)
-        if waited is not None:
-            self.run.logger.write(f"checkpoint: waited {time.perf_counter() - t0:.2f} s for the prompt batch of step "
-                                  f"{waited} in flight (generated with older weights), to save it")
+        if self.producer.settle(self.stage.version, before_wait) is not None:
+            self.run.logger.write(f"checkpoint: waited {time.perf_counter() - t0:.2f} s")
         return {"replay_buffer": self.buffer.state_dict()}
 
     def ending(self, end: StepEnd, closed: ReplayClosed | None) -> tuple[str | None, str | None]:

@@ -91,14 +91,14 @@ class RolloutProducer:
             except TimeoutError:
                 continue
 
-    def settle(self, version: int) -> int | None:
+    def settle(self, version: int, before_wait: Callable[[int], None] | None = None) -> int | None:
         """A checkpoint's wait (trainer thread; ``version``: the weights it saves, the newest published): the prompt
         batch in flight, when it started with older weights, is waited for until it is in the deque (or the thread
         stopped), so that the checkpoint holds it: a resume has only the newest weights and would generate it again
         with them, unlike the run it resumes. A batch started with ``version`` is not waited for: a resume generates
         it again, the same (its prompts after the last buffered ones, seeds by step, these weights). Trainers agree
-        on the step waited for (a collective): a `TrainerDesk`'s scoring for it runs here, on every rank. Returns
-        that step, or None (nothing waited for: no cost)."""
+        on the step waited for (a collective): a `TrainerDesk`'s scoring for it runs here, on every rank.
+        ``before_wait(step)`` is called before waiting. Returns that step, or None (nothing waited for: no cost)."""
         import torch
 
         from grpo.system.dist import all_reduce, comm_device
@@ -108,6 +108,8 @@ class RolloutProducer:
             target = int(all_reduce(torch.tensor([target], device=comm_device()), op="max").item())
         if not target:
             return None
+        if before_wait is not None:
+            before_wait(target)
         while not self.buffer.wait_put(target, timeout=0 if self.desk else None):
             self.desk.serve(target)  # waits up to POLL_S for work
         return target

@@ -130,7 +130,7 @@ def test_an_async_run_on_a_generation_rank_stopped_with_a_batch_in_flight_resume
         for key in ("train/loss", "train/mean_total_reward", "train/token_mult_prob_error",
                     "train/num_completion_tokens", "async/trajectory_age_hist", "train/prompt_indices"):
             assert resumed[step][key] == pytest.approx(whole[step][key], abs=1e-6), (step, key)
-    assert "for the prompt batch of step 2 in flight" in out, out[-3000:]  # it was, and the checkpoint waited
+    assert "waiting for the prompt batch of step 2 in flight" in out, out[-3000:]  # it was, and the checkpoint waited
 
 
 @pytest.mark.slow  # 50 s

@@ -216,7 +216,7 @@ def test_a_run_stopped_with_a_batch_in_flight_resumes_to_the_numbers_of_an_unint
     assert whole[2]["async/trajectory_age_hist"] == [1] * PROMPTS_PER_STEP  # generated while step 1 trained
     assert_same_numbers(train_rows(cut), whole)
     # the batch was in flight at the checkpoint, and the checkpoint waited for it
-    assert "for the prompt batch of step 2 in flight" in p.stdout, p.stdout[-3000:]
+    assert "waiting for the prompt batch of step 2 in flight" in p.stdout, p.stdout[-3000:]
     assert f"{PROMPTS_PER_STEP} replay groups restored" in resumed
 
 
