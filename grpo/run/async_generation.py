@@ -60,7 +60,18 @@ class AsyncGeneration:
             version=step)
 
     def replay_extra(self) -> dict:
-        """What a checkpoint saves beside the engine: the replay deque."""
+        """What a checkpoint saves beside the engine: the replay deque, once the prompt batch in flight with older
+        weights than the checkpoint's is in it (`RolloutProducer.settle`), so that a resume trains what the run
+        would have trained."""
+        import time
+
+        def before_wait(target: int) -> None:  # a stop signal's save waits too: say why nothing happens meanwhile
+            self.run.logger.write(f"checkpoint of step {self.stage.version}: waiting for the prompt batch of step "
+                                  f"{target} in flight (generated with older weights) to save it with the replay deque")
+
+        t0 = time.perf_counter()
+        if self.producer.settle(self.stage.version, before_wait) is not None:
+            self.run.logger.write(f"checkpoint: waited {time.perf_counter() - t0:.2f} s")
         return {"replay_buffer": self.buffer.state_dict()}
 
     def ending(self, end: StepEnd, closed: ReplayClosed | None) -> tuple[str | None, str | None]:

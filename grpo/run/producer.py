@@ -91,6 +91,29 @@ class RolloutProducer:
             except TimeoutError:
                 continue
 
+    def settle(self, version: int, before_wait: Callable[[int], None] | None = None) -> int | None:
+        """A checkpoint's wait (trainer thread; ``version``: the weights it saves, the newest published): the prompt
+        batch in flight, when it started with older weights, is waited for until it is in the deque (or the thread
+        stopped), so that the checkpoint holds it: a resume has only the newest weights and would generate it again
+        with them, unlike the run it resumes. A batch started with ``version`` is not waited for: a resume generates
+        it again, the same (its prompts after the last buffered ones, seeds by step, these weights). Trainers agree
+        on the step waited for (a collective): a `TrainerDesk`'s scoring for it runs here, on every rank.
+        ``before_wait(step)`` is called before waiting. Returns that step, or None (nothing waited for: no cost)."""
+        import torch
+
+        from grpo.system.dist import all_reduce, comm_device
+
+        target = self.buffer.in_flight(older_than=version) or 0
+        if self.run.world_size > 1:
+            target = int(all_reduce(torch.tensor([target], device=comm_device()), op="max").item())
+        if not target:
+            return None
+        if before_wait is not None:
+            before_wait(target)
+        while not self.buffer.wait_put(target, timeout=0 if self.desk else None):
+            self.desk.serve(target)  # waits up to POLL_S for work
+        return target
+
     def step_metrics(self, step: int, entries: list[ReplayEntry], wait_s: float) -> dict:
         """The ``async/*`` metrics of a trainer step that took ``entries`` (replay entries) after waiting
         ``wait_s``: trajectory ages (age = step - 1 - generation version), the deque, failures, and
@@ -167,7 +190,8 @@ class RolloutProducer:
             alive = self.stage.wait_for(self.target - 1 - a.max_trajectory_age_steps)
             if not all(all_gather_objects([alive], self.group)):  # the run ends on every rank at once
                 return
-            self.load_newest()
+            self.buffer.expect(self.target)  # before the load: a checkpoint's `settle` waits for what it loads
+            self.buffer.expect(self.target, self.load_newest())
 
             # ---- the next prompt batch (a new epoch when the loader runs out)
             rows = self.prompts.next()

@@ -177,6 +177,8 @@ class ReplayBuffer:
         self._entries: collections.deque[ReplayEntry] = collections.deque()
         self._cond = threading.Condition()
         self._closed: ReplayClosed | None = None
+        self._put_target = 0  # the step of the last batch put
+        self._expected: tuple[int, int | None] | None = None  # the batch being generated: (step, weight version)
 
     # ---- producer ------------------------------------------------------------------------------
     def put(self, groups: list[ReplayGroup], generation_versions: list[int], target_version: int) -> None:
@@ -188,6 +190,14 @@ class ReplayBuffer:
                 raise self._closed
             for group, version in zip(groups, generation_versions):
                 self._entries.append(ReplayEntry(int(version), int(target_version), group))
+            self._put_target = max(self._put_target, int(target_version))
+            self._cond.notify_all()
+
+    def expect(self, target_version: int, weight_version: int | None = None) -> None:
+        """The producer's word that it generates the batch for step ``target_version`` with the weights of
+        ``weight_version`` (None: it is loading them), until the batch is `put`; what `in_flight` reads."""
+        with self._cond:
+            self._expected = (int(target_version), weight_version)
             self._cond.notify_all()
 
     def close(self, kind: StopKind, detail: str = "") -> None:
@@ -199,6 +209,26 @@ class ReplayBuffer:
             self._cond.notify_all()
 
     # ---- consumer ------------------------------------------------------------------------------
+    def in_flight(self, older_than: int) -> int | None:
+        """The step of the batch being generated (`expect`, not yet `put`) when the weights it started with are
+        older than version ``older_than``, else None; waits while the producer is loading its weights (until it
+        knows their version, or the buffer closes). A checkpoint of weight version ``older_than`` holds such a batch
+        (`wait_put`): a resume could not generate it again, it has only the newer weights."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed is not None or self._expected is None
+                                or self._expected[1] is not None)
+            if self._closed is not None or self._expected is None:
+                return None
+            target, version = self._expected
+            return target if target > self._put_target and version < older_than else None
+
+    def wait_put(self, target_version: int, timeout: float | None = None) -> bool:
+        """Wait until the batch for step ``target_version`` (or a later one) was put, or the buffer closed: True;
+        False after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._put_target >= target_version or self._closed is not None,
+                                       timeout)
+
     def _evict(self, step: int) -> None:
         keep = [e for e in self._entries if e.target_version >= step
                 and trajectory_age(step, e.generation_version) <= self.max_age_steps]
@@ -259,6 +289,7 @@ class ReplayBuffer:
         entries = [ReplayEntry.from_dict(e, infos) for e in state["entries"]]
         with self._cond:
             self._entries = collections.deque(entries)
+            self._put_target = max((e.target_version for e in entries), default=0)
             self.num_evicted = int(state["num_evicted"])
             self._cond.notify_all()
 

