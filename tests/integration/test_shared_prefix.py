@@ -82,3 +82,35 @@ def test_multi_turn_rows_share_only_their_first_prompt(model):
         plain = forward_logprobs(engine, ids, attn)
         shared = forward_logprobs(engine, ids, attn, prompt_lens_b=p_b)
     torch.testing.assert_close(shared, plain, atol=2e-5, rtol=0)
+
+
+def test_continuations_run_in_length_groups_with_the_plain_forwards_numbers(model, monkeypatch):
+    """Ragged completions: every continuation length a group of its own (a group costs no slots here), each group
+    padded to its longest; logprobs and gradients stay the plain forward's (up to rounding)."""
+    from grpo.system import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "GROUP_CALL_SLOTS", 0)
+    ids, attn, tmask = group_batch(max_new=12, seed=3)
+    p_b = prompt_lengths(tmask, attn)
+    plan = plan_shared_prefix(ids, attn, p_b)
+    cont_len_b = attn.sum(dim=1) - p_b + 1
+    assert len(plan.groups) == len(set(cont_len_b.tolist())) > 1
+    assert sorted(b for rows, _ in plan.groups for b in rows.tolist()) == list(range(len(ids)))
+    assert all(width == int(cont_len_b[rows].max()) for rows, width in plan.groups)
+    assert plan.tokens() == plan.prompt_ids_ul.numel() + int(cont_len_b.sum()) < plan.prompt_ids_ul.numel() + \
+        plan.cont_ids_bc.numel()
+    engine = FrozenModel(model, torch.device("cpu"))
+    model.requires_grad_(True)
+    outs, grads = [], []
+    for lens in (None, p_b):
+        model.zero_grad()
+        lp, full = forward_logprobs(engine, ids, attn, 0.7, return_unfiltered=True, prompt_lens_b=lens)
+        ((lp * tmask).sum() + 0.3 * (full * tmask).sum()).backward()
+        outs.append((lp.detach(), full.detach()))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    model.requires_grad_(False)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+        assert (b[attn == 0] == 0).all()
+    for g_plain, g_grouped in zip(*grads):
+        torch.testing.assert_close(g_grouped, g_plain, atol=1e-5, rtol=1e-4)
