@@ -111,15 +111,28 @@ def length_groups(lengths: list[int], call_slots: int) -> list[list[int]]:
     return groups
 
 
-def cache_for_rows(cache, of_row_b: torch.Tensor, keep: bool):
+def selectable_cache(outputs):
+    """The KV cache a forward returned (``use_cache=True``); None when there is none that can select rows."""
+    cache = getattr(outputs, "past_key_values", None)
+    return cache if cache is not None and hasattr(cache, "batch_select_indices") else None
+
+
+def cache_for_rows(outputs, of_row_b: torch.Tensor):
     """The KV cache of a forward over distinct rows (``use_cache=True``), copied to the rows that share each
-    (``of_row_b``: a row's distinct row). ``keep``: into a new cache object, the original left as it is (for the next
-    length group); else the original's own rows are replaced."""
-    if keep:
-        cache = copy.copy(cache)
-        cache.layers = [copy.copy(layer) for layer in cache.layers]   # selecting rows replaces a layer's tensors
-    cache.batch_select_indices(of_row_b)
+    (``of_row_b``: a row's distinct row); None when the model returned no cache that can select rows."""
+    cache = selectable_cache(outputs)
+    if cache is not None:
+        cache.batch_select_indices(of_row_b)
     return cache
+
+
+def rows_of_cache(cache, of_row_b: torch.Tensor):
+    """`cache_for_rows` into a new cache object: the rows ``of_row_b`` of ``cache``, which is left as it is (for the
+    next length group)."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]   # selecting rows replaces a layer's tensors
+    out.batch_select_indices(of_row_b)
+    return out
 
 
 def prompt_lengths(token_mask_bt: torch.Tensor, attention_mask_bt: torch.Tensor) -> torch.Tensor:
@@ -156,15 +169,19 @@ class SharedPrefixPlan:
         """``logprob_fn``'s two ``[B, T]`` outputs for the rows, as one plain forward would give them; None
         when the model returned no cache (the caller runs the plain forward)."""
         out = model(input_ids=self.prompt_ids_ul, attention_mask=self.prompt_mask_ul, use_cache=True)
-        cache = getattr(out, "past_key_values", None)
-        if cache is None or not hasattr(cache, "batch_select_indices"):
+        cache = selectable_cache(out)
+        if cache is None:
             return None
         prompt_lp_ul, prompt_full_ul = logprob_fn(out.logits, self.prompt_ids_ul)
         del out
         C, Lp = self.cont_ids_bc.shape[1], self.prompt_ids_ul.shape[1]
         lps, fulls = [], []
         for rows_n, width in self.groups:   # each group padded to its own longest continuation (width <= C)
-            rows_cache = cache_for_rows(cache, self.row_prompt_b[rows_n], keep=len(self.groups) > 1)
+            if len(self.groups) == 1:   # one group: every row, the prompts' cache itself copied to them
+                cache.batch_select_indices(self.row_prompt_b)
+                rows_cache = cache
+            else:
+                rows_cache = rows_of_cache(cache, self.row_prompt_b[rows_n])
             ids_nc = self.cont_ids_bc[rows_n, :width]
             out = model(input_ids=ids_nc, attention_mask=self.cont_attention_bl[rows_n, :Lp + width],
                         position_ids=self.cont_positions_bc[rows_n, :width], past_key_values=rows_cache,
