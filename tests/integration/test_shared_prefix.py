@@ -114,3 +114,23 @@ def test_continuations_run_in_length_groups_with_the_plain_forwards_numbers(mode
         assert (b[attn == 0] == 0).all()
     for g_plain, g_grouped in zip(*grads):
         torch.testing.assert_close(g_grouped, g_plain, atol=1e-5, rtol=1e-4)
+
+
+def test_logprob_passes_hand_grouped_query_heads_to_the_kernel_with_the_same_numbers(model, monkeypatch):
+    """compute_logprobs (no grad) runs grouped-query attention on the key/value heads as they are (no copy per query
+    head: `grpo.system.generation.hf.sdpa_sharing_kv_heads`), bitwise what the copying forward gives."""
+    from transformers.integrations import sdpa_attention
+
+    from grpo.system.training import compute_logprobs
+
+    ids, attn, tmask = group_batch(max_new=9, seed=4)
+    engine = FrozenModel(model, torch.device("cpu"))
+    with torch.no_grad():
+        copied = forward_logprobs(engine, ids, attn, 0.8, prompt_lens_b=prompt_lengths(tmask, attn))
+    copies = []
+    original = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: copies.append(1) or original(*a))
+    shared = compute_logprobs(engine, ids, attn, 0.8, micro_batch_size=len(ids),
+                              prompt_lens_b=prompt_lengths(tmask, attn))
+    assert copies == []
+    assert torch.equal(shared, copied)
