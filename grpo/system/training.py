@@ -26,6 +26,7 @@ from grpo.loss import LossInputs, clipped_pg_loss_fn, loss_needs
 from grpo.metrics import aggregate_rollout_metrics, global_valid_counts
 from grpo.system.dist import all_gather_objects, all_reduce, comm_device
 from grpo.system.engines import release_params
+from grpo.system.generation.hf import sharing_kv_heads
 from grpo.system.health import skip_nonfinite_loss
 from grpo.system.packed import (Packing, attention_implementation, packed_forward, packed_row_tokens, unpack_aligned,
                                 unpack_rows)
@@ -207,6 +208,7 @@ def _packed(engine, ids_bt, mask_bt, attention, sequence_length_round, logprobs,
 
 
 @torch.no_grad()
+@sharing_kv_heads()   # a grouped-query model's key/value heads go to the attention kernel as they are (same numbers)
 def compute_logprobs(engine, input_ids_bt, attention_mask_bt, temperature: float, micro_batch_size: int,
                      chunk_size=None, *, top_k: int | None = None, top_p: float = 1.0,
                      prompt_lens_b: torch.Tensor | None = None, batching: TokenBatching | None = None,

@@ -85,7 +85,8 @@ def grouped_rows(prompt_len, completion_lens, groups=3, seed=2):
 
 @pytest.mark.parametrize("prompt_len, completions, shares", [
     (20, (2, 3, 2, 4), True),        # long shared prompts, short completions: sharing runs fewer tokens
-    (3, (1, 30, 2, 2, 25, 1), False),  # short prompts, ragged completions: packing runs fewer tokens
+    (3, (1, 30, 2, 2, 25, 1), True),   # ragged completions, continuations in length groups: 231 slots, packed 264
+    (2, (31, 16, 13), False),         # short prompts, completions that pair up to the longest: packing fills rows
 ])
 def test_a_packed_micro_batch_shares_prompts_where_that_runs_fewer_tokens(prompt_len, completions, shares,
                                                                           monkeypatch):

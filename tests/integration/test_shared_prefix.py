@@ -55,6 +55,12 @@ def test_nothing_to_share_runs_the_plain_forward():
 @pytest.mark.parametrize("top", [{}, {"top_k": 5, "top_p": 0.9}])
 def test_logprobs_and_gradients_equal_the_plain_forward(model, top):
     ids, attn, tmask = group_batch()
+    assert_shared_equals_plain(model, ids, attn, tmask, **top)
+
+
+def assert_shared_equals_plain(model, ids, attn, tmask, **top):
+    """The shared-prompt forward's logprobs (filtered and not) and gradients equal the plain forward's, up to
+    rounding; both 0 on padding."""
     engine = FrozenModel(model, torch.device("cpu"))
     model.requires_grad_(True)
     outs, grads = [], []
@@ -82,3 +88,41 @@ def test_multi_turn_rows_share_only_their_first_prompt(model):
         plain = forward_logprobs(engine, ids, attn)
         shared = forward_logprobs(engine, ids, attn, prompt_lens_b=p_b)
     torch.testing.assert_close(shared, plain, atol=2e-5, rtol=0)
+
+
+def test_continuations_run_in_length_groups_with_the_plain_forwards_numbers(model, monkeypatch):
+    """Ragged completions: every continuation length a group of its own (a group costs no slots here), each group
+    padded to its longest; logprobs and gradients stay the plain forward's (up to rounding)."""
+    from grpo.system import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "GROUP_CALL_SLOTS", 0)
+    ids, attn, tmask = group_batch(max_new=12, seed=3)
+    p_b = prompt_lengths(tmask, attn)
+    plan = plan_shared_prefix(ids, attn, p_b)
+    cont_len_b = attn.sum(dim=1) - p_b + 1
+    assert len(plan.groups) == len(set(cont_len_b.tolist())) > 1
+    assert sorted(b for rows, _ in plan.groups for b in rows.tolist()) == list(range(len(ids)))
+    assert all(width == int(cont_len_b[rows].max()) for rows, width in plan.groups)
+    assert plan.tokens() == plan.prompt_ids_ul.numel() + int(cont_len_b.sum()) < plan.prompt_ids_ul.numel() + \
+        plan.cont_ids_bc.numel()
+    assert_shared_equals_plain(model, ids, attn, tmask)
+
+
+def test_logprob_passes_hand_grouped_query_heads_to_the_kernel_with_the_same_numbers(model, monkeypatch):
+    """compute_logprobs (no grad) runs grouped-query attention on the key/value heads as they are (no copy per query
+    head: `grpo.system.generation.hf.sdpa_sharing_kv_heads`), bitwise what the copying forward gives."""
+    from transformers.integrations import sdpa_attention
+
+    from grpo.system.training import compute_logprobs
+
+    ids, attn, tmask = group_batch(max_new=9, seed=4)
+    engine = FrozenModel(model, torch.device("cpu"))
+    with torch.no_grad():
+        copied = forward_logprobs(engine, ids, attn, 0.8, prompt_lens_b=prompt_lengths(tmask, attn))
+    copies = []
+    original = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: copies.append(1) or original(*a))
+    shared = compute_logprobs(engine, ids, attn, 0.8, micro_batch_size=len(ids),
+                              prompt_lens_b=prompt_lengths(tmask, attn))
+    assert copies == []
+    assert torch.equal(shared, copied)
