@@ -17,7 +17,6 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.optim.adam import adam as adam_step
 
 from grpo.system.dist import comm_device
 from grpo.system.ds_config import build_ds_config, policy_ds_config_path
@@ -384,40 +383,7 @@ class CheckedAdamW(torch.optim.AdamW):
             return None
         if self.max_grad_norm:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
-        if closure is not None or not all(map(chunkable, self.param_groups)):
-            return super().step(closure)
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)  # torch's own
-            for tensors in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-                adamw_in_chunks(group, *tensors)
-        return None
-
-
-# Elements of a parameter that AdamW updates at a time in `adamw_in_chunks`: the chunk's parameter, gradient, moments
-# and temporaries (2-3 MB) stay in the cache through Adam's eight elementwise passes.
-ADAM_CHUNK = 1 << 17
-
-
-def chunkable(group: dict) -> bool:
-    """Whether `adamw_in_chunks` does what torch's single-tensor AdamW does for the group: on the CPU, real
-    contiguous tensors, a float learning rate, none of amsgrad, maximize, capturable, differentiable, fused, foreach."""
-    tensors = [t for p in group["params"] if p.grad is not None for t in (p, p.grad)]
-    return (not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable", "fused", "foreach"))
-            and group.get("decoupled_weight_decay", True) and not isinstance(group["lr"], torch.Tensor)
-            and all(t.device.type == "cpu" and t.is_contiguous() and not t.is_complex() for t in tensors))
-
-
-def adamw_in_chunks(group: dict, param, grad, exp_avg, exp_avg_sq, step_t) -> None:
-    """torch's single-tensor AdamW update (`torch.optim.adam.adam`, foreach off) of one parameter, ``ADAM_CHUNK``
-    elements at a time: every element goes through the same operations in the same order, so the result is bitwise
-    torch's, but each chunk's passes run in cache instead of streaming the whole parameter from memory eight times."""
-    chunks = [t.view(-1).split(ADAM_CHUNK) for t in (param, grad, exp_avg, exp_avg_sq)]
-    steps = [step_t.clone() for _ in chunks[0]]   # each chunk counts the step once, as the parameter does
-    beta1, beta2 = group["betas"]
-    adam_step(*map(list, chunks), [], steps, foreach=False, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
-              beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-    step_t.copy_(steps[0])
+        return super().step(closure)
 
 
 class FrozenModel:
