@@ -192,6 +192,36 @@ def test_a_sessions_calls_are_recorded(served):
         _client(served, key).models.list()
 
 
+def test_a_shared_session_seeded_by_prompt_generates_the_same_set_whatever_order_its_calls_arrive_in(served):
+    """NeMo-Gym's model server sends one key for all samples, and their concurrent calls reach the endpoint in no
+    fixed order: seeded by call order, a launch sampled other tokens than the last (the gym demo's step-1 rewards
+    differed, 0.156 / 0.180). Seeded by prompt, the same calls in another order give the same generations."""
+    prompts = [[{"role": "user", "content": c}] for c in ("1+2=", "3+4=", "1+2=", "5+5=", "1+2=", "3+4=")]
+
+    def play(order, seed_by_prompt):
+        key = served.open_session("nemo_gym:7", seed_by_prompt=seed_by_prompt)
+        with served.serving(weight_version=3):
+            for i in order:
+                _client(served, key).chat.completions.create(model=MODEL, messages=prompts[i], top_p=1.0)
+        return sorted((tuple(r.prompt_token_ids), tuple(r.generation_token_ids)) for r in served.close_session(key))
+
+    forward, backward = list(range(len(prompts))), list(reversed(range(len(prompts))))
+    assert play(forward, True) == play(backward, True)
+    assert play(forward, False) != play(backward, False)  # the order mattered before (this toy model, these calls)
+
+
+def test_a_session_seeded_by_prompt_keeps_the_counts_of_recent_weight_versions_only(served):
+    from grpo.wings.agents.endpoint import KEEP_VERSIONS, _Session
+
+    session, first = _Session("nemo_gym:0", seed_by_prompt=True), {}
+    for version in range(3 * KEEP_VERSIONS):
+        with served.serving(weight_version=version):
+            first[version] = served.call_seeds(session, [1, 2, 3], 2)
+            assert served.call_seeds(session, [1, 2, 3], 2) != first[version]  # the prompt's second call: other seeds
+    assert len(session.prompt_calls) == KEEP_VERSIONS
+    assert len({s for seeds in first.values() for s in seeds}) == 2 * 3 * KEEP_VERSIONS  # versions seed apart
+
+
 def test_validation_sampling_is_accepted(served):
     with served.serving():
         r = _client(served).chat.completions.create(model=MODEL, messages=USER, temperature=0.5, top_p=1.0)

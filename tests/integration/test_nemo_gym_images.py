@@ -38,7 +38,7 @@ def gym(tmp_path_factory):
     servers = GymServers(cfg.env.nemo_gym, str(tmp_path_factory.mktemp("gym_logs")))
     try:
         env = NemoGymEnvironment(cfg.env.nemo_gym)
-        env.ledger = GymLedger.of(endpoint)
+        env.ledger = GymLedger.of(endpoint, seed=0)
         env.agent_urls.update(servers.start(endpoint.base_url, env.ledger.key, endpoint.model_name))
         yield endpoint, env
     finally:

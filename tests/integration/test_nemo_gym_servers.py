@@ -62,7 +62,7 @@ def gym(tmp_path_factory):
     servers = GymServers(cfg.env.nemo_gym, str(tmp_path_factory.mktemp("gym_logs")))
     try:
         env = NemoGymEnvironment(cfg.env.nemo_gym)
-        env.ledger = GymLedger.of(endpoint)
+        env.ledger = GymLedger.of(endpoint, seed=0)
         urls = servers.start(endpoint.base_url, env.ledger.key, endpoint.model_name)
         env.agent_urls.update(urls)
         yield endpoint, env, servers
@@ -285,7 +285,7 @@ def test_a_server_bound_on_the_head_servers_port_first_is_not_trusted(gym, tmp_p
     decoys = Decoys(str(tmp_path / "nemo_gym" / "global_config.yaml"), strikes=1)
     try:
         env = NemoGymEnvironment(cfg.env.nemo_gym)
-        env.ledger = GymLedger.of(endpoint)
+        env.ledger = GymLedger.of(endpoint, seed=0)
         env.agent_urls.update(servers.start(endpoint.base_url, env.ledger.key, endpoint.model_name))
         [decoy] = decoys.decoys
         assert servers.foreign_ports == [int(decoy.url.rsplit(":", 1)[1])]

@@ -39,7 +39,11 @@ the checks `grpo.wings.agents.openai_checks`'; this module serves them and feeds
   (`openai_checks.check_tools` says why).
 
 Seeds: a sample's call k, choice i is seeded by hash(session seed key, k, i), so an agent that makes the same calls
-gets the same tokens; requests under the run's key use their ``seed`` (or a random one).
+gets the same tokens; requests under the run's key use their ``seed`` (or a random one). A session shared by many
+samples whose calls arrive in no fixed order (NeMo-Gym's model server sends one key for all: ``seed_by_prompt``)
+seeds the j-th call with a given prompt at a weight version by hash(seed key, sampling profile, version, prompt, j,
+i): which call gets which seed depends on arrival order, but the set of generations of a play does not, since the
+calls with the same prompt are interchangeable.
 """
 
 from __future__ import annotations
@@ -103,11 +107,18 @@ class CallRecord:
 class _Session:
     seed_key: str
     calls: int = 0
+    seed_by_prompt: bool = False  # seeds by (weight version, prompt, its count), not by call order (`Endpoint.chat`)
+    prompt_calls: dict[int, dict[tuple[str, str], int]] = field(default_factory=dict)  # version -> (profile, prompt) -> calls
     records: list[CallRecord] = field(default_factory=list)
     rollout_id: str = ""  # its base URL's: ``/rollout/<rollout_id>/v1`` (`Endpoint.rollout_url`)
     responses: ResponseStore = field(default_factory=ResponseStore)  # its /v1/responses (previous_response_id)
     answers: dict[str, list[int]] = field(default_factory=dict)  # /v1/messages: conversation -> its tokens
 
+
+
+# Weight versions whose per-prompt call counts a ``seed_by_prompt`` session keeps (`Endpoint.call_seeds`): more than any
+# trajectory age a run allows, so no version in play has its count restarted (which would repeat its seeds).
+KEEP_VERSIONS = 64
 
 
 def seed_of(*parts) -> int:
@@ -236,14 +247,33 @@ class Endpoint(Batching):
         return {"temperature": temperature, "top_p": top_p}
 
     # ---------------------------------------------------------------- sessions
-    def open_session(self, seed_key: str) -> str:
-        """A new key whose calls are recorded (one per sample); ``seed_key`` seeds its calls. The session has a base
-        URL of its own too (`rollout_url`)."""
+    def open_session(self, seed_key: str, seed_by_prompt: bool = False) -> str:
+        """A new key whose calls are recorded (one per sample); ``seed_key`` seeds its calls, in call order or, with
+        ``seed_by_prompt`` (a key many samples share), by prompt (`call_seeds`). The session has a base URL of its
+        own too (`rollout_url`)."""
         key, rollout_id = "sk-grpo-s-" + secrets.token_hex(16), secrets.token_hex(8)
         with self._lock:
-            self._sessions[key] = _Session(seed_key, rollout_id=rollout_id)
+            self._sessions[key] = _Session(seed_key, rollout_id=rollout_id, seed_by_prompt=seed_by_prompt)
             self._rollouts[rollout_id] = key
         return key
+
+    def call_seeds(self, session: _Session, prompt: list[int], n: int, profile: str = "train") -> list[int]:
+        """The seeds of a call's ``n`` choices under ``session``: hash(seed key, call number, i), or with
+        ``session.seed_by_prompt`` hash(seed key, profile, weight version, prompt, j, i) for the j-th call with
+        ``prompt`` at the endpoint's weight version under sampling ``profile`` (the module's docstring says why)."""
+        if not session.seed_by_prompt:
+            with self._lock:
+                call, session.calls = session.calls, session.calls + 1
+            return [seed_of(session.seed_key, call, i) for i in range(n)]
+        digest = hashlib.sha256(",".join(map(str, prompt)).encode()).hexdigest()[:32]
+        with self._lock:
+            version = self.weight_version
+            if version not in session.prompt_calls:  # the counts of versions long past go (a run's worth would pile up)
+                session.prompt_calls = {v: c for v, c in session.prompt_calls.items() if v > version - KEEP_VERSIONS}
+            counts = session.prompt_calls.setdefault(version, {})
+            j = counts.get((profile, digest), 0)
+            counts[(profile, digest)] = j + 1
+        return [seed_of(session.seed_key, profile, version, digest, j, i) for i in range(n)]
 
     def close_session(self, key: str) -> list[CallRecord]:
         """Forget the key and its base URL; returns its calls' records in the order they were answered."""
@@ -408,9 +438,7 @@ class Endpoint(Batching):
                                code="context_length_exceeded")
         max_new = min(req.wanted_tokens() or self.gen_cfg.max_new_tokens, room)
         if session is not None:
-            with self._lock:
-                call, session.calls = session.calls, session.calls + 1
-            seeds = [seed_of(session.seed_key, call, i) for i in range(req.n)]
+            seeds = self.call_seeds(session, prompt, req.n, profile)
         else:
             base = req.seed if req.seed is not None else secrets.randbits(62)
             seeds = [seed_of("request", base, i) for i in range(req.n)]

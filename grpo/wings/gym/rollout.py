@@ -27,7 +27,6 @@ import asyncio
 import json
 import math
 import os
-import secrets
 import threading
 import time
 import traceback
@@ -73,9 +72,11 @@ class GymLedger:
         self._plays = 0
 
     @classmethod
-    def of(cls, endpoint) -> GymLedger:
-        """The ledger of a new session of ``endpoint`` (its key is what the Gym servers call with)."""
-        key = endpoint.open_session(f"nemo_gym:{secrets.token_hex(8)}")  # seeds as random as the run key's
+    def of(cls, endpoint, seed: int) -> GymLedger:
+        """The ledger of a new session of ``endpoint`` (its key is what the Gym servers call with), its calls seeded
+        by the run's ``seed`` and their prompts (``seed_by_prompt``: the servers' concurrent calls reach the endpoint
+        in no fixed order), so a launch samples what the last one did."""
+        key = endpoint.open_session(f"nemo_gym:{seed}", seed_by_prompt=True)
         return cls(lambda: endpoint.take_records(key), key)
 
     def _pull(self) -> None:

@@ -334,7 +334,7 @@ def start_gym_servers(cfg, envs_list, endpoint, log_dir: str, closables: list, l
         return
     servers = GymServers(cfg.env.nemo_gym, log_dir)
     closables.insert(0, servers)  # closed first: no agent calls a closed endpoint
-    ledger = GymLedger.of(endpoint)
+    ledger = GymLedger.of(endpoint, cfg.grpo.seed)
     urls = servers.start(endpoint.base_url, ledger.key, endpoint.model_name)
     rows = [row for split in ("train", "val") for row in load_rows(cfg.data, split, seed=cfg.grpo.seed)]
     problem = check_data_agents(data_agents(rows), servers.agents)
