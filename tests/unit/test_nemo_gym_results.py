@@ -190,6 +190,21 @@ def test_overlapping_rollouts_keep_each_others_generations():
     training.__exit__(None, None, None)
 
 
+def test_a_play_that_opens_alone_restarts_the_seeds_counts_and_one_beside_another_does_not():
+    """The servers' calls are seeded by prompt and count (`Endpoint.call_seeds`): a play opening alone restarts the
+    count, so a validation before it at the same weight version cannot move its seeds (a resume runs no such
+    validation: the gym demo's step after a resume drew other seeds for one group). Beside an open play the count
+    runs on, or the two plays would draw the same seeds."""
+    restarts = []
+    ledger = GymLedger(lambda: [], restart=lambda: restarts.append(1))
+    with ledger.opened():
+        assert len(restarts) == 1
+        with ledger.opened():
+            assert len(restarts) == 1
+    with ledger.opened():
+        assert len(restarts) == 2
+
+
 def test_the_launched_head_server_is_known_by_its_key_and_its_agents_by_their_kind():
     assert launched_by({"grpo_ds_launch_key": "k1"}, "k1") and not launched_by({"grpo_ds_launch_key": "k2"}, "k1")
     assert not launched_by("grpo_ds_launch_key: k1", "k1") and not launched_by(None, "k1")

@@ -275,6 +275,12 @@ class Endpoint(Batching):
             counts[(profile, digest)] = j + 1
         return [seed_of(session.seed_key, profile, version, digest, j, i) for i in range(n)]
 
+    def restart_prompt_counts(self, key: str) -> None:
+        """Session ``key``'s per-prompt call counts start again (``seed_by_prompt``: a play that opens while no other
+        is open, so its seeds do not depend on what an earlier play at the same weight version asked)."""
+        with self._lock:
+            self._sessions[key].prompt_calls = {}
+
     def close_session(self, key: str) -> list[CallRecord]:
         """Forget the key and its base URL; returns its calls' records in the order they were answered."""
         with self._lock:

@@ -63,8 +63,8 @@ class GymLedger:
     is forgotten, so a retried row's first try or a straggling call is never kept nor claimable later.
     """
 
-    def __init__(self, take: Callable[[], list], key: str = ""):
-        self.key, self._take = key, take
+    def __init__(self, take: Callable[[], list], key: str = "", restart: Callable[[], None] = lambda: None):
+        self.key, self._take, self._restart = key, take, restart
         self._lock = threading.Lock()
         self._pool: dict[tuple, list[tuple[int, object]]] = {}  # (prompt, generated) -> [(epoch taken, record)]
         self._epoch = 0
@@ -77,7 +77,7 @@ class GymLedger:
         by the run's ``seed`` and their prompts (``seed_by_prompt``: the servers' concurrent calls reach the endpoint
         in no fixed order), so a launch samples what the last one did."""
         key = endpoint.open_session(f"nemo_gym:{seed}", seed_by_prompt=True)
-        return cls(lambda: endpoint.take_records(key), key)
+        return cls(lambda: endpoint.take_records(key), key, lambda: endpoint.restart_prompt_counts(key))
 
     def _pull(self) -> None:
         for record in self._take():
@@ -92,7 +92,11 @@ class GymLedger:
         self._pool = {k: held for k, held in kept.items() if held}
 
     def _open_play(self) -> int:
+        """A new play; one that opens alone restarts the seeds' per-prompt counts, so that a validation before it at
+        the same weight version (whose sampling may equal training's) leaves its seeds as a resume finds them."""
         with self._lock:
+            if not self._open:
+                self._restart()
             self._forget()
             self._epoch += 1
             play, self._plays = self._plays, self._plays + 1
