@@ -56,16 +56,25 @@ def best_rate(op, amount: float, seconds: float) -> float:
     return amount / best
 
 
-def matmul_peak(seconds: float, sizes: tuple[int, ...] = (512, 1024, 2048)) -> tuple[float, int]:
-    """(FLOP/s, n): the best rate of an ``n x n`` fp32 matmul (``2 n^3`` FLOPs) over ``seconds`` shared by the
-    ``sizes``. The small sizes take a millisecond or so: on a loaded machine they still find moments when both
-    threads run; the large ones are the sgemm's rate on a quiet machine."""
+def matmul_peak(seconds: float, sizes: tuple[int, ...] = (512, 1024, 2048)) -> tuple[float, int, str]:
+    """(FLOP/s, n, kernel): the best rate of an ``n x n`` fp32 matmul (``2 n^3`` FLOPs) over ``seconds`` shared by
+    the ``sizes`` and by the kernels torch has: ``torch.mm`` (MKL's sgemm) and, where this torch has it, oneDNN's
+    (`grpo.system.cpu_linear`; on an AMD CPU MKL runs AVX2 and oneDNN AVX-512, about twice the rate). The small
+    sizes take a millisecond or so: on a loaded machine they still find moments when both threads run; the large
+    ones are the kernel's rate on a quiet machine."""
     import torch
+
+    from grpo.system.cpu_linear import onednn_available, onednn_matmul
 
     rates = []
     for n in sizes:
         a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-        rates.append((best_rate(lambda: torch.mm(a, b, out=c), 2.0 * n ** 3, seconds / len(sizes)), n))
+        kernels = {"torch.mm": lambda: torch.mm(a, b, out=c)}
+        if onednn_available():
+            kernels["onednn"] = lambda: onednn_matmul(a, b)
+        for kernel, op in kernels.items():
+            share = seconds / len(sizes) / len(kernels)
+            rates.append((best_rate(op, 2.0 * n ** 3, share), n, kernel))
     return max(rates)
 
 
@@ -343,13 +352,13 @@ def main() -> None:
         records, probes = measure(args, log_dir)
     if not records:
         raise SystemExit("roofline: no step trained (the data ran out, or every step was skipped)")
-    peak, peak_n = max(p for p, _ in probes)
+    peak, peak_n, peak_kernel = max(p for p, _ in probes)
     bw = {kind: max(b[kind] for _, b in probes) for kind in ("copy", "triad")}
     bandwidth = max(bw.values())
 
     timed = records[1:] or records
     phases = summarize(timed, peak, bandwidth)
-    print(f"peak {peak / 1e9:.1f} GFLOP/s fp32 matmul (n={peak_n}), {bandwidth / 1e9:.2f} GB/s memory "
+    print(f"peak {peak / 1e9:.1f} GFLOP/s fp32 matmul (n={peak_n}, {peak_kernel}), {bandwidth / 1e9:.2f} GB/s memory "
           f"(copy {bw['copy'] / 1e9:.2f}, triad {bw['triad'] / 1e9:.2f}), {args.threads} threads; "
           f"ridge {peak / bandwidth:.1f} FLOP/byte; per step, over {len(timed)} step(s) after the first; "
           f"load average {os.getloadavg()[0]:.2f}")
@@ -362,6 +371,7 @@ def main() -> None:
         "threads": args.threads,
         "peak_gflops": round(peak / 1e9, 2),
         "peak_matmul_n": peak_n,
+        "peak_matmul_kernel": peak_kernel,
         "bandwidth_gbs": round(bandwidth / 1e9, 3),
         "copy_gbs": round(bw["copy"] / 1e9, 3),
         "triad_gbs": round(bw["triad"] / 1e9, 3),

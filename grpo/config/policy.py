@@ -489,6 +489,11 @@ class PolicyConfig(_Section):
         "in the hf backend's prefill, and in the logprob and training forwards except under ZeRO-3 "
         "(grpo/system/shared_prefix.py; same values up to rounding). auto: for models of 10M parameters or more "
         "(below, the extra forward call costs more than the prompt tokens save)."))
+    cpu_linear_kernel: Literal["auto", "onednn", "torch"] = Field("auto", description=(
+        "fp32 linear layers on the CPU: onednn (oneDNN's matmul where a call has at least 2^21 multiply-adds; on "
+        "an AMD CPU about twice MKL's rate, which runs AVX2 there), torch (F.linear: MKL), or auto: onednn for "
+        "models of 10M parameters or more (grpo/system/cpu_linear.py; same values up to rounding). Anything "
+        "but fp32 on the CPU (a GPU, bf16, ZeRO-3 partitions) always runs F.linear."))
     deepspeed_config: str = Field("auto", description=(
         "DeepSpeed JSON of the policy (its auto values are filled from this config); auto: on one rank "
         "ds_configs/zero0.json in float32 (nothing to partition) or zero1.json in 16-bit, zero3.json on several."))

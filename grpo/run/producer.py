@@ -302,7 +302,8 @@ def weight_copy(run, stage: WeightStage):
     p = run.cfg.policy
     config = run.policy.module.config  # a vision-language policy's copy is one too (grpo/system/vision.py)
     model = prepare_model(auto_model_class(config).from_config(config, dtype=DTYPES[p.precision],
-                                                               trust_remote_code=p.trust_remote_code))
+                                                               trust_remote_code=p.trust_remote_code),
+                          linear_kernel=p.cpu_linear_kernel)
     if p.lora.enabled:  # the policy's peft layout (the staged names); generates with the adapters on
         from grpo.system.engines import apply_lora
 

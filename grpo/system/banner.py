@@ -19,10 +19,11 @@ def startup_line(cfg: MasterConfig, *, asynchronous: bool, world_size: int, layo
                  policy: DeepSpeedEngine, reference: DeepSpeedEngine | AdaptersOff | FrozenModel | None,
                  skip_ref: bool, skip_prev: bool, tasks: list[str], packing_note: str) -> str:
     """``grpo-ds[ async]: <ranks>, <prompts>, <steps>, <reference>, <logprob passes>, <DeepSpeed config>, <tasks>,
-    <turns>, <micro-batches>, <how a shared prompt runs>``. ``layout``: the split into training and generation ranks
+    <turns>, <micro-batches>, <how a shared prompt runs>[, <hf decode>][, <linear layers on oneDNN>]``. ``layout``: the split into training and generation ranks
     (``policy.generation.colocated.enabled=false``) or None; ``num_malformed``: the training rows skipped as
     malformed; ``reference``: the reference model (None when ``skip_ref``); ``packing_note``: why the default
     sequence packing gave way, or ""."""
+    from grpo.system.cpu_linear import OneDNNLinear
     from grpo.system.ds_config import policy_ds_config_path
     from grpo.system.shared_prefix import shares_prompts
     from grpo.system.training import describe_batching
@@ -34,6 +35,8 @@ def startup_line(cfg: MasterConfig, *, asynchronous: bool, world_size: int, layo
              and policy.zero_optimization_stage() != 3 else "per sample")
     if share == "once" and cfg.policy.sequence_packing.enabled:
         share = "once or packed, whichever runs fewer tokens,"
+    onednn = (", fp32 linear layers on oneDNN (policy.cpu_linear_kernel)"
+              if any(isinstance(m, OneDNNLinear) for m in policy.module.modules()) else "")
     ranks = (f"{world_size} rank(s)" if layout is None else
              f"{layout.global_world_size} ranks: {world_size} train"
              + (f", {layout.num_teacher} teach (on_policy_distillation.non_colocated_teachers"
@@ -48,7 +51,7 @@ def startup_line(cfg: MasterConfig, *, asynchronous: bool, world_size: int, layo
             f"{'from the training forward' if skip_prev else 'in their own pass'}, DeepSpeed "
             "{} ({})".format(*policy_ds_config_path(cfg.policy, world_size)) + f", tasks {tasks}, "
             f"up to {cfg.grpo.max_rollout_turns} turn(s) per rollout, micro-batches: {describe_batching(cfg.policy)}"
-            f"{packing_note}, a shared prompt runs {share} in the logprob and training forwards{hf_decode}")
+            f"{packing_note}, a shared prompt runs {share} in the logprob and training forwards{hf_decode}{onednn}")
 
 
 def teacher_blocks(opd) -> str:

@@ -126,7 +126,7 @@ def _load_model(policy, ds_config: dict):
     check_positions(model)  # M-RoPE positions other than Qwen2-VL's are not computed yet: refused by name
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:  # forwards without images run a dummy one
         attach_dummy_image(model, load_processor(policy, config))
-    return prepare_model(model, policy.vision.train_vision_tower)
+    return prepare_model(model, policy.vision.train_vision_tower, policy.cpu_linear_kernel)
 
 
 @contextmanager
@@ -467,7 +467,7 @@ def build_reference_engine(cfg, world_size: int, device: torch.device | None = N
 
         model = auto_model_class(mc).from_pretrained(policy.model_name, config=mc, dtype=DTYPES[policy.precision],
                                                      trust_remote_code=policy.trust_remote_code)
-        return FrozenModel(prepare_model(model), device)
+        return FrozenModel(prepare_model(model, linear_kernel=policy.cpu_linear_kernel), device)
     ds_config = build_ds_config(policy.reference_deepspeed_config, policy, world_size, for_training=False,
                                 hidden_size=_hidden_size(policy))
     model = _load_model(policy, ds_config)

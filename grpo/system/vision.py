@@ -107,9 +107,14 @@ def lora_without_tower(model, lora):
     return lora.model_copy(update={"exclude_modules": [*lora.exclude_modules, f"*{path}.*"]})
 
 
-def prepare_model(model, train_vision_tower: bool = True):
-    """A loaded policy (or a copy of it) made ready for GRPO: vision ids banned (`ban_token_ids`); the vision tower
-    frozen unless ``train_vision_tower`` (``policy.vision.train_vision_tower``). A text model is returned as is."""
+def prepare_model(model, train_vision_tower: bool = True, linear_kernel: str = "auto"):
+    """A loaded policy (or a copy of it) made ready for GRPO: its linear layers on oneDNN on the CPU per
+    ``linear_kernel`` (``policy.cpu_linear_kernel``: `grpo.system.cpu_linear`); for a vision-language model, vision
+    ids banned (`ban_token_ids`) and the vision tower frozen unless ``train_vision_tower``
+    (``policy.vision.train_vision_tower``)."""
+    from grpo.system.cpu_linear import use_onednn_linears
+
+    use_onednn_linears(model, linear_kernel)
     config = model.config
     if not is_vision_config(config):
         return model

@@ -88,11 +88,14 @@ def test_reward_function_that_raises_or_hangs_costs_only_its_sample(tmp_path):
     assert sum(r["rollout/failed_samples"] for r in rows.values()) < 2 * 16
 
 
-def test_resume_gives_the_same_steps_as_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("kernel", ["auto", "onednn"])  # the tiny model's own (MKL), and oneDNN's linear layers
+def test_resume_gives_the_same_steps_as_an_uninterrupted_run(tmp_path, kernel):
     full, part = tmp_path / "full", tmp_path / "part"
-    python_train(full, "grpo.max_num_steps=4", "checkpointing.save_period=2")
-    python_train(part, "grpo.max_num_steps=2", "checkpointing.save_period=2")
-    p = python_train(part, "grpo.max_num_steps=4", "checkpointing.save_period=2")
+    k = f"policy.cpu_linear_kernel={kernel}"
+    first = python_train(full, "grpo.max_num_steps=4", "checkpointing.save_period=2", k)
+    assert ("linear layers on oneDNN" in first.stdout + first.stderr) == (kernel == "onednn")
+    python_train(part, "grpo.max_num_steps=2", "checkpointing.save_period=2", k)
+    p = python_train(part, "grpo.max_num_steps=4", "checkpointing.save_period=2", k)
     assert "resumed from" in p.stdout + p.stderr
     a, b = train_rows(full), train_rows(part)
     for step in (3, 4):

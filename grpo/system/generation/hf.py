@@ -279,7 +279,8 @@ class HFGeneration(GenerationBackend):
         self._has_weights = model is not None
         if model is None:
             model = prepare_model(auto_model_class(model_config).from_config(
-                model_config, dtype=DTYPES[self.cfg.precision], trust_remote_code=self.cfg.trust_remote_code))
+                model_config, dtype=DTYPES[self.cfg.precision], trust_remote_code=self.cfg.trust_remote_code),
+                linear_kernel=self.cfg.cpu_linear_kernel)
             if self.cfg.lora.enabled:  # the same adapters as the policy's: refit moves only them after the first
                 model = apply_lora(model, self.cfg.lora, vision_tower=self.cfg.vision.lora_vision_tower)
         self.model = model if shared else model.to(self.device).eval().requires_grad_(False)
