@@ -19,7 +19,8 @@ def startup_line(cfg: MasterConfig, *, asynchronous: bool, world_size: int, layo
                  policy: DeepSpeedEngine, reference: DeepSpeedEngine | AdaptersOff | FrozenModel | None,
                  skip_ref: bool, skip_prev: bool, tasks: list[str], packing_note: str) -> str:
     """``grpo-ds[ async]: <ranks>, <prompts>, <steps>, <reference>, <logprob passes>, <DeepSpeed config>, <tasks>,
-    <turns>, <micro-batches>, <how a shared prompt runs>[, <hf decode>][, <linear layers on oneDNN>]``. ``layout``: the split into training and generation ranks
+    <turns>, <micro-batches>, <how a shared prompt runs>[, <hf decode>][, <linear layers on oneDNN>]``.
+    ``layout``: the split into training and generation ranks
     (``policy.generation.colocated.enabled=false``) or None; ``num_malformed``: the training rows skipped as
     malformed; ``reference``: the reference model (None when ``skip_ref``); ``packing_note``: why the default
     sequence packing gave way, or ""."""
