@@ -98,6 +98,8 @@ def test_resume_gives_the_same_steps_as_an_uninterrupted_run(tmp_path, kernel):
     p = python_train(part, "grpo.max_num_steps=4", "checkpointing.save_period=2", k)
     assert "resumed from" in p.stdout + p.stderr
     a, b = train_rows(full), train_rows(part)
+    # generation (16 rows: the packed weights under onednn) and training agree on every sampled token's probability
+    assert all(abs(r["train/token_mult_prob_error"] - 1.0) < 1e-3 for r in a.values()), a
     for step in (3, 4):
         assert abs(a[step]["train/loss"] - b[step]["train/loss"]) < 1e-5, (step, a[step], b[step])
         assert abs(a[step]["train/mean_total_reward"] - b[step]["train/mean_total_reward"]) < 1e-9

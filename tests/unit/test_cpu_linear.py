@@ -164,3 +164,47 @@ def test_a_wrong_setting_fails_at_load_naming_the_key():
 
     with pytest.raises(Exception, match="cpu_linear_kernel"):
         load_config(None, ["policy.cpu_linear_kernel=fast"])
+
+
+def test_packed_weights_serve_no_grad_calls_on_this_thread_only_and_only_inside_the_block(onednn_calls, monkeypatch):
+    import threading
+
+    from grpo.system.cpu_linear import packed_weights
+
+    plain, fast = pair(256, 384)
+    layout = []
+    counted = cpu_linear.onednn_matmul
+    monkeypatch.setattr(cpu_linear, "onednn_matmul",
+                        lambda x, w, b=None: (layout.append(w.is_mkldnn), counted(x, w, b))[1])
+    x = torch.randn(64, 256)
+    with torch.no_grad():
+        with packed_weights(fast, rows=64):
+            y_packed = fast(x)
+            other = []
+            t = threading.Thread(target=lambda: other.append(fast(x)))
+            t.start()
+            t.join()
+            x_grad = x.clone().requires_grad_(True)
+            with torch.enable_grad():
+                fast(x_grad).sum().backward()  # autograd: the parameter itself, never the packed copy
+        y_after = fast(x)
+    assert layout[:2] == [True, False], layout  # this thread packed; the other thread's call plain
+    assert layout[2:] == [False] * 4, layout  # forward, dx and dW under autograd; after the block
+    close(y_packed, plain(x).detach())
+    close(y_after, y_packed)
+    assert x_grad.grad is not None
+
+
+def test_packed_weights_skip_small_batches_and_large_models(monkeypatch):
+    from grpo.system.cpu_linear import PACK_MIN_ROWS, _packed_here, packed_weights
+
+    _, fast = pair(256, 384)
+    with packed_weights(fast, rows=PACK_MIN_ROWS - 1):
+        assert not getattr(_packed_here, "weights", {})
+    monkeypatch.setattr(cpu_linear, "PACK_MAX_BYTES", 256 * 384 * 4 - 1)
+    with packed_weights(fast, rows=64):
+        assert not getattr(_packed_here, "weights", {})
+    monkeypatch.setattr(cpu_linear, "PACK_MAX_BYTES", 256 * 384 * 4)
+    with packed_weights(fast, rows=64):
+        assert list(_packed_here.weights) == [id(fast)]
+    assert not _packed_here.weights

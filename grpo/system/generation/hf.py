@@ -31,6 +31,7 @@ from transformers import (AttentionInterface, DynamicCache, GenerationConfig, Lo
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from grpo.system.cpu_linear import packed_weights
 from grpo.system.engines import DTYPES, apply_lora
 from grpo.system.weights import iter_gathered_params
 from grpo.system.generation.base import GenerationBackend, GenerationOutput, cut_completion, length_caps, per_sample_stops
@@ -243,13 +244,14 @@ def _as_list(x) -> list[int]:
 
 
 @contextmanager
-def _generating(model, generation_config):
-    """``model`` in eval mode with ``generation_config`` for the block; its mode and config restored after."""
+def _generating(model, generation_config, rows: int):
+    """``model`` in eval mode with ``generation_config`` for the block, its oneDNN layers' weights packed for
+    ``rows``-row decode steps (`grpo.system.cpu_linear.packed_weights`); its mode and config restored after."""
     training, saved = model.training, model.generation_config
     model.eval()
     model.generation_config = generation_config
     try:
-        with sharing_kv_heads():
+        with sharing_kv_heads(), packed_weights(model, rows):
             yield
     finally:
         model.generation_config = saved
@@ -320,7 +322,7 @@ class HFGeneration(GenerationBackend):
         stops = per_sample_stops(stop_strings, sampling.stop_strings, len(prompt_ids))
         bs = self.cfg.generation_batch_size
         out: list[GenerationOutput] = []
-        with _generating(self.model, self._generation_config):
+        with _generating(self.model, self._generation_config, min(bs, len(prompt_ids))):
             for i in range(0, len(prompt_ids), bs):
                 out += self._generate_chunk(prompt_ids[i:i + bs], seeds[i:i + bs], caps[i:i + bs], stops[i:i + bs],
                                             greedy, sampling, (media or [None] * len(prompt_ids))[i:i + bs])
