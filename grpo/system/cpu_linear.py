@@ -3,9 +3,10 @@
 torch runs ``F.linear`` on the CPU with MKL's sgemm. On an AMD CPU MKL takes its AVX2 path even where the chip has
 AVX-512, while oneDNN (bundled with every x86 torch build, ``torch.ops.mkldnn._linear_pointwise``) uses AVX-512:
 on the 2-core AMD EPYC the project measures on, a ``[4096, 512] x [512, 1536]`` fp32 matmul runs at about 210
-GFLOP/s in MKL and about 490 in oneDNN, and a decode step's ``[64, 512] x [512, 1536]`` at about 165 against 380
-(``bench/roofline.py`` probes both and takes the better as the machine's peak). Both accumulate in fp32: results
-differ from MKL's at rounding level (about 1e-7 relative), as MKL's own do between batch sizes.
+GFLOP/s in MKL and about 490 in oneDNN, and a decode step's ``[64, 512] x [512, 1536]`` at about 165 against 330
+(380 with the weight packed: `packed_weights`); ``bench/roofline.py`` probes both kernels and takes the better as the
+machine's peak. Both accumulate in fp32: results differ from MKL's at rounding level (on the bench model logits by
+up to 3e-6, gradients by 3e-6 of their largest entry), as MKL's own do between batch sizes.
 
 `use_onednn_linears` swaps the class of a model's plain ``nn.Linear`` modules for `OneDNNLinear`, whose forward
 (and backward: ``dx = dy W``, ``dW = dy^T x``, each a oneDNN matmul) takes oneDNN only where it pays, per call
