@@ -229,3 +229,23 @@ def test_own_reward_model_ranks_are_refused_in_a_native_config_and_translated_fr
     assert cfg.env.reward_model.placement == "zero3"
     why = {key: note for _, key, note in rows}["env.reward_model.resources"]
     assert "runs it on the training ranks" in why and "cluster.gpus_per_node=1 it shares the one rank" in why
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "torch"])
+def test_a_plain_reward_model_runs_the_policy_s_cpu_linear_kernel_with_the_same_scores(rm_cfg, kernel):
+    """policy.cpu_linear_kernel reaches the reward model (a plain one): its linear layers on oneDNN or not, its
+    scores those of transformers' own layers up to rounding."""
+    from grpo.system.cpu_linear import OneDNNLinear, onednn_available
+    from grpo.wings.reward_model.scorer import RewardModelScorer
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    policy = PolicyConfig(model_name="unused", cpu_linear_kernel=kernel)
+    scorer = RewardModelScorer(rm_cfg, torch.device("cpu"), policy=policy)
+    plain = RewardModelScorer(rm_cfg, torch.device("cpu"), policy=PolicyConfig(model_name="unused",
+                                                                                cpu_linear_kernel="torch"))
+    swapped = [m for m in scorer.engine.module.modules() if type(m) is OneDNNLinear]
+    assert bool(swapped) == (kernel == "onednn")
+    ids = [list(range(3, 3 + n)) for n in (40, 64, 80, 100)] * 8  # enough tokens for oneDNN's calls
+    a, b = scorer.score(ids), plain.score(ids)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()

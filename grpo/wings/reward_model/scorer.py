@@ -146,6 +146,8 @@ class RewardModelScorer:
                  offload: bool | None = None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from grpo.system.cpu_linear import use_onednn_linears
+
         key, path, config = reward_model_config(rm_cfg)
         tok_key, tok_name = (("env.reward_model.tokenizer.name", rm_cfg.tokenizer.name) if rm_cfg.tokenizer.name
                              else ("env.reward_model.model_name", resolve_toy(rm_cfg.model_name)))
@@ -176,7 +178,8 @@ class RewardModelScorer:
 
             self.engine, *_ = deepspeed.initialize(model=module, config=ds_config)
             self.engine.eval()
-        else:
+        else:  # the run's CPU matmul kernel, as for the policy's models (policy.cpu_linear_kernel)
+            use_onednn_linears(module, getattr(policy, "cpu_linear_kernel", "auto"))
             self.engine = FrozenModel(module, torch.device("cpu") if self.plan == "move" else device)
         self.device, self.name = device, rm_cfg.model_name
         self.placement, self.collective = placement, placement == "zero3"
