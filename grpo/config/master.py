@@ -247,9 +247,10 @@ def check_teacher_resources(cfg: "MasterConfig") -> None:
     expected."""
     cluster, gen = cfg.cluster, cfg.policy.generation.colocated
     opd = cfg.on_policy_distillation
-    t, n = opd.non_colocated_teachers.default_teacher_cfg, len(loaded_teachers(opd))
+    t, loaded = opd.non_colocated_teachers.default_teacher_cfg, loaded_teachers(opd)
+    n = len(loaded)
     key = "on_policy_distillation.non_colocated_teachers.default_teacher_cfg"
-    times = f" x {n} teachers ({', '.join(loaded_teachers(opd))})" if n > 1 else ""
+    times = f" x {n} teachers ({', '.join(loaded)})" if n > 1 else ""
     gen_gpus = 0 if gen.enabled else (gen.resources.gpus_per_node or 0)
     if cluster.num_nodes is not None and cluster.num_nodes > 1:
         if cluster.gpus_per_node is not None and t.gpus_per_node != cluster.gpus_per_node:

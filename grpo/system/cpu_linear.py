@@ -47,13 +47,17 @@ def onednn_matmul(x_mk: torch.Tensor, w_nk: torch.Tensor, bias_n: torch.Tensor |
     return torch.ops.mkldnn._linear_pointwise(x_mk, w_nk, bias_n, "none", [], "")
 
 
+def onednn_weight(weight: torch.Tensor) -> bool:
+    """Whether oneDNN may multiply by ``weight``: a whole fp32 matrix on the CPU (not a ZeRO-3 partition)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not hasattr(weight, "ds_id")
+            and weight.dim() == 2)
+
+
 def takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x w^T`` runs on oneDNN: fp32 CPU tensors, autocast off, a whole parameter (not a ZeRO-3
-    partition), at least ``ONEDNN_MIN_MACS`` multiply-adds."""
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and not hasattr(weight, "ds_id")
-            and not torch.is_autocast_enabled("cpu") and weight.dim() == 2
-            and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS)
+    """Whether ``x w^T`` runs on oneDNN: fp32 CPU tensors (`onednn_weight`), autocast off, at least
+    ``ONEDNN_MIN_MACS`` multiply-adds."""
+    return (onednn_weight(weight) and x.device.type == "cpu" and x.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS)
 
 
 class _OneDNNLinearFn(torch.autograd.Function):
@@ -131,13 +135,12 @@ def packed_weights(model: nn.Module, rows: int):
     included. The weights must not change inside the block (generation's do not). No-op where nothing is swapped,
     under ``PACK_MIN_ROWS`` rows, and for models whose linear weights pass ``PACK_MAX_BYTES`` (the copy would cost
     too much memory); values are oneDNN's either way, up to rounding."""
-    layers = [m for m in model.modules() if type(m) is OneDNNLinear and m.weight.device.type == "cpu"
-              and m.weight.dtype == torch.float32 and not hasattr(m.weight, "ds_id")]
+    layers = [m for m in model.modules() if type(m) is OneDNNLinear and onednn_weight(m.weight)]
     if not layers or rows < PACK_MIN_ROWS or sum(m.weight.numel() * 4 for m in layers) > PACK_MAX_BYTES:
         yield
         return
     saved = getattr(_packed_here, "weights", None)
-    _packed_here.weights = {id(m): torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), max(1, rows))
+    _packed_here.weights = {id(m): torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)
                             for m in layers}
     try:
         yield
